@@ -1,0 +1,174 @@
+//! The one configuration of a Kestrel process, read once from the environment.
+//!
+//! Every knob lives here, with its variable, type and default; nothing else in Kestrel reads
+//! the environment. Command-line flags override these values after they are read.
+//!
+//! | variable | type | default | meaning |
+//! | --- | --- | --- | --- |
+//! | `KESTREL_DEVICE` | integer | `0` | CUDA device ordinal used by default |
+//! | `KESTREL_KERNEL_CACHE` | path or `off` | `$XDG_CACHE_HOME/kestrel/kernels`, else `$HOME/.cache/kestrel/kernels` | where compiled kernel modules are cached |
+//! | `KESTREL_CUDA_INCLUDE` | path | `$CUDA_HOME/include`, `$CUDA_PATH/include` or `/usr/local/cuda/include`, the first that exists | headers (`cuda_bf16.h`, `cuda_fp16.h`) given to NVRTC |
+//! | `KESTREL_PROFILE` | bool | `false` | time every dispatch with CUDA events |
+//! | `KESTREL_REQUIRE_GPU` | bool | `false` | tests fail, instead of skipping, when no CUDA device is present |
+//!
+//! Booleans accept `1/0`, `true/false`, `yes/no`, `on/off`.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use crate::error::{CoreError, Result};
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    /// CUDA device ordinal used when none is given on the command line.
+    pub device: usize,
+    /// Directory for compiled kernel modules; `None` disables the disk cache.
+    pub kernel_cache_dir: Option<PathBuf>,
+    /// Directory holding the CUDA headers NVRTC includes; `None` relies on NVRTC's built-ins.
+    pub cuda_include_dir: Option<PathBuf>,
+    /// Time each dispatch with CUDA events and aggregate by label and kernel.
+    pub profile: bool,
+    /// A missing CUDA device fails GPU tests instead of skipping them.
+    pub require_gpu: bool,
+}
+
+impl Default for Config {
+    /// The configuration of an empty environment.
+    fn default() -> Self {
+        Config::from_vars(&HashMap::new()).expect("an empty environment is a valid configuration")
+    }
+}
+
+impl Config {
+    /// Reads the process environment. Call once, at start-up, and pass the result down.
+    pub fn from_env() -> Result<Config> {
+        let vars: HashMap<String, String> = std::env::vars().collect();
+        Config::from_vars(&vars)
+    }
+
+    /// Builds the configuration from an explicit set of variables (the environment, or a test's).
+    pub fn from_vars(vars: &HashMap<String, String>) -> Result<Config> {
+        let get = |k: &str| vars.get(k).map(|s| s.trim()).filter(|s| !s.is_empty());
+
+        let device = match get("KESTREL_DEVICE") {
+            None => 0,
+            Some(v) => v.parse().map_err(|_| CoreError::InvalidConfig {
+                var: "KESTREL_DEVICE",
+                value: v.to_string(),
+                reason: "expected a device ordinal such as 0".into(),
+            })?,
+        };
+
+        let kernel_cache_dir = match get("KESTREL_KERNEL_CACHE") {
+            Some(v) if v.eq_ignore_ascii_case("off") => None,
+            Some(v) => Some(PathBuf::from(v)),
+            None => get("XDG_CACHE_HOME")
+                .map(PathBuf::from)
+                .or_else(|| get("HOME").map(|h| Path::new(h).join(".cache")))
+                .map(|base| base.join("kestrel").join("kernels")),
+        };
+
+        let cuda_include_dir = match get("KESTREL_CUDA_INCLUDE") {
+            Some(v) => {
+                let p = PathBuf::from(v);
+                if !p.is_dir() {
+                    return Err(CoreError::MissingPath {
+                        var: "KESTREL_CUDA_INCLUDE",
+                        path: p,
+                    });
+                }
+                Some(p)
+            }
+            None => [get("CUDA_HOME"), get("CUDA_PATH"), Some("/usr/local/cuda")]
+                .into_iter()
+                .flatten()
+                .map(|root| Path::new(root).join("include"))
+                .find(|p| p.join("cuda_fp16.h").is_file()),
+        };
+
+        Ok(Config {
+            device,
+            kernel_cache_dir,
+            cuda_include_dir,
+            profile: parse_bool(get("KESTREL_PROFILE"), "KESTREL_PROFILE")?,
+            require_gpu: parse_bool(get("KESTREL_REQUIRE_GPU"), "KESTREL_REQUIRE_GPU")?,
+        })
+    }
+}
+
+fn parse_bool(value: Option<&str>, var: &'static str) -> Result<bool> {
+    let Some(v) = value else { return Ok(false) };
+    match v.to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" => Ok(false),
+        _ => Err(CoreError::InvalidConfig {
+            var,
+            value: v.to_string(),
+            reason: "expected one of 1/0, true/false, yes/no, on/off".into(),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vars(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn defaults_from_an_empty_environment() {
+        let c = Config::from_vars(&vars(&[])).unwrap();
+        assert_eq!(c.device, 0);
+        assert!(!c.profile);
+        assert!(!c.require_gpu);
+        assert_eq!(c.kernel_cache_dir, None, "no HOME, no XDG_CACHE_HOME: no cache");
+    }
+
+    #[test]
+    fn cache_dir_follows_xdg_then_home_and_can_be_disabled() {
+        let c = Config::from_vars(&vars(&[("HOME", "/home/u")])).unwrap();
+        assert_eq!(
+            c.kernel_cache_dir,
+            Some(PathBuf::from("/home/u/.cache/kestrel/kernels"))
+        );
+        let c = Config::from_vars(&vars(&[("HOME", "/home/u"), ("XDG_CACHE_HOME", "/xdg")])).unwrap();
+        assert_eq!(c.kernel_cache_dir, Some(PathBuf::from("/xdg/kestrel/kernels")));
+        let c = Config::from_vars(&vars(&[("HOME", "/home/u"), ("KESTREL_KERNEL_CACHE", "OFF")])).unwrap();
+        assert_eq!(c.kernel_cache_dir, None);
+        let c = Config::from_vars(&vars(&[("KESTREL_KERNEL_CACHE", "/tmp/k")])).unwrap();
+        assert_eq!(c.kernel_cache_dir, Some(PathBuf::from("/tmp/k")));
+    }
+
+    #[test]
+    fn booleans_and_device() {
+        let c = Config::from_vars(&vars(&[
+            ("KESTREL_PROFILE", "on"),
+            ("KESTREL_REQUIRE_GPU", "1"),
+            ("KESTREL_DEVICE", " 3 "),
+        ]))
+        .unwrap();
+        assert!(c.profile && c.require_gpu);
+        assert_eq!(c.device, 3);
+        let c = Config::from_vars(&vars(&[
+            ("KESTREL_PROFILE", "False"),
+            ("KESTREL_REQUIRE_GPU", ""),
+        ]))
+        .unwrap();
+        assert!(!c.profile && !c.require_gpu);
+    }
+
+    #[test]
+    fn invalid_values_name_the_variable() {
+        let e = Config::from_vars(&vars(&[("KESTREL_PROFILE", "maybe")])).unwrap_err();
+        assert!(e.to_string().contains("KESTREL_PROFILE"), "{e}");
+        let e = Config::from_vars(&vars(&[("KESTREL_DEVICE", "gpu0")])).unwrap_err();
+        assert!(e.to_string().contains("KESTREL_DEVICE"), "{e}");
+        let e = Config::from_vars(&vars(&[("KESTREL_CUDA_INCLUDE", "/definitely/not/here")])).unwrap_err();
+        assert!(e.to_string().contains("KESTREL_CUDA_INCLUDE"), "{e}");
+    }
+}

@@ -1,0 +1,17 @@
+//! Kestrel's device-independent core: element types, shapes, the one configuration struct,
+//! a stable random number generator, and the access-range dependency analysis that orders
+//! dispatches on every backend.
+#![forbid(unsafe_code)]
+
+pub mod access;
+pub mod config;
+pub mod dtype;
+pub mod error;
+pub mod rng;
+pub mod shape;
+
+pub use access::{Access, AccessMode, AllocId, DepGraph};
+pub use config::Config;
+pub use dtype::{DType, HostType};
+pub use error::{CoreError, Result};
+pub use shape::Shape;

@@ -1,0 +1,387 @@
+//! A CUDA device: its context, a compute and a copy stream, the kernel registry, counters and
+//! the profiler, and the operations that allocate memory and run command lists.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{result, sys, CudaContext, CudaEvent};
+use kestrel_core::{Config, DType, HostType, Shape};
+
+use crate::buffer::{Allocation, Buffer, PinnedBuffer};
+use crate::command::CommandList;
+use crate::counters::{CounterSnapshot, Counters, Profile};
+use crate::error::{CudaError, Result};
+use crate::graph::Graph;
+use crate::registry::{Kernel, KernelRegistry};
+use crate::stream::Stream;
+
+/// What a device is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceInfo {
+    pub ordinal: usize,
+    pub name: String,
+    /// (major, minor), e.g. (9, 0) for Hopper.
+    pub compute_capability: (u32, u32),
+    pub sm_count: u32,
+    pub total_memory: usize,
+    pub l2_bytes: usize,
+    /// Shared memory one block may opt into.
+    pub max_shared_per_block: usize,
+    pub memory_bus_bits: u32,
+}
+
+/// Whether the CUDA driver library can be loaded at all.
+pub fn driver_present() -> bool {
+    // SAFETY: only probes whether libcuda can be opened.
+    unsafe { sys::is_culib_present() }
+}
+
+/// Number of CUDA devices; an error when no driver is installed.
+pub fn device_count() -> Result<usize> {
+    if !driver_present() {
+        return Err(CudaError::NoDriver("libcuda"));
+    }
+    result::init().map_err(CudaError::driver("cuInit"))?;
+    let n = result::device::get_count().map_err(CudaError::driver("cuDeviceGetCount"))?;
+    Ok(n.max(0) as usize)
+}
+
+/// A handle to an open device; cheap to clone.
+#[derive(Clone)]
+pub struct Device {
+    inner: Arc<DeviceInner>,
+}
+
+struct DeviceInner {
+    ctx: Arc<CudaContext>,
+    info: DeviceInfo,
+    compute: Stream,
+    copy: Stream,
+    registry: KernelRegistry,
+    counters: Arc<Counters>,
+    profiling: AtomicBool,
+    /// Event pairs around profiled dispatches, read back by `take_profile`.
+    profile_events: Mutex<Vec<(String, String, CudaEvent, CudaEvent)>>,
+}
+
+impl Device {
+    /// Opens device `ordinal` with the process configuration.
+    pub fn open(ordinal: usize, config: &Config) -> Result<Device> {
+        let count = device_count()?;
+        if ordinal >= count {
+            return Err(CudaError::NoSuchDevice { ordinal, count });
+        }
+        let ctx = CudaContext::new(ordinal).map_err(CudaError::driver("cuDevicePrimaryCtxRetain"))?;
+        // Kestrel orders work itself (streams, fences, graph edges); cudarc's per-slice event
+        // tracking would add events to every launch for nothing.
+        // SAFETY: no cudarc CudaSlice is ever created on this context.
+        unsafe { ctx.disable_event_tracking() };
+        let attr = |a: sys::CUdevice_attribute| -> Result<i32> {
+            ctx.attribute(a)
+                .map_err(CudaError::driver("cuDeviceGetAttribute"))
+        };
+        use sys::CUdevice_attribute::*;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(CudaError::driver("cuDeviceGetAttribute"))?;
+        let info = DeviceInfo {
+            ordinal,
+            name: ctx.name().map_err(CudaError::driver("cuDeviceGetName"))?,
+            compute_capability: (major as u32, minor as u32),
+            sm_count: attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32,
+            total_memory: ctx.total_mem().map_err(CudaError::driver("cuDeviceTotalMem"))?,
+            l2_bytes: attr(CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)? as usize,
+            max_shared_per_block: attr(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as usize,
+            memory_bus_bits: attr(CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH)? as u32,
+        };
+        let counters = Arc::new(Counters::default());
+        let registry = KernelRegistry::new(
+            ctx.clone(),
+            info.compute_capability,
+            config.kernel_cache_dir.clone(),
+            config.cuda_include_dir.clone(),
+            counters.clone(),
+        );
+        Ok(Device {
+            inner: Arc::new(DeviceInner {
+                compute: Stream::new(&ctx, "compute", counters.clone())?,
+                copy: Stream::new(&ctx, "copy", counters.clone())?,
+                ctx,
+                info,
+                registry,
+                counters,
+                profiling: AtomicBool::new(config.profile),
+                profile_events: Mutex::new(Vec::new()),
+            }),
+        })
+    }
+
+    pub fn info(&self) -> &DeviceInfo {
+        &self.inner.info
+    }
+
+    /// The stream kernels run on.
+    pub fn compute(&self) -> &Stream {
+        &self.inner.compute
+    }
+
+    /// The stream for host↔device transfers that overlap with compute; order it against the
+    /// compute stream with a [`crate::StageFence`].
+    pub fn copy_stream(&self) -> &Stream {
+        &self.inner.copy
+    }
+
+    pub fn registry(&self) -> &KernelRegistry {
+        &self.inner.registry
+    }
+
+    pub(crate) fn context(&self) -> &Arc<CudaContext> {
+        &self.inner.ctx
+    }
+
+    pub(crate) fn counters_ref(&self) -> &Arc<Counters> {
+        &self.inner.counters
+    }
+
+    /// A kernel of a shipped module.
+    pub fn kernel(&self, module: &str, function: &str) -> Result<Kernel> {
+        self.inner.registry.kernel(module, function)
+    }
+
+    /// (free, total) device memory in bytes.
+    pub fn memory_info(&self) -> Result<(usize, usize)> {
+        self.bind()?;
+        result::mem_get_info().map_err(CudaError::driver("cuMemGetInfo"))
+    }
+
+    fn bind(&self) -> Result<()> {
+        self.inner
+            .ctx
+            .bind_to_thread()
+            .map_err(CudaError::driver("cuCtxSetCurrent"))
+    }
+
+    /// A zeroed buffer of `dtype` and `shape`. Out of memory is an error that says how much was
+    /// asked for and how much is free; the device stays usable.
+    pub fn alloc(&self, dtype: DType, shape: impl Into<Shape>) -> Result<Buffer> {
+        let shape = shape.into();
+        let bytes = shape.elem_count() * dtype.size_in_bytes();
+        let alloc = Allocation::new(&self.inner.ctx, bytes)?;
+        let buf = Buffer::whole(alloc, dtype, shape);
+        // Zero on the compute stream, and make the copy stream wait for it, so no stream of
+        // this device can observe the memory before it is zeroed. No host synchronisation.
+        let compute = &self.inner.compute;
+        // SAFETY: the allocation is live and holds `bytes` bytes.
+        unsafe { result::memset_d8_async(buf.device_ptr(), 0, bytes, compute.cu()) }
+            .map_err(compute.map_err("cuMemsetD8Async"))?;
+        let zeroed = compute.record_event(None)?;
+        self.inner.copy.wait_event(&zeroed)?;
+        Ok(buf)
+    }
+
+    /// A buffer holding `data`.
+    pub fn alloc_from<T: HostType>(&self, data: &[T], shape: impl Into<Shape>) -> Result<Buffer> {
+        let shape = shape.into();
+        if shape.elem_count() != data.len() {
+            return Err(kestrel_core::CoreError::ShapeMismatch {
+                shape: shape.dims().to_vec(),
+                elems: shape.elem_count(),
+                expected: data.len(),
+            }
+            .into());
+        }
+        let buf = self.alloc(T::DTYPE, shape)?;
+        self.upload(&buf, data)?;
+        Ok(buf)
+    }
+
+    /// `len` zeroed elements of page-locked host memory.
+    pub fn pinned<T: HostType>(&self, len: usize) -> Result<PinnedBuffer<T>> {
+        PinnedBuffer::new(&self.inner.ctx, len)
+    }
+
+    /// Copies `src` into the start of `dst` on the compute stream; see [`Stream::upload`].
+    pub fn upload<T: HostType>(&self, dst: &Buffer, src: &[T]) -> Result<()> {
+        self.inner.compute.upload(dst, src)
+    }
+
+    /// Reads a whole view back after all compute work before it.
+    pub fn download<T: HostType>(&self, src: &Buffer) -> Result<Vec<T>> {
+        self.inner.compute.download(src)
+    }
+
+    /// Blocks until all work on both streams has finished.
+    pub fn synchronize(&self) -> Result<()> {
+        self.inner.compute.synchronize()?;
+        self.inner.copy.synchronize()
+    }
+
+    /// Runs `list` eagerly on the compute stream: one launch per dispatch, in order.
+    pub fn run(&self, list: &CommandList) -> Result<()> {
+        self.run_on(&self.inner.compute, list)
+    }
+
+    /// Runs `list` eagerly on `stream`.
+    pub fn run_on(&self, stream: &Stream, list: &CommandList) -> Result<()> {
+        self.bind()?;
+        let profiling = self.inner.profiling.load(Ordering::Relaxed);
+        for d in list.dispatches() {
+            let launch_err = |source| CudaError::Launch {
+                submission: list.label().to_string(),
+                dispatch: d.label.clone(),
+                kernel: d.kernel.name().to_string(),
+                source,
+            };
+            d.kernel.ensure_shared_mem(d.shared_mem)?;
+            let start = if profiling {
+                Some(stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?)
+            } else {
+                None
+            };
+            let mut params = d.params();
+            let mut ptrs = params.pointers();
+            // SAFETY: `ptrs` holds one pointer per kernel parameter, in order, each to a word
+            // holding the value (the driver reads the parameter's size from it); buffers named
+            // by the dispatch stay allocated because the list holds them; the driver copies the
+            // parameters before returning.
+            let launched = unsafe {
+                sys::cuLaunchKernel(
+                    d.kernel.cu_function(),
+                    d.grid.0,
+                    d.grid.1,
+                    d.grid.2,
+                    d.block.0,
+                    d.block.1,
+                    d.block.2,
+                    d.shared_mem,
+                    stream.cu(),
+                    ptrs.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+                .result()
+            };
+            if let Err(e) = launched {
+                // A sticky error comes from earlier work: attribute it to that submission.
+                return Err(if crate::error::is_sticky(&e) {
+                    stream.map_err("cuLaunchKernel")(e)
+                } else {
+                    launch_err(e)
+                });
+            }
+            if let Some(start) = start {
+                let end = stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+                self.inner
+                    .profile_events
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push((
+                        d.label.clone(),
+                        format!("{}::{}", d.kernel.module(), d.kernel.name()),
+                        start,
+                        end,
+                    ));
+            }
+        }
+        self.inner.counters.add_dispatches(list.len() as u64);
+        stream.end_submission(list.label())
+    }
+
+    /// Captures `list` into a CUDA graph whose edges are inferred from the dispatches' buffer
+    /// accesses. See [`Graph`].
+    pub fn capture(&self, list: &CommandList) -> Result<Graph> {
+        Graph::build(self, list)
+    }
+
+    /// Turns per-dispatch timing on or off (the configuration sets the initial state).
+    pub fn set_profiling(&self, on: bool) {
+        self.inner.profiling.store(on, Ordering::Relaxed);
+    }
+
+    pub fn is_profiling(&self) -> bool {
+        self.inner.profiling.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn push_profile_span(&self, label: String, kernel: String, start: CudaEvent, end: CudaEvent) {
+        self.inner
+            .profile_events
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((label, kernel, start, end));
+    }
+
+    /// Waits for profiled work and returns the times gathered since the last call.
+    pub fn take_profile(&self) -> Result<Profile> {
+        let spans = std::mem::take(
+            &mut *self
+                .inner
+                .profile_events
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()),
+        );
+        let mut profile = Profile::default();
+        if !spans.is_empty() {
+            self.inner.counters.add_host_syncs(1);
+        }
+        for (label, kernel, start, end) in spans {
+            let ms = start
+                .elapsed_ms(&end)
+                .map_err(CudaError::driver("cuEventElapsedTime"))?;
+            profile.record(&label, &kernel, ms as f64 * 1000.0);
+        }
+        Ok(profile)
+    }
+
+    pub fn counters(&self) -> CounterSnapshot {
+        self.inner.counters.snapshot()
+    }
+
+    pub fn reset_counters(&self) {
+        self.inner.counters.reset()
+    }
+
+    /// A pair of timing events for measuring a region on a stream.
+    pub fn timer(&self) -> Result<Timer> {
+        let ev = || {
+            self.inner
+                .ctx
+                .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(CudaError::driver("cuEventCreate"))
+        };
+        Ok(Timer {
+            start: ev()?,
+            end: ev()?,
+            counters: self.inner.counters.clone(),
+        })
+    }
+}
+
+/// Times a region of GPU work with two CUDA events.
+pub struct Timer {
+    start: CudaEvent,
+    end: CudaEvent,
+    counters: Arc<Counters>,
+}
+
+impl Timer {
+    pub fn start(&self, stream: &Stream) -> Result<()> {
+        self.start
+            .record(stream.raw())
+            .map_err(CudaError::driver("cuEventRecord"))
+    }
+
+    pub fn stop(&self, stream: &Stream) -> Result<()> {
+        self.end
+            .record(stream.raw())
+            .map_err(CudaError::driver("cuEventRecord"))
+    }
+
+    /// Waits for the end event and returns the elapsed GPU time in milliseconds.
+    pub fn elapsed_ms(&self) -> Result<f64> {
+        self.counters.add_host_syncs(1);
+        let ms = self
+            .start
+            .elapsed_ms(&self.end)
+            .map_err(CudaError::driver("cuEventElapsedTime"))?;
+        Ok(ms as f64)
+    }
+}

@@ -1,0 +1,245 @@
+//! Command lists captured as CUDA graphs.
+//!
+//! Capture builds the graph node by node: one kernel node per dispatch, with an edge from every
+//! earlier dispatch it conflicts with (read-after-write, write-after-read, write-after-write on
+//! overlapping bytes of one allocation), transitively reduced by [`DepGraph::infer`]. Dispatches
+//! with no path between them are parallel branches and may run concurrently. Replays of a list
+//! whose kernels and edges are unchanged update the instantiated graph in place
+//! (`cuGraphExecKernelNodeSetParams`) instead of instantiating it again.
+
+use cudarc::driver::sys;
+use kestrel_core::DepGraph;
+
+use crate::command::{CommandList, Dispatch};
+use crate::device::Device;
+use crate::error::{is_sticky, CudaError, Result};
+use crate::stream::Stream;
+
+/// What [`Graph::update`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GraphUpdate {
+    /// Nothing differed.
+    Unchanged,
+    /// Same kernels and edges: `nodes` kernel nodes got new arguments or launch shapes in place.
+    Updated { nodes: usize },
+    /// Kernels or edges changed: the graph was built and instantiated again.
+    Rebuilt,
+}
+
+/// An instantiated CUDA graph plus the IR it was built from.
+pub struct Graph {
+    device: Device,
+    label: String,
+    graph: sys::CUgraph,
+    exec: sys::CUgraphExec,
+    nodes: Vec<sys::CUgraphNode>,
+    /// The dispatches as currently instantiated; they also keep their buffers allocated.
+    dispatches: Vec<Dispatch>,
+    deps: DepGraph,
+}
+
+// SAFETY: the graph and exec handles are only used with the device's context bound, and the
+// driver's graph-exec calls are thread-safe for distinct execs; `&mut self` guards updates.
+unsafe impl Send for Graph {}
+unsafe impl Sync for Graph {}
+
+fn node_params(d: &Dispatch, ptrs: &mut [*mut std::ffi::c_void]) -> sys::CUDA_KERNEL_NODE_PARAMS {
+    sys::CUDA_KERNEL_NODE_PARAMS {
+        func: d.kernel.cu_function(),
+        gridDimX: d.grid.0,
+        gridDimY: d.grid.1,
+        gridDimZ: d.grid.2,
+        blockDimX: d.block.0,
+        blockDimY: d.block.1,
+        blockDimZ: d.block.2,
+        sharedMemBytes: d.shared_mem,
+        kernelParams: ptrs.as_mut_ptr(),
+        extra: std::ptr::null_mut(),
+        kern: std::ptr::null_mut(),
+        ctx: std::ptr::null_mut(),
+    }
+}
+
+fn infer(list: &CommandList) -> DepGraph {
+    let accesses: Vec<_> = list.dispatches().iter().map(Dispatch::accesses).collect();
+    DepGraph::infer(&accesses)
+}
+
+impl Graph {
+    pub(crate) fn build(device: &Device, list: &CommandList) -> Result<Graph> {
+        let deps = infer(list);
+        Graph::instantiate(device, list, deps)
+    }
+
+    fn instantiate(device: &Device, list: &CommandList, deps: DepGraph) -> Result<Graph> {
+        device
+            .context()
+            .bind_to_thread()
+            .map_err(CudaError::driver("cuCtxSetCurrent"))?;
+        let mut graph: sys::CUgraph = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; flags must be 0.
+        unsafe { sys::cuGraphCreate(&mut graph, 0).result() }.map_err(CudaError::driver("cuGraphCreate"))?;
+        // From here on `g` owns the handles, so every early return destroys them.
+        let mut g = Graph {
+            device: device.clone(),
+            label: list.label().to_string(),
+            graph,
+            exec: std::ptr::null_mut(),
+            nodes: Vec::with_capacity(list.len()),
+            dispatches: list.dispatches().to_vec(),
+            deps,
+        };
+        for (j, d) in list.dispatches().iter().enumerate() {
+            d.kernel.ensure_shared_mem(d.shared_mem)?;
+            let preds: Vec<sys::CUgraphNode> = g.deps.preds(j).iter().map(|&p| g.nodes[p]).collect();
+            let mut params = d.params();
+            let mut ptrs = params.pointers();
+            let np = node_params(d, &mut ptrs);
+            let mut node: sys::CUgraphNode = std::ptr::null_mut();
+            // SAFETY: `preds` are nodes of this graph; `np` points to one word per kernel
+            // parameter, which the driver copies when the node is created.
+            unsafe {
+                sys::cuGraphAddKernelNode_v2(&mut node, g.graph, preds.as_ptr(), preds.len(), &np).result()
+            }
+            .map_err(|source| CudaError::Launch {
+                submission: g.label.clone(),
+                dispatch: d.label.clone(),
+                kernel: d.kernel.name().to_string(),
+                source,
+            })?;
+            g.nodes.push(node);
+        }
+        let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+        // SAFETY: a complete graph; valid out-pointer.
+        unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, g.graph, 0).result() }
+            .map_err(CudaError::driver("cuGraphInstantiateWithFlags"))?;
+        g.exec = exec;
+        let counters = device.counters_ref();
+        counters.add_graph_instantiations(1);
+        counters.add_graph_nodes(g.nodes.len() as u64);
+        counters.add_graph_edges(g.deps.edges().len() as u64);
+        Ok(g)
+    }
+
+    pub fn label(&self) -> &str {
+        &self.label
+    }
+
+    pub fn deps(&self) -> &DepGraph {
+        &self.deps
+    }
+
+    pub fn node_count(&self) -> usize {
+        self.nodes.len()
+    }
+
+    pub fn edge_count(&self) -> usize {
+        self.deps.edges().len()
+    }
+
+    /// Replays the graph on the device's compute stream.
+    pub fn launch(&self) -> Result<()> {
+        self.launch_on(self.device.compute())
+    }
+
+    /// Replays the graph on `stream`. Asynchronous: errors raised by the kernels surface at the
+    /// next synchronisation, labelled with this graph's label.
+    pub fn launch_on(&self, stream: &Stream) -> Result<()> {
+        self.device
+            .context()
+            .bind_to_thread()
+            .map_err(CudaError::driver("cuCtxSetCurrent"))?;
+        let timing = if self.device.is_profiling() {
+            Some(stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?)
+        } else {
+            None
+        };
+        // SAFETY: an instantiated exec of this context; the buffers it names are kept alive by
+        // `self.dispatches`.
+        unsafe { sys::cuGraphLaunch(self.exec, stream.cu()).result() }.map_err(|e| {
+            if is_sticky(&e) {
+                stream.map_err("cuGraphLaunch")(e)
+            } else {
+                CudaError::Submission {
+                    submission: self.label.clone(),
+                    source: e,
+                }
+            }
+        })?;
+        if let Some(start) = timing {
+            let end = stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+            self.device.push_profile_span(
+                self.label.clone(),
+                format!("graph[{} nodes]", self.nodes.len()),
+                start,
+                end,
+            );
+        }
+        let counters = self.device.counters_ref();
+        counters.add_graph_launches(1);
+        counters.add_dispatches(self.nodes.len() as u64);
+        stream.end_submission(&self.label)
+    }
+
+    /// Makes the graph run `list` from now on. When `list` has the same kernels in the same
+    /// order and the same inferred edges, only the changed nodes are updated in the
+    /// instantiated graph; otherwise the graph is rebuilt. Updates are ordered after launches
+    /// already submitted.
+    pub fn update(&mut self, list: &CommandList) -> Result<GraphUpdate> {
+        let deps = infer(list);
+        let same_topology = list.len() == self.dispatches.len()
+            && deps == self.deps
+            && list
+                .dispatches()
+                .iter()
+                .zip(&self.dispatches)
+                .all(|(a, b)| a.same_kernel(b));
+        if !same_topology {
+            *self = Graph::instantiate(&self.device, list, deps)?;
+            return Ok(GraphUpdate::Rebuilt);
+        }
+        self.device
+            .context()
+            .bind_to_thread()
+            .map_err(CudaError::driver("cuCtxSetCurrent"))?;
+        let mut changed = 0;
+        for (j, d) in list.dispatches().iter().enumerate() {
+            if !d.launch_differs(&self.dispatches[j]) {
+                continue;
+            }
+            d.kernel.ensure_shared_mem(d.shared_mem)?;
+            let mut params = d.params();
+            let mut ptrs = params.pointers();
+            let np = node_params(d, &mut ptrs);
+            // SAFETY: `nodes[j]` belongs to the graph `exec` was instantiated from and runs the
+            // same function; the driver copies the parameters.
+            unsafe { sys::cuGraphExecKernelNodeSetParams_v2(self.exec, self.nodes[j], &np).result() }
+                .map_err(CudaError::driver("cuGraphExecKernelNodeSetParams"))?;
+            self.dispatches[j] = d.clone();
+            changed += 1;
+        }
+        self.label = list.label().to_string();
+        if changed == 0 {
+            return Ok(GraphUpdate::Unchanged);
+        }
+        self.device.counters_ref().add_graph_updates(1);
+        Ok(GraphUpdate::Updated { nodes: changed })
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        let ctx = self.device.context();
+        ctx.record_err(ctx.bind_to_thread());
+        // SAFETY: handles created by this value and destroyed once; the driver defers freeing
+        // an exec until launches already submitted have completed.
+        unsafe {
+            if !self.exec.is_null() {
+                ctx.record_err(sys::cuGraphExecDestroy(self.exec).result());
+            }
+            if !self.graph.is_null() {
+                ctx.record_err(sys::cuGraphDestroy(self.graph).result());
+            }
+        }
+    }
+}

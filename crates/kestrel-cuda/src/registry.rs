@@ -1,0 +1,370 @@
+//! The kernel registry: CUDA C sources embedded in the binary, compiled by NVRTC for the
+//! device's architecture, and cached on disk so a second start compiles nothing.
+//!
+//! The cache key hashes the source, the NVRTC options (which name the architecture and include
+//! directory) and the NVRTC version; a module is stored as `<cache>/<module>-<key>.cubin`.
+
+use std::collections::HashMap;
+use std::ffi::{c_char, CStr, CString};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{sys as drv, CudaContext, CudaFunction, CudaModule};
+use cudarc::nvrtc::{result as nvrtc_result, sys as nvrtc, Ptx};
+use sha2::{Digest, Sha256};
+
+use crate::counters::Counters;
+use crate::error::{CudaError, Result};
+
+/// One `.cu` file embedded in the binary.
+#[derive(Debug, Clone, Copy)]
+pub struct ModuleSource {
+    pub name: &'static str,
+    pub source: &'static str,
+}
+
+/// Every module Kestrel ships; one line per op family.
+pub const MODULES: &[ModuleSource] = &[ModuleSource {
+    name: "runtime",
+    source: include_str!("../kernels/runtime.cu"),
+}];
+
+/// Where a module came from when it was loaded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadOrigin {
+    Compiled,
+    DiskCache,
+    AlreadyLoaded,
+}
+
+/// A loaded kernel function.
+#[derive(Clone)]
+pub struct Kernel {
+    inner: Arc<KernelInner>,
+}
+
+struct KernelInner {
+    func: CudaFunction,
+    module: String,
+    name: String,
+    /// Largest dynamic shared memory this function has been opted into (48 KiB is free).
+    shared_limit: AtomicU32,
+}
+
+impl std::fmt::Debug for Kernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Kernel({}::{})", self.inner.module, self.inner.name)
+    }
+}
+
+impl PartialEq for Kernel {
+    fn eq(&self, other: &Self) -> bool {
+        self.inner.func.cu_function() == other.inner.func.cu_function()
+    }
+}
+
+impl Kernel {
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    pub fn module(&self) -> &str {
+        &self.inner.module
+    }
+
+    pub(crate) fn cu_function(&self) -> drv::CUfunction {
+        self.inner.func.cu_function()
+    }
+
+    /// Opts the function into `bytes` of dynamic shared memory when that exceeds the default.
+    pub(crate) fn ensure_shared_mem(&self, bytes: u32) -> Result<()> {
+        const DEFAULT_LIMIT: u32 = 48 * 1024;
+        if bytes <= DEFAULT_LIMIT || bytes <= self.inner.shared_limit.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        // SAFETY: a valid function handle whose module is kept alive by `func`.
+        unsafe {
+            drv::cuFuncSetAttribute(
+                self.cu_function(),
+                drv::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+            .result()
+        }
+        .map_err(CudaError::driver("cuFuncSetAttribute"))?;
+        self.inner.shared_limit.fetch_max(bytes, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+pub struct KernelRegistry {
+    ctx: Arc<CudaContext>,
+    arch: String,
+    cache_dir: Option<PathBuf>,
+    include_dir: Option<PathBuf>,
+    counters: Arc<Counters>,
+    modules: Mutex<HashMap<String, Arc<CudaModule>>>,
+}
+
+impl KernelRegistry {
+    pub(crate) fn new(
+        ctx: Arc<CudaContext>,
+        compute_capability: (u32, u32),
+        cache_dir: Option<PathBuf>,
+        include_dir: Option<PathBuf>,
+        counters: Arc<Counters>,
+    ) -> Self {
+        KernelRegistry {
+            ctx,
+            arch: format!("sm_{}{}", compute_capability.0, compute_capability.1),
+            cache_dir,
+            include_dir,
+            counters,
+            modules: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The architecture kernels are compiled for, e.g. `sm_90`.
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    pub fn cache_dir(&self) -> Option<&Path> {
+        self.cache_dir.as_deref()
+    }
+
+    /// Function `function` of the shipped module `module`, compiling or loading it on first use.
+    pub fn kernel(&self, module: &str, function: &str) -> Result<Kernel> {
+        let src = MODULES
+            .iter()
+            .find(|m| m.name == module)
+            .ok_or_else(|| CudaError::NoSuchModule(module.to_string()))?;
+        self.load(src.name, src.source)?;
+        self.function(module, function)
+    }
+
+    /// Function `function` of a module loaded earlier (shipped or through [`Self::load`]).
+    pub fn function(&self, module: &str, function: &str) -> Result<Kernel> {
+        let m = self
+            .modules
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(module)
+            .cloned()
+            .ok_or_else(|| CudaError::NoSuchModule(module.to_string()))?;
+        let func = m.load_function(function).map_err(|_| CudaError::NoSuchKernel {
+            module: module.to_string(),
+            function: function.to_string(),
+        })?;
+        Ok(Kernel {
+            inner: Arc::new(KernelInner {
+                func,
+                module: module.to_string(),
+                name: function.to_string(),
+                shared_limit: AtomicU32::new(0),
+            }),
+        })
+    }
+
+    /// Loads module `name` from `source`: from memory if already loaded, else from the disk
+    /// cache, else by compiling it.
+    pub fn load(&self, name: &str, source: &str) -> Result<LoadOrigin> {
+        let mut modules = self.modules.lock().unwrap_or_else(|p| p.into_inner());
+        if modules.contains_key(name) {
+            return Ok(LoadOrigin::AlreadyLoaded);
+        }
+        let options = self.options();
+        let key = cache_key(source, &options, nvrtc_version()?);
+        let path = self
+            .cache_dir
+            .as_ref()
+            .map(|d| d.join(format!("{name}-{key}.cubin")));
+
+        if let Some(path) = &path {
+            if let Ok(image) = std::fs::read(path) {
+                // A corrupt or foreign file fails to load and is simply recompiled over.
+                if let Ok(module) = self.ctx.load_module(Ptx::from_binary(image)) {
+                    self.counters.add_kernel_cache_hits(1);
+                    modules.insert(name.to_string(), module);
+                    return Ok(LoadOrigin::DiskCache);
+                }
+            }
+        }
+
+        let cubin = compile(name, source, &options)?;
+        self.counters.add_kernel_compiles(1);
+        let module = self
+            .ctx
+            .load_module(Ptx::from_binary(cubin.clone()))
+            .map_err(CudaError::driver("cuModuleLoadData"))?;
+        modules.insert(name.to_string(), module);
+        if let Some(path) = &path {
+            write_atomically(path, &cubin).map_err(|source| CudaError::Cache {
+                path: path.clone(),
+                source,
+            })?;
+        }
+        Ok(LoadOrigin::Compiled)
+    }
+
+    fn options(&self) -> Vec<String> {
+        let mut o = vec![
+            format!("--gpu-architecture={}", self.arch),
+            "--std=c++17".to_string(),
+        ];
+        if let Some(inc) = &self.include_dir {
+            o.push(format!("--include-path={}", inc.display()));
+        }
+        o
+    }
+}
+
+/// NVRTC's version, part of the cache key: a new compiler may produce different code.
+pub fn nvrtc_version() -> Result<(i32, i32)> {
+    ensure_nvrtc()?;
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: two valid out-pointers.
+    unsafe { nvrtc::nvrtcVersion(&mut major, &mut minor) }
+        .result()
+        .map_err(|e| CudaError::Nvrtc {
+            module: String::new(),
+            message: format!("nvrtcVersion: {e:?}"),
+        })?;
+    Ok((major, minor))
+}
+
+fn ensure_nvrtc() -> Result<()> {
+    // SAFETY: only probes whether the shared library can be opened.
+    if unsafe { nvrtc::is_culib_present() } {
+        Ok(())
+    } else {
+        Err(CudaError::NoNvrtc)
+    }
+}
+
+fn cache_key(source: &str, options: &[String], version: (i32, i32)) -> String {
+    let mut h = Sha256::new();
+    h.update(source.as_bytes());
+    for o in options {
+        h.update([0u8]);
+        h.update(o.as_bytes());
+    }
+    h.update(format!("\0nvrtc {}.{}", version.0, version.1).as_bytes());
+    h.finalize().iter().take(12).map(|b| format!("{b:02x}")).collect()
+}
+
+/// Compiles `source` to a cubin; a failure carries NVRTC's log and names the module.
+fn compile(module: &str, source: &str, options: &[String]) -> Result<Vec<u8>> {
+    ensure_nvrtc()?;
+    let nvrtc_err = |what: &str, e: nvrtc_result::NvrtcError| CudaError::Nvrtc {
+        module: module.to_string(),
+        message: format!("{what}: {e:?}"),
+    };
+    let src = CString::new(source).map_err(|_| CudaError::Nvrtc {
+        module: module.to_string(),
+        message: "source contains a NUL byte".into(),
+    })?;
+    let file = CString::new(format!("{module}.cu")).expect("module names have no NUL");
+    let prog =
+        nvrtc_result::create_program(&src, Some(&file)).map_err(|e| nvrtc_err("nvrtcCreateProgram", e))?;
+    let program = Program(prog);
+    // SAFETY: `prog` is a live program (destroyed by `Program`'s Drop), `src` and `file` outlive it.
+    let compiled = unsafe { nvrtc_result::compile_program(program.0, options) };
+    if let Err(e) = compiled {
+        let log = program.log().unwrap_or_else(|| format!("(no log; {e:?})"));
+        return Err(CudaError::Compile {
+            module: module.to_string(),
+            options: options.join(" "),
+            log,
+        });
+    }
+    let mut size = 0usize;
+    // SAFETY: a successfully compiled program; `size` is a valid out-pointer.
+    unsafe { nvrtc::nvrtcGetCUBINSize(program.0, &mut size) }
+        .result()
+        .map_err(|e| nvrtc_err("nvrtcGetCUBINSize", e))?;
+    let mut cubin = vec![0u8; size];
+    // SAFETY: `cubin` has exactly the size NVRTC reported.
+    unsafe { nvrtc::nvrtcGetCUBIN(program.0, cubin.as_mut_ptr() as *mut c_char) }
+        .result()
+        .map_err(|e| nvrtc_err("nvrtcGetCUBIN", e))?;
+    Ok(cubin)
+}
+
+/// Owns an NVRTC program and destroys it on every path.
+struct Program(nvrtc::nvrtcProgram);
+
+impl Program {
+    fn log(&self) -> Option<String> {
+        let mut size = 0usize;
+        // SAFETY: a live program; valid out-pointer.
+        unsafe { nvrtc::nvrtcGetProgramLogSize(self.0, &mut size) }
+            .result()
+            .ok()?;
+        let mut buf = vec![0u8; size.max(1)];
+        // SAFETY: `buf` has the size NVRTC reported (NUL included).
+        unsafe { nvrtc::nvrtcGetProgramLog(self.0, buf.as_mut_ptr() as *mut c_char) }
+            .result()
+            .ok()?;
+        let text = CStr::from_bytes_until_nul(&buf)
+            .ok()?
+            .to_string_lossy()
+            .trim()
+            .to_string();
+        Some(text)
+    }
+}
+
+impl Drop for Program {
+    fn drop(&mut self) {
+        // SAFETY: the program was created by nvrtcCreateProgram and is destroyed once.
+        let _ = unsafe { nvrtc_result::destroy_program(self.0) };
+    }
+}
+
+/// Writes through a temporary file and a rename, so a reader never sees a partial module.
+fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cache_key_changes_with_source_options_and_version() {
+        let o = vec!["--gpu-architecture=sm_90".to_string()];
+        let base = cache_key("a", &o, (13, 0));
+        assert_eq!(base, cache_key("a", &o, (13, 0)));
+        assert_ne!(base, cache_key("b", &o, (13, 0)));
+        assert_ne!(
+            base,
+            cache_key("a", &["--gpu-architecture=sm_80".to_string()], (13, 0))
+        );
+        assert_ne!(base, cache_key("a", &o, (13, 1)));
+        assert_eq!(base.len(), 24);
+    }
+
+    #[test]
+    fn atomic_write_creates_directories() {
+        let dir = std::env::temp_dir().join(format!("kestrel-cache-test-{}", std::process::id()));
+        let path = dir.join("sub").join("m-0.cubin");
+        write_atomically(&path, b"abc").unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"abc");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn every_shipped_module_has_a_distinct_name() {
+        let mut names: Vec<_> = MODULES.iter().map(|m| m.name).collect();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), MODULES.len());
+    }
+}

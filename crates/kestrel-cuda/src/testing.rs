@@ -1,0 +1,39 @@
+//! Helpers for GPU tests: open the configured device or skip with a printed notice, and fail
+//! instead of skipping when the configuration requires a GPU.
+
+use std::io::Write;
+
+use kestrel_core::Config;
+
+use crate::device::{device_count, Device};
+
+/// The configured device, or `None` after printing why the test is skipped.
+///
+/// # Panics
+/// When no device is present and `KESTREL_REQUIRE_GPU` is set (a test failure is the point), or
+/// when the configuration itself is invalid.
+pub fn device_or_skip(test: &str) -> Option<Device> {
+    let config = Config::from_env().expect("invalid Kestrel configuration in the environment");
+    match device_count() {
+        Ok(n) if n > config.device => Some(
+            Device::open(config.device, &config)
+                .unwrap_or_else(|e| panic!("{test}: opening device {}: {e}", config.device)),
+        ),
+        outcome => {
+            let why = match outcome {
+                Ok(n) => format!("{n} CUDA device(s), none with ordinal {}", config.device),
+                Err(e) => e.to_string(),
+            };
+            if config.require_gpu {
+                panic!("{test}: KESTREL_REQUIRE_GPU is set but no usable CUDA device: {why}");
+            }
+            // Written to the process's stderr directly: the test harness captures `println!`
+            // of passing tests, and a skip must be visible.
+            let _ = writeln!(
+                std::io::stderr(),
+                "skipping {test}: no CUDA device ({why}); set KESTREL_REQUIRE_GPU=1 to fail instead"
+            );
+            None
+        }
+    }
+}

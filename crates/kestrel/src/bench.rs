@@ -1,0 +1,196 @@
+//! `kestrel bench runtime`: launch cost eagerly and as graph replay, device copy bandwidth, and
+//! host-to-device bandwidth from pinned and pageable memory. Every figure is the median of
+//! repeated runs after a warm-up, timed with CUDA events.
+
+use std::process::ExitCode;
+
+use anyhow::{ensure, Context, Result};
+use clap::Subcommand;
+use kestrel_core::{Config, DType};
+use kestrel_cuda::{device_count, CommandList, Device, Stream};
+
+/// Device-to-device copy bandwidth measured on the H200 this project targets (bytes read plus
+/// written); the floor every bandwidth figure is compared with.
+const H200_COPY_BYTES_PER_S: f64 = 4.26e12;
+
+#[derive(Subcommand)]
+pub enum BenchCommand {
+    /// Launch cost, device copy and host-to-device bandwidth.
+    Runtime {
+        /// Timed repetitions per measurement (the median is reported).
+        #[arg(short = 'r', long, default_value_t = 20)]
+        reps: usize,
+        /// Dispatches in the launch-cost chain.
+        #[arg(long, default_value_t = 500)]
+        chain: usize,
+        /// Size of each copy, in MiB.
+        #[arg(long, default_value_t = 1024)]
+        copy_mib: usize,
+        /// Device ordinal (default: the configured one).
+        #[arg(long)]
+        device: Option<usize>,
+        /// Print one JSON object instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+struct Row {
+    name: &'static str,
+    value: f64,
+    unit: &'static str,
+    note: String,
+}
+
+pub fn run(config: &Config, what: BenchCommand) -> Result<ExitCode> {
+    let BenchCommand::Runtime {
+        reps,
+        chain,
+        copy_mib,
+        device,
+        json,
+    } = what;
+    ensure!(
+        reps >= 1 && chain >= 1 && copy_mib >= 1,
+        "--reps, --chain and --copy-mib must be at least 1"
+    );
+    let ordinal = device.unwrap_or(config.device);
+    let count = device_count().context("the runtime benchmark needs a CUDA device")?;
+    ensure!(
+        ordinal < count,
+        "CUDA device {ordinal} not found ({count} present)"
+    );
+    let dev = Device::open(ordinal, config)?;
+    let rows = runtime(&dev, reps, chain, copy_mib << 20)?;
+    if json {
+        let obj: serde_json::Map<String, serde_json::Value> = rows
+            .iter()
+            .map(|r| {
+                (
+                    r.name.to_string(),
+                    serde_json::json!({ "value": r.value, "unit": r.unit, "note": r.note }),
+                )
+            })
+            .collect();
+        let out = serde_json::json!({
+            "device": dev.info().name,
+            "reps": reps,
+            "chain": chain,
+            "copy_bytes": copy_mib << 20,
+            "results": obj,
+        });
+        println!("{out}");
+    } else {
+        println!(
+            "device: {} | median of {reps} runs after warm-up | CUDA events",
+            dev.info().name
+        );
+        println!("{:<28} {:>12} {:<8} note", "measurement", "median", "unit");
+        for r in &rows {
+            println!("{:<28} {:>12.3} {:<8} {}", r.name, r.value, r.unit, r.note);
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// Median GPU time in ms of `f` on `stream`, after one warm-up call.
+fn time_median(dev: &Device, stream: &Stream, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    stream.synchronize()?;
+    let timer = dev.timer()?;
+    let mut samples = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        timer.start(stream)?;
+        f()?;
+        timer.stop(stream)?;
+        samples.push(timer.elapsed_ms()?);
+    }
+    Ok(median(samples))
+}
+
+fn runtime(dev: &Device, reps: usize, chain: usize, copy_bytes: usize) -> Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    let compute = dev.compute();
+
+    // Launch cost: a chain of dependent one-thread increments, so each waits for the last.
+    let counter = dev.alloc(DType::U32, 1)?;
+    let inc = dev.kernel("runtime", "increment_u32")?;
+    let mut list = CommandList::new("launch-chain");
+    for _ in 0..chain {
+        list.dispatch(&inc).read_write(&counter).arg(1u32).record();
+    }
+    let eager_ms = time_median(dev, compute, reps, || Ok(dev.run(&list)?))?;
+    let graph = dev.capture(&list)?;
+    ensure!(graph.edge_count() == chain - 1, "the chain must be serial");
+    let graph_ms = time_median(dev, compute, reps, || Ok(graph.launch()?))?;
+    let total = dev.download::<u32>(&counter)?[0] as usize;
+    ensure!(total == chain * 2 * (reps + 1), "chain increments lost: {total}");
+    rows.push(Row {
+        name: "launch eager",
+        value: eager_ms * 1e3 / chain as f64,
+        unit: "us/disp",
+        note: format!("{chain}-kernel dependent chain on one stream"),
+    });
+    rows.push(Row {
+        name: "launch graph replay",
+        value: graph_ms * 1e3 / chain as f64,
+        unit: "us/node",
+        note: "same chain as one CUDA graph; target <= 1.0".to_string(),
+    });
+
+    // Device-to-device copy: bytes read plus bytes written.
+    let src = dev.alloc(DType::U8, copy_bytes)?;
+    let dst = dev.alloc(DType::U8, copy_bytes)?;
+    let d2d_ms = time_median(dev, compute, reps, || Ok(compute.copy(&dst, &src)?))?;
+    let d2d = 2.0 * copy_bytes as f64 / (d2d_ms * 1e-3);
+    rows.push(Row {
+        name: "copy d2d",
+        value: d2d / 1e9,
+        unit: "GB/s",
+        note: format!(
+            "{:.1}% of 4.26 TB/s; target >= 90%",
+            100.0 * d2d / H200_COPY_BYTES_PER_S
+        ),
+    });
+
+    // Host to device, pinned, on the copy stream.
+    let copy = dev.copy_stream();
+    let pinned = dev.pinned::<u8>(copy_bytes)?;
+    let pinned_ms = time_median(dev, copy, reps, || Ok(copy.upload_pinned(&dst, &pinned)?))?;
+    rows.push(Row {
+        name: "h2d pinned",
+        value: copy_bytes as f64 / (pinned_ms * 1e-3) / 1e9,
+        unit: "GB/s",
+        note: "page-locked source, copy stream; target >= 40".into(),
+    });
+    let mut back = dev.pinned::<u8>(copy_bytes)?;
+    let d2h_ms = time_median(dev, copy, reps, || Ok(copy.download_pinned(&src, &mut back)?))?;
+    rows.push(Row {
+        name: "d2h pinned",
+        value: copy_bytes as f64 / (d2h_ms * 1e-3) / 1e9,
+        unit: "GB/s",
+        note: "page-locked destination, copy stream".into(),
+    });
+
+    // Host to device from ordinary (pageable) memory: the driver stages it.
+    let pageable = vec![1u8; copy_bytes];
+    let pageable_ms = time_median(dev, compute, reps, || Ok(compute.upload(&dst, &pageable)?))?;
+    rows.push(Row {
+        name: "h2d pageable",
+        value: copy_bytes as f64 / (pageable_ms * 1e-3) / 1e9,
+        unit: "GB/s",
+        note: "ordinary Vec<u8> source".into(),
+    });
+    dev.synchronize()?;
+    Ok(rows)
+}

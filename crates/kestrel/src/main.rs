@@ -1,0 +1,55 @@
+//! The `kestrel` command line: `doctor` checks the CUDA set-up, `bench` measures.
+
+mod bench;
+mod doctor;
+
+use clap::{Parser, Subcommand};
+use kestrel_core::Config;
+
+#[derive(Parser)]
+#[command(
+    name = "kestrel",
+    version,
+    about = "Mixture-of-Experts inference on NVIDIA GPUs"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// List CUDA devices and, on each, compile, run and check a small kernel and a cuBLAS product.
+    Doctor {
+        /// Check only this device ordinal.
+        #[arg(long)]
+        device: Option<usize>,
+    },
+    /// Benchmarks (median of repeated runs after warm-up, timed with CUDA events).
+    Bench {
+        #[command(subcommand)]
+        what: bench::BenchCommand,
+    },
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let config = match Config::from_env() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    let outcome = match cli.command {
+        Command::Doctor { device } => doctor::run(&config, device),
+        Command::Bench { what } => bench::run(&config, what),
+    };
+    match outcome {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

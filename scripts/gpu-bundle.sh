@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Builds Kestrel's test binaries and CLI here (a machine with Rust) and collects them into
+# gpu-bundle/, which a GPU host with no Rust toolchain runs with `bash gpu-bundle/run.sh`.
+#
+#   scripts/gpu-bundle.sh            # build and collect
+#   bash gpu-bundle/run.sh [LOGDIR]  # on the GPU host: every test with KESTREL_REQUIRE_GPU=1,
+#                                    # then `kestrel doctor`; logs go to LOGDIR if given
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=gpu-bundle
+rm -rf "$out"
+mkdir -p "$out/tests"
+
+cargo build --release --workspace
+# One JSON line per artifact; keep the test executables.
+cargo test --release --workspace --no-run --message-format=json 2>/dev/null |
+  python3 -c '
+import json, sys
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("profile", {}).get("test") and m.get("executable"):
+        print(m["executable"])
+' | while read -r exe; do
+  name=$(basename "$exe")
+  cp "$exe" "$out/tests/${name%-*}"
+done
+cp target/release/kestrel "$out/kestrel"
+strip "$out/kestrel" "$out"/tests/* 2>/dev/null || true
+
+cat > "$out/run.sh" <<'RUN'
+#!/usr/bin/env bash
+# Runs every collected test binary with a GPU required, one test at a time (timing tests must
+# not share the GPU with other tests), then `kestrel doctor`. Exit status: failed binaries.
+here=$(cd "$(dirname "$0")" && pwd)
+logs=${1:-}
+export KESTREL_REQUIRE_GPU=1
+failed=0
+for t in "$here"/tests/*; do
+  name=$(basename "$t")
+  echo "=== $name"
+  if [ -n "$logs" ]; then
+    "$t" --test-threads=1 2>&1 | tee "$logs/test-$name.log"; rc=${PIPESTATUS[0]}
+  else
+    "$t" --test-threads=1; rc=$?
+  fi
+  [ "$rc" -eq 0 ] || { echo "FAILED: $name (exit $rc)"; failed=$((failed + 1)); }
+done
+echo "=== kestrel doctor"
+"$here/kestrel" doctor || failed=$((failed + 1))
+echo "test binaries and doctor failed: $failed"
+exit "$failed"
+RUN
+chmod +x "$out/run.sh"
+du -sh "$out"
+ls -la "$out" "$out/tests"
