@@ -4,13 +4,19 @@
 #![forbid(unsafe_code)]
 
 pub mod access;
+pub mod builder;
 pub mod config;
 pub mod dtype;
 pub mod error;
+pub mod ir;
+pub mod planner;
+pub mod quant;
 pub mod rng;
+pub mod rope;
 pub mod shape;
 
 pub use access::{Access, AccessMode, AllocId, DepGraph};
+pub use builder::GraphBuilder;
 pub use config::Config;
 pub use dtype::{DType, HostType};
 pub use error::{CoreError, Result};

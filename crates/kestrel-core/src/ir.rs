@@ -1,0 +1,662 @@
+//! The op graph: a forward pass as a list of ops over buffer ids.
+//!
+//! Buffers are declared with a label, a dtype, a shape and a kind (weights and states persist
+//! across runs and graphs, inputs and outputs are never aliased, transients are planned into a
+//! shared arena). Every op declares what it reads and writes ([`Op::io`]); the memory planner
+//! and the CUDA dependency inference both start from that declaration.
+//!
+//! Graphs are built through [`GraphBuilder`], whose methods take and return typed ids
+//! [`BufId<R>`]: the role `R` records what a buffer holds, so wiring mistakes do not compile. A
+//! projection takes a normalised input, never the residual stream:
+//!
+//! ```compile_fail,E0277
+//! use kestrel_core::ir::LinearWeight;
+//! use kestrel_core::GraphBuilder;
+//! use kestrel_core::DType;
+//! let mut g = GraphBuilder::new();
+//! let x = g.residual_input("x", 4, 64);
+//! let w = LinearWeight::Dense(g.weight("w", DType::BF16, [32, 64]));
+//! let y = g.linear("proj", x, &w); // error: the residual stream is not a projection input
+//! ```
+//!
+//! while the same wiring through a norm compiles:
+//!
+//! ```
+//! use kestrel_core::ir::{LinearWeight, NormKind};
+//! use kestrel_core::GraphBuilder;
+//! use kestrel_core::DType;
+//! let mut g = GraphBuilder::new();
+//! let x = g.residual_input("x", 4, 64);
+//! let nw = g.weight("norm", DType::BF16, [64]);
+//! let w = LinearWeight::Dense(g.weight("w", DType::BF16, [32, 64]));
+//! let h = g.rms_norm("norm", x, nw, 1e-6, NormKind::Standard);
+//! let y = g.linear("proj", h, &w);
+//! g.mark_output(y);
+//! assert!(g.finish().is_ok());
+//! ```
+
+use std::fmt;
+use std::marker::PhantomData;
+
+use crate::dtype::DType;
+use crate::quant::QuantFormat;
+
+/// An untyped buffer index into a graph's declarations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Buf(pub u32);
+
+impl Buf {
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+/// What a buffer holds; the type parameter of [`BufId`].
+pub trait Role: 'static {}
+
+macro_rules! roles {
+    ($($(#[$m:meta])* $name:ident),* $(,)?) => {
+        $( $(#[$m])* #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)] pub struct $name; impl Role for $name {} )*
+    };
+}
+
+roles!(
+    /// The residual stream `[tokens, hidden]`, f32.
+    Residual,
+    /// The output of a norm, the input of projections.
+    Normed,
+    /// Any other f32 activation (projection outputs, attention outputs, gates).
+    Act,
+    /// A read-only parameter.
+    Weight,
+    /// Token ids, u32 `[tokens]`.
+    Tokens,
+    /// Absolute positions of the tokens, u32 `[tokens]`.
+    Positions,
+    /// A key or value cache `[kv_heads, max_ctx, head_dim]`.
+    Cache,
+    /// Recurrent or convolution state, f32, persistent.
+    State,
+    /// Selected experts, u32 `[tokens, top_k]`.
+    ExpertIds,
+    /// Routing weights, f32 `[tokens, top_k]`.
+    ExpertWeights,
+    /// Logits `[tokens, vocab]`, f32.
+    Logits,
+    /// Selected token ids, u32.
+    TokenIds,
+);
+
+/// A typed buffer id: the index plus the role the builder checks at compile time.
+pub struct BufId<R: Role> {
+    buf: Buf,
+    _role: PhantomData<R>,
+}
+
+impl<R: Role> Clone for BufId<R> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<R: Role> Copy for BufId<R> {}
+impl<R: Role> PartialEq for BufId<R> {
+    fn eq(&self, other: &Self) -> bool {
+        self.buf == other.buf
+    }
+}
+impl<R: Role> Eq for BufId<R> {}
+impl<R: Role> fmt::Debug for BufId<R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "BufId<{}>({})",
+            std::any::type_name::<R>().rsplit("::").next().unwrap_or("?"),
+            self.buf.0
+        )
+    }
+}
+
+impl<R: Role> BufId<R> {
+    /// Only the builder mints ids, so a role is always the one it was declared with.
+    pub(crate) fn from_raw(buf: Buf) -> Self {
+        BufId {
+            buf,
+            _role: PhantomData,
+        }
+    }
+
+    pub fn raw(self) -> Buf {
+        self.buf
+    }
+}
+
+impl<R: Role> From<BufId<R>> for Buf {
+    fn from(id: BufId<R>) -> Buf {
+        id.buf
+    }
+}
+
+/// Roles that may feed a projection: normalised inputs and other activations, not the residual.
+pub trait ProjectionInput: Role {}
+impl ProjectionInput for Normed {}
+impl ProjectionInput for Act {}
+
+/// Roles that may be normalised.
+pub trait NormInput: Role {}
+impl NormInput for Residual {}
+impl NormInput for Act {}
+
+/// f32 activations of any role.
+pub trait Activation: Role {}
+impl Activation for Residual {}
+impl Activation for Normed {}
+impl Activation for Act {}
+
+/// How a buffer lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BufKind {
+    /// Uploaded once, read-only, shared by every graph that declares the same label.
+    Weight,
+    /// Persistent and read-write (KV caches, recurrent and convolution states), shared by label.
+    State,
+    /// Written by the host before each run; never aliased.
+    Input,
+    /// Read back by the host after a run; never aliased.
+    Output,
+    /// Lives from its first to its last use inside one run; may share memory with others.
+    Transient,
+}
+
+impl BufKind {
+    /// Persistent buffers keep their contents between runs and graphs.
+    pub fn is_persistent(self) -> bool {
+        matches!(self, BufKind::Weight | BufKind::State)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BufDecl {
+    pub label: String,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    pub kind: BufKind,
+}
+
+impl BufDecl {
+    pub fn elem_count(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    pub fn byte_len(&self) -> usize {
+        self.elem_count() * self.dtype.size_in_bytes()
+    }
+}
+
+/// Weights of one linear layer `y = x · Wᵀ`, `W: [out, in]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LinearWeight {
+    /// bf16, f16 or f32 `[out, in]`.
+    Dense(BufId<Weight>),
+    /// MLX affine quantisation: `weight: u32 [out, in*bits/32]`, `scales`, `biases: bf16 [out, in/group]`.
+    Quant {
+        weight: BufId<Weight>,
+        scales: BufId<Weight>,
+        biases: BufId<Weight>,
+        format: QuantFormat,
+    },
+}
+
+impl LinearWeight {
+    pub fn bufs(&self) -> Vec<Buf> {
+        match self {
+            LinearWeight::Dense(w) => vec![w.raw()],
+            LinearWeight::Quant {
+                weight,
+                scales,
+                biases,
+                ..
+            } => vec![weight.raw(), scales.raw(), biases.raw()],
+        }
+    }
+}
+
+/// Storage format of an expert's matrices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ExpertFormat {
+    /// bf16 matrices.
+    Bf16,
+    Quant(QuantFormat),
+}
+
+/// Where each matrix of one expert lives inside the expert's contiguous span. All experts of a
+/// layer share one buffer `[experts, span_bytes]` (u8), so moving an expert is one copy.
+/// Span order: gate, up (both `[inter, hidden]`), down (`[hidden, inter]`); for quantised
+/// experts each matrix is its weight words, then its scales, then its biases.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ExpertLayout {
+    pub experts: usize,
+    pub hidden: usize,
+    pub inter: usize,
+    pub format: ExpertFormat,
+}
+
+/// Byte offsets of one matrix inside an expert span.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MatrixSpan {
+    pub weight: usize,
+    pub scales: usize,
+    pub biases: usize,
+    pub end: usize,
+}
+
+impl ExpertLayout {
+    fn matrix(&self, start: usize, rows: usize, cols: usize) -> MatrixSpan {
+        match self.format {
+            ExpertFormat::Bf16 => {
+                let end = start + rows * cols * 2;
+                MatrixSpan {
+                    weight: start,
+                    scales: end,
+                    biases: end,
+                    end,
+                }
+            }
+            ExpertFormat::Quant(q) => {
+                let scales = start + rows * q.words_per_row(cols) * 4;
+                let biases = scales + rows * q.groups_per_row(cols) * 2;
+                MatrixSpan {
+                    weight: start,
+                    scales,
+                    biases,
+                    end: biases + rows * q.groups_per_row(cols) * 2,
+                }
+            }
+        }
+    }
+
+    pub fn gate(&self) -> MatrixSpan {
+        self.matrix(0, self.inter, self.hidden)
+    }
+
+    pub fn up(&self) -> MatrixSpan {
+        self.matrix(self.gate().end, self.inter, self.hidden)
+    }
+
+    pub fn down(&self) -> MatrixSpan {
+        self.matrix(self.up().end, self.hidden, self.inter)
+    }
+
+    /// Bytes of one expert, rounded up to 256 so every span starts aligned.
+    pub fn span_bytes(&self) -> usize {
+        self.down().end.div_ceil(256) * 256
+    }
+
+    pub fn total_bytes(&self) -> usize {
+        self.experts * self.span_bytes()
+    }
+}
+
+/// RMS norm weight convention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum NormKind {
+    /// `x / rms(x) * w` (Llama, Qwen3).
+    Standard,
+    /// `x / rms(x) * (1 + w)` (Qwen3-Next, Qwen3.5).
+    ZeroCentered,
+}
+
+/// Which delta-rule algorithm a backend uses; both compute the same recurrence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DeltaAlgo {
+    /// Recurrent for one token, chunked for more.
+    Auto,
+    Recurrent,
+    Chunked {
+        chunk: usize,
+    },
+}
+
+/// One operation. All activations are f32; shapes are given as `[rows, cols]` row-major.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Op {
+    /// `out[t] = table[ids[t]]`, table dense `[vocab, hidden]` or quantised.
+    Embed {
+        table: LinearWeight,
+        ids: Buf,
+        out: Buf,
+        hidden: usize,
+    },
+    /// Rows of `dim`: `out = x / sqrt(mean(x²) + eps) * w` (or `* (1 + w)`).
+    RmsNorm {
+        x: Buf,
+        w: Buf,
+        out: Buf,
+        dim: usize,
+        eps: f32,
+        kind: NormKind,
+    },
+    /// `residual += x; out = rms_norm(residual)`.
+    AddRmsNorm {
+        residual: Buf,
+        x: Buf,
+        w: Buf,
+        out: Buf,
+        dim: usize,
+        eps: f32,
+        kind: NormKind,
+    },
+    /// Rows of `dim`: `out = x / rms(x) * w * silu(z)`.
+    GatedRmsNorm {
+        x: Buf,
+        z: Buf,
+        w: Buf,
+        out: Buf,
+        dim: usize,
+        eps: f32,
+    },
+    /// In place on `x: [tokens, heads, head_dim]`: neox rotation of the first `rot_dim` dims by
+    /// angle `positions[t] * inv_freq[i]`, cos and sin scaled by `scaling`.
+    Rope {
+        x: Buf,
+        positions: Buf,
+        inv_freq: Buf,
+        heads: usize,
+        head_dim: usize,
+        rot_dim: usize,
+        scaling: f32,
+    },
+    /// `out[t, :] = x[t, :] · Wᵀ`.
+    Linear {
+        x: Buf,
+        w: LinearWeight,
+        out: Buf,
+        tokens: usize,
+        in_dim: usize,
+        out_dim: usize,
+    },
+    /// Column split: `x` viewed as `[rows * groups, Σ widths]`; part k takes its columns and is
+    /// stored as `[rows, groups * widths[k]]`.
+    Split {
+        x: Buf,
+        parts: Vec<(Buf, usize)>,
+        rows: usize,
+        groups: usize,
+    },
+    /// `out = silu(gate) * up`.
+    SwiGlu {
+        gate: Buf,
+        up: Buf,
+        out: Buf,
+        len: usize,
+    },
+    /// `out[t, i] = x[t, i] * sigmoid(gate[t, i or 0])`; `gate` has `cols` or one column.
+    SigmoidGate {
+        x: Buf,
+        gate: Buf,
+        out: Buf,
+        rows: usize,
+        cols: usize,
+        gate_cols: usize,
+    },
+    /// `out = a + b`.
+    Add { a: Buf, b: Buf, out: Buf, len: usize },
+    /// `out = x[start .. start + n]` as rows of `cols`.
+    CopyRows {
+        x: Buf,
+        out: Buf,
+        start: usize,
+        rows: usize,
+        cols: usize,
+    },
+    /// Writes `k`, `v: [tokens, kv_heads, head_dim]` into the caches at `positions[t]`.
+    KvAppend {
+        k: Buf,
+        v: Buf,
+        positions: Buf,
+        k_cache: Buf,
+        v_cache: Buf,
+        tokens: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        max_ctx: usize,
+    },
+    /// Causal attention with GQA: query token t attends to cache rows `0 ..= positions[t]`.
+    Attention {
+        q: Buf,
+        k_cache: Buf,
+        v_cache: Buf,
+        positions: Buf,
+        out: Buf,
+        tokens: usize,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        max_ctx: usize,
+        scale: f32,
+    },
+    /// Softmax over `experts`, top `k` (ties to the lower index), optional renormalisation.
+    Router {
+        logits: Buf,
+        ids: Buf,
+        weights: Buf,
+        tokens: usize,
+        experts: usize,
+        k: usize,
+        normalize: bool,
+    },
+    /// `out[t] = Σ_j weights[t, j] · down_e(silu(gate_e x) * up_e x)` with `e = ids[t, j]`.
+    MoeExperts {
+        x: Buf,
+        ids: Buf,
+        weights: Buf,
+        experts: Buf,
+        layout: ExpertLayout,
+        out: Buf,
+        tokens: usize,
+        k: usize,
+    },
+    /// Depthwise causal conv1d over `x: [tokens, channels]` with `w: [channels, kernel]`, SiLU,
+    /// continuing from `state: [channels, kernel - 1]` (the previous inputs), which it updates.
+    CausalConv1d {
+        x: Buf,
+        w: Buf,
+        state: Buf,
+        out: Buf,
+        tokens: usize,
+        channels: usize,
+        kernel: usize,
+    },
+    /// `g = -exp(a_log) * softplus(a + dt_bias)`, `beta = sigmoid(b)`, per `[tokens, heads]`.
+    DeltaGates {
+        a: Buf,
+        b: Buf,
+        a_log: Buf,
+        dt_bias: Buf,
+        g: Buf,
+        beta: Buf,
+        tokens: usize,
+        heads: usize,
+    },
+    /// The gated delta rule over `tokens` from and into `state: [v_heads, k_dim, v_dim]`, with
+    /// L2-normalised q and k (eps 1e-6) and q scaled by `k_dim^-1/2`.
+    DeltaRule {
+        q: Buf,
+        k: Buf,
+        v: Buf,
+        g: Buf,
+        beta: Buf,
+        state: Buf,
+        out: Buf,
+        tokens: usize,
+        k_heads: usize,
+        v_heads: usize,
+        k_dim: usize,
+        v_dim: usize,
+        algo: DeltaAlgo,
+    },
+    /// Index of the largest logit of each row (the lower index on ties).
+    Argmax {
+        logits: Buf,
+        out: Buf,
+        rows: usize,
+        cols: usize,
+    },
+    /// The `k` largest logits of each row, descending (lower index first on ties).
+    TopK {
+        logits: Buf,
+        ids: Buf,
+        values: Buf,
+        rows: usize,
+        cols: usize,
+        k: usize,
+    },
+}
+
+impl Op {
+    /// The buffers the op reads and the buffers it writes; read-write buffers are in both.
+    pub fn io(&self) -> (Vec<Buf>, Vec<Buf>) {
+        use Op::*;
+        match self {
+            Embed { table, ids, out, .. } => {
+                let mut r = table.bufs();
+                r.push(*ids);
+                (r, vec![*out])
+            }
+            RmsNorm { x, w, out, .. } => (vec![*x, *w], vec![*out]),
+            AddRmsNorm {
+                residual, x, w, out, ..
+            } => (vec![*residual, *x, *w], vec![*residual, *out]),
+            GatedRmsNorm { x, z, w, out, .. } => (vec![*x, *z, *w], vec![*out]),
+            Rope {
+                x,
+                positions,
+                inv_freq,
+                ..
+            } => (vec![*x, *positions, *inv_freq], vec![*x]),
+            Linear { x, w, out, .. } => {
+                let mut r = vec![*x];
+                r.extend(w.bufs());
+                (r, vec![*out])
+            }
+            Split { x, parts, .. } => (vec![*x], parts.iter().map(|p| p.0).collect()),
+            SwiGlu { gate, up, out, .. } => (vec![*gate, *up], vec![*out]),
+            SigmoidGate { x, gate, out, .. } => (vec![*x, *gate], vec![*out]),
+            Add { a, b, out, .. } => (vec![*a, *b], vec![*out]),
+            CopyRows { x, out, .. } => (vec![*x], vec![*out]),
+            KvAppend {
+                k,
+                v,
+                positions,
+                k_cache,
+                v_cache,
+                ..
+            } => (
+                vec![*k, *v, *positions, *k_cache, *v_cache],
+                vec![*k_cache, *v_cache],
+            ),
+            Attention {
+                q,
+                k_cache,
+                v_cache,
+                positions,
+                out,
+                ..
+            } => (vec![*q, *k_cache, *v_cache, *positions], vec![*out]),
+            Router {
+                logits, ids, weights, ..
+            } => (vec![*logits], vec![*ids, *weights]),
+            MoeExperts {
+                x,
+                ids,
+                weights,
+                experts,
+                out,
+                ..
+            } => (vec![*x, *ids, *weights, *experts], vec![*out]),
+            CausalConv1d { x, w, state, out, .. } => (vec![*x, *w, *state], vec![*state, *out]),
+            DeltaGates {
+                a,
+                b,
+                a_log,
+                dt_bias,
+                g,
+                beta,
+                ..
+            } => (vec![*a, *b, *a_log, *dt_bias], vec![*g, *beta]),
+            DeltaRule {
+                q,
+                k,
+                v,
+                g,
+                beta,
+                state,
+                out,
+                ..
+            } => (vec![*q, *k, *v, *g, *beta, *state], vec![*state, *out]),
+            Argmax { logits, out, .. } => (vec![*logits], vec![*out]),
+            TopK {
+                logits, ids, values, ..
+            } => (vec![*logits], vec![*ids, *values]),
+        }
+    }
+
+    /// A short name for labels and profiles.
+    pub fn name(&self) -> &'static str {
+        use Op::*;
+        match self {
+            Embed { .. } => "embed",
+            RmsNorm { .. } => "rms_norm",
+            AddRmsNorm { .. } => "add_rms_norm",
+            GatedRmsNorm { .. } => "gated_rms_norm",
+            Rope { .. } => "rope",
+            Linear { .. } => "linear",
+            Split { .. } => "split",
+            SwiGlu { .. } => "swiglu",
+            SigmoidGate { .. } => "sigmoid_gate",
+            Add { .. } => "add",
+            CopyRows { .. } => "copy_rows",
+            KvAppend { .. } => "kv_append",
+            Attention { .. } => "attention",
+            Router { .. } => "router",
+            MoeExperts { .. } => "moe_experts",
+            CausalConv1d { .. } => "causal_conv1d",
+            DeltaGates { .. } => "delta_gates",
+            DeltaRule { .. } => "delta_rule",
+            Argmax { .. } => "argmax",
+            TopK { .. } => "top_k",
+        }
+    }
+}
+
+/// An op plus the label it was built under (`layer3.attn.q_proj`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Node {
+    pub label: String,
+    pub op: Op,
+}
+
+/// A finished, validated graph.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Graph {
+    pub bufs: Vec<BufDecl>,
+    pub nodes: Vec<Node>,
+}
+
+impl Graph {
+    pub fn decl(&self, b: impl Into<Buf>) -> &BufDecl {
+        &self.bufs[b.into().index()]
+    }
+
+    /// Per node, its reads and writes.
+    pub fn io(&self) -> Vec<(Vec<Buf>, Vec<Buf>)> {
+        self.nodes.iter().map(|n| n.op.io()).collect()
+    }
+}
+
+/// A graph that failed validation: which node, and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("graph node {node:?}: {reason}")]
+pub struct GraphError {
+    pub node: String,
+    pub reason: String,
+}
