@@ -169,6 +169,11 @@ impl GraphBuilder {
         self.declare(label, DType::F32, vec![rows, cols], BufKind::Input)
     }
 
+    /// Logits supplied by the host (sampling on logits computed elsewhere, tests).
+    pub fn logits_input(&mut self, label: &str, rows: usize, vocab: usize) -> BufId<Logits> {
+        self.declare(label, DType::F32, vec![rows, vocab], BufKind::Input)
+    }
+
     /// Keeps a transient buffer for the host to read after the run.
     pub fn mark_output<R: Role>(&mut self, id: BufId<R>) {
         let d = &mut self.bufs[id.raw().index()];

@@ -14,6 +14,19 @@ pub enum CoreError {
     },
     #[error("configuration path {path} for {var} does not exist")]
     MissingPath { var: &'static str, path: PathBuf },
+    #[error("buffer {label} holds {buffer}, the host data is {host}")]
+    DTypeMismatch {
+        label: String,
+        buffer: crate::DType,
+        host: crate::DType,
+    },
+    #[error("buffer {label}: {len} elements at offset {offset} exceed its {capacity}")]
+    OutOfBounds {
+        label: String,
+        offset: usize,
+        len: usize,
+        capacity: usize,
+    },
     #[error("shape {shape:?} holds {elems} elements but {expected} were expected")]
     ShapeMismatch {
         shape: Vec<usize>,

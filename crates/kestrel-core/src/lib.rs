@@ -4,6 +4,7 @@
 #![forbid(unsafe_code)]
 
 pub mod access;
+pub mod backend;
 pub mod builder;
 pub mod config;
 pub mod dtype;
@@ -16,6 +17,7 @@ pub mod rope;
 pub mod shape;
 
 pub use access::{Access, AccessMode, AllocId, DepGraph};
+pub use backend::Backend;
 pub use builder::GraphBuilder;
 pub use config::Config;
 pub use dtype::{DType, HostType};

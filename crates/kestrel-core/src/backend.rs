@@ -1,0 +1,103 @@
+//! The `Backend` trait: what every executor of op graphs provides (the CPU reference and CUDA).
+//!
+//! A backend prepares a [`Graph`] into a program (memory planned, persistent buffers allocated
+//! by label and shared between programs, kernels chosen), moves bytes in and out of a program's
+//! buffers, and runs it. Ops are not trait methods: a backend matches on [`crate::ir::Op`] and
+//! hands each family to its own module, so adding an op touches no trait.
+
+use crate::dtype::HostType;
+use crate::error::CoreError;
+use crate::ir::{Buf, Graph};
+
+pub trait Backend {
+    /// A graph prepared for this backend.
+    type Program;
+    type Error: std::error::Error + From<CoreError> + Send + Sync + 'static;
+
+    fn name(&self) -> &'static str;
+
+    /// Plans the graph's memory, allocates (zeroed) any weight or state not allocated by an
+    /// earlier program, and prepares execution.
+    fn prepare(&mut self, graph: &Graph) -> Result<Self::Program, Self::Error>;
+
+    /// The graph a program was prepared from.
+    fn graph(program: &Self::Program) -> &Graph;
+
+    /// Copies `bytes` into `buf` starting `offset` bytes in. Bounds are checked by the caller.
+    fn write_bytes(
+        &mut self,
+        program: &mut Self::Program,
+        buf: Buf,
+        offset: usize,
+        bytes: &[u8],
+    ) -> Result<(), Self::Error>;
+
+    /// Copies the first `out.len()` bytes of `buf`. Bounds are checked by the caller.
+    fn read_bytes(&mut self, program: &Self::Program, buf: Buf, out: &mut [u8]) -> Result<(), Self::Error>;
+
+    /// Runs every node in order. Inputs must have been written.
+    fn run(&mut self, program: &mut Self::Program) -> Result<(), Self::Error>;
+
+    /// Writes `data` at the start of `buf`: a shorter slice fills a prefix, a longer one is an
+    /// error, and so is a dtype other than the buffer's.
+    fn upload<T: HostType>(
+        &mut self,
+        program: &mut Self::Program,
+        buf: impl Into<Buf>,
+        data: &[T],
+    ) -> Result<(), Self::Error> {
+        self.upload_at(program, buf, 0, data)
+    }
+
+    /// Writes `data` starting at element `offset` of `buf`.
+    fn upload_at<T: HostType>(
+        &mut self,
+        program: &mut Self::Program,
+        buf: impl Into<Buf>,
+        offset: usize,
+        data: &[T],
+    ) -> Result<(), Self::Error> {
+        let buf = buf.into();
+        let d = Self::graph(program).decl(buf);
+        if d.dtype != T::DTYPE {
+            return Err(CoreError::DTypeMismatch {
+                label: d.label.clone(),
+                buffer: d.dtype,
+                host: T::DTYPE,
+            }
+            .into());
+        }
+        if offset + data.len() > d.elem_count() {
+            return Err(CoreError::OutOfBounds {
+                label: d.label.clone(),
+                offset,
+                len: data.len(),
+                capacity: d.elem_count(),
+            }
+            .into());
+        }
+        let size = std::mem::size_of::<T>();
+        self.write_bytes(program, buf, offset * size, bytemuck::cast_slice(data))
+    }
+
+    /// Reads the whole of `buf`.
+    fn download<T: HostType>(
+        &mut self,
+        program: &Self::Program,
+        buf: impl Into<Buf>,
+    ) -> Result<Vec<T>, Self::Error> {
+        let buf = buf.into();
+        let d = Self::graph(program).decl(buf);
+        if d.dtype != T::DTYPE {
+            return Err(CoreError::DTypeMismatch {
+                label: d.label.clone(),
+                buffer: d.dtype,
+                host: T::DTYPE,
+            }
+            .into());
+        }
+        let mut out = vec![T::zeroed(); d.elem_count()];
+        self.read_bytes(program, buf, bytemuck::cast_slice_mut(&mut out))?;
+        Ok(out)
+    }
+}

@@ -1,0 +1,211 @@
+//! Kestrel's CPU backend, the oracle every other backend is checked against.
+//!
+//! Plain loops with f32 accumulation, shapes in comments, parallel with rayon over output rows
+//! where it matters. Memory follows the same [`Plan`] as every backend: weights and states live
+//! in the backend (shared by label between programs), inputs and outputs and the transient
+//! arena in the program.
+
+#![forbid(unsafe_code)]
+// Index loops mirror the formulas they implement (`out[t * d + i]`); iterator chains would hide them.
+#![allow(clippy::needless_range_loop)]
+
+pub mod ops;
+pub mod testing;
+mod views;
+
+use std::collections::HashMap;
+
+use kestrel_core::ir::{Buf, BufKind, Graph};
+use kestrel_core::planner::{Plan, Slot};
+use kestrel_core::{Backend, CoreError};
+
+pub use views::{Floats, Views};
+
+#[derive(Debug, thiserror::Error)]
+pub enum CpuError {
+    #[error(transparent)]
+    Core(#[from] CoreError),
+    #[error("persistent buffer {label} is declared as {new} here but was {old} before")]
+    PersistentMismatch { label: String, old: String, new: String },
+    #[error("node {node}: {reason}")]
+    Op { node: String, reason: String },
+}
+
+pub type Result<T, E = CpuError> = std::result::Result<T, E>;
+
+/// Zeroed bytes aligned to 8 (enough for every dtype).
+#[derive(Debug, Clone)]
+pub(crate) struct Storage {
+    words: Vec<u64>,
+    len: usize,
+}
+
+impl Storage {
+    fn new(len: usize) -> Self {
+        Storage {
+            words: vec![0; len.div_ceil(8)],
+            len,
+        }
+    }
+    pub(crate) fn bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice(&self.words)[..self.len]
+    }
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
+    }
+}
+
+/// The CPU backend: weights and states by label.
+#[derive(Debug, Default)]
+pub struct CpuBackend {
+    persistent: HashMap<String, (String, Storage)>,
+}
+
+/// A graph prepared for the CPU: its plan, arena and dedicated buffers.
+#[derive(Debug)]
+pub struct CpuProgram {
+    graph: Graph,
+    plan: Plan,
+    arena: Storage,
+    dedicated: HashMap<Buf, Storage>,
+}
+
+impl CpuProgram {
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+}
+
+fn signature(d: &kestrel_core::ir::BufDecl) -> String {
+    format!("{} {:?}", d.dtype, d.shape)
+}
+
+impl CpuBackend {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Storage of `buf`, for reading.
+    fn bytes<'a>(&'a self, p: &'a CpuProgram, buf: Buf) -> &'a [u8] {
+        let d = p.graph.decl(buf);
+        match p.plan.slots[buf.index()] {
+            Slot::Persistent => self.persistent[&d.label].1.bytes(),
+            Slot::Dedicated => p.dedicated[&buf].bytes(),
+            Slot::Arena { offset } => &p.arena.bytes()[offset..offset + d.byte_len()],
+            Slot::Unused => &[],
+        }
+    }
+}
+
+impl Backend for CpuBackend {
+    type Program = CpuProgram;
+    type Error = CpuError;
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn prepare(&mut self, graph: &Graph) -> Result<CpuProgram> {
+        let plan = Plan::new(graph);
+        let mut dedicated = HashMap::new();
+        for (i, d) in graph.bufs.iter().enumerate() {
+            match d.kind {
+                BufKind::Weight | BufKind::State => {
+                    let sig = signature(d);
+                    match self.persistent.get(&d.label) {
+                        Some((old, _)) if *old != sig => {
+                            return Err(CpuError::PersistentMismatch {
+                                label: d.label.clone(),
+                                old: old.clone(),
+                                new: sig,
+                            })
+                        }
+                        Some(_) => {}
+                        None => {
+                            self.persistent
+                                .insert(d.label.clone(), (sig, Storage::new(d.byte_len())));
+                        }
+                    }
+                }
+                BufKind::Input | BufKind::Output => {
+                    dedicated.insert(Buf(i as u32), Storage::new(d.byte_len()));
+                }
+                BufKind::Transient => {}
+            }
+        }
+        Ok(CpuProgram {
+            graph: graph.clone(),
+            arena: Storage::new(plan.arena_bytes),
+            plan,
+            dedicated,
+        })
+    }
+
+    fn graph(program: &CpuProgram) -> &Graph {
+        &program.graph
+    }
+
+    fn write_bytes(&mut self, p: &mut CpuProgram, buf: Buf, offset: usize, bytes: &[u8]) -> Result<()> {
+        let d = p.graph.decl(buf).clone();
+        let dst: &mut [u8] = match p.plan.slots[buf.index()] {
+            Slot::Persistent => self
+                .persistent
+                .get_mut(&d.label)
+                .expect("allocated in prepare")
+                .1
+                .bytes_mut(),
+            Slot::Dedicated => p
+                .dedicated
+                .get_mut(&buf)
+                .expect("allocated in prepare")
+                .bytes_mut(),
+            Slot::Arena { offset: o } => &mut p.arena.bytes_mut()[o..o + d.byte_len()],
+            Slot::Unused => &mut [],
+        };
+        if offset + bytes.len() > dst.len() {
+            return Err(CoreError::OutOfBounds {
+                label: d.label,
+                offset,
+                len: bytes.len(),
+                capacity: dst.len(),
+            }
+            .into());
+        }
+        dst[offset..offset + bytes.len()].copy_from_slice(bytes);
+        Ok(())
+    }
+
+    fn read_bytes(&mut self, p: &CpuProgram, buf: Buf, out: &mut [u8]) -> Result<()> {
+        let src = self.bytes(p, buf);
+        if out.len() > src.len() {
+            let d = p.graph.decl(buf);
+            return Err(CoreError::OutOfBounds {
+                label: d.label.clone(),
+                offset: 0,
+                len: out.len(),
+                capacity: src.len(),
+            }
+            .into());
+        }
+        out.copy_from_slice(&src[..out.len()]);
+        Ok(())
+    }
+
+    fn run(&mut self, p: &mut CpuProgram) -> Result<()> {
+        for node in &p.graph.nodes {
+            let mut views = Views::for_node(
+                &p.graph,
+                &p.plan,
+                node,
+                &mut p.arena,
+                &mut p.dedicated,
+                &mut self.persistent,
+            )?;
+            ops::exec(&node.op, &mut views).map_err(|reason| CpuError::Op {
+                node: node.label.clone(),
+                reason,
+            })?;
+        }
+        Ok(())
+    }
+}

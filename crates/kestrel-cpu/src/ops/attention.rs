@@ -1,0 +1,112 @@
+//! Full attention with a KV cache: append keys and values at their positions, then causal
+//! attention with grouped-query heads (query head h reads kv head h / (heads / kv_heads)).
+
+use half::{bf16, f16};
+use kestrel_core::ir::Op;
+use kestrel_core::DType;
+use rayon::prelude::*;
+
+use super::OpResult;
+use crate::views::Views;
+
+/// Stores `src` at element `at` of a cache of `dtype`.
+fn store(cache: &mut [u8], dtype: DType, at: usize, src: &[f32]) -> OpResult {
+    match dtype {
+        DType::F32 => bytemuck::cast_slice_mut::<u8, f32>(cache)[at..at + src.len()].copy_from_slice(src),
+        DType::BF16 => {
+            for (d, s) in bytemuck::cast_slice_mut::<u8, bf16>(cache)[at..at + src.len()]
+                .iter_mut()
+                .zip(src)
+            {
+                *d = bf16::from_f32(*s);
+            }
+        }
+        DType::F16 => {
+            for (d, s) in bytemuck::cast_slice_mut::<u8, f16>(cache)[at..at + src.len()]
+                .iter_mut()
+                .zip(src)
+            {
+                *d = f16::from_f32(*s);
+            }
+        }
+        other => return Err(format!("cache dtype {other}")),
+    }
+    Ok(())
+}
+
+pub fn exec(op: &Op, v: &mut Views) -> OpResult {
+    match *op {
+        // k, v: [tokens, kv_heads, head_dim]; caches: [kv_heads, max_ctx, head_dim]
+        Op::KvAppend {
+            k,
+            v: val,
+            positions,
+            k_cache,
+            v_cache,
+            tokens,
+            kv_heads,
+            head_dim,
+            max_ctx,
+        } => {
+            let (k, val, pos) = (v.read::<f32>(k)?, v.read::<f32>(val)?, v.read::<u32>(positions)?);
+            let (kd, vd) = (v.dtype(k_cache), v.dtype(v_cache));
+            let (kc, vc) = (v.write_bytes(k_cache)?, v.write_bytes(v_cache)?);
+            for t in 0..tokens {
+                let p = pos[t] as usize;
+                if p >= max_ctx {
+                    return Err(format!("position {p} outside a cache of {max_ctx}"));
+                }
+                for h in 0..kv_heads {
+                    let src = (t * kv_heads + h) * head_dim;
+                    let dst = (h * max_ctx + p) * head_dim;
+                    store(kc, kd, dst, &k[src..src + head_dim])?;
+                    store(vc, vd, dst, &val[src..src + head_dim])?;
+                }
+            }
+        }
+        // q, out: [tokens, heads, head_dim]
+        Op::Attention {
+            q,
+            k_cache,
+            v_cache,
+            positions,
+            out,
+            heads,
+            kv_heads,
+            head_dim,
+            max_ctx,
+            scale,
+            ..
+        } => {
+            let (q, pos) = (v.read::<f32>(q)?, v.read::<u32>(positions)?);
+            let (kc, vc) = (v.floats(k_cache)?, v.floats(v_cache)?);
+            let out = v.write::<f32>(out)?;
+            if let Some(&p) = pos.iter().find(|&&p| p as usize >= max_ctx) {
+                return Err(format!("position {p} outside a cache of {max_ctx}"));
+            }
+            let group = heads / kv_heads;
+            out.par_chunks_mut(head_dim).enumerate().for_each(|(row, o)| {
+                let (t, h) = (row / heads, row % heads);
+                let kvh = h / group;
+                let qv = &q[row * head_dim..(row + 1) * head_dim];
+                let n = pos[t] as usize + 1;
+                // scores over cache rows 0..n, softmax with the max subtracted.
+                let scores: Vec<f32> = (0..n)
+                    .map(|j| scale * kc.dot((kvh * max_ctx + j) * head_dim, qv))
+                    .collect();
+                let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let e: Vec<f32> = scores.iter().map(|s| (s - m).exp()).collect();
+                let sum: f32 = e.iter().sum();
+                o.fill(0.0);
+                for (j, p) in e.iter().enumerate() {
+                    let base = (kvh * max_ctx + j) * head_dim;
+                    for (d, o) in o.iter_mut().enumerate() {
+                        *o += p / sum * vc.get(base + d);
+                    }
+                }
+            });
+        }
+        _ => return Err(format!("{} is not attention", op.name())),
+    }
+    Ok(())
+}

@@ -1,0 +1,52 @@
+//! The output head's selections: argmax and top-k per row (the lower index wins ties).
+
+use kestrel_core::ir::Op;
+
+use super::OpResult;
+use crate::views::Views;
+
+/// Indices of the `k` largest values, descending, ties to the lower index.
+pub fn top_k(row: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..row.len()).collect();
+    idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx
+}
+
+pub fn exec(op: &Op, v: &mut Views) -> OpResult {
+    match *op {
+        Op::Argmax {
+            logits, out, cols, ..
+        } => {
+            let (l, o) = (v.read::<f32>(logits)?, v.write::<u32>(out)?);
+            for (o, row) in o.iter_mut().zip(l.chunks(cols)) {
+                let mut best = 0;
+                for (i, &x) in row.iter().enumerate() {
+                    if x > row[best] {
+                        best = i;
+                    }
+                }
+                *o = best as u32;
+            }
+        }
+        Op::TopK {
+            logits,
+            ids,
+            values,
+            cols,
+            k,
+            ..
+        } => {
+            let l = v.read::<f32>(logits)?;
+            let (ids, vals) = (v.write::<u32>(ids)?, v.write::<f32>(values)?);
+            for (r, row) in l.chunks(cols).enumerate() {
+                for (j, i) in top_k(row, k).into_iter().enumerate() {
+                    ids[r * k + j] = i as u32;
+                    vals[r * k + j] = row[i];
+                }
+            }
+        }
+        _ => return Err(format!("{} is not a head op", op.name())),
+    }
+    Ok(())
+}

@@ -1,0 +1,871 @@
+//! Op test cases shared by every backend's tests: each case is a small graph over random data
+//! of a random shape (deliberately not a multiple of any tile), plus a float64 reference of
+//! what it must compute, written naively and independently of the CPU backend.
+//!
+//! The CPU tests compare the CPU backend with the references; the CUDA tests compare CUDA with
+//! the CPU backend on the same cases.
+
+use half::{bf16, f16};
+use kestrel_core::ir::*;
+use kestrel_core::quant::{QuantFormat, QuantMatrix};
+use kestrel_core::rng::Rng;
+use kestrel_core::rope::{RopeScaling, RopeTable};
+use kestrel_core::{Backend, DType, GraphBuilder};
+
+/// What a checked buffer must hold.
+#[derive(Debug, Clone)]
+pub enum Expect {
+    /// f32 values, compared by max |error| / max |reference|.
+    Floats(Vec<f64>),
+    /// Exact u32 values.
+    Ids(Vec<u32>),
+}
+
+#[derive(Debug, Clone)]
+pub struct Check {
+    pub buf: Buf,
+    pub label: String,
+    pub expect: Expect,
+}
+
+/// A graph, the bytes of every buffer the host supplies, and what to check after one run.
+pub struct Case {
+    pub name: String,
+    pub graph: Graph,
+    pub data: Vec<(Buf, Vec<u8>)>,
+    pub checks: Vec<Check>,
+}
+
+/// Bytes of every checked buffer after running `case` once on `backend`.
+pub fn run_case<B: Backend>(backend: &mut B, case: &Case) -> Result<Vec<Vec<u8>>, B::Error> {
+    let mut p = backend.prepare(&case.graph)?;
+    for (buf, bytes) in &case.data {
+        backend.write_bytes(&mut p, *buf, 0, bytes)?;
+    }
+    backend.run(&mut p)?;
+    case.checks
+        .iter()
+        .map(|c| {
+            let mut out = vec![0u8; case.graph.decl(c.buf).byte_len()];
+            backend.read_bytes(&p, c.buf, &mut out)?;
+            Ok(out)
+        })
+        .collect()
+}
+
+/// max |got - want| / max(max |want|, 1e-30).
+pub fn rel_err(got: &[f32], want: &[f64]) -> f64 {
+    let scale = want.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
+    let worst = got.iter().zip(want).fold(0f64, |m, (g, w)| {
+        if g.is_nan() {
+            f64::INFINITY
+        } else {
+            m.max((*g as f64 - w).abs())
+        }
+    });
+    worst / scale
+}
+
+pub fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytemuck::pod_collect_to_vec(bytes)
+}
+
+pub fn u32s(bytes: &[u8]) -> Vec<u32> {
+    bytemuck::pod_collect_to_vec(bytes)
+}
+
+/// Builds a case: declares buffers with random contents and remembers their bytes.
+pub struct CaseBuilder {
+    pub g: GraphBuilder,
+    pub rng: Rng,
+    data: Vec<(Buf, Vec<u8>)>,
+    checks: Vec<(Buf, Expect)>,
+}
+
+/// Values as a weight of `dtype` stores them, widened to f64.
+fn stored(values: &[f32], dtype: DType) -> (Vec<u8>, Vec<f64>) {
+    match dtype {
+        DType::F32 => (
+            bytemuck::cast_slice(values).to_vec(),
+            values.iter().map(|&v| v as f64).collect(),
+        ),
+        DType::BF16 => {
+            let h: Vec<bf16> = values.iter().map(|&v| bf16::from_f32(v)).collect();
+            (
+                bytemuck::cast_slice(&h).to_vec(),
+                h.iter().map(|v| v.to_f64()).collect(),
+            )
+        }
+        DType::F16 => {
+            let h: Vec<f16> = values.iter().map(|&v| f16::from_f32(v)).collect();
+            (
+                bytemuck::cast_slice(&h).to_vec(),
+                h.iter().map(|v| v.to_f64()).collect(),
+            )
+        }
+        other => panic!("{other} is not a float dtype"),
+    }
+}
+
+impl CaseBuilder {
+    pub fn new(rng: Rng) -> Self {
+        CaseBuilder {
+            g: GraphBuilder::new(),
+            rng,
+            data: Vec::new(),
+            checks: Vec::new(),
+        }
+    }
+
+    pub fn randn(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        // Sum of uniforms: a cheap bell shape with full support around zero.
+        (0..n)
+            .map(|_| (self.rng.symmetric() + self.rng.symmetric() + self.rng.symmetric()) * scale)
+            .collect()
+    }
+
+    pub fn set(&mut self, buf: impl Into<Buf>, bytes: Vec<u8>) {
+        self.data.push((buf.into(), bytes));
+    }
+
+    /// A float weight of `dtype` with random values; returns its id and stored values.
+    pub fn weight(
+        &mut self,
+        label: &str,
+        dtype: DType,
+        shape: &[usize],
+        scale: f32,
+    ) -> (BufId<Weight>, Vec<f64>) {
+        let n = shape.iter().product();
+        let values = self.randn(n, scale);
+        self.weight_from(label, dtype, shape, &values)
+    }
+
+    pub fn weight_from(
+        &mut self,
+        label: &str,
+        dtype: DType,
+        shape: &[usize],
+        values: &[f32],
+    ) -> (BufId<Weight>, Vec<f64>) {
+        let id = self.g.weight(label, dtype, shape.to_vec());
+        let (bytes, f) = stored(values, dtype);
+        self.set(id, bytes);
+        (id, f)
+    }
+
+    /// A `[rows, cols]` projection weight, dense of `dtype` or quantised; returns the weight
+    /// and its values as the kernels must see them (dequantised for quantised weights).
+    pub fn linear_weight(
+        &mut self,
+        label: &str,
+        rows: usize,
+        cols: usize,
+        format: Option<QuantFormat>,
+        dtype: DType,
+    ) -> (LinearWeight, Vec<f64>) {
+        let scale = 1.0 / (cols as f32).sqrt();
+        match format {
+            None => {
+                let (w, f) = self.weight(label, dtype, &[rows, cols], scale);
+                (LinearWeight::Dense(w), f)
+            }
+            Some(q) => {
+                let values = self.randn(rows * cols, scale);
+                let m = QuantMatrix::quantize(&values, rows, cols, q);
+                let lw = self.g.quant_weight(label, rows, cols, q);
+                let LinearWeight::Quant {
+                    weight,
+                    scales,
+                    biases,
+                    ..
+                } = lw
+                else {
+                    unreachable!()
+                };
+                self.set(weight, bytemuck::cast_slice(&m.weight).to_vec());
+                self.set(scales, bytemuck::cast_slice(&m.scales).to_vec());
+                self.set(biases, bytemuck::cast_slice(&m.biases).to_vec());
+                (lw, m.dequantize().iter().map(|&v| v as f64).collect())
+            }
+        }
+    }
+
+    pub fn act(&mut self, label: &str, rows: usize, cols: usize, scale: f32) -> (BufId<Act>, Vec<f64>) {
+        let values = self.randn(rows * cols, scale);
+        let id = self.g.act_input(label, rows, cols);
+        self.set(id, bytemuck::cast_slice(&values).to_vec());
+        (id, values.iter().map(|&v| v as f64).collect())
+    }
+
+    pub fn residual(&mut self, label: &str, rows: usize, cols: usize) -> (BufId<Residual>, Vec<f64>) {
+        let values = self.randn(rows * cols, 1.0);
+        let id = self.g.residual_input(label, rows, cols);
+        self.set(id, bytemuck::cast_slice(&values).to_vec());
+        (id, values.iter().map(|&v| v as f64).collect())
+    }
+
+    pub fn positions(&mut self, label: &str, pos: &[u32]) -> BufId<Positions> {
+        let id = self.g.positions_input(label, pos.len());
+        self.set(id, bytemuck::cast_slice(pos).to_vec());
+        id
+    }
+
+    pub fn state(&mut self, label: &str, shape: &[usize], scale: f32) -> (BufId<State>, Vec<f64>) {
+        let n = shape.iter().product();
+        let values = self.randn(n, scale);
+        let id = self.g.state(label, DType::F32, shape.to_vec());
+        self.set(id, bytemuck::cast_slice(&values).to_vec());
+        (id, values.iter().map(|&v| v as f64).collect())
+    }
+
+    pub fn check_floats<R: Role>(&mut self, id: BufId<R>, expect: Vec<f64>) {
+        self.g.mark_output(id);
+        self.checks.push((id.raw(), Expect::Floats(expect)));
+    }
+
+    pub fn check_ids<R: Role>(&mut self, id: BufId<R>, expect: Vec<u32>) {
+        self.g.mark_output(id);
+        self.checks.push((id.raw(), Expect::Ids(expect)));
+    }
+
+    pub fn finish(self, name: impl Into<String>) -> Case {
+        let name = name.into();
+        let graph = self.g.finish().unwrap_or_else(|e| panic!("case {name}: {e}"));
+        let checks = self
+            .checks
+            .into_iter()
+            .map(|(buf, expect)| Check {
+                buf,
+                label: graph.decl(buf).label.clone(),
+                expect,
+            })
+            .collect();
+        Case {
+            name,
+            graph,
+            data: self.data,
+            checks,
+        }
+    }
+}
+
+// ---- float64 references ----
+
+pub mod reference {
+    //! Naive float64 versions of every op.
+
+    pub fn silu(x: f64) -> f64 {
+        x / (1.0 + (-x).exp())
+    }
+
+    pub fn sigmoid(x: f64) -> f64 {
+        1.0 / (1.0 + (-x).exp())
+    }
+
+    pub fn rms_norm(x: &[f64], w: &[f64], dim: usize, eps: f64, zero_centered: bool) -> Vec<f64> {
+        x.chunks(dim)
+            .flat_map(|row| {
+                let ms = row.iter().map(|v| v * v).sum::<f64>() / dim as f64;
+                let inv = 1.0 / (ms + eps).sqrt();
+                row.iter()
+                    .enumerate()
+                    .map(move |(i, v)| v * inv * if zero_centered { 1.0 + w[i] } else { w[i] })
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    /// `y[t, o] = Σ_i x[t, i] w[o, i]`.
+    pub fn linear(x: &[f64], w: &[f64], in_dim: usize, out_dim: usize) -> Vec<f64> {
+        x.chunks(in_dim)
+            .flat_map(|xr| {
+                (0..out_dim).map(move |o| (0..in_dim).map(|i| xr[i] * w[o * in_dim + i]).sum::<f64>())
+            })
+            .collect()
+    }
+
+    pub fn softmax(x: &[f64]) -> Vec<f64> {
+        let m = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let e: Vec<f64> = x.iter().map(|v| (v - m).exp()).collect();
+        let s: f64 = e.iter().sum();
+        e.iter().map(|v| v / s).collect()
+    }
+
+    pub fn top_k(x: &[f64], k: usize) -> Vec<usize> {
+        let mut idx: Vec<usize> = (0..x.len()).collect();
+        idx.sort_by(|&a, &b| x[b].total_cmp(&x[a]).then(a.cmp(&b)));
+        idx.truncate(k);
+        idx
+    }
+
+    pub fn softplus(x: f64) -> f64 {
+        if x > 20.0 {
+            x
+        } else {
+            x.exp().ln_1p()
+        }
+    }
+
+    pub fn l2norm(x: &[f64]) -> Vec<f64> {
+        let inv = 1.0 / (x.iter().map(|v| v * v).sum::<f64>() + 1e-6).sqrt();
+        x.iter().map(|v| v * inv).collect()
+    }
+
+    /// The gated delta rule for one value head, token by token; `s: [dk, dv]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn delta_head(
+        q: &[Vec<f64>],
+        k: &[Vec<f64>],
+        v: &[Vec<f64>],
+        g: &[f64],
+        beta: &[f64],
+        s: &mut [f64],
+        dk: usize,
+        dv: usize,
+    ) -> Vec<Vec<f64>> {
+        let mut outs = Vec::new();
+        for t in 0..g.len() {
+            let qn: Vec<f64> = l2norm(&q[t]).iter().map(|x| x / (dk as f64).sqrt()).collect();
+            let kn = l2norm(&k[t]);
+            s.iter_mut().for_each(|x| *x *= g[t].exp());
+            let mem: Vec<f64> = (0..dv)
+                .map(|j| (0..dk).map(|i| s[i * dv + j] * kn[i]).sum())
+                .collect();
+            let delta: Vec<f64> = (0..dv).map(|j| (v[t][j] - mem[j]) * beta[t]).collect();
+            for i in 0..dk {
+                for j in 0..dv {
+                    s[i * dv + j] += kn[i] * delta[j];
+                }
+            }
+            outs.push(
+                (0..dv)
+                    .map(|j| (0..dk).map(|i| s[i * dv + j] * qn[i]).sum())
+                    .collect(),
+            );
+        }
+        outs
+    }
+}
+
+use reference as r;
+
+fn pick<T: Copy>(rng: &mut Rng, xs: &[T]) -> T {
+    xs[rng.range(0, xs.len())]
+}
+
+// ---- the cases ----
+
+pub fn embed(rng: Rng) -> Case {
+    let mut c = CaseBuilder::new(rng);
+    let (vocab, hidden, tokens) = (c.rng.range(5, 300), 64 * c.rng.range(1, 4), c.rng.range(1, 9));
+    let format = pick(&mut c.rng, &[None, Some(QuantFormat::Q4), Some(QuantFormat::Q8)]);
+    let dtype = pick(&mut c.rng, &[DType::BF16, DType::F16, DType::F32]);
+    let (table, tf) = c.linear_weight("embed", vocab, hidden, format, dtype);
+    let ids: Vec<u32> = (0..tokens).map(|_| c.rng.range(0, vocab) as u32).collect();
+    let idb = c.g.tokens_input("ids", tokens);
+    c.set(idb, bytemuck::cast_slice(&ids).to_vec());
+    let out = c.g.embed("embed", &table, idb);
+    let expect = ids
+        .iter()
+        .flat_map(|&i| tf[i as usize * hidden..(i as usize + 1) * hidden].to_vec())
+        .collect();
+    c.check_floats(out, expect);
+    c.finish(format!("embed {vocab}x{hidden} {format:?} {dtype}"))
+}
+
+pub fn rms_norm(rng: Rng) -> Case {
+    let mut c = CaseBuilder::new(rng);
+    let (rows, dim) = (c.rng.range(1, 9), c.rng.range(1, 700));
+    let kind = pick(&mut c.rng, &[NormKind::Standard, NormKind::ZeroCentered]);
+    let dtype = pick(&mut c.rng, &[DType::BF16, DType::F32]);
+    let (x, xf) = c.residual("x", rows, dim);
+    let (w, wf) = c.weight("w", dtype, &[dim], 0.5);
+    let out = c.g.rms_norm("norm", x, w, 1e-6, kind);
+    c.check_floats(
+        out,
+        r::rms_norm(&xf, &wf, dim, 1e-6, kind == NormKind::ZeroCentered),
+    );
+    c.finish(format!("rms_norm {rows}x{dim} {kind:?} {dtype}"))
+}
+
+pub fn head_norm(rng: Rng) -> Case {
+    let mut c = CaseBuilder::new(rng);
+    let (tokens, heads, hd) = (
+        c.rng.range(1, 7),
+        c.rng.range(1, 9),
+        pick(&mut c.rng, &[64, 80, 128, 256]),
+    );
+    let (x, xf) = c.act("x", tokens, heads * hd, 1.0);
+    let (w, wf) = c.weight("w", DType::BF16, &[hd], 0.5);
+    let out = c.g.head_norm("qnorm", x, w, hd, 1e-6, NormKind::ZeroCentered);
+    c.check_floats(out, r::rms_norm(&xf, &wf, hd, 1e-6, true));
+    c.finish(format!("head_norm {tokens}x{heads}x{hd}"))
+}
+
+pub fn add_rms_norm(rng: Rng) -> Case {
+    let mut c = CaseBuilder::new(rng);
+    let (rows, dim) = (c.rng.range(1, 9), c.rng.range(1, 700));
+    let (res, rf) = c.residual("res", rows, dim);
+    let (x, xf) = c.act("x", rows, dim, 1.0);
+    let (w, wf) = c.weight("w", DType::BF16, &[dim], 0.5);
+    let out = c.g.add_rms_norm("add_norm", res, x, w, 1e-6, NormKind::Standard);
+    let sum: Vec<f64> = rf.iter().zip(&xf).map(|(a, b)| a + b).collect();
+    c.check_floats(out, r::rms_norm(&sum, &wf, dim, 1e-6, false));
+    c.g.mark_output(res);
+    c.checks.push((res.raw(), Expect::Floats(sum)));
+    c.finish(format!("add_rms_norm {rows}x{dim}"))
+}
+
+pub fn gated_rms_norm(rng: Rng) -> Case {
+    let mut c = CaseBuilder::new(rng);
+    let (rows, dim) = (c.rng.range(1, 20), pick(&mut c.rng, &[64, 100, 128]));
+    let (x, xf) = c.act("x", rows, dim, 1.0);
+    let (z, zf) = c.act("z", rows, dim, 2.0);
+    let (w, wf) = c.weight("w", DType::F32, &[dim], 0.5);
+    let out = c.g.gated_rms_norm("gnorm", x, z, w, dim, 1e-6);
+    let n = r::rms_norm(&xf, &wf, dim, 1e-6, false);
+    c.check_floats(out, n.iter().zip(&zf).map(|(a, z)| a * r::silu(*z)).collect());
+    c.finish(format!("gated_rms_norm {rows}x{dim}"))
+}
+
+pub fn rope(rng: Rng) -> Case {
+    let mut c = CaseBuilder::new(rng);
+    let (tokens, heads, hd) = (
+        c.rng.range(1, 8),
+        c.rng.range(1, 6),
+        pick(&mut c.rng, &[64, 128, 256]),
+    );
+    let partial = pick(&mut c.rng, &[1.0, 0.25, 0.5]);
+    let scaling = if c.rng.next_f32() < 0.5 {
+        RopeScaling::None
+    } else {
+        RopeScaling::Yarn {
+            factor: 4.0,
+            original_max_position_embeddings: 4096.0,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            attention_factor: None,
+            mscale: None,
+            mscale_all_dim: None,
+            truncate: true,
+        }
+    };
+    let table = RopeTable::new(1e6, hd, partial, &scaling);
+    let (freq, _) = c.weight_from("inv_freq", DType::F32, &[table.rot_dim / 2], &table.inv_freq);
+    let start = c.rng.range(0, 40_000) as u32;
+    let pos: Vec<u32> = (0..tokens as u32).map(|t| start + t).collect();
+    let p = c.positions("pos", &pos);
+    let (x, xf) = c.act("x", tokens, heads * hd, 1.0);
+    c.g.rope(
+        "rope",
+        x,
+        p,
+        freq,
+        heads,
+        hd,
+        table.rot_dim,
+        table.attention_scaling,
+    );
+    let half = table.rot_dim / 2;
+    let mut expect = xf.clone();
+    for t in 0..tokens {
+        for h in 0..heads {
+            let base = (t * heads + h) * hd;
+            for i in 0..half {
+                // The angle as transformers computes it: f32 product, then cos/sin.
+                let a = (pos[t] as f32 * table.inv_freq[i]) as f64;
+                let (cs, sn) = (
+                    a.cos() * table.attention_scaling as f64,
+                    a.sin() * table.attention_scaling as f64,
+                );
+                let (x1, x2) = (xf[base + i], xf[base + i + half]);
+                expect[base + i] = x1 * cs - x2 * sn;
+                expect[base + i + half] = x2 * cs + x1 * sn;
+            }
+        }
+    }
+    c.check_floats(x, expect);
+    c.finish(format!(
+        "rope {tokens}x{heads}x{hd} rot {} from {start}",
+        table.rot_dim
+    ))
+}
+
+pub fn linear(rng: Rng) -> Case {
+    let mut c = CaseBuilder::new(rng);
+    let format = pick(
+        &mut c.rng,
+        &[None, None, Some(QuantFormat::Q4), Some(QuantFormat::Q8)],
+    );
+    let in_dim = if format.is_some() {
+        64 * c.rng.range(1, 12)
+    } else {
+        c.rng.range(1, 700)
+    };
+    let (tokens, out_dim) = (pick(&mut c.rng, &[1, 1, 2, 5, 17]), c.rng.range(1, 600));
+    let dtype = pick(&mut c.rng, &[DType::BF16, DType::F16, DType::F32]);
+    let (w, wf) = c.linear_weight("w", out_dim, in_dim, format, dtype);
+    let (x, xf) = c.act("x", tokens, in_dim, 1.0);
+    let y = c.g.linear("proj", x, &w);
+    c.check_floats(y, r::linear(&xf, &wf, in_dim, out_dim));
+    c.finish(format!("linear {tokens}x{in_dim}->{out_dim} {format:?} {dtype}"))
+}
+
+pub fn elementwise(rng: Rng) -> Case {
+    let mut c = CaseBuilder::new(rng);
+    let (rows, groups) = (c.rng.range(1, 6), c.rng.range(1, 5));
+    let widths = [c.rng.range(1, 40), c.rng.range(1, 40)];
+    let total = widths[0] + widths[1];
+    let (x, xf) = c.act("x", rows, groups * total, 1.0);
+    let parts = c.g.split("split", x, groups, &widths);
+    let part = |k: usize| -> Vec<f64> {
+        let off = if k == 0 { 0 } else { widths[0] };
+        (0..rows * groups)
+            .flat_map(|rg| xf[rg * total + off..rg * total + off + widths[k]].to_vec())
+            .collect()
+    };
+    let (p0, p1) = (part(0), part(1));
+    let cols0 = groups * widths[0];
+    // sigmoid gate with a one-column gate over part 0, swiglu and add over parts of equal width
+    let (gate1, g1f) = c.act("gate1", rows, 1, 2.0);
+    let gated = c.g.sigmoid_gate("gate", parts[0], gate1);
+    let gated_f: Vec<f64> = p0
+        .iter()
+        .enumerate()
+        .map(|(i, v)| v * r::sigmoid(g1f[i / cols0]))
+        .collect();
+    let (u, uf) = c.act("u", rows, cols0, 1.0);
+    let sw = c.g.swiglu("swiglu", gated, u);
+    let sw_f: Vec<f64> = gated_f.iter().zip(&uf).map(|(g, u)| r::silu(*g) * u).collect();
+    let (gate_full, gff) = c.act("gate_full", rows, cols0, 2.0);
+    let gg = c.g.sigmoid_gate("gate2", sw, gate_full);
+    let gg_f: Vec<f64> = sw_f.iter().zip(&gff).map(|(v, g)| v * r::sigmoid(*g)).collect();
+    let sum = c.g.add("add", gg, u);
+    let sum_f: Vec<f64> = gg_f.iter().zip(&uf).map(|(a, b)| a + b).collect();
+    let last = c.g.last_row("last", sum);
+    let last_f = sum_f[(rows - 1) * cols0..].to_vec();
+    c.check_floats(parts[1], p1);
+    c.check_floats(sum, sum_f);
+    c.check_floats(last, last_f);
+    c.finish(format!("split/gates/swiglu/add {rows}x{groups}x{widths:?}"))
+}
+
+/// KV append of `tokens` new tokens after `past` cached ones, then causal GQA attention.
+pub fn attention(rng: Rng) -> Case {
+    let mut c = CaseBuilder::new(rng);
+    let kv_heads = c.rng.range(1, 4);
+    let heads = kv_heads * c.rng.range(1, 5);
+    let hd = pick(&mut c.rng, &[64, 128, 96]);
+    let tokens = pick(&mut c.rng, &[1, 1, 3, 19, 70]);
+    let past = c.rng.range(0, 90);
+    let max_ctx = past + tokens + c.rng.range(0, 20);
+    let dtype = pick(&mut c.rng, &[DType::F32, DType::BF16, DType::F16]);
+    // Cache rows before `past` hold earlier tokens (random), the rest is zero.
+    let mut kc = c.randn(kv_heads * max_ctx * hd, 1.0);
+    let mut vc = c.randn(kv_heads * max_ctx * hd, 1.0);
+    for h in 0..kv_heads {
+        for p in past..max_ctx {
+            for d in 0..hd {
+                kc[(h * max_ctx + p) * hd + d] = 0.0;
+                vc[(h * max_ctx + p) * hd + d] = 0.0;
+            }
+        }
+    }
+    let kcache = c.g.cache("k_cache", dtype, kv_heads, max_ctx, hd);
+    let vcache = c.g.cache("v_cache", dtype, kv_heads, max_ctx, hd);
+    let (kb, mut kf) = stored(&kc, dtype);
+    let (vb, mut vf) = stored(&vc, dtype);
+    c.set(kcache, kb);
+    c.set(vcache, vb);
+    let (k, knew) = c.act("k", tokens, kv_heads * hd, 1.0);
+    let (v, vnew) = c.act("v", tokens, kv_heads * hd, 1.0);
+    let (q, qf) = c.act("q", tokens, heads * hd, 1.0);
+    let pos: Vec<u32> = (0..tokens).map(|t| (past + t) as u32).collect();
+    let p = c.positions("pos", &pos);
+    c.g.kv_append("append", k, v, p, kcache, vcache);
+    let scale = 1.0 / (hd as f32).sqrt();
+    let out = c.g.attention("attn", q, kcache, vcache, p, heads, scale);
+    // The appended rows as the cache stores them.
+    let round = |x: f64| -> f64 {
+        match dtype {
+            // The inputs are f32 values; the cache rounds from f32 (half's f64 path breaks ties
+            // differently).
+            DType::BF16 => bf16::from_f32(x as f32).to_f64(),
+            DType::F16 => f16::from_f32(x as f32).to_f64(),
+            _ => x as f32 as f64,
+        }
+    };
+    for t in 0..tokens {
+        for h in 0..kv_heads {
+            for d in 0..hd {
+                kf[(h * max_ctx + past + t) * hd + d] = round(knew[(t * kv_heads + h) * hd + d]);
+                vf[(h * max_ctx + past + t) * hd + d] = round(vnew[(t * kv_heads + h) * hd + d]);
+            }
+        }
+    }
+    let group = heads / kv_heads;
+    let mut expect = vec![0f64; tokens * heads * hd];
+    for t in 0..tokens {
+        for h in 0..heads {
+            let kvh = h / group;
+            let qv = &qf[(t * heads + h) * hd..][..hd];
+            let n = past + t + 1;
+            let s: Vec<f64> = (0..n)
+                .map(|j| {
+                    scale as f64
+                        * (0..hd)
+                            .map(|d| qv[d] * kf[(kvh * max_ctx + j) * hd + d])
+                            .sum::<f64>()
+                })
+                .collect();
+            let p = r::softmax(&s);
+            for d in 0..hd {
+                expect[(t * heads + h) * hd + d] =
+                    (0..n).map(|j| p[j] * vf[(kvh * max_ctx + j) * hd + d]).sum();
+            }
+        }
+    }
+    c.check_floats(out, expect);
+    c.finish(format!(
+        "attention t{tokens} past{past} ctx{max_ctx} h{heads}/{kv_heads} d{hd} {dtype}"
+    ))
+}
+
+/// Writes `values` (row-major `[rows, cols]`) into an expert span as `layout` stores them;
+/// returns what the kernels must see.
+fn store_matrix(
+    span: &mut [u8],
+    m: MatrixSpan,
+    layout: &ExpertLayout,
+    values: &[f32],
+    rows: usize,
+    cols: usize,
+) -> Vec<f64> {
+    match layout.format {
+        ExpertFormat::Bf16 => {
+            let (bytes, f) = stored(values, DType::BF16);
+            span[m.weight..m.end].copy_from_slice(&bytes);
+            f
+        }
+        ExpertFormat::Quant(q) => {
+            let qm = QuantMatrix::quantize(values, rows, cols, q);
+            span[m.weight..m.scales].copy_from_slice(bytemuck::cast_slice(&qm.weight));
+            span[m.scales..m.biases].copy_from_slice(bytemuck::cast_slice(&qm.scales));
+            span[m.biases..m.end].copy_from_slice(bytemuck::cast_slice(&qm.biases));
+            qm.dequantize().iter().map(|&v| v as f64).collect()
+        }
+    }
+}
+
+/// The experts of one layer: the byte blob and, per expert, (gate, up, down) as f64.
+pub type ExpertValues = Vec<(Vec<f64>, Vec<f64>, Vec<f64>)>;
+
+pub fn random_experts(c: &mut CaseBuilder, layout: &ExpertLayout) -> (Vec<u8>, ExpertValues) {
+    let mut blob = vec![0u8; layout.total_bytes()];
+    let span = layout.span_bytes();
+    let (h, i) = (layout.hidden, layout.inter);
+    let mut values = Vec::new();
+    for e in 0..layout.experts {
+        let s = &mut blob[e * span..(e + 1) * span];
+        let gv = c.randn(i * h, 1.0 / (h as f32).sqrt());
+        let uv = c.randn(i * h, 1.0 / (h as f32).sqrt());
+        let dv = c.randn(h * i, 1.0 / (i as f32).sqrt());
+        let g = store_matrix(s, layout.gate(), layout, &gv, i, h);
+        let u = store_matrix(s, layout.up(), layout, &uv, i, h);
+        let d = store_matrix(s, layout.down(), layout, &dv, h, i);
+        values.push((g, u, d));
+    }
+    (blob, values)
+}
+
+pub fn moe(rng: Rng) -> Case {
+    let mut c = CaseBuilder::new(rng);
+    let experts = c.rng.range(2, 17);
+    let k = c.rng.range(1, experts.min(8) + 1);
+    let format = pick(
+        &mut c.rng,
+        &[
+            ExpertFormat::Bf16,
+            ExpertFormat::Quant(QuantFormat::Q4),
+            ExpertFormat::Quant(QuantFormat::Q8),
+        ],
+    );
+    let (hidden, inter) = match format {
+        ExpertFormat::Bf16 => (c.rng.range(8, 200), c.rng.range(8, 150)),
+        ExpertFormat::Quant(_) => (64 * c.rng.range(1, 4), 64 * c.rng.range(1, 3)),
+    };
+    let tokens = pick(&mut c.rng, &[1, 1, 4, 33]);
+    let normalize = c.rng.next_f32() < 0.5;
+    let layout = ExpertLayout {
+        experts,
+        hidden,
+        inter,
+        format,
+    };
+    let (logits, lf) = c.act("router_logits", tokens, experts, 2.0);
+    let (ids, weights) = c.g.router("router", logits, k, normalize);
+    let (x, xf) = c.act("x", tokens, hidden, 1.0);
+    let (blob, ev) = random_experts(&mut c, &layout);
+    let eb = c.g.weight("experts", DType::U8, [layout.total_bytes()]);
+    c.set(eb, blob);
+    let out = c.g.moe_experts("experts", x, ids, weights, eb, layout);
+    let mut exp_ids = Vec::new();
+    let mut exp_w = Vec::new();
+    let mut expect = vec![0f64; tokens * hidden];
+    for t in 0..tokens {
+        let p = r::softmax(&lf[t * experts..(t + 1) * experts]);
+        let top = r::top_k(&p, k);
+        let total: f64 = top.iter().map(|&i| p[i]).sum();
+        for &e in &top {
+            let w = if normalize { p[e] / total } else { p[e] };
+            exp_ids.push(e as u32);
+            exp_w.push(w);
+            let xt = &xf[t * hidden..(t + 1) * hidden];
+            let (g, u, d) = &ev[e];
+            let gx = r::linear(xt, g, hidden, inter);
+            let ux = r::linear(xt, u, hidden, inter);
+            let act: Vec<f64> = gx.iter().zip(&ux).map(|(g, u)| r::silu(*g) * u).collect();
+            let y = r::linear(&act, d, inter, hidden);
+            for (o, y) in expect[t * hidden..(t + 1) * hidden].iter_mut().zip(y) {
+                *o += w * y;
+            }
+        }
+    }
+    c.check_ids(ids, exp_ids);
+    c.check_floats(weights, exp_w);
+    c.check_floats(out, expect);
+    c.finish(format!(
+        "moe t{tokens} top{k}/{experts} {hidden}x{inter} {format:?} norm={normalize}"
+    ))
+}
+
+/// Conv1d from a random state, the gates, and the delta rule from a random state with `algo`.
+pub fn deltanet(rng: Rng, algo: DeltaAlgo) -> Case {
+    let mut c = CaseBuilder::new(rng);
+    let k_heads = c.rng.range(1, 3);
+    let v_heads = k_heads * c.rng.range(1, 3);
+    let (dk, dv) = (pick(&mut c.rng, &[16, 32, 48]), pick(&mut c.rng, &[16, 32, 40]));
+    let tokens = pick(&mut c.rng, &[1, 5, 7, 64, 70, 100]);
+    let kernel = 4;
+    let channels = 2 * k_heads * dk + v_heads * dv;
+    let (x, xf) = c.act("mixed", tokens, channels, 1.0);
+    let (w, wf) = c.weight("conv", DType::BF16, &[channels, kernel], 0.5);
+    let (cs, csf) = c.state("conv_state", &[channels, kernel - 1], 1.0);
+    let conv = c.g.causal_conv1d("conv", x, w, cs);
+    let parts =
+        c.g.split("qkv", conv, 1, &[k_heads * dk, k_heads * dk, v_heads * dv]);
+    let (a, af) = c.act("a", tokens, v_heads, 1.0);
+    let (b, bf) = c.act("b", tokens, v_heads, 1.0);
+    let (alog, alf) = c.weight("A_log", DType::F32, &[v_heads], 1.0);
+    let (dt, dtf) = c.weight("dt_bias", DType::BF16, &[v_heads], 1.0);
+    let (g, beta) = c.g.delta_gates("gates", a, b, alog, dt);
+    let (st, stf) = c.state("state", &[v_heads, dk, dv], 0.3);
+    let out = c.g.delta_rule(
+        "delta", parts[0], parts[1], parts[2], g, beta, st, k_heads, dk, v_heads, dv, algo,
+    );
+
+    // conv reference
+    let hist = kernel - 1;
+    let mut conv_f = vec![0f64; tokens * channels];
+    let mut new_cs = vec![0f64; channels * hist];
+    for ch in 0..channels {
+        let seq: Vec<f64> = csf[ch * hist..(ch + 1) * hist]
+            .iter()
+            .copied()
+            .chain((0..tokens).map(|t| xf[t * channels + ch]))
+            .collect();
+        for t in 0..tokens {
+            conv_f[t * channels + ch] = r::silu((0..kernel).map(|j| wf[ch * kernel + j] * seq[t + j]).sum());
+        }
+        new_cs[ch * hist..(ch + 1) * hist].copy_from_slice(&seq[seq.len() - hist..]);
+    }
+    let gf: Vec<f64> = (0..tokens * v_heads)
+        .map(|i| -alf[i % v_heads].exp() * r::softplus(af[i] + dtf[i % v_heads]))
+        .collect();
+    let betaf: Vec<f64> = bf.iter().map(|&b| r::sigmoid(b)).collect();
+    let mut state = stf.clone();
+    let mut expect = vec![0f64; tokens * v_heads * dv];
+    let ratio = v_heads / k_heads;
+    for h in 0..v_heads {
+        let kh = h / ratio;
+        let qs: Vec<Vec<f64>> = (0..tokens)
+            .map(|t| conv_f[t * channels + kh * dk..][..dk].to_vec())
+            .collect();
+        let ks: Vec<Vec<f64>> = (0..tokens)
+            .map(|t| conv_f[t * channels + k_heads * dk + kh * dk..][..dk].to_vec())
+            .collect();
+        let vs: Vec<Vec<f64>> = (0..tokens)
+            .map(|t| conv_f[t * channels + 2 * k_heads * dk + h * dv..][..dv].to_vec())
+            .collect();
+        let gh: Vec<f64> = (0..tokens).map(|t| gf[t * v_heads + h]).collect();
+        let bh: Vec<f64> = (0..tokens).map(|t| betaf[t * v_heads + h]).collect();
+        let outs = r::delta_head(
+            &qs,
+            &ks,
+            &vs,
+            &gh,
+            &bh,
+            &mut state[h * dk * dv..(h + 1) * dk * dv],
+            dk,
+            dv,
+        );
+        for (t, o) in outs.iter().enumerate() {
+            expect[(t * v_heads + h) * dv..][..dv].copy_from_slice(o);
+        }
+    }
+    c.check_floats(conv, conv_f);
+    c.check_floats(g, gf);
+    c.check_floats(beta, betaf);
+    c.check_floats(out, expect);
+    c.checks.push((cs.raw(), Expect::Floats(new_cs)));
+    c.checks.push((st.raw(), Expect::Floats(state)));
+    c.finish(format!(
+        "deltanet t{tokens} heads {k_heads}/{v_heads} dk{dk} dv{dv} {algo:?}"
+    ))
+}
+
+pub fn head(rng: Rng) -> Case {
+    let mut c = CaseBuilder::new(rng);
+    let (rows, vocab, k) = (c.rng.range(1, 5), c.rng.range(2, 5000), c.rng.range(1, 9));
+    let k = k.min(vocab);
+    let values = c.randn(rows * vocab, 3.0);
+    let lg = c.g.logits_input("logits", rows, vocab);
+    c.set(lg, bytemuck::cast_slice(&values).to_vec());
+    let am = c.g.argmax("argmax", lg);
+    let (ids, vals) = c.g.top_k("topk", lg, k);
+    let vf: Vec<f64> = values.iter().map(|&v| v as f64).collect();
+    let mut am_e = Vec::new();
+    let (mut ids_e, mut vals_e) = (Vec::new(), Vec::new());
+    for row in vf.chunks(vocab) {
+        let t = r::top_k(row, k);
+        am_e.push(t[0] as u32);
+        ids_e.extend(t.iter().map(|&i| i as u32));
+        vals_e.extend(t.iter().map(|&i| row[i]));
+    }
+    c.check_ids(am, am_e);
+    c.check_ids(ids, ids_e);
+    c.check_floats(vals, vals_e);
+    c.finish(format!("argmax/top-{k} {rows}x{vocab}"))
+}
+
+/// Every case family with a fresh random draw.
+pub fn all_cases(rng: &mut Rng) -> Vec<Case> {
+    let mut seed = || Rng::new(rng.next_u64());
+    vec![
+        embed(seed()),
+        rms_norm(seed()),
+        head_norm(seed()),
+        add_rms_norm(seed()),
+        gated_rms_norm(seed()),
+        rope(seed()),
+        linear(seed()),
+        elementwise(seed()),
+        attention(seed()),
+        moe(seed()),
+        deltanet(seed(), DeltaAlgo::Recurrent),
+        deltanet(seed(), DeltaAlgo::Chunked { chunk: 16 }),
+        deltanet(seed(), DeltaAlgo::Auto),
+        head(seed()),
+    ]
+}
