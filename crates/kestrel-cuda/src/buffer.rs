@@ -159,6 +159,16 @@ impl Buffer {
         })
     }
 
+    /// The same bytes as a 1-D `u8` view.
+    pub fn bytes(&self) -> Buffer {
+        Buffer {
+            alloc: self.alloc.clone(),
+            offset: self.offset,
+            dtype: DType::U8,
+            shape: Shape::from(self.byte_len()),
+        }
+    }
+
     /// Elements `[start, start + len)` of a view, as a 1-D view of the same dtype.
     pub fn slice(&self, start: usize, len: usize) -> Result<Buffer> {
         self.view(start * self.dtype.size_in_bytes(), self.dtype, len)

@@ -174,6 +174,13 @@ impl CommandList {
         self.dispatches.is_empty()
     }
 
+    /// Prefixes the labels of dispatches `from..` with `prefix` (the node that recorded them).
+    pub fn relabel_from(&mut self, from: usize, prefix: &str) {
+        for d in &mut self.dispatches[from..] {
+            d.label = format!("{prefix}/{}", d.label);
+        }
+    }
+
     pub fn clear(&mut self) {
         self.dispatches.clear();
     }

@@ -82,6 +82,10 @@ pub enum CudaError {
         #[source]
         source: std::io::Error,
     },
+    #[error("persistent buffer {label} is declared as {new} here but was {old} before")]
+    PersistentMismatch { label: String, old: String, new: String },
+    #[error("node {node}: {reason}")]
+    Op { node: String, reason: String },
     #[error(transparent)]
     Config(#[from] kestrel_core::CoreError),
 }

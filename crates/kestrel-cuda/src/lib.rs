@@ -5,6 +5,7 @@
 //! The driver, NVRTC and cuBLAS are loaded at run time, so this crate builds and its CPU-side
 //! tests run on machines without CUDA; [`device_count`] reports a missing driver as an error.
 
+pub mod backend;
 pub mod blas;
 pub mod buffer;
 pub mod command;
@@ -13,10 +14,12 @@ pub mod device;
 pub mod error;
 pub mod fence;
 pub mod graph;
+pub mod ops;
 pub mod registry;
 pub mod stream;
 pub mod testing;
 
+pub use backend::{CudaBackend, CudaProgram, Encoder, RunMode};
 pub use blas::Blas;
 pub use buffer::{Buffer, PinnedBuffer};
 pub use command::{Arg, CommandList, Dim3, Dispatch, DispatchBuilder, Scalar};

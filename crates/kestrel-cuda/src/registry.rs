@@ -24,11 +24,30 @@ pub struct ModuleSource {
     pub source: &'static str,
 }
 
+macro_rules! module {
+    ($name:literal) => {
+        ModuleSource {
+            name: $name,
+            source: include_str!(concat!("../kernels/", $name, ".cu")),
+        }
+    };
+}
+
 /// Every module Kestrel ships; one line per op family.
-pub const MODULES: &[ModuleSource] = &[ModuleSource {
-    name: "runtime",
-    source: include_str!("../kernels/runtime.cu"),
-}];
+pub const MODULES: &[ModuleSource] = &[
+    module!("runtime"),
+    module!("norm"),
+    module!("rope"),
+    module!("linear"),
+    module!("elementwise"),
+    module!("attention"),
+    module!("moe"),
+    module!("deltanet"),
+    module!("head"),
+];
+
+/// Headers every module may include, handed to NVRTC in memory: (include name, contents).
+pub const HEADERS: &[(&str, &str)] = &[("kestrel.cuh", include_str!("../kernels/kestrel.cuh"))];
 
 /// Where a module came from when it was loaded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -246,6 +265,11 @@ fn ensure_nvrtc() -> Result<()> {
 fn cache_key(source: &str, options: &[String], version: (i32, i32)) -> String {
     let mut h = Sha256::new();
     h.update(source.as_bytes());
+    for (name, text) in HEADERS {
+        h.update([0u8]);
+        h.update(name.as_bytes());
+        h.update(text.as_bytes());
+    }
     for o in options {
         h.update([0u8]);
         h.update(o.as_bytes());
@@ -266,8 +290,31 @@ fn compile(module: &str, source: &str, options: &[String]) -> Result<Vec<u8>> {
         message: "source contains a NUL byte".into(),
     })?;
     let file = CString::new(format!("{module}.cu")).expect("module names have no NUL");
-    let prog =
-        nvrtc_result::create_program(&src, Some(&file)).map_err(|e| nvrtc_err("nvrtcCreateProgram", e))?;
+    let header_texts: Vec<CString> = HEADERS
+        .iter()
+        .map(|h| CString::new(h.1).expect("headers have no NUL"))
+        .collect();
+    let header_names: Vec<CString> = HEADERS
+        .iter()
+        .map(|h| CString::new(h.0).expect("header names have no NUL"))
+        .collect();
+    let texts: Vec<*const c_char> = header_texts.iter().map(|c| c.as_ptr()).collect();
+    let names: Vec<*const c_char> = header_names.iter().map(|c| c.as_ptr()).collect();
+    let mut prog: nvrtc::nvrtcProgram = std::ptr::null_mut();
+    // SAFETY: every pointer refers to a NUL-terminated string alive until the program is
+    // destroyed (they live to the end of this function; `Program` drops first).
+    unsafe {
+        nvrtc::nvrtcCreateProgram(
+            &mut prog,
+            src.as_ptr(),
+            file.as_ptr(),
+            HEADERS.len() as i32,
+            texts.as_ptr(),
+            names.as_ptr(),
+        )
+    }
+    .result()
+    .map_err(|e| nvrtc_err("nvrtcCreateProgram", e))?;
     let program = Program(prog);
     // SAFETY: `prog` is a live program (destroyed by `Program`'s Drop), `src` and `file` outlive it.
     let compiled = unsafe { nvrtc_result::compile_program(program.0, options) };

@@ -243,6 +243,16 @@ impl Stream {
         Ok(())
     }
 
+    /// Sets every byte of `dst` to `value` (asynchronous).
+    pub fn fill(&self, dst: &Buffer, value: u8) -> Result<()> {
+        self.context()
+            .bind_to_thread()
+            .map_err(CudaError::driver("cuCtxSetCurrent"))?;
+        // SAFETY: the view is live and `byte_len` bytes long.
+        unsafe { result::memset_d8_async(dst.device_ptr(), value, dst.byte_len(), self.cu()) }
+            .map_err(self.map_err("cuMemsetD8Async"))
+    }
+
     pub(crate) fn record_event(&self, flags: Option<sys::CUevent_flags>) -> Result<CudaEvent> {
         self.raw
             .record_event(flags)

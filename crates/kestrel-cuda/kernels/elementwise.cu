@@ -1,0 +1,31 @@
+// Element-wise ops: a column part of a split, SwiGLU, the sigmoid gate, row copies. One thread
+// per output element.
+#include "kestrel.cuh"
+
+// out[rg, c] = x[rg, offset + c] for rg < rows_groups, c < width; x rows hold `total` columns.
+extern "C" __global__ void split_f32(const float* x, float* out, unsigned rows_groups, unsigned total,
+                                     unsigned offset, unsigned width) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)rows_groups * width) return;
+    const size_t rg = i / width, c = i % width;
+    out[i] = x[rg * total + offset + c];
+}
+
+extern "C" __global__ void swiglu_f32(const float* gate, const float* up, float* out, unsigned n) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = silu(gate[i]) * up[i];
+}
+
+// out[r, c] = x[r, c] * sigmoid(gate[r, c]) (gate_cols == cols) or sigmoid(gate[r]) (gate_cols == 1).
+extern "C" __global__ void sigmoid_gate_f32(const float* x, const float* gate, float* out, unsigned rows,
+                                            unsigned cols, unsigned gate_cols) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)rows * cols) return;
+    const float g = gate_cols == 1 ? gate[i / cols] : gate[i];
+    out[i] = x[i] * sigmoid(g);
+}
+
+extern "C" __global__ void copy_f32(const float* src, float* dst, unsigned n) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) dst[i] = src[i];
+}

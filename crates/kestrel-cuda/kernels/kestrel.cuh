@@ -1,0 +1,90 @@
+// Shared device helpers, given to every module as the in-memory header "kestrel.cuh":
+// conversions, warp and block reductions, activations, and MLX dequantisation.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+typedef __nv_bfloat16 bf16;
+typedef __half f16;
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(bf16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f32(f16 x) { return __half2float(x); }
+
+// Round-to-nearest-even, as the host's conversions.
+template <typename T> __device__ __forceinline__ T from_f32(float x);
+template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ bf16 from_f32<bf16>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ f16 from_f32<f16>(float x) { return __float2half_rn(x); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the block; every thread gets the result. `scratch` holds 32 floats; blockDim.x is a
+// multiple of 32.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    v = warp_sum(v);
+    __syncthreads();  // scratch may still be read by a previous call
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < warps ? scratch[lane] : 0.0f;
+    return warp_sum(v);
+}
+
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < warps ? scratch[lane] : -INFINITY;
+    return warp_max(v);
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// One MLX-quantised row: `words` u32 (lowest bits first), bf16 `scales` and `biases` per group.
+// Partial dot product of this lane's words with x; reduce across the warp afterwards.
+template <int BITS>
+__device__ __forceinline__ float lane_dot_quant(const unsigned* words, const bf16* scales, const bf16* biases,
+                                                const float* x, unsigned cols, unsigned group, unsigned lane) {
+    constexpr unsigned VPW = 32 / BITS, MASK = (1u << BITS) - 1u;
+    const unsigned n_words = cols / VPW;
+    float acc = 0.0f;
+    for (unsigned wi = lane; wi < n_words; wi += 32) {
+        const unsigned word = words[wi];
+        const unsigned c0 = wi * VPW;
+        const unsigned g = c0 / group;
+        const float s = to_f32(scales[g]), b = to_f32(biases[g]);
+        float qx = 0.0f, sx = 0.0f;
+#pragma unroll
+        for (unsigned j = 0; j < VPW; j++) {
+            const float xv = x[c0 + j];
+            qx += (float)((word >> (BITS * j)) & MASK) * xv;
+            sx += xv;
+        }
+        acc += s * qx + b * sx;
+    }
+    return acc;
+}
+
+// Partial dot product of a dense row with x for this lane.
+template <typename W>
+__device__ __forceinline__ float lane_dot_dense(const W* row, const float* x, unsigned cols, unsigned lane) {
+    float acc = 0.0f;
+    for (unsigned i = lane; i < cols; i += 32) acc += to_f32(row[i]) * x[i];
+    return acc;
+}

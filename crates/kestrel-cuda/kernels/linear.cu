@@ -1,0 +1,112 @@
+// Linear layers out[t, o] = x[t, :] . W[o, :] over dense (f32, bf16, f16) and MLX-quantised
+// (4- and 8-bit) weights, and the embedding gather from either kind of table.
+// Linear: one warp per output row, blocks of 8 warps; grid.y covers tokens TOKENS at a time,
+// each weight row is streamed once per block and reused for those tokens.
+#include "kestrel.cuh"
+
+#define TOKENS 8
+
+template <typename W>
+__device__ void linear_dense(const float* x, const W* w, float* out, unsigned tokens, unsigned in_dim,
+                             unsigned out_dim) {
+    const unsigned lane = threadIdx.x % 32;
+    const unsigned o = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const unsigned t0 = blockIdx.y * TOKENS;
+    if (o >= out_dim) return;
+    const unsigned nt = min((unsigned)TOKENS, tokens - t0);
+    const W* row = w + (size_t)o * in_dim;
+    float acc[TOKENS];
+#pragma unroll
+    for (int t = 0; t < TOKENS; t++) acc[t] = 0.0f;
+    for (unsigned i = lane; i < in_dim; i += 32) {
+        const float wv = to_f32(row[i]);
+#pragma unroll
+        for (int t = 0; t < TOKENS; t++)
+            if (t < nt) acc[t] += wv * x[(size_t)(t0 + t) * in_dim + i];
+    }
+#pragma unroll
+    for (int t = 0; t < TOKENS; t++) {
+        const float s = warp_sum(acc[t]);
+        if (lane == 0 && t < nt) out[(size_t)(t0 + t) * out_dim + o] = s;
+    }
+}
+
+template <int BITS>
+__device__ void linear_quant(const float* x, const unsigned* words, const bf16* scales, const bf16* biases,
+                             float* out, unsigned tokens, unsigned in_dim, unsigned out_dim, unsigned group) {
+    const unsigned lane = threadIdx.x % 32;
+    const unsigned o = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const unsigned t0 = blockIdx.y * TOKENS;
+    if (o >= out_dim) return;
+    const unsigned nt = min((unsigned)TOKENS, tokens - t0);
+    constexpr unsigned VPW = 32 / BITS, MASK = (1u << BITS) - 1u;
+    const unsigned n_words = in_dim / VPW, groups = in_dim / group;
+    const unsigned* row = words + (size_t)o * n_words;
+    float acc[TOKENS];
+#pragma unroll
+    for (int t = 0; t < TOKENS; t++) acc[t] = 0.0f;
+    for (unsigned wi = lane; wi < n_words; wi += 32) {
+        const unsigned word = row[wi];
+        const unsigned c0 = wi * VPW;
+        const float s = to_f32(scales[(size_t)o * groups + c0 / group]);
+        const float b = to_f32(biases[(size_t)o * groups + c0 / group]);
+        float wv[VPW];
+#pragma unroll
+        for (unsigned j = 0; j < VPW; j++) wv[j] = (float)((word >> (BITS * j)) & MASK) * s + b;
+#pragma unroll
+        for (int t = 0; t < TOKENS; t++) {
+            if (t < nt) {
+                const float* xt = x + (size_t)(t0 + t) * in_dim + c0;
+#pragma unroll
+                for (unsigned j = 0; j < VPW; j++) acc[t] += wv[j] * xt[j];
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < TOKENS; t++) {
+        const float s = warp_sum(acc[t]);
+        if (lane == 0 && t < nt) out[(size_t)(t0 + t) * out_dim + o] = s;
+    }
+}
+
+#define DENSE(W, NAME)                                                                                      \
+    extern "C" __global__ void linear_##NAME(const float* x, const W* w, float* out, unsigned tokens,       \
+                                             unsigned in_dim, unsigned out_dim) {                           \
+        linear_dense(x, w, out, tokens, in_dim, out_dim);                                                   \
+    }                                                                                                       \
+    extern "C" __global__ void embed_##NAME(const W* table, const unsigned* ids, float* out, unsigned hidden, \
+                                            unsigned vocab) {                                                \
+        const size_t t = blockIdx.x;                                                                        \
+        const unsigned id = ids[t];                                                                         \
+        if (id >= vocab) return;                                                                            \
+        for (unsigned i = threadIdx.x; i < hidden; i += blockDim.x)                                         \
+            out[t * hidden + i] = to_f32(table[(size_t)id * hidden + i]);                                   \
+    }
+
+DENSE(float, f32)
+DENSE(bf16, bf16)
+DENSE(f16, f16)
+
+#define QUANT(BITS)                                                                                         \
+    extern "C" __global__ void linear_q##BITS(const float* x, const unsigned* w, const bf16* scales,        \
+                                              const bf16* biases, float* out, unsigned tokens,              \
+                                              unsigned in_dim, unsigned out_dim, unsigned group) {          \
+        linear_quant<BITS>(x, w, scales, biases, out, tokens, in_dim, out_dim, group);                      \
+    }                                                                                                       \
+    extern "C" __global__ void embed_q##BITS(const unsigned* w, const bf16* scales, const bf16* biases,     \
+                                             const unsigned* ids, float* out, unsigned hidden,              \
+                                             unsigned vocab, unsigned group) {                               \
+        constexpr unsigned VPW = 32 / BITS, MASK = (1u << BITS) - 1u;                                       \
+        const size_t t = blockIdx.x;                                                                        \
+        const unsigned id = ids[t];                                                                         \
+        if (id >= vocab) return;                                                                            \
+        const unsigned* row = w + (size_t)id * (hidden / VPW);                                              \
+        const size_t g0 = (size_t)id * (hidden / group);                                                    \
+        for (unsigned c = threadIdx.x; c < hidden; c += blockDim.x) {                                       \
+            const unsigned q = (row[c / VPW] >> (BITS * (c % VPW))) & MASK;                                 \
+            out[t * hidden + c] = (float)q * to_f32(scales[g0 + c / group]) + to_f32(biases[g0 + c / group]); \
+        }                                                                                                   \
+    }
+
+QUANT(4)
+QUANT(8)

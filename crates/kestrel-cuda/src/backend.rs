@@ -1,0 +1,231 @@
+//! The CUDA backend: runs op graphs on a [`Device`], each node encoded into dispatches of the
+//! embedded kernels, the whole program run eagerly or replayed as one CUDA graph.
+//!
+//! Memory follows the shared [`Plan`]: one arena allocation per program with a view per
+//! transient, dedicated allocations for inputs, outputs and per-node workspaces, and weights and
+//! states allocated once per label and shared between programs.
+
+use std::collections::HashMap;
+
+use kestrel_core::ir::{Buf, BufKind, Graph};
+use kestrel_core::planner::{Plan, Slot};
+use kestrel_core::{Backend, CoreError, DType, Shape};
+
+use crate::buffer::Buffer;
+use crate::command::CommandList;
+use crate::device::Device;
+use crate::error::{CudaError, Result};
+use crate::graph::Graph as CudaGraph;
+use crate::ops;
+
+/// How programs run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunMode {
+    /// One launch per dispatch on the compute stream.
+    Eager,
+    /// The program is captured once as a CUDA graph and replayed.
+    Graph,
+}
+
+pub struct CudaBackend {
+    device: Device,
+    mode: RunMode,
+    persistent: HashMap<String, (String, Buffer)>,
+}
+
+/// A graph prepared for CUDA.
+pub struct CudaProgram {
+    graph: Graph,
+    plan: Plan,
+    /// The buffer behind each graph buffer (None: unused).
+    views: Vec<Option<Buffer>>,
+    arena: Option<Buffer>,
+    list: CommandList,
+    exec: Option<CudaGraph>,
+}
+
+impl CudaProgram {
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    pub fn commands(&self) -> &CommandList {
+        &self.list
+    }
+
+    /// The device buffer behind a graph buffer.
+    pub fn buffer(&self, b: impl Into<Buf>) -> Option<&Buffer> {
+        self.views[b.into().index()].as_ref()
+    }
+}
+
+/// What op encoders see: the program's buffers, the device, the list being recorded.
+pub struct Encoder<'a> {
+    pub device: &'a Device,
+    pub graph: &'a Graph,
+    views: &'a [Option<Buffer>],
+    pub list: &'a mut CommandList,
+}
+
+impl Encoder<'_> {
+    pub fn buf(&self, b: Buf) -> Result<&Buffer> {
+        self.views[b.index()].as_ref().ok_or_else(|| CudaError::Op {
+            node: String::new(),
+            reason: format!("buffer {} has no storage", self.graph.decl(b).label),
+        })
+    }
+
+    pub fn dtype(&self, b: Buf) -> DType {
+        self.graph.decl(b).dtype
+    }
+
+    /// Scratch memory for one node; the dispatches that use it keep it allocated.
+    pub fn workspace(&mut self, dtype: DType, shape: impl Into<Shape>) -> Result<Buffer> {
+        self.device.alloc(dtype, shape)
+    }
+}
+
+fn signature(d: &kestrel_core::ir::BufDecl) -> String {
+    format!("{} {:?}", d.dtype, d.shape)
+}
+
+impl CudaBackend {
+    pub fn new(device: Device, mode: RunMode) -> Self {
+        CudaBackend {
+            device,
+            mode,
+            persistent: HashMap::new(),
+        }
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Fills the arena and every dedicated buffer except inputs with 0xFF bytes (NaN as f32),
+    /// so a kernel that leaves an output unwritten is caught.
+    pub fn poison(&mut self, p: &CudaProgram) -> Result<()> {
+        let s = self.device.compute();
+        if let Some(a) = &p.arena {
+            s.fill(a, 0xFF)?;
+        }
+        for (i, d) in p.graph.bufs.iter().enumerate() {
+            if d.kind == BufKind::Output {
+                if let Some(b) = &p.views[i] {
+                    s.fill(b, 0xFF)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Backend for CudaBackend {
+    type Program = CudaProgram;
+    type Error = CudaError;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn prepare(&mut self, graph: &Graph) -> Result<CudaProgram> {
+        let plan = Plan::new(graph);
+        let arena = if plan.arena_bytes > 0 {
+            Some(self.device.alloc(DType::U8, plan.arena_bytes)?)
+        } else {
+            None
+        };
+        let mut views = Vec::with_capacity(graph.bufs.len());
+        for (i, d) in graph.bufs.iter().enumerate() {
+            let view = match plan.slots[i] {
+                Slot::Persistent => {
+                    let sig = signature(d);
+                    match self.persistent.get(&d.label) {
+                        Some((old, _)) if *old != sig => {
+                            return Err(CudaError::PersistentMismatch {
+                                label: d.label.clone(),
+                                old: old.clone(),
+                                new: sig,
+                            })
+                        }
+                        Some((_, b)) => Some(b.clone()),
+                        None => {
+                            let b = self.device.alloc(d.dtype, d.shape.clone())?;
+                            self.persistent.insert(d.label.clone(), (sig, b.clone()));
+                            Some(b)
+                        }
+                    }
+                }
+                Slot::Dedicated => Some(self.device.alloc(d.dtype, d.shape.clone())?),
+                Slot::Arena { offset } => {
+                    Some(arena.as_ref().expect("arena exists when slots use it").view(
+                        offset,
+                        d.dtype,
+                        d.shape.clone(),
+                    )?)
+                }
+                Slot::Unused => None,
+            };
+            views.push(view);
+        }
+        let mut list = CommandList::new("forward");
+        let mut enc = Encoder {
+            device: &self.device,
+            graph,
+            views: &views,
+            list: &mut list,
+        };
+        for node in &graph.nodes {
+            let before = enc.list.len();
+            ops::encode(&node.op, &mut enc).map_err(|e| match e {
+                CudaError::Op { reason, .. } => CudaError::Op {
+                    node: node.label.clone(),
+                    reason,
+                },
+                other => other,
+            })?;
+            enc.list.relabel_from(before, &node.label);
+        }
+        let exec = match self.mode {
+            RunMode::Graph if !list.is_empty() => Some(self.device.capture(&list)?),
+            _ => None,
+        };
+        Ok(CudaProgram {
+            graph: graph.clone(),
+            plan,
+            views,
+            arena,
+            list,
+            exec,
+        })
+    }
+
+    fn graph(program: &CudaProgram) -> &Graph {
+        &program.graph
+    }
+
+    fn write_bytes(&mut self, p: &mut CudaProgram, buf: Buf, offset: usize, bytes: &[u8]) -> Result<()> {
+        let Some(b) = p.buffer(buf) else { return Ok(()) };
+        let view = b.bytes().view(offset, DType::U8, bytes.len()).map_err(|_| {
+            CudaError::Config(CoreError::OutOfBounds {
+                label: p.graph.decl(buf).label.clone(),
+                offset,
+                len: bytes.len(),
+                capacity: b.byte_len(),
+            })
+        })?;
+        self.device.compute().upload(&view, bytes)
+    }
+
+    fn read_bytes(&mut self, p: &CudaProgram, buf: Buf, out: &mut [u8]) -> Result<()> {
+        let Some(b) = p.buffer(buf) else { return Ok(()) };
+        self.device.compute().download_into(&b.bytes(), out)
+    }
+
+    fn run(&mut self, p: &mut CudaProgram) -> Result<()> {
+        match &p.exec {
+            Some(g) => g.launch(),
+            None => self.device.run(&p.list),
+        }
+    }
+}

@@ -1,0 +1,139 @@
+//! Gated DeltaNet: conv1d, gates and the delta rule, `kernels/deltanet.cu`. The delta rule runs
+//! as the exact recurrence for any number of tokens; the chunked algorithm is a CPU-side
+//! reference for now, so `DeltaAlgo` is a hint this backend does not need.
+
+use kestrel_core::ir::Op;
+
+use super::{float_name, u32_arg, unsupported};
+use crate::backend::Encoder;
+use crate::error::Result;
+
+/// `deltanet.cu`'s window limit.
+const KERNEL_MAX: usize = 8;
+
+pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
+    match *op {
+        Op::CausalConv1d {
+            x,
+            w,
+            state,
+            out,
+            tokens,
+            channels,
+            kernel,
+        } => {
+            if kernel > KERNEL_MAX {
+                return Err(unsupported(format!("conv kernel {kernel} > {KERNEL_MAX}")));
+            }
+            let kern = enc.device.kernel(
+                "deltanet",
+                &format!("causal_conv1d_{}", float_name(enc.dtype(w))?),
+            )?;
+            let (x, w, s, o) = (
+                enc.buf(x)?.clone(),
+                enc.buf(w)?.clone(),
+                enc.buf(state)?.clone(),
+                enc.buf(out)?.clone(),
+            );
+            enc.list
+                .dispatch(&kern)
+                .cover(channels, 128)
+                .read(&x)
+                .read(&w)
+                .read_write(&s)
+                .write(&o)
+                .arg(u32_arg(tokens)?)
+                .arg(u32_arg(channels)?)
+                .arg(u32_arg(kernel)?)
+                .record();
+        }
+        Op::DeltaGates {
+            a,
+            b,
+            a_log,
+            dt_bias,
+            g,
+            beta,
+            tokens,
+            heads,
+        } => {
+            if enc.dtype(a_log) != enc.dtype(dt_bias) {
+                return Err(unsupported("A_log and dt_bias of different dtypes".into()));
+            }
+            let kern = enc.device.kernel(
+                "deltanet",
+                &format!("delta_gates_{}", float_name(enc.dtype(a_log))?),
+            )?;
+            let (a, b, al, dt) = (
+                enc.buf(a)?.clone(),
+                enc.buf(b)?.clone(),
+                enc.buf(a_log)?.clone(),
+                enc.buf(dt_bias)?.clone(),
+            );
+            let (g, beta) = (enc.buf(g)?.clone(), enc.buf(beta)?.clone());
+            let n = tokens * heads;
+            enc.list
+                .dispatch(&kern)
+                .cover(n, 256)
+                .read(&a)
+                .read(&b)
+                .read(&al)
+                .read(&dt)
+                .write(&g)
+                .write(&beta)
+                .arg(u32_arg(n)?)
+                .arg(u32_arg(heads)?)
+                .record();
+        }
+        Op::DeltaRule {
+            q,
+            k,
+            v,
+            g,
+            beta,
+            state,
+            out,
+            tokens,
+            k_heads,
+            v_heads,
+            k_dim,
+            v_dim,
+            ..
+        } => {
+            let shared = (k_dim * v_dim + 2 * k_dim) * 4;
+            if shared > enc.device.info().max_shared_per_block {
+                return Err(unsupported(format!(
+                    "state {k_dim}x{v_dim} exceeds shared memory"
+                )));
+            }
+            let kern = enc.device.kernel("deltanet", "delta_rule_f32")?;
+            let (q, k, v) = (enc.buf(q)?.clone(), enc.buf(k)?.clone(), enc.buf(v)?.clone());
+            let (g, b, s, o) = (
+                enc.buf(g)?.clone(),
+                enc.buf(beta)?.clone(),
+                enc.buf(state)?.clone(),
+                enc.buf(out)?.clone(),
+            );
+            enc.list
+                .dispatch(&kern)
+                .grid(u32_arg(v_heads)?)
+                .block(128)
+                .shared_mem(u32_arg(shared)?)
+                .read(&q)
+                .read(&k)
+                .read(&v)
+                .read(&g)
+                .read(&b)
+                .read_write(&s)
+                .write(&o)
+                .arg(u32_arg(tokens)?)
+                .arg(u32_arg(k_heads)?)
+                .arg(u32_arg(v_heads)?)
+                .arg(u32_arg(k_dim)?)
+                .arg(u32_arg(v_dim)?)
+                .record();
+        }
+        _ => unreachable!("dispatched by ops::encode"),
+    }
+    Ok(())
+}

@@ -1,0 +1,145 @@
+//! Linear layers and embeddings, dense and quantised: `kernels/linear.cu`.
+
+use kestrel_core::ir::{LinearWeight, Op};
+
+use super::{float_name, u32_arg, unsupported};
+use crate::backend::Encoder;
+use crate::error::Result;
+
+/// Output rows per block (one warp each) and tokens per block, as in `linear.cu`.
+const ROWS: usize = 8;
+const TOKENS: usize = 8;
+
+fn quant_name(bits: u32) -> Result<&'static str> {
+    match bits {
+        4 => Ok("q4"),
+        8 => Ok("q8"),
+        b => Err(unsupported(format!("{b}-bit weights"))),
+    }
+}
+
+pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
+    match op {
+        Op::Linear {
+            x,
+            w,
+            out,
+            tokens,
+            in_dim,
+            out_dim,
+        } => {
+            let grid = (
+                u32_arg(out_dim.div_ceil(ROWS))?,
+                u32_arg(tokens.div_ceil(TOKENS))?,
+            );
+            let (x, out) = (enc.buf(*x)?.clone(), enc.buf(*out)?.clone());
+            match w {
+                LinearWeight::Dense(w) => {
+                    let k = enc
+                        .device
+                        .kernel("linear", &format!("linear_{}", float_name(enc.dtype(w.raw()))?))?;
+                    let w = enc.buf(w.raw())?.clone();
+                    enc.list
+                        .dispatch(&k)
+                        .grid(grid)
+                        .block(32 * ROWS as u32)
+                        .read(&x)
+                        .read(&w)
+                        .write(&out)
+                        .arg(u32_arg(*tokens)?)
+                        .arg(u32_arg(*in_dim)?)
+                        .arg(u32_arg(*out_dim)?)
+                        .record();
+                }
+                LinearWeight::Quant {
+                    weight,
+                    scales,
+                    biases,
+                    format,
+                } => {
+                    let k = enc
+                        .device
+                        .kernel("linear", &format!("linear_{}", quant_name(format.bits)?))?;
+                    let (qw, s, b) = (
+                        enc.buf(weight.raw())?.clone(),
+                        enc.buf(scales.raw())?.clone(),
+                        enc.buf(biases.raw())?.clone(),
+                    );
+                    enc.list
+                        .dispatch(&k)
+                        .grid(grid)
+                        .block(32 * ROWS as u32)
+                        .read(&x)
+                        .read(&qw)
+                        .read(&s)
+                        .read(&b)
+                        .write(&out)
+                        .arg(u32_arg(*tokens)?)
+                        .arg(u32_arg(*in_dim)?)
+                        .arg(u32_arg(*out_dim)?)
+                        .arg(u32_arg(format.group_size)?)
+                        .record();
+                }
+            }
+        }
+        Op::Embed {
+            table,
+            ids,
+            out,
+            hidden,
+        } => {
+            let tokens = enc.graph.decl(*ids).elem_count();
+            let (ids, out) = (enc.buf(*ids)?.clone(), enc.buf(*out)?.clone());
+            match table {
+                LinearWeight::Dense(w) => {
+                    let vocab = enc.graph.decl(w.raw()).elem_count() / hidden;
+                    let k = enc
+                        .device
+                        .kernel("linear", &format!("embed_{}", float_name(enc.dtype(w.raw()))?))?;
+                    let w = enc.buf(w.raw())?.clone();
+                    enc.list
+                        .dispatch(&k)
+                        .grid(u32_arg(tokens)?)
+                        .block(256)
+                        .read(&w)
+                        .read(&ids)
+                        .write(&out)
+                        .arg(u32_arg(*hidden)?)
+                        .arg(u32_arg(vocab)?)
+                        .record();
+                }
+                LinearWeight::Quant {
+                    weight,
+                    scales,
+                    biases,
+                    format,
+                } => {
+                    let vocab = enc.graph.decl(scales.raw()).elem_count() / format.groups_per_row(*hidden);
+                    let k = enc
+                        .device
+                        .kernel("linear", &format!("embed_{}", quant_name(format.bits)?))?;
+                    let (qw, s, b) = (
+                        enc.buf(weight.raw())?.clone(),
+                        enc.buf(scales.raw())?.clone(),
+                        enc.buf(biases.raw())?.clone(),
+                    );
+                    enc.list
+                        .dispatch(&k)
+                        .grid(u32_arg(tokens)?)
+                        .block(256)
+                        .read(&qw)
+                        .read(&s)
+                        .read(&b)
+                        .read(&ids)
+                        .write(&out)
+                        .arg(u32_arg(*hidden)?)
+                        .arg(u32_arg(vocab)?)
+                        .arg(u32_arg(format.group_size)?)
+                        .record();
+                }
+            }
+        }
+        _ => unreachable!("dispatched by ops::encode"),
+    }
+    Ok(())
+}

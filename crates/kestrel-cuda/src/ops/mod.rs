@@ -1,0 +1,49 @@
+//! One module per op family, each encoding its ops into dispatches of its `kernels/<family>.cu`.
+
+mod attention;
+mod deltanet;
+mod elementwise;
+mod head;
+mod linear;
+mod moe;
+mod norm;
+
+use kestrel_core::ir::Op;
+use kestrel_core::DType;
+
+use crate::backend::Encoder;
+use crate::error::{CudaError, Result};
+
+pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
+    use Op::*;
+    match op {
+        Embed { .. } | Linear { .. } => linear::encode(op, enc),
+        RmsNorm { .. } | AddRmsNorm { .. } | GatedRmsNorm { .. } | Rope { .. } => norm::encode(op, enc),
+        Split { .. } | SwiGlu { .. } | SigmoidGate { .. } | Add { .. } | CopyRows { .. } => {
+            elementwise::encode(op, enc)
+        }
+        KvAppend { .. } | Attention { .. } => attention::encode(op, enc),
+        Router { .. } | MoeExperts { .. } => moe::encode(op, enc),
+        CausalConv1d { .. } | DeltaGates { .. } | DeltaRule { .. } => deltanet::encode(op, enc),
+        Argmax { .. } | TopK { .. } => head::encode(op, enc),
+    }
+}
+
+/// The kernel-name suffix of a float dtype.
+fn float_name(dtype: DType) -> Result<&'static str> {
+    match dtype {
+        DType::F32 | DType::BF16 | DType::F16 => Ok(dtype.name()),
+        other => Err(unsupported(format!("{other} is not a float dtype"))),
+    }
+}
+
+fn unsupported(reason: String) -> CudaError {
+    CudaError::Op {
+        node: String::new(),
+        reason,
+    }
+}
+
+fn u32_arg(n: usize) -> Result<u32> {
+    u32::try_from(n).map_err(|_| unsupported(format!("{n} does not fit a 32-bit kernel argument")))
+}

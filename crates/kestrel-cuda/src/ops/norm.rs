@@ -1,0 +1,133 @@
+//! Norms and rotary embeddings: `kernels/norm.cu`, `kernels/rope.cu`.
+
+use kestrel_core::ir::{NormKind, Op};
+
+use super::{float_name, u32_arg};
+use crate::backend::Encoder;
+use crate::error::Result;
+
+const THREADS: u32 = 256;
+
+pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
+    match *op {
+        Op::RmsNorm {
+            x,
+            w,
+            out,
+            dim,
+            eps,
+            kind,
+        } => {
+            let rows = enc.graph.decl(x).elem_count() / dim;
+            let k = enc
+                .device
+                .kernel("norm", &format!("rms_norm_{}", float_name(enc.dtype(w))?))?;
+            let (x, w, out) = (enc.buf(x)?.clone(), enc.buf(w)?.clone(), enc.buf(out)?.clone());
+            enc.list
+                .dispatch(&k)
+                .grid(u32_arg(rows)?)
+                .block(THREADS)
+                .read(&x)
+                .read(&w)
+                .write(&out)
+                .arg(u32_arg(dim)?)
+                .arg(eps)
+                .arg((kind == NormKind::ZeroCentered) as i32)
+                .record();
+        }
+        Op::AddRmsNorm {
+            residual,
+            x,
+            w,
+            out,
+            dim,
+            eps,
+            kind,
+        } => {
+            let rows = enc.graph.decl(x).elem_count() / dim;
+            let k = enc
+                .device
+                .kernel("norm", &format!("add_rms_norm_{}", float_name(enc.dtype(w))?))?;
+            let (r, x, w, out) = (
+                enc.buf(residual)?.clone(),
+                enc.buf(x)?.clone(),
+                enc.buf(w)?.clone(),
+                enc.buf(out)?.clone(),
+            );
+            enc.list
+                .dispatch(&k)
+                .grid(u32_arg(rows)?)
+                .block(THREADS)
+                .read_write(&r)
+                .read(&x)
+                .read(&w)
+                .write(&out)
+                .arg(u32_arg(dim)?)
+                .arg(eps)
+                .arg((kind == NormKind::ZeroCentered) as i32)
+                .record();
+        }
+        Op::GatedRmsNorm {
+            x,
+            z,
+            w,
+            out,
+            dim,
+            eps,
+        } => {
+            let rows = enc.graph.decl(x).elem_count() / dim;
+            let k = enc
+                .device
+                .kernel("norm", &format!("gated_rms_norm_{}", float_name(enc.dtype(w))?))?;
+            let (x, z, w, out) = (
+                enc.buf(x)?.clone(),
+                enc.buf(z)?.clone(),
+                enc.buf(w)?.clone(),
+                enc.buf(out)?.clone(),
+            );
+            enc.list
+                .dispatch(&k)
+                .grid(u32_arg(rows)?)
+                .block(THREADS)
+                .read(&x)
+                .read(&z)
+                .read(&w)
+                .write(&out)
+                .arg(u32_arg(dim)?)
+                .arg(eps)
+                .record();
+        }
+        Op::Rope {
+            x,
+            positions,
+            inv_freq,
+            heads,
+            head_dim,
+            rot_dim,
+            scaling,
+        } => {
+            let tokens = enc.graph.decl(x).elem_count() / (heads * head_dim);
+            let k = enc.device.kernel("rope", "rope_f32")?;
+            let block = ((rot_dim / 2).div_ceil(32) * 32).clamp(32, 256) as u32;
+            let (x, p, f) = (
+                enc.buf(x)?.clone(),
+                enc.buf(positions)?.clone(),
+                enc.buf(inv_freq)?.clone(),
+            );
+            enc.list
+                .dispatch(&k)
+                .grid(u32_arg(tokens * heads)?)
+                .block(block)
+                .read_write(&x)
+                .read(&p)
+                .read(&f)
+                .arg(u32_arg(heads)?)
+                .arg(u32_arg(head_dim)?)
+                .arg(u32_arg(rot_dim)?)
+                .arg(scaling)
+                .record();
+        }
+        _ => unreachable!("dispatched by ops::encode"),
+    }
+    Ok(())
+}

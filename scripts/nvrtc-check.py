@@ -1,0 +1,48 @@
+#!/usr/bin/env python3
+"""Compiles every embedded kernel module with NVRTC, without a GPU, to catch compile errors
+before a run on the device machine. Uses the same options as the kernel registry.
+
+    python3 scripts/nvrtc-check.py [--nvrtc PATH/libnvrtc.so.13] [--include DIR] [--arch sm_90]
+
+libnvrtc comes with the CUDA toolkit or the `nvidia-cuda-nvrtc` wheel; the headers
+(cuda_fp16.h, cuda_bf16.h) with the toolkit or the `nvidia-cuda-runtime` wheel.
+"""
+import argparse
+import ctypes
+import glob
+import os
+import sys
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--nvrtc", default="libnvrtc.so.13")
+ap.add_argument("--include", action="append", default=[])
+ap.add_argument("--arch", default="sm_90")
+ap.add_argument("files", nargs="*")
+args = ap.parse_args()
+
+lib = ctypes.CDLL(args.nvrtc)
+root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+files = args.files or sorted(glob.glob(os.path.join(root, "crates/kestrel-cuda/kernels/*.cu")))
+opts = [f"--gpu-architecture={args.arch}", "--std=c++17"]
+# The registry hands kernels/kestrel.cuh to NVRTC in memory; here the folder stands in for it.
+for inc in args.include + [os.path.join(root, "crates/kestrel-cuda/kernels")]:
+    opts.append(f"--include-path={inc}")
+copts = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+failed = 0
+for path in files:
+    src = open(path, "rb").read()
+    prog = ctypes.c_void_p()
+    name = os.path.basename(path).encode()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, name, 0, None, None) == 0
+    rc = lib.nvrtcCompileProgram(prog, len(opts), copts)
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    text = log.value.decode(errors="replace").strip()
+    print(f"{'ok  ' if rc == 0 else 'FAIL'} {os.path.basename(path)}")
+    if text:
+        print(text)
+    failed += rc != 0
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+sys.exit(1 if failed else 0)
