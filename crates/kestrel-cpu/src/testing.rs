@@ -757,8 +757,13 @@ pub fn deltanet(rng: Rng, algo: DeltaAlgo) -> Case {
         c.g.split("qkv", conv, 1, &[k_heads * dk, k_heads * dk, v_heads * dv]);
     let (a, af) = c.act("a", tokens, v_heads, 1.0);
     let (b, bf) = c.act("b", tokens, v_heads, 1.0);
-    let (alog, alf) = c.weight("A_log", DType::F32, &[v_heads], 1.0);
-    let (dt, dtf) = c.weight("dt_bias", DType::BF16, &[v_heads], 1.0);
+    // Checkpoints mix dtypes here (A_log in f32, dt_bias in bf16 is common).
+    let (ad, dd) = (
+        pick(&mut c.rng, &[DType::F32, DType::BF16]),
+        pick(&mut c.rng, &[DType::F32, DType::BF16, DType::F16]),
+    );
+    let (alog, alf) = c.weight("A_log", ad, &[v_heads], 1.0);
+    let (dt, dtf) = c.weight("dt_bias", dd, &[v_heads], 1.0);
     let (g, beta) = c.g.delta_gates("gates", a, b, alog, dt);
     let (st, stf) = c.state("state", &[v_heads, dk, dv], 0.3);
     let out = c.g.delta_rule(

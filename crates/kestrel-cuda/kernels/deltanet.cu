@@ -40,8 +40,8 @@ __device__ void conv1d(const float* x, const W* w, float* state, float* out, uns
 
 __device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
-template <typename W>
-__device__ void gates(const float* a, const float* b, const W* a_log, const W* dt_bias, float* g, float* beta,
+template <typename A, typename D>
+__device__ void gates(const float* a, const float* b, const A* a_log, const D* dt_bias, float* g, float* beta,
                       unsigned n, unsigned heads) {
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
@@ -50,20 +50,29 @@ __device__ void gates(const float* a, const float* b, const W* a_log, const W* d
     beta[i] = sigmoid(b[i]);
 }
 
-#define DELTA_W(W, NAME)                                                                                    \
+#define CONV(W, NAME)                                                                                       \
     extern "C" __global__ void causal_conv1d_##NAME(const float* x, const W* w, float* state, float* out,   \
                                                     unsigned tokens, unsigned channels, unsigned kernel) {   \
         conv1d(x, w, state, out, tokens, channels, kernel);                                                 \
-    }                                                                                                       \
-    extern "C" __global__ void delta_gates_##NAME(const float* a, const float* b, const W* a_log,           \
-                                                  const W* dt_bias, float* g, float* beta, unsigned n,      \
-                                                  unsigned heads) {                                          \
-        gates(a, b, a_log, dt_bias, g, beta, n, heads);                                                     \
     }
 
-DELTA_W(float, f32)
-DELTA_W(bf16, bf16)
-DELTA_W(f16, f16)
+CONV(float, f32)
+CONV(bf16, bf16)
+CONV(f16, f16)
+
+// Checkpoints keep A_log in f32 and dt_bias in bf16, among other mixes: one kernel per pair,
+// named delta_gates_{A_log dtype}_{dt_bias dtype}.
+#define GATES(A, AN, D, DN)                                                                                 \
+    extern "C" __global__ void delta_gates_##AN##_##DN(const float* a, const float* b, const A* a_log,      \
+                                                       const D* dt_bias, float* g, float* beta, unsigned n, \
+                                                       unsigned heads) {                                     \
+        gates(a, b, a_log, dt_bias, g, beta, n, heads);                                                     \
+    }
+#define GATES_FOR(A, AN) GATES(A, AN, float, f32) GATES(A, AN, bf16, bf16) GATES(A, AN, f16, f16)
+
+GATES_FOR(float, f32)
+GATES_FOR(bf16, bf16)
+GATES_FOR(f16, f16)
 
 // q, k: [tokens, k_heads, dk]; v, out: [tokens, v_heads, dv]; g, beta: [tokens, v_heads];
 // state: [v_heads, dk, dv]. Dynamic shared memory: (dk * dv + 2 * dk) floats.

@@ -57,13 +57,12 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             tokens,
             heads,
         } => {
-            if enc.dtype(a_log) != enc.dtype(dt_bias) {
-                return Err(unsupported("A_log and dt_bias of different dtypes".into()));
-            }
-            let kern = enc.device.kernel(
-                "deltanet",
-                &format!("delta_gates_{}", float_name(enc.dtype(a_log))?),
-            )?;
+            let name = format!(
+                "delta_gates_{}_{}",
+                float_name(enc.dtype(a_log))?,
+                float_name(enc.dtype(dt_bias))?
+            );
+            let kern = enc.device.kernel("deltanet", &name)?;
             let (a, b, al, dt) = (
                 enc.buf(a)?.clone(),
                 enc.buf(b)?.clone(),
