@@ -444,6 +444,27 @@ impl GraphBuilder {
         parts
     }
 
+    /// Concatenates the columns of `parts` (all with the same rows).
+    pub fn concat(&mut self, name: &str, parts: &[BufId<Act>]) -> BufId<Act> {
+        let rows = parts.first().map(|p| self.rows_cols(*p).0).unwrap_or(0);
+        let mut widths = Vec::new();
+        for p in parts {
+            let (r, c) = self.rows_cols(*p);
+            self.check(name, r == rows, || format!("parts with {r} and {rows} rows"));
+            widths.push(c);
+        }
+        let out = self.transient(name, DType::F32, vec![rows, widths.iter().sum()]);
+        self.push(
+            name,
+            Op::Concat {
+                parts: parts.iter().zip(&widths).map(|(p, &w)| (p.raw(), w)).collect(),
+                out: out.raw(),
+                rows,
+            },
+        );
+        out
+    }
+
     pub fn swiglu(&mut self, name: &str, gate: BufId<Act>, up: BufId<Act>) -> BufId<Act> {
         let shape = self.decl(gate).shape.clone();
         let len = self.decl(gate).elem_count();

@@ -382,6 +382,12 @@ pub enum Op {
         rows: usize,
         groups: usize,
     },
+    /// Column concatenation: `out[r] = [parts[0][r], parts[1][r], ...]`, part k `[rows, widths[k]]`.
+    Concat {
+        parts: Vec<(Buf, usize)>,
+        out: Buf,
+        rows: usize,
+    },
     /// `out = silu(gate) * up`.
     SwiGlu {
         gate: Buf,
@@ -539,6 +545,7 @@ impl Op {
                 (r, vec![*out])
             }
             Split { x, parts, .. } => (vec![*x], parts.iter().map(|p| p.0).collect()),
+            Concat { parts, out, .. } => (parts.iter().map(|p| p.0).collect(), vec![*out]),
             SwiGlu { gate, up, out, .. } => (vec![*gate, *up], vec![*out]),
             SigmoidGate { x, gate, out, .. } => (vec![*x, *gate], vec![*out]),
             Add { a, b, out, .. } => (vec![*a, *b], vec![*out]),
@@ -611,6 +618,7 @@ impl Op {
             Rope { .. } => "rope",
             Linear { .. } => "linear",
             Split { .. } => "split",
+            Concat { .. } => "concat",
             SwiGlu { .. } => "swiglu",
             SigmoidGate { .. } => "sigmoid_gate",
             Add { .. } => "add",

@@ -19,6 +19,8 @@ pub enum Expect {
     Floats(Vec<f64>),
     /// Exact u32 values.
     Ids(Vec<u32>),
+    /// No reference: backends are compared with each other (whole layers).
+    Backends,
 }
 
 #[derive(Debug, Clone)]
@@ -70,6 +72,31 @@ pub fn f32s(bytes: &[u8]) -> Vec<f32> {
     bytemuck::pod_collect_to_vec(bytes)
 }
 
+/// A buffer's bytes as f64 values, by its dtype.
+pub fn as_f64(bytes: &[u8], dtype: DType) -> Vec<f64> {
+    match dtype {
+        DType::F32 => f32s(bytes).iter().map(|&v| v as f64).collect(),
+        DType::BF16 => bytemuck::pod_collect_to_vec::<u8, bf16>(bytes)
+            .iter()
+            .map(|v| v.to_f64())
+            .collect(),
+        DType::F16 => bytemuck::pod_collect_to_vec::<u8, f16>(bytes)
+            .iter()
+            .map(|v| v.to_f64())
+            .collect(),
+        DType::U32 => u32s(bytes).iter().map(|&v| v as f64).collect(),
+        DType::I32 => bytemuck::pod_collect_to_vec::<u8, i32>(bytes)
+            .iter()
+            .map(|&v| v as f64)
+            .collect(),
+        DType::I64 => bytemuck::pod_collect_to_vec::<u8, i64>(bytes)
+            .iter()
+            .map(|&v| v as f64)
+            .collect(),
+        DType::U8 => bytes.iter().map(|&v| v as f64).collect(),
+    }
+}
+
 pub fn u32s(bytes: &[u8]) -> Vec<u32> {
     bytemuck::pod_collect_to_vec(bytes)
 }
@@ -80,6 +107,9 @@ pub struct CaseBuilder {
     pub rng: Rng,
     data: Vec<(Buf, Vec<u8>)>,
     checks: Vec<(Buf, Expect)>,
+    /// When false, weights and states are declared but not written: a later graph of a
+    /// sequence reuses what an earlier one uploaded under the same labels.
+    pub upload_persistent: bool,
 }
 
 /// Values as a weight of `dtype` stores them, widened to f64.
@@ -114,6 +144,7 @@ impl CaseBuilder {
             rng,
             data: Vec::new(),
             checks: Vec::new(),
+            upload_persistent: true,
         }
     }
 
@@ -125,7 +156,10 @@ impl CaseBuilder {
     }
 
     pub fn set(&mut self, buf: impl Into<Buf>, bytes: Vec<u8>) {
-        self.data.push((buf.into(), bytes));
+        let buf = buf.into();
+        if self.upload_persistent || !self.g.decl(buf).kind.is_persistent() {
+            self.data.push((buf, bytes));
+        }
     }
 
     /// A float weight of `dtype` with random values; returns its id and stored values.
@@ -227,6 +261,17 @@ impl CaseBuilder {
     pub fn check_ids<R: Role>(&mut self, id: BufId<R>, expect: Vec<u32>) {
         self.g.mark_output(id);
         self.checks.push((id.raw(), Expect::Ids(expect)));
+    }
+
+    /// Checks `id` against the other backends only.
+    pub fn check_backends<R: Role>(&mut self, id: BufId<R>) {
+        self.g.mark_output(id);
+        self.checks.push((id.raw(), Expect::Backends));
+    }
+
+    /// Checks a persistent buffer (state, cache) against the other backends after the run.
+    pub fn check_state<R: Role>(&mut self, id: BufId<R>) {
+        self.checks.push((id.raw(), Expect::Backends));
     }
 
     pub fn finish(self, name: impl Into<String>) -> Case {
@@ -545,6 +590,16 @@ pub fn elementwise(rng: Rng) -> Case {
     let sum_f: Vec<f64> = gg_f.iter().zip(&uf).map(|(a, b)| a + b).collect();
     let last = c.g.last_row("last", sum);
     let last_f = sum_f[(rows - 1) * cols0..].to_vec();
+    // concatenating the parts back gives x, as [rows * groups, total] rows only when groups == 1
+    let cat = c.g.concat("concat", &[parts[1], parts[0]]);
+    let cat_f: Vec<f64> = (0..rows)
+        .flat_map(|r| {
+            let mut row = p1[r * groups * widths[1]..(r + 1) * groups * widths[1]].to_vec();
+            row.extend_from_slice(&p0[r * cols0..(r + 1) * cols0]);
+            row
+        })
+        .collect();
+    c.check_floats(cat, cat_f);
     c.check_floats(parts[1], p1);
     c.check_floats(sum, sum_f);
     c.check_floats(last, last_f);

@@ -1,4 +1,4 @@
-// Element-wise ops: a column part of a split, SwiGLU, the sigmoid gate, row copies. One thread
+// Element-wise ops: a column part of a split or of a concatenation, SwiGLU, the sigmoid gate, row copies. One thread
 // per output element.
 #include "kestrel.cuh"
 
@@ -9,6 +9,15 @@ extern "C" __global__ void split_f32(const float* x, float* out, unsigned rows_g
     if (i >= (size_t)rows_groups * width) return;
     const size_t rg = i / width, c = i % width;
     out[i] = x[rg * total + offset + c];
+}
+
+// dst[r, offset + c] = src[r, c] for r < rows, c < width; dst rows hold `total` columns.
+extern "C" __global__ void place_f32(const float* src, float* dst, unsigned rows, unsigned total, unsigned offset,
+                                     unsigned width) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)rows * width) return;
+    const size_t r = i / width, c = i % width;
+    dst[r * total + offset + c] = src[i];
 }
 
 extern "C" __global__ void swiglu_f32(const float* gate, const float* up, float* out, unsigned n) {

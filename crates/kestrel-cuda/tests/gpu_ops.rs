@@ -49,7 +49,7 @@ fn every_op_matches_the_cpu_backend() {
                 let gpu_out = run_cuda(&mut cuda, &case);
                 for ((check, c), g) in case.checks.iter().zip(&cpu_out).zip(&gpu_out) {
                     match check.expect {
-                        Expect::Floats(_) => {
+                        Expect::Floats(_) | Expect::Backends => {
                             let want: Vec<f64> = f32s(c).iter().map(|&v| v as f64).collect();
                             let err = rel_err(&f32s(g), &want);
                             assert!(

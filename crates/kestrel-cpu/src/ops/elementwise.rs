@@ -1,4 +1,4 @@
-//! Element-wise ops: column splits of fused projections, SwiGLU, the sigmoid output gate,
+//! Element-wise ops: column splits of fused projections and concatenations, SwiGLU, the sigmoid output gate,
 //! addition and row copies.
 
 use kestrel_core::ir::Op;
@@ -23,6 +23,23 @@ pub fn exec(op: &Op, v: &mut Views) -> OpResult {
                 for r in 0..rows * groups {
                     out[r * width..(r + 1) * width]
                         .copy_from_slice(&x[r * total + start..r * total + start + width]);
+                }
+                start += width;
+            }
+        }
+        // part k: [rows, widths[k]] -> out: [rows, Σ widths]
+        Op::Concat { parts, out, rows } => {
+            let total: usize = parts.iter().map(|p| p.1).sum();
+            let mut srcs = Vec::new();
+            for &(part, width) in parts {
+                srcs.push((v.read::<f32>(part)?, width));
+            }
+            let out = v.write::<f32>(*out)?;
+            let mut start = 0;
+            for (src, width) in srcs {
+                for r in 0..*rows {
+                    out[r * total + start..r * total + start + width]
+                        .copy_from_slice(&src[r * width..(r + 1) * width]);
                 }
                 start += width;
             }

@@ -21,7 +21,7 @@ pub fn exec(op: &Op, v: &mut Views) -> OpResult {
         Embed { .. } | Linear { .. } => linear::exec(op, v),
         RmsNorm { .. } | AddRmsNorm { .. } | GatedRmsNorm { .. } => norm::exec(op, v),
         Rope { .. } => rope::exec(op, v),
-        Split { .. } | SwiGlu { .. } | SigmoidGate { .. } | Add { .. } | CopyRows { .. } => {
+        Split { .. } | Concat { .. } | SwiGlu { .. } | SigmoidGate { .. } | Add { .. } | CopyRows { .. } => {
             elementwise::exec(op, v)
         }
         KvAppend { .. } | Attention { .. } => attention::exec(op, v),

@@ -1,4 +1,4 @@
-//! Splits, SwiGLU, gates, additions and row copies: `kernels/elementwise.cu` (and `add_f32`
+//! Splits, concatenations, SwiGLU, gates, additions and row copies: `kernels/elementwise.cu` (and `add_f32`
 //! from `kernels/runtime.cu`).
 
 use kestrel_core::ir::Op;
@@ -30,6 +30,26 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                     .read(&x)
                     .write(&out)
                     .arg(u32_arg(rows * groups)?)
+                    .arg(u32_arg(total)?)
+                    .arg(u32_arg(offset)?)
+                    .arg(u32_arg(width)?)
+                    .record();
+                offset += width;
+            }
+        }
+        Op::Concat { parts, out, rows } => {
+            let k = enc.device.kernel("elementwise", "place_f32")?;
+            let total: usize = parts.iter().map(|p| p.1).sum();
+            let o = enc.buf(*out)?.clone();
+            let mut offset = 0;
+            for &(part, width) in parts {
+                let src = enc.buf(part)?.clone();
+                enc.list
+                    .dispatch(&k)
+                    .cover(rows * width, THREADS)
+                    .read(&src)
+                    .write(&o)
+                    .arg(u32_arg(*rows)?)
                     .arg(u32_arg(total)?)
                     .arg(u32_arg(offset)?)
                     .arg(u32_arg(width)?)

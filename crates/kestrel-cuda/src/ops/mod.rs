@@ -19,7 +19,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
     match op {
         Embed { .. } | Linear { .. } => linear::encode(op, enc),
         RmsNorm { .. } | AddRmsNorm { .. } | GatedRmsNorm { .. } | Rope { .. } => norm::encode(op, enc),
-        Split { .. } | SwiGlu { .. } | SigmoidGate { .. } | Add { .. } | CopyRows { .. } => {
+        Split { .. } | Concat { .. } | SwiGlu { .. } | SigmoidGate { .. } | Add { .. } | CopyRows { .. } => {
             elementwise::encode(op, enc)
         }
         KvAppend { .. } | Attention { .. } => attention::encode(op, enc),
