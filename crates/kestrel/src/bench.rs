@@ -33,6 +33,28 @@ pub enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// The hot ops at real model shapes (4-bit lm_head matvec, MoE decode, decode attention).
+    Ops {
+        /// Timed repetitions per measurement (the median is reported).
+        #[arg(short = 'r', long, default_value_t = 50)]
+        reps: usize,
+        /// Device ordinal (default: the configured one).
+        #[arg(long)]
+        device: Option<usize>,
+        /// Print one JSON object instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn open_device(config: &Config, device: Option<usize>) -> Result<Device> {
+    let ordinal = device.unwrap_or(config.device);
+    let count = device_count().context("benchmarks need a CUDA device")?;
+    ensure!(
+        ordinal < count,
+        "CUDA device {ordinal} not found ({count} present)"
+    );
+    Ok(Device::open(ordinal, config)?)
 }
 
 struct Row {
@@ -43,24 +65,21 @@ struct Row {
 }
 
 pub fn run(config: &Config, what: BenchCommand) -> Result<ExitCode> {
-    let BenchCommand::Runtime {
-        reps,
-        chain,
-        copy_mib,
-        device,
-        json,
-    } = what;
+    let (reps, chain, copy_mib, device, json) = match what {
+        BenchCommand::Runtime {
+            reps,
+            chain,
+            copy_mib,
+            device,
+            json,
+        } => (reps, chain, copy_mib, device, json),
+        BenchCommand::Ops { reps, device, json } => return ops(config, reps, device, json),
+    };
     ensure!(
         reps >= 1 && chain >= 1 && copy_mib >= 1,
         "--reps, --chain and --copy-mib must be at least 1"
     );
-    let ordinal = device.unwrap_or(config.device);
-    let count = device_count().context("the runtime benchmark needs a CUDA device")?;
-    ensure!(
-        ordinal < count,
-        "CUDA device {ordinal} not found ({count} present)"
-    );
-    let dev = Device::open(ordinal, config)?;
+    let dev = open_device(config, device)?;
     let rows = runtime(&dev, reps, chain, copy_mib << 20)?;
     if json {
         let obj: serde_json::Map<String, serde_json::Value> = rows
@@ -93,7 +112,46 @@ pub fn run(config: &Config, what: BenchCommand) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+fn ops(config: &Config, reps: usize, device: Option<usize>, json: bool) -> Result<ExitCode> {
+    ensure!(reps >= 1, "--reps must be at least 1");
+    let dev = open_device(config, device)?;
+    let rows = crate::bench_ops::run(&dev, reps)?;
+    if json {
+        let results: serde_json::Map<String, serde_json::Value> = rows
+            .iter()
+            .map(|r| {
+                let v = serde_json::json!({ "median_us": r.median_us, "rate": r.rate, "unit": r.unit, "of_floor": r.of_floor, "target": r.target });
+                (r.name.clone(), v)
+            })
+            .collect();
+        println!(
+            "{}",
+            serde_json::json!({ "device": dev.info().name, "reps": reps, "results": results })
+        );
+    } else {
+        println!(
+            "device: {} | median of {reps} graph replays after warm-up | CUDA events",
+            dev.info().name
+        );
+        println!(
+            "{:<30} {:>10} {:>12} {:>8}  target",
+            "op", "median us", "rate", "floor"
+        );
+        for r in &rows {
+            let floor = r
+                .of_floor
+                .map(|f| format!("{:.1}%", 100.0 * f))
+                .unwrap_or_default();
+            println!(
+                "{:<30} {:>10.2} {:>7.0} {:<4} {:>8}  {}",
+                r.name, r.median_us, r.rate, r.unit, floor, r.target
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     let n = v.len();
     if n % 2 == 1 {

@@ -1,6 +1,7 @@
 //! The `kestrel` command line: `doctor` checks the CUDA set-up, `bench` measures.
 
 mod bench;
+mod bench_ops;
 mod doctor;
 
 use clap::{Parser, Subcommand};
