@@ -672,6 +672,12 @@ impl GraphBuilder {
         });
         self.check_dtype(name, experts, &[DType::U8]);
         self.check_len(name, experts, layout.total_bytes());
+        self.check(name, layout.hidden % 8 == 0 && layout.inter % 8 == 0, || {
+            format!(
+                "expert dims {}x{} are not multiples of 8",
+                layout.hidden, layout.inter
+            )
+        });
         if let ExpertFormat::Quant(q) = layout.format {
             self.check(name, q.fits(layout.hidden) && q.fits(layout.inter), || {
                 format!("expert dims {}x{} do not fit {q:?}", layout.hidden, layout.inter)

@@ -240,7 +240,7 @@ pub struct ExpertLayout {
     pub format: ExpertFormat,
 }
 
-/// Byte offsets of one matrix inside an expert span.
+/// Byte offsets of one matrix inside an expert span; `end` is where the next part may start.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MatrixSpan {
     pub weight: usize,
@@ -251,9 +251,11 @@ pub struct MatrixSpan {
 
 impl ExpertLayout {
     fn matrix(&self, start: usize, rows: usize, cols: usize) -> MatrixSpan {
+        // Every part starts 16-byte aligned, so kernels may read it in 16-byte vectors.
+        let a = |n: usize| n.div_ceil(16) * 16;
         match self.format {
             ExpertFormat::Bf16 => {
-                let end = start + rows * cols * 2;
+                let end = a(start + rows * cols * 2);
                 MatrixSpan {
                     weight: start,
                     scales: end,
@@ -262,13 +264,13 @@ impl ExpertLayout {
                 }
             }
             ExpertFormat::Quant(q) => {
-                let scales = start + rows * q.words_per_row(cols) * 4;
-                let biases = scales + rows * q.groups_per_row(cols) * 2;
+                let scales = a(start + rows * q.words_per_row(cols) * 4);
+                let biases = a(scales + rows * q.groups_per_row(cols) * 2);
                 MatrixSpan {
                     weight: start,
                     scales,
                     biases,
-                    end: biases + rows * q.groups_per_row(cols) * 2,
+                    end: a(biases + rows * q.groups_per_row(cols) * 2),
                 }
             }
         }

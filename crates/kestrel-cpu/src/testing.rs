@@ -700,14 +700,19 @@ fn store_matrix(
     match layout.format {
         ExpertFormat::Bf16 => {
             let (bytes, f) = stored(values, DType::BF16);
-            span[m.weight..m.end].copy_from_slice(&bytes);
+            span[m.weight..m.weight + bytes.len()].copy_from_slice(&bytes);
             f
         }
         ExpertFormat::Quant(q) => {
             let qm = QuantMatrix::quantize(values, rows, cols, q);
-            span[m.weight..m.scales].copy_from_slice(bytemuck::cast_slice(&qm.weight));
-            span[m.scales..m.biases].copy_from_slice(bytemuck::cast_slice(&qm.scales));
-            span[m.biases..m.end].copy_from_slice(bytemuck::cast_slice(&qm.biases));
+            let (w, s, b): (&[u8], &[u8], &[u8]) = (
+                bytemuck::cast_slice(&qm.weight),
+                bytemuck::cast_slice(&qm.scales),
+                bytemuck::cast_slice(&qm.biases),
+            );
+            span[m.weight..m.weight + w.len()].copy_from_slice(w);
+            span[m.scales..m.scales + s.len()].copy_from_slice(s);
+            span[m.biases..m.biases + b.len()].copy_from_slice(b);
             qm.dequantize().iter().map(|&v| v as f64).collect()
         }
     }
@@ -747,7 +752,7 @@ pub fn moe(rng: Rng) -> Case {
         ],
     );
     let (hidden, inter) = match format {
-        ExpertFormat::Bf16 => (c.rng.range(8, 200), c.rng.range(8, 150)),
+        ExpertFormat::Bf16 => (8 * c.rng.range(1, 25), 8 * c.rng.range(1, 19)),
         ExpertFormat::Quant(_) => (64 * c.rng.range(1, 4), 64 * c.rng.range(1, 3)),
     };
     let tokens = pick(&mut c.rng, &[1, 1, 4, 33]);

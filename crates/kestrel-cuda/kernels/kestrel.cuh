@@ -88,3 +88,86 @@ __device__ __forceinline__ float lane_dot_dense(const W* row, const float* x, un
     for (unsigned i = lane; i < cols; i += 32) acc += to_f32(row[i]) * x[i];
     return acc;
 }
+
+// ---- 16-byte vector dot products for matrix-vector work ----
+// A row of `cols` values is read as 16-byte vectors of VALS values: 32 for 4-bit, 16 for 8-bit,
+// 8 for bf16 (BITS 16). The vector x is staged in shared memory with 4 floats of padding after
+// every 32 (`padded`), so the lanes' 16-byte reads of their x segments are bank-conflict free.
+
+__device__ __forceinline__ unsigned padded(unsigned i) { return i + ((i >> 5) << 2); }
+
+// Floats of shared memory needed to stage n values.
+__host__ __device__ constexpr unsigned padded_len(unsigned n) { return n + ((n + 31) / 32) * 4; }
+
+// Copies x[0..n) into xs, padded. Synchronises the block.
+__device__ __forceinline__ void stage_padded(const float* x, float* xs, unsigned n) {
+    for (unsigned i = threadIdx.x; i < n; i += blockDim.x) xs[padded(i)] = x[i];
+    __syncthreads();
+}
+
+template <int BITS>
+struct VecFormat {
+    static constexpr unsigned VALS = BITS == 16 ? 8 : 128 / BITS;
+};
+
+// Dot products of rows row0 .. row0 + R (those below `rows`) of one matrix with the staged x,
+// this lane's share: vectors lane, lane + 32, ... Reduce with warp_sum afterwards.
+// `w`: the matrix (16-byte aligned rows); `scales`, `biases`: per group (quantised only).
+template <int BITS, int R>
+__device__ __forceinline__ void rows_dot(const void* w, const bf16* scales, const bf16* biases, unsigned row0,
+                                         unsigned rows, const float* xs, unsigned cols, unsigned group,
+                                         float acc[R]) {
+    constexpr unsigned VALS = VecFormat<BITS>::VALS;
+    const unsigned lane = threadIdx.x % 32;
+    const unsigned nvec = cols / VALS, groups = BITS == 16 ? 0 : cols / group;
+    const uint4* W = reinterpret_cast<const uint4*>(w);
+    for (unsigned u = lane; u < nvec; u += 32) {
+        uint4 v[R];
+#pragma unroll
+        for (int r = 0; r < R; r++)
+            if (row0 + r < rows) v[r] = __ldcs(W + (size_t)(row0 + r) * nvec + u);
+        float xv[VALS];
+        const float4* xp = reinterpret_cast<const float4*>(xs + padded(u * VALS));
+#pragma unroll
+        for (unsigned j = 0; j < VALS / 4; j++) {
+            const float4 f = xp[j];
+            xv[4 * j] = f.x;
+            xv[4 * j + 1] = f.y;
+            xv[4 * j + 2] = f.z;
+            xv[4 * j + 3] = f.w;
+        }
+        if constexpr (BITS == 16) {
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                if (row0 + r >= rows) continue;
+                const unsigned words[4] = {v[r].x, v[r].y, v[r].z, v[r].w};
+                float a = 0.0f;
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    a += __uint_as_float(words[q] << 16) * xv[2 * q];
+                    a += __uint_as_float(words[q] & 0xffff0000u) * xv[2 * q + 1];
+                }
+                acc[r] += a;
+            }
+        } else {
+            constexpr unsigned PER_WORD = 32 / BITS, MASK = (1u << BITS) - 1u;
+            float sx = 0.0f;
+#pragma unroll
+            for (unsigned j = 0; j < VALS; j++) sx += xv[j];
+            const unsigned g = (u * VALS) / group;
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                if (row0 + r >= rows) continue;
+                const unsigned words[4] = {v[r].x, v[r].y, v[r].z, v[r].w};
+                float qx = 0.0f;
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+#pragma unroll
+                    for (unsigned j = 0; j < PER_WORD; j++)
+                        qx += (float)((words[q] >> (BITS * j)) & MASK) * xv[q * PER_WORD + j];
+                const size_t gi = (size_t)(row0 + r) * groups + g;
+                acc[r] += to_f32(scales[gi]) * qx + to_f32(biases[gi]) * sx;
+            }
+        }
+    }
+}

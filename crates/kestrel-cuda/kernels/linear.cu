@@ -110,3 +110,42 @@ DENSE(f16, f16)
 
 QUANT(4)
 QUANT(8)
+
+// One-token matvec with 16-byte weight loads: x staged in shared memory (padded), VEC_WARPS
+// warps per block, VEC_ROWS rows per warp with all their loads issued before the arithmetic.
+// Requires in_dim to be a multiple of the vector width and rows 16-byte aligned.
+#define VEC_WARPS 8
+#define VEC_ROWS 4
+
+template <int BITS>
+__device__ void matvec(const float* x, const void* w, const bf16* scales, const bf16* biases, float* out,
+                       unsigned in_dim, unsigned out_dim, unsigned group) {
+    extern __shared__ float xs[];
+    stage_padded(x, xs, in_dim);
+    const unsigned lane = threadIdx.x % 32;
+    const unsigned row0 = (blockIdx.x * VEC_WARPS + threadIdx.x / 32) * VEC_ROWS;
+    if (row0 >= out_dim) return;
+    float acc[VEC_ROWS];
+#pragma unroll
+    for (int r = 0; r < VEC_ROWS; r++) acc[r] = 0.0f;
+    rows_dot<BITS, VEC_ROWS>(w, scales, biases, row0, out_dim, xs, in_dim, group, acc);
+#pragma unroll
+    for (int r = 0; r < VEC_ROWS; r++) {
+        const float s = warp_sum(acc[r]);
+        if (lane == 0 && row0 + r < out_dim) out[row0 + r] = s;
+    }
+}
+
+extern "C" __global__ void matvec_bf16(const float* x, const bf16* w, float* out, unsigned in_dim, unsigned out_dim) {
+    matvec<16>(x, w, nullptr, nullptr, out, in_dim, out_dim, 1);
+}
+
+extern "C" __global__ void matvec_q4(const float* x, const unsigned* w, const bf16* scales, const bf16* biases,
+                                     float* out, unsigned in_dim, unsigned out_dim, unsigned group) {
+    matvec<4>(x, w, scales, biases, out, in_dim, out_dim, group);
+}
+
+extern "C" __global__ void matvec_q8(const float* x, const unsigned* w, const bf16* scales, const bf16* biases,
+                                     float* out, unsigned in_dim, unsigned out_dim, unsigned group) {
+    matvec<8>(x, w, scales, biases, out, in_dim, out_dim, group);
+}

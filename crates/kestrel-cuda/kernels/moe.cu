@@ -1,103 +1,127 @@
-// Mixture of experts. router: softmax over experts, top-k (lower index wins ties), optional
-// renormalisation; one block per token. Experts: gate/up (one warp per row of the intermediate
-// activation, per (token, slot)), down (one warp per output row, per (token, slot)), and a
-// combine that sums the slots in order, so results do not depend on scheduling.
-// Each expert is one contiguous span of `span` bytes; each matrix sits at the given byte offsets
-// (weight, scales, biases; bf16 experts use only the weight offset). BITS is 16 for bf16.
+// Mixture of experts.
+// router: one warp per token holds up to ROUTER_MAX experts in registers: softmax, then k rounds
+// of warp argmax (the lower index wins ties), optional renormalisation.
+// Experts, with 16-byte weight loads (see rows_dot in kestrel.cuh): gate_up computes
+// act[t * k + j] = silu(gate_e x_t) * (up_e x_t) for every (token, slot); down_combine computes
+// out[t] = sum_j weights[t, j] * down_e act[t * k + j], slots summed in order, so results do not
+// depend on scheduling. Each expert is one contiguous span of `span` bytes; each matrix sits at
+// the given byte offsets (weight, scales, biases; bf16 experts use only the weight offset).
+// BITS is 4 or 8 for MLX-quantised experts and 16 for bf16.
 #include "kestrel.cuh"
+
+#define ROUTER_PER_LANE 16  // up to 512 experts
 
 extern "C" __global__ void router_f32(const float* logits, unsigned* ids, float* weights, unsigned experts,
                                       unsigned k, int normalize) {
-    extern __shared__ float probs[];  // [experts]
-    __shared__ float scratch[32];
-    __shared__ unsigned s_idx[32];
+    const unsigned lane = threadIdx.x;
     const size_t t = blockIdx.x;
     const float* l = logits + t * experts;
+    float p[ROUTER_PER_LANE];
     float m = -INFINITY;
-    for (unsigned e = threadIdx.x; e < experts; e += blockDim.x) m = fmaxf(m, l[e]);
-    m = block_max(m, scratch);
-    float s = 0.0f;
-    for (unsigned e = threadIdx.x; e < experts; e += blockDim.x) {
-        probs[e] = expf(l[e] - m);
-        s += probs[e];
+#pragma unroll
+    for (int i = 0; i < ROUTER_PER_LANE; i++) {
+        const unsigned e = lane + 32 * i;
+        p[i] = e < experts ? l[e] : -INFINITY;
+        m = fmaxf(m, p[i]);
     }
-    s = block_sum(s, scratch);
-    for (unsigned e = threadIdx.x; e < experts; e += blockDim.x) probs[e] /= s;
-    __syncthreads();
-    float total = 0.0f;
+    m = warp_max(m);
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < ROUTER_PER_LANE; i++) {
+        p[i] = lane + 32 * i < experts ? expf(p[i] - m) : -1.0f;
+        s += fmaxf(p[i], 0.0f);
+    }
+    s = warp_sum(s);
+#pragma unroll
+    for (int i = 0; i < ROUTER_PER_LANE; i++)
+        if (p[i] >= 0.0f) p[i] /= s;
+    float total = 0.0f, chosen = 0.0f;
     for (unsigned j = 0; j < k; j++) {
-        // Block argmax over probs, ties to the lower index; taken experts are marked -1.
         float best = -2.0f;
         unsigned bi = 0xffffffffu;
-        for (unsigned e = threadIdx.x; e < experts; e += blockDim.x)
-            if (probs[e] > best) { best = probs[e]; bi = e; }
+#pragma unroll
+        for (int i = 0; i < ROUTER_PER_LANE; i++)
+            if (p[i] > best) { best = p[i]; bi = lane + 32 * i; }
         for (int o = 16; o > 0; o >>= 1) {
             const float ob = __shfl_xor_sync(0xffffffffu, best, o);
             const unsigned oi = __shfl_xor_sync(0xffffffffu, bi, o);
             if (ob > best || (ob == best && oi < bi)) { best = ob; bi = oi; }
         }
-        __syncthreads();
-        if (threadIdx.x % 32 == 0) { scratch[threadIdx.x / 32] = best; s_idx[threadIdx.x / 32] = bi; }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            for (unsigned w = 1; w < blockDim.x / 32; w++)
-                if (scratch[w] > best || (scratch[w] == best && s_idx[w] < bi)) { best = scratch[w]; bi = s_idx[w]; }
-            ids[t * k + j] = bi;
-            weights[t * k + j] = best;
-            total += best;
-            probs[bi] = -1.0f;
+        if (bi % 32 == lane) {
+#pragma unroll
+            for (int i = 0; i < ROUTER_PER_LANE; i++)
+                if (lane + 32 * i == bi) p[i] = -1.0f;  // taken
         }
-        __syncthreads();
+        if (lane == j) chosen = best;  // slot j's weight lives in lane j until written
+        if (lane == 0) ids[t * k + j] = bi;
+        total += best;
     }
-    if (threadIdx.x == 0 && normalize)
-        for (unsigned j = 0; j < k; j++) weights[t * k + j] /= total;
+    if (lane < k) weights[t * k + lane] = normalize ? chosen / total : chosen;
 }
 
-template <int BITS>
-__device__ __forceinline__ float lane_dot(const unsigned char* span, unsigned long long w, unsigned long long s,
-                                          unsigned long long b, unsigned row, const float* x, unsigned cols,
-                                          unsigned group, unsigned lane) {
-    if constexpr (BITS == 16) {
-        const bf16* m = reinterpret_cast<const bf16*>(span + w) + (size_t)row * cols;
-        return lane_dot_dense(m, x, cols, lane);
-    } else {
-        constexpr unsigned VPW = 32 / BITS;
-        const unsigned* words = reinterpret_cast<const unsigned*>(span + w) + (size_t)row * (cols / VPW);
-        const bf16* sc = reinterpret_cast<const bf16*>(span + s) + (size_t)row * (cols / group);
-        const bf16* bi = reinterpret_cast<const bf16*>(span + b) + (size_t)row * (cols / group);
-        return lane_dot_quant<BITS>(words, sc, bi, x, cols, group, lane);
-    }
-}
+#define GU_WARPS 8
+#define GU_ROWS 4
+#define DOWN_WARPS 4
+#define DOWN_ROWS 2
 
-// act[tk, r] = silu(gate_e[r] . x[t]) * (up_e[r] . x[t]), tk = t * k + slot, e = ids[tk].
 template <int BITS>
 __device__ void gate_up(const float* x, const unsigned* ids, const unsigned char* experts, float* act,
-                        unsigned hidden, unsigned inter, unsigned k, unsigned long long span, unsigned long long gw,
-                        unsigned long long gs, unsigned long long gb, unsigned long long uw, unsigned long long us,
-                        unsigned long long ub, unsigned group) {
-    const unsigned lane = threadIdx.x % 32;
-    const unsigned r = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+                        unsigned hidden, unsigned inter, unsigned k, unsigned long long span,
+                        unsigned long long gw, unsigned long long gs, unsigned long long gb, unsigned long long uw,
+                        unsigned long long us, unsigned long long ub, unsigned group) {
+    extern __shared__ float xs[];
     const size_t tk = blockIdx.y;
-    if (r >= inter) return;
-    const unsigned char* sp = experts + ids[tk] * span;
-    const float* xt = x + (tk / k) * hidden;
-    const float g = warp_sum(lane_dot<BITS>(sp, gw, gs, gb, r, xt, hidden, group, lane));
-    const float u = warp_sum(lane_dot<BITS>(sp, uw, us, ub, r, xt, hidden, group, lane));
-    if (lane == 0) act[tk * inter + r] = silu(g) * u;
+    stage_padded(x + (tk / k) * hidden, xs, hidden);
+    const unsigned lane = threadIdx.x % 32;
+    const unsigned row0 = (blockIdx.x * GU_WARPS + threadIdx.x / 32) * GU_ROWS;
+    if (row0 >= inter) return;
+    const unsigned char* sp = experts + (size_t)ids[tk] * span;
+    float g[GU_ROWS], u[GU_ROWS];
+#pragma unroll
+    for (int r = 0; r < GU_ROWS; r++) g[r] = u[r] = 0.0f;
+    rows_dot<BITS, GU_ROWS>(sp + gw, reinterpret_cast<const bf16*>(sp + gs), reinterpret_cast<const bf16*>(sp + gb),
+                            row0, inter, xs, hidden, group, g);
+    rows_dot<BITS, GU_ROWS>(sp + uw, reinterpret_cast<const bf16*>(sp + us), reinterpret_cast<const bf16*>(sp + ub),
+                            row0, inter, xs, hidden, group, u);
+#pragma unroll
+    for (int r = 0; r < GU_ROWS; r++) {
+        const float gv = warp_sum(g[r]), uv = warp_sum(u[r]);
+        if (lane == 0 && row0 + r < inter) act[tk * inter + row0 + r] = silu(gv) * uv;
+    }
 }
 
-// y[tk, r] = down_e[r] . act[tk]
 template <int BITS>
-__device__ void down(const float* act, const unsigned* ids, const unsigned char* experts, float* y,
-                     unsigned hidden, unsigned inter, unsigned long long span, unsigned long long dw,
-                     unsigned long long ds, unsigned long long db, unsigned group) {
+__device__ void down_combine(const float* act, const unsigned* ids, const float* weights,
+                             const unsigned char* experts, float* out, unsigned hidden, unsigned inter, unsigned k,
+                             unsigned long long span, unsigned long long dw, unsigned long long ds,
+                             unsigned long long db, unsigned group) {
+    extern __shared__ float xs[];  // k staged activations, padded
+    const size_t t = blockIdx.y;
+    const unsigned plen = padded_len(inter);
+    for (unsigned j = 0; j < k; j++)
+        for (unsigned i = threadIdx.x; i < inter; i += blockDim.x)
+            xs[j * plen + padded(i)] = act[(t * k + j) * inter + i];
+    __syncthreads();
     const unsigned lane = threadIdx.x % 32;
-    const unsigned r = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    const size_t tk = blockIdx.y;
-    if (r >= hidden) return;
-    const unsigned char* sp = experts + ids[tk] * span;
-    const float d = warp_sum(lane_dot<BITS>(sp, dw, ds, db, r, act + tk * inter, inter, group, lane));
-    if (lane == 0) y[tk * hidden + r] = d;
+    const unsigned row0 = (blockIdx.x * DOWN_WARPS + threadIdx.x / 32) * DOWN_ROWS;
+    if (row0 >= hidden) return;
+    float total[DOWN_ROWS];
+#pragma unroll
+    for (int r = 0; r < DOWN_ROWS; r++) total[r] = 0.0f;
+    for (unsigned j = 0; j < k; j++) {
+        const unsigned char* sp = experts + (size_t)ids[t * k + j] * span;
+        float a[DOWN_ROWS];
+#pragma unroll
+        for (int r = 0; r < DOWN_ROWS; r++) a[r] = 0.0f;
+        rows_dot<BITS, DOWN_ROWS>(sp + dw, reinterpret_cast<const bf16*>(sp + ds),
+                                  reinterpret_cast<const bf16*>(sp + db), row0, hidden, xs + j * plen, inter, group, a);
+        const float wj = weights[t * k + j];
+#pragma unroll
+        for (int r = 0; r < DOWN_ROWS; r++) total[r] += wj * warp_sum(a[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < DOWN_ROWS; r++)
+        if (lane == 0 && row0 + r < hidden) out[t * hidden + row0 + r] = total[r];
 }
 
 #define EXPERTS(BITS, NAME)                                                                                 \
@@ -110,25 +134,14 @@ __device__ void down(const float* act, const unsigned* ids, const unsigned char*
                                                   unsigned group) {                                          \
         gate_up<BITS>(x, ids, experts, act, hidden, inter, k, span, gw, gs, gb, uw, us, ub, group);         \
     }                                                                                                       \
-    extern "C" __global__ void moe_down_##NAME(const float* act, const unsigned* ids,                       \
-                                               const unsigned char* experts, float* y, unsigned hidden,      \
-                                               unsigned inter, unsigned long long span,                     \
+    extern "C" __global__ void moe_down_##NAME(const float* act, const unsigned* ids, const float* weights,  \
+                                               const unsigned char* experts, float* out, unsigned hidden,    \
+                                               unsigned inter, unsigned k, unsigned long long span,          \
                                                unsigned long long dw, unsigned long long ds,                \
                                                unsigned long long db, unsigned group) {                     \
-        down<BITS>(act, ids, experts, y, hidden, inter, span, dw, ds, db, group);                           \
+        down_combine<BITS>(act, ids, weights, experts, out, hidden, inter, k, span, dw, ds, db, group);     \
     }
 
 EXPERTS(16, bf16)
 EXPERTS(4, q4)
 EXPERTS(8, q8)
-
-// out[t, i] = sum_j weights[t, j] * y[t * k + j, i], slots summed in order.
-extern "C" __global__ void moe_combine_f32(const float* y, const float* weights, float* out, unsigned hidden,
-                                           unsigned k) {
-    const size_t t = blockIdx.y;
-    const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= hidden) return;
-    float acc = 0.0f;
-    for (unsigned j = 0; j < k; j++) acc += weights[t * k + j] * y[(t * k + j) * hidden + i];
-    out[t * hidden + i] = acc;
-}

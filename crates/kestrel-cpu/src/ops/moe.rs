@@ -15,18 +15,28 @@ fn matrix<'a>(
     span: &'a [u8],
     m: MatrixSpan,
     format: ExpertFormat,
+    rows: usize,
     cols: usize,
 ) -> Result<Matrix<'a>, String> {
     let cast_err = |e| format!("expert span: {e:?}");
     Ok(match format {
         ExpertFormat::Bf16 => Matrix::Dense {
-            w: Floats::BF16(bytemuck::try_cast_slice(&span[m.weight..m.end]).map_err(cast_err)?),
+            w: Floats::BF16(
+                bytemuck::try_cast_slice(&span[m.weight..m.weight + rows * cols * 2]).map_err(cast_err)?,
+            ),
             cols,
         },
         ExpertFormat::Quant(q) => Matrix::Quant {
-            weight: bytemuck::try_cast_slice(&span[m.weight..m.scales]).map_err(cast_err)?,
-            scales: bytemuck::try_cast_slice::<u8, bf16>(&span[m.scales..m.biases]).map_err(cast_err)?,
-            biases: bytemuck::try_cast_slice::<u8, bf16>(&span[m.biases..m.end]).map_err(cast_err)?,
+            weight: bytemuck::try_cast_slice(&span[m.weight..m.weight + rows * q.words_per_row(cols) * 4])
+                .map_err(cast_err)?,
+            scales: bytemuck::try_cast_slice::<u8, bf16>(
+                &span[m.scales..m.scales + rows * q.groups_per_row(cols) * 2],
+            )
+            .map_err(cast_err)?,
+            biases: bytemuck::try_cast_slice::<u8, bf16>(
+                &span[m.biases..m.biases + rows * q.groups_per_row(cols) * 2],
+            )
+            .map_err(cast_err)?,
             format: q,
             cols,
         },
@@ -36,9 +46,9 @@ fn matrix<'a>(
 /// `down(silu(gate x) * up x)` for one expert.
 pub fn expert_mlp(span: &[u8], layout: &ExpertLayout, x: &[f32]) -> Result<Vec<f32>, String> {
     let (h, i) = (layout.hidden, layout.inter);
-    let gate = matrix(span, layout.gate(), layout.format, h)?;
-    let up = matrix(span, layout.up(), layout.format, h)?;
-    let down = matrix(span, layout.down(), layout.format, i)?;
+    let gate = matrix(span, layout.gate(), layout.format, i, h)?;
+    let up = matrix(span, layout.up(), layout.format, i, h)?;
+    let down = matrix(span, layout.down(), layout.format, h, i)?;
     let act: Vec<f32> = (0..i)
         .map(|r| silu(gate.dot_row(r, x)) * up.dot_row(r, x))
         .collect();

@@ -1,6 +1,7 @@
 //! Linear layers and embeddings, dense and quantised: `kernels/linear.cu`.
 
-use kestrel_core::ir::{LinearWeight, Op};
+use kestrel_core::ir::{Buf, LinearWeight, Op};
+use kestrel_core::DType;
 
 use super::{float_name, u32_arg, unsupported};
 use crate::backend::Encoder;
@@ -18,6 +19,75 @@ fn quant_name(bits: u32) -> Result<&'static str> {
     }
 }
 
+/// Rows per block of the one-token `matvec_*` kernels (8 warps x 4 rows).
+const MATVEC_ROWS: usize = 32;
+
+/// The one-token path: 16-byte loads, x staged in shared memory. Returns false (and records
+/// nothing) when the weight's format or alignment needs the general kernel.
+fn encode_matvec(
+    enc: &mut Encoder,
+    x: Buf,
+    w: &LinearWeight,
+    out: Buf,
+    in_dim: usize,
+    out_dim: usize,
+) -> Result<bool> {
+    let smem = (in_dim + in_dim.div_ceil(32) * 4) * 4;
+    if smem > enc.device.info().max_shared_per_block {
+        return Ok(false);
+    }
+    let (x, out) = (enc.buf(x)?.clone(), enc.buf(out)?.clone());
+    let grid = u32_arg(out_dim.div_ceil(MATVEC_ROWS))?;
+    match w {
+        LinearWeight::Dense(wb) if enc.dtype(wb.raw()) == DType::BF16 && in_dim % 8 == 0 => {
+            let k = enc.device.kernel("linear", "matvec_bf16")?;
+            let wb = enc.buf(wb.raw())?.clone();
+            enc.list
+                .dispatch(&k)
+                .grid(grid)
+                .block(256)
+                .shared_mem(u32_arg(smem)?)
+                .read(&x)
+                .read(&wb)
+                .write(&out)
+                .arg(u32_arg(in_dim)?)
+                .arg(u32_arg(out_dim)?)
+                .record();
+        }
+        LinearWeight::Quant {
+            weight,
+            scales,
+            biases,
+            format,
+        } if format.group_size % (128 / format.bits as usize) == 0 => {
+            let k = enc
+                .device
+                .kernel("linear", &format!("matvec_{}", quant_name(format.bits)?))?;
+            let (qw, s, b) = (
+                enc.buf(weight.raw())?.clone(),
+                enc.buf(scales.raw())?.clone(),
+                enc.buf(biases.raw())?.clone(),
+            );
+            enc.list
+                .dispatch(&k)
+                .grid(grid)
+                .block(256)
+                .shared_mem(u32_arg(smem)?)
+                .read(&x)
+                .read(&qw)
+                .read(&s)
+                .read(&b)
+                .write(&out)
+                .arg(u32_arg(in_dim)?)
+                .arg(u32_arg(out_dim)?)
+                .arg(u32_arg(format.group_size)?)
+                .record();
+        }
+        _ => return Ok(false),
+    }
+    Ok(true)
+}
+
 pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
     match op {
         Op::Linear {
@@ -28,6 +98,9 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             in_dim,
             out_dim,
         } => {
+            if *tokens == 1 && encode_matvec(enc, *x, w, *out, *in_dim, *out_dim)? {
+                return Ok(());
+            }
             let grid = (
                 u32_arg(out_dim.div_ceil(ROWS))?,
                 u32_arg(tokens.div_ceil(TOKENS))?,

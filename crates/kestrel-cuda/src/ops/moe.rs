@@ -1,5 +1,5 @@
-//! Router and routed experts: `kernels/moe.cu`. Experts run as gate/up, down and an ordered
-//! combine, through two per-node workspaces `[tokens * k, inter]` and `[tokens * k, hidden]`.
+//! Router and routed experts: `kernels/moe.cu`. Experts run as gate/up into a per-node
+//! workspace `[tokens * k, inter]`, then down with the weighted, ordered combine.
 
 use kestrel_core::ir::{ExpertFormat, Op};
 use kestrel_core::DType;
@@ -8,7 +8,17 @@ use super::{u32_arg, unsupported};
 use crate::backend::Encoder;
 use crate::error::Result;
 
-const ROWS: usize = 8;
+/// Rows per block of `moe_gate_up_*` (8 warps x 4 rows) and `moe_down_*` (4 warps x 2 rows).
+const GU_ROWS: usize = 32;
+const DOWN_ROWS: usize = 8;
+/// `router_f32` holds 16 experts per lane of one warp, and slot j's weight in lane j.
+const ROUTER_MAX_EXPERTS: usize = 512;
+const ROUTER_MAX_K: usize = 32;
+
+/// Floats of shared memory for `n` staged values (`padded_len` in kestrel.cuh).
+fn padded_len(n: usize) -> usize {
+    n + n.div_ceil(32) * 4
+}
 
 pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
     match *op {
@@ -21,6 +31,9 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             k,
             normalize,
         } => {
+            if experts > ROUTER_MAX_EXPERTS || k > ROUTER_MAX_K {
+                return Err(unsupported(format!("top-{k} of {experts} experts")));
+            }
             let kern = enc.device.kernel("moe", "router_f32")?;
             let (l, i, w) = (
                 enc.buf(logits)?.clone(),
@@ -30,8 +43,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             enc.list
                 .dispatch(&kern)
                 .grid(u32_arg(tokens)?)
-                .block(128)
-                .shared_mem(u32_arg(experts * 4)?)
+                .block(32)
                 .read(&l)
                 .write(&i)
                 .write(&w)
@@ -57,8 +69,16 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 ExpertFormat::Quant(q) => return Err(unsupported(format!("{}-bit experts", q.bits))),
             };
             let (h, i) = (layout.hidden, layout.inter);
+            if h % 8 != 0 || i % 8 != 0 {
+                return Err(unsupported(format!("expert dims {h}x{i} are not multiples of 8")));
+            }
+            let (gu_smem, down_smem) = (padded_len(h) * 4, k * padded_len(i) * 4);
+            if down_smem.max(gu_smem) > enc.device.info().max_shared_per_block {
+                return Err(unsupported(format!(
+                    "top-{k} experts of width {i} exceed shared memory"
+                )));
+            }
             let act = enc.workspace(DType::F32, [tokens * k, i])?;
-            let y = enc.workspace(DType::F32, [tokens * k, h])?;
             let (x, ids, w, e, o) = (
                 enc.buf(x)?.clone(),
                 enc.buf(ids)?.clone(),
@@ -71,8 +91,9 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             let gate_up = enc.device.kernel("moe", &format!("moe_gate_up_{name}"))?;
             enc.list
                 .dispatch(&gate_up)
-                .grid((u32_arg(i.div_ceil(ROWS))?, u32_arg(tokens * k)?))
-                .block(32 * ROWS as u32)
+                .grid((u32_arg(i.div_ceil(GU_ROWS))?, u32_arg(tokens * k)?))
+                .block(256)
+                .shared_mem(u32_arg(gu_smem)?)
                 .read(&x)
                 .read(&ids)
                 .read(&e)
@@ -92,30 +113,22 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             let down = enc.device.kernel("moe", &format!("moe_down_{name}"))?;
             enc.list
                 .dispatch(&down)
-                .grid((u32_arg(h.div_ceil(ROWS))?, u32_arg(tokens * k)?))
-                .block(32 * ROWS as u32)
+                .grid((u32_arg(h.div_ceil(DOWN_ROWS))?, u32_arg(tokens)?))
+                .block(128)
+                .shared_mem(u32_arg(down_smem)?)
                 .read(&act)
                 .read(&ids)
+                .read(&w)
                 .read(&e)
-                .write(&y)
+                .write(&o)
                 .arg(u32_arg(h)?)
                 .arg(u32_arg(i)?)
+                .arg(u32_arg(k)?)
                 .arg(span)
                 .arg(d.weight as u64)
                 .arg(d.scales as u64)
                 .arg(d.biases as u64)
                 .arg(u32_arg(group)?)
-                .record();
-            let combine = enc.device.kernel("moe", "moe_combine_f32")?;
-            enc.list
-                .dispatch(&combine)
-                .grid((u32_arg(h.div_ceil(256))?, u32_arg(tokens)?))
-                .block(256)
-                .read(&y)
-                .read(&w)
-                .write(&o)
-                .arg(u32_arg(h)?)
-                .arg(u32_arg(k)?)
                 .record();
         }
         _ => unreachable!("dispatched by ops::encode"),
