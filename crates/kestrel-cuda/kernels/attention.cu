@@ -99,3 +99,171 @@ __device__ void attention(const float* q, const T* k_cache, const T* v_cache, co
 ATTN(float, f32)
 ATTN(bf16, bf16)
 ATTN(f16, f16)
+
+// ---- decode: split over the cache length ----
+// Grid (kv_heads * subgroups, splits, tokens): a block takes one KV head, up to GROUP query heads
+// of its group and one chunk of the cache rows `0 ..= positions[t]`, so each K/V row is read
+// once per GROUP query heads. Within a warp, lane j scores key j of a batch of 32 against the
+// block's queries (held in shared memory), reading the key row in 16-byte vectors; the online
+// softmax runs per query head across lanes; P.V accumulates with lane d owning dims d, d + 32, ...
+// (PL of them). The warps' partial results are merged and written as (max, sum, acc) per
+// (token, head, split) for attention_combine. head_dim is a multiple of 8.
+#define GROUP 8
+#define DEC_WARPS 4
+
+// Eight consecutive cache values as floats (p is 16-byte aligned for 2-byte types).
+__device__ __forceinline__ void load8(const float* p, float out[8]) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+    out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w; out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+}
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float out[8]) {
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
+    const T* h = reinterpret_cast<const T*>(&v);
+#pragma unroll
+    for (int i = 0; i < 8; i++) out[i] = to_f32(h[i]);
+}
+
+template <typename T, int PL>
+__device__ void attention_split(const float* q, const T* k_cache, const T* v_cache, const unsigned* positions,
+                                float* part_m, float* part_l, float* part_acc, unsigned heads, unsigned kv_heads,
+                                unsigned head_dim, unsigned max_ctx, float scale, unsigned chunk) {
+    extern __shared__ float smem[];
+    float* qs = smem;                        // [GROUP, head_dim]
+    float* wm = qs + GROUP * head_dim;       // [DEC_WARPS, GROUP]
+    float* wl = wm + DEC_WARPS * GROUP;      // [DEC_WARPS, GROUP]
+    float* wacc = wl + DEC_WARPS * GROUP;    // [DEC_WARPS, GROUP, head_dim]
+    const unsigned group = heads / kv_heads, subgroups = (group + GROUP - 1) / GROUP;
+    const unsigned kvh = blockIdx.x / subgroups, h0 = kvh * group + (blockIdx.x % subgroups) * GROUP;
+    const unsigned G = min((unsigned)GROUP, kvh * group + group - h0);
+    const unsigned split = blockIdx.y, splits = gridDim.y, t = blockIdx.z;
+    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const unsigned n = min(positions[t] + 1, max_ctx);
+    const unsigned start = split * chunk, end = min(start + chunk, n);
+    for (unsigned i = threadIdx.x; i < GROUP * head_dim; i += blockDim.x)
+        qs[i] = i < G * head_dim ? q[((size_t)t * heads + h0) * head_dim + i] * scale : 0.0f;
+    __syncthreads();
+    float m[GROUP], l[GROUP], acc[GROUP][PL];
+#pragma unroll
+    for (int g = 0; g < GROUP; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+#pragma unroll
+        for (int r = 0; r < PL; r++) acc[g][r] = 0.0f;
+    }
+    const T* kb = k_cache + (size_t)kvh * max_ctx * head_dim;
+    const T* vb = v_cache + (size_t)kvh * max_ctx * head_dim;
+    for (unsigned base = start + warp * 32; base < end; base += DEC_WARPS * 32) {
+        const unsigned key = base + lane;
+        const bool valid = key < end;
+        float s[GROUP];
+#pragma unroll
+        for (int g = 0; g < GROUP; g++) s[g] = 0.0f;
+        if (valid) {
+            const T* kr = kb + (size_t)key * head_dim;
+            for (unsigned d0 = 0; d0 < head_dim; d0 += 8) {
+                float kv[8];
+                load8(kr + d0, kv);
+#pragma unroll
+                for (int g = 0; g < GROUP; g++) {
+                    const float4 qa = *reinterpret_cast<const float4*>(qs + g * head_dim + d0);
+                    const float4 qb = *reinterpret_cast<const float4*>(qs + g * head_dim + d0 + 4);
+                    s[g] += qa.x * kv[0] + qa.y * kv[1] + qa.z * kv[2] + qa.w * kv[3] + qb.x * kv[4] + qb.y * kv[5] +
+                            qb.z * kv[6] + qb.w * kv[7];
+                }
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < GROUP; g++) {
+            const float sv = valid ? s[g] : -INFINITY;
+            const float m_new = fmaxf(m[g], warp_max(sv));
+            const float p = valid ? expf(sv - m_new) : 0.0f;
+            const float corr = expf(m[g] - m_new);
+            l[g] = l[g] * corr + warp_sum(p);
+#pragma unroll
+            for (int r = 0; r < PL; r++) acc[g][r] *= corr;
+            m[g] = m_new;
+            s[g] = p;
+        }
+        const unsigned keys = min(32u, end - base);
+        for (unsigned j = 0; j < keys; j++) {
+            const T* vr = vb + (size_t)(base + j) * head_dim;
+            float vv[PL];
+#pragma unroll
+            for (int r = 0; r < PL; r++) {
+                const unsigned d = lane + 32 * r;
+                vv[r] = d < head_dim ? to_f32(vr[d]) : 0.0f;
+            }
+#pragma unroll
+            for (int g = 0; g < GROUP; g++) {
+                const float p = __shfl_sync(0xffffffffu, s[g], j);
+#pragma unroll
+                for (int r = 0; r < PL; r++) acc[g][r] += p * vv[r];
+            }
+        }
+    }
+    // Merge the warps. Unused query slots (g >= G) computed on zero queries and are not written.
+#pragma unroll
+    for (int g = 0; g < GROUP; g++) {
+        if (lane == 0) {
+            wm[warp * GROUP + g] = m[g];
+            wl[warp * GROUP + g] = l[g];
+        }
+#pragma unroll
+        for (int r = 0; r < PL; r++) {
+            const unsigned d = lane + 32 * r;
+            if (d < head_dim) wacc[(warp * GROUP + g) * head_dim + d] = acc[g][r];
+        }
+    }
+    __syncthreads();
+    for (unsigned i = threadIdx.x; i < G * head_dim; i += blockDim.x) {
+        const unsigned g = i / head_dim, d = i % head_dim;
+        float mm = -INFINITY;
+        for (unsigned w = 0; w < DEC_WARPS; w++) mm = fmaxf(mm, wm[w * GROUP + g]);
+        float ll = 0.0f, a = 0.0f;
+        for (unsigned w = 0; w < DEC_WARPS; w++) {
+            const float f = wm[w * GROUP + g] == -INFINITY ? 0.0f : expf(wm[w * GROUP + g] - mm);
+            ll += wl[w * GROUP + g] * f;
+            a += wacc[(w * GROUP + g) * head_dim + d] * f;
+        }
+        const size_t row = ((size_t)t * heads + h0 + g) * splits + split;
+        part_acc[row * head_dim + d] = a;
+        if (d == 0) {
+            part_m[row] = mm;
+            part_l[row] = ll;
+        }
+    }
+}
+
+// out[t, h] = merge of the splits' partial results. One block per (token, head).
+extern "C" __global__ void attention_combine_f32(const float* part_m, const float* part_l, const float* part_acc,
+                                                 float* out, unsigned head_dim, unsigned splits) {
+    const size_t row = blockIdx.x;
+    const float* pm = part_m + row * splits;
+    const float* pl = part_l + row * splits;
+    float mm = -INFINITY;
+    for (unsigned s = 0; s < splits; s++) mm = fmaxf(mm, pm[s]);
+    for (unsigned d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float ll = 0.0f, a = 0.0f;
+        for (unsigned s = 0; s < splits; s++) {
+            const float f = pm[s] == -INFINITY ? 0.0f : expf(pm[s] - mm);
+            ll += pl[s] * f;
+            a += part_acc[(row * splits + s) * head_dim + d] * f;
+        }
+        out[row * head_dim + d] = a / ll;
+    }
+}
+
+#define SPLIT(T, NAME, PL)                                                                                  \
+    extern "C" __global__ void attention_split_##NAME##_##PL(                                               \
+        const float* q, const T* k_cache, const T* v_cache, const unsigned* positions, float* part_m,       \
+        float* part_l, float* part_acc, unsigned heads, unsigned kv_heads, unsigned head_dim,               \
+        unsigned max_ctx, float scale, unsigned chunk) {                                                    \
+        attention_split<T, PL>(q, k_cache, v_cache, positions, part_m, part_l, part_acc, heads, kv_heads,  \
+                               head_dim, max_ctx, scale, chunk);                                            \
+    }
+#define SPLITS(T, NAME) SPLIT(T, NAME, 2) SPLIT(T, NAME, 3) SPLIT(T, NAME, 4) SPLIT(T, NAME, 8)
+
+SPLITS(float, f32)
+SPLITS(bf16, bf16)
+SPLITS(f16, f16)

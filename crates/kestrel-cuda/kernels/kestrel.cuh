@@ -93,30 +93,44 @@ __device__ __forceinline__ float lane_dot_dense(const W* row, const float* x, un
 // A row of `cols` values is read as 16-byte vectors of VALS values: 32 for 4-bit, 16 for 8-bit,
 // 8 for bf16 (BITS 16). The vector x is staged in shared memory with 4 floats of padding after
 // every 32 (`padded`), so the lanes' 16-byte reads of their x segments are bank-conflict free.
+//
+// Quantised values are turned into floats without integer-to-float conversions (a quarter-rate
+// instruction that would bound the whole kernel): a value masked in place inside the low 16 bits
+// of a word, OR-ed into the mantissa of 2^23 and minus 2^23, is exactly (q << shift) as a float.
+// x is staged pre-multiplied by 2^-shift for its position, a power of two, so exact.
 
 __device__ __forceinline__ unsigned padded(unsigned i) { return i + ((i >> 5) << 2); }
 
 // Floats of shared memory needed to stage n values.
 __host__ __device__ constexpr unsigned padded_len(unsigned n) { return n + ((n + 31) / 32) * 4; }
 
-// Copies x[0..n) into xs, padded. Synchronises the block.
-__device__ __forceinline__ void stage_padded(const float* x, float* xs, unsigned n) {
-    for (unsigned i = threadIdx.x; i < n; i += blockDim.x) xs[padded(i)] = x[i];
-    __syncthreads();
-}
-
 template <int BITS>
 struct VecFormat {
     static constexpr unsigned VALS = BITS == 16 ? 8 : 128 / BITS;
+    // Values per 16-bit half word, and the scale x is staged with at position i of a row.
+    static constexpr unsigned PER_HALF = BITS == 16 ? 1 : 16 / BITS;
+    static __device__ __forceinline__ float x_scale(unsigned i) {
+        if constexpr (BITS == 16) return 1.0f;
+        else return __int_as_float((127 - (int)(BITS * (i % PER_HALF))) << 23);  // 2^-(BITS * position)
+    }
 };
+
+// Copies x[0..n) into xs, padded and pre-scaled for format BITS. Synchronises the block.
+template <int BITS>
+__device__ __forceinline__ void stage_x(const float* x, float* xs, unsigned n) {
+    for (unsigned i = threadIdx.x; i < n; i += blockDim.x) xs[padded(i)] = x[i] * VecFormat<BITS>::x_scale(i);
+    __syncthreads();
+}
 
 // Dot products of rows row0 .. row0 + R (those below `rows`) of one matrix with the staged x,
 // this lane's share: vectors lane, lane + 32, ... Reduce with warp_sum afterwards.
-// `w`: the matrix (16-byte aligned rows); `scales`, `biases`: per group (quantised only).
+// `w`: the matrix (16-byte aligned rows); `scales`, `biases`: per group (quantised only); `xsum`:
+// the plain sum of x over each vector is needed for the biases, so quantised formats also take
+// `xs_plain`, x staged unscaled.
 template <int BITS, int R>
 __device__ __forceinline__ void rows_dot(const void* w, const bf16* scales, const bf16* biases, unsigned row0,
-                                         unsigned rows, const float* xs, unsigned cols, unsigned group,
-                                         float acc[R]) {
+                                         unsigned rows, const float* xs, const float* xs_plain, unsigned cols,
+                                         unsigned group, float acc[R]) {
     constexpr unsigned VALS = VecFormat<BITS>::VALS;
     const unsigned lane = threadIdx.x % 32;
     const unsigned nvec = cols / VALS, groups = BITS == 16 ? 0 : cols / group;
@@ -150,10 +164,14 @@ __device__ __forceinline__ void rows_dot(const void* w, const bf16* scales, cons
                 acc[r] += a;
             }
         } else {
-            constexpr unsigned PER_WORD = 32 / BITS, MASK = (1u << BITS) - 1u;
+            constexpr unsigned PER_HALF = VecFormat<BITS>::PER_HALF, MASK = (1u << BITS) - 1u;
+            const float4* pp = reinterpret_cast<const float4*>(xs_plain + padded(u * VALS));
             float sx = 0.0f;
 #pragma unroll
-            for (unsigned j = 0; j < VALS; j++) sx += xv[j];
+            for (unsigned j = 0; j < VALS / 4; j++) {
+                const float4 f = pp[j];
+                sx += (f.x + f.y) + (f.z + f.w);
+            }
             const unsigned g = (u * VALS) / group;
 #pragma unroll
             for (int r = 0; r < R; r++) {
@@ -161,10 +179,17 @@ __device__ __forceinline__ void rows_dot(const void* w, const bf16* scales, cons
                 const unsigned words[4] = {v[r].x, v[r].y, v[r].z, v[r].w};
                 float qx = 0.0f;
 #pragma unroll
-                for (int q = 0; q < 4; q++)
+                for (int q = 0; q < 4; q++) {
+                    const unsigned lo = words[q], hi = words[q] >> 16;
 #pragma unroll
-                    for (unsigned j = 0; j < PER_WORD; j++)
-                        qx += (float)((words[q] >> (BITS * j)) & MASK) * xv[q * PER_WORD + j];
+                    for (unsigned p = 0; p < PER_HALF; p++) {
+                        const unsigned m = MASK << (BITS * p);
+                        const float a = __uint_as_float((lo & m) | 0x4B000000u) - 8388608.0f;
+                        const float b = __uint_as_float((hi & m) | 0x4B000000u) - 8388608.0f;
+                        qx += a * xv[q * 2 * PER_HALF + p];
+                        qx += b * xv[q * 2 * PER_HALF + PER_HALF + p];
+                    }
+                }
                 const size_t gi = (size_t)(row0 + r) * groups + g;
                 acc[r] += to_f32(scales[gi]) * qx + to_f32(biases[gi]) * sx;
             }

@@ -120,15 +120,18 @@ QUANT(8)
 template <int BITS>
 __device__ void matvec(const float* x, const void* w, const bf16* scales, const bf16* biases, float* out,
                        unsigned in_dim, unsigned out_dim, unsigned group) {
-    extern __shared__ float xs[];
-    stage_padded(x, xs, in_dim);
+    extern __shared__ float xs[];  // x pre-scaled for BITS, then (quantised only) x plain
+    float* xs_plain = xs + padded_len(in_dim);
+    if constexpr (BITS != 16)
+        for (unsigned i = threadIdx.x; i < in_dim; i += blockDim.x) xs_plain[padded(i)] = x[i];
+    stage_x<BITS>(x, xs, in_dim);
     const unsigned lane = threadIdx.x % 32;
     const unsigned row0 = (blockIdx.x * VEC_WARPS + threadIdx.x / 32) * VEC_ROWS;
     if (row0 >= out_dim) return;
     float acc[VEC_ROWS];
 #pragma unroll
     for (int r = 0; r < VEC_ROWS; r++) acc[r] = 0.0f;
-    rows_dot<BITS, VEC_ROWS>(w, scales, biases, row0, out_dim, xs, in_dim, group, acc);
+    rows_dot<BITS, VEC_ROWS>(w, scales, biases, row0, out_dim, xs, xs_plain, in_dim, group, acc);
 #pragma unroll
     for (int r = 0; r < VEC_ROWS; r++) {
         const float s = warp_sum(acc[r]);

@@ -69,9 +69,13 @@ __device__ void gate_up(const float* x, const unsigned* ids, const unsigned char
                         unsigned hidden, unsigned inter, unsigned k, unsigned long long span,
                         unsigned long long gw, unsigned long long gs, unsigned long long gb, unsigned long long uw,
                         unsigned long long us, unsigned long long ub, unsigned group) {
-    extern __shared__ float xs[];
+    extern __shared__ float xs[];  // x pre-scaled for BITS, then (quantised only) x plain
+    float* xs_plain = xs + padded_len(hidden);
     const size_t tk = blockIdx.y;
-    stage_padded(x + (tk / k) * hidden, xs, hidden);
+    const float* xt = x + (tk / k) * hidden;
+    if constexpr (BITS != 16)
+        for (unsigned i = threadIdx.x; i < hidden; i += blockDim.x) xs_plain[padded(i)] = xt[i];
+    stage_x<BITS>(xt, xs, hidden);
     const unsigned lane = threadIdx.x % 32;
     const unsigned row0 = (blockIdx.x * GU_WARPS + threadIdx.x / 32) * GU_ROWS;
     if (row0 >= inter) return;
@@ -80,9 +84,9 @@ __device__ void gate_up(const float* x, const unsigned* ids, const unsigned char
 #pragma unroll
     for (int r = 0; r < GU_ROWS; r++) g[r] = u[r] = 0.0f;
     rows_dot<BITS, GU_ROWS>(sp + gw, reinterpret_cast<const bf16*>(sp + gs), reinterpret_cast<const bf16*>(sp + gb),
-                            row0, inter, xs, hidden, group, g);
+                            row0, inter, xs, xs_plain, hidden, group, g);
     rows_dot<BITS, GU_ROWS>(sp + uw, reinterpret_cast<const bf16*>(sp + us), reinterpret_cast<const bf16*>(sp + ub),
-                            row0, inter, xs, hidden, group, u);
+                            row0, inter, xs, xs_plain, hidden, group, u);
 #pragma unroll
     for (int r = 0; r < GU_ROWS; r++) {
         const float gv = warp_sum(g[r]), uv = warp_sum(u[r]);
@@ -95,12 +99,17 @@ __device__ void down_combine(const float* act, const unsigned* ids, const float*
                              const unsigned char* experts, float* out, unsigned hidden, unsigned inter, unsigned k,
                              unsigned long long span, unsigned long long dw, unsigned long long ds,
                              unsigned long long db, unsigned group) {
-    extern __shared__ float xs[];  // k staged activations, padded
+    // The k activations staged pre-scaled for BITS, then (quantised only) plain.
+    extern __shared__ float xs[];
     const size_t t = blockIdx.y;
     const unsigned plen = padded_len(inter);
+    float* xs_plain = xs + k * plen;
     for (unsigned j = 0; j < k; j++)
-        for (unsigned i = threadIdx.x; i < inter; i += blockDim.x)
-            xs[j * plen + padded(i)] = act[(t * k + j) * inter + i];
+        for (unsigned i = threadIdx.x; i < inter; i += blockDim.x) {
+            const float a = act[(t * k + j) * inter + i];
+            xs[j * plen + padded(i)] = a * VecFormat<BITS>::x_scale(i);
+            if constexpr (BITS != 16) xs_plain[j * plen + padded(i)] = a;
+        }
     __syncthreads();
     const unsigned lane = threadIdx.x % 32;
     const unsigned row0 = (blockIdx.x * DOWN_WARPS + threadIdx.x / 32) * DOWN_ROWS;
@@ -114,7 +123,8 @@ __device__ void down_combine(const float* act, const unsigned* ids, const float*
 #pragma unroll
         for (int r = 0; r < DOWN_ROWS; r++) a[r] = 0.0f;
         rows_dot<BITS, DOWN_ROWS>(sp + dw, reinterpret_cast<const bf16*>(sp + ds),
-                                  reinterpret_cast<const bf16*>(sp + db), row0, hidden, xs + j * plen, inter, group, a);
+                                  reinterpret_cast<const bf16*>(sp + db), row0, hidden, xs + j * plen,
+                                  xs_plain + j * plen, inter, group, a);
         const float wj = weights[t * k + j];
 #pragma unroll
         for (int r = 0; r < DOWN_ROWS; r++) total[r] += wj * warp_sum(a[r]);

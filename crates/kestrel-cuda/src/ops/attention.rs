@@ -1,6 +1,7 @@
 //! KV-cache append and causal GQA attention: `kernels/attention.cu`.
 
 use kestrel_core::ir::Op;
+use kestrel_core::DType;
 
 use super::{float_name, u32_arg, unsupported};
 use crate::backend::Encoder;
@@ -8,6 +9,93 @@ use crate::error::Result;
 
 /// `attention.cu` holds up to 8 dims per lane of a warp.
 const MAX_HEAD_DIM: usize = 256;
+
+/// Decode-sized batches take the split-over-context path.
+const SPLIT_MAX_TOKENS: usize = 4;
+/// `attention_split_*`: query heads per block, warps per block, and keys per warp batch.
+const GROUP: usize = 8;
+const DEC_WARPS: usize = 4;
+
+/// Decode attention: the cache split into chunks processed in parallel, then merged.
+fn encode_split(enc: &mut Encoder, op: &Op) -> Result<()> {
+    let Op::Attention {
+        q,
+        k_cache,
+        v_cache,
+        positions,
+        out,
+        tokens,
+        heads,
+        kv_heads,
+        head_dim,
+        max_ctx,
+        scale,
+    } = *op
+    else {
+        unreachable!("called for attention")
+    };
+    let pl = match head_dim.div_ceil(32) {
+        0..=2 => 2,
+        3 => 3,
+        4 => 4,
+        _ => 8,
+    };
+    let subgroups = (heads / kv_heads).div_ceil(GROUP);
+    let per_split = kv_heads * subgroups * tokens;
+    // About two blocks per multiprocessor, each chunk a whole number of warp batches.
+    let want = (2 * enc.device.info().sm_count as usize)
+        .div_ceil(per_split)
+        .clamp(1, max_ctx.div_ceil(DEC_WARPS * 32));
+    let chunk = max_ctx.div_ceil(want).div_ceil(DEC_WARPS * 32) * DEC_WARPS * 32;
+    let splits = max_ctx.div_ceil(chunk);
+    let rows = tokens * heads * splits;
+    let (pm, pl_buf, pacc) = (
+        enc.workspace(DType::F32, rows)?,
+        enc.workspace(DType::F32, rows)?,
+        enc.workspace(DType::F32, [rows, head_dim])?,
+    );
+    let smem = (GROUP * head_dim + 2 * DEC_WARPS * GROUP + DEC_WARPS * GROUP * head_dim) * 4;
+    let name = format!("attention_split_{}_{pl}", float_name(enc.dtype(k_cache))?);
+    let kern = enc.device.kernel("attention", &name)?;
+    let (q, p, o) = (
+        enc.buf(q)?.clone(),
+        enc.buf(positions)?.clone(),
+        enc.buf(out)?.clone(),
+    );
+    let (kc, vc) = (enc.buf(k_cache)?.clone(), enc.buf(v_cache)?.clone());
+    enc.list
+        .dispatch(&kern)
+        .grid((u32_arg(kv_heads * subgroups)?, u32_arg(splits)?, u32_arg(tokens)?))
+        .block(32 * DEC_WARPS as u32)
+        .shared_mem(u32_arg(smem)?)
+        .read(&q)
+        .read(&kc)
+        .read(&vc)
+        .read(&p)
+        .write(&pm)
+        .write(&pl_buf)
+        .write(&pacc)
+        .arg(u32_arg(heads)?)
+        .arg(u32_arg(kv_heads)?)
+        .arg(u32_arg(head_dim)?)
+        .arg(u32_arg(max_ctx)?)
+        .arg(scale)
+        .arg(u32_arg(chunk)?)
+        .record();
+    let combine = enc.device.kernel("attention", "attention_combine_f32")?;
+    enc.list
+        .dispatch(&combine)
+        .grid(u32_arg(tokens * heads)?)
+        .block(128)
+        .read(&pm)
+        .read(&pl_buf)
+        .read(&pacc)
+        .write(&o)
+        .arg(u32_arg(head_dim)?)
+        .arg(u32_arg(splits)?)
+        .record();
+    Ok(())
+}
 
 pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
     match *op {
@@ -60,6 +148,9 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             max_ctx,
             scale,
         } => {
+            if tokens <= SPLIT_MAX_TOKENS && head_dim % 8 == 0 && head_dim <= MAX_HEAD_DIM {
+                return encode_split(enc, op);
+            }
             if head_dim > MAX_HEAD_DIM {
                 return Err(unsupported(format!("head_dim {head_dim} > {MAX_HEAD_DIM}")));
             }

@@ -32,7 +32,13 @@ fn encode_matvec(
     in_dim: usize,
     out_dim: usize,
 ) -> Result<bool> {
-    let smem = (in_dim + in_dim.div_ceil(32) * 4) * 4;
+    // x staged padded, and for quantised weights a second, unscaled copy (kernels/kestrel.cuh).
+    let copies = if matches!(w, LinearWeight::Quant { .. }) {
+        2
+    } else {
+        1
+    };
+    let smem = copies * (in_dim + in_dim.div_ceil(32) * 4) * 4;
     if smem > enc.device.info().max_shared_per_block {
         return Ok(false);
     }

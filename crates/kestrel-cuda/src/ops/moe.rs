@@ -72,7 +72,9 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             if h % 8 != 0 || i % 8 != 0 {
                 return Err(unsupported(format!("expert dims {h}x{i} are not multiples of 8")));
             }
-            let (gu_smem, down_smem) = (padded_len(h) * 4, k * padded_len(i) * 4);
+            // Staged inputs, and for quantised experts a second, unscaled copy (kernels/kestrel.cuh).
+            let copies = if group == 0 { 1 } else { 2 };
+            let (gu_smem, down_smem) = (copies * padded_len(h) * 4, copies * k * padded_len(i) * 4);
             if down_smem.max(gu_smem) > enc.device.info().max_shared_per_block {
                 return Err(unsupported(format!(
                     "top-{k} experts of width {i} exceed shared memory"
