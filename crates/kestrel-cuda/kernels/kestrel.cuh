@@ -132,66 +132,75 @@ __device__ __forceinline__ void rows_dot(const void* w, const bf16* scales, cons
                                          unsigned rows, const float* xs, const float* xs_plain, unsigned cols,
                                          unsigned group, float acc[R]) {
     constexpr unsigned VALS = VecFormat<BITS>::VALS;
+    // Vectors per lane loaded before any arithmetic: R rows x U of the lane's vectors in flight.
+    constexpr unsigned U = 2;
     const unsigned lane = threadIdx.x % 32;
     const unsigned nvec = cols / VALS, groups = BITS == 16 ? 0 : cols / group;
     const uint4* W = reinterpret_cast<const uint4*>(w);
-    for (unsigned u = lane; u < nvec; u += 32) {
-        uint4 v[R];
+    for (unsigned u0 = lane; u0 < nvec; u0 += 32 * U) {
+        uint4 v[U][R];
 #pragma unroll
-        for (int r = 0; r < R; r++)
-            if (row0 + r < rows) v[r] = __ldcs(W + (size_t)(row0 + r) * nvec + u);
-        float xv[VALS];
-        const float4* xp = reinterpret_cast<const float4*>(xs + padded(u * VALS));
+        for (unsigned i = 0; i < U; i++)
 #pragma unroll
-        for (unsigned j = 0; j < VALS / 4; j++) {
-            const float4 f = xp[j];
-            xv[4 * j] = f.x;
-            xv[4 * j + 1] = f.y;
-            xv[4 * j + 2] = f.z;
-            xv[4 * j + 3] = f.w;
-        }
-        if constexpr (BITS == 16) {
+            for (int r = 0; r < R; r++)
+                if (u0 + 32 * i < nvec && row0 + r < rows) v[i][r] = __ldcs(W + (size_t)(row0 + r) * nvec + u0 + 32 * i);
 #pragma unroll
-            for (int r = 0; r < R; r++) {
-                if (row0 + r >= rows) continue;
-                const unsigned words[4] = {v[r].x, v[r].y, v[r].z, v[r].w};
-                float a = 0.0f;
-#pragma unroll
-                for (int q = 0; q < 4; q++) {
-                    a += __uint_as_float(words[q] << 16) * xv[2 * q];
-                    a += __uint_as_float(words[q] & 0xffff0000u) * xv[2 * q + 1];
-                }
-                acc[r] += a;
-            }
-        } else {
-            constexpr unsigned PER_HALF = VecFormat<BITS>::PER_HALF, MASK = (1u << BITS) - 1u;
-            const float4* pp = reinterpret_cast<const float4*>(xs_plain + padded(u * VALS));
-            float sx = 0.0f;
+        for (unsigned i = 0; i < U; i++) {
+            const unsigned u = u0 + 32 * i;
+            if (u >= nvec) break;
+            float xv[VALS];
+            const float4* xp = reinterpret_cast<const float4*>(xs + padded(u * VALS));
 #pragma unroll
             for (unsigned j = 0; j < VALS / 4; j++) {
-                const float4 f = pp[j];
-                sx += (f.x + f.y) + (f.z + f.w);
+                const float4 f = xp[j];
+                xv[4 * j] = f.x;
+                xv[4 * j + 1] = f.y;
+                xv[4 * j + 2] = f.z;
+                xv[4 * j + 3] = f.w;
             }
-            const unsigned g = (u * VALS) / group;
+            if constexpr (BITS == 16) {
 #pragma unroll
-            for (int r = 0; r < R; r++) {
-                if (row0 + r >= rows) continue;
-                const unsigned words[4] = {v[r].x, v[r].y, v[r].z, v[r].w};
-                float qx = 0.0f;
+                for (int r = 0; r < R; r++) {
+                    if (row0 + r >= rows) continue;
+                    const unsigned words[4] = {v[i][r].x, v[i][r].y, v[i][r].z, v[i][r].w};
+                    float a = 0.0f;
 #pragma unroll
-                for (int q = 0; q < 4; q++) {
-                    const unsigned lo = words[q], hi = words[q] >> 16;
-#pragma unroll
-                    for (unsigned p = 0; p < PER_HALF; p++) {
-                        const unsigned m = MASK << (BITS * p);
-                        const float a = __uint_as_float((lo & m) | 0x4B000000u) - 8388608.0f;
-                        const float b = __uint_as_float((hi & m) | 0x4B000000u) - 8388608.0f;
-                        qx += a * xv[q * 2 * PER_HALF + p];
-                        qx += b * xv[q * 2 * PER_HALF + PER_HALF + p];
+                    for (int q = 0; q < 4; q++) {
+                        a += __uint_as_float(words[q] << 16) * xv[2 * q];
+                        a += __uint_as_float(words[q] & 0xffff0000u) * xv[2 * q + 1];
                     }
+                    acc[r] += a;
                 }
-                const size_t gi = (size_t)(row0 + r) * groups + g;
-                acc[r] += to_f32(scales[gi]) * qx + to_f32(biases[gi]) * sx;
+            } else {
+                constexpr unsigned PER_HALF = VecFormat<BITS>::PER_HALF, MASK = (1u << BITS) - 1u;
+                const float4* pp = reinterpret_cast<const float4*>(xs_plain + padded(u * VALS));
+                float sx = 0.0f;
+#pragma unroll
+                for (unsigned j = 0; j < VALS / 4; j++) {
+                    const float4 f = pp[j];
+                    sx += (f.x + f.y) + (f.z + f.w);
+                }
+                const unsigned g = (u * VALS) / group;
+#pragma unroll
+                for (int r = 0; r < R; r++) {
+                    if (row0 + r >= rows) continue;
+                    const unsigned words[4] = {v[i][r].x, v[i][r].y, v[i][r].z, v[i][r].w};
+                    float qx = 0.0f;
+#pragma unroll
+                    for (int q = 0; q < 4; q++) {
+                        const unsigned lo = words[q], hi = words[q] >> 16;
+#pragma unroll
+                        for (unsigned p = 0; p < PER_HALF; p++) {
+                            const unsigned m = MASK << (BITS * p);
+                            const float a = __uint_as_float((lo & m) | 0x4B000000u) - 8388608.0f;
+                            const float b = __uint_as_float((hi & m) | 0x4B000000u) - 8388608.0f;
+                            qx += a * xv[q * 2 * PER_HALF + p];
+                            qx += b * xv[q * 2 * PER_HALF + PER_HALF + p];
+                        }
+                    }
+                    const size_t gi = (size_t)(row0 + r) * groups + g;
+                    acc[r] += to_f32(scales[gi]) * qx + to_f32(biases[gi]) * sx;
+                }
             }
         }
     }

@@ -111,31 +111,34 @@ DENSE(f16, f16)
 QUANT(4)
 QUANT(8)
 
-// One-token matvec with 16-byte weight loads: x staged in shared memory (padded), VEC_WARPS
-// warps per block, VEC_ROWS rows per warp with all their loads issued before the arithmetic.
-// Requires in_dim to be a multiple of the vector width and rows 16-byte aligned.
-#define VEC_WARPS 8
+// One-token matvec with 16-byte weight loads. Persistent blocks: each stages x in shared memory
+// once (padded, pre-scaled; quantised formats also a plain copy), then its warps walk tiles of
+// VEC_ROWS rows, VEC_WARPS * gridDim.x tiles apart. Requires in_dim to be a multiple of the
+// vector width and rows 16-byte aligned.
+#define VEC_WARPS 4
 #define VEC_ROWS 4
 
 template <int BITS>
 __device__ void matvec(const float* x, const void* w, const bf16* scales, const bf16* biases, float* out,
                        unsigned in_dim, unsigned out_dim, unsigned group) {
-    extern __shared__ float xs[];  // x pre-scaled for BITS, then (quantised only) x plain
+    extern __shared__ float xs[];
     float* xs_plain = xs + padded_len(in_dim);
     if constexpr (BITS != 16)
         for (unsigned i = threadIdx.x; i < in_dim; i += blockDim.x) xs_plain[padded(i)] = x[i];
     stage_x<BITS>(x, xs, in_dim);
     const unsigned lane = threadIdx.x % 32;
-    const unsigned row0 = (blockIdx.x * VEC_WARPS + threadIdx.x / 32) * VEC_ROWS;
-    if (row0 >= out_dim) return;
-    float acc[VEC_ROWS];
+    const unsigned tiles = (out_dim + VEC_ROWS - 1) / VEC_ROWS;
+    for (unsigned tile = blockIdx.x * VEC_WARPS + threadIdx.x / 32; tile < tiles; tile += gridDim.x * VEC_WARPS) {
+        const unsigned row0 = tile * VEC_ROWS;
+        float acc[VEC_ROWS];
 #pragma unroll
-    for (int r = 0; r < VEC_ROWS; r++) acc[r] = 0.0f;
-    rows_dot<BITS, VEC_ROWS>(w, scales, biases, row0, out_dim, xs, xs_plain, in_dim, group, acc);
+        for (int r = 0; r < VEC_ROWS; r++) acc[r] = 0.0f;
+        rows_dot<BITS, VEC_ROWS>(w, scales, biases, row0, out_dim, xs, xs_plain, in_dim, group, acc);
 #pragma unroll
-    for (int r = 0; r < VEC_ROWS; r++) {
-        const float s = warp_sum(acc[r]);
-        if (lane == 0 && row0 + r < out_dim) out[row0 + r] = s;
+        for (int r = 0; r < VEC_ROWS; r++) {
+            const float s = warp_sum(acc[r]);
+            if (lane == 0 && row0 + r < out_dim) out[row0 + r] = s;
+        }
     }
 }
 

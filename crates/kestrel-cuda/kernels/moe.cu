@@ -59,8 +59,8 @@ extern "C" __global__ void router_f32(const float* logits, unsigned* ids, float*
     if (lane < k) weights[t * k + lane] = normalize ? chosen / total : chosen;
 }
 
-#define GU_WARPS 8
-#define GU_ROWS 4
+#define GU_WARPS 4
+#define GU_ROWS 2
 #define DOWN_WARPS 4
 #define DOWN_ROWS 2
 

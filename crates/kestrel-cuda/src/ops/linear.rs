@@ -19,8 +19,11 @@ fn quant_name(bits: u32) -> Result<&'static str> {
     }
 }
 
-/// Rows per block of the one-token `matvec_*` kernels (8 warps x 4 rows).
-const MATVEC_ROWS: usize = 32;
+/// The one-token `matvec_*` kernels: 4 warps per block, each taking tiles of 4 rows; blocks are
+/// persistent, a few per multiprocessor.
+const MATVEC_WARPS: u32 = 4;
+const MATVEC_ROWS: usize = 16;
+const MATVEC_BLOCKS_PER_SM: usize = 8;
 
 /// The one-token path: 16-byte loads, x staged in shared memory. Returns false (and records
 /// nothing) when the weight's format or alignment needs the general kernel.
@@ -43,7 +46,7 @@ fn encode_matvec(
         return Ok(false);
     }
     let (x, out) = (enc.buf(x)?.clone(), enc.buf(out)?.clone());
-    let grid = u32_arg(out_dim.div_ceil(MATVEC_ROWS))?;
+    let grid = u32_arg(out_dim.div_ceil(MATVEC_ROWS).min(MATVEC_BLOCKS_PER_SM * enc.device.info().sm_count as usize))?;
     match w {
         LinearWeight::Dense(wb) if enc.dtype(wb.raw()) == DType::BF16 && in_dim % 8 == 0 => {
             let k = enc.device.kernel("linear", "matvec_bf16")?;
@@ -51,7 +54,7 @@ fn encode_matvec(
             enc.list
                 .dispatch(&k)
                 .grid(grid)
-                .block(256)
+                .block(32 * MATVEC_WARPS)
                 .shared_mem(u32_arg(smem)?)
                 .read(&x)
                 .read(&wb)
@@ -77,7 +80,7 @@ fn encode_matvec(
             enc.list
                 .dispatch(&k)
                 .grid(grid)
-                .block(256)
+                .block(32 * MATVEC_WARPS)
                 .shared_mem(u32_arg(smem)?)
                 .read(&x)
                 .read(&qw)

@@ -8,8 +8,8 @@ use super::{u32_arg, unsupported};
 use crate::backend::Encoder;
 use crate::error::Result;
 
-/// Rows per block of `moe_gate_up_*` (8 warps x 4 rows) and `moe_down_*` (4 warps x 2 rows).
-const GU_ROWS: usize = 32;
+/// Rows per block of `moe_gate_up_*` (4 warps x 2 rows) and `moe_down_*` (4 warps x 2 rows).
+const GU_ROWS: usize = 8;
 const DOWN_ROWS: usize = 8;
 /// `router_f32` holds 16 experts per lane of one warp, and slot j's weight in lane j.
 const ROUTER_MAX_EXPERTS: usize = 512;
@@ -94,7 +94,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             enc.list
                 .dispatch(&gate_up)
                 .grid((u32_arg(i.div_ceil(GU_ROWS))?, u32_arg(tokens * k)?))
-                .block(256)
+                .block(128)
                 .shared_mem(u32_arg(gu_smem)?)
                 .read(&x)
                 .read(&ids)
