@@ -148,31 +148,23 @@ __device__ __forceinline__ void rows_dot(const void* w, const bf16* scales, cons
         for (unsigned i = 0; i < U; i++) {
             const unsigned u = u0 + 32 * i;
             if (u >= nvec) break;
-            float xv[VALS];
+            // x is read from shared memory per word, so only 8 of its values are live at once.
             const float4* xp = reinterpret_cast<const float4*>(xs + padded(u * VALS));
-#pragma unroll
-            for (unsigned j = 0; j < VALS / 4; j++) {
-                const float4 f = xp[j];
-                xv[4 * j] = f.x;
-                xv[4 * j + 1] = f.y;
-                xv[4 * j + 2] = f.z;
-                xv[4 * j + 3] = f.w;
-            }
             if constexpr (BITS == 16) {
 #pragma unroll
-                for (int r = 0; r < R; r++) {
-                    if (row0 + r >= rows) continue;
-                    const unsigned words[4] = {v[i][r].x, v[i][r].y, v[i][r].z, v[i][r].w};
-                    float a = 0.0f;
+                for (int q = 0; q < 4; q++) {
+                    const float4 xq = xp[q / 2];
+                    const float x0 = q % 2 ? xq.z : xq.x, x1 = q % 2 ? xq.w : xq.y;
 #pragma unroll
-                    for (int q = 0; q < 4; q++) {
-                        a += __uint_as_float(words[q] << 16) * xv[2 * q];
-                        a += __uint_as_float(words[q] & 0xffff0000u) * xv[2 * q + 1];
+                    for (int r = 0; r < R; r++) {
+                        if (row0 + r >= rows) continue;
+                        const unsigned word = q == 0 ? v[i][r].x : q == 1 ? v[i][r].y : q == 2 ? v[i][r].z : v[i][r].w;
+                        acc[r] += __uint_as_float(word << 16) * x0 + __uint_as_float(word & 0xffff0000u) * x1;
                     }
-                    acc[r] += a;
                 }
             } else {
-                constexpr unsigned PER_HALF = VecFormat<BITS>::PER_HALF, MASK = (1u << BITS) - 1u;
+                constexpr unsigned PER_HALF = VecFormat<BITS>::PER_HALF, PER_WORD = 2 * PER_HALF;
+                constexpr unsigned MASK = (1u << BITS) - 1u;
                 const float4* pp = reinterpret_cast<const float4*>(xs_plain + padded(u * VALS));
                 float sx = 0.0f;
 #pragma unroll
@@ -180,26 +172,39 @@ __device__ __forceinline__ void rows_dot(const void* w, const bf16* scales, cons
                     const float4 f = pp[j];
                     sx += (f.x + f.y) + (f.z + f.w);
                 }
+                float qx[R];
+#pragma unroll
+                for (int r = 0; r < R; r++) qx[r] = 0.0f;
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    float xq[PER_WORD];
+#pragma unroll
+                    for (unsigned j = 0; j < PER_WORD / 4; j++) {
+                        const float4 f = xp[q * PER_WORD / 4 + j];
+                        xq[4 * j] = f.x;
+                        xq[4 * j + 1] = f.y;
+                        xq[4 * j + 2] = f.z;
+                        xq[4 * j + 3] = f.w;
+                    }
+#pragma unroll
+                    for (int r = 0; r < R; r++) {
+                        if (row0 + r >= rows) continue;
+                        const unsigned word = q == 0 ? v[i][r].x : q == 1 ? v[i][r].y : q == 2 ? v[i][r].z : v[i][r].w;
+                        const unsigned hi = word >> 16;
+#pragma unroll
+                        for (unsigned p = 0; p < PER_HALF; p++) {
+                            const unsigned m = MASK << (BITS * p);
+                            qx[r] += (__uint_as_float((word & m) | 0x4B000000u) - 8388608.0f) * xq[p];
+                            qx[r] += (__uint_as_float((hi & m) | 0x4B000000u) - 8388608.0f) * xq[PER_HALF + p];
+                        }
+                    }
+                }
                 const unsigned g = (u * VALS) / group;
 #pragma unroll
                 for (int r = 0; r < R; r++) {
                     if (row0 + r >= rows) continue;
-                    const unsigned words[4] = {v[i][r].x, v[i][r].y, v[i][r].z, v[i][r].w};
-                    float qx = 0.0f;
-#pragma unroll
-                    for (int q = 0; q < 4; q++) {
-                        const unsigned lo = words[q], hi = words[q] >> 16;
-#pragma unroll
-                        for (unsigned p = 0; p < PER_HALF; p++) {
-                            const unsigned m = MASK << (BITS * p);
-                            const float a = __uint_as_float((lo & m) | 0x4B000000u) - 8388608.0f;
-                            const float b = __uint_as_float((hi & m) | 0x4B000000u) - 8388608.0f;
-                            qx += a * xv[q * 2 * PER_HALF + p];
-                            qx += b * xv[q * 2 * PER_HALF + PER_HALF + p];
-                        }
-                    }
                     const size_t gi = (size_t)(row0 + r) * groups + g;
-                    acc[r] += to_f32(scales[gi]) * qx + to_f32(biases[gi]) * sx;
+                    acc[r] += to_f32(scales[gi]) * qx[r] + to_f32(biases[gi]) * sx;
                 }
             }
         }

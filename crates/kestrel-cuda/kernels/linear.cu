@@ -142,16 +142,16 @@ __device__ void matvec(const float* x, const void* w, const bf16* scales, const 
     }
 }
 
-extern "C" __global__ void matvec_bf16(const float* x, const bf16* w, float* out, unsigned in_dim, unsigned out_dim) {
+extern "C" __global__ void __launch_bounds__(32 * VEC_WARPS, 8) matvec_bf16(const float* x, const bf16* w, float* out, unsigned in_dim, unsigned out_dim) {
     matvec<16>(x, w, nullptr, nullptr, out, in_dim, out_dim, 1);
 }
 
-extern "C" __global__ void matvec_q4(const float* x, const unsigned* w, const bf16* scales, const bf16* biases,
+extern "C" __global__ void __launch_bounds__(32 * VEC_WARPS, 8) matvec_q4(const float* x, const unsigned* w, const bf16* scales, const bf16* biases,
                                      float* out, unsigned in_dim, unsigned out_dim, unsigned group) {
     matvec<4>(x, w, scales, biases, out, in_dim, out_dim, group);
 }
 
-extern "C" __global__ void matvec_q8(const float* x, const unsigned* w, const bf16* scales, const bf16* biases,
+extern "C" __global__ void __launch_bounds__(32 * VEC_WARPS, 8) matvec_q8(const float* x, const unsigned* w, const bf16* scales, const bf16* biases,
                                      float* out, unsigned in_dim, unsigned out_dim, unsigned group) {
     matvec<8>(x, w, scales, biases, out, in_dim, out_dim, group);
 }
