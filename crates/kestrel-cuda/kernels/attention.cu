@@ -112,6 +112,8 @@ ATTN(f16, f16)
 #define DEC_WARPS 4
 
 // Eight consecutive cache values as floats (p is 16-byte aligned for 2-byte types).
+__device__ __forceinline__ unsigned warp_index() { return threadIdx.x / 32; }
+
 __device__ __forceinline__ void load8(const float* p, float out[8]) {
     const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
     out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w; out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
@@ -133,6 +135,9 @@ __device__ void attention_split(const float* q, const T* k_cache, const T* v_cac
     float* wm = qs + GROUP * head_dim;       // [DEC_WARPS, GROUP]
     float* wl = wm + DEC_WARPS * GROUP;      // [DEC_WARPS, GROUP]
     float* wacc = wl + DEC_WARPS * GROUP;    // [DEC_WARPS, GROUP, head_dim]
+    // Each warp's batch of 32 V rows, rows padded by 8 values against bank conflicts.
+    const unsigned vstride = head_dim + 8;
+    T* vs = reinterpret_cast<T*>(wacc + DEC_WARPS * GROUP * head_dim) + warp_index() * 32 * vstride;
     const unsigned group = heads / kv_heads, subgroups = (group + GROUP - 1) / GROUP;
     const unsigned kvh = blockIdx.x / subgroups, h0 = kvh * group + (blockIdx.x % subgroups) * GROUP;
     const unsigned G = min((unsigned)GROUP, kvh * group + group - h0);
@@ -185,9 +190,16 @@ __device__ void attention_split(const float* q, const T* k_cache, const T* v_cac
             m[g] = m_new;
             s[g] = p;
         }
+        // Lane j copies V row j of the batch into the warp's shared rows, all loads in flight.
+        if (valid) {
+            const uint4* src = reinterpret_cast<const uint4*>(vb + (size_t)key * head_dim);
+            uint4* dst = reinterpret_cast<uint4*>(vs + lane * vstride);
+            for (unsigned c = 0; c < head_dim * sizeof(T) / 16; c++) dst[c] = src[c];
+        }
+        __syncwarp();
         const unsigned keys = min(32u, end - base);
         for (unsigned j = 0; j < keys; j++) {
-            const T* vr = vb + (size_t)(base + j) * head_dim;
+            const T* vr = vs + j * vstride;
             float vv[PL];
 #pragma unroll
             for (int r = 0; r < PL; r++) {
@@ -201,6 +213,7 @@ __device__ void attention_split(const float* q, const T* k_cache, const T* v_cac
                 for (int r = 0; r < PL; r++) acc[g][r] += p * vv[r];
             }
         }
+        __syncwarp();  // the next batch overwrites the shared rows
     }
     // Merge the warps. Unused query slots (g >= G) computed on zero queries and are not written.
 #pragma unroll
@@ -235,22 +248,37 @@ __device__ void attention_split(const float* q, const T* k_cache, const T* v_cac
     }
 }
 
-// out[t, h] = merge of the splits' partial results. One block per (token, head).
+// out[t, h] = merge of the splits' partial results. One block per (token, head); the splits'
+// weights exp(m_s - max) are computed once into shared memory (at most MAX_SPLITS splits).
+#define MAX_SPLITS 1024
 extern "C" __global__ void attention_combine_f32(const float* part_m, const float* part_l, const float* part_acc,
                                                  float* out, unsigned head_dim, unsigned splits) {
+    __shared__ float f[MAX_SPLITS];
+    __shared__ float scratch[32];
     const size_t row = blockIdx.x;
     const float* pm = part_m + row * splits;
     const float* pl = part_l + row * splits;
     float mm = -INFINITY;
-    for (unsigned s = 0; s < splits; s++) mm = fmaxf(mm, pm[s]);
+    for (unsigned s = threadIdx.x; s < splits; s += blockDim.x) mm = fmaxf(mm, pm[s]);
+    mm = block_max(mm, scratch);
+    float ll = 0.0f;
+    for (unsigned s = threadIdx.x; s < splits; s += blockDim.x) {
+        f[s] = pm[s] == -INFINITY ? 0.0f : expf(pm[s] - mm);
+        ll += pl[s] * f[s];
+    }
+    ll = block_sum(ll, scratch);  // also orders the writes of f before the reads below
+    const float* pa = part_acc + row * splits * head_dim;
     for (unsigned d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float ll = 0.0f, a = 0.0f;
-        for (unsigned s = 0; s < splits; s++) {
-            const float f = pm[s] == -INFINITY ? 0.0f : expf(pm[s] - mm);
-            ll += pl[s] * f;
-            a += part_acc[(row * splits + s) * head_dim + d] * f;
+        float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+        unsigned s = 0;
+        for (; s + 4 <= splits; s += 4) {
+            a0 += f[s] * pa[(size_t)s * head_dim + d];
+            a1 += f[s + 1] * pa[(size_t)(s + 1) * head_dim + d];
+            a2 += f[s + 2] * pa[(size_t)(s + 2) * head_dim + d];
+            a3 += f[s + 3] * pa[(size_t)(s + 3) * head_dim + d];
         }
-        out[row * head_dim + d] = a / ll;
+        for (; s < splits; s++) a0 += f[s] * pa[(size_t)s * head_dim + d];
+        out[row * head_dim + d] = ((a0 + a1) + (a2 + a3)) / ll;
     }
 }
 

@@ -15,6 +15,8 @@ const SPLIT_MAX_TOKENS: usize = 4;
 /// `attention_split_*`: query heads per block, warps per block, and keys per warp batch.
 const GROUP: usize = 8;
 const DEC_WARPS: usize = 4;
+/// `attention_combine_f32` keeps one weight per split in shared memory.
+const MAX_SPLITS: usize = 1024;
 
 /// Decode attention: the cache split into chunks processed in parallel, then merged.
 fn encode_split(enc: &mut Encoder, op: &Op) -> Result<()> {
@@ -54,7 +56,15 @@ fn encode_split(enc: &mut Encoder, op: &Op) -> Result<()> {
         enc.workspace(DType::F32, rows)?,
         enc.workspace(DType::F32, [rows, head_dim])?,
     );
-    let smem = (GROUP * head_dim + 2 * DEC_WARPS * GROUP + DEC_WARPS * GROUP * head_dim) * 4;
+    // queries, the warps' partial results, and each warp's 32 V rows (padded by 8 values)
+    let cache_bytes = enc.dtype(v_cache).size_in_bytes();
+    let smem = (GROUP * head_dim + 2 * DEC_WARPS * GROUP + DEC_WARPS * GROUP * head_dim) * 4
+        + DEC_WARPS * 32 * (head_dim + 8) * cache_bytes;
+    if smem > enc.device.info().max_shared_per_block || splits > MAX_SPLITS {
+        return Err(unsupported(format!(
+            "decode attention with head_dim {head_dim} over {splits} splits"
+        )));
+    }
     let name = format!("attention_split_{}_{pl}", float_name(enc.dtype(k_cache))?);
     let kern = enc.device.kernel("attention", &name)?;
     let (q, p, o) = (

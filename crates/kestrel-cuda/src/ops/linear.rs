@@ -46,7 +46,11 @@ fn encode_matvec(
         return Ok(false);
     }
     let (x, out) = (enc.buf(x)?.clone(), enc.buf(out)?.clone());
-    let grid = u32_arg(out_dim.div_ceil(MATVEC_ROWS).min(MATVEC_BLOCKS_PER_SM * enc.device.info().sm_count as usize))?;
+    let grid = u32_arg(
+        out_dim
+            .div_ceil(MATVEC_ROWS)
+            .min(MATVEC_BLOCKS_PER_SM * enc.device.info().sm_count as usize),
+    )?;
     match w {
         LinearWeight::Dense(wb) if enc.dtype(wb.raw()) == DType::BF16 && in_dim % 8 == 0 => {
             let k = enc.device.kernel("linear", "matvec_bf16")?;

@@ -8,17 +8,12 @@ use super::{u32_arg, unsupported};
 use crate::backend::Encoder;
 use crate::error::Result;
 
-/// Rows per block of `moe_gate_up_*` (4 warps x 2 rows) and `moe_down_*` (4 warps x 2 rows).
+/// Rows per block of `moe_gate_up_*` (4 warps x 2 rows) and `moe_down_*` (4 warps x 1 row).
 const GU_ROWS: usize = 8;
-const DOWN_ROWS: usize = 8;
+const DOWN_ROWS: usize = 4;
 /// `router_f32` holds 16 experts per lane of one warp, and slot j's weight in lane j.
 const ROUTER_MAX_EXPERTS: usize = 512;
 const ROUTER_MAX_K: usize = 32;
-
-/// Floats of shared memory for `n` staged values (`padded_len` in kestrel.cuh).
-fn padded_len(n: usize) -> usize {
-    n + n.div_ceil(32) * 4
-}
 
 pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
     match *op {
@@ -72,14 +67,6 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             if h % 8 != 0 || i % 8 != 0 {
                 return Err(unsupported(format!("expert dims {h}x{i} are not multiples of 8")));
             }
-            // Staged inputs, and for quantised experts a second, unscaled copy (kernels/kestrel.cuh).
-            let copies = if group == 0 { 1 } else { 2 };
-            let (gu_smem, down_smem) = (copies * padded_len(h) * 4, copies * k * padded_len(i) * 4);
-            if down_smem.max(gu_smem) > enc.device.info().max_shared_per_block {
-                return Err(unsupported(format!(
-                    "top-{k} experts of width {i} exceed shared memory"
-                )));
-            }
             let act = enc.workspace(DType::F32, [tokens * k, i])?;
             let (x, ids, w, e, o) = (
                 enc.buf(x)?.clone(),
@@ -95,7 +82,6 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 .dispatch(&gate_up)
                 .grid((u32_arg(i.div_ceil(GU_ROWS))?, u32_arg(tokens * k)?))
                 .block(128)
-                .shared_mem(u32_arg(gu_smem)?)
                 .read(&x)
                 .read(&ids)
                 .read(&e)
@@ -117,7 +103,6 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 .dispatch(&down)
                 .grid((u32_arg(h.div_ceil(DOWN_ROWS))?, u32_arg(tokens)?))
                 .block(128)
-                .shared_mem(u32_arg(down_smem)?)
                 .read(&act)
                 .read(&ids)
                 .read(&w)
