@@ -103,17 +103,23 @@ ATTN(f16, f16)
 // ---- decode: split over the cache length ----
 // Grid (kv_heads * subgroups, splits, tokens): a block takes one KV head, up to GROUP query heads
 // of its group and one chunk of the cache rows `0 ..= positions[t]`, so each K/V row is read
-// once per GROUP query heads. Within a warp, lane j scores key j of a batch of 32 against the
-// block's queries (held in shared memory), reading the key row in 16-byte vectors; the online
-// softmax runs per query head across lanes; P.V accumulates with lane d owning dims d, d + 32, ...
-// (PL of them). The warps' partial results are merged and written as (max, sum, acc) per
-// (token, head, split) for attention_combine. head_dim is a multiple of 8.
+// once per GROUP query heads. A warp takes batches of 32 keys: lane j copies K and V rows j into
+// the warp's shared rows with asynchronous 16-byte copies (all in flight at once, no registers),
+// scores key j against the block's queries, the online softmax runs per query head across lanes,
+// and P.V accumulates with lane d owning dims d, d + 32, ... (PL of them). The warps' partial
+// results are merged and written as (max, sum, acc) per (token, head, split) for
+// attention_combine. head_dim is a multiple of 8.
 #define GROUP 8
 #define DEC_WARPS 4
 
-// Eight consecutive cache values as floats (p is 16-byte aligned for 2-byte types).
-__device__ __forceinline__ unsigned warp_index() { return threadIdx.x / 32; }
+__device__ __forceinline__ void copy16_async(void* dst, const void* src) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
+}
 
+__device__ __forceinline__ void wait_async() { asm volatile("cp.async.wait_all;\n" ::); }
+
+// Eight consecutive values as floats (p is 16-byte aligned).
 __device__ __forceinline__ void load8(const float* p, float out[8]) {
     const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
     out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w; out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
@@ -135,14 +141,15 @@ __device__ void attention_split(const float* q, const T* k_cache, const T* v_cac
     float* wm = qs + GROUP * head_dim;       // [DEC_WARPS, GROUP]
     float* wl = wm + DEC_WARPS * GROUP;      // [DEC_WARPS, GROUP]
     float* wacc = wl + DEC_WARPS * GROUP;    // [DEC_WARPS, GROUP, head_dim]
-    // Each warp's batch of 32 V rows, rows padded by 8 values against bank conflicts.
-    const unsigned vstride = head_dim + 8;
-    T* vs = reinterpret_cast<T*>(wacc + DEC_WARPS * GROUP * head_dim) + warp_index() * 32 * vstride;
+    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    // Each warp's 32 K rows then 32 V rows, padded by 8 values against bank conflicts.
+    const unsigned stride = head_dim + 8;
+    T* ks = reinterpret_cast<T*>(wacc + DEC_WARPS * GROUP * head_dim) + warp * 64 * stride;
+    T* vs = ks + 32 * stride;
     const unsigned group = heads / kv_heads, subgroups = (group + GROUP - 1) / GROUP;
     const unsigned kvh = blockIdx.x / subgroups, h0 = kvh * group + (blockIdx.x % subgroups) * GROUP;
     const unsigned G = min((unsigned)GROUP, kvh * group + group - h0);
     const unsigned split = blockIdx.y, splits = gridDim.y, t = blockIdx.z;
-    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const unsigned n = min(positions[t] + 1, max_ctx);
     const unsigned start = split * chunk, end = min(start + chunk, n);
     for (unsigned i = threadIdx.x; i < GROUP * head_dim; i += blockDim.x)
@@ -158,14 +165,27 @@ __device__ void attention_split(const float* q, const T* k_cache, const T* v_cac
     }
     const T* kb = k_cache + (size_t)kvh * max_ctx * head_dim;
     const T* vb = v_cache + (size_t)kvh * max_ctx * head_dim;
+    const unsigned row_chunks = head_dim * sizeof(T) / 16;
     for (unsigned base = start + warp * 32; base < end; base += DEC_WARPS * 32) {
         const unsigned key = base + lane;
         const bool valid = key < end;
+        if (valid) {
+            const char* kr = reinterpret_cast<const char*>(kb + (size_t)key * head_dim);
+            const char* vr = reinterpret_cast<const char*>(vb + (size_t)key * head_dim);
+            char* kd = reinterpret_cast<char*>(ks + lane * stride);
+            char* vd = reinterpret_cast<char*>(vs + lane * stride);
+            for (unsigned c = 0; c < row_chunks; c++) {
+                copy16_async(kd + 16 * c, kr + 16 * c);
+                copy16_async(vd + 16 * c, vr + 16 * c);
+            }
+        }
+        wait_async();
+        __syncwarp();
         float s[GROUP];
 #pragma unroll
         for (int g = 0; g < GROUP; g++) s[g] = 0.0f;
         if (valid) {
-            const T* kr = kb + (size_t)key * head_dim;
+            const T* kr = ks + lane * stride;
             for (unsigned d0 = 0; d0 < head_dim; d0 += 8) {
                 float kv[8];
                 load8(kr + d0, kv);
@@ -190,16 +210,9 @@ __device__ void attention_split(const float* q, const T* k_cache, const T* v_cac
             m[g] = m_new;
             s[g] = p;
         }
-        // Lane j copies V row j of the batch into the warp's shared rows, all loads in flight.
-        if (valid) {
-            const uint4* src = reinterpret_cast<const uint4*>(vb + (size_t)key * head_dim);
-            uint4* dst = reinterpret_cast<uint4*>(vs + lane * vstride);
-            for (unsigned c = 0; c < head_dim * sizeof(T) / 16; c++) dst[c] = src[c];
-        }
-        __syncwarp();
         const unsigned keys = min(32u, end - base);
         for (unsigned j = 0; j < keys; j++) {
-            const T* vr = vs + j * vstride;
+            const T* vr = vs + j * stride;
             float vv[PL];
 #pragma unroll
             for (int r = 0; r < PL; r++) {

@@ -63,76 +63,80 @@ extern "C" __global__ void router_f32(const float* logits, unsigned* ids, float*
 // issues its weight loads at once. A quantised value is turned into a float without an
 // int-to-float conversion: ((word >> shift) & mask) OR-ed into the mantissa of 2^23, minus 2^23.
 
-// This lane's share of rows row0 .. row0 + R of one matrix (`cols` values per row) times x:
-// vectors lane, lane + 32, ... with every load of an iteration issued before the arithmetic.
-template <int BITS, int R>
-__device__ __forceinline__ void rows_dot_direct(const unsigned char* w, const bf16* scales, const bf16* biases,
-                                                unsigned row0, unsigned rows, const float* x, unsigned cols,
-                                                unsigned group, float acc[R]) {
-    constexpr unsigned VALS = VecFormat<BITS>::VALS;
-    const unsigned lane = threadIdx.x % 32;
-    const unsigned nvec = cols / VALS, groups = BITS == 16 ? 0 : cols / group;
-    const uint4* W = reinterpret_cast<const uint4*>(w);
-    for (unsigned u = lane; u < nvec; u += 32) {
-        uint4 v[R];
+// One 16-byte weight vector times its x segment: `v` holds VALS values of format BITS from row
+// `row` (group scales and biases per row for quantised formats), `x` the matching VALS floats.
+template <int BITS>
+__device__ __forceinline__ float vec_dot(uint4 v, const float* x, const bf16* scales, const bf16* biases,
+                                         size_t group_index) {
+    const float4* xp = reinterpret_cast<const float4*>(x);
+    if constexpr (BITS == 16) {
+        float a = 0.0f;
 #pragma unroll
-        for (int r = 0; r < R; r++)
-            if (row0 + r < rows) v[r] = __ldcs(W + (size_t)(row0 + r) * nvec + u);
-        const float4* xp = reinterpret_cast<const float4*>(x + u * VALS);
-        if constexpr (BITS == 16) {
+        for (int q = 0; q < 4; q++) {
+            const float4 xq = xp[q / 2];
+            const unsigned word = q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w;
+            a += __uint_as_float(word << 16) * (q % 2 ? xq.z : xq.x) + __uint_as_float(word & 0xffff0000u) * (q % 2 ? xq.w : xq.y);
+        }
+        return a;
+    } else {
+        constexpr unsigned PER_WORD = 32 / BITS, MASK = (1u << BITS) - 1u;
+        float sx = 0.0f, qx = 0.0f;
 #pragma unroll
-            for (int q = 0; q < 4; q++) {
-                const float4 xq = xp[q / 2];
-                const float x0 = q % 2 ? xq.z : xq.x, x1 = q % 2 ? xq.w : xq.y;
+        for (int q = 0; q < 4; q++) {
+            const unsigned word = q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w;
 #pragma unroll
-                for (int r = 0; r < R; r++) {
-                    if (row0 + r >= rows) continue;
-                    const unsigned word = q == 0 ? v[r].x : q == 1 ? v[r].y : q == 2 ? v[r].z : v[r].w;
-                    acc[r] += __uint_as_float(word << 16) * x0 + __uint_as_float(word & 0xffff0000u) * x1;
+            for (unsigned j = 0; j < PER_WORD / 4; j++) {
+                const float4 f = xp[q * PER_WORD / 4 + j];
+                const float xs[4] = {f.x, f.y, f.z, f.w};
+#pragma unroll
+                for (unsigned e = 0; e < 4; e++) {
+                    sx += xs[e];
+                    qx += (__uint_as_float(((word >> (BITS * (4 * j + e))) & MASK) | 0x4B000000u) - 8388608.0f) * xs[e];
                 }
-            }
-        } else {
-            constexpr unsigned PER_WORD = 32 / BITS, MASK = (1u << BITS) - 1u;
-            float sx = 0.0f, qx[R];
-#pragma unroll
-            for (int r = 0; r < R; r++) qx[r] = 0.0f;
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                float xq[PER_WORD];
-#pragma unroll
-                for (unsigned j = 0; j < PER_WORD / 4; j++) {
-                    const float4 f = xp[q * PER_WORD / 4 + j];
-                    xq[4 * j] = f.x;
-                    xq[4 * j + 1] = f.y;
-                    xq[4 * j + 2] = f.z;
-                    xq[4 * j + 3] = f.w;
-                }
-#pragma unroll
-                for (unsigned j = 0; j < PER_WORD; j++) sx += xq[j];
-#pragma unroll
-                for (int r = 0; r < R; r++) {
-                    if (row0 + r >= rows) continue;
-                    const unsigned word = q == 0 ? v[r].x : q == 1 ? v[r].y : q == 2 ? v[r].z : v[r].w;
-#pragma unroll
-                    for (unsigned j = 0; j < PER_WORD; j++)
-                        qx[r] += (__uint_as_float(((word >> (BITS * j)) & MASK) | 0x4B000000u) - 8388608.0f) * xq[j];
-                }
-            }
-            const unsigned g = (u * VALS) / group;
-#pragma unroll
-            for (int r = 0; r < R; r++) {
-                if (row0 + r >= rows) continue;
-                const size_t gi = (size_t)(row0 + r) * groups + g;
-                acc[r] += to_f32(scales[gi]) * qx[r] + to_f32(biases[gi]) * sx;
             }
         }
+        return to_f32(scales[group_index]) * qx + to_f32(biases[group_index]) * sx;
     }
 }
 
-#define GU_ROWS 2   // rows of gate and of up per warp
+// One matrix of one expert: weight rows of `cols` values, and group scales and biases.
+struct Mat {
+    const uint4* w;
+    const bf16* scales;
+    const bf16* biases;
+};
+
+__device__ __forceinline__ Mat mat(const unsigned char* span, unsigned long long w, unsigned long long s,
+                                   unsigned long long b) {
+    return Mat{reinterpret_cast<const uint4*>(span + w), reinterpret_cast<const bf16*>(span + s),
+               reinterpret_cast<const bf16*>(span + b)};
+}
+
+// Lane partials of row `row` of M matrices, each times its own x (x[m], `cols` values), over the
+// lane's vectors lane, lane + 32, ...: all M loads of an iteration are issued before any
+// arithmetic, so a warp has M 16-byte loads per lane in flight.
+template <int BITS, int M>
+__device__ __forceinline__ void rows_dot_multi(const Mat* mats, unsigned row, const float* const* x, unsigned cols,
+                                               unsigned group, bool active[M], float acc[M]) {
+    constexpr unsigned VALS = VecFormat<BITS>::VALS;
+    const unsigned lane = threadIdx.x % 32;
+    const unsigned nvec = cols / VALS, groups = BITS == 16 ? 1 : cols / group;
+    for (unsigned u = lane; u < nvec; u += 32) {
+        uint4 v[M];
+#pragma unroll
+        for (int m = 0; m < M; m++)
+            if (active[m]) v[m] = __ldcs(mats[m].w + (size_t)row * nvec + u);
+        const size_t gi = BITS == 16 ? 0 : (size_t)row * groups + (u * VALS) / group;
+#pragma unroll
+        for (int m = 0; m < M; m++)
+            if (active[m]) acc[m] += vec_dot<BITS>(v[m], x[m] + u * VALS, mats[m].scales, mats[m].biases, gi);
+    }
+}
+
 #define GU_WARPS 4
+#define GU_ROWS 2      // rows of gate and of up per warp: 2 x GU_ROWS loads in flight per lane
 #define DOWN_WARPS 4
-#define DOWN_CHUNK 4  // experts whose loads a warp issues together
+#define DOWN_CHUNK 8   // experts whose loads a warp issues together
 
 // act[tk, r] = silu(gate_e[r] . x_t) * (up_e[r] . x_t), tk = t * k + slot, e = ids[tk].
 // Grid (inter / (GU_WARPS * GU_ROWS), tokens * k).
@@ -147,16 +151,27 @@ __device__ void gate_up(const float* x, const unsigned* ids, const unsigned char
     if (row0 >= inter) return;
     const float* xt = x + (tk / k) * hidden;
     const unsigned char* sp = experts + (size_t)ids[tk] * span;
-    float g[GU_ROWS], u[GU_ROWS];
-#pragma unroll
-    for (int r = 0; r < GU_ROWS; r++) g[r] = u[r] = 0.0f;
-    rows_dot_direct<BITS, GU_ROWS>(sp + gw, reinterpret_cast<const bf16*>(sp + gs),
-                                   reinterpret_cast<const bf16*>(sp + gb), row0, inter, xt, hidden, group, g);
-    rows_dot_direct<BITS, GU_ROWS>(sp + uw, reinterpret_cast<const bf16*>(sp + us),
-                                   reinterpret_cast<const bf16*>(sp + ub), row0, inter, xt, hidden, group, u);
+    // 2 * GU_ROWS "matrices": gate rows then up rows, addressed as row offsets of one matrix.
+    Mat mats[2 * GU_ROWS];
+    const float* xs[2 * GU_ROWS];
+    bool active[2 * GU_ROWS];
+    const unsigned groups = BITS == 16 ? 1 : hidden / group, nvec = hidden / VecFormat<BITS>::VALS;
 #pragma unroll
     for (int r = 0; r < GU_ROWS; r++) {
-        const float gv = warp_sum(g[r]), uv = warp_sum(u[r]);
+        const Mat g = mat(sp, gw, gs, gb), u = mat(sp, uw, us, ub);
+        // Shift each matrix to its row so all use row 0 below.
+        mats[r] = Mat{g.w + (size_t)(row0 + r) * nvec, g.scales + (size_t)(row0 + r) * groups, g.biases + (size_t)(row0 + r) * groups};
+        mats[GU_ROWS + r] = Mat{u.w + (size_t)(row0 + r) * nvec, u.scales + (size_t)(row0 + r) * groups, u.biases + (size_t)(row0 + r) * groups};
+        xs[r] = xs[GU_ROWS + r] = xt;
+        active[r] = active[GU_ROWS + r] = row0 + r < inter;
+    }
+    float acc[2 * GU_ROWS];
+#pragma unroll
+    for (int m = 0; m < 2 * GU_ROWS; m++) acc[m] = 0.0f;
+    rows_dot_multi<BITS, 2 * GU_ROWS>(mats, 0, xs, hidden, group, active, acc);
+#pragma unroll
+    for (int r = 0; r < GU_ROWS; r++) {
+        const float gv = warp_sum(acc[r]), uv = warp_sum(acc[GU_ROWS + r]);
         if (lane == 0 && row0 + r < inter) act[tk * inter + row0 + r] = silu(gv) * uv;
     }
 }
@@ -174,22 +189,22 @@ __device__ void down_combine(const float* act, const unsigned* ids, const float*
     if (row >= hidden) return;
     float total = 0.0f;
     for (unsigned j0 = 0; j0 < k; j0 += DOWN_CHUNK) {
-        float a[DOWN_CHUNK];
+        Mat mats[DOWN_CHUNK];
+        const float* xs[DOWN_CHUNK];
+        bool active[DOWN_CHUNK];
+        float acc[DOWN_CHUNK];
 #pragma unroll
         for (unsigned c = 0; c < DOWN_CHUNK; c++) {
-            a[c] = 0.0f;
-            if (j0 + c < k) {
-                const unsigned char* sp = experts + (size_t)ids[t * k + j0 + c] * span;
-                float one[1] = {0.0f};
-                rows_dot_direct<BITS, 1>(sp + dw, reinterpret_cast<const bf16*>(sp + ds),
-                                         reinterpret_cast<const bf16*>(sp + db), row, hidden,
-                                         act + (t * k + j0 + c) * inter, inter, group, one);
-                a[c] = one[0];
-            }
+            active[c] = j0 + c < k;
+            const unsigned e = active[c] ? ids[t * k + j0 + c] : 0;
+            mats[c] = mat(experts + (size_t)e * span, dw, ds, db);
+            xs[c] = act + (t * k + j0 + c) * inter;
+            acc[c] = 0.0f;
         }
+        rows_dot_multi<BITS, DOWN_CHUNK>(mats, row, xs, inter, group, active, acc);
 #pragma unroll
         for (unsigned c = 0; c < DOWN_CHUNK; c++)
-            if (j0 + c < k) total += weights[t * k + j0 + c] * warp_sum(a[c]);
+            if (active[c]) total += weights[t * k + j0 + c] * warp_sum(acc[c]);
     }
     if (lane == 0) out[t * hidden + row] = total;
 }

@@ -13,6 +13,9 @@ use kestrel_cuda::{CudaBackend, RunMode};
 
 /// Whole layers chain a dozen ops in f32 on both sides.
 const TOL: f64 = 1e-3;
+/// A bf16 or f16 cache entry may round to the neighbouring value when its f32 input differs in
+/// the last bits: one ulp of bf16 relative to the largest entry.
+const TOL_HALF: f64 = 8e-3;
 
 fn run_steps<B: Backend>(backend: &mut B, steps: &[Case]) -> Vec<Vec<Vec<u8>>> {
     steps
@@ -46,8 +49,9 @@ fn layers_match_the_cpu_backend() {
                         let (want, got) = (as_f64(cb, dtype), as_f64(gb, dtype));
                         let got: Vec<f32> = got.iter().map(|&v| v as f32).collect();
                         let err = rel_err(&got, &want);
+                        let tol = if dtype.size_in_bytes() == 2 { TOL_HALF } else { TOL };
                         assert!(
-                            err <= TOL,
+                            err <= tol,
                             "seed {seed} {mode:?} {} / {}: relative error {err:e}",
                             step.name,
                             check.label
