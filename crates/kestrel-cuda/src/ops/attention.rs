@@ -56,10 +56,10 @@ fn encode_split(enc: &mut Encoder, op: &Op) -> Result<()> {
         enc.workspace(DType::F32, rows)?,
         enc.workspace(DType::F32, [rows, head_dim])?,
     );
-    // queries, the warps' partial results, and each warp's 32 V rows (padded by 8 values)
+    // queries, the warps' partial results, and each warp's 32 K and 32 V rows (padded by 8 values)
     let cache_bytes = enc.dtype(v_cache).size_in_bytes();
     let smem = (GROUP * head_dim + 2 * DEC_WARPS * GROUP + DEC_WARPS * GROUP * head_dim) * 4
-        + DEC_WARPS * 32 * (head_dim + 8) * cache_bytes;
+        + DEC_WARPS * 64 * (head_dim + 8) * cache_bytes;
     if smem > enc.device.info().max_shared_per_block || splits > MAX_SPLITS {
         return Err(unsupported(format!(
             "decode attention with head_dim {head_dim} over {splits} splits"
