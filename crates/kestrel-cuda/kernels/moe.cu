@@ -58,9 +58,8 @@ extern "C" __global__ void router_f32(const float* logits, unsigned* ids, float*
     if (lane < k) weights[t * k + lane] = normalize ? chosen / total : chosen;
 }
 
-// Decode-sized expert kernels read x (or the activations) straight from global memory (it is
-// small and stays in L1), so no block-wide staging or barrier delays the weight loads: every warp
-// issues its weight loads at once. A quantised value is turned into a float without an
+// Decode-sized expert kernels issue every warp's weight loads first, then stage x (or the
+// activations) in shared memory while those loads are in flight. A quantised value is turned into a float without an
 // int-to-float conversion: ((word >> shift) & mask) OR-ed into the mantissa of 2^23, minus 2^23.
 
 // One 16-byte weight vector times its x segment: `v` holds VALS values of format BITS from row
@@ -112,63 +111,82 @@ __device__ __forceinline__ Mat mat(const unsigned char* span, unsigned long long
                reinterpret_cast<const bf16*>(span + b)};
 }
 
-// Lane partials of row `row` of M matrices, each times its own x (x[m], `cols` values), over the
-// lane's vectors lane, lane + 32, ...: all M loads of an iteration are issued before any
-// arithmetic, so a warp has M 16-byte loads per lane in flight.
-template <int BITS, int M>
-__device__ __forceinline__ void rows_dot_multi(const Mat* mats, unsigned row, const float* const* x, unsigned cols,
-                                               unsigned group, bool active[M], float acc[M]) {
-    constexpr unsigned VALS = VecFormat<BITS>::VALS;
-    const unsigned lane = threadIdx.x % 32;
-    const unsigned nvec = cols / VALS, groups = BITS == 16 ? 1 : cols / group;
-    for (unsigned u = lane; u < nvec; u += 32) {
-        uint4 v[M];
+// Row `row` of M matrices, each times its own x (staged in shared memory, padded, `cols` values),
+// in two phases so a warp's weight loads are in flight while the block stages x: `issue` loads the
+// lane's vectors u0, u0 + 32, ... (U of them) of every matrix; `consume` adds their dot products to
+// the lane partials acc[m].
+template <int M, int U>
+__device__ __forceinline__ void issue(const Mat* mats, unsigned row, unsigned u0, unsigned nvec, const bool* active,
+                                      uint4 v[U][M]) {
+#pragma unroll
+    for (unsigned i = 0; i < U; i++)
 #pragma unroll
         for (int m = 0; m < M; m++)
-            if (active[m]) v[m] = __ldcs(mats[m].w + (size_t)row * nvec + u);
+            if (active[m] && u0 + 32 * i < nvec) v[i][m] = __ldcs(mats[m].w + (size_t)row * nvec + u0 + 32 * i);
+}
+
+template <int BITS, int M, int U>
+__device__ __forceinline__ void consume(const uint4 v[U][M], const Mat* mats, unsigned row, unsigned u0,
+                                        unsigned nvec, const float* const* xs, unsigned cols, unsigned group,
+                                        const bool* active, float* acc) {
+    constexpr unsigned VALS = VecFormat<BITS>::VALS;
+    const unsigned groups = BITS == 16 ? 1 : cols / group;
+#pragma unroll
+    for (unsigned i = 0; i < U; i++) {
+        const unsigned u = u0 + 32 * i;
+        if (u >= nvec) break;
         const size_t gi = BITS == 16 ? 0 : (size_t)row * groups + (u * VALS) / group;
 #pragma unroll
         for (int m = 0; m < M; m++)
-            if (active[m]) acc[m] += vec_dot<BITS>(v[m], x[m] + u * VALS, mats[m].scales, mats[m].biases, gi);
+            if (active[m]) acc[m] += vec_dot<BITS>(v[i][m], xs[m] + padded(u * VALS), mats[m].scales, mats[m].biases, gi);
     }
 }
 
 #define GU_WARPS 4
-#define GU_ROWS 2      // rows of gate and of up per warp: 2 x GU_ROWS loads in flight per lane
+#define GU_ROWS 2      // rows of gate and of up per warp
 #define DOWN_WARPS 4
 #define DOWN_CHUNK 8   // experts whose loads a warp issues together
+#define UNROLL 2       // vectors per lane and matrix in flight
 
 // act[tk, r] = silu(gate_e[r] . x_t) * (up_e[r] . x_t), tk = t * k + slot, e = ids[tk].
-// Grid (inter / (GU_WARPS * GU_ROWS), tokens * k).
+// Grid (inter / (GU_WARPS * GU_ROWS), tokens * k); dynamic shared memory: padded_len(hidden) floats.
 template <int BITS>
 __device__ void gate_up(const float* x, const unsigned* ids, const unsigned char* experts, float* act,
                         unsigned hidden, unsigned inter, unsigned k, unsigned long long span,
                         unsigned long long gw, unsigned long long gs, unsigned long long gb, unsigned long long uw,
                         unsigned long long us, unsigned long long ub, unsigned group) {
+    extern __shared__ float xs_shared[];
     const size_t tk = blockIdx.y;
     const unsigned lane = threadIdx.x % 32;
     const unsigned row0 = (blockIdx.x * GU_WARPS + threadIdx.x / 32) * GU_ROWS;
-    if (row0 >= inter) return;
-    const float* xt = x + (tk / k) * hidden;
     const unsigned char* sp = experts + (size_t)ids[tk] * span;
-    // 2 * GU_ROWS "matrices": gate rows then up rows, addressed as row offsets of one matrix.
+    const unsigned groups = BITS == 16 ? 1 : hidden / group, nvec = hidden / VecFormat<BITS>::VALS;
+    // Gate rows then up rows, each matrix shifted to its row so all use row 0 below.
     Mat mats[2 * GU_ROWS];
     const float* xs[2 * GU_ROWS];
     bool active[2 * GU_ROWS];
-    const unsigned groups = BITS == 16 ? 1 : hidden / group, nvec = hidden / VecFormat<BITS>::VALS;
 #pragma unroll
     for (int r = 0; r < GU_ROWS; r++) {
         const Mat g = mat(sp, gw, gs, gb), u = mat(sp, uw, us, ub);
-        // Shift each matrix to its row so all use row 0 below.
-        mats[r] = Mat{g.w + (size_t)(row0 + r) * nvec, g.scales + (size_t)(row0 + r) * groups, g.biases + (size_t)(row0 + r) * groups};
-        mats[GU_ROWS + r] = Mat{u.w + (size_t)(row0 + r) * nvec, u.scales + (size_t)(row0 + r) * groups, u.biases + (size_t)(row0 + r) * groups};
-        xs[r] = xs[GU_ROWS + r] = xt;
+        const size_t row = row0 + r;
+        mats[r] = Mat{g.w + row * nvec, g.scales + row * groups, g.biases + row * groups};
+        mats[GU_ROWS + r] = Mat{u.w + row * nvec, u.scales + row * groups, u.biases + row * groups};
+        xs[r] = xs[GU_ROWS + r] = xs_shared;
         active[r] = active[GU_ROWS + r] = row0 + r < inter;
     }
     float acc[2 * GU_ROWS];
 #pragma unroll
     for (int m = 0; m < 2 * GU_ROWS; m++) acc[m] = 0.0f;
-    rows_dot_multi<BITS, 2 * GU_ROWS>(mats, 0, xs, hidden, group, active, acc);
+    uint4 v[UNROLL][2 * GU_ROWS];
+    issue<2 * GU_ROWS, UNROLL>(mats, 0, lane, nvec, active, v);
+    const float* xt = x + (tk / k) * hidden;
+    for (unsigned i = threadIdx.x; i < hidden; i += blockDim.x) xs_shared[padded(i)] = xt[i];
+    __syncthreads();
+    consume<BITS, 2 * GU_ROWS, UNROLL>(v, mats, 0, lane, nvec, xs, hidden, group, active, acc);
+    for (unsigned u0 = lane + 32 * UNROLL; u0 < nvec; u0 += 32 * UNROLL) {
+        issue<2 * GU_ROWS, UNROLL>(mats, 0, u0, nvec, active, v);
+        consume<BITS, 2 * GU_ROWS, UNROLL>(v, mats, 0, u0, nvec, xs, hidden, group, active, acc);
+    }
 #pragma unroll
     for (int r = 0; r < GU_ROWS; r++) {
         const float gv = warp_sum(acc[r]), uv = warp_sum(acc[GU_ROWS + r]);
@@ -177,16 +195,19 @@ __device__ void gate_up(const float* x, const unsigned* ids, const unsigned char
 }
 
 // out[t, r] = sum_j weights[t, j] * (down_{e_j}[r] . act[t * k + j]), slots summed in order.
-// One warp per output row; grid (hidden / DOWN_WARPS, tokens).
+// One warp per output row; grid (hidden / DOWN_WARPS, tokens); dynamic shared memory:
+// k * padded_len(inter) floats.
 template <int BITS>
 __device__ void down_combine(const float* act, const unsigned* ids, const float* weights,
                              const unsigned char* experts, float* out, unsigned hidden, unsigned inter, unsigned k,
                              unsigned long long span, unsigned long long dw, unsigned long long ds,
                              unsigned long long db, unsigned group) {
+    extern __shared__ float acts[];
     const size_t t = blockIdx.y;
     const unsigned lane = threadIdx.x % 32;
     const unsigned row = blockIdx.x * DOWN_WARPS + threadIdx.x / 32;
-    if (row >= hidden) return;
+    const bool row_ok = row < hidden;
+    const unsigned nvec = inter / VecFormat<BITS>::VALS, plen = padded_len(inter);
     float total = 0.0f;
     for (unsigned j0 = 0; j0 < k; j0 += DOWN_CHUNK) {
         Mat mats[DOWN_CHUNK];
@@ -195,18 +216,30 @@ __device__ void down_combine(const float* act, const unsigned* ids, const float*
         float acc[DOWN_CHUNK];
 #pragma unroll
         for (unsigned c = 0; c < DOWN_CHUNK; c++) {
-            active[c] = j0 + c < k;
-            const unsigned e = active[c] ? ids[t * k + j0 + c] : 0;
+            active[c] = row_ok && j0 + c < k;
+            const unsigned e = j0 + c < k ? ids[t * k + j0 + c] : 0;
             mats[c] = mat(experts + (size_t)e * span, dw, ds, db);
-            xs[c] = act + (t * k + j0 + c) * inter;
+            xs[c] = acts + (j0 + c) * plen;
             acc[c] = 0.0f;
         }
-        rows_dot_multi<BITS, DOWN_CHUNK>(mats, row, xs, inter, group, active, acc);
+        uint4 v[UNROLL][DOWN_CHUNK];
+        issue<DOWN_CHUNK, UNROLL>(mats, row, lane, nvec, active, v);
+        if (j0 == 0) {
+            // Stage every slot's activations while the first weight loads are in flight.
+            for (unsigned i = threadIdx.x; i < k * inter; i += blockDim.x)
+                acts[(i / inter) * plen + padded(i % inter)] = act[t * k * inter + i];
+            __syncthreads();
+        }
+        consume<BITS, DOWN_CHUNK, UNROLL>(v, mats, row, lane, nvec, xs, inter, group, active, acc);
+        for (unsigned u0 = lane + 32 * UNROLL; u0 < nvec; u0 += 32 * UNROLL) {
+            issue<DOWN_CHUNK, UNROLL>(mats, row, u0, nvec, active, v);
+            consume<BITS, DOWN_CHUNK, UNROLL>(v, mats, row, u0, nvec, xs, inter, group, active, acc);
+        }
 #pragma unroll
         for (unsigned c = 0; c < DOWN_CHUNK; c++)
-            if (active[c]) total += weights[t * k + j0 + c] * warp_sum(acc[c]);
+            if (j0 + c < k) total += weights[t * k + j0 + c] * warp_sum(acc[c]);
     }
-    if (lane == 0) out[t * hidden + row] = total;
+    if (lane == 0 && row_ok) out[t * hidden + row] = total;
 }
 
 #define EXPERTS(BITS, NAME)                                                                                 \

@@ -15,6 +15,11 @@ const DOWN_ROWS: usize = 4;
 const ROUTER_MAX_EXPERTS: usize = 512;
 const ROUTER_MAX_K: usize = 32;
 
+/// Floats of shared memory for `n` staged values (`padded_len` in kestrel.cuh).
+fn padded_len(n: usize) -> usize {
+    n + n.div_ceil(32) * 4
+}
+
 pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
     match *op {
         Op::Router {
@@ -67,6 +72,11 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             if h % 8 != 0 || i % 8 != 0 {
                 return Err(unsupported(format!("expert dims {h}x{i} are not multiples of 8")));
             }
+            if (k * padded_len(i)).max(padded_len(h)) * 4 > enc.device.info().max_shared_per_block {
+                return Err(unsupported(format!(
+                    "top-{k} experts of width {i} exceed shared memory"
+                )));
+            }
             let act = enc.workspace(DType::F32, [tokens * k, i])?;
             let (x, ids, w, e, o) = (
                 enc.buf(x)?.clone(),
@@ -82,6 +92,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 .dispatch(&gate_up)
                 .grid((u32_arg(i.div_ceil(GU_ROWS))?, u32_arg(tokens * k)?))
                 .block(128)
+                .shared_mem(u32_arg(padded_len(h) * 4)?)
                 .read(&x)
                 .read(&ids)
                 .read(&e)
@@ -103,6 +114,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 .dispatch(&down)
                 .grid((u32_arg(h.div_ceil(DOWN_ROWS))?, u32_arg(tokens)?))
                 .block(128)
+                .shared_mem(u32_arg(k * padded_len(i) * 4)?)
                 .read(&act)
                 .read(&ids)
                 .read(&w)
