@@ -58,12 +58,19 @@ fn fill_random(cuda: &mut CudaBackend, p: &mut CudaProgram, rng: &mut Rng) -> Re
     Ok(())
 }
 
+/// Replays before timing: at least this long, so the GPU leaves its idle clocks (it idles at a
+/// fraction of its boost clock and takes tens of milliseconds of load to ramp up).
+const WARM_UP: std::time::Duration = std::time::Duration::from_millis(300);
+
 /// Median microseconds of one replay of `p`.
 fn time_program(dev: &Device, cuda: &mut CudaBackend, p: &mut CudaProgram, reps: usize) -> Result<f64> {
-    for _ in 0..3 {
-        cuda.run(p)?;
+    let start = std::time::Instant::now();
+    while start.elapsed() < WARM_UP {
+        for _ in 0..50 {
+            cuda.run(p)?;
+        }
+        dev.synchronize()?;
     }
-    dev.synchronize()?;
     let timer = dev.timer()?;
     let mut samples = Vec::with_capacity(reps);
     for _ in 0..reps {
