@@ -38,6 +38,10 @@ pub enum BenchCommand {
         /// Timed repetitions per measurement (the median is reported).
         #[arg(short = 'r', long, default_value_t = 50)]
         reps: usize,
+        /// Also run each op eagerly with every dispatch timed and print the per-kernel table
+        /// (to stderr).
+        #[arg(long)]
+        profile: bool,
         /// Device ordinal (default: the configured one).
         #[arg(long)]
         device: Option<usize>,
@@ -73,7 +77,12 @@ pub fn run(config: &Config, what: BenchCommand) -> Result<ExitCode> {
             device,
             json,
         } => (reps, chain, copy_mib, device, json),
-        BenchCommand::Ops { reps, device, json } => return ops(config, reps, device, json),
+        BenchCommand::Ops {
+            reps,
+            profile,
+            device,
+            json,
+        } => return ops(config, reps, profile, device, json),
     };
     ensure!(
         reps >= 1 && chain >= 1 && copy_mib >= 1,
@@ -112,10 +121,10 @@ pub fn run(config: &Config, what: BenchCommand) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn ops(config: &Config, reps: usize, device: Option<usize>, json: bool) -> Result<ExitCode> {
+fn ops(config: &Config, reps: usize, profile: bool, device: Option<usize>, json: bool) -> Result<ExitCode> {
     ensure!(reps >= 1, "--reps must be at least 1");
     let dev = open_device(config, device)?;
-    let rows = crate::bench_ops::run(&dev, reps)?;
+    let rows = crate::bench_ops::run(&dev, reps, profile)?;
     if json {
         let results: serde_json::Map<String, serde_json::Value> = rows
             .iter()

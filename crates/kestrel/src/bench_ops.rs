@@ -82,11 +82,31 @@ fn time_program(dev: &Device, cuda: &mut CudaBackend, p: &mut CudaProgram, reps:
     Ok(median(samples))
 }
 
+/// Per-kernel GPU times of `graph` run eagerly with every dispatch timed by CUDA events.
+fn kernel_breakdown(
+    dev: &Device,
+    graph: &kestrel_core::ir::Graph,
+    rng: &mut Rng,
+    reps: usize,
+) -> Result<String> {
+    let mut cuda = CudaBackend::new(dev.clone(), RunMode::Eager);
+    let mut p = cuda.prepare(graph)?;
+    fill_random(&mut cuda, &mut p, rng)?;
+    time_program(dev, &mut cuda, &mut p, 1)?;
+    dev.take_profile()?;
+    dev.set_profiling(true);
+    for _ in 0..reps {
+        cuda.run(&mut p)?;
+    }
+    dev.set_profiling(false);
+    Ok(dev.take_profile()?.table())
+}
+
 fn mark<R: Role>(g: &mut GraphBuilder, id: BufId<R>) {
     g.mark_output(id);
 }
 
-pub fn run(dev: &Device, reps: usize) -> Result<Vec<OpRow>> {
+pub fn run(dev: &Device, reps: usize, profile: bool) -> Result<Vec<OpRow>> {
     let mut rows = Vec::new();
     let mut rng = Rng::new(0x5EED);
 
@@ -104,6 +124,9 @@ pub fn run(dev: &Device, reps: usize) -> Result<Vec<OpRow>> {
         let mut p = cuda.prepare(&graph)?;
         fill_random(&mut cuda, &mut p, &mut rng)?;
         let us = time_program(dev, &mut cuda, &mut p, reps)?;
+        if profile {
+            eprintln!("{}", kernel_breakdown(dev, &graph, &mut rng, reps)?);
+        }
         let bytes = q.bytes(out, inp) as f64;
         let gbs = bytes / (us * 1e-6) / 1e9;
         rows.push(OpRow {
@@ -137,6 +160,9 @@ pub fn run(dev: &Device, reps: usize) -> Result<Vec<OpRow>> {
         let mut p = cuda.prepare(&graph)?;
         fill_random(&mut cuda, &mut p, &mut rng)?;
         let us = time_program(dev, &mut cuda, &mut p, reps)?;
+        if profile {
+            eprintln!("{}", kernel_breakdown(dev, &graph, &mut rng, reps)?);
+        }
         let q = QuantFormat::Q4;
         let bytes = (k * (2 * q.bytes(inter, hidden) + q.bytes(hidden, inter))) as f64;
         let gbs = bytes / (us * 1e-6) / 1e9;
@@ -166,6 +192,9 @@ pub fn run(dev: &Device, reps: usize) -> Result<Vec<OpRow>> {
         fill_random(&mut cuda, &mut p, &mut rng)?;
         cuda.upload(&mut p, pos, &[(ctx - 1) as u32])?;
         let us = time_program(dev, &mut cuda, &mut p, reps)?;
+        if profile {
+            eprintln!("{}", kernel_breakdown(dev, &graph, &mut rng, reps)?);
+        }
         let bytes = (2 * kv_heads * ctx * hd * 2) as f64;
         let gbs = bytes / (us * 1e-6) / 1e9;
         rows.push(OpRow {
