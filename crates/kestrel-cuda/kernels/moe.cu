@@ -226,8 +226,9 @@ __device__ void down_combine(const float* act, const unsigned* ids, const float*
         issue<DOWN_CHUNK, UNROLL>(mats, row, lane, nvec, active, v);
         if (j0 == 0) {
             // Stage every slot's activations while the first weight loads are in flight.
-            for (unsigned i = threadIdx.x; i < k * inter; i += blockDim.x)
-                acts[(i / inter) * plen + padded(i % inter)] = act[t * k * inter + i];
+            for (unsigned j = 0; j < k; j++)
+                for (unsigned i = threadIdx.x; i < inter; i += blockDim.x)
+                    acts[j * plen + padded(i)] = act[(t * k + j) * inter + i];
             __syncthreads();
         }
         consume<BITS, DOWN_CHUNK, UNROLL>(v, mats, row, lane, nvec, xs, inter, group, active, acc);
