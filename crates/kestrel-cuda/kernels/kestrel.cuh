@@ -101,6 +101,19 @@ __device__ __forceinline__ float lane_dot_dense(const W* row, const float* x, un
 
 __device__ __forceinline__ unsigned padded(unsigned i) { return i + ((i >> 5) << 2); }
 
+// (a & mask) | bits as one LOP3: written plainly, the two immediates become two instructions.
+__device__ __forceinline__ unsigned and_or(unsigned a, unsigned mask, unsigned bits) {
+    unsigned d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(mask), "r"(bits));
+    return d;
+}
+
+// The quantised value masked in place inside a 16-bit half word, as an exact float
+// (see the comment above): 2^23 + m, minus 2^23.
+__device__ __forceinline__ float masked_value(unsigned word, unsigned mask) {
+    return __uint_as_float(and_or(word, mask, 0x4B000000u)) - 8388608.0f;
+}
+
 // Floats of shared memory needed to stage n values.
 __host__ __device__ constexpr unsigned padded_len(unsigned n) { return n + ((n + 31) / 32) * 4; }
 
@@ -194,8 +207,8 @@ __device__ __forceinline__ void rows_dot(const void* w, const bf16* scales, cons
 #pragma unroll
                         for (unsigned p = 0; p < PER_HALF; p++) {
                             const unsigned m = MASK << (BITS * p);
-                            qx[r] += (__uint_as_float((word & m) | 0x4B000000u) - 8388608.0f) * xq[p];
-                            qx[r] += (__uint_as_float((hi & m) | 0x4B000000u) - 8388608.0f) * xq[PER_HALF + p];
+                            qx[r] += masked_value(word, m) * xq[p];
+                            qx[r] += masked_value(hi, m) * xq[PER_HALF + p];
                         }
                     }
                 }

@@ -90,7 +90,7 @@ __device__ __forceinline__ float vec_dot(uint4 v, const float* x, const bf16* sc
 #pragma unroll
                 for (unsigned e = 0; e < 4; e++) {
                     sx += xs[e];
-                    qx += (__uint_as_float(((word >> (BITS * (4 * j + e))) & MASK) | 0x4B000000u) - 8388608.0f) * xs[e];
+                    qx += masked_value(word >> (BITS * (4 * j + e)), MASK) * xs[e];
                 }
             }
         }
@@ -145,8 +145,8 @@ __device__ __forceinline__ void consume(const uint4 v[U][M], const Mat* mats, un
 #define GU_WARPS 4
 #define GU_ROWS 2      // rows of gate and of up per warp
 #define DOWN_WARPS 4
-#define DOWN_CHUNK 8   // experts whose loads a warp issues together
-#define UNROLL 2       // vectors per lane and matrix in flight
+#define DOWN_CHUNK 4   // experts whose loads a warp issues together
+#define UNROLL 2       // gate/up: vectors per lane and matrix in flight
 
 // act[tk, r] = silu(gate_e[r] . x_t) * (up_e[r] . x_t), tk = t * k + slot, e = ids[tk].
 // Grid (inter / (GU_WARPS * GU_ROWS), tokens * k); dynamic shared memory: padded_len(hidden) floats.
@@ -222,8 +222,8 @@ __device__ void down_combine(const float* act, const unsigned* ids, const float*
             xs[c] = acts + (j0 + c) * plen;
             acc[c] = 0.0f;
         }
-        uint4 v[UNROLL][DOWN_CHUNK];
-        issue<DOWN_CHUNK, UNROLL>(mats, row, lane, nvec, active, v);
+        uint4 v[1][DOWN_CHUNK];
+        issue<DOWN_CHUNK, 1>(mats, row, lane, nvec, active, v);
         if (j0 == 0) {
             // Stage every slot's activations while the first weight loads are in flight.
             for (unsigned j = 0; j < k; j++)
@@ -231,10 +231,11 @@ __device__ void down_combine(const float* act, const unsigned* ids, const float*
                     acts[j * plen + padded(i)] = act[(t * k + j) * inter + i];
             __syncthreads();
         }
-        consume<BITS, DOWN_CHUNK, UNROLL>(v, mats, row, lane, nvec, xs, inter, group, active, acc);
-        for (unsigned u0 = lane + 32 * UNROLL; u0 < nvec; u0 += 32 * UNROLL) {
-            issue<DOWN_CHUNK, UNROLL>(mats, row, u0, nvec, active, v);
-            consume<BITS, DOWN_CHUNK, UNROLL>(v, mats, row, u0, nvec, xs, inter, group, active, acc);
+        // Expert rows are short (inter values): one vector per lane and expert at a time.
+        consume<BITS, DOWN_CHUNK, 1>(v, mats, row, lane, nvec, xs, inter, group, active, acc);
+        for (unsigned u0 = lane + 32; u0 < nvec; u0 += 32) {
+            issue<DOWN_CHUNK, 1>(mats, row, u0, nvec, active, v);
+            consume<BITS, DOWN_CHUNK, 1>(v, mats, row, u0, nvec, xs, inter, group, active, acc);
         }
 #pragma unroll
         for (unsigned c = 0; c < DOWN_CHUNK; c++)
@@ -244,7 +245,7 @@ __device__ void down_combine(const float* act, const unsigned* ids, const float*
 }
 
 #define EXPERTS(BITS, NAME)                                                                                 \
-    extern "C" __global__ void moe_gate_up_##NAME(const float* x, const unsigned* ids,                      \
+    extern "C" __global__ void __launch_bounds__(128, 8) moe_gate_up_##NAME(const float* x, const unsigned* ids,                      \
                                                   const unsigned char* experts, float* act, unsigned hidden, \
                                                   unsigned inter, unsigned k, unsigned long long span,       \
                                                   unsigned long long gw, unsigned long long gs,              \
@@ -253,7 +254,7 @@ __device__ void down_combine(const float* act, const unsigned* ids, const float*
                                                   unsigned group) {                                          \
         gate_up<BITS>(x, ids, experts, act, hidden, inter, k, span, gw, gs, gb, uw, us, ub, group);         \
     }                                                                                                       \
-    extern "C" __global__ void moe_down_##NAME(const float* act, const unsigned* ids, const float* weights,  \
+    extern "C" __global__ void __launch_bounds__(128, 8) moe_down_##NAME(const float* act, const unsigned* ids, const float* weights,  \
                                                const unsigned char* experts, float* out, unsigned hidden,    \
                                                unsigned inter, unsigned k, unsigned long long span,          \
                                                unsigned long long dw, unsigned long long ds,                \
