@@ -5,7 +5,7 @@
 
 use anyhow::Result;
 use half::bf16;
-use kestrel_core::ir::{BufId, ExpertFormat, ExpertLayout, Role};
+use kestrel_core::ir::{Buf, BufId, ExpertFormat, ExpertLayout, Graph, Role};
 use kestrel_core::quant::QuantFormat;
 use kestrel_core::rng::Rng;
 use kestrel_core::{Backend, DType, GraphBuilder};
@@ -82,129 +82,118 @@ fn time_program(dev: &Device, cuda: &mut CudaBackend, p: &mut CudaProgram, reps:
     Ok(median(samples))
 }
 
-/// Per-kernel GPU times of `graph` run eagerly with every dispatch timed by CUDA events.
-fn kernel_breakdown(
-    dev: &Device,
-    graph: &kestrel_core::ir::Graph,
-    rng: &mut Rng,
-    reps: usize,
-) -> Result<String> {
-    let mut cuda = CudaBackend::new(dev.clone(), RunMode::Eager);
-    let mut p = cuda.prepare(graph)?;
-    fill_random(&mut cuda, &mut p, rng)?;
-    time_program(dev, &mut cuda, &mut p, 1)?;
-    dev.take_profile()?;
-    dev.set_profiling(true);
-    for _ in 0..reps {
-        cuda.run(&mut p)?;
-    }
-    dev.set_profiling(false);
-    Ok(dev.take_profile()?.table())
+/// One measured op: its graph, the u32 inputs it needs fixed (positions), the bytes it must move.
+struct Bench {
+    name: &'static str,
+    graph: Graph,
+    fixed: Vec<(Buf, Vec<u32>)>,
+    bytes: f64,
+    target: &'static str,
 }
 
-fn mark<R: Role>(g: &mut GraphBuilder, id: BufId<R>) {
-    g.mark_output(id);
+/// A program of `graph` with random contents and the fixed inputs written.
+fn prepared(dev: &Device, b: &Bench, mode: RunMode, rng: &mut Rng) -> Result<(CudaBackend, CudaProgram)> {
+    let mut cuda = CudaBackend::new(dev.clone(), mode);
+    let mut p = cuda.prepare(&b.graph)?;
+    fill_random(&mut cuda, &mut p, rng)?;
+    for (buf, values) in &b.fixed {
+        cuda.upload(&mut p, *buf, values)?;
+    }
+    Ok((cuda, p))
+}
+
+fn measure(dev: &Device, b: &Bench, reps: usize, profile: bool, rng: &mut Rng) -> Result<OpRow> {
+    let (mut cuda, mut p) = prepared(dev, b, RunMode::Graph, rng)?;
+    let us = time_program(dev, &mut cuda, &mut p, reps)?;
+    if profile {
+        // Eager, every dispatch between two CUDA events.
+        let (mut cuda, mut p) = prepared(dev, b, RunMode::Eager, rng)?;
+        time_program(dev, &mut cuda, &mut p, 1)?;
+        dev.take_profile()?;
+        dev.set_profiling(true);
+        for _ in 0..reps {
+            cuda.run(&mut p)?;
+        }
+        dev.set_profiling(false);
+        eprintln!("{}\n{}", b.name, dev.take_profile()?.table());
+    }
+    let gbs = b.bytes / (us * 1e-6) / 1e9;
+    Ok(OpRow {
+        name: b.name.to_string(),
+        median_us: us,
+        rate: gbs,
+        unit: "GB/s",
+        of_floor: Some(gbs * 1e9 / COPY_BYTES_PER_S),
+        target: b.target,
+    })
+}
+
+fn finish<R: Role>(mut g: GraphBuilder, out: BufId<R>) -> Result<Graph> {
+    g.mark_output(out);
+    Ok(g.finish()?)
 }
 
 pub fn run(dev: &Device, reps: usize, profile: bool) -> Result<Vec<OpRow>> {
-    let mut rows = Vec::new();
     let mut rng = Rng::new(0x5EED);
+    let q4 = QuantFormat::Q4;
+    let mut benches = Vec::new();
 
     // 4-bit matvec at the lm_head shape: 2048 -> 151,936, one token.
-    {
-        let (inp, out) = (2048, 151_936);
-        let q = QuantFormat::Q4;
-        let mut g = GraphBuilder::new();
-        let x = g.act_input("x", 1, inp);
-        let w = g.quant_weight("lm_head", out, inp, q);
-        let y = g.linear("lm_head", x, &w);
-        mark(&mut g, y);
-        let graph = g.finish()?;
-        let mut cuda = CudaBackend::new(dev.clone(), RunMode::Graph);
-        let mut p = cuda.prepare(&graph)?;
-        fill_random(&mut cuda, &mut p, &mut rng)?;
-        let us = time_program(dev, &mut cuda, &mut p, reps)?;
-        if profile {
-            eprintln!("{}", kernel_breakdown(dev, &graph, &mut rng, reps)?);
-        }
-        let bytes = q.bytes(out, inp) as f64;
-        let gbs = bytes / (us * 1e-6) / 1e9;
-        rows.push(OpRow {
-            name: "q4 matvec 2048->151936".into(),
-            median_us: us,
-            rate: gbs,
-            unit: "GB/s",
-            of_floor: Some(gbs * 1e9 / COPY_BYTES_PER_S),
-            target: ">= 80% of 4.26 TB/s",
-        });
-    }
+    let (inp, out) = (2048, 151_936);
+    let mut g = GraphBuilder::new();
+    let x = g.act_input("x", 1, inp);
+    let w = g.quant_weight("lm_head", out, inp, q4);
+    let y = g.linear("lm_head", x, &w);
+    benches.push(Bench {
+        name: "q4 matvec 2048->151936",
+        graph: finish(g, y)?,
+        fixed: vec![],
+        bytes: q4.bytes(out, inp) as f64,
+        target: ">= 80% of 4.26 TB/s",
+    });
 
     // MoE decode: one token, router over 128 experts, top-8, hidden 2048, expert width 768, 4-bit.
-    {
-        let (hidden, inter, experts, k) = (2048, 768, 128, 8);
-        let layout = ExpertLayout {
-            experts,
-            hidden,
-            inter,
-            format: ExpertFormat::Quant(QuantFormat::Q4),
-        };
-        let mut g = GraphBuilder::new();
-        let x = g.act_input("x", 1, hidden);
-        let logits = g.act_input("router_logits", 1, experts);
-        let (ids, w) = g.router("router", logits, k, true);
-        let e = g.weight("experts", DType::U8, [layout.total_bytes()]);
-        let y = g.moe_experts("experts", x, ids, w, e, layout);
-        mark(&mut g, y);
-        let graph = g.finish()?;
-        let mut cuda = CudaBackend::new(dev.clone(), RunMode::Graph);
-        let mut p = cuda.prepare(&graph)?;
-        fill_random(&mut cuda, &mut p, &mut rng)?;
-        let us = time_program(dev, &mut cuda, &mut p, reps)?;
-        if profile {
-            eprintln!("{}", kernel_breakdown(dev, &graph, &mut rng, reps)?);
-        }
-        let q = QuantFormat::Q4;
-        let bytes = (k * (2 * q.bytes(inter, hidden) + q.bytes(hidden, inter))) as f64;
-        let gbs = bytes / (us * 1e-6) / 1e9;
-        rows.push(OpRow {
-            name: "moe decode top-8/128 q4".into(),
-            median_us: us,
-            rate: gbs,
-            unit: "GB/s",
-            of_floor: Some(gbs * 1e9 / COPY_BYTES_PER_S),
-            target: ">= 60% of 4.26 TB/s (selected experts' bytes)",
-        });
-    }
+    let (hidden, inter, experts, k) = (2048, 768, 128, 8);
+    let layout = ExpertLayout {
+        experts,
+        hidden,
+        inter,
+        format: ExpertFormat::Quant(q4),
+    };
+    let mut g = GraphBuilder::new();
+    let x = g.act_input("x", 1, hidden);
+    let logits = g.act_input("router_logits", 1, experts);
+    let (ids, w) = g.router("router", logits, k, true);
+    let e = g.weight("experts", DType::U8, [layout.total_bytes()]);
+    let y = g.moe_experts("experts", x, ids, w, e, layout);
+    let bytes = (k * (2 * q4.bytes(inter, hidden) + q4.bytes(hidden, inter))) as f64;
+    benches.push(Bench {
+        name: "moe decode top-8/128 q4",
+        graph: finish(g, y)?,
+        fixed: vec![],
+        bytes,
+        target: ">= 60% of 4.26 TB/s (selected experts' bytes)",
+    });
 
     // Decode attention at 8k context: 32 query heads, 4 KV heads, head dim 128, bf16 cache.
-    {
-        let (heads, kv_heads, hd, ctx) = (32, 4, 128, 8192);
-        let mut g = GraphBuilder::new();
-        let q = g.act_input("q", 1, heads * hd);
-        let kc = g.cache("k_cache", DType::BF16, kv_heads, ctx, hd);
-        let vc = g.cache("v_cache", DType::BF16, kv_heads, ctx, hd);
-        let pos = g.positions_input("pos", 1);
-        let o = g.attention("attention", q, kc, vc, pos, heads, 1.0 / (hd as f32).sqrt());
-        mark(&mut g, o);
-        let graph = g.finish()?;
-        let mut cuda = CudaBackend::new(dev.clone(), RunMode::Graph);
-        let mut p = cuda.prepare(&graph)?;
-        fill_random(&mut cuda, &mut p, &mut rng)?;
-        cuda.upload(&mut p, pos, &[(ctx - 1) as u32])?;
-        let us = time_program(dev, &mut cuda, &mut p, reps)?;
-        if profile {
-            eprintln!("{}", kernel_breakdown(dev, &graph, &mut rng, reps)?);
-        }
-        let bytes = (2 * kv_heads * ctx * hd * 2) as f64;
-        let gbs = bytes / (us * 1e-6) / 1e9;
-        rows.push(OpRow {
-            name: "attention decode ctx 8192".into(),
-            median_us: us,
-            rate: gbs,
-            unit: "GB/s",
-            of_floor: Some(gbs * 1e9 / COPY_BYTES_PER_S),
-            target: ">= 60% of 4.26 TB/s (KV bytes read)",
-        });
-    }
-    Ok(rows)
+    let (heads, kv_heads, hd, ctx) = (32, 4, 128, 8192);
+    let mut g = GraphBuilder::new();
+    let q = g.act_input("q", 1, heads * hd);
+    let kc = g.cache("k_cache", DType::BF16, kv_heads, ctx, hd);
+    let vc = g.cache("v_cache", DType::BF16, kv_heads, ctx, hd);
+    let pos = g.positions_input("pos", 1);
+    let o = g.attention("attention", q, kc, vc, pos, heads, 1.0 / (hd as f32).sqrt());
+    let bytes = (2 * kv_heads * ctx * hd * 2) as f64;
+    benches.push(Bench {
+        name: "attention decode ctx 8192",
+        graph: finish(g, o)?,
+        fixed: vec![(pos.raw(), vec![(ctx - 1) as u32])],
+        bytes,
+        target: ">= 60% of 4.26 TB/s (KV bytes read)",
+    });
+
+    benches
+        .iter()
+        .map(|b| measure(dev, b, reps, profile, &mut rng))
+        .collect()
 }
