@@ -56,39 +56,6 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-// One MLX-quantised row: `words` u32 (lowest bits first), bf16 `scales` and `biases` per group.
-// Partial dot product of this lane's words with x; reduce across the warp afterwards.
-template <int BITS>
-__device__ __forceinline__ float lane_dot_quant(const unsigned* words, const bf16* scales, const bf16* biases,
-                                                const float* x, unsigned cols, unsigned group, unsigned lane) {
-    constexpr unsigned VPW = 32 / BITS, MASK = (1u << BITS) - 1u;
-    const unsigned n_words = cols / VPW;
-    float acc = 0.0f;
-    for (unsigned wi = lane; wi < n_words; wi += 32) {
-        const unsigned word = words[wi];
-        const unsigned c0 = wi * VPW;
-        const unsigned g = c0 / group;
-        const float s = to_f32(scales[g]), b = to_f32(biases[g]);
-        float qx = 0.0f, sx = 0.0f;
-#pragma unroll
-        for (unsigned j = 0; j < VPW; j++) {
-            const float xv = x[c0 + j];
-            qx += (float)((word >> (BITS * j)) & MASK) * xv;
-            sx += xv;
-        }
-        acc += s * qx + b * sx;
-    }
-    return acc;
-}
-
-// Partial dot product of a dense row with x for this lane.
-template <typename W>
-__device__ __forceinline__ float lane_dot_dense(const W* row, const float* x, unsigned cols, unsigned lane) {
-    float acc = 0.0f;
-    for (unsigned i = lane; i < cols; i += 32) acc += to_f32(row[i]) * x[i];
-    return acc;
-}
-
 // ---- 16-byte vector dot products for matrix-vector work ----
 // A row of `cols` values is read as 16-byte vectors of VALS values: 32 for 4-bit, 16 for 8-bit,
 // 8 for bf16 (BITS 16). The vector x is staged in shared memory with 4 floats of padding after
