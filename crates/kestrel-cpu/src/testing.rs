@@ -36,6 +36,9 @@ pub struct Case {
     pub graph: Graph,
     pub data: Vec<(Buf, Vec<u8>)>,
     pub checks: Vec<Check>,
+    /// A backend may round activations to int8 (per block of 32) before a quantised matrix
+    /// product here, as the CUDA one-token path does: compare with the looser bound that needs.
+    pub int8_activations: bool,
 }
 
 /// Bytes of every checked buffer after running `case` once on `backend`.
@@ -110,6 +113,8 @@ pub struct CaseBuilder {
     /// When false, weights and states are declared but not written: a later graph of a
     /// sequence reuses what an earlier one uploaded under the same labels.
     pub upload_persistent: bool,
+    /// See [`Case::int8_activations`].
+    pub int8_activations: bool,
 }
 
 /// Values as a weight of `dtype` stores them, widened to f64.
@@ -145,6 +150,7 @@ impl CaseBuilder {
             data: Vec::new(),
             checks: Vec::new(),
             upload_persistent: true,
+            int8_activations: false,
         }
     }
 
@@ -291,6 +297,7 @@ impl CaseBuilder {
             graph,
             data: self.data,
             checks,
+            int8_activations: self.int8_activations,
         }
     }
 }
@@ -553,6 +560,7 @@ pub fn linear(rng: Rng) -> Case {
     let (w, wf) = c.linear_weight("w", out_dim, in_dim, format, dtype);
     let (x, xf) = c.act("x", tokens, in_dim, 1.0);
     let y = c.g.linear("proj", x, &w);
+    c.int8_activations = format.is_some();
     c.check_floats(y, r::linear(&xf, &wf, in_dim, out_dim));
     c.finish(format!("linear {tokens}x{in_dim}->{out_dim} {format:?} {dtype}"))
 }

@@ -35,13 +35,11 @@ fn encode_matvec(
     in_dim: usize,
     out_dim: usize,
 ) -> Result<bool> {
-    // x staged padded, and for quantised weights a second, unscaled copy (kernels/kestrel.cuh).
-    let copies = if matches!(w, LinearWeight::Quant { .. }) {
-        2
-    } else {
-        1
+    // bf16: x staged padded as floats; quantised: x as int8 with a scale and a sum per block of 32.
+    let smem = match w {
+        LinearWeight::Quant { .. } => in_dim + 2 * in_dim.div_ceil(32) * 4,
+        LinearWeight::Dense(_) => (in_dim + in_dim.div_ceil(32) * 4) * 4,
     };
-    let smem = copies * (in_dim + in_dim.div_ceil(32) * 4) * 4;
     if smem > enc.device.info().max_shared_per_block {
         return Ok(false);
     }
@@ -72,21 +70,43 @@ fn encode_matvec(
             scales,
             biases,
             format,
-        } if format.group_size % (128 / format.bits as usize) == 0 => {
+        } if in_dim % 64 == 0 && format.group_size % 32 == 0 => {
+            // x quantised to int8 in blocks of 32, then 8-bit integer dot products.
+            let blocks = in_dim / 32;
+            let xq = enc.workspace(DType::I32, in_dim / 4)?;
+            let (xd, xsum) = (
+                enc.workspace(DType::F32, blocks)?,
+                enc.workspace(DType::F32, blocks)?,
+            );
+            let quantize = enc.device.kernel("linear", "quantize_x8_f32")?;
+            enc.list
+                .dispatch(&quantize)
+                .grid(u32_arg(blocks.div_ceil(8))?)
+                .block(256)
+                .read(&x)
+                .write(&xq)
+                .write(&xd)
+                .write(&xsum)
+                .arg(u32_arg(in_dim)?)
+                .arg((format.bits == 4) as i32)
+                .record();
             let k = enc
                 .device
-                .kernel("linear", &format!("matvec_{}", quant_name(format.bits)?))?;
+                .kernel("linear", &format!("matvec_{}_dp4a", quant_name(format.bits)?))?;
             let (qw, s, b) = (
                 enc.buf(weight.raw())?.clone(),
                 enc.buf(scales.raw())?.clone(),
                 enc.buf(biases.raw())?.clone(),
             );
+            let smem = in_dim + 2 * blocks * 4;
             enc.list
                 .dispatch(&k)
                 .grid(grid)
                 .block(32 * MATVEC_WARPS)
                 .shared_mem(u32_arg(smem)?)
-                .read(&x)
+                .read(&xq)
+                .read(&xd)
+                .read(&xsum)
                 .read(&qw)
                 .read(&s)
                 .read(&b)
