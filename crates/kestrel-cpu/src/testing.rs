@@ -779,6 +779,7 @@ pub fn moe(rng: Rng) -> Case {
     let eb = c.g.weight("experts", DType::U8, [layout.total_bytes()]);
     c.set(eb, blob);
     let out = c.g.moe_experts("experts", x, ids, weights, eb, layout);
+    c.int8_activations = format != ExpertFormat::Bf16;
     let mut exp_ids = Vec::new();
     let mut exp_w = Vec::new();
     let mut expect = vec![0f64; tokens * hidden];

@@ -190,3 +190,52 @@ __device__ __forceinline__ void rows_dot(const void* w, const bf16* scales, cons
         }
     }
 }
+
+// ---- int8 activations for quantised products ----
+// x is quantised per block of 32 values (d = max|x| / 127, xq = round(x / d)), with the exact sum
+// of every 16 values kept for the group biases. For 4-bit weights each 8 values are stored as
+// [x0 x2 x4 x6][x1 x3 x5 x7], matching the low and high nibbles of a weight word; for 8-bit
+// weights in order. A 16-byte weight vector covers one block (4-bit, 32 values) or half a block
+// (8-bit, 16 values).
+
+__device__ __forceinline__ int dp4a_us(unsigned a, int b, int c) {
+    int d;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// The int8 form of a vector: `q` the bytes (as ints), `d` one scale per 32 values, `s16` one
+// sum per 16 values.
+struct QuantX {
+    const int* q;
+    const float* d;
+    const float* s16;
+};
+
+// Weight vector u (16 bytes of BITS-bit values) times x, with the vector's group scale and bias.
+template <int BITS>
+__device__ __forceinline__ float dot_int8(uint4 v, QuantX x, unsigned u, float scale, float bias) {
+    int isum = 0;
+    float d, sx;
+    if constexpr (BITS == 4) {
+        const int4 xa = reinterpret_cast<const int4*>(x.q)[2 * u], xb = reinterpret_cast<const int4*>(x.q)[2 * u + 1];
+        const int xs[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+        const unsigned words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            isum = dp4a_us(words[q] & 0x0F0F0F0Fu, xs[2 * q], isum);
+            isum = dp4a_us((words[q] >> 4) & 0x0F0F0F0Fu, xs[2 * q + 1], isum);
+        }
+        d = x.d[u];
+        sx = x.s16[2 * u] + x.s16[2 * u + 1];
+    } else {
+        const int4 xa = reinterpret_cast<const int4*>(x.q)[u];
+        isum = dp4a_us(v.x, xa.x, isum);
+        isum = dp4a_us(v.y, xa.y, isum);
+        isum = dp4a_us(v.z, xa.z, isum);
+        isum = dp4a_us(v.w, xa.w, isum);
+        d = x.d[u / 2];
+        sx = x.s16[u];
+    }
+    return scale * d * (float)isum + bias * sx;
+}

@@ -149,62 +149,51 @@ extern "C" __global__ void __launch_bounds__(32 * VEC_WARPS, 8) matvec_bf16(cons
 
 
 // ---- one-token quantised matvec on 8-bit integer dot products ----
-// x is quantised to int8 in blocks of 32 (d = max|x| / 127, xq = round(x / d)), keeping each
-// block's d and exact sum; a 4-bit weight word then costs two masks and two dp4a for its 8
-// values (against three float instructions per value), at the price of x's 8-bit rounding.
-// For 4-bit weights each 8 values of x are stored as [x0 x2 x4 x6][x1 x3 x5 x7], matching the
-// low and high nibbles of a weight word; for 8-bit weights in order.
+// x is quantised to int8 (see kestrel.cuh): a 4-bit weight word then costs two masks and two dp4a
+// for its 8 values (against three float instructions per value), at the price of x's 8-bit
+// rounding.
 
-// One warp per block of 32 values; n is a multiple of 32.
-extern "C" __global__ void quantize_x8_f32(const float* x, int* xq, float* xd, float* xsum, unsigned n,
+// One warp per block of 32 values of `rows` rows of `n` values (n a multiple of 32): writes the
+// int8 values, one scale per 32 and one sum per 16.
+extern "C" __global__ void quantize_x8_f32(const float* x, int* xq, float* xd, float* xs16, unsigned total,
                                            int nibble_order) {
     const unsigned lane = threadIdx.x % 32;
     const unsigned block = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    if (block * 32 >= n) return;
+    if (block * 32 >= total) return;
     const float v = x[block * 32 + lane];
     const float amax = warp_max(fabsf(v));
-    const float sum = warp_sum(v);
+    float half = v;
+    for (int o = 8; o > 0; o >>= 1) half += __shfl_xor_sync(0xffffffffu, half, o);  // sum of lanes 0-15 / 16-31
     const float d = amax / 127.0f;
     const int q = d > 0.0f ? __float2int_rn(v / d) : 0;
-    // Destination byte of value `lane` inside the block's 32 bytes.
-    unsigned pos = lane;
+    unsigned pos = lane;  // destination byte of value `lane` in the block's 32 bytes
     if (nibble_order) {
         const unsigned j = lane % 8;
         pos = (lane / 8) * 8 + (j % 2) * 4 + j / 2;
     }
     reinterpret_cast<signed char*>(xq)[block * 32 + pos] = (signed char)q;
-    if (lane == 0) {
-        xd[block] = d;
-        xsum[block] = sum;
-    }
-}
-
-__device__ __forceinline__ int dp4a_us(unsigned a, int b, int c) {
-    int d;
-    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
+    if (lane == 0) xd[block] = d;
+    if (lane % 16 == 0) xs16[block * 2 + lane / 16] = half;
 }
 
 #define DP_WARPS 4
 #define DP_ROWS 4
 
-// Persistent like `matvec`: the block stages xq, d and sums in shared memory, its warps walk
-// tiles of DP_ROWS rows. One 16-byte weight vector is one 32-value block of x.
+// Persistent like `matvec`: the block stages the int8 x in shared memory, its warps walk tiles of
+// DP_ROWS rows, two of each lane's 16-byte vectors per row in flight.
 template <int BITS>
-__device__ void matvec_dp4a(const int* xq, const float* xd, const float* xsum, const unsigned* w,
+__device__ void matvec_dp4a(const int* xq, const float* xd, const float* xs16, const unsigned* w,
                             const bf16* scales, const bf16* biases, float* out, unsigned in_dim, unsigned out_dim,
                             unsigned group) {
-    extern __shared__ int sq[];  // in_dim / 4 ints, then in_dim / 32 floats d, then sums
+    extern __shared__ int sq[];  // in_dim / 4 ints, in_dim / 32 scales, in_dim / 16 sums
     float* sd = reinterpret_cast<float*>(sq + in_dim / 4);
     float* ss = sd + in_dim / 32;
     for (unsigned i = threadIdx.x; i < in_dim / 4; i += blockDim.x) sq[i] = xq[i];
-    for (unsigned i = threadIdx.x; i < in_dim / 32; i += blockDim.x) {
-        sd[i] = xd[i];
-        ss[i] = xsum[i];
-    }
+    for (unsigned i = threadIdx.x; i < in_dim / 32; i += blockDim.x) sd[i] = xd[i];
+    for (unsigned i = threadIdx.x; i < in_dim / 16; i += blockDim.x) ss[i] = xs16[i];
     __syncthreads();
-    constexpr unsigned VALS = 128 / BITS;       // values per 16-byte weight vector
-    constexpr unsigned XBLOCKS = VALS / 32;     // x blocks per vector: 1 (4-bit) or 0.5 (8-bit)
+    const QuantX x{sq, sd, ss};
+    constexpr unsigned VALS = 128 / BITS;
     const unsigned lane = threadIdx.x % 32;
     const unsigned nvec = in_dim / VALS, groups = in_dim / group;
     const uint4* W = reinterpret_cast<const uint4*>(w);
@@ -225,44 +214,13 @@ __device__ void matvec_dp4a(const int* xq, const float* xd, const float* xsum, c
             for (unsigned i = 0; i < 2; i++) {
                 const unsigned u = u0 + 32 * i;
                 if (u >= nvec) break;
-                // x of this vector: 32 (4-bit) or 16 (8-bit) int8 values.
-                const int4 xa = reinterpret_cast<const int4*>(sq)[u * VALS / 16];
-                const int4 xb = BITS == 4 ? reinterpret_cast<const int4*>(sq)[u * VALS / 16 + 1] : xa;
-                const unsigned xblock = BITS == 4 ? u : u / 2;
-                const float d = sd[xblock];
-                // The sum of x over this vector's values (half a block for 8-bit: computed from xq).
                 const unsigned g = (u * VALS) / group;
 #pragma unroll
                 for (int r = 0; r < DP_ROWS; r++) {
                     if (row0 + r >= out_dim) continue;
-                    const unsigned words[4] = {v[i][r].x, v[i][r].y, v[i][r].z, v[i][r].w};
-                    int isum = 0;
-                    if constexpr (BITS == 4) {
-                        const int xs[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-#pragma unroll
-                        for (int q = 0; q < 4; q++) {
-                            isum = dp4a_us(words[q] & 0x0F0F0F0Fu, xs[2 * q], isum);
-                            isum = dp4a_us((words[q] >> 4) & 0x0F0F0F0Fu, xs[2 * q + 1], isum);
-                        }
-                    } else {
-                        const int xs[4] = {xa.x, xa.y, xa.z, xa.w};
-#pragma unroll
-                        for (int q = 0; q < 4; q++) isum = dp4a_us(words[q], xs[q], isum);
-                    }
                     const size_t gi = (size_t)(row0 + r) * groups + g;
-                    const float sx = BITS == 4 ? ss[xblock] : 0.0f;
-                    acc[r] += to_f32(scales[gi]) * d * (float)isum + (BITS == 4 ? to_f32(biases[gi]) * sx : 0.0f);
+                    acc[r] += dot_int8<BITS>(v[i][r], x, u, to_f32(scales[gi]), to_f32(biases[gi]));
                 }
-            }
-        }
-        // 8-bit: biases apply to whole groups; add bias * sum(x over the group) once per group.
-        if constexpr (BITS == 8) {
-            for (unsigned g = lane; g < groups; g += 32) {
-                float sx = 0.0f;
-                for (unsigned b = 0; b < group / 32; b++) sx += ss[g * (group / 32) + b];
-#pragma unroll
-                for (int r = 0; r < DP_ROWS; r++)
-                    if (row0 + r < out_dim) acc[r] += to_f32(biases[(size_t)(row0 + r) * groups + g]) * sx;
             }
         }
 #pragma unroll
@@ -270,18 +228,17 @@ __device__ void matvec_dp4a(const int* xq, const float* xd, const float* xsum, c
             const float s = warp_sum(acc[r]);
             if (lane == 0 && row0 + r < out_dim) out[row0 + r] = s;
         }
-        (void)XBLOCKS;
     }
 }
 
 extern "C" __global__ void __launch_bounds__(32 * DP_WARPS, 8)
-    matvec_q4_dp4a(const int* xq, const float* xd, const float* xsum, const unsigned* w, const bf16* scales,
+    matvec_q4_dp4a(const int* xq, const float* xd, const float* xs16, const unsigned* w, const bf16* scales,
                    const bf16* biases, float* out, unsigned in_dim, unsigned out_dim, unsigned group) {
-    matvec_dp4a<4>(xq, xd, xsum, w, scales, biases, out, in_dim, out_dim, group);
+    matvec_dp4a<4>(xq, xd, xs16, w, scales, biases, out, in_dim, out_dim, group);
 }
 
 extern "C" __global__ void __launch_bounds__(32 * DP_WARPS, 8)
-    matvec_q8_dp4a(const int* xq, const float* xd, const float* xsum, const unsigned* w, const bf16* scales,
+    matvec_q8_dp4a(const int* xq, const float* xd, const float* xs16, const unsigned* w, const bf16* scales,
                    const bf16* biases, float* out, unsigned in_dim, unsigned out_dim, unsigned group) {
-    matvec_dp4a<8>(xq, xd, xsum, w, scales, biases, out, in_dim, out_dim, group);
+    matvec_dp4a<8>(xq, xd, xs16, w, scales, biases, out, in_dim, out_dim, group);
 }

@@ -244,6 +244,144 @@ __device__ void down_combine(const float* act, const unsigned* ids, const float*
     if (lane == 0 && row_ok) out[t * hidden + row] = total;
 }
 
+// ---- quantised experts on int8 activations (see kestrel.cuh) ----
+
+// The same as gate_up, for 4- and 8-bit experts, with x_t already quantised (xq, xd, xs16 for
+// every token). Dynamic shared memory: hidden bytes + (hidden / 32 + hidden / 16) floats.
+template <int BITS>
+__device__ void gate_up_int8(const int* xq, const float* xd, const float* xs16, const unsigned* ids,
+                             const unsigned char* experts, float* act, unsigned hidden, unsigned inter, unsigned k,
+                             unsigned long long span, unsigned long long gw, unsigned long long gs,
+                             unsigned long long gb, unsigned long long uw, unsigned long long us,
+                             unsigned long long ub, unsigned group) {
+    extern __shared__ int sq[];
+    float* sd = reinterpret_cast<float*>(sq + hidden / 4);
+    float* ss = sd + hidden / 32;
+    const size_t tk = blockIdx.y, t = tk / k;
+    const unsigned lane = threadIdx.x % 32;
+    const unsigned row0 = (blockIdx.x * GU_WARPS + threadIdx.x / 32) * GU_ROWS;
+    const unsigned char* sp = experts + (size_t)ids[tk] * span;
+    const unsigned groups = hidden / group, nvec = hidden / VecFormat<BITS>::VALS;
+    Mat mats[2 * GU_ROWS];
+    bool active[2 * GU_ROWS];
+#pragma unroll
+    for (int r = 0; r < GU_ROWS; r++) {
+        const Mat g = mat(sp, gw, gs, gb), u = mat(sp, uw, us, ub);
+        const size_t row = row0 + r;
+        mats[r] = Mat{g.w + row * nvec, g.scales + row * groups, g.biases + row * groups};
+        mats[GU_ROWS + r] = Mat{u.w + row * nvec, u.scales + row * groups, u.biases + row * groups};
+        active[r] = active[GU_ROWS + r] = row0 + r < inter;
+    }
+    uint4 v[UNROLL][2 * GU_ROWS];
+    issue<2 * GU_ROWS, UNROLL>(mats, 0, lane, nvec, active, v);
+    for (unsigned i = threadIdx.x; i < hidden / 4; i += blockDim.x) sq[i] = xq[t * (hidden / 4) + i];
+    for (unsigned i = threadIdx.x; i < hidden / 32; i += blockDim.x) sd[i] = xd[t * (hidden / 32) + i];
+    for (unsigned i = threadIdx.x; i < hidden / 16; i += blockDim.x) ss[i] = xs16[t * (hidden / 16) + i];
+    __syncthreads();
+    const QuantX x{sq, sd, ss};
+    float acc[2 * GU_ROWS];
+#pragma unroll
+    for (int m = 0; m < 2 * GU_ROWS; m++) acc[m] = 0.0f;
+    for (unsigned u0 = lane;;) {
+#pragma unroll
+        for (unsigned i = 0; i < UNROLL; i++) {
+            const unsigned u = u0 + 32 * i;
+            if (u >= nvec) break;
+            const unsigned g = (u * VecFormat<BITS>::VALS) / group;
+#pragma unroll
+            for (int m = 0; m < 2 * GU_ROWS; m++)
+                if (active[m]) acc[m] += dot_int8<BITS>(v[i][m], x, u, to_f32(mats[m].scales[g]), to_f32(mats[m].biases[g]));
+        }
+        u0 += 32 * UNROLL;
+        if (u0 >= nvec) break;
+        issue<2 * GU_ROWS, UNROLL>(mats, 0, u0, nvec, active, v);
+    }
+#pragma unroll
+    for (int r = 0; r < GU_ROWS; r++) {
+        const float gv = warp_sum(acc[r]), uv = warp_sum(acc[GU_ROWS + r]);
+        if (lane == 0 && row0 + r < inter) act[tk * inter + row0 + r] = silu(gv) * uv;
+    }
+}
+
+// The same as down_combine with the activations already quantised (aq, ad, as16 for every
+// (token, slot)). Dynamic shared memory: k * (inter bytes + (inter / 32 + inter / 16) floats).
+template <int BITS>
+__device__ void down_int8(const int* aq, const float* ad, const float* as16, const unsigned* ids,
+                          const float* weights, const unsigned char* experts, float* out, unsigned hidden,
+                          unsigned inter, unsigned k, unsigned long long span, unsigned long long dw,
+                          unsigned long long ds, unsigned long long db, unsigned group) {
+    extern __shared__ int sq[];
+    const unsigned qn = inter / 4, dn = inter / 32, sn = inter / 16;
+    float* sd = reinterpret_cast<float*>(sq + k * qn);
+    float* ss = sd + k * dn;
+    const size_t t = blockIdx.y;
+    const unsigned lane = threadIdx.x % 32;
+    const unsigned row = blockIdx.x * DOWN_WARPS + threadIdx.x / 32;
+    const bool row_ok = row < hidden;
+    const unsigned nvec = inter / VecFormat<BITS>::VALS, groups = inter / group;
+    float total = 0.0f;
+    for (unsigned j0 = 0; j0 < k; j0 += DOWN_CHUNK) {
+        Mat mats[DOWN_CHUNK];
+        bool active[DOWN_CHUNK];
+        float acc[DOWN_CHUNK];
+#pragma unroll
+        for (unsigned c = 0; c < DOWN_CHUNK; c++) {
+            active[c] = row_ok && j0 + c < k;
+            const unsigned e = j0 + c < k ? ids[t * k + j0 + c] : 0;
+            const Mat m = mat(experts + (size_t)e * span, dw, ds, db);
+            mats[c] = Mat{m.w, m.scales + (size_t)row * groups, m.biases + (size_t)row * groups};
+            acc[c] = 0.0f;
+        }
+        uint4 v[1][DOWN_CHUNK];
+        issue<DOWN_CHUNK, 1>(mats, row, lane, nvec, active, v);
+        if (j0 == 0) {
+            // Stage every slot's activations while the first weight loads are in flight.
+            for (unsigned i = threadIdx.x; i < k * qn; i += blockDim.x) sq[i] = aq[t * k * qn + i];
+            for (unsigned i = threadIdx.x; i < k * dn; i += blockDim.x) sd[i] = ad[t * k * dn + i];
+            for (unsigned i = threadIdx.x; i < k * sn; i += blockDim.x) ss[i] = as16[t * k * sn + i];
+            __syncthreads();
+        }
+        for (unsigned u = lane;;) {
+            if (u < nvec) {
+                const unsigned g = (u * VecFormat<BITS>::VALS) / group;
+#pragma unroll
+                for (unsigned c = 0; c < DOWN_CHUNK; c++) {
+                    if (!active[c]) continue;
+                    const QuantX x{sq + (j0 + c) * qn, sd + (j0 + c) * dn, ss + (j0 + c) * sn};
+                    acc[c] += dot_int8<BITS>(v[0][c], x, u, to_f32(mats[c].scales[g]), to_f32(mats[c].biases[g]));
+                }
+            }
+            u += 32;
+            if (u >= nvec) break;
+            issue<DOWN_CHUNK, 1>(mats, row, u, nvec, active, v);
+        }
+#pragma unroll
+        for (unsigned c = 0; c < DOWN_CHUNK; c++)
+            if (j0 + c < k) total += weights[t * k + j0 + c] * warp_sum(acc[c]);
+    }
+    if (lane == 0 && row_ok) out[t * hidden + row] = total;
+}
+
+#define EXPERTS_INT8(BITS, NAME)                                                                            \
+    extern "C" __global__ void __launch_bounds__(128, 8) moe_gate_up_##NAME(                                \
+        const int* xq, const float* xd, const float* xs16, const unsigned* ids, const unsigned char* experts, \
+        float* act, unsigned hidden, unsigned inter, unsigned k, unsigned long long span,                  \
+        unsigned long long gw, unsigned long long gs, unsigned long long gb, unsigned long long uw,        \
+        unsigned long long us, unsigned long long ub, unsigned group) {                                    \
+        gate_up_int8<BITS>(xq, xd, xs16, ids, experts, act, hidden, inter, k, span, gw, gs, gb, uw, us, ub, \
+                           group);                                                                          \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(128, 8) moe_down_##NAME(                                   \
+        const int* aq, const float* ad, const float* as16, const unsigned* ids, const float* weights,       \
+        const unsigned char* experts, float* out, unsigned hidden, unsigned inter, unsigned k,              \
+        unsigned long long span, unsigned long long dw, unsigned long long ds, unsigned long long db,       \
+        unsigned group) {                                                                                   \
+        down_int8<BITS>(aq, ad, as16, ids, weights, experts, out, hidden, inter, k, span, dw, ds, db, group); \
+    }
+
+EXPERTS_INT8(4, q4)
+EXPERTS_INT8(8, q8)
+
 #define EXPERTS(BITS, NAME)                                                                                 \
     extern "C" __global__ void __launch_bounds__(128, 8) moe_gate_up_##NAME(const float* x, const unsigned* ids,                      \
                                                   const unsigned char* experts, float* act, unsigned hidden, \
@@ -263,5 +401,3 @@ __device__ void down_combine(const float* act, const unsigned* ids, const float*
     }
 
 EXPERTS(16, bf16)
-EXPERTS(4, q4)
-EXPERTS(8, q8)

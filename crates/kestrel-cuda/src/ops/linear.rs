@@ -37,7 +37,7 @@ fn encode_matvec(
 ) -> Result<bool> {
     // bf16: x staged padded as floats; quantised: x as int8 with a scale and a sum per block of 32.
     let smem = match w {
-        LinearWeight::Quant { .. } => in_dim + 2 * in_dim.div_ceil(32) * 4,
+        LinearWeight::Quant { .. } => in_dim + (in_dim / 32 + in_dim / 16) * 4,
         LinearWeight::Dense(_) => (in_dim + in_dim.div_ceil(32) * 4) * 4,
     };
     if smem > enc.device.info().max_shared_per_block {
@@ -76,7 +76,7 @@ fn encode_matvec(
             let xq = enc.workspace(DType::I32, in_dim / 4)?;
             let (xd, xsum) = (
                 enc.workspace(DType::F32, blocks)?,
-                enc.workspace(DType::F32, blocks)?,
+                enc.workspace(DType::F32, 2 * blocks)?,
             );
             let quantize = enc.device.kernel("linear", "quantize_x8_f32")?;
             enc.list
@@ -98,7 +98,7 @@ fn encode_matvec(
                 enc.buf(scales.raw())?.clone(),
                 enc.buf(biases.raw())?.clone(),
             );
-            let smem = in_dim + 2 * blocks * 4;
+            let smem = in_dim + 3 * blocks * 4;
             enc.list
                 .dispatch(&k)
                 .grid(grid)

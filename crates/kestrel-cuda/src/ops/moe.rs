@@ -6,6 +6,7 @@ use kestrel_core::DType;
 
 use super::{u32_arg, unsupported};
 use crate::backend::Encoder;
+use crate::buffer::Buffer;
 use crate::error::Result;
 
 /// Rows per block of `moe_gate_up_*` (4 warps x 2 rows) and `moe_down_*` (4 warps x 1 row).
@@ -14,6 +15,34 @@ const DOWN_ROWS: usize = 4;
 /// `router_f32` holds 16 experts per lane of one warp, and slot j's weight in lane j.
 const ROUTER_MAX_EXPERTS: usize = 512;
 const ROUTER_MAX_K: usize = 32;
+
+/// Bytes of shared memory for `n` values staged as int8 with their scales and sums.
+fn int8_smem(n: usize) -> usize {
+    n + (n / 32 + n / 16) * 4
+}
+
+/// Records `quantize_x8_f32` over `n` values of `x` (a multiple of 32): returns the int8 values,
+/// the scale per 32 and the sum per 16 (`kernels/kestrel.cuh`), in 4-bit nibble order or in order.
+fn quantized(enc: &mut Encoder, x: &Buffer, n: usize, nibble_order: i32) -> Result<(Buffer, Buffer, Buffer)> {
+    let (q, d, s) = (
+        enc.workspace(DType::I32, n / 4)?,
+        enc.workspace(DType::F32, n / 32)?,
+        enc.workspace(DType::F32, n / 16)?,
+    );
+    let k = enc.device.kernel("linear", "quantize_x8_f32")?;
+    enc.list
+        .dispatch(&k)
+        .grid(u32_arg((n / 32).div_ceil(8))?)
+        .block(256)
+        .read(x)
+        .write(&q)
+        .write(&d)
+        .write(&s)
+        .arg(u32_arg(n)?)
+        .arg(nibble_order)
+        .record();
+    Ok((q, d, s))
+}
 
 /// Floats of shared memory for `n` staged values (`padded_len` in kestrel.cuh).
 fn padded_len(n: usize) -> usize {
@@ -88,47 +117,101 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             let (g, u, d) = (layout.gate(), layout.up(), layout.down());
             let span = layout.span_bytes() as u64;
             let gate_up = enc.device.kernel("moe", &format!("moe_gate_up_{name}"))?;
-            enc.list
-                .dispatch(&gate_up)
-                .grid((u32_arg(i.div_ceil(GU_ROWS))?, u32_arg(tokens * k)?))
-                .block(128)
-                .shared_mem(u32_arg(padded_len(h) * 4)?)
-                .read(&x)
-                .read(&ids)
-                .read(&e)
-                .write(&act)
-                .arg(u32_arg(h)?)
-                .arg(u32_arg(i)?)
-                .arg(u32_arg(k)?)
-                .arg(span)
-                .arg(g.weight as u64)
-                .arg(g.scales as u64)
-                .arg(g.biases as u64)
-                .arg(u.weight as u64)
-                .arg(u.scales as u64)
-                .arg(u.biases as u64)
-                .arg(u32_arg(group)?)
-                .record();
             let down = enc.device.kernel("moe", &format!("moe_down_{name}"))?;
-            enc.list
-                .dispatch(&down)
-                .grid((u32_arg(h.div_ceil(DOWN_ROWS))?, u32_arg(tokens)?))
-                .block(128)
-                .shared_mem(u32_arg(k * padded_len(i) * 4)?)
-                .read(&act)
-                .read(&ids)
-                .read(&w)
-                .read(&e)
-                .write(&o)
-                .arg(u32_arg(h)?)
-                .arg(u32_arg(i)?)
-                .arg(u32_arg(k)?)
-                .arg(span)
-                .arg(d.weight as u64)
-                .arg(d.scales as u64)
-                .arg(d.biases as u64)
-                .arg(u32_arg(group)?)
-                .record();
+            let gu_grid = (u32_arg(i.div_ceil(GU_ROWS))?, u32_arg(tokens * k)?);
+            let down_grid = (u32_arg(h.div_ceil(DOWN_ROWS))?, u32_arg(tokens)?);
+            if group == 0 {
+                // bf16 experts: x and the activations staged as floats.
+                enc.list
+                    .dispatch(&gate_up)
+                    .grid(gu_grid)
+                    .block(128)
+                    .shared_mem(u32_arg(padded_len(h) * 4)?)
+                    .read(&x)
+                    .read(&ids)
+                    .read(&e)
+                    .write(&act)
+                    .arg(u32_arg(h)?)
+                    .arg(u32_arg(i)?)
+                    .arg(u32_arg(k)?)
+                    .arg(span)
+                    .arg(g.weight as u64)
+                    .arg(g.scales as u64)
+                    .arg(g.biases as u64)
+                    .arg(u.weight as u64)
+                    .arg(u.scales as u64)
+                    .arg(u.biases as u64)
+                    .arg(u32_arg(group)?)
+                    .record();
+                enc.list
+                    .dispatch(&down)
+                    .grid(down_grid)
+                    .block(128)
+                    .shared_mem(u32_arg(k * padded_len(i) * 4)?)
+                    .read(&act)
+                    .read(&ids)
+                    .read(&w)
+                    .read(&e)
+                    .write(&o)
+                    .arg(u32_arg(h)?)
+                    .arg(u32_arg(i)?)
+                    .arg(u32_arg(k)?)
+                    .arg(span)
+                    .arg(d.weight as u64)
+                    .arg(d.scales as u64)
+                    .arg(d.biases as u64)
+                    .arg(u32_arg(group)?)
+                    .record();
+            } else {
+                // Quantised experts: x and the activations rounded to int8 per block of 32 first.
+                let nibbles = (name == "q4") as i32;
+                let xq = quantized(enc, &x, tokens * h, nibbles)?;
+                enc.list
+                    .dispatch(&gate_up)
+                    .grid(gu_grid)
+                    .block(128)
+                    .shared_mem(u32_arg(int8_smem(h))?)
+                    .read(&xq.0)
+                    .read(&xq.1)
+                    .read(&xq.2)
+                    .read(&ids)
+                    .read(&e)
+                    .write(&act)
+                    .arg(u32_arg(h)?)
+                    .arg(u32_arg(i)?)
+                    .arg(u32_arg(k)?)
+                    .arg(span)
+                    .arg(g.weight as u64)
+                    .arg(g.scales as u64)
+                    .arg(g.biases as u64)
+                    .arg(u.weight as u64)
+                    .arg(u.scales as u64)
+                    .arg(u.biases as u64)
+                    .arg(u32_arg(group)?)
+                    .record();
+                let aq = quantized(enc, &act, tokens * k * i, nibbles)?;
+                enc.list
+                    .dispatch(&down)
+                    .grid(down_grid)
+                    .block(128)
+                    .shared_mem(u32_arg(k * int8_smem(i))?)
+                    .read(&aq.0)
+                    .read(&aq.1)
+                    .read(&aq.2)
+                    .read(&ids)
+                    .read(&w)
+                    .read(&e)
+                    .write(&o)
+                    .arg(u32_arg(h)?)
+                    .arg(u32_arg(i)?)
+                    .arg(u32_arg(k)?)
+                    .arg(span)
+                    .arg(d.weight as u64)
+                    .arg(d.scales as u64)
+                    .arg(d.biases as u64)
+                    .arg(u32_arg(group)?)
+                    .record();
+            }
         }
         _ => unreachable!("dispatched by ops::encode"),
     }
