@@ -71,6 +71,20 @@ pub fn rel_err(got: &[f32], want: &[f64]) -> f64 {
     worst / scale
 }
 
+/// ‖got - want‖₂ / ‖want‖₂: the bound for paths that round their inputs (int8 activations),
+/// where a single element may move by a rounding step but the whole stays close.
+pub fn rel_l2(got: &[f32], want: &[f64]) -> f64 {
+    let (mut num, mut den) = (0f64, 0f64);
+    for (g, w) in got.iter().zip(want) {
+        if g.is_nan() {
+            return f64::INFINITY;
+        }
+        num += (*g as f64 - w).powi(2);
+        den += w * w;
+    }
+    (num / den.max(1e-300)).sqrt()
+}
+
 pub fn f32s(bytes: &[u8]) -> Vec<f32> {
     bytemuck::pod_collect_to_vec(bytes)
 }

@@ -212,30 +212,44 @@ struct QuantX {
     const float* s16;
 };
 
-// Weight vector u (16 bytes of BITS-bit values) times x, with the vector's group scale and bias.
+// The x side of weight vector u: its int8 values (8 ints for 4-bit, 4 for 8-bit), scale and sum;
+// loaded once and used for every row.
 template <int BITS>
-__device__ __forceinline__ float dot_int8(uint4 v, QuantX x, unsigned u, float scale, float bias) {
-    int isum = 0;
+struct XSeg {
+    int q[BITS == 4 ? 8 : 4];
     float d, sx;
+};
+
+template <int BITS>
+__device__ __forceinline__ XSeg<BITS> x_segment(QuantX x, unsigned u) {
+    XSeg<BITS> s;
     if constexpr (BITS == 4) {
-        const int4 xa = reinterpret_cast<const int4*>(x.q)[2 * u], xb = reinterpret_cast<const int4*>(x.q)[2 * u + 1];
-        const int xs[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-        const unsigned words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            isum = dp4a_us(words[q] & 0x0F0F0F0Fu, xs[2 * q], isum);
-            isum = dp4a_us((words[q] >> 4) & 0x0F0F0F0Fu, xs[2 * q + 1], isum);
-        }
-        d = x.d[u];
-        sx = x.s16[2 * u] + x.s16[2 * u + 1];
+        const int4 a = reinterpret_cast<const int4*>(x.q)[2 * u], b = reinterpret_cast<const int4*>(x.q)[2 * u + 1];
+        s.q[0] = a.x; s.q[1] = a.y; s.q[2] = a.z; s.q[3] = a.w; s.q[4] = b.x; s.q[5] = b.y; s.q[6] = b.z; s.q[7] = b.w;
+        s.d = x.d[u];
+        s.sx = x.s16[2 * u] + x.s16[2 * u + 1];
     } else {
-        const int4 xa = reinterpret_cast<const int4*>(x.q)[u];
-        isum = dp4a_us(v.x, xa.x, isum);
-        isum = dp4a_us(v.y, xa.y, isum);
-        isum = dp4a_us(v.z, xa.z, isum);
-        isum = dp4a_us(v.w, xa.w, isum);
-        d = x.d[u / 2];
-        sx = x.s16[u];
+        const int4 a = reinterpret_cast<const int4*>(x.q)[u];
+        s.q[0] = a.x; s.q[1] = a.y; s.q[2] = a.z; s.q[3] = a.w;
+        s.d = x.d[u / 2];
+        s.sx = x.s16[u];
     }
-    return scale * d * (float)isum + bias * sx;
+    return s;
+}
+
+// Weight vector v (16 bytes of BITS-bit values) times its x segment, with the group scale and bias.
+template <int BITS>
+__device__ __forceinline__ float dot_int8(uint4 v, const XSeg<BITS>& x, float scale, float bias) {
+    int isum = 0;
+    const unsigned words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        if constexpr (BITS == 4) {
+            isum = dp4a_us(words[q] & 0x0F0F0F0Fu, x.q[2 * q], isum);
+            isum = dp4a_us((words[q] >> 4) & 0x0F0F0F0Fu, x.q[2 * q + 1], isum);
+        } else {
+            isum = dp4a_us(words[q], x.q[q], isum);
+        }
+    }
+    return scale * x.d * (float)isum + bias * x.sx;
 }

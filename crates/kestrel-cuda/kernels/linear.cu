@@ -215,11 +215,12 @@ __device__ void matvec_dp4a(const int* xq, const float* xd, const float* xs16, c
                 const unsigned u = u0 + 32 * i;
                 if (u >= nvec) break;
                 const unsigned g = (u * VALS) / group;
+                const XSeg<BITS> xs = x_segment<BITS>(x, u);
 #pragma unroll
                 for (int r = 0; r < DP_ROWS; r++) {
                     if (row0 + r >= out_dim) continue;
                     const size_t gi = (size_t)(row0 + r) * groups + g;
-                    acc[r] += dot_int8<BITS>(v[i][r], x, u, to_f32(scales[gi]), to_f32(biases[gi]));
+                    acc[r] += dot_int8<BITS>(v[i][r], xs, to_f32(scales[gi]), to_f32(biases[gi]));
                 }
             }
         }

@@ -288,9 +288,10 @@ __device__ void gate_up_int8(const int* xq, const float* xd, const float* xs16, 
             const unsigned u = u0 + 32 * i;
             if (u >= nvec) break;
             const unsigned g = (u * VecFormat<BITS>::VALS) / group;
+            const XSeg<BITS> xs = x_segment<BITS>(x, u);
 #pragma unroll
             for (int m = 0; m < 2 * GU_ROWS; m++)
-                if (active[m]) acc[m] += dot_int8<BITS>(v[i][m], x, u, to_f32(mats[m].scales[g]), to_f32(mats[m].biases[g]));
+                if (active[m]) acc[m] += dot_int8<BITS>(v[i][m], xs, to_f32(mats[m].scales[g]), to_f32(mats[m].biases[g]));
         }
         u0 += 32 * UNROLL;
         if (u0 >= nvec) break;
@@ -348,7 +349,8 @@ __device__ void down_int8(const int* aq, const float* ad, const float* as16, con
                 for (unsigned c = 0; c < DOWN_CHUNK; c++) {
                     if (!active[c]) continue;
                     const QuantX x{sq + (j0 + c) * qn, sd + (j0 + c) * dn, ss + (j0 + c) * sn};
-                    acc[c] += dot_int8<BITS>(v[0][c], x, u, to_f32(mats[c].scales[g]), to_f32(mats[c].biases[g]));
+                    acc[c] += dot_int8<BITS>(v[0][c], x_segment<BITS>(x, u), to_f32(mats[c].scales[g]),
+                                             to_f32(mats[c].biases[g]));
                 }
             }
             u += 32;
