@@ -192,8 +192,8 @@ __device__ __forceinline__ void rows_dot(const void* w, const bf16* scales, cons
 }
 
 // ---- int8 activations for quantised products ----
-// x is quantised per block of 32 values (d = max|x| / 127, xq = round(x / d)), with the exact sum
-// of every 16 values kept for the group biases. For 4-bit weights each 8 values are stored as
+// x is quantised per block of 32 values (d = max|x| / 127, xq = round(x / d)), with the sum of
+// every 16 rounded values (d * sum xq) kept for the group biases. For 4-bit weights each 8 values are stored as
 // [x0 x2 x4 x6][x1 x3 x5 x7], matching the low and high nibbles of a weight word; for 8-bit
 // weights in order. A 16-byte weight vector covers one block (4-bit, 32 values) or half a block
 // (8-bit, 16 values).

@@ -153,8 +153,8 @@ extern "C" __global__ void __launch_bounds__(32 * VEC_WARPS, 8) matvec_bf16(cons
 // for its 8 values (against three float instructions per value), at the price of x's 8-bit
 // rounding.
 
-// One warp per block of 32 values of `rows` rows of `n` values (n a multiple of 32): writes the
-// int8 values, one scale per 32 and one sum per 16.
+// One warp per block of 32 values (total a multiple of 32): writes the int8 values, one scale per
+// 32 and the sum of the rounded values per 16.
 extern "C" __global__ void quantize_x8_f32(const float* x, int* xq, float* xd, float* xs16, unsigned total,
                                            int nibble_order) {
     const unsigned lane = threadIdx.x % 32;
@@ -162,10 +162,12 @@ extern "C" __global__ void quantize_x8_f32(const float* x, int* xq, float* xd, f
     if (block * 32 >= total) return;
     const float v = x[block * 32 + lane];
     const float amax = warp_max(fabsf(v));
-    float half = v;
-    for (int o = 8; o > 0; o >>= 1) half += __shfl_xor_sync(0xffffffffu, half, o);  // sum of lanes 0-15 / 16-31
     const float d = amax / 127.0f;
     const int q = d > 0.0f ? __float2int_rn(v / d) : 0;
+    // The sum of the rounded values (not of x): with it the bias term rounds like the weight term,
+    // and the large offset of unsigned quantised weights cancels as it does in (q s + b) . x.
+    int half = q;
+    for (int o = 8; o > 0; o >>= 1) half += __shfl_xor_sync(0xffffffffu, half, o);  // lanes 0-15 / 16-31
     unsigned pos = lane;  // destination byte of value `lane` in the block's 32 bytes
     if (nibble_order) {
         const unsigned j = lane % 8;
@@ -173,7 +175,7 @@ extern "C" __global__ void quantize_x8_f32(const float* x, int* xq, float* xd, f
     }
     reinterpret_cast<signed char*>(xq)[block * 32 + pos] = (signed char)q;
     if (lane == 0) xd[block] = d;
-    if (lane % 16 == 0) xs16[block * 2 + lane / 16] = half;
+    if (lane % 16 == 0) xs16[block * 2 + lane / 16] = d * (float)half;
 }
 
 #define DP_WARPS 4
