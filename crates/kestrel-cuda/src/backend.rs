@@ -65,6 +65,9 @@ pub struct Encoder<'a> {
     pub graph: &'a Graph,
     views: &'a [Option<Buffer>],
     pub list: &'a mut CommandList,
+    /// The node being encoded feeds a discrete choice (router logits): no approximate fast paths,
+    /// so a near tie is decided as the CPU decides it.
+    pub precise: bool,
 }
 
 impl Encoder<'_> {
@@ -83,6 +86,19 @@ impl Encoder<'_> {
     pub fn workspace(&mut self, dtype: DType, shape: impl Into<Shape>) -> Result<Buffer> {
         self.device.alloc(dtype, shape)
     }
+}
+
+/// Nodes whose output a router reads: their logits pick experts, so they are computed exactly.
+fn decision_inputs(graph: &Graph) -> Vec<bool> {
+    let mut precise = vec![false; graph.nodes.len()];
+    for (i, node) in graph.nodes.iter().enumerate() {
+        if let kestrel_core::ir::Op::Router { logits, .. } = node.op {
+            if let Some(j) = (0..i).rev().find(|&j| graph.nodes[j].op.io().1.contains(&logits)) {
+                precise[j] = true;
+            }
+        }
+    }
+    precise
 }
 
 fn signature(d: &kestrel_core::ir::BufDecl) -> String {
@@ -174,8 +190,11 @@ impl Backend for CudaBackend {
             graph,
             views: &views,
             list: &mut list,
+            precise: false,
         };
-        for node in &graph.nodes {
+        let precise = decision_inputs(graph);
+        for (i, node) in graph.nodes.iter().enumerate() {
+            enc.precise = precise[i];
             let before = enc.list.len();
             ops::encode(&node.op, &mut enc).map_err(|e| match e {
                 CudaError::Op { reason, .. } => CudaError::Op {

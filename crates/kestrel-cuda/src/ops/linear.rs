@@ -131,7 +131,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             in_dim,
             out_dim,
         } => {
-            if *tokens == 1 && encode_matvec(enc, *x, w, *out, *in_dim, *out_dim)? {
+            if *tokens == 1 && !enc.precise && encode_matvec(enc, *x, w, *out, *in_dim, *out_dim)? {
                 return Ok(());
             }
             let grid = (
