@@ -12,6 +12,8 @@ use crate::testing::{random_experts, Case, CaseBuilder};
 
 /// Label of a layer case's output buffer.
 pub const OUTPUT: &str = "layer_out";
+/// Label of the selected experts of a MoE layer case.
+pub const ROUTED: &str = "topk.ids";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LayerKind {
@@ -229,6 +231,9 @@ impl Layer<'_> {
         self.c.set(eb, blob);
         let logits = self.c.g.linear("router", h, &router_w);
         let (ids, w) = self.c.g.router("topk", logits, top_k, true);
+        // Compared across backends, so a test can tell a routing flip (a near tie decided the
+        // other way after rounding upstream) from an error.
+        self.c.check_backends(ids);
         let mut out = self.c.g.moe_experts("experts", h, ids, w, eb, layout);
         if shared {
             let (gw, uw) = (
