@@ -5,7 +5,7 @@
 use kestrel_core::quant::QuantFormat;
 use kestrel_core::rng::Rng;
 use kestrel_core::Backend;
-use kestrel_cpu::layers::{layer_sequence, Dims, LayerKind};
+use kestrel_cpu::layers::{layer_sequence, Dims, LayerKind, OUTPUT, ROUTED};
 use kestrel_cpu::testing::{as_f64, rel_err, rel_l2, run_case, Case};
 use kestrel_cpu::CpuBackend;
 use kestrel_cuda::testing::device_or_skip;
@@ -45,10 +45,26 @@ fn layers_match_the_cpu_backend() {
             let steps = layer_sequence(kind, dims, rng.next_u64(), &x, 5);
             let cpu = run_steps(&mut CpuBackend::new(), &steps);
             let mut worst = 0f64;
+            let mut flips = 0;
             for mode in [RunMode::Eager, RunMode::Graph] {
                 let gpu = run_steps(&mut CudaBackend::new(dev.clone(), mode), &steps);
                 for (step, (c, g)) in steps.iter().zip(cpu.iter().zip(&gpu)) {
+                    // A near tie in the router can go the other way once activations are
+                    // rounded upstream (int8): then the step's output legitimately differs.
+                    let routed = step.checks.iter().position(|c| c.label == ROUTED);
+                    let flipped = routed.is_some_and(|r| c[r] != g[r]);
+                    if flipped {
+                        assert!(
+                            step.int8_activations,
+                            "seed {seed} {mode:?} {}: routing differs",
+                            step.name
+                        );
+                        flips += 1;
+                    }
                     for (check, (cb, gb)) in step.checks.iter().zip(c.iter().zip(g)) {
+                        if flipped && check.label == OUTPUT {
+                            continue;
+                        }
                         let dtype = step.graph.decl(check.buf).dtype;
                         let (want, got) = (as_f64(cb, dtype), as_f64(gb, dtype));
                         let got: Vec<f32> = got.iter().map(|&v| v as f32).collect();
@@ -70,8 +86,13 @@ fn layers_match_the_cpu_backend() {
                 }
             }
             println!(
-                "{kind:?} {quant:?}: worst error is {:.0}% of its bound",
+                "{kind:?} {quant:?}: worst error is {:.0}% of its bound; {flips} routing flips",
                 100.0 * worst
+            );
+            assert!(
+                flips <= 2,
+                "seed {seed} {kind:?} {quant:?}: {flips} of {} steps routed differently",
+                2 * steps.len()
             );
         }
     }
