@@ -270,7 +270,7 @@ pub fn layer_case(
     let tokens = x.len() / dims.hidden;
     let mut c = CaseBuilder::new(Rng::new(weight_seed));
     c.upload_persistent = upload;
-    c.int8_activations = dims.quant.is_some();
+    c.rounded_activations = dims.quant.is_some();
     let zc = if kind == LayerKind::Qwen3Moe {
         NormKind::Standard
     } else {

@@ -36,9 +36,10 @@ pub struct Case {
     pub graph: Graph,
     pub data: Vec<(Buf, Vec<u8>)>,
     pub checks: Vec<Check>,
-    /// A backend may round activations to int8 (per block of 32) before a quantised matrix
-    /// product here, as the CUDA one-token path does: compare with the looser bound that needs.
-    pub int8_activations: bool,
+    /// A backend may round activations before a matrix product here (to int8 per block of 32
+    /// for quantised one-token products, to bf16 for tensor-core products, as CUDA does):
+    /// compare with the looser bound that needs.
+    pub rounded_activations: bool,
 }
 
 /// Bytes of every checked buffer after running `case` once on `backend`.
@@ -127,8 +128,8 @@ pub struct CaseBuilder {
     /// When false, weights and states are declared but not written: a later graph of a
     /// sequence reuses what an earlier one uploaded under the same labels.
     pub upload_persistent: bool,
-    /// See [`Case::int8_activations`].
-    pub int8_activations: bool,
+    /// See [`Case::rounded_activations`].
+    pub rounded_activations: bool,
 }
 
 /// Values as a weight of `dtype` stores them, widened to f64.
@@ -164,7 +165,7 @@ impl CaseBuilder {
             data: Vec::new(),
             checks: Vec::new(),
             upload_persistent: true,
-            int8_activations: false,
+            rounded_activations: false,
         }
     }
 
@@ -311,7 +312,7 @@ impl CaseBuilder {
             graph,
             data: self.data,
             checks,
-            int8_activations: self.int8_activations,
+            rounded_activations: self.rounded_activations,
         }
     }
 }
@@ -574,7 +575,7 @@ pub fn linear(rng: Rng) -> Case {
     let (w, wf) = c.linear_weight("w", out_dim, in_dim, format, dtype);
     let (x, xf) = c.act("x", tokens, in_dim, 1.0);
     let y = c.g.linear("proj", x, &w);
-    c.int8_activations = format.is_some();
+    c.rounded_activations = format.is_some() || dtype == DType::BF16;
     c.check_floats(y, r::linear(&xf, &wf, in_dim, out_dim));
     c.finish(format!("linear {tokens}x{in_dim}->{out_dim} {format:?} {dtype}"))
 }
@@ -793,7 +794,7 @@ pub fn moe(rng: Rng) -> Case {
     let eb = c.g.weight("experts", DType::U8, [layout.total_bytes()]);
     c.set(eb, blob);
     let out = c.g.moe_experts("experts", x, ids, weights, eb, layout);
-    c.int8_activations = format != ExpertFormat::Bf16;
+    c.rounded_activations = format != ExpertFormat::Bf16;
     let mut exp_ids = Vec::new();
     let mut exp_w = Vec::new();
     let mut expect = vec![0f64; tokens * hidden];

@@ -38,3 +38,9 @@ extern "C" __global__ void copy_f32(const float* src, float* dst, unsigned n) {
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) dst[i] = src[i];
 }
+
+// out[i] = bf16(x[i]), round to nearest even: activations for a bf16 tensor-core product.
+extern "C" __global__ void convert_f32_bf16(const float* x, bf16* out, unsigned n) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = from_f32<bf16>(x[i]);
+}

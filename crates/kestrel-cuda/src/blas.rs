@@ -1,21 +1,30 @@
-//! cuBLAS on the device's compute stream: the dense matrix products that many-token passes use.
+//! cuBLAS: the dense matrix products of many-token passes, on any stream of the device, into
+//! eager command lists or captured into CUDA graphs (a fixed workspace keeps it capture-safe).
+
+use std::sync::Arc;
 
 use cudarc::cublas::{result as cublas, sys as cublas_sys};
+use cudarc::driver::{sys, CudaContext};
 use kestrel_core::DType;
 
 use crate::buffer::Buffer;
+use crate::counters::Counters;
 use crate::device::Device;
 use crate::error::{CudaError, Result};
 
-/// A cuBLAS handle bound to a device's compute stream.
+/// Bytes of the workspace cuBLAS gets; with it, it never allocates while a graph is captured.
+const WORKSPACE_BYTES: usize = 32 << 20;
+
+/// A cuBLAS handle and its workspace.
 pub struct Blas {
     handle: cublas_sys::cublasHandle_t,
-    device: Device,
+    ctx: Arc<CudaContext>,
+    counters: Arc<Counters>,
+    _workspace: Buffer,
 }
 
-// SAFETY: the handle is used only through `&self` methods that bind the context, and cuBLAS
-// handles may be used from any thread as long as calls do not overlap, which the compute
-// stream's ordering and these methods' synchronous host part guarantee for one handle per device.
+// SAFETY: the handle is only used through `&self` methods that bind the context; callers
+// serialise use of one handle (the device keeps it behind a mutex).
 unsafe impl Send for Blas {}
 
 fn blas_err(call: &'static str) -> impl FnOnce(cublas::CublasError) -> CudaError {
@@ -31,23 +40,89 @@ impl Blas {
         if !unsafe { cublas_sys::is_culib_present() } {
             return Err(CudaError::NoCublas);
         }
-        device
-            .context()
-            .bind_to_thread()
+        let ctx = device.context().clone();
+        ctx.bind_to_thread()
             .map_err(CudaError::driver("cuCtxSetCurrent"))?;
+        let workspace = device.alloc(DType::U8, WORKSPACE_BYTES)?;
         let handle = cublas::create_handle().map_err(blas_err("cublasCreate"))?;
         let blas = Blas {
             handle,
-            device: device.clone(),
+            ctx,
+            counters: device.counters_ref().clone(),
+            _workspace: workspace.clone(),
         };
-        // SAFETY: a live handle and a live stream of the same context.
-        unsafe { cublas::set_stream(handle, device.compute().cu() as _) }
-            .map_err(blas_err("cublasSetStream"))?;
+        // SAFETY: a live handle; the workspace stays allocated as long as the handle.
+        unsafe {
+            cublas_sys::cublasSetWorkspace_v2(handle, workspace.device_ptr() as *mut _, WORKSPACE_BYTES)
+                .result()
+        }
+        .map_err(blas_err("cublasSetWorkspace"))?;
         Ok(blas)
     }
 
-    /// `c[m, n] = a[m, k] · b[k, n]`, row-major f32, on the compute stream (asynchronous).
-    pub fn matmul_f32(&self, a: &Buffer, b: &Buffer, c: &Buffer, m: usize, n: usize, k: usize) -> Result<()> {
+    fn on(&self, stream: sys::CUstream) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(CudaError::driver("cuCtxSetCurrent"))?;
+        // SAFETY: a live handle and a live stream of the same context.
+        unsafe { cublas::set_stream(self.handle, stream as _) }.map_err(blas_err("cublasSetStream"))
+    }
+
+    /// `c[m, n] = a[m, k] · b[n, k]ᵀ`, row-major, `a` and `b` bf16, `c` f32, f32 accumulation,
+    /// enqueued on `stream`.
+    ///
+    /// # Safety
+    /// The three pointers address live device memory of at least `m * k`, `n * k` bf16 and
+    /// `m * n` f32 values, which stays allocated until the product has run.
+    pub(crate) unsafe fn gemm_bf16(
+        &self,
+        stream: sys::CUstream,
+        a: u64,
+        b: u64,
+        c: u64,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<()> {
+        self.on(stream)?;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // Row-major c = a · bᵀ is column-major cᵀ = b · aᵀ: b (k x n col-major, transposed
+        // storage [n, k]) with op T, a ([m, k] row-major = k x m col-major) with op N.
+        cublas::gemm_ex(
+            self.handle,
+            cublas_sys::cublasOperation_t::CUBLAS_OP_T,
+            cublas_sys::cublasOperation_t::CUBLAS_OP_N,
+            n as i32,
+            m as i32,
+            k as i32,
+            &alpha as *const f32 as *const _,
+            b as *const _,
+            cublas_sys::cudaDataType::CUDA_R_16BF,
+            k as i32,
+            a as *const _,
+            cublas_sys::cudaDataType::CUDA_R_16BF,
+            k as i32,
+            &beta as *const f32 as *const _,
+            c as *mut _,
+            cublas_sys::cudaDataType::CUDA_R_32F,
+            n as i32,
+            cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+        .map_err(blas_err("cublasGemmEx"))
+    }
+
+    /// `c[m, n] = a[m, k] · b[k, n]`, row-major f32, on the device's compute stream (asynchronous).
+    pub fn matmul_f32(
+        &self,
+        device: &Device,
+        a: &Buffer,
+        b: &Buffer,
+        c: &Buffer,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<()> {
         for (buf, elems) in [(a, m * k), (b, k * n), (c, m * n)] {
             if buf.dtype() != DType::F32 {
                 return Err(CudaError::DTypeMismatch {
@@ -64,10 +139,7 @@ impl Blas {
                 .into());
             }
         }
-        self.device
-            .context()
-            .bind_to_thread()
-            .map_err(CudaError::driver("cuCtxSetCurrent"))?;
+        self.on(device.compute().cu())?;
         let (alpha, beta) = (1.0f32, 0.0f32);
         let op = cublas_sys::cublasOperation_t::CUBLAS_OP_N;
         // Row-major C = A·B is column-major Cᵀ = Bᵀ·Aᵀ: swap the operands and m with n.
@@ -92,15 +164,14 @@ impl Blas {
             )
         }
         .map_err(blas_err("cublasSgemm"))?;
-        self.device.counters_ref().add_dispatches(1);
+        self.counters.add_dispatches(1);
         Ok(())
     }
 }
 
 impl Drop for Blas {
     fn drop(&mut self) {
-        let ctx = self.device.context();
-        ctx.record_err(ctx.bind_to_thread());
+        self.ctx.record_err(self.ctx.bind_to_thread());
         // SAFETY: the handle was created by `new` and is destroyed once.
         let _ = unsafe { cublas::destroy_handle(self.handle) };
     }

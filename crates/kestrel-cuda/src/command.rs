@@ -70,7 +70,7 @@ impl std::fmt::Debug for Arg {
 
 impl Arg {
     /// The word the kernel parameter is read from (the driver reads the parameter's size).
-    fn word(&self) -> u64 {
+    pub(crate) fn word(&self) -> u64 {
         match self {
             Arg::Buffer { ptr, .. } => *ptr,
             Arg::Scalar { bits } => *bits,
@@ -127,6 +127,62 @@ impl Dispatch {
     }
 }
 
+/// `c[m, n] = a[m, k] · b[n, k]ᵀ` through cuBLAS: `a`, `b` bf16 row-major, `c` f32 (f32
+/// accumulation). The layer of a linear projection over many tokens.
+#[derive(Debug, Clone)]
+pub struct Gemm {
+    pub a: Arg,
+    pub b: Arg,
+    pub c: Arg,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub label: String,
+}
+
+impl Gemm {
+    pub(crate) fn ptrs(&self) -> (u64, u64, u64) {
+        (self.a.word(), self.b.word(), self.c.word())
+    }
+}
+
+/// One recorded command: a kernel launch or a cuBLAS product.
+#[derive(Debug, Clone)]
+pub enum Command {
+    Launch(Dispatch),
+    Gemm(Gemm),
+}
+
+impl Command {
+    pub fn label(&self) -> &str {
+        match self {
+            Command::Launch(d) => &d.label,
+            Command::Gemm(g) => &g.label,
+        }
+    }
+
+    fn label_mut(&mut self) -> &mut String {
+        match self {
+            Command::Launch(d) => &mut d.label,
+            Command::Gemm(g) => &mut g.label,
+        }
+    }
+
+    /// Every buffer range the command reads or writes.
+    pub fn accesses(&self) -> Vec<Access> {
+        match self {
+            Command::Launch(d) => d.accesses(),
+            Command::Gemm(g) => [&g.a, &g.b, &g.c]
+                .iter()
+                .filter_map(|a| match a {
+                    Arg::Buffer { access, .. } => Some(*access),
+                    Arg::Scalar { .. } => None,
+                })
+                .collect(),
+        }
+    }
+}
+
 /// Storage for one launch's kernel parameters: one word per argument, and the array of
 /// pointers to them that the driver reads (and copies) at launch or node creation.
 pub(crate) struct KernelParams {
@@ -146,7 +202,7 @@ impl KernelParams {
 #[derive(Debug, Clone, Default)]
 pub struct CommandList {
     label: String,
-    dispatches: Vec<Dispatch>,
+    commands: Vec<Command>,
 }
 
 impl CommandList {
@@ -154,7 +210,7 @@ impl CommandList {
     pub fn new(label: impl Into<String>) -> Self {
         CommandList {
             label: label.into(),
-            dispatches: Vec::new(),
+            commands: Vec::new(),
         }
     }
 
@@ -162,27 +218,28 @@ impl CommandList {
         &self.label
     }
 
-    pub fn dispatches(&self) -> &[Dispatch] {
-        &self.dispatches
+    pub fn commands(&self) -> &[Command] {
+        &self.commands
     }
 
     pub fn len(&self) -> usize {
-        self.dispatches.len()
+        self.commands.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.dispatches.is_empty()
+        self.commands.is_empty()
     }
 
-    /// Prefixes the labels of dispatches `from..` with `prefix` (the node that recorded them).
+    /// Prefixes the labels of commands `from..` with `prefix` (the node that recorded them).
     pub fn relabel_from(&mut self, from: usize, prefix: &str) {
-        for d in &mut self.dispatches[from..] {
-            d.label = format!("{prefix}/{}", d.label);
+        for c in &mut self.commands[from..] {
+            let l = c.label_mut();
+            *l = format!("{prefix}/{l}");
         }
     }
 
     pub fn clear(&mut self) {
-        self.dispatches.clear();
+        self.commands.clear();
     }
 
     /// Starts a dispatch of `kernel`; arguments are added in the kernel's parameter order and
@@ -199,6 +256,24 @@ impl CommandList {
                 label: kernel.name().to_string(),
             },
         }
+    }
+
+    /// Records `c[m, n] = a[m, k] · b[n, k]ᵀ` (bf16 inputs, f32 output) through cuBLAS.
+    pub fn gemm_bf16(&mut self, a: &Buffer, b: &Buffer, c: &Buffer, m: usize, n: usize, k: usize) {
+        let arg = |buf: &Buffer, mode| Arg::Buffer {
+            access: buf.access(mode),
+            ptr: buf.device_ptr(),
+            keep_alive: buf.keep_alive(),
+        };
+        self.commands.push(Command::Gemm(Gemm {
+            a: arg(a, AccessMode::Read),
+            b: arg(b, AccessMode::Read),
+            c: arg(c, AccessMode::Write),
+            m,
+            n,
+            k,
+            label: "gemm_bf16".into(),
+        }));
     }
 }
 
@@ -274,6 +349,6 @@ impl DispatchBuilder<'_> {
 
     /// Appends the dispatch to the list.
     pub fn record(self) {
-        self.list.dispatches.push(self.dispatch);
+        self.list.commands.push(Command::Launch(self.dispatch));
     }
 }

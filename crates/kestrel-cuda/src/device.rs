@@ -7,8 +7,9 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{result, sys, CudaContext, CudaEvent};
 use kestrel_core::{Config, DType, HostType, Shape};
 
+use crate::blas::Blas;
 use crate::buffer::{Allocation, Buffer, PinnedBuffer};
-use crate::command::CommandList;
+use crate::command::{Command, CommandList};
 use crate::counters::{CounterSnapshot, Counters, Profile};
 use crate::error::{CudaError, Result};
 use crate::graph::Graph;
@@ -62,6 +63,10 @@ struct DeviceInner {
     profiling: AtomicBool,
     /// Event pairs around profiled dispatches, read back by `take_profile`.
     profile_events: Mutex<Vec<(String, String, CudaEvent, CudaEvent)>>,
+    /// The cuBLAS handle, created on first use.
+    blas: Mutex<Option<Blas>>,
+    /// A stream that only ever captures cuBLAS calls into child graphs.
+    capture: Stream,
 }
 
 impl Device {
@@ -106,12 +111,14 @@ impl Device {
             inner: Arc::new(DeviceInner {
                 compute: Stream::new(&ctx, "compute", counters.clone())?,
                 copy: Stream::new(&ctx, "copy", counters.clone())?,
+                capture: Stream::new(&ctx, "capture", counters.clone())?,
                 ctx,
                 info,
                 registry,
                 counters,
                 profiling: AtomicBool::new(config.profile),
                 profile_events: Mutex::new(Vec::new()),
+                blas: Mutex::new(None),
             }),
         })
     }
@@ -141,6 +148,19 @@ impl Device {
 
     pub(crate) fn counters_ref(&self) -> &Arc<Counters> {
         &self.inner.counters
+    }
+
+    /// Runs `f` with the device's cuBLAS handle, creating it on first use.
+    pub(crate) fn with_blas<R>(&self, f: impl FnOnce(&Blas) -> Result<R>) -> Result<R> {
+        let mut guard = self.inner.blas.lock().unwrap_or_else(|p| p.into_inner());
+        if guard.is_none() {
+            *guard = Some(Blas::new(self)?);
+        }
+        f(guard.as_ref().expect("created above"))
+    }
+
+    pub(crate) fn capture_stream(&self) -> &Stream {
+        &self.inner.capture
     }
 
     /// A kernel of a shipped module.
@@ -225,65 +245,74 @@ impl Device {
     pub fn run_on(&self, stream: &Stream, list: &CommandList) -> Result<()> {
         self.bind()?;
         let profiling = self.inner.profiling.load(Ordering::Relaxed);
-        for d in list.dispatches() {
-            let launch_err = |source| CudaError::Launch {
-                submission: list.label().to_string(),
-                dispatch: d.label.clone(),
-                kernel: d.kernel.name().to_string(),
-                source,
-            };
-            d.kernel.ensure_shared_mem(d.shared_mem)?;
+        for command in list.commands() {
             let start = if profiling {
                 Some(stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?)
             } else {
                 None
             };
-            let mut params = d.params();
-            let mut ptrs = params.pointers();
-            // SAFETY: `ptrs` holds one pointer per kernel parameter, in order, each to a word
-            // holding the value (the driver reads the parameter's size from it); buffers named
-            // by the dispatch stay allocated because the list holds them; the driver copies the
-            // parameters before returning.
-            let launched = unsafe {
-                sys::cuLaunchKernel(
-                    d.kernel.cu_function(),
-                    d.grid.0,
-                    d.grid.1,
-                    d.grid.2,
-                    d.block.0,
-                    d.block.1,
-                    d.block.2,
-                    d.shared_mem,
-                    stream.cu(),
-                    ptrs.as_mut_ptr(),
-                    std::ptr::null_mut(),
-                )
-                .result()
+            let kernel_name = match command {
+                Command::Launch(d) => {
+                    self.launch(stream, list.label(), d)?;
+                    format!("{}::{}", d.kernel.module(), d.kernel.name())
+                }
+                Command::Gemm(g) => {
+                    let (a, b, c) = g.ptrs();
+                    // SAFETY: the list holds the three buffers, sized by the encoder for m, n, k.
+                    self.with_blas(|blas| unsafe { blas.gemm_bf16(stream.cu(), a, b, c, g.m, g.n, g.k) })?;
+                    "cublas::gemm_bf16".to_string()
+                }
             };
-            if let Err(e) = launched {
-                // A sticky error comes from earlier work: attribute it to that submission.
-                return Err(if crate::error::is_sticky(&e) {
-                    stream.map_err("cuLaunchKernel")(e)
-                } else {
-                    launch_err(e)
-                });
-            }
             if let Some(start) = start {
                 let end = stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
                 self.inner
                     .profile_events
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
-                    .push((
-                        d.label.clone(),
-                        format!("{}::{}", d.kernel.module(), d.kernel.name()),
-                        start,
-                        end,
-                    ));
+                    .push((command.label().to_string(), kernel_name, start, end));
             }
         }
         self.inner.counters.add_dispatches(list.len() as u64);
         stream.end_submission(list.label())
+    }
+
+    fn launch(&self, stream: &Stream, submission: &str, d: &crate::command::Dispatch) -> Result<()> {
+        d.kernel.ensure_shared_mem(d.shared_mem)?;
+        let mut params = d.params();
+        let mut ptrs = params.pointers();
+        // SAFETY: `ptrs` holds one pointer per kernel parameter, in order, each to a word holding
+        // the value (the driver reads the parameter's size from it); buffers named by the
+        // dispatch stay allocated because the list holds them; the driver copies the parameters
+        // before returning.
+        let launched = unsafe {
+            sys::cuLaunchKernel(
+                d.kernel.cu_function(),
+                d.grid.0,
+                d.grid.1,
+                d.grid.2,
+                d.block.0,
+                d.block.1,
+                d.block.2,
+                d.shared_mem,
+                stream.cu(),
+                ptrs.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+            .result()
+        };
+        launched.map_err(|e| {
+            // A sticky error comes from earlier work: attribute it to that submission.
+            if crate::error::is_sticky(&e) {
+                stream.map_err("cuLaunchKernel")(e)
+            } else {
+                CudaError::Launch {
+                    submission: submission.to_string(),
+                    dispatch: d.label.clone(),
+                    kernel: d.kernel.name().to_string(),
+                    source: e,
+                }
+            }
+        })
     }
 
     /// Captures `list` into a CUDA graph whose edges are inferred from the dispatches' buffer

@@ -1,6 +1,7 @@
 //! Command lists captured as CUDA graphs.
 //!
-//! Capture builds the graph node by node: one kernel node per dispatch, with an edge from every
+//! Capture builds the graph node by node: one kernel node per dispatch (a cuBLAS product becomes
+//! a child graph captured from a stream), with an edge from every
 //! earlier dispatch it conflicts with (read-after-write, write-after-read, write-after-write on
 //! overlapping bytes of one allocation), transitively reduced by [`DepGraph::infer`]. Dispatches
 //! with no path between them are parallel branches and may run concurrently. Replays of a list
@@ -10,7 +11,7 @@
 use cudarc::driver::sys;
 use kestrel_core::DepGraph;
 
-use crate::command::{CommandList, Dispatch};
+use crate::command::{Command, CommandList, Dispatch, Gemm};
 use crate::device::Device;
 use crate::error::{is_sticky, CudaError, Result};
 use crate::stream::Stream;
@@ -33,8 +34,8 @@ pub struct Graph {
     graph: sys::CUgraph,
     exec: sys::CUgraphExec,
     nodes: Vec<sys::CUgraphNode>,
-    /// The dispatches as currently instantiated; they also keep their buffers allocated.
-    dispatches: Vec<Dispatch>,
+    /// The commands as currently instantiated; they also keep their buffers allocated.
+    commands: Vec<Command>,
     deps: DepGraph,
 }
 
@@ -61,8 +62,32 @@ fn node_params(d: &Dispatch, ptrs: &mut [*mut std::ffi::c_void]) -> sys::CUDA_KE
 }
 
 fn infer(list: &CommandList) -> DepGraph {
-    let accesses: Vec<_> = list.dispatches().iter().map(Dispatch::accesses).collect();
+    let accesses: Vec<_> = list.commands().iter().map(Command::accesses).collect();
     DepGraph::infer(&accesses)
+}
+
+/// The cuBLAS call of `g`, captured on the device's capture stream into a graph of its own.
+fn capture_gemm(device: &Device, g: &Gemm) -> Result<sys::CUgraph> {
+    let stream = device.capture_stream();
+    // SAFETY: a live stream of this context; thread-local mode keeps other threads' work out.
+    unsafe {
+        sys::cuStreamBeginCapture_v2(
+            stream.cu(),
+            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+        )
+        .result()
+    }
+    .map_err(CudaError::driver("cuStreamBeginCapture"))?;
+    let (a, b, c) = g.ptrs();
+    // SAFETY: the list holds the three buffers, sized by the encoder for m, n, k; cuBLAS has a
+    // fixed workspace, so it allocates nothing during capture.
+    let called = device.with_blas(|blas| unsafe { blas.gemm_bf16(stream.cu(), a, b, c, g.m, g.n, g.k) });
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    // SAFETY: ends the capture begun above, whatever the call did, so the stream is usable again.
+    let ended = unsafe { sys::cuStreamEndCapture(stream.cu(), &mut graph).result() };
+    called?;
+    ended.map_err(CudaError::driver("cuStreamEndCapture"))?;
+    Ok(graph)
 }
 
 impl Graph {
@@ -86,27 +111,44 @@ impl Graph {
             graph,
             exec: std::ptr::null_mut(),
             nodes: Vec::with_capacity(list.len()),
-            dispatches: list.dispatches().to_vec(),
+            commands: list.commands().to_vec(),
             deps,
         };
-        for (j, d) in list.dispatches().iter().enumerate() {
-            d.kernel.ensure_shared_mem(d.shared_mem)?;
+        for (j, command) in list.commands().iter().enumerate() {
             let preds: Vec<sys::CUgraphNode> = g.deps.preds(j).iter().map(|&p| g.nodes[p]).collect();
-            let mut params = d.params();
-            let mut ptrs = params.pointers();
-            let np = node_params(d, &mut ptrs);
             let mut node: sys::CUgraphNode = std::ptr::null_mut();
-            // SAFETY: `preds` are nodes of this graph; `np` points to one word per kernel
-            // parameter, which the driver copies when the node is created.
-            unsafe {
-                sys::cuGraphAddKernelNode_v2(&mut node, g.graph, preds.as_ptr(), preds.len(), &np).result()
+            match command {
+                Command::Launch(d) => {
+                    d.kernel.ensure_shared_mem(d.shared_mem)?;
+                    let mut params = d.params();
+                    let mut ptrs = params.pointers();
+                    let np = node_params(d, &mut ptrs);
+                    // SAFETY: `preds` are nodes of this graph; `np` points to one word per kernel
+                    // parameter, which the driver copies when the node is created.
+                    unsafe {
+                        sys::cuGraphAddKernelNode_v2(&mut node, g.graph, preds.as_ptr(), preds.len(), &np)
+                            .result()
+                    }
+                    .map_err(|source| CudaError::Launch {
+                        submission: g.label.clone(),
+                        dispatch: d.label.clone(),
+                        kernel: d.kernel.name().to_string(),
+                        source,
+                    })?;
+                }
+                Command::Gemm(gemm) => {
+                    let child = capture_gemm(device, gemm)?;
+                    // SAFETY: `child` is a complete graph, cloned into this one by the call and
+                    // destroyed right after.
+                    let added = unsafe {
+                        sys::cuGraphAddChildGraphNode(&mut node, g.graph, preds.as_ptr(), preds.len(), child)
+                            .result()
+                    };
+                    // SAFETY: the child was created by the capture above and is no longer needed.
+                    unsafe { sys::cuGraphDestroy(child) };
+                    added.map_err(CudaError::driver("cuGraphAddChildGraphNode"))?;
+                }
             }
-            .map_err(|source| CudaError::Launch {
-                submission: g.label.clone(),
-                dispatch: d.label.clone(),
-                kernel: d.kernel.name().to_string(),
-                source,
-            })?;
             g.nodes.push(node);
         }
         let mut exec: sys::CUgraphExec = std::ptr::null_mut();
@@ -155,7 +197,7 @@ impl Graph {
             None
         };
         // SAFETY: an instantiated exec of this context; the buffers it names are kept alive by
-        // `self.dispatches`.
+        // `self.commands`.
         unsafe { sys::cuGraphLaunch(self.exec, stream.cu()).result() }.map_err(|e| {
             if is_sticky(&e) {
                 stream.map_err("cuGraphLaunch")(e)
@@ -187,13 +229,20 @@ impl Graph {
     /// already submitted.
     pub fn update(&mut self, list: &CommandList) -> Result<GraphUpdate> {
         let deps = infer(list);
-        let same_topology = list.len() == self.dispatches.len()
+        let same_topology = list.len() == self.commands.len()
             && deps == self.deps
             && list
-                .dispatches()
+                .commands()
                 .iter()
-                .zip(&self.dispatches)
-                .all(|(a, b)| a.same_kernel(b));
+                .zip(&self.commands)
+                .all(|(a, b)| match (a, b) {
+                    (Command::Launch(a), Command::Launch(b)) => a.same_kernel(b),
+                    // A changed product is captured again: rebuild.
+                    (Command::Gemm(a), Command::Gemm(b)) => {
+                        (a.m, a.n, a.k, a.ptrs()) == (b.m, b.n, b.k, b.ptrs())
+                    }
+                    _ => false,
+                });
         if !same_topology {
             *self = Graph::instantiate(&self.device, list, deps)?;
             return Ok(GraphUpdate::Rebuilt);
@@ -203,8 +252,11 @@ impl Graph {
             .bind_to_thread()
             .map_err(CudaError::driver("cuCtxSetCurrent"))?;
         let mut changed = 0;
-        for (j, d) in list.dispatches().iter().enumerate() {
-            if !d.launch_differs(&self.dispatches[j]) {
+        for (j, command) in list.commands().iter().enumerate() {
+            let (Command::Launch(d), Command::Launch(old)) = (command, &self.commands[j]) else {
+                continue;
+            };
+            if !d.launch_differs(old) {
                 continue;
             }
             d.kernel.ensure_shared_mem(d.shared_mem)?;
@@ -215,7 +267,7 @@ impl Graph {
             // same function; the driver copies the parameters.
             unsafe { sys::cuGraphExecKernelNodeSetParams_v2(self.exec, self.nodes[j], &np).result() }
                 .map_err(CudaError::driver("cuGraphExecKernelNodeSetParams"))?;
-            self.dispatches[j] = d.clone();
+            self.commands[j] = command.clone();
             changed += 1;
         }
         self.label = list.label().to_string();

@@ -55,7 +55,7 @@ fn layers_match_the_cpu_backend() {
                     let flipped = routed.is_some_and(|r| c[r] != g[r]);
                     if flipped {
                         assert!(
-                            step.int8_activations,
+                            step.rounded_activations,
                             "seed {seed} {mode:?} {}: routing differs",
                             step.name
                         );
@@ -68,7 +68,7 @@ fn layers_match_the_cpu_backend() {
                         let dtype = step.graph.decl(check.buf).dtype;
                         let (want, got) = (as_f64(cb, dtype), as_f64(gb, dtype));
                         let got: Vec<f32> = got.iter().map(|&v| v as f32).collect();
-                        let (err, tol) = if step.int8_activations {
+                        let (err, tol) = if step.rounded_activations {
                             (rel_l2(&got, &want), TOL_INT8_L2)
                         } else if dtype.size_in_bytes() == 2 {
                             (rel_err(&got, &want), TOL_HALF)

@@ -88,8 +88,14 @@ struct Bench {
     graph: Graph,
     fixed: Vec<(Buf, Vec<u32>)>,
     bytes: f64,
+    /// Floating-point operations, for ops bound by arithmetic (rate in TFLOP/s against the
+    /// measured bf16 rate); None for ops bound by bandwidth.
+    flops: Option<f64>,
     target: &'static str,
 }
+
+/// Dense bf16 matrix rate measured on the H200 through PyTorch (random data).
+const BF16_FLOPS_PER_S: f64 = 790e12;
 
 /// A program of `graph` with random contents and the fixed inputs written.
 fn prepared(dev: &Device, b: &Bench, mode: RunMode, rng: &mut Rng) -> Result<(CudaBackend, CudaProgram)> {
@@ -116,6 +122,17 @@ fn measure(dev: &Device, b: &Bench, reps: usize, profile: bool, rng: &mut Rng) -
         }
         dev.set_profiling(false);
         eprintln!("{}\n{}", b.name, dev.take_profile()?.table());
+    }
+    if let Some(flops) = b.flops {
+        let tflops = flops / (us * 1e-6) / 1e12;
+        return Ok(OpRow {
+            name: b.name.to_string(),
+            median_us: us,
+            rate: tflops,
+            unit: "TFLOP/s",
+            of_floor: Some(tflops * 1e12 / BF16_FLOPS_PER_S),
+            target: b.target,
+        });
     }
     let gbs = b.bytes / (us * 1e-6) / 1e9;
     Ok(OpRow {
@@ -149,6 +166,7 @@ pub fn run(dev: &Device, reps: usize, profile: bool) -> Result<Vec<OpRow>> {
         graph: finish(g, y)?,
         fixed: vec![],
         bytes: q4.bytes(out, inp) as f64,
+        flops: None,
         target: ">= 80% of 4.26 TB/s",
     });
 
@@ -172,6 +190,7 @@ pub fn run(dev: &Device, reps: usize, profile: bool) -> Result<Vec<OpRow>> {
         graph: finish(g, y)?,
         fixed: vec![],
         bytes,
+        flops: None,
         target: ">= 60% of 4.26 TB/s (selected experts' bytes)",
     });
 
@@ -189,7 +208,23 @@ pub fn run(dev: &Device, reps: usize, profile: bool) -> Result<Vec<OpRow>> {
         graph: finish(g, o)?,
         fixed: vec![(pos.raw(), vec![(ctx - 1) as u32])],
         bytes,
+        flops: None,
         target: ">= 60% of 4.26 TB/s (KV bytes read)",
+    });
+
+    // bf16 GEMM 4096 x 2048 x 6144: a prefill projection (f32 activations rounded to bf16 first).
+    let (m, k, n) = (4096, 2048, 6144);
+    let mut g = GraphBuilder::new();
+    let x = g.act_input("x", m, k);
+    let w = g.dense_weight("w", DType::BF16, n, k);
+    let y = g.linear("proj", x, &w);
+    benches.push(Bench {
+        name: "bf16 gemm 4096x2048x6144",
+        graph: finish(g, y)?,
+        fixed: vec![],
+        bytes: 0.0,
+        flops: Some(2.0 * (m * n * k) as f64),
+        target: ">= 600 TFLOP/s",
     });
 
     benches

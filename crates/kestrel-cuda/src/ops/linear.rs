@@ -121,6 +121,44 @@ fn encode_matvec(
     Ok(true)
 }
 
+/// From this many tokens, bf16 projections run as cuBLAS products on bf16 activations.
+const GEMM_MIN_TOKENS: usize = 16;
+
+/// Many tokens, bf16 weights: x rounded to bf16, then a tensor-core product through cuBLAS.
+/// Returns false (and records nothing) for other weights.
+fn encode_gemm(
+    enc: &mut Encoder,
+    x: Buf,
+    w: &LinearWeight,
+    out: Buf,
+    tokens: usize,
+    in_dim: usize,
+    out_dim: usize,
+) -> Result<bool> {
+    let LinearWeight::Dense(wb) = w else {
+        return Ok(false);
+    };
+    if enc.dtype(wb.raw()) != DType::BF16 || in_dim % 8 != 0 {
+        return Ok(false);
+    }
+    let xb = enc.workspace(DType::BF16, [tokens, in_dim])?;
+    let (x, wb, out) = (
+        enc.buf(x)?.clone(),
+        enc.buf(wb.raw())?.clone(),
+        enc.buf(out)?.clone(),
+    );
+    let convert = enc.device.kernel("elementwise", "convert_f32_bf16")?;
+    enc.list
+        .dispatch(&convert)
+        .cover(tokens * in_dim, 256)
+        .read(&x)
+        .write(&xb)
+        .arg(u32_arg(tokens * in_dim)?)
+        .record();
+    enc.list.gemm_bf16(&xb, &wb, &out, tokens, out_dim, in_dim);
+    Ok(true)
+}
+
 pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
     match op {
         Op::Linear {
@@ -132,6 +170,12 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             out_dim,
         } => {
             if *tokens == 1 && !enc.precise && encode_matvec(enc, *x, w, *out, *in_dim, *out_dim)? {
+                return Ok(());
+            }
+            if *tokens >= GEMM_MIN_TOKENS
+                && !enc.precise
+                && encode_gemm(enc, *x, w, *out, *tokens, *in_dim, *out_dim)?
+            {
                 return Ok(());
             }
             let grid = (
