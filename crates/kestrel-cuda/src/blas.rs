@@ -8,6 +8,7 @@ use cudarc::driver::{sys, CudaContext};
 use kestrel_core::DType;
 
 use crate::buffer::Buffer;
+use crate::command::Gemm;
 use crate::counters::Counters;
 use crate::device::Device;
 use crate::error::{CudaError, Result};
@@ -68,22 +69,15 @@ impl Blas {
         unsafe { cublas::set_stream(self.handle, stream as _) }.map_err(blas_err("cublasSetStream"))
     }
 
-    /// `c[m, n] = a[m, k] · b[n, k]ᵀ`, row-major, `a` and `b` bf16, `c` f32, f32 accumulation,
-    /// enqueued on `stream`.
+    /// `g`: `c[m, n] = a[m, k] · b[n, k]ᵀ`, row-major, `a` and `b` bf16, `c` f32, f32
+    /// accumulation, enqueued on `stream`.
     ///
     /// # Safety
-    /// The three pointers address live device memory of at least `m * k`, `n * k` bf16 and
-    /// `m * n` f32 values, which stays allocated until the product has run.
-    pub(crate) unsafe fn gemm_bf16(
-        &self,
-        stream: sys::CUstream,
-        a: u64,
-        b: u64,
-        c: u64,
-        m: usize,
-        n: usize,
-        k: usize,
-    ) -> Result<()> {
+    /// The three buffers of `g` hold at least `m * k`, `n * k` bf16 and `m * n` f32 values and
+    /// stay allocated until the product has run (the command holds them).
+    pub(crate) unsafe fn gemm_bf16(&self, stream: sys::CUstream, g: &Gemm) -> Result<()> {
+        let (a, b, c) = g.ptrs();
+        let (m, n, k) = (g.m, g.n, g.k);
         self.on(stream)?;
         let (alpha, beta) = (1.0f32, 0.0f32);
         // Row-major c = a · bᵀ is column-major cᵀ = b · aᵀ: b (k x n col-major, transposed
@@ -119,9 +113,7 @@ impl Blas {
         a: &Buffer,
         b: &Buffer,
         c: &Buffer,
-        m: usize,
-        n: usize,
-        k: usize,
+        (m, n, k): (usize, usize, usize),
     ) -> Result<()> {
         for (buf, elems) in [(a, m * k), (b, k * n), (c, m * n)] {
             if buf.dtype() != DType::F32 {

@@ -257,9 +257,8 @@ impl Device {
                     format!("{}::{}", d.kernel.module(), d.kernel.name())
                 }
                 Command::Gemm(g) => {
-                    let (a, b, c) = g.ptrs();
                     // SAFETY: the list holds the three buffers, sized by the encoder for m, n, k.
-                    self.with_blas(|blas| unsafe { blas.gemm_bf16(stream.cu(), a, b, c, g.m, g.n, g.k) })?;
+                    self.with_blas(|blas| unsafe { blas.gemm_bf16(stream.cu(), g) })?;
                     "cublas::gemm_bf16".to_string()
                 }
             };

@@ -68,6 +68,8 @@ fn infer(list: &CommandList) -> DepGraph {
 
 /// The cuBLAS call of `g`, captured on the device's capture stream into a graph of its own.
 fn capture_gemm(device: &Device, g: &Gemm) -> Result<sys::CUgraph> {
+    // Creating the handle allocates its workspace, which must not happen while capturing.
+    device.with_blas(|_| Ok(()))?;
     let stream = device.capture_stream();
     // SAFETY: a live stream of this context; thread-local mode keeps other threads' work out.
     unsafe {
@@ -78,10 +80,9 @@ fn capture_gemm(device: &Device, g: &Gemm) -> Result<sys::CUgraph> {
         .result()
     }
     .map_err(CudaError::driver("cuStreamBeginCapture"))?;
-    let (a, b, c) = g.ptrs();
     // SAFETY: the list holds the three buffers, sized by the encoder for m, n, k; cuBLAS has a
     // fixed workspace, so it allocates nothing during capture.
-    let called = device.with_blas(|blas| unsafe { blas.gemm_bf16(stream.cu(), a, b, c, g.m, g.n, g.k) });
+    let called = device.with_blas(|blas| unsafe { blas.gemm_bf16(stream.cu(), g) });
     let mut graph: sys::CUgraph = std::ptr::null_mut();
     // SAFETY: ends the capture begun above, whatever the call did, so the stream is usable again.
     let ended = unsafe { sys::cuStreamEndCapture(stream.cu(), &mut graph).result() };

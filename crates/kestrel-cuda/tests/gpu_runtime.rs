@@ -745,7 +745,7 @@ fn cublas_matmul_matches_the_cpu() {
         poisoned(&dev, m * n),
     );
     let blas = kestrel_cuda::Blas::new(&dev).unwrap();
-    blas.matmul_f32(&dev, &ab, &bb, &cb, m, n, kk).unwrap();
+    blas.matmul_f32(&dev, &ab, &bb, &cb, (m, n, kk)).unwrap();
     let c = dev.download::<f32>(&cb).unwrap();
     for i in 0..m {
         for j in 0..n {

@@ -123,7 +123,7 @@ fn check_device(config: &Config, ordinal: usize) -> Result<()> {
     let b: Vec<f32> = (0..k * nn).map(|_| rng.symmetric()).collect();
     let (ab, bb) = (dev.alloc_from(&a, m * k)?, dev.alloc_from(&b, k * nn)?);
     let cb = dev.alloc(DType::F32, m * nn)?;
-    Blas::new(&dev)?.matmul_f32(&dev, &ab, &bb, &cb, m, nn, k)?;
+    Blas::new(&dev)?.matmul_f32(&dev, &ab, &bb, &cb, (m, nn, k))?;
     let c = dev.download::<f32>(&cb)?;
     let mut worst = 0f64;
     for i in 0..m {
