@@ -66,29 +66,76 @@ fn infer(list: &CommandList) -> DepGraph {
     DepGraph::infer(&accesses)
 }
 
-/// The cuBLAS call of `g`, captured on the device's capture stream into a graph of its own.
-fn capture_gemm(device: &Device, g: &Gemm) -> Result<sys::CUgraph> {
+/// Captures the cuBLAS call of `g` straight into `graph` after `preds` (stream capture into an
+/// existing graph), and returns one empty node that follows everything the call added, so the
+/// product is a single node for the dependency edges.
+fn capture_gemm(
+    device: &Device,
+    graph: sys::CUgraph,
+    preds: &[sys::CUgraphNode],
+    g: &Gemm,
+) -> Result<sys::CUgraphNode> {
     // Creating the handle allocates its workspace, which must not happen while capturing.
     device.with_blas(|_| Ok(()))?;
     let stream = device.capture_stream();
-    // SAFETY: a live stream of this context; thread-local mode keeps other threads' work out.
+    let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+    // SAFETY: a live stream and graph of this context; `preds` are nodes of `graph`; no edge data.
     unsafe {
-        sys::cuStreamBeginCapture_v2(
+        sys::cuStreamBeginCaptureToGraph(
             stream.cu(),
-            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            graph,
+            preds.as_ptr(),
+            std::ptr::null(),
+            preds.len(),
+            mode,
         )
         .result()
     }
-    .map_err(CudaError::driver("cuStreamBeginCapture"))?;
-    // SAFETY: the list holds the three buffers, sized by the encoder for m, n, k; cuBLAS has a
-    // fixed workspace, so it allocates nothing during capture.
+    .map_err(CudaError::driver("cuStreamBeginCaptureToGraph"))?;
+    // SAFETY: the command holds the three buffers, sized by the encoder for m, n, k; cuBLAS has
+    // a fixed workspace, so it allocates nothing during capture.
     let called = device.with_blas(|blas| unsafe { blas.gemm_bf16(stream.cu(), g) });
-    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    // The capture's current leaves: what the product's node must follow.
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    let (mut id, mut captured, mut leaves, mut edges, mut n): (
+        u64,
+        sys::CUgraph,
+        *const sys::CUgraphNode,
+        *const sys::CUgraphEdgeData,
+        usize,
+    ) = (0, std::ptr::null_mut(), std::ptr::null(), std::ptr::null(), 0);
+    // SAFETY: valid out-pointers; the leaves array lives until the capture ends, and is copied
+    // before that.
+    let info = unsafe {
+        sys::cuStreamGetCaptureInfo_v3(
+            stream.cu(),
+            &mut status,
+            &mut id,
+            &mut captured,
+            &mut leaves,
+            &mut edges,
+            &mut n,
+        )
+        .result()
+    };
+    let leaves: Vec<sys::CUgraphNode> = if info.is_ok() && !leaves.is_null() {
+        // SAFETY: the driver returned `n` nodes at `leaves`.
+        unsafe { std::slice::from_raw_parts(leaves, n) }.to_vec()
+    } else {
+        Vec::new()
+    };
+    let mut ended: sys::CUgraph = std::ptr::null_mut();
     // SAFETY: ends the capture begun above, whatever the call did, so the stream is usable again.
-    let ended = unsafe { sys::cuStreamEndCapture(stream.cu(), &mut graph).result() };
+    let end = unsafe { sys::cuStreamEndCapture(stream.cu(), &mut ended).result() };
     called?;
-    ended.map_err(CudaError::driver("cuStreamEndCapture"))?;
-    Ok(graph)
+    info.map_err(CudaError::driver("cuStreamGetCaptureInfo"))?;
+    end.map_err(CudaError::driver("cuStreamEndCapture"))?;
+    let mut node: sys::CUgraphNode = std::ptr::null_mut();
+    // SAFETY: `leaves` are nodes of `graph` (or `preds` when the call added nothing).
+    let after = if leaves.is_empty() { preds } else { &leaves };
+    unsafe { sys::cuGraphAddEmptyNode(&mut node, graph, after.as_ptr(), after.len()).result() }
+        .map_err(CudaError::driver("cuGraphAddEmptyNode"))?;
+    Ok(node)
 }
 
 impl Graph {
@@ -137,18 +184,7 @@ impl Graph {
                         source,
                     })?;
                 }
-                Command::Gemm(gemm) => {
-                    let child = capture_gemm(device, gemm)?;
-                    // SAFETY: `child` is a complete graph, cloned into this one by the call and
-                    // destroyed right after.
-                    let added = unsafe {
-                        sys::cuGraphAddChildGraphNode(&mut node, g.graph, preds.as_ptr(), preds.len(), child)
-                            .result()
-                    };
-                    // SAFETY: the child was created by the capture above and is no longer needed.
-                    unsafe { sys::cuGraphDestroy(child) };
-                    added.map_err(CudaError::driver("cuGraphAddChildGraphNode"))?;
-                }
+                Command::Gemm(gemm) => node = capture_gemm(device, g.graph, &preds, gemm)?,
             }
             g.nodes.push(node);
         }
