@@ -150,7 +150,7 @@ fn encode_gemm(
     let convert = enc.device.kernel("elementwise", "convert_f32_bf16")?;
     enc.list
         .dispatch(&convert)
-        .cover(tokens * in_dim, 256)
+        .cover(tokens * in_dim / 8, 256)
         .read(&x)
         .write(&xb)
         .arg(u32_arg(tokens * in_dim)?)
