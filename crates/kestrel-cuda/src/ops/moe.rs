@@ -1,12 +1,13 @@
 //! Router and routed experts: `kernels/moe.cu`. Experts run as gate/up into a per-node
 //! workspace `[tokens * k, inter]`, then down with the weighted, ordered combine.
 
-use kestrel_core::ir::{ExpertFormat, Op};
+use kestrel_core::ir::{ExpertFormat, MatrixSpan, Op};
 use kestrel_core::DType;
 
 use super::{u32_arg, unsupported};
 use crate::backend::Encoder;
 use crate::buffer::Buffer;
+use crate::command::DispatchBuilder;
 use crate::error::Result;
 
 /// Rows per block of `moe_gate_up_*` (4 warps x 2 rows) and `moe_down_*` (4 warps x 1 row).
@@ -21,9 +22,25 @@ fn int8_smem(n: usize) -> usize {
     n + (n / 32 + n / 16) * 4
 }
 
+/// The trailing arguments every expert kernel takes: dims, span, the byte offsets of its matrices
+/// (weight, scales, biases each) and the group size.
+fn expert_args<'a>(
+    b: DispatchBuilder<'a>,
+    (h, i, k): (usize, usize, usize),
+    span: u64,
+    mats: &[MatrixSpan],
+    group: usize,
+) -> Result<DispatchBuilder<'a>> {
+    let mut b = b.arg(u32_arg(h)?).arg(u32_arg(i)?).arg(u32_arg(k)?).arg(span);
+    for m in mats {
+        b = b.arg(m.weight as u64).arg(m.scales as u64).arg(m.biases as u64);
+    }
+    Ok(b.arg(u32_arg(group)?))
+}
+
 /// Records `quantize_x8_f32` over `n` values of `x` (a multiple of 32): returns the int8 values,
 /// the scale per 32 and the sum per 16 (`kernels/kestrel.cuh`), in 4-bit nibble order or in order.
-fn quantized(enc: &mut Encoder, x: &Buffer, n: usize, nibble_order: i32) -> Result<(Buffer, Buffer, Buffer)> {
+fn quantized(enc: &mut Encoder, x: &Buffer, n: usize, nibble_order: i32) -> Result<Vec<Buffer>> {
     let (q, d, s) = (
         enc.workspace(DType::I32, n / 4)?,
         enc.workspace(DType::F32, n / 32)?,
@@ -41,7 +58,7 @@ fn quantized(enc: &mut Encoder, x: &Buffer, n: usize, nibble_order: i32) -> Resu
         .arg(u32_arg(n)?)
         .arg(nibble_order)
         .record();
-    Ok((q, d, s))
+    Ok(vec![q, d, s])
 }
 
 /// Floats of shared memory for `n` staged values (`padded_len` in kestrel.cuh).
@@ -120,98 +137,46 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             let down = enc.device.kernel("moe", &format!("moe_down_{name}"))?;
             let gu_grid = (u32_arg(i.div_ceil(GU_ROWS))?, u32_arg(tokens * k)?);
             let down_grid = (u32_arg(h.div_ceil(DOWN_ROWS))?, u32_arg(tokens)?);
-            if group == 0 {
-                // bf16 experts: x and the activations staged as floats.
-                enc.list
-                    .dispatch(&gate_up)
-                    .grid(gu_grid)
-                    .block(128)
-                    .shared_mem(u32_arg(padded_len(h) * 4)?)
-                    .read(&x)
-                    .read(&ids)
-                    .read(&e)
-                    .write(&act)
-                    .arg(u32_arg(h)?)
-                    .arg(u32_arg(i)?)
-                    .arg(u32_arg(k)?)
-                    .arg(span)
-                    .arg(g.weight as u64)
-                    .arg(g.scales as u64)
-                    .arg(g.biases as u64)
-                    .arg(u.weight as u64)
-                    .arg(u.scales as u64)
-                    .arg(u.biases as u64)
-                    .arg(u32_arg(group)?)
-                    .record();
-                enc.list
-                    .dispatch(&down)
-                    .grid(down_grid)
-                    .block(128)
-                    .shared_mem(u32_arg(k * padded_len(i) * 4)?)
-                    .read(&act)
-                    .read(&ids)
-                    .read(&w)
-                    .read(&e)
-                    .write(&o)
-                    .arg(u32_arg(h)?)
-                    .arg(u32_arg(i)?)
-                    .arg(u32_arg(k)?)
-                    .arg(span)
-                    .arg(d.weight as u64)
-                    .arg(d.scales as u64)
-                    .arg(d.biases as u64)
-                    .arg(u32_arg(group)?)
-                    .record();
+            // bf16 experts stage x and the activations as floats; quantised ones round them to
+            // int8 per block of 32 first (values, scales, sums).
+            let nibbles = (name == "q4") as i32;
+            let (x_in, gu_smem) = if group == 0 {
+                (vec![x], padded_len(h) * 4)
             } else {
-                // Quantised experts: x and the activations rounded to int8 per block of 32 first.
-                let nibbles = (name == "q4") as i32;
-                let xq = quantized(enc, &x, tokens * h, nibbles)?;
-                enc.list
-                    .dispatch(&gate_up)
-                    .grid(gu_grid)
-                    .block(128)
-                    .shared_mem(u32_arg(int8_smem(h))?)
-                    .read(&xq.0)
-                    .read(&xq.1)
-                    .read(&xq.2)
-                    .read(&ids)
-                    .read(&e)
-                    .write(&act)
-                    .arg(u32_arg(h)?)
-                    .arg(u32_arg(i)?)
-                    .arg(u32_arg(k)?)
-                    .arg(span)
-                    .arg(g.weight as u64)
-                    .arg(g.scales as u64)
-                    .arg(g.biases as u64)
-                    .arg(u.weight as u64)
-                    .arg(u.scales as u64)
-                    .arg(u.biases as u64)
-                    .arg(u32_arg(group)?)
-                    .record();
-                let aq = quantized(enc, &act, tokens * k * i, nibbles)?;
-                enc.list
-                    .dispatch(&down)
-                    .grid(down_grid)
-                    .block(128)
-                    .shared_mem(u32_arg(k * int8_smem(i))?)
-                    .read(&aq.0)
-                    .read(&aq.1)
-                    .read(&aq.2)
-                    .read(&ids)
-                    .read(&w)
-                    .read(&e)
-                    .write(&o)
-                    .arg(u32_arg(h)?)
-                    .arg(u32_arg(i)?)
-                    .arg(u32_arg(k)?)
-                    .arg(span)
-                    .arg(d.weight as u64)
-                    .arg(d.scales as u64)
-                    .arg(d.biases as u64)
-                    .arg(u32_arg(group)?)
-                    .record();
+                (quantized(enc, &x, tokens * h, nibbles)?, int8_smem(h))
+            };
+            let mut b = enc
+                .list
+                .dispatch(&gate_up)
+                .grid(gu_grid)
+                .block(128)
+                .shared_mem(u32_arg(gu_smem)?);
+            for buf in &x_in {
+                b = b.read(buf);
             }
+            expert_args(b.read(&ids).read(&e).write(&act), (h, i, k), span, &[g, u], group)?.record();
+            let (a_in, down_smem) = if group == 0 {
+                (vec![act], k * padded_len(i) * 4)
+            } else {
+                (quantized(enc, &act, tokens * k * i, nibbles)?, k * int8_smem(i))
+            };
+            let mut b = enc
+                .list
+                .dispatch(&down)
+                .grid(down_grid)
+                .block(128)
+                .shared_mem(u32_arg(down_smem)?);
+            for buf in &a_in {
+                b = b.read(buf);
+            }
+            expert_args(
+                b.read(&ids).read(&w).read(&e).write(&o),
+                (h, i, k),
+                span,
+                &[d],
+                group,
+            )?
+            .record();
         }
         _ => unreachable!("dispatched by ops::encode"),
     }
