@@ -7,7 +7,7 @@
 
 use crate::dtype::HostType;
 use crate::error::CoreError;
-use crate::ir::{Buf, Graph};
+use crate::ir::{Buf, BufDecl, Graph};
 
 pub trait Backend {
     /// A graph prepared for this backend.
@@ -59,14 +59,7 @@ pub trait Backend {
     ) -> Result<(), Self::Error> {
         let buf = buf.into();
         let d = Self::graph(program).decl(buf);
-        if d.dtype != T::DTYPE {
-            return Err(CoreError::DTypeMismatch {
-                label: d.label.clone(),
-                buffer: d.dtype,
-                host: T::DTYPE,
-            }
-            .into());
-        }
+        check_dtype::<T>(d)?;
         if offset + data.len() > d.elem_count() {
             return Err(CoreError::OutOfBounds {
                 label: d.label.clone(),
@@ -88,16 +81,21 @@ pub trait Backend {
     ) -> Result<Vec<T>, Self::Error> {
         let buf = buf.into();
         let d = Self::graph(program).decl(buf);
-        if d.dtype != T::DTYPE {
-            return Err(CoreError::DTypeMismatch {
-                label: d.label.clone(),
-                buffer: d.dtype,
-                host: T::DTYPE,
-            }
-            .into());
-        }
+        check_dtype::<T>(d)?;
         let mut out = vec![T::zeroed(); d.elem_count()];
         self.read_bytes(program, buf, bytemuck::cast_slice_mut(&mut out))?;
         Ok(out)
     }
+}
+
+/// Host data of type `T` may only go to or come from a buffer of `T`'s dtype.
+fn check_dtype<T: HostType>(d: &BufDecl) -> Result<(), CoreError> {
+    if d.dtype != T::DTYPE {
+        return Err(CoreError::DTypeMismatch {
+            label: d.label.clone(),
+            buffer: d.dtype,
+            host: T::DTYPE,
+        });
+    }
+    Ok(())
 }

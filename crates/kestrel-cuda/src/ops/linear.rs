@@ -5,11 +5,26 @@ use kestrel_core::DType;
 
 use super::{float_name, u32_arg, unsupported};
 use crate::backend::Encoder;
+use crate::buffer::Buffer;
 use crate::error::Result;
 
 /// Output rows per block (one warp each) and tokens per block, as in `linear.cu`.
 const ROWS: usize = 8;
 const TOKENS: usize = 8;
+
+/// A weight's kernel-name suffix (`bf16`, `q4`, ...), its buffers in kernel argument order
+/// (dense: the matrix; quantised: words, scales, biases) and its group size (quantised only).
+fn weight_parts(enc: &Encoder, w: &LinearWeight) -> Result<(&'static str, Vec<Buffer>, Option<usize>)> {
+    let parts = w
+        .bufs()
+        .into_iter()
+        .map(|b| enc.buf(b).cloned())
+        .collect::<Result<Vec<_>>>()?;
+    Ok(match w {
+        LinearWeight::Dense(d) => (float_name(enc.dtype(d.raw()))?, parts, None),
+        LinearWeight::Quant { format, .. } => (quant_name(format.bits)?, parts, Some(format.group_size)),
+    })
+}
 
 fn quant_name(bits: u32) -> Result<&'static str> {
     match bits {
@@ -183,54 +198,21 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 u32_arg(tokens.div_ceil(TOKENS))?,
             );
             let (x, out) = (enc.buf(*x)?.clone(), enc.buf(*out)?.clone());
-            match w {
-                LinearWeight::Dense(w) => {
-                    let k = enc
-                        .device
-                        .kernel("linear", &format!("linear_{}", float_name(enc.dtype(w.raw()))?))?;
-                    let w = enc.buf(w.raw())?.clone();
-                    enc.list
-                        .dispatch(&k)
-                        .grid(grid)
-                        .block(32 * ROWS as u32)
-                        .read(&x)
-                        .read(&w)
-                        .write(&out)
-                        .arg(u32_arg(*tokens)?)
-                        .arg(u32_arg(*in_dim)?)
-                        .arg(u32_arg(*out_dim)?)
-                        .record();
-                }
-                LinearWeight::Quant {
-                    weight,
-                    scales,
-                    biases,
-                    format,
-                } => {
-                    let k = enc
-                        .device
-                        .kernel("linear", &format!("linear_{}", quant_name(format.bits)?))?;
-                    let (qw, s, b) = (
-                        enc.buf(weight.raw())?.clone(),
-                        enc.buf(scales.raw())?.clone(),
-                        enc.buf(biases.raw())?.clone(),
-                    );
-                    enc.list
-                        .dispatch(&k)
-                        .grid(grid)
-                        .block(32 * ROWS as u32)
-                        .read(&x)
-                        .read(&qw)
-                        .read(&s)
-                        .read(&b)
-                        .write(&out)
-                        .arg(u32_arg(*tokens)?)
-                        .arg(u32_arg(*in_dim)?)
-                        .arg(u32_arg(*out_dim)?)
-                        .arg(u32_arg(format.group_size)?)
-                        .record();
-                }
+            let (suffix, parts, group) = weight_parts(enc, w)?;
+            let k = enc.device.kernel("linear", &format!("linear_{suffix}"))?;
+            let mut b = enc.list.dispatch(&k).grid(grid).block(32 * ROWS as u32).read(&x);
+            for part in &parts {
+                b = b.read(part);
             }
+            b = b
+                .write(&out)
+                .arg(u32_arg(*tokens)?)
+                .arg(u32_arg(*in_dim)?)
+                .arg(u32_arg(*out_dim)?);
+            if let Some(group) = group {
+                b = b.arg(u32_arg(group)?);
+            }
+            b.record();
         }
         Op::Embed {
             table,
@@ -239,55 +221,24 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             hidden,
         } => {
             let tokens = enc.graph.decl(*ids).elem_count();
+            // Rows of the table: the first dimension of its weight tensor, dense or packed.
+            let vocab = enc.graph.decl(table.bufs()[0]).shape[0];
             let (ids, out) = (enc.buf(*ids)?.clone(), enc.buf(*out)?.clone());
-            match table {
-                LinearWeight::Dense(w) => {
-                    let vocab = enc.graph.decl(w.raw()).elem_count() / hidden;
-                    let k = enc
-                        .device
-                        .kernel("linear", &format!("embed_{}", float_name(enc.dtype(w.raw()))?))?;
-                    let w = enc.buf(w.raw())?.clone();
-                    enc.list
-                        .dispatch(&k)
-                        .grid(u32_arg(tokens)?)
-                        .block(256)
-                        .read(&w)
-                        .read(&ids)
-                        .write(&out)
-                        .arg(u32_arg(*hidden)?)
-                        .arg(u32_arg(vocab)?)
-                        .record();
-                }
-                LinearWeight::Quant {
-                    weight,
-                    scales,
-                    biases,
-                    format,
-                } => {
-                    let vocab = enc.graph.decl(scales.raw()).elem_count() / format.groups_per_row(*hidden);
-                    let k = enc
-                        .device
-                        .kernel("linear", &format!("embed_{}", quant_name(format.bits)?))?;
-                    let (qw, s, b) = (
-                        enc.buf(weight.raw())?.clone(),
-                        enc.buf(scales.raw())?.clone(),
-                        enc.buf(biases.raw())?.clone(),
-                    );
-                    enc.list
-                        .dispatch(&k)
-                        .grid(u32_arg(tokens)?)
-                        .block(256)
-                        .read(&qw)
-                        .read(&s)
-                        .read(&b)
-                        .read(&ids)
-                        .write(&out)
-                        .arg(u32_arg(*hidden)?)
-                        .arg(u32_arg(vocab)?)
-                        .arg(u32_arg(format.group_size)?)
-                        .record();
-                }
+            let (suffix, parts, group) = weight_parts(enc, table)?;
+            let k = enc.device.kernel("linear", &format!("embed_{suffix}"))?;
+            let mut b = enc.list.dispatch(&k).grid(u32_arg(tokens)?).block(256);
+            for part in &parts {
+                b = b.read(part);
             }
+            b = b
+                .read(&ids)
+                .write(&out)
+                .arg(u32_arg(*hidden)?)
+                .arg(u32_arg(vocab)?);
+            if let Some(group) = group {
+                b = b.arg(u32_arg(group)?);
+            }
+            b.record();
         }
         _ => unreachable!("dispatched by ops::encode"),
     }
