@@ -17,6 +17,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--nvrtc", default="libnvrtc.so.13")
 ap.add_argument("--include", action="append", default=[])
 ap.add_argument("--arch", default="sm_90")
+ap.add_argument("--verbose", action="store_true", help="print ptxas resource usage (registers, spills)")
 ap.add_argument("files", nargs="*")
 args = ap.parse_args()
 
@@ -24,6 +25,8 @@ lib = ctypes.CDLL(args.nvrtc)
 root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 files = args.files or sorted(glob.glob(os.path.join(root, "crates/kestrel-cuda/kernels/*.cu")))
 opts = [f"--gpu-architecture={args.arch}", "--std=c++17"]
+if args.verbose:
+    opts.append("--ptxas-options=-v")
 # The registry hands kernels/kestrel.cuh to NVRTC in memory; here the folder stands in for it.
 for inc in args.include + [os.path.join(root, "crates/kestrel-cuda/kernels")]:
     opts.append(f"--include-path={inc}")

@@ -270,7 +270,9 @@ pub fn layer_case(
     let tokens = x.len() / dims.hidden;
     let mut c = CaseBuilder::new(Rng::new(weight_seed));
     c.upload_persistent = upload;
-    c.rounded_activations = dims.quant.is_some();
+    // Attention over the bf16 caches runs on tensor cores on CUDA, with queries and
+    // probabilities rounded to bf16.
+    c.rounded_activations = dims.quant.is_some() || kind != LayerKind::NextLinear;
     let zc = if kind == LayerKind::Qwen3Moe {
         NormKind::Standard
     } else {

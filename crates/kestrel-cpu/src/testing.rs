@@ -635,9 +635,14 @@ pub fn attention(rng: Rng) -> Case {
     let kv_heads = c.rng.range(1, 4);
     // Groups above 8 query heads per KV head take several blocks per head on CUDA.
     let heads = kv_heads * c.rng.range(1, 13);
-    let hd = pick(&mut c.rng, &[64, 128, 96]);
+    let hd = pick(&mut c.rng, &[64, 128, 96, 256]);
     let tokens = pick(&mut c.rng, &[1, 1, 3, 19, 70]);
-    let past = c.rng.range(0, 90);
+    // Sometimes a longer cache, so decode spans several tiles and splits.
+    let past = if tokens <= 3 && c.rng.range(0, 2) == 0 {
+        c.rng.range(0, 700)
+    } else {
+        c.rng.range(0, 90)
+    };
     let max_ctx = past + tokens + c.rng.range(0, 20);
     let dtype = pick(&mut c.rng, &[DType::F32, DType::BF16, DType::F16]);
     // Cache rows before `past` hold earlier tokens (random), the rest is zero.
@@ -663,6 +668,8 @@ pub fn attention(rng: Rng) -> Case {
     let pos: Vec<u32> = (0..tokens).map(|t| (past + t) as u32).collect();
     let p = c.positions("pos", &pos);
     c.g.kv_append("append", k, v, p, kcache, vcache);
+    // Tensor-core attention on half caches rounds queries and probabilities to the cache's type.
+    c.rounded_activations = dtype != DType::F32;
     let scale = 1.0 / (hd as f32).sqrt();
     let out = c.g.attention("attn", q, kcache, vcache, p, heads, scale);
     // The appended rows as the cache stores them.

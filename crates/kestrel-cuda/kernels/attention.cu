@@ -1,7 +1,10 @@
 // Full attention with a KV cache. kv_append writes new keys/values at their positions; attention
-// is causal with grouped-query heads: one block per (token, head), four warps splitting the cache
-// rows, each with an online softmax; the warps' partial results are merged at the end. A lane
-// holds dims lane, lane + 32, ... of the head (head_dim <= 256).
+// is causal with grouped-query heads. Three kernels: flash_attention (tensor cores, bf16/f16
+// caches, head dims 64/96/128/256, any number of tokens, split over the cache when there are
+// few rows), attention_split + attention_combine (f32 caches, decode), and the plain kernel
+// below for everything else: one block per (token, head), four warps splitting the cache rows,
+// each with an online softmax, merged at the end; a lane holds dims lane, lane + 32, ... of the
+// head (head_dim <= 256).
 #include "kestrel.cuh"
 
 #define WARPS 4
@@ -100,7 +103,7 @@ ATTN(float, f32)
 ATTN(bf16, bf16)
 ATTN(f16, f16)
 
-// ---- decode: split over the cache length ----
+// ---- decode on f32 caches: split over the cache length ----
 // Grid (kv_heads * subgroups, splits, tokens): a block takes one KV head, up to GROUP query heads
 // of its group and one chunk of the cache rows `0 ..= positions[t]`, so each K/V row is read
 // once per GROUP query heads. A warp takes batches of 32 keys: lane j copies K and V rows j into
@@ -261,16 +264,32 @@ __device__ void attention_split(const float* q, const T* k_cache, const T* v_cac
     }
 }
 
-// out[t, h] = merge of the splits' partial results. One block per (token, head); the splits'
-// weights exp(m_s - max) are computed once into shared memory (at most MAX_SPLITS splits).
+// out[t, h] = merge of the splits' partial results (max in natural-log units, sum, unnormalised
+// acc). One block of 256 threads per (token, head). Each thread owns 4 dims of up to
+// COMBINE_LOADS splits and issues all its loads before the maximum is known (latency, not
+// bandwidth, bounds this kernel); the splits' weights exp(m_s - max) go through shared memory
+// (at most MAX_SPLITS splits). head_dim is a multiple of 4 and at most 1024.
 #define MAX_SPLITS 1024
-extern "C" __global__ void attention_combine_f32(const float* part_m, const float* part_l, const float* part_acc,
-                                                 float* out, unsigned head_dim, unsigned splits) {
+#define COMBINE_THREADS 256
+#define COMBINE_LOADS 8
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
+    attention_combine_f32(const float* part_m, const float* part_l, const float* part_acc, float* out,
+                          unsigned head_dim, unsigned splits) {
     __shared__ float f[MAX_SPLITS];
     __shared__ float scratch[32];
+    __shared__ float4 red[COMBINE_THREADS];
     const size_t row = blockIdx.x;
     const float* pm = part_m + row * splits;
     const float* pl = part_l + row * splits;
+    const unsigned vecs = head_dim / 4, lanes = blockDim.x / vecs;
+    const unsigned v = threadIdx.x % vecs, sub = threadIdx.x / vecs;
+    const float4* pa = reinterpret_cast<const float4*>(part_acc + row * splits * head_dim);
+    float4 x[COMBINE_LOADS];
+#pragma unroll
+    for (int i = 0; i < COMBINE_LOADS; i++) {
+        const unsigned s = sub + i * lanes;
+        x[i] = sub < lanes && s < splits ? pa[(size_t)s * vecs + v] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
     float mm = -INFINITY;
     for (unsigned s = threadIdx.x; s < splits; s += blockDim.x) mm = fmaxf(mm, pm[s]);
     mm = block_max(mm, scratch);
@@ -280,18 +299,39 @@ extern "C" __global__ void attention_combine_f32(const float* part_m, const floa
         ll += pl[s] * f[s];
     }
     ll = block_sum(ll, scratch);  // also orders the writes of f before the reads below
-    const float* pa = part_acc + row * splits * head_dim;
-    for (unsigned d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-        unsigned s = 0;
-        for (; s + 4 <= splits; s += 4) {
-            a0 += f[s] * pa[(size_t)s * head_dim + d];
-            a1 += f[s + 1] * pa[(size_t)(s + 1) * head_dim + d];
-            a2 += f[s + 2] * pa[(size_t)(s + 2) * head_dim + d];
-            a3 += f[s + 3] * pa[(size_t)(s + 3) * head_dim + d];
+    float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (sub < lanes) {
+#pragma unroll
+        for (int i = 0; i < COMBINE_LOADS; i++) {
+            const unsigned s = sub + i * lanes;
+            const float w = s < splits ? f[s] : 0.0f;
+            a.x += w * x[i].x;
+            a.y += w * x[i].y;
+            a.z += w * x[i].z;
+            a.w += w * x[i].w;
         }
-        for (; s < splits; s++) a0 += f[s] * pa[(size_t)s * head_dim + d];
-        out[row * head_dim + d] = ((a0 + a1) + (a2 + a3)) / ll;
+        for (unsigned s = sub + COMBINE_LOADS * lanes; s < splits; s += lanes) {
+            const float4 y = pa[(size_t)s * vecs + v];
+            const float w = f[s];
+            a.x += w * y.x;
+            a.y += w * y.y;
+            a.z += w * y.z;
+            a.w += w * y.w;
+        }
+    }
+    red[threadIdx.x] = a;
+    __syncthreads();
+    if (threadIdx.x < vecs) {
+        float4 t = red[threadIdx.x];
+        for (unsigned k = 1; k < lanes; k++) {
+            const float4 y = red[k * vecs + threadIdx.x];
+            t.x += y.x;
+            t.y += y.y;
+            t.z += y.z;
+            t.w += y.w;
+        }
+        const float inv = 1.0f / ll;
+        reinterpret_cast<float4*>(out + row * head_dim)[threadIdx.x] = make_float4(t.x * inv, t.y * inv, t.z * inv, t.w * inv);
     }
 }
 
@@ -306,5 +346,278 @@ extern "C" __global__ void attention_combine_f32(const float* part_m, const floa
 #define SPLITS(T, NAME) SPLIT(T, NAME, 2) SPLIT(T, NAME, 3) SPLIT(T, NAME, 4) SPLIT(T, NAME, 8)
 
 SPLITS(float, f32)
-SPLITS(bf16, bf16)
-SPLITS(f16, f16)
+
+// ---- tensor-core attention (bf16/f16 caches): prefill and decode ----
+// A block takes one KV head and 64 * MT query rows of it, a row being a (token, query head) pair
+// of that head's group, numbered token-major (so a decode token's whole group shares one block,
+// and a prefill block holds 64 * MT / group consecutive tokens: K/V tiles are read once for all
+// heads of the group, and the causal limits of a block's rows differ by a few keys).
+// Grid (row blocks, kv_heads, splits): split s covers keys [s * chunk, (s + 1) * chunk) of the
+// block's range; with one split the block writes the normalised output, with several it writes
+// (max, sum, acc) per (row, split) for attention_combine_f32.
+//
+// Four warps, 16 * MT rows each (m16n8k16 with bf16/f16 operands, f32 accumulators; MT = 2
+// reuses every K/V fragment for two row tiles). Q is rounded to the cache's type once into
+// shared memory; K/V tiles of BN keys stream through two shared buffers with cp.async,
+// zero-filled past the range (so a poisoned cache beyond it is never read); the first two are
+// issued before Q is staged. Per tile a warp computes S = Q K^T (ldmatrix from padded rows),
+// masks keys past each row's limit, runs the online softmax in the exp2 domain on its two rows
+// per row tile and thread, rounds P to the cache's type and accumulates P V with V fragments
+// from ldmatrix.trans. A warp whose rows all end before a tile skips its arithmetic.
+#define FA_WARPS 4
+
+template <int HD, int MT>
+struct FaShape {
+    static constexpr int ROWS = 16 * MT * FA_WARPS;  // query rows per block
+    static constexpr int BN = HD > 128 ? 32 : 64;    // keys per tile
+    static constexpr int STRIDE = HD + 8;            // shared row, in 16-bit values (16 bytes padding)
+};
+
+template <typename T, int HD, int MT>
+__device__ void flash_attention(const float* q, const T* k_cache, const T* v_cache, const unsigned* positions,
+                                float* out, float* part_m, float* part_l, float* part_acc, unsigned tokens,
+                                unsigned heads, unsigned kv_heads, unsigned max_ctx, float scale, unsigned chunk) {
+    using S = FaShape<HD, MT>;
+    constexpr int ROWS = S::ROWS, BN = S::BN, STRIDE = S::STRIDE, KSTEPS = HD / 16, NT = BN / 8, DT = HD / 8;
+    extern __shared__ __align__(16) unsigned char fa_smem[];
+    T* qs = reinterpret_cast<T*>(fa_smem);  // [ROWS][STRIDE]
+    T* ks = qs + ROWS * STRIDE;              // [2][BN][STRIDE]
+    T* vs = ks + 2 * BN * STRIDE;            // [2][BN][STRIDE]
+    unsigned* lim = reinterpret_cast<unsigned*>(vs + 2 * BN * STRIDE);  // [ROWS] keys each row sees
+    __shared__ unsigned block_end;
+
+    const unsigned tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const unsigned group = heads / kv_heads, pairs = tokens * group;
+    const unsigned kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+    const unsigned row0 = (gridDim.x - 1 - blockIdx.x) * ROWS;  // longest causal ranges first
+    if (tid == 0) block_end = 0;
+    __syncthreads();
+    for (unsigned r = tid; r < ROWS; r += blockDim.x) {
+        const unsigned p = row0 + r;
+        const unsigned n = p < pairs ? min(positions[p / group] + 1, max_ctx) : 0;
+        lim[r] = n;
+        atomicMax(&block_end, n);
+    }
+    __syncthreads();
+    const unsigned start = split * chunk, end = min(start + chunk, block_end);
+
+    const T* kb = k_cache + (size_t)kvh * max_ctx * HD;
+    const T* vb = v_cache + (size_t)kvh * max_ctx * HD;
+    // One commit group per tile (empty past the range), so waiting for "all but the newest
+    // group" always means "the current tile".
+    auto load_tile = [&](unsigned key0, int buf) {
+        if (key0 < end) {
+            T* kd = ks + buf * BN * STRIDE;
+            T* vd = vs + buf * BN * STRIDE;
+            for (unsigned i = tid; i < BN * DT; i += blockDim.x) {
+                const unsigned r = i / DT, d = (i % DT) * 8, key = key0 + r;
+                const bool valid = key < end;
+                const size_t src = (size_t)(valid ? key : 0) * HD + d;
+                cp_async16(kd + r * STRIDE + d, kb + src, valid);
+                cp_async16(vd + r * STRIDE + d, vb + src, valid);
+            }
+        }
+        cp_async_commit();
+    };
+    load_tile(start, 0);
+    load_tile(start + BN, 1);
+
+    // Q rows rounded to T, 8 values per step, while the first tiles are in flight.
+    for (unsigned i = tid; i < ROWS * DT; i += blockDim.x) {
+        const unsigned r = i / DT, d = (i % DT) * 8, p = row0 + r;
+        uint4 packed = make_uint4(0, 0, 0, 0);
+        if (p < pairs) {
+            const unsigned t = p / group, h = kvh * group + p % group;
+            float v[8];
+            load8(q + ((size_t)t * heads + h) * HD + d, v);
+            packed = make_uint4(pack2<T>(v[0], v[1]), pack2<T>(v[2], v[3]), pack2<T>(v[4], v[5]), pack2<T>(v[6], v[7]));
+        }
+        *reinterpret_cast<uint4*>(qs + r * STRIDE + d) = packed;
+    }
+
+    // This thread's rows: g and g + 8 of each of the warp's row tiles; and the warp's furthest
+    // and nearest limits.
+    const unsigned g = lane / 4, c = 2 * (lane % 4);
+    unsigned lims[MT][2];
+    unsigned warp_end = 0, warp_min = 0xffffffffu;
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            lims[mt][hf] = min(lim[(warp * MT + mt) * 16 + g + 8 * hf], end);
+            warp_end = max(warp_end, lims[mt][hf]);
+            warp_min = min(warp_min, lims[mt][hf]);
+        }
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        warp_end = max(warp_end, __shfl_xor_sync(0xffffffffu, warp_end, o));
+        warp_min = min(warp_min, __shfl_xor_sync(0xffffffffu, warp_min, o));
+    }
+
+    float acc[MT][DT][4];
+    float m[MT][2], l[MT][2];  // running max (log2 units) and this thread's share of the sum
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+        m[mt][0] = m[mt][1] = -INFINITY;
+        l[mt][0] = l[mt][1] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < DT; j++) acc[mt][j][0] = acc[mt][j][1] = acc[mt][j][2] = acc[mt][j][3] = 0.0f;
+    }
+    const float sl2 = scale * 1.4426950408889634f;
+
+    int buf = 0;
+    for (unsigned key0 = start; key0 < end; key0 += BN, buf ^= 1) {
+        cp_async_wait<1>();
+        __syncthreads();  // the tile (and, the first time, Q) is visible to every warp
+        if (key0 < warp_end) {
+            const T* kt = ks + buf * BN * STRIDE;
+            const T* vt = vs + buf * BN * STRIDE;
+            float s[MT][NT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                for (int j = 0; j < NT; j++) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < KSTEPS; kk++) {
+                unsigned a[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++)
+                    ldmatrix_x4(a[mt], qs + ((warp * MT + mt) * 16 + lane % 16) * STRIDE + kk * 16 + (lane / 16) * 8);
+#pragma unroll
+                for (int j = 0; j < NT; j += 2) {
+                    unsigned b[4];
+                    ldmatrix_x4(b, kt + (j * 8 + lane % 8 + (lane / 16) * 8) * STRIDE + kk * 16 + ((lane / 8) % 2) * 8);
+#pragma unroll
+                    for (int mt = 0; mt < MT; mt++) {
+                        mma_16816<T>(s[mt][j], a[mt], b[0], b[1]);
+                        mma_16816<T>(s[mt][j + 1], a[mt], b[2], b[3]);
+                    }
+                }
+            }
+            const bool full = key0 + BN <= warp_min;  // no row of the warp ends inside this tile
+            unsigned pa[MT][BN / 16][4];             // P as A fragments
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                // Scale, mask, and the rows' new maxima.
+                float mx0 = m[mt][0], mx1 = m[mt][1];
+#pragma unroll
+                for (int j = 0; j < NT; j++) {
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const unsigned key = key0 + j * 8 + c + e;
+                        float v0 = s[mt][j][e] * sl2, v1 = s[mt][j][2 + e] * sl2;
+                        if (!full) {
+                            v0 = key < lims[mt][0] ? v0 : -INFINITY;
+                            v1 = key < lims[mt][1] ? v1 : -INFINITY;
+                        }
+                        s[mt][j][e] = v0;
+                        s[mt][j][2 + e] = v1;
+                        mx0 = fmaxf(mx0, v0);
+                        mx1 = fmaxf(mx1, v1);
+                    }
+                }
+                mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+                mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+                mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+                mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+                // A row with nothing visible yet keeps -inf; its exponentials use base 0 (all zero).
+                const float base0 = mx0 == -INFINITY ? 0.0f : mx0, base1 = mx1 == -INFINITY ? 0.0f : mx1;
+                const float corr0 = exp2f(m[mt][0] - base0), corr1 = exp2f(m[mt][1] - base1);
+                m[mt][0] = mx0;
+                m[mt][1] = mx1;
+                float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+                for (int j = 0; j < NT; j++) {
+                    s[mt][j][0] = exp2f(s[mt][j][0] - base0);
+                    s[mt][j][1] = exp2f(s[mt][j][1] - base0);
+                    s[mt][j][2] = exp2f(s[mt][j][2] - base1);
+                    s[mt][j][3] = exp2f(s[mt][j][3] - base1);
+                    sum0 += s[mt][j][0] + s[mt][j][1];
+                    sum1 += s[mt][j][2] + s[mt][j][3];
+                }
+                l[mt][0] = l[mt][0] * corr0 + sum0;  // the quad is summed at the end
+                l[mt][1] = l[mt][1] * corr1 + sum1;
+#pragma unroll
+                for (int j = 0; j < DT; j++) {
+                    acc[mt][j][0] *= corr0;
+                    acc[mt][j][1] *= corr0;
+                    acc[mt][j][2] *= corr1;
+                    acc[mt][j][3] *= corr1;
+                }
+                // The accumulator layout of 16 keys is the A layout of P for P V.
+#pragma unroll
+                for (int kk = 0; kk < BN / 16; kk++) {
+                    pa[mt][kk][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                    pa[mt][kk][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                    pa[mt][kk][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                    pa[mt][kk][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                }
+            }
+            // O += P V.
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; kk++) {
+#pragma unroll
+                for (int j = 0; j < DT; j += 2) {
+                    unsigned b[4];
+                    ldmatrix_x4_trans(b, vt + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * STRIDE + j * 8 + (lane / 16) * 8);
+#pragma unroll
+                    for (int mt = 0; mt < MT; mt++) {
+                        mma_16816<T>(acc[mt][j], pa[mt][kk], b[0], b[1]);
+                        mma_16816<T>(acc[mt][j + 1], pa[mt][kk], b[2], b[3]);
+                    }
+                }
+            }
+        }
+        __syncthreads();  // every warp is done with this buffer pair before it is refilled
+        load_tile(key0 + 2 * BN, buf);
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            float lsum = l[mt][hf];
+            lsum += __shfl_xor_sync(0xffffffffu, lsum, 1);
+            lsum += __shfl_xor_sync(0xffffffffu, lsum, 2);
+            const unsigned p = row0 + (warp * MT + mt) * 16 + g + 8 * hf;
+            if (p >= pairs) continue;
+            const unsigned t = p / group, h = kvh * group + p % group;
+            const size_t row = (size_t)t * heads + h;
+            if (splits == 1) {
+                const float inv = 1.0f / lsum;
+                float* o = out + row * HD;
+#pragma unroll
+                for (int j = 0; j < DT; j++)
+                    *reinterpret_cast<float2*>(o + j * 8 + c) =
+                        make_float2(acc[mt][j][2 * hf] * inv, acc[mt][j][2 * hf + 1] * inv);
+            } else {
+                // Partial results for the combine, whose max is in natural-log units.
+                const size_t prow = row * splits + split;
+                float* o = part_acc + prow * HD;
+#pragma unroll
+                for (int j = 0; j < DT; j++)
+                    *reinterpret_cast<float2*>(o + j * 8 + c) = make_float2(acc[mt][j][2 * hf], acc[mt][j][2 * hf + 1]);
+                if (c == 0) {
+                    part_m[prow] = m[mt][hf] == -INFINITY ? -INFINITY : m[mt][hf] * 0.6931471805599453f;
+                    part_l[prow] = lsum;
+                }
+            }
+        }
+}
+
+#define FLASH(T, NAME, HD, MT)                                                                              \
+    extern "C" __global__ void __launch_bounds__(32 * FA_WARPS) flash_attention_##NAME##_##HD##_##MT(       \
+        const float* q, const T* k_cache, const T* v_cache, const unsigned* positions, float* out,          \
+        float* part_m, float* part_l, float* part_acc, unsigned tokens, unsigned heads, unsigned kv_heads,   \
+        unsigned max_ctx, float scale, unsigned chunk) {                                                    \
+        flash_attention<T, HD, MT>(q, k_cache, v_cache, positions, out, part_m, part_l, part_acc, tokens,   \
+                                   heads, kv_heads, max_ctx, scale, chunk);                                 \
+    }
+// MT = 2 where the registers allow it (many rows); MT = 1 for decode and head dim 256.
+#define FLASHES(T, NAME)                                                                                    \
+    FLASH(T, NAME, 64, 1) FLASH(T, NAME, 64, 2) FLASH(T, NAME, 96, 1) FLASH(T, NAME, 96, 2)                \
+    FLASH(T, NAME, 128, 1) FLASH(T, NAME, 128, 2) FLASH(T, NAME, 256, 1)
+
+FLASHES(bf16, bf16)
+FLASHES(f16, f16)

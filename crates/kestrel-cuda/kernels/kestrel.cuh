@@ -253,3 +253,57 @@ __device__ __forceinline__ float dot_int8(uint4 v, const XSeg<BITS>& x, float sc
     }
     return scale * x.d * (float)isum + bias * x.sx;
 }
+
+// ---- tensor cores: mma.sync m16n8k16 with f32 accumulators, ldmatrix, asynchronous copies ----
+// Fragments (PTX ISA, "mma.m16n8k16"): with g = lane / 4 and c = 2 * (lane % 4), A (16 x 16, row
+// major) is 4 registers of 2 values: (g, c..c+1), (g + 8, c..), (g, c + 8..), (g + 8, c + 8..);
+// B (16 x 8, column major) is 2 registers: (k = c..c+1, n = g), (k = c + 8.., n = g); the
+// accumulator is (g, c), (g, c + 1), (g + 8, c), (g + 8, c + 1).
+
+template <typename T>
+__device__ __forceinline__ void mma_16816(float d[4], const unsigned a[4], unsigned b0, unsigned b1);
+template <>
+__device__ __forceinline__ void mma_16816<bf16>(float d[4], const unsigned a[4], unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma_16816<f16>(float d[4], const unsigned a[4], unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats rounded to the 16-bit type T and packed, the first in the low half.
+template <typename T>
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+    const T l = from_f32<T>(lo), h = from_f32<T>(hi);
+    return (unsigned)*reinterpret_cast<const unsigned short*>(&l) |
+           ((unsigned)*reinterpret_cast<const unsigned short*>(&h) << 16);
+}
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+// Four 8 x 8 matrices of 16-bit values; lanes 8i .. 8i + 7 give the row addresses of matrix i.
+__device__ __forceinline__ void ldmatrix_x4(unsigned r[4], const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(row)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned r[4], const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(row)));
+}
+
+// 16 bytes global -> shared without registers; `valid` false fills zeros and reads nothing.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }

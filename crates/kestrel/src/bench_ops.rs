@@ -212,6 +212,25 @@ pub fn run(dev: &Device, reps: usize, profile: bool) -> Result<Vec<OpRow>> {
         target: ">= 60% of 4.26 TB/s (KV bytes read)",
     });
 
+    // Causal prefill attention: 4,096 tokens from position 0, same heads, bf16 cache. FLOPs:
+    // QK^T and PV over the (t + 1) visible keys of each token, 2 * 2 * head_dim per key and head.
+    let (heads, kv_heads, hd, tokens) = (32, 4, 128, 4096);
+    let mut g = GraphBuilder::new();
+    let q = g.act_input("q", tokens, heads * hd);
+    let kc = g.cache("k_cache", DType::BF16, kv_heads, tokens, hd);
+    let vc = g.cache("v_cache", DType::BF16, kv_heads, tokens, hd);
+    let pos = g.positions_input("pos", tokens);
+    let o = g.attention("attention", q, kc, vc, pos, heads, 1.0 / (hd as f32).sqrt());
+    let visible = (tokens * (tokens + 1) / 2) as f64;
+    benches.push(Bench {
+        name: "attention prefill 4096 causal",
+        graph: finish(g, o)?,
+        fixed: vec![(pos.raw(), (0..tokens as u32).collect())],
+        bytes: 0.0,
+        flops: Some(4.0 * (hd * heads) as f64 * visible),
+        target: ">= 250 TFLOP/s",
+    });
+
     // bf16 GEMM 4096 x 2048 x 6144: a prefill projection (f32 activations rounded to bf16 first).
     let (m, k, n) = (4096, 2048, 6144);
     let mut g = GraphBuilder::new();

@@ -10,13 +10,127 @@ use crate::error::Result;
 /// `attention.cu` holds up to 8 dims per lane of a warp.
 const MAX_HEAD_DIM: usize = 256;
 
-/// Decode-sized batches take the split-over-context path.
+/// f32 caches: decode-sized batches take the split-over-context path.
 const SPLIT_MAX_TOKENS: usize = 4;
 /// `attention_split_*`: query heads per block, warps per block, and keys per warp batch.
 const GROUP: usize = 8;
 const DEC_WARPS: usize = 4;
 /// `attention_combine_f32` keeps one weight per split in shared memory.
 const MAX_SPLITS: usize = 1024;
+/// `flash_attention_*`: head dims it is built for, and query rows per warp row tile.
+const FLASH_HEAD_DIMS: [usize; 4] = [64, 96, 128, 256];
+const FA_WARPS: usize = 4;
+
+/// Keys per tile of `flash_attention_*` (its `FaShape::BN`).
+fn flash_tile_keys(head_dim: usize) -> usize {
+    if head_dim > 128 {
+        32
+    } else {
+        64
+    }
+}
+
+/// Tensor-core attention on a bf16/f16 cache, for any number of tokens. With fewer blocks than
+/// two per multiprocessor (decode, short prefills), the cache range is split into chunks whose
+/// partial results `attention_combine_f32` merges.
+fn encode_flash(enc: &mut Encoder, op: &Op) -> Result<()> {
+    let Op::Attention {
+        q,
+        k_cache,
+        v_cache,
+        positions,
+        out,
+        tokens,
+        heads,
+        kv_heads,
+        head_dim,
+        max_ctx,
+        scale,
+    } = *op
+    else {
+        unreachable!("called for attention")
+    };
+    let bn = flash_tile_keys(head_dim);
+    let pairs = tokens * (heads / kv_heads);
+    // Two row tiles per warp (each K/V fragment used twice) when there are rows for them and
+    // registers allow.
+    let mt = if head_dim <= 128 && pairs > 16 * FA_WARPS {
+        2
+    } else {
+        1
+    };
+    let rows = 16 * FA_WARPS * mt;
+    let row_blocks = pairs.div_ceil(rows);
+    let blocks = row_blocks * kv_heads;
+    let want = (2 * enc.device.info().sm_count as usize)
+        .div_ceil(blocks)
+        .clamp(1, max_ctx.div_ceil(bn));
+    let chunk = max_ctx.div_ceil(want).div_ceil(bn) * bn;
+    let splits = max_ctx.div_ceil(chunk);
+    let smem = (rows + 4 * bn) * (head_dim + 8) * 2 + rows * 4;
+    if smem > enc.device.info().max_shared_per_block || splits > MAX_SPLITS {
+        return Err(unsupported(format!(
+            "attention with head_dim {head_dim} over {splits} splits"
+        )));
+    }
+    let name = format!(
+        "flash_attention_{}_{head_dim}_{mt}",
+        float_name(enc.dtype(k_cache))?
+    );
+    let kern = enc.device.kernel("attention", &name)?;
+    let (q, p, o) = (
+        enc.buf(q)?.clone(),
+        enc.buf(positions)?.clone(),
+        enc.buf(out)?.clone(),
+    );
+    let (kc, vc) = (enc.buf(k_cache)?.clone(), enc.buf(v_cache)?.clone());
+    let part_rows = tokens * heads * splits;
+    // With one split the partial-result arguments are unused; the output stands in for them.
+    let (pm, pl_buf, pacc) = if splits > 1 {
+        (
+            enc.workspace(DType::F32, part_rows)?,
+            enc.workspace(DType::F32, part_rows)?,
+            enc.workspace(DType::F32, [part_rows, head_dim])?,
+        )
+    } else {
+        (o.clone(), o.clone(), o.clone())
+    };
+    enc.list
+        .dispatch(&kern)
+        .grid((u32_arg(row_blocks)?, u32_arg(kv_heads)?, u32_arg(splits)?))
+        .block(32 * FA_WARPS as u32)
+        .shared_mem(u32_arg(smem)?)
+        .read(&q)
+        .read(&kc)
+        .read(&vc)
+        .read(&p)
+        .write(&o)
+        .write(&pm)
+        .write(&pl_buf)
+        .write(&pacc)
+        .arg(u32_arg(tokens)?)
+        .arg(u32_arg(heads)?)
+        .arg(u32_arg(kv_heads)?)
+        .arg(u32_arg(max_ctx)?)
+        .arg(scale)
+        .arg(u32_arg(chunk)?)
+        .record();
+    if splits > 1 {
+        let combine = enc.device.kernel("attention", "attention_combine_f32")?;
+        enc.list
+            .dispatch(&combine)
+            .grid(u32_arg(tokens * heads)?)
+            .block(256)
+            .read(&pm)
+            .read(&pl_buf)
+            .read(&pacc)
+            .write(&o)
+            .arg(u32_arg(head_dim)?)
+            .arg(u32_arg(splits)?)
+            .record();
+    }
+    Ok(())
+}
 
 /// Decode attention: the cache split into chunks processed in parallel, then merged.
 fn encode_split(enc: &mut Encoder, op: &Op) -> Result<()> {
@@ -158,6 +272,10 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             max_ctx,
             scale,
         } => {
+            let half = matches!(enc.dtype(k_cache), DType::BF16 | DType::F16);
+            if half && FLASH_HEAD_DIMS.contains(&head_dim) {
+                return encode_flash(enc, op);
+            }
             if tokens <= SPLIT_MAX_TOKENS && head_dim % 8 == 0 && head_dim <= MAX_HEAD_DIM {
                 return encode_split(enc, op);
             }
