@@ -783,10 +783,13 @@ pub fn moe(rng: Rng) -> Case {
         ],
     );
     let (hidden, inter) = match format {
+        // Sometimes whole 64-wide tiles, so many-token bf16 experts take the grouped GEMMs.
+        ExpertFormat::Bf16 if c.rng.range(0, 2) == 0 => (64 * c.rng.range(1, 4), 64 * c.rng.range(1, 3)),
         ExpertFormat::Bf16 => (8 * c.rng.range(1, 25), 8 * c.rng.range(1, 19)),
         ExpertFormat::Quant(_) => (64 * c.rng.range(1, 4), 64 * c.rng.range(1, 3)),
     };
-    let tokens = pick(&mut c.rng, &[1, 1, 4, 33]);
+    // 33 and 300 tokens take CUDA's grouped GEMMs (300: experts with more than one row tile).
+    let tokens = pick(&mut c.rng, &[1, 1, 4, 33, 300]);
     let normalize = c.rng.next_f32() < 0.5;
     let layout = ExpertLayout {
         experts,
@@ -801,7 +804,9 @@ pub fn moe(rng: Rng) -> Case {
     let eb = c.g.weight("experts", DType::U8, [layout.total_bytes()]);
     c.set(eb, blob);
     let out = c.g.moe_experts("experts", x, ids, weights, eb, layout);
-    c.rounded_activations = format != ExpertFormat::Bf16;
+    // CUDA rounds activations to int8 for quantised experts on few tokens, and to bf16 for the
+    // grouped tensor-core GEMMs of many tokens.
+    c.rounded_activations = format != ExpertFormat::Bf16 || tokens >= 16;
     let mut exp_ids = Vec::new();
     let mut exp_w = Vec::new();
     let mut expect = vec![0f64; tokens * hidden];

@@ -42,6 +42,7 @@ pub const MODULES: &[ModuleSource] = &[
     module!("elementwise"),
     module!("attention"),
     module!("moe"),
+    module!("moe_gemm"),
     module!("deltanet"),
     module!("head"),
 ];

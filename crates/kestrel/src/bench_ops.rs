@@ -194,6 +194,24 @@ pub fn run(dev: &Device, reps: usize, profile: bool) -> Result<Vec<OpRow>> {
         target: ">= 60% of 4.26 TB/s (selected experts' bytes)",
     });
 
+    // The same experts for a 4,096-token prefill: router, tokens grouped by expert, grouped
+    // GEMMs, combine. FLOPs: 3 products of 2 * hidden * inter per (token, slot).
+    let tokens = 4096;
+    let mut g = GraphBuilder::new();
+    let x = g.act_input("x", tokens, hidden);
+    let logits = g.act_input("router_logits", tokens, experts);
+    let (ids, w) = g.router("router", logits, k, true);
+    let e = g.weight("experts", DType::U8, [layout.total_bytes()]);
+    let y = g.moe_experts("experts", x, ids, w, e, layout);
+    benches.push(Bench {
+        name: "moe prefill 4096 top-8/128 q4",
+        graph: finish(g, y)?,
+        fixed: vec![],
+        bytes: 0.0,
+        flops: Some((tokens * k * 3 * 2 * hidden * inter) as f64),
+        target: ">= 250 TFLOP/s",
+    });
+
     // Decode attention at 8k context: 32 query heads, 4 KV heads, head dim 128, bf16 cache.
     let (heads, kv_heads, hd, ctx) = (32, 4, 128, 8192);
     let mut g = GraphBuilder::new();

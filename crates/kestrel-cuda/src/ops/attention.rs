@@ -132,6 +132,13 @@ fn encode_flash(enc: &mut Encoder, op: &Op) -> Result<()> {
     Ok(())
 }
 
+/// Shared memory of `attention_split_*`: queries, the warps' partial results, and each warp's 32 K
+/// and 32 V rows (padded by 8 values).
+fn split_smem(head_dim: usize, cache_bytes: usize) -> usize {
+    (GROUP * head_dim + 2 * DEC_WARPS * GROUP + DEC_WARPS * GROUP * head_dim) * 4
+        + DEC_WARPS * 64 * (head_dim + 8) * cache_bytes
+}
+
 /// Decode attention: the cache split into chunks processed in parallel, then merged.
 fn encode_split(enc: &mut Encoder, op: &Op) -> Result<()> {
     let Op::Attention {
@@ -170,10 +177,7 @@ fn encode_split(enc: &mut Encoder, op: &Op) -> Result<()> {
         enc.workspace(DType::F32, rows)?,
         enc.workspace(DType::F32, [rows, head_dim])?,
     );
-    // queries, the warps' partial results, and each warp's 32 K and 32 V rows (padded by 8 values)
-    let cache_bytes = enc.dtype(v_cache).size_in_bytes();
-    let smem = (GROUP * head_dim + 2 * DEC_WARPS * GROUP + DEC_WARPS * GROUP * head_dim) * 4
-        + DEC_WARPS * 64 * (head_dim + 8) * cache_bytes;
+    let smem = split_smem(head_dim, enc.dtype(v_cache).size_in_bytes());
     if smem > enc.device.info().max_shared_per_block || splits > MAX_SPLITS {
         return Err(unsupported(format!(
             "decode attention with head_dim {head_dim} over {splits} splits"
@@ -276,7 +280,10 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             if half && FLASH_HEAD_DIMS.contains(&head_dim) {
                 return encode_flash(enc, op);
             }
-            if tokens <= SPLIT_MAX_TOKENS && head_dim % 8 == 0 && head_dim <= MAX_HEAD_DIM {
+            // The split kernel when its shared memory fits (f32 caches up to head dim 128).
+            let split_fits = split_smem(head_dim, enc.dtype(v_cache).size_in_bytes())
+                <= enc.device.info().max_shared_per_block;
+            if tokens <= SPLIT_MAX_TOKENS && head_dim % 8 == 0 && head_dim <= MAX_HEAD_DIM && split_fits {
                 return encode_split(enc, op);
             }
             if head_dim > MAX_HEAD_DIM {

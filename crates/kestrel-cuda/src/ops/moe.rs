@@ -1,5 +1,7 @@
-//! Router and routed experts: `kernels/moe.cu`. Experts run as gate/up into a per-node
-//! workspace `[tokens * k, inter]`, then down with the weighted, ordered combine.
+//! Router and routed experts: `kernels/moe.cu` and `kernels/moe_gemm.cu`. Few tokens: gate/up per
+//! (token, slot) into a per-node workspace `[tokens * k, inter]`, then down with the weighted,
+//! ordered combine. Many tokens: the slots sorted by expert on the device, grouped tensor-core
+//! GEMMs over each expert's rows, then the same ordered combine.
 
 use kestrel_core::ir::{ExpertFormat, MatrixSpan, Op};
 use kestrel_core::DType;
@@ -16,6 +18,131 @@ const DOWN_ROWS: usize = 4;
 /// `router_f32` holds 16 experts per lane of one warp, and slot j's weight in lane j.
 const ROUTER_MAX_EXPERTS: usize = 512;
 const ROUTER_MAX_K: usize = 32;
+
+/// From this many tokens on, experts run as grouped GEMMs (`moe_gemm.cu`).
+const GROUPED_MIN_TOKENS: usize = 16;
+/// `moe_gemm.cu`: rows and columns per tile, K step, threads, and the most experts `moe_sort`
+/// handles (one thread each).
+const GT_ROWS: usize = 128;
+const GT_COLS: usize = 64;
+const GT_K: usize = 64;
+const GT_STRIDE: usize = GT_K + 8;
+const SORT_MAX_EXPERTS: usize = 1024;
+
+/// Whether `moe_gemm.cu` handles these experts: dims in whole tiles, groups of whole 16-value
+/// thread shares.
+fn grouped_fits(layout: &kestrel_core::ir::ExpertLayout) -> bool {
+    let group_ok = match layout.format {
+        ExpertFormat::Bf16 => true,
+        ExpertFormat::Quant(q) => (q.bits == 4 || q.bits == 8) && q.group_size % 16 == 0,
+    };
+    group_ok && layout.hidden % GT_K == 0 && layout.inter % GT_K == 0 && layout.experts <= SORT_MAX_EXPERTS
+}
+
+/// Many tokens: sort slots by expert, grouped GEMMs for gate/up (SwiGLU, bf16 activations) and
+/// down (weighted), then the ordered combine into `out`.
+#[allow(clippy::too_many_arguments)]
+fn encode_grouped(
+    enc: &mut Encoder,
+    x: &Buffer,
+    ids: &Buffer,
+    w: &Buffer,
+    e: &Buffer,
+    o: &Buffer,
+    layout: &kestrel_core::ir::ExpertLayout,
+    (tokens, k, name, group): (usize, usize, &str, usize),
+) -> Result<()> {
+    let (h, i) = (layout.hidden, layout.inter);
+    let slots = tokens * k;
+    let max_tiles = slots.div_ceil(GT_ROWS) + layout.experts;
+    let (xb, order, tiles, act, ys) = (
+        enc.workspace(DType::BF16, [tokens, h])?,
+        enc.workspace(DType::U32, slots)?,
+        enc.workspace(DType::U32, 3 * max_tiles)?,
+        enc.workspace(DType::BF16, [slots, i])?,
+        enc.workspace(DType::F32, [slots, h])?,
+    );
+    let convert = enc.device.kernel("elementwise", "convert_f32_bf16")?;
+    enc.list
+        .dispatch(&convert)
+        .cover(tokens * h / 8, 256)
+        .read(x)
+        .write(&xb)
+        .arg(u32_arg(tokens * h)?)
+        .record();
+    let sort = enc.device.kernel("moe_gemm", "moe_sort")?;
+    enc.list
+        .dispatch(&sort)
+        .grid(1)
+        .block(SORT_MAX_EXPERTS as u32)
+        .read(ids)
+        .write(&order)
+        .write(&tiles)
+        .arg(u32_arg(slots)?)
+        .arg(u32_arg(layout.experts)?)
+        .arg(u32_arg(max_tiles)?)
+        .record();
+    let span = layout.span_bytes() as u64;
+    let (g, u, d) = (layout.gate(), layout.up(), layout.down());
+    let group = group as u32;
+    let gate_up = enc
+        .device
+        .kernel("moe_gemm", &format!("moe_gemm_gate_up_{name}"))?;
+    let smem = |nb: usize| 2 * (GT_ROWS + nb * GT_COLS) * GT_STRIDE * 2;
+    let b = enc
+        .list
+        .dispatch(&gate_up)
+        .grid((u32_arg(max_tiles)?, u32_arg(i / GT_COLS)?))
+        .block(256)
+        .shared_mem(u32_arg(smem(2))?)
+        .read(&xb)
+        .read(&order)
+        .read(&tiles)
+        .read(e)
+        .write(&act)
+        .arg(u32_arg(h)?)
+        .arg(u32_arg(i)?)
+        .arg(u32_arg(k)?)
+        .arg(span);
+    let mut b = b;
+    for m in [g, u] {
+        b = b.arg(m.weight as u64).arg(m.scales as u64).arg(m.biases as u64);
+    }
+    b.arg(group).record();
+    let down = enc.device.kernel("moe_gemm", &format!("moe_gemm_down_{name}"))?;
+    enc.list
+        .dispatch(&down)
+        .grid((u32_arg(max_tiles)?, u32_arg(h / GT_COLS)?))
+        .block(256)
+        .shared_mem(u32_arg(smem(1))?)
+        .read(&act)
+        .read(&order)
+        .read(&tiles)
+        .read(w)
+        .read(e)
+        .write(&ys)
+        .arg(u32_arg(h)?)
+        .arg(u32_arg(i)?)
+        .arg(span)
+        .arg(d.weight as u64)
+        .arg(d.scales as u64)
+        .arg(d.biases as u64)
+        .arg(group)
+        .record();
+    let combine = enc.device.kernel("moe_gemm", "moe_combine")?;
+    enc.list
+        .dispatch(&combine)
+        .cover(tokens * h / 4, 256)
+        .read(&ys)
+        .read(ids)
+        .write(o)
+        .arg(u32_arg(tokens)?)
+        .arg(u32_arg(h)?)
+        .arg(u32_arg(k)?)
+        .arg(u32_arg(layout.experts)?)
+        .record();
+    Ok(())
+}
 
 /// Bytes of shared memory for `n` values staged as int8 with their scales and sums.
 fn int8_smem(n: usize) -> usize {
@@ -115,6 +242,17 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 ExpertFormat::Quant(q) => return Err(unsupported(format!("{}-bit experts", q.bits))),
             };
             let (h, i) = (layout.hidden, layout.inter);
+            if tokens >= GROUPED_MIN_TOKENS && grouped_fits(&layout) {
+                let (x, ids, w, e, o) = (
+                    enc.buf(x)?.clone(),
+                    enc.buf(ids)?.clone(),
+                    enc.buf(weights)?.clone(),
+                    enc.buf(experts)?.clone(),
+                    enc.buf(out)?.clone(),
+                );
+                let args = (tokens, k, name, group);
+                return encode_grouped(enc, &x, &ids, &w, &e, &o, &layout, args);
+            }
             if h % 8 != 0 || i % 8 != 0 {
                 return Err(unsupported(format!("expert dims {h}x{i} are not multiples of 8")));
             }
