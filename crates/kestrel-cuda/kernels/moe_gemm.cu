@@ -9,7 +9,7 @@
 //
 // moe_gemm_gate_up: act[pos] = silu(gate_e x_t) * (up_e x_t) for the rows of a tile, x gathered
 // from the bf16 copy of the activations, act written as bf16 in sorted order.
-// moe_gemm_down: ys[slot] = weight[slot] * (down_e act[pos]), f32.
+// moe_gemm_down_{1,2}: ys[slot] = weight[slot] * (down_e act[pos]), f32; 64 or 128 columns a block.
 // moe_combine: out[t] = sum over j in order of ys[t * k + j].
 //
 // GEMM tiles: GT_ROWS rows x 64 columns of each B matrix (gate and up, or down), K in steps of 64.
@@ -304,8 +304,10 @@ __device__ void gemm_gate_up(const bf16* xb, const unsigned* order, const unsign
         }
 }
 
-// Grid (max_tiles, hidden / 64). act: [slots, inter] bf16 in sorted order; ys: [slots, hidden].
-template <int BITS>
+// Grid (max_tiles, hidden / (64 * NB)). act: [slots, inter] bf16 in sorted order; ys: [slots,
+// hidden]. NB = 2 takes 128 output columns per block as two 64-row halves of the down matrix, so
+// each A step feeds twice the tensor-core work.
+template <int BITS, int NB>
 __device__ void gemm_down(const bf16* act, const unsigned* order, const unsigned* tiles, const float* weights,
                           const unsigned char* experts, float* ys, unsigned hidden, unsigned inter,
                           unsigned long long span, unsigned long long dw, unsigned long long ds,
@@ -315,13 +317,18 @@ __device__ void gemm_down(const bf16* act, const unsigned* order, const unsigned
     const unsigned* tile = tiles + 3 * blockIdx.x;
     const unsigned e = tile[0];
     if (e == NO_TILE) return;
-    const unsigned pos0 = tile[1], rows = tile[2], n0 = blockIdx.y * GT_COLS;
+    const unsigned pos0 = tile[1], rows = tile[2], n0 = blockIdx.y * GT_COLS * NB;
     for (unsigned r = threadIdx.x; r < GT_ROWS; r += blockDim.x)
         rows_src[r] = r < rows ? act + (size_t)(pos0 + r) * inter : nullptr;
     __syncthreads();
-    const BMat mats[1] = {bmat(experts + (size_t)e * span, dw, ds, db)};
-    float acc[2][1][4][4];
-    tile_gemm<BITS, 1>(acc, rows_src, mats, n0, inter, group, reinterpret_cast<bf16*>(gt_smem));
+    const BMat d = bmat(experts + (size_t)e * span, dw, ds, db);
+    BMat mats[NB];
+    const size_t row_bytes = (size_t)inter * BITS / 8, groups = BITS == 16 ? 0 : inter / group;
+#pragma unroll
+    for (int b = 0; b < NB; b++)
+        mats[b] = BMat{d.w + b * GT_COLS * row_bytes, d.scales + b * GT_COLS * groups, d.biases + b * GT_COLS * groups};
+    float acc[2][NB][4][4];
+    tile_gemm<BITS, NB>(acc, rows_src, mats, n0, inter, group, reinterpret_cast<bf16*>(gt_smem));
     const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, wm = warp / 2, wn = warp % 2;
 #pragma unroll
     for (int mt = 0; mt < 2; mt++)
@@ -331,10 +338,14 @@ __device__ void gemm_down(const bf16* act, const unsigned* order, const unsigned
             if (r >= rows) continue;
             const unsigned slot = order[pos0 + r];
             const float w = weights[slot];
-            float* dst = ys + (size_t)slot * hidden + n0 + wn * 32 + 2 * (lane % 4);
 #pragma unroll
-            for (int nt = 0; nt < 4; nt++)
-                *reinterpret_cast<float2*>(dst + nt * 8) = make_float2(w * acc[mt][0][nt][2 * hf], w * acc[mt][0][nt][2 * hf + 1]);
+            for (int b = 0; b < NB; b++) {
+                float* dst = ys + (size_t)slot * hidden + n0 + b * GT_COLS + wn * 32 + 2 * (lane % 4);
+#pragma unroll
+                for (int nt = 0; nt < 4; nt++)
+                    *reinterpret_cast<float2*>(dst + nt * 8) =
+                        make_float2(w * acc[mt][b][nt][2 * hf], w * acc[mt][b][nt][2 * hf + 1]);
+            }
         }
 }
 
@@ -358,6 +369,13 @@ extern "C" __global__ void moe_combine(const float* ys, const unsigned* ids, flo
     reinterpret_cast<float4*>(out + t * hidden)[v] = a;
 }
 
+#define DOWN(BITS, NAME, NB)                                                                                \
+    extern "C" __global__ void __launch_bounds__(GT_THREADS) moe_gemm_down_##NAME##_##NB(                   \
+        const bf16* act, const unsigned* order, const unsigned* tiles, const float* weights,              \
+        const unsigned char* experts, float* ys, unsigned hidden, unsigned inter, unsigned long long span,  \
+        unsigned long long dw, unsigned long long ds, unsigned long long db, unsigned group) {             \
+        gemm_down<BITS, NB>(act, order, tiles, weights, experts, ys, hidden, inter, span, dw, ds, db, group); \
+    }
 #define GEMMS(BITS, NAME)                                                                                  \
     extern "C" __global__ void __launch_bounds__(GT_THREADS) moe_gemm_gate_up_##NAME(                       \
         const bf16* xb, const unsigned* order, const unsigned* tiles, const unsigned char* experts, bf16* act, \
@@ -366,12 +384,7 @@ extern "C" __global__ void moe_combine(const float* ys, const unsigned* ids, flo
         unsigned long long ub, unsigned group) {                                                           \
         gemm_gate_up<BITS>(xb, order, tiles, experts, act, hidden, inter, k, span, gw, gs, gb, uw, us, ub, group); \
     }                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(GT_THREADS) moe_gemm_down_##NAME(                          \
-        const bf16* act, const unsigned* order, const unsigned* tiles, const float* weights,              \
-        const unsigned char* experts, float* ys, unsigned hidden, unsigned inter, unsigned long long span,  \
-        unsigned long long dw, unsigned long long ds, unsigned long long db, unsigned group) {             \
-        gemm_down<BITS>(act, order, tiles, weights, experts, ys, hidden, inter, span, dw, ds, db, group);  \
-    }
+    DOWN(BITS, NAME, 1) DOWN(BITS, NAME, 2)
 
 GEMMS(4, q4)
 GEMMS(8, q8)

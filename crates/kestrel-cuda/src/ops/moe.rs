@@ -109,12 +109,16 @@ fn encode_grouped(
         b = b.arg(m.weight as u64).arg(m.scales as u64).arg(m.biases as u64);
     }
     b.arg(group).record();
-    let down = enc.device.kernel("moe_gemm", &format!("moe_gemm_down_{name}"))?;
+    // 128 output columns a block where hidden allows.
+    let nb = if h % (2 * GT_COLS) == 0 { 2 } else { 1 };
+    let down = enc
+        .device
+        .kernel("moe_gemm", &format!("moe_gemm_down_{name}_{nb}"))?;
     enc.list
         .dispatch(&down)
-        .grid((u32_arg(max_tiles)?, u32_arg(h / GT_COLS)?))
+        .grid((u32_arg(max_tiles)?, u32_arg(h / (nb * GT_COLS))?))
         .block(256)
-        .shared_mem(u32_arg(smem(1))?)
+        .shared_mem(u32_arg(smem(nb))?)
         .read(&act)
         .read(&order)
         .read(&tiles)
