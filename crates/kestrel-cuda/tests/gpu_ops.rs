@@ -7,7 +7,7 @@
 //! or to bf16 for many-token products (relative L2 error 2e-2); selected ids equal.
 
 use kestrel_core::rng::Rng;
-use kestrel_core::Backend;
+use kestrel_core::{Backend, DType, GraphBuilder};
 use kestrel_cpu::testing::{all_cases, f32s, rel_err, rel_l2, u32s, Case, Expect};
 use kestrel_cpu::CpuBackend;
 use kestrel_cuda::testing::device_or_skip;
@@ -81,5 +81,72 @@ fn every_op_matches_the_cpu_backend() {
                 }
             }
         }
+    }
+}
+
+/// A prefill long enough that tensor-core attention needs no split over the cache (every block
+/// writes its rows' normalised output directly, the path the shared random cases, a few dozen
+/// tokens each, never reach): 2,200 tokens, 16 query / 2 KV heads, head dims 128 and 256, bf16
+/// and f16 caches, against the CPU backend. Queries and probabilities are rounded to the cache's
+/// type on CUDA, so the bound is the rounded-activation one.
+#[test]
+fn long_prefill_attention_matches_the_cpu_backend() {
+    let Some(dev) = device_or_skip("long_prefill_attention_matches_the_cpu_backend") else {
+        return;
+    };
+    let (mut rng, seed) = Rng::from_time();
+    let (tokens, heads, kv_heads) = (2200, 16, 2);
+    for (hd, dtype) in [(128, DType::BF16), (256, DType::F16)] {
+        let mut g = GraphBuilder::new();
+        let q = g.act_input("q", tokens, heads * hd);
+        let kc = g.cache("k_cache", dtype, kv_heads, tokens, hd);
+        let vc = g.cache("v_cache", dtype, kv_heads, tokens, hd);
+        let pos = g.positions_input("pos", tokens);
+        let out = g.attention("attention", q, kc, vc, pos, heads, 1.0 / (hd as f32).sqrt());
+        g.mark_output(out);
+        let graph = g.finish().unwrap();
+        let qv: Vec<f32> = (0..tokens * heads * hd).map(|_| rng.symmetric()).collect();
+        let cache = |rng: &mut Rng| -> Vec<u8> {
+            let v: Vec<f32> = (0..kv_heads * tokens * hd).map(|_| rng.symmetric()).collect();
+            match dtype {
+                DType::BF16 => {
+                    bytemuck::cast_slice(&v.iter().map(|&x| half::bf16::from_f32(x)).collect::<Vec<_>>())
+                        .to_vec()
+                }
+                _ => bytemuck::cast_slice(&v.iter().map(|&x| half::f16::from_f32(x)).collect::<Vec<_>>())
+                    .to_vec(),
+            }
+        };
+        let (kb, vb) = (cache(&mut rng), cache(&mut rng));
+        let positions: Vec<u32> = (0..tokens as u32).collect();
+        let mut results = Vec::new();
+        let mut cpu = CpuBackend::new();
+        let mut cuda = CudaBackend::new(dev.clone(), RunMode::Graph);
+        {
+            let mut p = cpu.prepare(&graph).unwrap();
+            cpu.upload(&mut p, q, &qv).unwrap();
+            cpu.write_bytes(&mut p, kc.raw(), 0, &kb).unwrap();
+            cpu.write_bytes(&mut p, vc.raw(), 0, &vb).unwrap();
+            cpu.upload(&mut p, pos, &positions).unwrap();
+            cpu.run(&mut p).unwrap();
+            results.push(cpu.download::<f32>(&p, out).unwrap());
+        }
+        {
+            let mut p = cuda.prepare(&graph).unwrap();
+            cuda.poison(&p).unwrap();
+            cuda.upload(&mut p, q, &qv).unwrap();
+            cuda.write_bytes(&mut p, kc.raw(), 0, &kb).unwrap();
+            cuda.write_bytes(&mut p, vc.raw(), 0, &vb).unwrap();
+            cuda.upload(&mut p, pos, &positions).unwrap();
+            cuda.run(&mut p).unwrap();
+            results.push(cuda.download::<f32>(&p, out).unwrap());
+        }
+        let want: Vec<f64> = results[0].iter().map(|&v| v as f64).collect();
+        let err = rel_l2(&results[1], &want);
+        println!("long prefill attention d{hd} {dtype}: relative L2 error {err:e}");
+        assert!(
+            err <= TOL_INT8_L2,
+            "seed {seed} d{hd} {dtype}: relative L2 error {err:e}"
+        );
     }
 }
