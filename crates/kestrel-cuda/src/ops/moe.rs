@@ -89,7 +89,7 @@ fn encode_grouped(
         .device
         .kernel("moe_gemm", &format!("moe_gemm_gate_up_{name}"))?;
     let smem = |nb: usize| 2 * (GT_ROWS + nb * GT_COLS) * GT_STRIDE * 2;
-    let b = enc
+    let mut b = enc
         .list
         .dispatch(&gate_up)
         .grid((u32_arg(max_tiles)?, u32_arg(i / GT_COLS)?))
@@ -104,7 +104,6 @@ fn encode_grouped(
         .arg(u32_arg(i)?)
         .arg(u32_arg(k)?)
         .arg(span);
-    let mut b = b;
     for m in [g, u] {
         b = b.arg(m.weight as u64).arg(m.scales as u64).arg(m.biases as u64);
     }
