@@ -5,6 +5,7 @@ use kestrel_core::DType;
 
 use super::{float_name, u32_arg, unsupported};
 use crate::backend::Encoder;
+use crate::buffer::Buffer;
 use crate::error::Result;
 
 /// `attention.cu` holds up to 8 dims per lane of a warp.
@@ -15,8 +16,9 @@ const SPLIT_MAX_TOKENS: usize = 4;
 /// `attention_split_*`: query heads per block, warps per block, and keys per warp batch.
 const GROUP: usize = 8;
 const DEC_WARPS: usize = 4;
-/// `attention_combine_f32` keeps one weight per split in shared memory.
+/// `attention_combine_f32` keeps one weight per split in shared memory; its block size.
 const MAX_SPLITS: usize = 1024;
+const COMBINE_THREADS: u32 = 256;
 /// `flash_attention_*`: head dims it is built for, and query rows per warp row tile.
 const FLASH_HEAD_DIMS: [usize; 4] = [64, 96, 128, 256];
 const FA_WARPS: usize = 4;
@@ -84,16 +86,11 @@ fn encode_flash(enc: &mut Encoder, op: &Op) -> Result<()> {
         enc.buf(out)?.clone(),
     );
     let (kc, vc) = (enc.buf(k_cache)?.clone(), enc.buf(v_cache)?.clone());
-    let part_rows = tokens * heads * splits;
     // With one split the partial-result arguments are unused; the output stands in for them.
-    let (pm, pl_buf, pacc) = if splits > 1 {
-        (
-            enc.workspace(DType::F32, part_rows)?,
-            enc.workspace(DType::F32, part_rows)?,
-            enc.workspace(DType::F32, [part_rows, head_dim])?,
-        )
+    let [pm, pl_buf, pacc] = if splits > 1 {
+        partials(enc, tokens * heads * splits, head_dim)?
     } else {
-        (o.clone(), o.clone(), o.clone())
+        [o.clone(), o.clone(), o.clone()]
     };
     enc.list
         .dispatch(&kern)
@@ -116,18 +113,7 @@ fn encode_flash(enc: &mut Encoder, op: &Op) -> Result<()> {
         .arg(u32_arg(chunk)?)
         .record();
     if splits > 1 {
-        let combine = enc.device.kernel("attention", "attention_combine_f32")?;
-        enc.list
-            .dispatch(&combine)
-            .grid(u32_arg(tokens * heads)?)
-            .block(256)
-            .read(&pm)
-            .read(&pl_buf)
-            .read(&pacc)
-            .write(&o)
-            .arg(u32_arg(head_dim)?)
-            .arg(u32_arg(splits)?)
-            .record();
+        record_combine(enc, &[pm, pl_buf, pacc], &o, tokens * heads, head_dim, splits)?;
     }
     Ok(())
 }
@@ -171,12 +157,7 @@ fn encode_split(enc: &mut Encoder, op: &Op) -> Result<()> {
         .clamp(1, max_ctx.div_ceil(DEC_WARPS * 32));
     let chunk = max_ctx.div_ceil(want).div_ceil(DEC_WARPS * 32) * DEC_WARPS * 32;
     let splits = max_ctx.div_ceil(chunk);
-    let rows = tokens * heads * splits;
-    let (pm, pl_buf, pacc) = (
-        enc.workspace(DType::F32, rows)?,
-        enc.workspace(DType::F32, rows)?,
-        enc.workspace(DType::F32, [rows, head_dim])?,
-    );
+    let [pm, pl_buf, pacc] = partials(enc, tokens * heads * splits, head_dim)?;
     let smem = split_smem(head_dim, enc.dtype(v_cache).size_in_bytes());
     if smem > enc.device.info().max_shared_per_block || splits > MAX_SPLITS {
         return Err(unsupported(format!(
@@ -210,15 +191,37 @@ fn encode_split(enc: &mut Encoder, op: &Op) -> Result<()> {
         .arg(scale)
         .arg(u32_arg(chunk)?)
         .record();
+    record_combine(enc, &[pm, pl_buf, pacc], &o, tokens * heads, head_dim, splits)
+}
+
+/// Per (row, split) partial results of split attention: max, sum, and the unnormalised
+/// `[head_dim]` accumulator, for `rows` = rows x splits.
+fn partials(enc: &mut Encoder, rows: usize, head_dim: usize) -> Result<[Buffer; 3]> {
+    Ok([
+        enc.workspace(DType::F32, rows)?,
+        enc.workspace(DType::F32, rows)?,
+        enc.workspace(DType::F32, [rows, head_dim])?,
+    ])
+}
+
+/// `attention_combine_f32`: out[row] = merge of the row's `splits` partial results.
+fn record_combine(
+    enc: &mut Encoder,
+    [pm, pl, pacc]: &[Buffer; 3],
+    out: &Buffer,
+    rows: usize,
+    head_dim: usize,
+    splits: usize,
+) -> Result<()> {
     let combine = enc.device.kernel("attention", "attention_combine_f32")?;
     enc.list
         .dispatch(&combine)
-        .grid(u32_arg(tokens * heads)?)
-        .block(128)
-        .read(&pm)
-        .read(&pl_buf)
-        .read(&pacc)
-        .write(&o)
+        .grid(u32_arg(rows)?)
+        .block(COMBINE_THREADS)
+        .read(pm)
+        .read(pl)
+        .read(pacc)
+        .write(out)
         .arg(u32_arg(head_dim)?)
         .arg(u32_arg(splits)?)
         .record();
