@@ -3,6 +3,10 @@
 before a run on the device machine. Uses the same options as the kernel registry.
 
     python3 scripts/nvrtc-check.py [--nvrtc PATH/libnvrtc.so.13] [--include DIR] [--arch sm_90]
+                                   [--verbose] [--cubin DIR] [FILE.cu ...]
+
+--cubin writes each module's cubin to DIR, for `cuobjdump -sass` or `nvdisasm` (the
+`nvidia-cuda-cuobjdump` / `nvidia-cuda-nvdisasm` wheels).
 
 libnvrtc comes with the CUDA toolkit or the `nvidia-cuda-nvrtc` wheel; the headers
 (cuda_fp16.h, cuda_bf16.h) with the toolkit or the `nvidia-cuda-runtime` wheel.
@@ -18,6 +22,7 @@ ap.add_argument("--nvrtc", default="libnvrtc.so.13")
 ap.add_argument("--include", action="append", default=[])
 ap.add_argument("--arch", default="sm_90")
 ap.add_argument("--verbose", action="store_true", help="print ptxas resource usage (registers, spills)")
+ap.add_argument("--cubin", help="write each module's cubin into this folder")
 ap.add_argument("files", nargs="*")
 args = ap.parse_args()
 
@@ -47,5 +52,12 @@ for path in files:
     if text:
         print(text)
     failed += rc != 0
+    if rc == 0 and args.cubin:
+        lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+        cubin = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetCUBIN(prog, cubin)
+        os.makedirs(args.cubin, exist_ok=True)
+        out = os.path.join(args.cubin, os.path.basename(path)[:-3] + ".cubin")
+        open(out, "wb").write(cubin.raw)
     lib.nvrtcDestroyProgram(ctypes.byref(prog))
 sys.exit(1 if failed else 0)

@@ -561,14 +561,33 @@ pub fn rope(rng: Rng) -> Case {
 
 pub fn linear(rng: Rng) -> Case {
     let mut c = CaseBuilder::new(rng);
+    let (q4g32, q8g128) = (
+        QuantFormat {
+            bits: 4,
+            group_size: 32,
+        },
+        QuantFormat {
+            bits: 8,
+            group_size: 128,
+        },
+    );
     let format = pick(
         &mut c.rng,
-        &[None, None, Some(QuantFormat::Q4), Some(QuantFormat::Q8)],
+        &[
+            None,
+            None,
+            Some(QuantFormat::Q4),
+            Some(QuantFormat::Q8),
+            Some(q4g32),
+            Some(q8g128),
+        ],
     );
-    let in_dim = if format.is_some() {
-        64 * c.rng.range(1, 12)
-    } else {
-        c.rng.range(1, 700)
+    // Quantised: any whole number of groups, or a multiple of 8 groups (what the pipelined
+    // one-token kernel needs; other sizes take the general one).
+    let in_dim = match format {
+        Some(f) if c.rng.range(0, 2) == 0 => 8 * f.group_size * c.rng.range(1, 4),
+        Some(f) => f.group_size.max(64) * c.rng.range(1, 12),
+        None => c.rng.range(1, 700),
     };
     let (tokens, out_dim) = (pick(&mut c.rng, &[1, 1, 2, 5, 17]), c.rng.range(1, 600));
     let dtype = pick(&mut c.rng, &[DType::BF16, DType::F16, DType::F32]);

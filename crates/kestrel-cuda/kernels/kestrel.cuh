@@ -53,6 +53,35 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     return warp_max(v);
 }
 
+// ---- programmatic dependent launch (sm_90) ----
+// A dispatch recorded as programmatic may be launched by a CUDA graph before the kernels it
+// depends on have finished. Its contract: every block calls pdl_wait() before it reads anything
+// an earlier kernel writes and before it writes anything (so only weights may be read before),
+// and calls pdl_trigger(), which lets the next kernel launch, only after its wait. Because each
+// wait follows the previous kernel's completion, the completion of a kernel still implies the
+// completion of everything before it. Without a pending programmatic launch both return at once.
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Asks L2 to fetch the 128-byte line holding p, to be kept (evict_last) until it is read.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p));
+}
+
+// This warp prefetches [p, p + bytes) into L2, a line per lane at a time.
+__device__ __forceinline__ void prefetch_l2_range(const void* p, size_t bytes, unsigned lane, unsigned lanes) {
+    const char* c = static_cast<const char*>(p);
+    for (size_t off = (size_t)lane * 128; off < bytes; off += (size_t)lanes * 128) prefetch_l2(c + off);
+}
+
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
@@ -202,6 +231,51 @@ __device__ __forceinline__ int dp4a_us(unsigned a, int b, int c) {
     int d;
     asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
     return d;
+}
+
+// Rounds x[0..n) (n a multiple of 32) to that form: `q` n bytes, `d` n / 32 scales, `s16` n / 16
+// sums (global or shared memory). Thread `tid` of `threads` (a multiple of 32, the same trip
+// count for all, so every lane reaches the shuffles) takes 8 values at a time; four neighbouring
+// lanes share a block of 32. `tid` and `threads` may span one block or the whole grid.
+template <bool NIBBLES>
+__device__ __forceinline__ void quantize_x8(const float* x, unsigned n, int* q, float* d, float* s16, unsigned tid,
+                                            unsigned threads) {
+    for (unsigned base = 0; base < n / 8; base += threads) {
+        const unsigned i = base + tid;
+        const bool ok = i < n / 8;
+        float v[8];
+        float amax = 0.0f;
+        if (ok) {
+            const float4 a = reinterpret_cast<const float4*>(x)[2 * i], b = reinterpret_cast<const float4*>(x)[2 * i + 1];
+            v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+#pragma unroll
+            for (int j = 0; j < 8; j++) amax = fmaxf(amax, fabsf(v[j]));
+        }
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+        const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int r[8], sum = 0;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            r[j] = ok ? __float2int_rn(v[j] * inv) : 0;
+            sum += r[j];
+        }
+        // The sum of the rounded values (not of x): with it the bias term rounds like the weight
+        // term, and the large offset of unsigned quantised weights cancels as in (q s + b) . x.
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        if (!ok) continue;
+        // Byte j of the 8 goes to position p(j): in order, or [x0 x2 x4 x6][x1 x3 x5 x7].
+        unsigned lo = 0, hi = 0;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const int p = NIBBLES ? (j % 2) * 4 + j / 2 : j;
+            const unsigned byte = (unsigned)(r[j] & 0xff) << (8 * (p % 4));
+            if (p < 4) lo |= byte; else hi |= byte;
+        }
+        reinterpret_cast<int2*>(q)[i] = make_int2((int)lo, (int)hi);
+        if (i % 4 == 0) d[i / 4] = scale;
+        if (i % 2 == 0) s16[i / 2] = scale * (float)sum;
+    }
 }
 
 // The int8 form of a vector: `q` the bytes (as ints), `d` one scale per 32 values, `s16` one

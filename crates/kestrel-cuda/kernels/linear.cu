@@ -153,95 +153,129 @@ extern "C" __global__ void __launch_bounds__(32 * VEC_WARPS, 8) matvec_bf16(cons
 // for its 8 values (against three float instructions per value), at the price of x's 8-bit
 // rounding.
 
-// One warp per block of 32 values (total a multiple of 32): writes the int8 values, one scale per
-// 32 and the sum of the rounded values per 16.
-extern "C" __global__ void quantize_x8_f32(const float* x, int* xq, float* xd, float* xs16, unsigned total,
-                                           int nibble_order) {
-    const unsigned lane = threadIdx.x % 32;
-    const unsigned block = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    if (block * 32 >= total) return;
-    const float v = x[block * 32 + lane];
-    const float amax = warp_max(fabsf(v));
-    const float d = amax / 127.0f;
-    const int q = d > 0.0f ? __float2int_rn(v / d) : 0;
-    // The sum of the rounded values (not of x): with it the bias term rounds like the weight term,
-    // and the large offset of unsigned quantised weights cancels as it does in (q s + b) . x.
-    int half = q;
-    for (int o = 8; o > 0; o >>= 1) half += __shfl_xor_sync(0xffffffffu, half, o);  // lanes 0-15 / 16-31
-    unsigned pos = lane;  // destination byte of value `lane` in the block's 32 bytes
-    if (nibble_order) {
-        const unsigned j = lane % 8;
-        pos = (lane / 8) * 8 + (j % 2) * 4 + j / 2;
-    }
-    reinterpret_cast<signed char*>(xq)[block * 32 + pos] = (signed char)q;
-    if (lane == 0) xd[block] = d;
-    if (lane % 16 == 0) xs16[block * 2 + lane / 16] = d * (float)half;
-}
-
 #define DP_WARPS 4
 #define DP_ROWS 4
+#define DP_STAGES 4         // items in flight per warp, through shared memory
+#define DP_BLOCKS_PER_SM 3  // 4 warps x 4 stages x 4.5 KB a block (4-bit, group 64)
 
-// Persistent like `matvec`: the block stages the int8 x in shared memory, its warps walk tiles of
-// DP_ROWS rows, two of each lane's 16-byte vectors per row in flight.
-template <int BITS>
-__device__ void matvec_dp4a(const int* xq, const float* xd, const float* xs16, const unsigned* w,
-                            const bf16* scales, const bf16* biases, float* out, unsigned in_dim, unsigned out_dim,
-                            unsigned group) {
-    extern __shared__ int sq[];  // in_dim / 4 ints, in_dim / 32 scales, in_dim / 16 sums
-    float* sd = reinterpret_cast<float*>(sq + in_dim / 4);
-    float* ss = sd + in_dim / 32;
-    for (unsigned i = threadIdx.x; i < in_dim / 4; i += blockDim.x) sq[i] = xq[i];
-    for (unsigned i = threadIdx.x; i < in_dim / 32; i += blockDim.x) sd[i] = xd[i];
-    for (unsigned i = threadIdx.x; i < in_dim / 16; i += blockDim.x) ss[i] = xs16[i];
-    __syncthreads();
-    const QuantX x{sq, sd, ss};
-    constexpr unsigned VALS = 128 / BITS;
+// A warp's work is a sequence of items: tile t (DP_ROWS rows) x chunk c (64 16-byte vectors of
+// each row, lane l taking vectors c * 64 + l and c * 64 + 32 + l). Items stream through a ring
+// of DP_STAGES slots in shared memory with cp.async, weights and the group scales and biases
+// they need, so a warp keeps three items in flight while it computes on the fourth, and no load
+// is issued at compute time (it would queue behind the whole stream). A lane reads back the
+// weight vectors it copied itself; the scales, copied by other lanes, after a __syncwarp.
+// Needs in_dim / group and 64 * VALS / group to be multiples of 8 (16-byte scale pieces).
+struct DpItems {
+    unsigned first_tile, tile_step, tiles, chunks;
+};
+
+// One ring slot: the weight vectors [i][r][lane], then 2 * DP_ROWS segments of `seg` group values
+// (the scales of rows 0..DP_ROWS-1, then their biases): this many 16-byte vectors.
+__host__ __device__ constexpr unsigned dp_slot_vecs(unsigned seg) { return 2 * DP_ROWS * 32 + DP_ROWS * seg / 4; }
+
+// Starts the copies of item k into its ring slot, zero-filling past the matrix. Always commits
+// one group, so the wait counts stay in step even past the last item.
+__device__ __forceinline__ void dp_fetch(uint4* ring, const DpItems& it, unsigned k, const uint4* W,
+                                         const bf16* scales, const bf16* biases, unsigned nvec, unsigned out_dim,
+                                         unsigned groups, unsigned seg) {
     const unsigned lane = threadIdx.x % 32;
-    const unsigned nvec = in_dim / VALS, groups = in_dim / group;
-    const uint4* W = reinterpret_cast<const uint4*>(w);
-    const unsigned tiles = (out_dim + DP_ROWS - 1) / DP_ROWS;
-    for (unsigned tile = blockIdx.x * DP_WARPS + threadIdx.x / 32; tile < tiles; tile += gridDim.x * DP_WARPS) {
-        const unsigned row0 = tile * DP_ROWS;
-        float acc[DP_ROWS];
+    const unsigned tile = it.first_tile + (k / it.chunks) * it.tile_step, chunk = k % it.chunks;
+    if (tile < it.tiles) {
+        uint4* slot = ring + (k % DP_STAGES) * dp_slot_vecs(seg);
 #pragma unroll
-        for (int r = 0; r < DP_ROWS; r++) acc[r] = 0.0f;
-        for (unsigned u0 = lane; u0 < nvec; u0 += 64) {
-            uint4 v[2][DP_ROWS];
+        for (unsigned i = 0; i < 2; i++)
 #pragma unroll
-            for (unsigned i = 0; i < 2; i++)
-#pragma unroll
-                for (int r = 0; r < DP_ROWS; r++)
-                    if (u0 + 32 * i < nvec && row0 + r < out_dim) v[i][r] = __ldcs(W + (size_t)(row0 + r) * nvec + u0 + 32 * i);
-#pragma unroll
-            for (unsigned i = 0; i < 2; i++) {
-                const unsigned u = u0 + 32 * i;
-                if (u >= nvec) break;
-                const unsigned g = (u * VALS) / group;
-                const XSeg<BITS> xs = x_segment<BITS>(x, u);
-#pragma unroll
-                for (int r = 0; r < DP_ROWS; r++) {
-                    if (row0 + r >= out_dim) continue;
-                    const size_t gi = (size_t)(row0 + r) * groups + g;
-                    acc[r] += dot_int8<BITS>(v[i][r], xs, to_f32(scales[gi]), to_f32(biases[gi]));
-                }
+            for (int r = 0; r < DP_ROWS; r++) {
+                const unsigned row = tile * DP_ROWS + r, u = chunk * 64 + 32 * i + lane;
+                const bool ok = row < out_dim && u < nvec;
+                cp_async16(slot + (i * DP_ROWS + r) * 32 + lane, ok ? W + (size_t)row * nvec + u : W, ok);
             }
-        }
-#pragma unroll
-        for (int r = 0; r < DP_ROWS; r++) {
-            const float s = warp_sum(acc[r]);
-            if (lane == 0 && row0 + r < out_dim) out[row0 + r] = s;
+        bf16* sb = reinterpret_cast<bf16*>(slot + 2 * DP_ROWS * 32);
+        const unsigned pieces = seg / 8, g0 = chunk * seg;  // 8 values per 16-byte piece
+        for (unsigned p = lane; p < 2 * DP_ROWS * pieces; p += 32) {
+            const unsigned part = p / pieces, g = g0 + (p % pieces) * 8, row = tile * DP_ROWS + part % DP_ROWS;
+            const bool ok = row < out_dim && g < groups;
+            const bf16* src = (part < DP_ROWS ? scales : biases) + (size_t)row * groups + g;
+            cp_async16(sb + part * seg + (p % pieces) * 8, ok ? src : scales, ok);
         }
     }
+    cp_async_commit();
 }
 
-extern "C" __global__ void __launch_bounds__(32 * DP_WARPS, 8)
-    matvec_q4_dp4a(const int* xq, const float* xd, const float* xs16, const unsigned* w, const bf16* scales,
-                   const bf16* biases, float* out, unsigned in_dim, unsigned out_dim, unsigned group) {
-    matvec_dp4a<4>(xq, xd, xs16, w, scales, biases, out, in_dim, out_dim, group);
+// Persistent like `matvec`: each block rounds x to int8 into shared memory itself, then its
+// warps walk their items. The first items' copies are started before the programmatic wait
+// (weights are never written by a kernel). Dynamic shared memory: DP_WARPS * DP_STAGES slots of
+// ring (dp_slot_vecs(seg) 16-byte vectors a slot), then in_dim bytes + (in_dim / 32 + in_dim / 16)
+// floats of x.
+template <int BITS>
+__device__ void matvec_dp4a(const float* xf, const unsigned* w, const bf16* scales, const bf16* biases, float* out,
+                            unsigned in_dim, unsigned out_dim, unsigned group) {
+    extern __shared__ __align__(16) uint4 dp_smem[];
+    constexpr unsigned VALS = 128 / BITS;
+    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const unsigned nvec = in_dim / VALS, groups = in_dim / group, seg = 64 * VALS / group;
+    uint4* ring = dp_smem + warp * DP_STAGES * dp_slot_vecs(seg);
+    int* sq = reinterpret_cast<int*>(dp_smem + DP_WARPS * DP_STAGES * dp_slot_vecs(seg));
+    float* sd = reinterpret_cast<float*>(sq + in_dim / 4);
+    float* ss = sd + in_dim / 32;
+    const uint4* W = reinterpret_cast<const uint4*>(w);
+    const DpItems it{blockIdx.x * DP_WARPS + warp, gridDim.x * DP_WARPS, (out_dim + DP_ROWS - 1) / DP_ROWS,
+                     (nvec + 63) / 64};
+    const unsigned items =
+        it.first_tile < it.tiles ? ((it.tiles - it.first_tile + it.tile_step - 1) / it.tile_step) * it.chunks : 0;
+#pragma unroll
+    for (unsigned k = 0; k + 1 < DP_STAGES; k++)
+        dp_fetch(ring, it, k, W, scales, biases, nvec, out_dim, groups, seg);
+    pdl_wait();
+    pdl_trigger();
+    if (warp == 0) prefetch_l2_range(xf, in_dim * sizeof(float), lane, 32);
+    quantize_x8<BITS == 4>(xf, in_dim, sq, sd, ss, threadIdx.x, blockDim.x);
+    __syncthreads();
+    const QuantX x{sq, sd, ss};
+    float acc[DP_ROWS];
+#pragma unroll
+    for (int r = 0; r < DP_ROWS; r++) acc[r] = 0.0f;
+    for (unsigned k = 0; k < items; k++) {
+        dp_fetch(ring, it, k + DP_STAGES - 1, W, scales, biases, nvec, out_dim, groups, seg);
+        cp_async_wait<DP_STAGES - 1>();  // item k's group is complete
+        __syncwarp();                    // and visible to the lanes that did not copy it
+        const unsigned tile = it.first_tile + (k / it.chunks) * it.tile_step, chunk = k % it.chunks;
+        const unsigned row0 = tile * DP_ROWS;
+        const uint4* slot = ring + (k % DP_STAGES) * dp_slot_vecs(seg);
+        const bf16* sb = reinterpret_cast<const bf16*>(slot + 2 * DP_ROWS * 32);
+#pragma unroll
+        for (unsigned i = 0; i < 2; i++) {
+            const unsigned u = chunk * 64 + 32 * i + lane;
+            if (u >= nvec) break;
+            const unsigned g = ((u - chunk * 64) * VALS) / group;  // within the chunk's segment
+            const XSeg<BITS> xs = x_segment<BITS>(x, u);
+#pragma unroll
+            for (int r = 0; r < DP_ROWS; r++) {
+                if (row0 + r >= out_dim) continue;
+                acc[r] += dot_int8<BITS>(slot[(i * DP_ROWS + r) * 32 + lane], xs, to_f32(sb[r * seg + g]),
+                                         to_f32(sb[(DP_ROWS + r) * seg + g]));
+            }
+        }
+        if (chunk + 1 == it.chunks) {
+#pragma unroll
+            for (int r = 0; r < DP_ROWS; r++) {
+                const float s = warp_sum(acc[r]);
+                if (lane == 0 && row0 + r < out_dim) out[row0 + r] = s;
+                acc[r] = 0.0f;
+            }
+        }
+    }
+    cp_async_wait<0>();  // no copy may still target shared memory when the block exits
 }
 
-extern "C" __global__ void __launch_bounds__(32 * DP_WARPS, 8)
-    matvec_q8_dp4a(const int* xq, const float* xd, const float* xs16, const unsigned* w, const bf16* scales,
-                   const bf16* biases, float* out, unsigned in_dim, unsigned out_dim, unsigned group) {
-    matvec_dp4a<8>(xq, xd, xs16, w, scales, biases, out, in_dim, out_dim, group);
+extern "C" __global__ void __launch_bounds__(32 * DP_WARPS, DP_BLOCKS_PER_SM)
+    matvec_q4_dp4a(const float* x, const unsigned* w, const bf16* scales, const bf16* biases, float* out,
+                   unsigned in_dim, unsigned out_dim, unsigned group) {
+    matvec_dp4a<4>(x, w, scales, biases, out, in_dim, out_dim, group);
+}
+
+extern "C" __global__ void __launch_bounds__(32 * DP_WARPS, DP_BLOCKS_PER_SM)
+    matvec_q8_dp4a(const float* x, const unsigned* w, const bf16* scales, const bf16* biases, float* out,
+                   unsigned in_dim, unsigned out_dim, unsigned group) {
+    matvec_dp4a<8>(x, w, scales, biases, out, in_dim, out_dim, group);
 }

@@ -1,24 +1,28 @@
-// Mixture of experts.
-// router: one warp per token holds up to ROUTER_MAX experts in registers: softmax, then k rounds
-// of warp argmax (the lower index wins ties), optional renormalisation.
+// Mixture of experts for few tokens.
+// router_f32_{4,8,16}: one warp per token holds up to 128, 256 or 512 experts in registers:
+// softmax, then k rounds of warp argmax (the lower index wins ties), optional renormalisation.
 // Experts, with 16-byte weight loads: gate_up computes act[t * k + j] = silu(gate_e x_t) * (up_e x_t)
-// for every (token, slot); down_combine computes out[t] = sum_j weights[t, j] * down_e act[t * k + j],
-// slots summed in order, so results do not depend on scheduling. Each expert is one contiguous span of `span` bytes; each matrix sits at
-// the given byte offsets (weight, scales, biases; bf16 experts use only the weight offset).
+// for every (token, slot); down computes out[t] = sum_j weights[t, j] * down_e act[t * k + j],
+// slots summed in order, so results do not depend on scheduling. Each expert is one contiguous
+// span of `span` bytes; each matrix sits at the given byte offsets (weight, scales, biases; bf16
+// experts use only the weight offset).
 // BITS is 4 or 8 for MLX-quantised experts and 16 for bf16.
 #include "kestrel.cuh"
 
-#define ROUTER_PER_LANE 16  // up to 512 experts
-
-extern "C" __global__ void router_f32(const float* logits, unsigned* ids, float* weights, unsigned experts,
-                                      unsigned k, int normalize) {
+// PER_LANE experts per lane: up to 32 * PER_LANE experts; fewer per lane means fewer compares in
+// each of the k rounds.
+template <int PER_LANE>
+__device__ void router(const float* logits, unsigned* ids, float* weights, unsigned experts, unsigned k,
+                       int normalize) {
+    pdl_wait();
+    pdl_trigger();
     const unsigned lane = threadIdx.x;
     const size_t t = blockIdx.x;
     const float* l = logits + t * experts;
-    float p[ROUTER_PER_LANE];
+    float p[PER_LANE];
     float m = -INFINITY;
 #pragma unroll
-    for (int i = 0; i < ROUTER_PER_LANE; i++) {
+    for (int i = 0; i < PER_LANE; i++) {
         const unsigned e = lane + 32 * i;
         p[i] = e < experts ? l[e] : -INFINITY;
         m = fmaxf(m, p[i]);
@@ -26,37 +30,50 @@ extern "C" __global__ void router_f32(const float* logits, unsigned* ids, float*
     m = warp_max(m);
     float s = 0.0f;
 #pragma unroll
-    for (int i = 0; i < ROUTER_PER_LANE; i++) {
+    for (int i = 0; i < PER_LANE; i++) {
         p[i] = lane + 32 * i < experts ? expf(p[i] - m) : -1.0f;
         s += fmaxf(p[i], 0.0f);
     }
     s = warp_sum(s);
 #pragma unroll
-    for (int i = 0; i < ROUTER_PER_LANE; i++)
+    for (int i = 0; i < PER_LANE; i++)
         if (p[i] >= 0.0f) p[i] /= s;
+    // Each round takes the largest remaining probability, the lowest index among equals. Keys
+    // are the probability's bits plus one (non-negative floats order as their bits), 0 for taken
+    // or absent experts, so two warp reductions decide a round.
+    unsigned key[PER_LANE];
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i++) key[i] = p[i] >= 0.0f ? __float_as_uint(p[i]) + 1u : 0u;
     float total = 0.0f, chosen = 0.0f;
     for (unsigned j = 0; j < k; j++) {
-        float best = -2.0f;
-        unsigned bi = 0xffffffffu;
+        unsigned mine = 0;
 #pragma unroll
-        for (int i = 0; i < ROUTER_PER_LANE; i++)
-            if (p[i] > best) { best = p[i]; bi = lane + 32 * i; }
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-            const unsigned oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ob > best || (ob == best && oi < bi)) { best = ob; bi = oi; }
-        }
-        if (bi % 32 == lane) {
+        for (int i = 0; i < PER_LANE; i++) mine = max(mine, key[i]);
+        const unsigned best_key = __reduce_max_sync(0xffffffffu, mine);
+        unsigned cand = 0xffffffffu;
 #pragma unroll
-            for (int i = 0; i < ROUTER_PER_LANE; i++)
-                if (lane + 32 * i == bi) p[i] = -1.0f;  // taken
-        }
+        for (int i = PER_LANE - 1; i >= 0; i--)
+            if (key[i] == best_key) cand = lane + 32 * i;  // ends at this lane's lowest index
+        const unsigned bi = __reduce_min_sync(0xffffffffu, cand);
+#pragma unroll
+        for (int i = 0; i < PER_LANE; i++)
+            if (lane + 32 * i == bi) key[i] = 0;  // taken
+        const float best = __uint_as_float(best_key - 1u);
         if (lane == j) chosen = best;  // slot j's weight lives in lane j until written
         if (lane == 0) ids[t * k + j] = bi;
         total += best;
     }
     if (lane < k) weights[t * k + lane] = normalize ? chosen / total : chosen;
 }
+
+#define ROUTER(PER_LANE)                                                                                   \
+    extern "C" __global__ void router_f32_##PER_LANE(const float* logits, unsigned* ids, float* weights,  \
+                                                     unsigned experts, unsigned k, int normalize) {       \
+        router<PER_LANE>(logits, ids, weights, experts, k, normalize);                                    \
+    }
+ROUTER(4)
+ROUTER(8)
+ROUTER(16)
 
 // Decode-sized expert kernels issue every warp's weight loads first, then stage x (or the
 // activations) in shared memory while those loads are in flight. A quantised value is turned into a float without an
@@ -245,63 +262,123 @@ __device__ void down_combine(const float* act, const unsigned* ids, const float*
 }
 
 // ---- quantised experts on int8 activations (see kestrel.cuh) ----
+// Two launches: gate_up rounds x_t to int8 in every block (it is small and read from L2, and the
+// block's first weight loads are already in flight), and writes the activations already rounded
+// to int8, one block of 32 per block of the grid, so down reads them as they are. gate_up also
+// asks L2 for its slot's down matrix (each block a slice), so down, which cannot know its experts
+// before the router has run, reads its weights from L2 instead of memory. Both keep the
+// programmatic-launch contract (kestrel.cuh).
 
-// The same as gate_up, for 4- and 8-bit experts, with x_t already quantised (xq, xd, xs16 for
-// every token). Dynamic shared memory: hidden bytes + (hidden / 32 + hidden / 16) floats.
+#define GQ_WARPS 16
+#define GQ_ROWS 2  // rows of gate and of up per warp: GQ_WARPS * GQ_ROWS = 32, one int8 block of act
+
+// act[tk, r] = silu(gate_e[r] . x_t) * (up_e[r] . x_t) for 32 rows of one (token, slot), written
+// as int8 (aq bytes, ad scale, as16 sums; inter a multiple of 32). Grid (inter / 32, tokens * k),
+// GQ_WARPS warps; dynamic shared memory: 32 + hidden / 32 + hidden / 16 floats + hidden bytes.
+// dw, ds, db locate the down matrix, prefetched into L2.
 template <int BITS>
-__device__ void gate_up_int8(const int* xq, const float* xd, const float* xs16, const unsigned* ids,
-                             const unsigned char* experts, float* act, unsigned hidden, unsigned inter, unsigned k,
-                             unsigned long long span, unsigned long long gw, unsigned long long gs,
-                             unsigned long long gb, unsigned long long uw, unsigned long long us,
-                             unsigned long long ub, unsigned group) {
-    extern __shared__ int sq[];
+__device__ void gate_up_int8(const float* x, const unsigned* ids, const unsigned char* experts, int* aq, float* ad,
+                             float* as16, unsigned hidden, unsigned inter, unsigned k, unsigned long long span,
+                             unsigned long long gw, unsigned long long gs, unsigned long long gb,
+                             unsigned long long uw, unsigned long long us, unsigned long long ub,
+                             unsigned long long dw, unsigned long long ds, unsigned long long db, unsigned group) {
+    // The 32 activations first: they are read as float4s.
+    extern __shared__ __align__(16) float sact[];
+    pdl_wait();
+    pdl_trigger();
+    int* sq = reinterpret_cast<int*>(sact + 32);
     float* sd = reinterpret_cast<float*>(sq + hidden / 4);
     float* ss = sd + hidden / 32;
     const size_t tk = blockIdx.y, t = tk / k;
-    const unsigned lane = threadIdx.x % 32;
-    const unsigned row0 = (blockIdx.x * GU_WARPS + threadIdx.x / 32) * GU_ROWS;
+    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const unsigned row0 = blockIdx.x * 32 + warp * GQ_ROWS;
+    // x_t is asked for first, so its lines are not queued behind the weights.
+    prefetch_l2_range(x + t * hidden, hidden * sizeof(float), threadIdx.x, blockDim.x);
     const unsigned char* sp = experts + (size_t)ids[tk] * span;
     const unsigned groups = hidden / group, nvec = hidden / VecFormat<BITS>::VALS;
-    Mat mats[2 * GU_ROWS];
-    bool active[2 * GU_ROWS];
+    Mat mats[2 * GQ_ROWS];
+    bool active[2 * GQ_ROWS];
 #pragma unroll
-    for (int r = 0; r < GU_ROWS; r++) {
+    for (int r = 0; r < GQ_ROWS; r++) {
         const Mat g = mat(sp, gw, gs, gb), u = mat(sp, uw, us, ub);
         const size_t row = row0 + r;
         mats[r] = Mat{g.w + row * nvec, g.scales + row * groups, g.biases + row * groups};
-        mats[GU_ROWS + r] = Mat{u.w + row * nvec, u.scales + row * groups, u.biases + row * groups};
-        active[r] = active[GU_ROWS + r] = row0 + r < inter;
+        mats[GQ_ROWS + r] = Mat{u.w + row * nvec, u.scales + row * groups, u.biases + row * groups};
+        active[r] = active[GQ_ROWS + r] = true;
     }
-    uint4 v[UNROLL][2 * GU_ROWS];
-    issue<2 * GU_ROWS, UNROLL>(mats, 0, lane, nvec, active, v);
-    for (unsigned i = threadIdx.x; i < hidden / 4; i += blockDim.x) sq[i] = xq[t * (hidden / 4) + i];
-    for (unsigned i = threadIdx.x; i < hidden / 32; i += blockDim.x) sd[i] = xd[t * (hidden / 32) + i];
-    for (unsigned i = threadIdx.x; i < hidden / 16; i += blockDim.x) ss[i] = xs16[t * (hidden / 16) + i];
-    __syncthreads();
-    const QuantX x{sq, sd, ss};
-    float acc[2 * GU_ROWS];
+    uint4 v[UNROLL][2 * GQ_ROWS];
+    issue<2 * GQ_ROWS, UNROLL>(mats, 0, lane, nvec, active, v);
+    // The group scales and biases of this warp's rows, read only after the weights arrive.
 #pragma unroll
-    for (int m = 0; m < 2 * GU_ROWS; m++) acc[m] = 0.0f;
+    for (int m = 0; m < 2 * GQ_ROWS; m++) {
+        prefetch_l2_range(mats[m].scales, groups * sizeof(bf16), lane, 32);
+        prefetch_l2_range(mats[m].biases, groups * sizeof(bf16), lane, 32);
+    }
+    {
+        // This block's slice of the slot's down matrix: weights, then scales and biases.
+        const unsigned blocks = gridDim.x, b = blockIdx.x;
+        const size_t wbytes = (size_t)hidden * inter * BITS / 8, sbytes = (size_t)hidden * (inter / group) * sizeof(bf16);
+        const size_t wslice = (wbytes + blocks - 1) / blocks, sslice = (sbytes + blocks - 1) / blocks;
+        const size_t w0 = min(wbytes, b * wslice), s0 = min(sbytes, b * sslice);
+        prefetch_l2_range(sp + dw + w0, min(wslice, wbytes - w0), threadIdx.x, blockDim.x);
+        prefetch_l2_range(sp + ds + s0, min(sslice, sbytes - s0), threadIdx.x, blockDim.x);
+        prefetch_l2_range(sp + db + s0, min(sslice, sbytes - s0), threadIdx.x, blockDim.x);
+    }
+    quantize_x8<BITS == 4>(x + t * hidden, hidden, sq, sd, ss, threadIdx.x, blockDim.x);
+    __syncthreads();
+    const QuantX xq{sq, sd, ss};
+    float acc[2 * GQ_ROWS];
+#pragma unroll
+    for (int m = 0; m < 2 * GQ_ROWS; m++) acc[m] = 0.0f;
     for (unsigned u0 = lane;;) {
 #pragma unroll
         for (unsigned i = 0; i < UNROLL; i++) {
             const unsigned u = u0 + 32 * i;
             if (u >= nvec) break;
             const unsigned g = (u * VecFormat<BITS>::VALS) / group;
-            const XSeg<BITS> xs = x_segment<BITS>(x, u);
+            const XSeg<BITS> xs = x_segment<BITS>(xq, u);
 #pragma unroll
-            for (int m = 0; m < 2 * GU_ROWS; m++)
-                if (active[m]) acc[m] += dot_int8<BITS>(v[i][m], xs, to_f32(mats[m].scales[g]), to_f32(mats[m].biases[g]));
+            for (int m = 0; m < 2 * GQ_ROWS; m++)
+                acc[m] += dot_int8<BITS>(v[i][m], xs, to_f32(mats[m].scales[g]), to_f32(mats[m].biases[g]));
         }
         u0 += 32 * UNROLL;
         if (u0 >= nvec) break;
-        issue<2 * GU_ROWS, UNROLL>(mats, 0, u0, nvec, active, v);
+        issue<2 * GQ_ROWS, UNROLL>(mats, 0, u0, nvec, active, v);
     }
 #pragma unroll
-    for (int r = 0; r < GU_ROWS; r++) {
-        const float gv = warp_sum(acc[r]), uv = warp_sum(acc[GU_ROWS + r]);
-        if (lane == 0 && row0 + r < inter) act[tk * inter + row0 + r] = silu(gv) * uv;
+    for (int r = 0; r < GQ_ROWS; r++) {
+        const float gv = warp_sum(acc[r]), uv = warp_sum(acc[GQ_ROWS + r]);
+        if (lane == 0) sact[warp * GQ_ROWS + r] = silu(gv) * uv;
     }
+    __syncthreads();
+    if (warp == 0) {
+        const size_t b = (tk * inter) / 32 + blockIdx.x;  // this block's int8 block of act
+        quantize_x8<BITS == 4>(sact, 32, aq + 8 * b, ad + b, as16 + 2 * b, lane, 32);
+    }
+}
+
+#define DQ_CHUNK 8  // experts whose loads a warp issues together
+
+// Copies n values of type T into shared memory, each thread's four loads issued before its stores.
+template <typename T>
+__device__ __forceinline__ void stage_n(T* d, const T* s, unsigned n) {
+    for (unsigned i0 = threadIdx.x; i0 < n; i0 += 4 * blockDim.x) {
+        T v[4];
+#pragma unroll
+        for (unsigned j = 0; j < 4; j++)
+            if (i0 + j * blockDim.x < n) v[j] = s[i0 + j * blockDim.x];
+#pragma unroll
+        for (unsigned j = 0; j < 4; j++)
+            if (i0 + j * blockDim.x < n) d[i0 + j * blockDim.x] = v[j];
+    }
+}
+
+// Copies `bytes` (a multiple of 4) into shared memory, in 16-byte pieces when alignment allows.
+__device__ __forceinline__ void stage(void* dst, const void* src, unsigned bytes) {
+    if ((((size_t)dst | (size_t)src | bytes) & 15) == 0)
+        stage_n(static_cast<uint4*>(dst), static_cast<const uint4*>(src), bytes / 16);
+    else
+        stage_n(static_cast<unsigned*>(dst), static_cast<const unsigned*>(src), bytes / 4);
 }
 
 // The same as down_combine with the activations already quantised (aq, ad, as16 for every
@@ -312,6 +389,8 @@ __device__ void down_int8(const int* aq, const float* ad, const float* as16, con
                           unsigned inter, unsigned k, unsigned long long span, unsigned long long dw,
                           unsigned long long ds, unsigned long long db, unsigned group) {
     extern __shared__ int sq[];
+    pdl_wait();
+    pdl_trigger();
     const unsigned qn = inter / 4, dn = inter / 32, sn = inter / 16;
     float* sd = reinterpret_cast<float*>(sq + k * qn);
     float* ss = sd + k * dn;
@@ -321,63 +400,79 @@ __device__ void down_int8(const int* aq, const float* ad, const float* as16, con
     const bool row_ok = row < hidden;
     const unsigned nvec = inter / VecFormat<BITS>::VALS, groups = inter / group;
     float total = 0.0f;
-    for (unsigned j0 = 0; j0 < k; j0 += DOWN_CHUNK) {
-        Mat mats[DOWN_CHUNK];
-        bool active[DOWN_CHUNK];
-        float acc[DOWN_CHUNK];
+    for (unsigned j0 = 0; j0 < k; j0 += DQ_CHUNK) {
+        // Only each expert's span is kept; the matrices' addresses are formed where they are used.
+        const unsigned char* sp[DQ_CHUNK];
+        bool active[DQ_CHUNK];
+        uint4 v[DQ_CHUNK];
 #pragma unroll
-        for (unsigned c = 0; c < DOWN_CHUNK; c++) {
-            active[c] = row_ok && j0 + c < k;
-            const unsigned e = j0 + c < k ? ids[t * k + j0 + c] : 0;
-            const Mat m = mat(experts + (size_t)e * span, dw, ds, db);
-            mats[c] = Mat{m.w, m.scales + (size_t)row * groups, m.biases + (size_t)row * groups};
-            acc[c] = 0.0f;
+        for (unsigned c = 0; c < DQ_CHUNK; c++) {
+            active[c] = row_ok && j0 + c < k && lane < nvec;
+            sp[c] = experts + (size_t)(j0 + c < k ? ids[t * k + j0 + c] : 0) * span;
         }
-        uint4 v[1][DOWN_CHUNK];
-        issue<DOWN_CHUNK, 1>(mats, row, lane, nvec, active, v);
+        const size_t wrow = (size_t)row * nvec, grow = row_ok ? (size_t)row * groups : 0;
+        float acc[DQ_CHUNK];
+#pragma unroll
+        for (unsigned c = 0; c < DQ_CHUNK; c++) {
+            acc[c] = 0.0f;
+            if (active[c]) v[c] = __ldcs(reinterpret_cast<const uint4*>(sp[c] + dw) + wrow + lane);
+        }
         if (j0 == 0) {
             // Stage every slot's activations while the first weight loads are in flight.
-            for (unsigned i = threadIdx.x; i < k * qn; i += blockDim.x) sq[i] = aq[t * k * qn + i];
-            for (unsigned i = threadIdx.x; i < k * dn; i += blockDim.x) sd[i] = ad[t * k * dn + i];
-            for (unsigned i = threadIdx.x; i < k * sn; i += blockDim.x) ss[i] = as16[t * k * sn + i];
+            stage(sq, aq + t * k * qn, k * qn * 4);
+            stage(sd, ad + t * k * dn, k * dn * 4);
+            stage(ss, as16 + t * k * sn, k * sn * 4);
             __syncthreads();
         }
         for (unsigned u = lane;;) {
-            if (u < nvec) {
-                const unsigned g = (u * VecFormat<BITS>::VALS) / group;
+            // Branch-free, so every expert's scale and bias loads are in flight together:
+            // inactive experts compute on a valid address (row 0, vector 0 of a real expert)
+            // and their result is dropped.
+            const unsigned uu = u < nvec ? u : 0;
+            const unsigned g = (uu * VecFormat<BITS>::VALS) / group;
+            float scale[DQ_CHUNK], bias[DQ_CHUNK];
 #pragma unroll
-                for (unsigned c = 0; c < DOWN_CHUNK; c++) {
-                    if (!active[c]) continue;
-                    const QuantX x{sq + (j0 + c) * qn, sd + (j0 + c) * dn, ss + (j0 + c) * sn};
-                    acc[c] += dot_int8<BITS>(v[0][c], x_segment<BITS>(x, u), to_f32(mats[c].scales[g]),
-                                             to_f32(mats[c].biases[g]));
-                }
+            for (unsigned c = 0; c < DQ_CHUNK; c++) {
+                scale[c] = to_f32(reinterpret_cast<const bf16*>(sp[c] + ds)[grow + g]);
+                bias[c] = to_f32(reinterpret_cast<const bf16*>(sp[c] + db)[grow + g]);
+            }
+#pragma unroll
+            for (unsigned c = 0; c < DQ_CHUNK; c++) {
+                const unsigned j = min(j0 + c, k - 1);  // a staged slot
+                const QuantX x{sq + j * qn, sd + j * dn, ss + j * sn};
+                const float d = dot_int8<BITS>(v[c], x_segment<BITS>(x, uu), scale[c], bias[c]);
+                if (active[c]) acc[c] += d;
             }
             u += 32;
             if (u >= nvec) break;
-            issue<DOWN_CHUNK, 1>(mats, row, u, nvec, active, v);
+#pragma unroll
+            for (unsigned c = 0; c < DQ_CHUNK; c++) {
+                active[c] = active[c] && u < nvec;
+                if (active[c]) v[c] = __ldcs(reinterpret_cast<const uint4*>(sp[c] + dw) + wrow + u);
+            }
         }
 #pragma unroll
-        for (unsigned c = 0; c < DOWN_CHUNK; c++)
+        for (unsigned c = 0; c < DQ_CHUNK; c++)
             if (j0 + c < k) total += weights[t * k + j0 + c] * warp_sum(acc[c]);
     }
     if (lane == 0 && row_ok) out[t * hidden + row] = total;
 }
 
-#define EXPERTS_INT8(BITS, NAME)                                                                            \
-    extern "C" __global__ void __launch_bounds__(128, 8) moe_gate_up_##NAME(                                \
-        const int* xq, const float* xd, const float* xs16, const unsigned* ids, const unsigned char* experts, \
-        float* act, unsigned hidden, unsigned inter, unsigned k, unsigned long long span,                  \
-        unsigned long long gw, unsigned long long gs, unsigned long long gb, unsigned long long uw,        \
-        unsigned long long us, unsigned long long ub, unsigned group) {                                    \
-        gate_up_int8<BITS>(xq, xd, xs16, ids, experts, act, hidden, inter, k, span, gw, gs, gb, uw, us, ub, \
-                           group);                                                                          \
-    }                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(128, 8) moe_down_##NAME(                                   \
-        const int* aq, const float* ad, const float* as16, const unsigned* ids, const float* weights,       \
-        const unsigned char* experts, float* out, unsigned hidden, unsigned inter, unsigned k,              \
-        unsigned long long span, unsigned long long dw, unsigned long long ds, unsigned long long db,       \
+#define EXPERTS_INT8(BITS, NAME)                                                                             \
+    extern "C" __global__ void __launch_bounds__(32 * GQ_WARPS, 2) moe_gate_up_##NAME(                      \
+        const float* x, const unsigned* ids, const unsigned char* experts, int* aq, float* ad, float* as16, \
+        unsigned hidden, unsigned inter, unsigned k, unsigned long long span, unsigned long long gw,         \
+        unsigned long long gs, unsigned long long gb, unsigned long long uw, unsigned long long us,         \
+        unsigned long long ub, unsigned long long dw, unsigned long long ds, unsigned long long db,          \
         unsigned group) {                                                                                   \
+        gate_up_int8<BITS>(x, ids, experts, aq, ad, as16, hidden, inter, k, span, gw, gs, gb, uw, us, ub, dw, \
+                           ds, db, group);                                                                   \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(32 * DOWN_WARPS, 4) moe_down_##NAME(                        \
+        const int* aq, const float* ad, const float* as16, const unsigned* ids, const float* weights,        \
+        const unsigned char* experts, float* out, unsigned hidden, unsigned inter, unsigned k,               \
+        unsigned long long span, unsigned long long dw, unsigned long long ds, unsigned long long db,        \
+        unsigned group) {                                                                                    \
         down_int8<BITS>(aq, ad, as16, ids, weights, experts, out, hidden, inter, k, span, dw, ds, db, group); \
     }
 

@@ -51,9 +51,17 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
     count[tid] = 0;
     cursor[tid] = 0;
     __syncthreads();
-    for (unsigned s = tid; s < slots; s += SORT_THREADS) {
-        const unsigned e = ids[s];
-        if (e < experts) atomicAdd(&count[e], 1u);
+    // Eight loads in flight per thread before their atomics, in both passes.
+    for (unsigned s0 = 0; s0 < slots; s0 += 8 * SORT_THREADS) {
+        unsigned e[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const unsigned s = s0 + j * SORT_THREADS + tid;
+            e[j] = s < slots ? ids[s] : NO_TILE;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            if (e[j] < experts) atomicAdd(&count[e[j]], 1u);
     }
     __syncthreads();
     const unsigned c = count[tid];
@@ -68,9 +76,16 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
         t[2] = min(GT_ROWS, c - i * GT_ROWS);
     }
     for (unsigned i = total + tid; i < max_tiles; i += SORT_THREADS) tiles[3 * i] = NO_TILE;
-    for (unsigned s = tid; s < slots; s += SORT_THREADS) {
-        const unsigned e = ids[s];
-        if (e < experts) order[offset[e] + atomicAdd(&cursor[e], 1u)] = s;
+    for (unsigned s0 = 0; s0 < slots; s0 += 8 * SORT_THREADS) {
+        unsigned e[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const unsigned s = s0 + j * SORT_THREADS + tid;
+            e[j] = s < slots ? ids[s] : NO_TILE;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            if (e[j] < experts) order[offset[e[j]] + atomicAdd(&cursor[e[j]], 1u)] = s0 + j * SORT_THREADS + tid;
     }
 }
 
@@ -184,14 +199,16 @@ __device__ __forceinline__ void b_copy(bf16* bs, const BMat& m, unsigned n0, uns
 }
 
 // The GEMM main loop over K for NB B matrices: acc[mt][b][nt] for this warp's 32 rows x 32 columns
-// of each matrix.
+// of each matrix. Of the tile's GT_ROWS rows only `rows` hold data: a warp's 16-row tiles past
+// them skip the tensor-core work (the loads are shared, so every warp still takes part in them).
 template <int BITS, int NB>
 __device__ __forceinline__ void tile_gemm(float acc[2][NB][4][4], const bf16* const* rows_src, const BMat* mats,
-                                          unsigned n0, unsigned K, unsigned group, bf16* smem) {
+                                          unsigned n0, unsigned K, unsigned group, unsigned rows, bf16* smem) {
     bf16* as = smem;                            // [2][GT_ROWS][GT_STRIDE]
     bf16* bs = as + 2 * GT_ROWS * GT_STRIDE;    // [2][NB][GT_COLS][GT_STRIDE]
     const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const unsigned wm = warp / 2, wn = warp % 2;
+    const unsigned mtiles = rows > wm * 32 ? min(2u, (rows - wm * 32 + 15) / 16) : 0;  // warp-uniform
     constexpr int BSTEP = NB * GT_COLS * GT_STRIDE;
 #pragma unroll
     for (int mt = 0; mt < 2; mt++)
@@ -234,7 +251,7 @@ __device__ __forceinline__ void tile_gemm(float acc[2][NB][4][4], const bf16* co
         const bf16* at = as + cur * GT_ROWS * GT_STRIDE;
         const bf16* bt = bs + cur * BSTEP;
 #pragma unroll
-        for (int kk = 0; kk < GT_K / 16; kk++) {
+        for (int kk = 0; kk < GT_K / 16 && mtiles > 0; kk++) {
             unsigned a[2][4];
 #pragma unroll
             for (int mt = 0; mt < 2; mt++)
@@ -246,10 +263,11 @@ __device__ __forceinline__ void tile_gemm(float acc[2][NB][4][4], const bf16* co
                     unsigned w[4];
                     ldmatrix_x4(w, bt + b * GT_COLS * GT_STRIDE + (wn * 32 + nt * 8 + lane % 8 + (lane / 16) * 8) * GT_STRIDE +
                                        kk * 16 + ((lane / 8) % 2) * 8);
-#pragma unroll
-                    for (int mt = 0; mt < 2; mt++) {
-                        mma_16816<bf16>(acc[mt][b][nt], a[mt], w[0], w[1]);
-                        mma_16816<bf16>(acc[mt][b][nt + 1], a[mt], w[2], w[3]);
+                    mma_16816<bf16>(acc[0][b][nt], a[0], w[0], w[1]);
+                    mma_16816<bf16>(acc[0][b][nt + 1], a[0], w[2], w[3]);
+                    if (mtiles == 2) {
+                        mma_16816<bf16>(acc[1][b][nt], a[1], w[0], w[1]);
+                        mma_16816<bf16>(acc[1][b][nt + 1], a[1], w[2], w[3]);
                     }
                 }
         }
@@ -286,7 +304,7 @@ __device__ void gemm_gate_up(const bf16* xb, const unsigned* order, const unsign
     const unsigned char* sp = experts + (size_t)e * span;
     const BMat mats[2] = {bmat(sp, gw, gs, gb), bmat(sp, uw, us, ub)};
     float acc[2][2][4][4];
-    tile_gemm<BITS, 2>(acc, rows_src, mats, n0, hidden, group, reinterpret_cast<bf16*>(gt_smem));
+    tile_gemm<BITS, 2>(acc, rows_src, mats, n0, hidden, group, rows, reinterpret_cast<bf16*>(gt_smem));
     const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, wm = warp / 2, wn = warp % 2;
 #pragma unroll
     for (int mt = 0; mt < 2; mt++)
@@ -305,11 +323,11 @@ __device__ void gemm_gate_up(const bf16* xb, const unsigned* order, const unsign
 }
 
 // Grid (max_tiles, hidden / (64 * NB)). act: [slots, inter] bf16 in sorted order; ys: [slots,
-// hidden]. NB = 2 takes 128 output columns per block as two 64-row halves of the down matrix, so
+// hidden] bf16 (weight times the f32 product, rounded once). NB = 2 takes 128 output columns per block as two 64-row halves of the down matrix, so
 // each A step feeds twice the tensor-core work.
 template <int BITS, int NB>
 __device__ void gemm_down(const bf16* act, const unsigned* order, const unsigned* tiles, const float* weights,
-                          const unsigned char* experts, float* ys, unsigned hidden, unsigned inter,
+                          const unsigned char* experts, bf16* ys, unsigned hidden, unsigned inter,
                           unsigned long long span, unsigned long long dw, unsigned long long ds,
                           unsigned long long db, unsigned group) {
     extern __shared__ __align__(16) unsigned char gt_smem[];
@@ -328,7 +346,7 @@ __device__ void gemm_down(const bf16* act, const unsigned* order, const unsigned
     for (int b = 0; b < NB; b++)
         mats[b] = BMat{d.w + b * GT_COLS * row_bytes, d.scales + b * GT_COLS * groups, d.biases + b * GT_COLS * groups};
     float acc[2][NB][4][4];
-    tile_gemm<BITS, NB>(acc, rows_src, mats, n0, inter, group, reinterpret_cast<bf16*>(gt_smem));
+    tile_gemm<BITS, NB>(acc, rows_src, mats, n0, inter, group, rows, reinterpret_cast<bf16*>(gt_smem));
     const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, wm = warp / 2, wn = warp % 2;
 #pragma unroll
     for (int mt = 0; mt < 2; mt++)
@@ -340,39 +358,51 @@ __device__ void gemm_down(const bf16* act, const unsigned* order, const unsigned
             const float w = weights[slot];
 #pragma unroll
             for (int b = 0; b < NB; b++) {
-                float* dst = ys + (size_t)slot * hidden + n0 + b * GT_COLS + wn * 32 + 2 * (lane % 4);
+                bf16* dst = ys + (size_t)slot * hidden + n0 + b * GT_COLS + wn * 32 + 2 * (lane % 4);
 #pragma unroll
                 for (int nt = 0; nt < 4; nt++)
-                    *reinterpret_cast<float2*>(dst + nt * 8) =
-                        make_float2(w * acc[mt][b][nt][2 * hf], w * acc[mt][b][nt][2 * hf + 1]);
+                    *reinterpret_cast<unsigned*>(dst + nt * 8) =
+                        pack2<bf16>(w * acc[mt][b][nt][2 * hf], w * acc[mt][b][nt][2 * hf + 1]);
             }
         }
 }
 
-// out[t, :] = sum over j = 0 .. k-1, in order, of ys[t * k + j, :]; slots with an id >= experts
-// contribute nothing. Four values per thread.
-extern "C" __global__ void moe_combine(const float* ys, const unsigned* ids, float* out, unsigned tokens,
+// out[t, :] = sum over j = 0 .. k-1, in order, of ys[t * k + j, :] (bf16), in f32; slots with an
+// id >= experts contribute nothing. Eight values per thread, every slot's load issued first.
+extern "C" __global__ void moe_combine(const bf16* ys, const unsigned* ids, float* out, unsigned tokens,
                                        unsigned hidden, unsigned k, unsigned experts) {
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    const unsigned vecs = hidden / 4;
+    const unsigned vecs = hidden / 8;
     if (i >= (size_t)tokens * vecs) return;
     const size_t t = i / vecs, v = i % vecs;
-    float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    for (unsigned j = 0; j < k; j++) {
-        if (ids[t * k + j] >= experts) continue;
-        const float4 y = reinterpret_cast<const float4*>(ys + (t * k + j) * hidden)[v];
-        a.x += y.x;
-        a.y += y.y;
-        a.z += y.z;
-        a.w += y.w;
+    float a[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (unsigned j0 = 0; j0 < k; j0 += 8) {
+        uint4 y[8];
+#pragma unroll
+        for (unsigned j = 0; j < 8; j++)
+            if (j0 + j < k && ids[t * k + j0 + j] < experts)
+                y[j] = reinterpret_cast<const uint4*>(ys + (t * k + j0 + j) * hidden)[v];
+            else
+                y[j] = make_uint4(0u, 0u, 0u, 0u);  // +0.0 in bf16: adding it changes nothing
+#pragma unroll
+        for (unsigned j = 0; j < 8; j++) {
+            const unsigned w[4] = {y[j].x, y[j].y, y[j].z, y[j].w};
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                a[2 * q] += __uint_as_float(w[q] << 16);
+                a[2 * q + 1] += __uint_as_float(w[q] & 0xffff0000u);
+            }
+        }
     }
-    reinterpret_cast<float4*>(out + t * hidden)[v] = a;
+    float4* dst = reinterpret_cast<float4*>(out + t * hidden) + 2 * v;
+    dst[0] = make_float4(a[0], a[1], a[2], a[3]);
+    dst[1] = make_float4(a[4], a[5], a[6], a[7]);
 }
 
 #define DOWN(BITS, NAME, NB)                                                                                \
     extern "C" __global__ void __launch_bounds__(GT_THREADS) moe_gemm_down_##NAME##_##NB(                   \
         const bf16* act, const unsigned* order, const unsigned* tiles, const float* weights,              \
-        const unsigned char* experts, float* ys, unsigned hidden, unsigned inter, unsigned long long span,  \
+        const unsigned char* experts, bf16* ys, unsigned hidden, unsigned inter, unsigned long long span,   \
         unsigned long long dw, unsigned long long ds, unsigned long long db, unsigned group) {             \
         gemm_down<BITS, NB>(act, order, tiles, weights, experts, ys, hidden, inter, span, dw, ds, db, group); \
     }

@@ -1,8 +1,7 @@
 // Runtime kernels: small element-wise kernels used by `kestrel doctor`, the runtime tests and the
 // runtime benchmark. Every kernel takes its element count last and guards its tail, so sizes
 // need not be multiples of the block.
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+#include "kestrel.cuh"
 
 extern "C" __global__ void fill_f32(float* out, float value, unsigned int n) {
     unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -60,6 +59,48 @@ extern "C" __global__ void spin_f32(float* out, float value, unsigned long long 
     while (global_ns() - start < ns) {
     }
     out[0] = value;
+}
+
+// Lets the next kernel launch at once (programmatic launch), then thread 0 of each block spins
+// for `ns` nanoseconds before the block writes out[i] = value: a slow producer.
+extern "C" __global__ void trigger_spin_fill_f32(float* out, float value, unsigned long long ns, unsigned int n) {
+    pdl_trigger();
+    if (threadIdx.x == 0) {
+        unsigned long long start = global_ns();
+        while (global_ns() - start < ns) {
+        }
+    }
+    __syncthreads();
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = value;
+}
+
+// out[i] = x[i] + 1 after the programmatic wait: a consumer that keeps the contract.
+extern "C" __global__ void pdl_add_one_f32(const float* x, float* out, unsigned int n) {
+    pdl_wait();
+    pdl_trigger();
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = x[i] + 1.0f;
+}
+
+// The same without the wait: breaks the contract on purpose, so a test can see that a
+// programmatic edge really lets a kernel start before its predecessor has finished.
+extern "C" __global__ void early_add_one_f32(const float* x, float* out, unsigned int n) {
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = x[i] + 1.0f;
+}
+
+// Reads n 16-byte vectors and writes nothing (unless their XOR is an unlikely value, which keeps
+// the loads): fills L2 with clean lines, so benchmarks can start from a cold cache without the
+// write-backs a memset would leave behind.
+extern "C" __global__ void read_all_u32(const uint4* x, unsigned* sink, unsigned long long n) {
+    unsigned acc = 0;
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        const uint4 v = x[i];
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (acc == 0x9e3779b9u) sink[0] = acc;
 }
 
 // Writes through an arbitrary address: with an unmapped address this raises an illegal-address

@@ -2,8 +2,11 @@
 //! embedded kernels, the whole program run eagerly or replayed as one CUDA graph.
 //!
 //! Memory follows the shared [`Plan`]: one arena allocation per program with a view per
-//! transient, dedicated allocations for inputs, outputs and per-node workspaces, and weights and
-//! states allocated once per label and shared between programs.
+//! transient, dedicated allocations for inputs and outputs, and weights and states allocated once
+//! per label and shared between programs. Scratch memory the op encoders ask for comes from one
+//! region the backend keeps for all its programs: every node starts again at its first byte, so
+//! the region is as large as the largest node's need, and the dispatches of nodes that reuse the
+//! same bytes are ordered by the byte-range dependency analysis like any other writers.
 
 use std::collections::HashMap;
 
@@ -31,7 +34,20 @@ pub struct CudaBackend {
     device: Device,
     mode: RunMode,
     persistent: HashMap<String, (String, Buffer)>,
+    scratch: Scratch,
 }
+
+/// The scratch region and how much of it the node being encoded has taken.
+#[derive(Default)]
+struct Scratch {
+    region: Option<Buffer>,
+    cursor: usize,
+}
+
+/// Scratch requests start at multiples of this many bytes.
+const SCRATCH_ALIGN: usize = 256;
+/// A new scratch region is rounded up to a multiple of this many bytes.
+const SCRATCH_GRANULE: usize = 1 << 20;
 
 /// A graph prepared for CUDA.
 pub struct CudaProgram {
@@ -65,6 +81,7 @@ pub struct Encoder<'a> {
     pub graph: &'a Graph,
     views: &'a [Option<Buffer>],
     pub list: &'a mut CommandList,
+    scratch: &'a mut Scratch,
     /// The node being encoded feeds a discrete choice (router logits): no approximate fast paths,
     /// so a near tie is decided as the CPU decides it.
     pub precise: bool,
@@ -82,9 +99,26 @@ impl Encoder<'_> {
         self.graph.decl(b).dtype
     }
 
-    /// Scratch memory for one node; the dispatches that use it keep it allocated.
+    /// Scratch memory for the node being encoded, valid until its last dispatch: the next node
+    /// reuses the same bytes. A request that does not fit starts a larger region (the old one
+    /// stays alive as long as the dispatches that use it).
     pub fn workspace(&mut self, dtype: DType, shape: impl Into<Shape>) -> Result<Buffer> {
-        self.device.alloc(dtype, shape)
+        let shape = shape.into();
+        let bytes = (shape.elem_count() * dtype.size_in_bytes()).max(1);
+        let s = &mut *self.scratch;
+        let start = s.cursor.next_multiple_of(SCRATCH_ALIGN);
+        let fits = s.region.as_ref().is_some_and(|r| start + bytes <= r.byte_len());
+        let (region, offset) = if fits {
+            (s.region.as_ref().expect("checked above"), start)
+        } else {
+            // Large enough for everything this node has asked for, so the next node like it fits.
+            let size = (start + bytes).next_multiple_of(SCRATCH_GRANULE);
+            s.cursor = 0;
+            (&*s.region.insert(self.device.alloc(DType::U8, size)?), 0)
+        };
+        let view = region.view(offset, dtype, shape)?;
+        s.cursor = offset + bytes;
+        Ok(view)
     }
 }
 
@@ -111,6 +145,7 @@ impl CudaBackend {
             device,
             mode,
             persistent: HashMap::new(),
+            scratch: Scratch::default(),
         }
     }
 
@@ -190,11 +225,13 @@ impl Backend for CudaBackend {
             graph,
             views: &views,
             list: &mut list,
+            scratch: &mut self.scratch,
             precise: false,
         };
         let precise = decision_inputs(graph);
         for (i, node) in graph.nodes.iter().enumerate() {
             enc.precise = precise[i];
+            enc.scratch.cursor = 0;
             let before = enc.list.len();
             ops::encode(&node.op, &mut enc).map_err(|e| match e {
                 CudaError::Op { reason, .. } => CudaError::Op {

@@ -88,6 +88,10 @@ pub struct Dispatch {
     pub args: Vec<Arg>,
     /// Defaults to the kernel name.
     pub label: String,
+    /// The kernel follows the programmatic-launch contract (see
+    /// [`DispatchBuilder::programmatic`]), so a graph may start it before the kernels it depends
+    /// on have finished.
+    pub programmatic: bool,
 }
 
 impl Dispatch {
@@ -111,7 +115,9 @@ impl Dispatch {
 
     /// True when launching `self` and `other` differs only in argument values or launch shape.
     pub(crate) fn same_kernel(&self, other: &Dispatch) -> bool {
-        self.kernel == other.kernel && self.args.len() == other.args.len()
+        self.kernel == other.kernel
+            && self.args.len() == other.args.len()
+            && self.programmatic == other.programmatic
     }
 
     /// True when the launch configuration or any argument differs.
@@ -254,6 +260,7 @@ impl CommandList {
                 shared_mem: 0,
                 args: Vec::new(),
                 label: kernel.name().to_string(),
+                programmatic: false,
             },
         }
     }
@@ -309,6 +316,17 @@ impl DispatchBuilder<'_> {
 
     pub fn label(mut self, label: impl Into<String>) -> Self {
         self.dispatch.label = label.into();
+        self
+    }
+
+    /// Declares that the kernel keeps the programmatic-launch contract of `kestrel.cuh`: every
+    /// block calls `pdl_wait()` before it reads anything an earlier dispatch writes and before
+    /// it writes anything, and calls `pdl_trigger()` only after that. A CUDA graph then links it
+    /// to the kernels it depends on with programmatic edges: it launches while they finish, and
+    /// whatever it does before the wait (loading weights) overlaps their tail. Eager runs ignore
+    /// it (the wait returns at once when nothing is pending).
+    pub fn programmatic(mut self) -> Self {
+        self.dispatch.programmatic = true;
         self
     }
 

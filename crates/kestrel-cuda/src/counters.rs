@@ -14,6 +14,7 @@ pub struct Counters {
     graph_launches: AtomicU64,
     graph_nodes: AtomicU64,
     graph_edges: AtomicU64,
+    graph_programmatic_edges: AtomicU64,
     graph_instantiations: AtomicU64,
     graph_updates: AtomicU64,
     bytes_h2d: AtomicU64,
@@ -38,6 +39,8 @@ pub struct CounterSnapshot {
     /// Nodes and edges of the graphs instantiated so far.
     pub graph_nodes: u64,
     pub graph_edges: u64,
+    /// Of those edges, the ones that let a kernel launch before its predecessor finished.
+    pub graph_programmatic_edges: u64,
     pub graph_instantiations: u64,
     /// Graph-exec updates applied without re-instantiation.
     pub graph_updates: u64,
@@ -81,6 +84,7 @@ counter_fns!(
     graph_launches => add_graph_launches,
     graph_nodes => add_graph_nodes,
     graph_edges => add_graph_edges,
+    graph_programmatic_edges => add_graph_programmatic_edges,
     graph_instantiations => add_graph_instantiations,
     graph_updates => add_graph_updates,
     bytes_h2d => add_bytes_h2d,

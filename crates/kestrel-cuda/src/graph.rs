@@ -4,7 +4,11 @@
 //! a child graph captured from a stream), with an edge from every
 //! earlier dispatch it conflicts with (read-after-write, write-after-read, write-after-write on
 //! overlapping bytes of one allocation), transitively reduced by [`DepGraph::infer`]. Dispatches
-//! with no path between them are parallel branches and may run concurrently. Replays of a list
+//! with no path between them are parallel branches and may run concurrently. An edge from a
+//! kernel into a dispatch marked programmatic is a programmatic edge: the dependent launches as
+//! soon as every block of its predecessor has called `pdl_trigger()` (or exited) and waits for
+//! the predecessor's results itself (`pdl_wait()`), so launch latency and the dependent's
+//! prologue overlap the predecessor's tail. Replays of a list
 //! whose kernels and edges are unchanged update the instantiated graph in place
 //! (`cuGraphExecKernelNodeSetParams`) instead of instantiating it again.
 
@@ -162,8 +166,17 @@ impl Graph {
             commands: list.commands().to_vec(),
             deps,
         };
+        let mut programmatic_edges = 0;
         for (j, command) in list.commands().iter().enumerate() {
-            let preds: Vec<sys::CUgraphNode> = g.deps.preds(j).iter().map(|&p| g.nodes[p]).collect();
+            // A programmatic dispatch waits for kernel predecessors itself (pdl_wait); every
+            // other edge is an ordinary completion edge.
+            let is_programmatic = |p: usize| match (command, &list.commands()[p]) {
+                (Command::Launch(d), Command::Launch(_)) => d.programmatic,
+                _ => false,
+            };
+            let (early, preds): (Vec<usize>, Vec<usize>) =
+                g.deps.preds(j).iter().partition(|&&p| is_programmatic(p));
+            let preds: Vec<sys::CUgraphNode> = preds.iter().map(|&p| g.nodes[p]).collect();
             let mut node: sys::CUgraphNode = std::ptr::null_mut();
             match command {
                 Command::Launch(d) => {
@@ -186,6 +199,18 @@ impl Graph {
                 }
                 Command::Gemm(gemm) => node = capture_gemm(device, g.graph, &preds, gemm)?,
             }
+            for &p in &early {
+                let edge = sys::CUgraphEdgeData {
+                    from_port: sys::CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC as u8,
+                    to_port: 0,
+                    type_: sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8,
+                    reserved: [0; 5],
+                };
+                // SAFETY: both nodes are kernel nodes of this graph; one edge, described by `edge`.
+                unsafe { sys::cuGraphAddDependencies_v2(g.graph, &g.nodes[p], &node, &edge, 1).result() }
+                    .map_err(CudaError::driver("cuGraphAddDependencies"))?;
+            }
+            programmatic_edges += early.len() as u64;
             g.nodes.push(node);
         }
         let mut exec: sys::CUgraphExec = std::ptr::null_mut();
@@ -197,6 +222,7 @@ impl Graph {
         counters.add_graph_instantiations(1);
         counters.add_graph_nodes(g.nodes.len() as u64);
         counters.add_graph_edges(g.deps.edges().len() as u64);
+        counters.add_graph_programmatic_edges(programmatic_edges);
         Ok(g)
     }
 

@@ -396,6 +396,79 @@ fn independent_branches_overlap_and_dependent_ones_serialise() {
     assert_eq!(dev.download::<f32>(&b).unwrap(), vec![2.0]);
 }
 
+/// A slow producer (it lets dependents launch at once, then spins) followed by a chain of
+/// programmatic consumers: each must see its predecessor's result, replay after replay with new
+/// values. The same chain with a consumer that skips the wait must see stale data, which shows
+/// the edges really launch early.
+#[test]
+fn programmatic_launches_wait_for_their_predecessors() {
+    let Some(dev) = device_or_skip("programmatic_launches_wait_for_their_predecessors") else {
+        return;
+    };
+    let (mut rng, seed) = Rng::from_time();
+    let n = rng.range(1000, 50_000);
+    let steps = 6;
+    let (fill, wait, early) = (
+        k(&dev, "trigger_spin_fill_f32"),
+        k(&dev, "pdl_add_one_f32"),
+        k(&dev, "early_add_one_f32"),
+    );
+    let bufs: Vec<Buffer> = (0..=steps).map(|_| poisoned(&dev, n)).collect();
+    let build = |consumer: &Kernel, value: f32| {
+        let mut l = CommandList::new("programmatic-chain");
+        l.dispatch(&fill)
+            .cover(n, 256)
+            .write(&bufs[0])
+            .arg(value)
+            .arg(200_000u64)
+            .arg(n as u32)
+            .record();
+        for s in 0..steps {
+            l.dispatch(consumer)
+                .cover(n, 256)
+                .read(&bufs[s])
+                .write(&bufs[s + 1])
+                .arg(n as u32)
+                .programmatic()
+                .record();
+        }
+        l
+    };
+    let before = dev.counters();
+    let mut graph = dev.capture(&build(&wait, 0.0)).unwrap();
+    let d = dev.counters() - before;
+    assert_eq!(
+        d.graph_programmatic_edges, steps as u64,
+        "every consumer edge is programmatic"
+    );
+    for replay in 0..5 {
+        let value = rng.range(1, 1_000_000) as f32;
+        graph.update(&build(&wait, value)).unwrap();
+        graph.launch().unwrap();
+        let out = dev.download::<f32>(&bufs[steps]).unwrap();
+        let want = value + steps as f32;
+        assert!(
+            out.iter().all(|&v| v == want),
+            "replay {replay}: a consumer read before its producer finished (want {want}, first {}; seed {seed})",
+            out[0]
+        );
+    }
+    // Eager runs ignore the flag: the early consumer is correct there.
+    dev.run(&build(&early, 3.0)).unwrap();
+    assert!(dev
+        .download::<f32>(&bufs[steps])
+        .unwrap()
+        .iter()
+        .all(|&v| v == 3.0 + steps as f32));
+    let early_graph = dev.capture(&build(&early, 5.0)).unwrap();
+    early_graph.launch().unwrap();
+    let out = dev.download::<f32>(&bufs[1]).unwrap();
+    assert!(
+        out.iter().any(|&v| v != 6.0),
+        "a consumer without the wait saw finished data: the edge did not launch early (seed {seed})"
+    );
+}
+
 #[test]
 fn graph_exec_update_takes_new_scalars_and_buffers() {
     let Some(dev) = device_or_skip("graph_exec_update_takes_new_scalars_and_buffers") else {

@@ -1,7 +1,10 @@
 //! `kestrel bench ops`: the hot ops of MoE inference at real model shapes, each prepared as a
 //! one-op graph on the CUDA backend, replayed as a CUDA graph and timed with CUDA events (median
 //! of repeated runs after a warm-up), next to its floor: bytes over the measured 4.26 TB/s, or
-//! FLOPs over the bf16 tensor-core rate.
+//! FLOPs over the bf16 tensor-core rate. Before every timed replay the L2 cache is flushed, so an
+//! op whose bytes would fit in L2 (the eight experts of one MoE decode, an 8k KV cache) reads
+//! them from memory as it would inside a model, where the other layers' weights pass through L2
+//! between two visits.
 
 use anyhow::Result;
 use half::bf16;
@@ -62,8 +65,42 @@ fn fill_random(cuda: &mut CudaBackend, p: &mut CudaProgram, rng: &mut Rng) -> Re
 /// fraction of its boost clock and takes tens of milliseconds of load to ramp up).
 const WARM_UP: std::time::Duration = std::time::Duration::from_millis(300);
 
-/// Median microseconds of one replay of `p`.
+/// Bytes read before each timed replay to push everything out of L2 (50 MB on an H200). Read,
+/// not written: a memset would leave L2 full of dirty lines whose write-backs the op would pay.
+const L2_FLUSH_BYTES: usize = 256 << 20;
+
+/// Evicts what L2 holds by reading `L2_FLUSH_BYTES` of other memory (`read_all_u32`).
+struct L2Flush {
+    data: kestrel_cuda::Buffer,
+    sink: kestrel_cuda::Buffer,
+    kernel: kestrel_cuda::Kernel,
+}
+
+impl L2Flush {
+    fn new(dev: &Device) -> Result<Self> {
+        Ok(L2Flush {
+            data: dev.alloc(DType::U8, L2_FLUSH_BYTES)?,
+            sink: dev.alloc(DType::U32, 1)?,
+            kernel: dev.kernel("runtime", "read_all_u32")?,
+        })
+    }
+
+    fn run(&self, dev: &Device) -> Result<()> {
+        let mut list = kestrel_cuda::CommandList::new("l2-flush");
+        list.dispatch(&self.kernel)
+            .grid(4 * dev.info().sm_count)
+            .block(512)
+            .read(&self.data)
+            .write(&self.sink)
+            .arg((L2_FLUSH_BYTES / 16) as u64)
+            .record();
+        Ok(dev.run(&list)?)
+    }
+}
+
+/// Median microseconds of one replay of `p`, each started with a cold L2.
 fn time_program(dev: &Device, cuda: &mut CudaBackend, p: &mut CudaProgram, reps: usize) -> Result<f64> {
+    let flush = L2Flush::new(dev)?;
     let start = std::time::Instant::now();
     while start.elapsed() < WARM_UP {
         for _ in 0..50 {
@@ -74,6 +111,7 @@ fn time_program(dev: &Device, cuda: &mut CudaBackend, p: &mut CudaProgram, reps:
     let timer = dev.timer()?;
     let mut samples = Vec::with_capacity(reps);
     for _ in 0..reps {
+        flush.run(dev)?;
         timer.start(dev.compute())?;
         cuda.run(p)?;
         timer.stop(dev.compute())?;
@@ -116,11 +154,13 @@ fn measure(dev: &Device, b: &Bench, reps: usize, profile: bool, rng: &mut Rng) -
         let (mut cuda, mut p) = prepared(dev, b, RunMode::Eager, rng)?;
         time_program(dev, &mut cuda, &mut p, 1)?;
         dev.take_profile()?;
-        dev.set_profiling(true);
+        let flush = L2Flush::new(dev)?;
         for _ in 0..reps {
+            flush.run(dev)?;
+            dev.set_profiling(true);
             cuda.run(&mut p)?;
+            dev.set_profiling(false);
         }
-        dev.set_profiling(false);
         eprintln!("{}\n{}", b.name, dev.take_profile()?.table());
     }
     if let Some(flops) = b.flops {

@@ -39,6 +39,21 @@ fn quant_name(bits: u32) -> Result<&'static str> {
 const MATVEC_WARPS: u32 = 4;
 const MATVEC_ROWS: usize = 16;
 const MATVEC_BLOCKS_PER_SM: usize = 8;
+/// `matvec_*_dp4a` blocks resident per SM (`DP_BLOCKS_PER_SM` in linear.cu).
+const DP_BLOCKS_PER_SM: usize = 3;
+
+/// Bytes of a `matvec_*_dp4a` block's rings (linear.cu: 4 warps x 4 stages, a slot holding
+/// 2 x 4 rows x 32 lanes of 16-byte vectors and the 4 rows' scales and biases for 64 vectors),
+/// or None when the group scales cannot be copied in 16-byte pieces.
+fn dp_ring_bytes(in_dim: usize, bits: u32, group: usize) -> Option<usize> {
+    if bits != 4 && bits != 8 {
+        return None;
+    }
+    let vals = 128 / bits as usize;
+    let seg = 64 * vals / group;
+    let aligned = group > 0 && in_dim % group == 0 && (in_dim / group) % 8 == 0 && seg % 8 == 0;
+    aligned.then(|| 4 * 4 * (2 * 4 * 32 + 4 * seg / 4) * 16)
+}
 
 /// The one-token path: 16-byte loads, x staged in shared memory. Returns false (and records
 /// nothing) when the weight's format or alignment needs the general kernel.
@@ -50,27 +65,28 @@ fn encode_matvec(
     in_dim: usize,
     out_dim: usize,
 ) -> Result<bool> {
-    // bf16: x staged padded as floats; quantised: x as int8 with a scale and a sum per block of 32.
+    // bf16: x staged padded as floats; quantised: the weight rings, then x as int8 with a scale
+    // and a sum per block of 32.
     let smem = match w {
-        LinearWeight::Quant { .. } => in_dim + (in_dim / 32 + in_dim / 16) * 4,
+        LinearWeight::Quant { format, .. } => match dp_ring_bytes(in_dim, format.bits, format.group_size) {
+            Some(ring) => ring + in_dim + (in_dim / 32 + in_dim / 16) * 4,
+            None => return Ok(false),
+        },
         LinearWeight::Dense(_) => (in_dim + in_dim.div_ceil(32) * 4) * 4,
     };
     if smem > enc.device.info().max_shared_per_block {
         return Ok(false);
     }
     let (x, out) = (enc.buf(x)?.clone(), enc.buf(out)?.clone());
-    let grid = u32_arg(
-        out_dim
-            .div_ceil(MATVEC_ROWS)
-            .min(MATVEC_BLOCKS_PER_SM * enc.device.info().sm_count as usize),
-    )?;
+    let sms = enc.device.info().sm_count as usize;
+    let blocks = |per_sm: usize| u32_arg(out_dim.div_ceil(MATVEC_ROWS).min(per_sm * sms));
     match w {
         LinearWeight::Dense(wb) if enc.dtype(wb.raw()) == DType::BF16 && in_dim % 8 == 0 => {
             let k = enc.device.kernel("linear", "matvec_bf16")?;
             let wb = enc.buf(wb.raw())?.clone();
             enc.list
                 .dispatch(&k)
-                .grid(grid)
+                .grid(blocks(MATVEC_BLOCKS_PER_SM)?)
                 .block(32 * MATVEC_WARPS)
                 .shared_mem(u32_arg(smem)?)
                 .read(&x)
@@ -86,25 +102,7 @@ fn encode_matvec(
             biases,
             format,
         } if in_dim % 64 == 0 && format.group_size % 32 == 0 => {
-            // x quantised to int8 in blocks of 32, then 8-bit integer dot products.
-            let blocks = in_dim / 32;
-            let xq = enc.workspace(DType::I32, in_dim / 4)?;
-            let (xd, xsum) = (
-                enc.workspace(DType::F32, blocks)?,
-                enc.workspace(DType::F32, 2 * blocks)?,
-            );
-            let quantize = enc.device.kernel("linear", "quantize_x8_f32")?;
-            enc.list
-                .dispatch(&quantize)
-                .grid(u32_arg(blocks.div_ceil(8))?)
-                .block(256)
-                .read(&x)
-                .write(&xq)
-                .write(&xd)
-                .write(&xsum)
-                .arg(u32_arg(in_dim)?)
-                .arg((format.bits == 4) as i32)
-                .record();
+            // Each block rounds x to int8 in blocks of 32, then 8-bit integer dot products.
             let k = enc
                 .device
                 .kernel("linear", &format!("matvec_{}_dp4a", quant_name(format.bits)?))?;
@@ -113,15 +111,12 @@ fn encode_matvec(
                 enc.buf(scales.raw())?.clone(),
                 enc.buf(biases.raw())?.clone(),
             );
-            let smem = in_dim + 3 * blocks * 4;
             enc.list
                 .dispatch(&k)
-                .grid(grid)
+                .grid(blocks(DP_BLOCKS_PER_SM)?)
                 .block(32 * MATVEC_WARPS)
                 .shared_mem(u32_arg(smem)?)
-                .read(&xq)
-                .read(&xd)
-                .read(&xsum)
+                .read(&x)
                 .read(&qw)
                 .read(&s)
                 .read(&b)
@@ -129,6 +124,7 @@ fn encode_matvec(
                 .arg(u32_arg(in_dim)?)
                 .arg(u32_arg(out_dim)?)
                 .arg(u32_arg(format.group_size)?)
+                .programmatic()
                 .record();
         }
         _ => return Ok(false),

@@ -1,6 +1,6 @@
 //! Router and routed experts: `kernels/moe.cu` and `kernels/moe_gemm.cu`. Few tokens: gate/up per
-//! (token, slot) into a per-node workspace `[tokens * k, inter]`, then down with the weighted,
-//! ordered combine. Many tokens: the slots sorted by expert on the device, grouped tensor-core
+//! (token, slot) into scratch activations `[tokens * k, inter]` (int8 for quantised experts),
+//! then down with the weighted, ordered combine. Many tokens: the slots sorted by expert on the device, grouped tensor-core
 //! GEMMs over each expert's rows, then the same ordered combine.
 
 use kestrel_core::ir::{ExpertFormat, MatrixSpan, Op};
@@ -12,10 +12,12 @@ use crate::buffer::Buffer;
 use crate::command::DispatchBuilder;
 use crate::error::Result;
 
-/// Rows per block of `moe_gate_up_*` (4 warps x 2 rows) and `moe_down_*` (4 warps x 1 row).
+/// Rows per block of `moe_gate_up_bf16` (4 warps x 2 rows) and `moe_down_*` (4 warps x 1 row);
+/// threads of the quantised `moe_gate_up_*` (16 warps x 2 rows: one int8 block of 32).
 const GU_ROWS: usize = 8;
+const GQ_THREADS: u32 = 512;
 const DOWN_ROWS: usize = 4;
-/// `router_f32` holds 16 experts per lane of one warp, and slot j's weight in lane j.
+/// `router_f32_*` holds up to 16 experts per lane of one warp, and slot j's weight in lane j.
 const ROUTER_MAX_EXPERTS: usize = 512;
 const ROUTER_MAX_K: usize = 32;
 
@@ -40,7 +42,7 @@ fn grouped_fits(layout: &kestrel_core::ir::ExpertLayout) -> bool {
 }
 
 /// Many tokens: sort slots by expert, grouped GEMMs for gate/up (SwiGLU, bf16 activations) and
-/// down (weighted), then the ordered combine into `out`.
+/// down (weighted, bf16 per slot), then the ordered f32 combine into `out`.
 #[allow(clippy::too_many_arguments)]
 fn encode_grouped(
     enc: &mut Encoder,
@@ -60,7 +62,7 @@ fn encode_grouped(
         enc.workspace(DType::U32, slots)?,
         enc.workspace(DType::U32, 3 * max_tiles)?,
         enc.workspace(DType::BF16, [slots, i])?,
-        enc.workspace(DType::F32, [slots, h])?,
+        enc.workspace(DType::BF16, [slots, h])?,
     );
     let convert = enc.device.kernel("elementwise", "convert_f32_bf16")?;
     enc.list
@@ -84,12 +86,11 @@ fn encode_grouped(
         .record();
     let span = layout.span_bytes() as u64;
     let (g, u, d) = (layout.gate(), layout.up(), layout.down());
-    let group = group as u32;
     let gate_up = enc
         .device
         .kernel("moe_gemm", &format!("moe_gemm_gate_up_{name}"))?;
     let smem = |nb: usize| 2 * (GT_ROWS + nb * GT_COLS) * GT_STRIDE * 2;
-    let mut b = enc
+    let b = enc
         .list
         .dispatch(&gate_up)
         .grid((u32_arg(max_tiles)?, u32_arg(i / GT_COLS)?))
@@ -99,15 +100,8 @@ fn encode_grouped(
         .read(&order)
         .read(&tiles)
         .read(e)
-        .write(&act)
-        .arg(u32_arg(h)?)
-        .arg(u32_arg(i)?)
-        .arg(u32_arg(k)?)
-        .arg(span);
-    for m in [g, u] {
-        b = b.arg(m.weight as u64).arg(m.scales as u64).arg(m.biases as u64);
-    }
-    b.arg(group).record();
+        .write(&act);
+    expert_args(b, (h, i, k), span, &[g, u], group)?.record();
     // 128 output columns a block where hidden allows.
     let nb = if h % (2 * GT_COLS) == 0 { 2 } else { 1 };
     let down = enc
@@ -130,12 +124,12 @@ fn encode_grouped(
         .arg(d.weight as u64)
         .arg(d.scales as u64)
         .arg(d.biases as u64)
-        .arg(group)
+        .arg(u32_arg(group)?)
         .record();
     let combine = enc.device.kernel("moe_gemm", "moe_combine")?;
     enc.list
         .dispatch(&combine)
-        .cover(tokens * h / 4, 256)
+        .cover(tokens * h / 8, 256)
         .read(&ys)
         .read(ids)
         .write(o)
@@ -168,29 +162,6 @@ fn expert_args<'a>(
     Ok(b.arg(u32_arg(group)?))
 }
 
-/// Records `quantize_x8_f32` over `n` values of `x` (a multiple of 32): returns the int8 values,
-/// the scale per 32 and the sum per 16 (`kernels/kestrel.cuh`), in 4-bit nibble order or in order.
-fn quantized(enc: &mut Encoder, x: &Buffer, n: usize, nibble_order: i32) -> Result<Vec<Buffer>> {
-    let (q, d, s) = (
-        enc.workspace(DType::I32, n / 4)?,
-        enc.workspace(DType::F32, n / 32)?,
-        enc.workspace(DType::F32, n / 16)?,
-    );
-    let k = enc.device.kernel("linear", "quantize_x8_f32")?;
-    enc.list
-        .dispatch(&k)
-        .grid(u32_arg((n / 32).div_ceil(8))?)
-        .block(256)
-        .read(x)
-        .write(&q)
-        .write(&d)
-        .write(&s)
-        .arg(u32_arg(n)?)
-        .arg(nibble_order)
-        .record();
-    Ok(vec![q, d, s])
-}
-
 /// Floats of shared memory for `n` staged values (`padded_len` in kestrel.cuh).
 fn padded_len(n: usize) -> usize {
     n + n.div_ceil(32) * 4
@@ -210,7 +181,11 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             if experts > ROUTER_MAX_EXPERTS || k > ROUTER_MAX_K {
                 return Err(unsupported(format!("top-{k} of {experts} experts")));
             }
-            let kern = enc.device.kernel("moe", "router_f32")?;
+            let per_lane = [4, 8, 16]
+                .into_iter()
+                .find(|&n| experts <= 32 * n)
+                .expect("experts checked against ROUTER_MAX_EXPERTS");
+            let kern = enc.device.kernel("moe", &format!("router_f32_{per_lane}"))?;
             let (l, i, w) = (
                 enc.buf(logits)?.clone(),
                 enc.buf(ids)?.clone(),
@@ -226,6 +201,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 .arg(u32_arg(experts)?)
                 .arg(u32_arg(k)?)
                 .arg(normalize as i32)
+                .programmatic()
                 .record();
         }
         Op::MoeExperts {
@@ -244,27 +220,6 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 ExpertFormat::Quant(q) if q.bits == 8 => ("q8", q.group_size),
                 ExpertFormat::Quant(q) => return Err(unsupported(format!("{}-bit experts", q.bits))),
             };
-            let (h, i) = (layout.hidden, layout.inter);
-            if tokens >= GROUPED_MIN_TOKENS && grouped_fits(&layout) {
-                let (x, ids, w, e, o) = (
-                    enc.buf(x)?.clone(),
-                    enc.buf(ids)?.clone(),
-                    enc.buf(weights)?.clone(),
-                    enc.buf(experts)?.clone(),
-                    enc.buf(out)?.clone(),
-                );
-                let args = (tokens, k, name, group);
-                return encode_grouped(enc, &x, &ids, &w, &e, &o, &layout, args);
-            }
-            if h % 8 != 0 || i % 8 != 0 {
-                return Err(unsupported(format!("expert dims {h}x{i} are not multiples of 8")));
-            }
-            if (k * padded_len(i)).max(padded_len(h)) * 4 > enc.device.info().max_shared_per_block {
-                return Err(unsupported(format!(
-                    "top-{k} experts of width {i} exceed shared memory"
-                )));
-            }
-            let act = enc.workspace(DType::F32, [tokens * k, i])?;
             let (x, ids, w, e, o) = (
                 enc.buf(x)?.clone(),
                 enc.buf(ids)?.clone(),
@@ -272,54 +227,137 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 enc.buf(experts)?.clone(),
                 enc.buf(out)?.clone(),
             );
-            let (g, u, d) = (layout.gate(), layout.up(), layout.down());
-            let span = layout.span_bytes() as u64;
-            let gate_up = enc.device.kernel("moe", &format!("moe_gate_up_{name}"))?;
-            let down = enc.device.kernel("moe", &format!("moe_down_{name}"))?;
-            let gu_grid = (u32_arg(i.div_ceil(GU_ROWS))?, u32_arg(tokens * k)?);
-            let down_grid = (u32_arg(h.div_ceil(DOWN_ROWS))?, u32_arg(tokens)?);
-            // bf16 experts stage x and the activations as floats; quantised ones round them to
-            // int8 per block of 32 first (values, scales, sums).
-            let nibbles = (name == "q4") as i32;
-            let (x_in, gu_smem) = if group == 0 {
-                (vec![x], padded_len(h) * 4)
+            if tokens >= GROUPED_MIN_TOKENS && grouped_fits(&layout) {
+                let args = (tokens, k, name, group);
+                encode_grouped(enc, &x, &ids, &w, &e, &o, &layout, args)?;
+            } else if group == 0 {
+                encode_bf16(enc, &x, &ids, &w, &e, &o, &layout, (tokens, k))?;
             } else {
-                (quantized(enc, &x, tokens * h, nibbles)?, int8_smem(h))
-            };
-            let mut b = enc
-                .list
-                .dispatch(&gate_up)
-                .grid(gu_grid)
-                .block(128)
-                .shared_mem(u32_arg(gu_smem)?);
-            for buf in &x_in {
-                b = b.read(buf);
+                encode_int8(enc, &x, &ids, &w, &e, &o, &layout, (tokens, k, name, group))?;
             }
-            expert_args(b.read(&ids).read(&e).write(&act), (h, i, k), span, &[g, u], group)?.record();
-            let (a_in, down_smem) = if group == 0 {
-                (vec![act], k * padded_len(i) * 4)
-            } else {
-                (quantized(enc, &act, tokens * k * i, nibbles)?, k * int8_smem(i))
-            };
-            let mut b = enc
-                .list
-                .dispatch(&down)
-                .grid(down_grid)
-                .block(128)
-                .shared_mem(u32_arg(down_smem)?);
-            for buf in &a_in {
-                b = b.read(buf);
-            }
-            expert_args(
-                b.read(&ids).read(&w).read(&e).write(&o),
-                (h, i, k),
-                span,
-                &[d],
-                group,
-            )?
-            .record();
         }
         _ => unreachable!("dispatched by ops::encode"),
     }
+    Ok(())
+}
+
+/// Few tokens, quantised experts: gate/up rounds each token's x to int8 in every block and writes
+/// the activations as int8 (a block of 32 per block of the grid); down reads them as they are.
+#[allow(clippy::too_many_arguments)]
+fn encode_int8(
+    enc: &mut Encoder,
+    x: &Buffer,
+    ids: &Buffer,
+    w: &Buffer,
+    e: &Buffer,
+    o: &Buffer,
+    layout: &kestrel_core::ir::ExpertLayout,
+    (tokens, k, name, group): (usize, usize, &str, usize),
+) -> Result<()> {
+    let (h, i) = (layout.hidden, layout.inter);
+    if h % 32 != 0 || i % 32 != 0 || group % 32 != 0 {
+        return Err(unsupported(format!(
+            "quantised expert dims {h}x{i} (group {group}) are not multiples of 32"
+        )));
+    }
+    let max_smem = enc.device.info().max_shared_per_block;
+    if int8_smem(h) + 32 * 4 > max_smem || k * int8_smem(i) > max_smem {
+        return Err(unsupported(format!(
+            "top-{k} experts of {h}x{i} exceed shared memory"
+        )));
+    }
+    let n = tokens * k * i;
+    let (aq, ad, as16) = (
+        enc.workspace(DType::I32, n / 4)?,
+        enc.workspace(DType::F32, n / 32)?,
+        enc.workspace(DType::F32, n / 16)?,
+    );
+    let (g, u, d) = (layout.gate(), layout.up(), layout.down());
+    let span = layout.span_bytes() as u64;
+    let gate_up = enc.device.kernel("moe", &format!("moe_gate_up_{name}"))?;
+    let down = enc.device.kernel("moe", &format!("moe_down_{name}"))?;
+    let b = enc
+        .list
+        .dispatch(&gate_up)
+        .grid((u32_arg(i / 32)?, u32_arg(tokens * k)?))
+        .block(GQ_THREADS)
+        .shared_mem(u32_arg(int8_smem(h) + 32 * 4)?)
+        .read(x)
+        .read(ids)
+        .read(e)
+        .write(&aq)
+        .write(&ad)
+        .write(&as16)
+        .programmatic();
+    // The down matrix's offsets too: gate/up prefetches it into L2.
+    expert_args(b, (h, i, k), span, &[g, u, d], group)?.record();
+    let b = enc
+        .list
+        .dispatch(&down)
+        .grid((u32_arg(h.div_ceil(DOWN_ROWS))?, u32_arg(tokens)?))
+        .block(128)
+        .shared_mem(u32_arg(k * int8_smem(i))?)
+        .read(&aq)
+        .read(&ad)
+        .read(&as16)
+        .read(ids)
+        .read(w)
+        .read(e)
+        .write(o)
+        .programmatic();
+    expert_args(b, (h, i, k), span, &[d], group)?.record();
+    Ok(())
+}
+
+/// Few tokens, bf16 experts: gate/up per (token, slot) into f32 activations `[tokens * k, inter]`,
+/// then down with the weighted, ordered combine; x and the activations staged as floats.
+#[allow(clippy::too_many_arguments)]
+fn encode_bf16(
+    enc: &mut Encoder,
+    x: &Buffer,
+    ids: &Buffer,
+    w: &Buffer,
+    e: &Buffer,
+    o: &Buffer,
+    layout: &kestrel_core::ir::ExpertLayout,
+    (tokens, k): (usize, usize),
+) -> Result<()> {
+    let (h, i) = (layout.hidden, layout.inter);
+    if h % 8 != 0 || i % 8 != 0 {
+        return Err(unsupported(format!("expert dims {h}x{i} are not multiples of 8")));
+    }
+    if (k * padded_len(i)).max(padded_len(h)) * 4 > enc.device.info().max_shared_per_block {
+        return Err(unsupported(format!(
+            "top-{k} experts of width {i} exceed shared memory"
+        )));
+    }
+    let act = enc.workspace(DType::F32, [tokens * k, i])?;
+    let (g, u, d) = (layout.gate(), layout.up(), layout.down());
+    let span = layout.span_bytes() as u64;
+    let gate_up = enc.device.kernel("moe", "moe_gate_up_bf16")?;
+    let down = enc.device.kernel("moe", "moe_down_bf16")?;
+    let b = enc
+        .list
+        .dispatch(&gate_up)
+        .grid((u32_arg(i.div_ceil(GU_ROWS))?, u32_arg(tokens * k)?))
+        .block(128)
+        .shared_mem(u32_arg(padded_len(h) * 4)?)
+        .read(x)
+        .read(ids)
+        .read(e)
+        .write(&act);
+    expert_args(b, (h, i, k), span, &[g, u], 0)?.record();
+    let b = enc
+        .list
+        .dispatch(&down)
+        .grid((u32_arg(h.div_ceil(DOWN_ROWS))?, u32_arg(tokens)?))
+        .block(128)
+        .shared_mem(u32_arg(k * padded_len(i) * 4)?)
+        .read(&act)
+        .read(ids)
+        .read(w)
+        .read(e)
+        .write(o);
+    expert_args(b, (h, i, k), span, &[d], 0)?.record();
     Ok(())
 }
