@@ -274,7 +274,8 @@ __device__ void down_combine(const float* act, const unsigned* ids, const float*
 
 // act[tk, r] = silu(gate_e[r] . x_t) * (up_e[r] . x_t) for 32 rows of one (token, slot), written
 // as int8 (aq bytes, ad scale, as16 sums; inter a multiple of 32). Grid (inter / 32, tokens * k),
-// GQ_WARPS warps; dynamic shared memory: 32 + hidden / 32 + hidden / 16 floats + hidden bytes.
+// GQ_WARPS warps; dynamic shared memory: 32 floats, GQ_WARPS * 4 * 2 * (hidden / group) bf16
+// (each warp's rows' group scales and biases), hidden bytes + (hidden / 32 + hidden / 16) floats.
 // dw, ds, db locate the down matrix, prefetched into L2.
 template <int BITS>
 __device__ void gate_up_int8(const float* x, const unsigned* ids, const unsigned char* experts, int* aq, float* ad,
@@ -286,7 +287,9 @@ __device__ void gate_up_int8(const float* x, const unsigned* ids, const unsigned
     extern __shared__ __align__(16) float sact[];
     pdl_wait();
     pdl_trigger();
-    int* sq = reinterpret_cast<int*>(sact + 32);
+    const unsigned groups = hidden / group, nvec = hidden / VecFormat<BITS>::VALS;
+    bf16* sgroups = reinterpret_cast<bf16*>(sact + 32);
+    int* sq = reinterpret_cast<int*>(sgroups + GQ_WARPS * 2 * GQ_ROWS * 2 * groups);
     float* sd = reinterpret_cast<float*>(sq + hidden / 4);
     float* ss = sd + hidden / 32;
     const size_t tk = blockIdx.y, t = tk / k;
@@ -295,7 +298,6 @@ __device__ void gate_up_int8(const float* x, const unsigned* ids, const unsigned
     // x_t is asked for first, so its lines are not queued behind the weights.
     prefetch_l2_range(x + t * hidden, hidden * sizeof(float), threadIdx.x, blockDim.x);
     const unsigned char* sp = experts + (size_t)ids[tk] * span;
-    const unsigned groups = hidden / group, nvec = hidden / VecFormat<BITS>::VALS;
     Mat mats[2 * GQ_ROWS];
     bool active[2 * GQ_ROWS];
 #pragma unroll
@@ -308,11 +310,22 @@ __device__ void gate_up_int8(const float* x, const unsigned* ids, const unsigned
     }
     uint4 v[UNROLL][2 * GQ_ROWS];
     issue<2 * GQ_ROWS, UNROLL>(mats, 0, lane, nvec, active, v);
-    // The group scales and biases of this warp's rows, read only after the weights arrive.
+    // This warp's rows' group scales and biases, [m][scale, bias][groups], loaded now with the
+    // weights: a load issued at compute time would queue behind every weight in flight.
+    bf16* sg = sgroups + warp * (2 * GQ_ROWS * 2 * groups);
+    for (unsigned v0 = 0; v0 < 2 * GQ_ROWS * 2 * groups; v0 += 32 * 8) {
+        bf16 tv[8];
 #pragma unroll
-    for (int m = 0; m < 2 * GQ_ROWS; m++) {
-        prefetch_l2_range(mats[m].scales, groups * sizeof(bf16), lane, 32);
-        prefetch_l2_range(mats[m].biases, groups * sizeof(bf16), lane, 32);
+        for (unsigned j = 0; j < 8; j++) {
+            const unsigned e = v0 + 32 * j + lane, m = e / (2 * groups), rem = e % (2 * groups);
+            if (m < 2 * GQ_ROWS) {
+                const unsigned long long off = m < GQ_ROWS ? (rem >= groups ? gb : gs) : (rem >= groups ? ub : us);
+                tv[j] = reinterpret_cast<const bf16*>(sp + off)[(size_t)(row0 + m % GQ_ROWS) * groups + rem % groups];
+            }
+        }
+#pragma unroll
+        for (unsigned j = 0; j < 8; j++)
+            if (v0 + 32 * j + lane < 2 * GQ_ROWS * 2 * groups) sg[v0 + 32 * j + lane] = tv[j];
     }
     {
         // This block's slice of the slot's down matrix: weights, then scales and biases.
@@ -339,7 +352,8 @@ __device__ void gate_up_int8(const float* x, const unsigned* ids, const unsigned
             const XSeg<BITS> xs = x_segment<BITS>(xq, u);
 #pragma unroll
             for (int m = 0; m < 2 * GQ_ROWS; m++)
-                acc[m] += dot_int8<BITS>(v[i][m], xs, to_f32(mats[m].scales[g]), to_f32(mats[m].biases[g]));
+                acc[m] += dot_int8<BITS>(v[i][m], xs, to_f32(sg[m * 2 * groups + g]),
+                                         to_f32(sg[m * 2 * groups + groups + g]));
         }
         u0 += 32 * UNROLL;
         if (u0 >= nvec) break;
@@ -411,12 +425,22 @@ __device__ void down_int8(const int* aq, const float* ad, const float* as16, con
             sp[c] = experts + (size_t)(j0 + c < k ? ids[t * k + j0 + c] : 0) * span;
         }
         const size_t wrow = (size_t)row * nvec, grow = row_ok ? (size_t)row * groups : 0;
-        float acc[DQ_CHUNK];
+        float acc[DQ_CHUNK], scale[DQ_CHUNK], bias[DQ_CHUNK];
+        // Every expert's vector and its group's scale and bias are loaded together, branch-free
+        // (inactive experts read row 0 of a real expert and their result is dropped): a load
+        // issued only at compute time would queue behind everything in flight.
+        const auto fetch = [&](unsigned u) {
+            const unsigned uu = u < nvec ? u : 0, g = (uu * VecFormat<BITS>::VALS) / group;
 #pragma unroll
-        for (unsigned c = 0; c < DQ_CHUNK; c++) {
-            acc[c] = 0.0f;
-            if (active[c]) v[c] = __ldcs(reinterpret_cast<const uint4*>(sp[c] + dw) + wrow + lane);
-        }
+            for (unsigned c = 0; c < DQ_CHUNK; c++) {
+                if (active[c]) v[c] = __ldcs(reinterpret_cast<const uint4*>(sp[c] + dw) + wrow + u);
+                scale[c] = to_f32(reinterpret_cast<const bf16*>(sp[c] + ds)[grow + g]);
+                bias[c] = to_f32(reinterpret_cast<const bf16*>(sp[c] + db)[grow + g]);
+            }
+        };
+#pragma unroll
+        for (unsigned c = 0; c < DQ_CHUNK; c++) acc[c] = 0.0f;
+        fetch(lane);
         if (j0 == 0) {
             // Stage every slot's activations while the first weight loads are in flight.
             stage(sq, aq + t * k * qn, k * qn * 4);
@@ -425,17 +449,7 @@ __device__ void down_int8(const int* aq, const float* ad, const float* as16, con
             __syncthreads();
         }
         for (unsigned u = lane;;) {
-            // Branch-free, so every expert's scale and bias loads are in flight together:
-            // inactive experts compute on a valid address (row 0, vector 0 of a real expert)
-            // and their result is dropped.
             const unsigned uu = u < nvec ? u : 0;
-            const unsigned g = (uu * VecFormat<BITS>::VALS) / group;
-            float scale[DQ_CHUNK], bias[DQ_CHUNK];
-#pragma unroll
-            for (unsigned c = 0; c < DQ_CHUNK; c++) {
-                scale[c] = to_f32(reinterpret_cast<const bf16*>(sp[c] + ds)[grow + g]);
-                bias[c] = to_f32(reinterpret_cast<const bf16*>(sp[c] + db)[grow + g]);
-            }
 #pragma unroll
             for (unsigned c = 0; c < DQ_CHUNK; c++) {
                 const unsigned j = min(j0 + c, k - 1);  // a staged slot
@@ -446,10 +460,8 @@ __device__ void down_int8(const int* aq, const float* ad, const float* as16, con
             u += 32;
             if (u >= nvec) break;
 #pragma unroll
-            for (unsigned c = 0; c < DQ_CHUNK; c++) {
-                active[c] = active[c] && u < nvec;
-                if (active[c]) v[c] = __ldcs(reinterpret_cast<const uint4*>(sp[c] + dw) + wrow + u);
-            }
+            for (unsigned c = 0; c < DQ_CHUNK; c++) active[c] = active[c] && u < nvec;
+            fetch(u);
         }
 #pragma unroll
         for (unsigned c = 0; c < DQ_CHUNK; c++)

@@ -261,7 +261,10 @@ fn encode_int8(
         )));
     }
     let max_smem = enc.device.info().max_shared_per_block;
-    if int8_smem(h) + 32 * 4 > max_smem || k * int8_smem(i) > max_smem {
+    // gate/up: 32 activations, each warp's rows' group scales and biases (16 warps x 4 rows x 2
+    // bf16 per group), then x as int8.
+    let gu_smem = 32 * 4 + 16 * 4 * 2 * 2 * (h / group) + int8_smem(h);
+    if gu_smem > max_smem || k * int8_smem(i) > max_smem {
         return Err(unsupported(format!(
             "top-{k} experts of {h}x{i} exceed shared memory"
         )));
@@ -281,7 +284,7 @@ fn encode_int8(
         .dispatch(&gate_up)
         .grid((u32_arg(i / 32)?, u32_arg(tokens * k)?))
         .block(GQ_THREADS)
-        .shared_mem(u32_arg(int8_smem(h) + 32 * 4)?)
+        .shared_mem(u32_arg(gu_smem)?)
         .read(x)
         .read(ids)
         .read(e)
