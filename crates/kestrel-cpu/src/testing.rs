@@ -589,7 +589,13 @@ pub fn linear(rng: Rng) -> Case {
         Some(f) => f.group_size.max(64) * c.rng.range(1, 12),
         None => c.rng.range(1, 700),
     };
-    let (tokens, out_dim) = (pick(&mut c.rng, &[1, 1, 2, 5, 17]), c.rng.range(1, 600));
+    // 1,100 tokens: a many-token product well past one tile in every dimension.
+    let (tokens, out_dim) = (pick(&mut c.rng, &[1, 1, 2, 5, 17, 1100]), c.rng.range(1, 600));
+    let in_dim = if tokens > 1000 && format.is_none() {
+        8 * c.rng.range(1, 80)
+    } else {
+        in_dim
+    };
     let dtype = pick(&mut c.rng, &[DType::BF16, DType::F16, DType::F32]);
     let (w, wf) = c.linear_weight("w", out_dim, in_dim, format, dtype);
     let (x, xf) = c.act("x", tokens, in_dim, 1.0);
