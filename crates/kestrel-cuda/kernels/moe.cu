@@ -310,22 +310,25 @@ __device__ void gate_up_int8(const float* x, const unsigned* ids, const unsigned
     }
     uint4 v[UNROLL][2 * GQ_ROWS];
     issue<2 * GQ_ROWS, UNROLL>(mats, 0, lane, nvec, active, v);
-    // This warp's rows' group scales and biases, [m][scale, bias][groups], loaded now with the
-    // weights: a load issued at compute time would queue behind every weight in flight.
+    // This warp's rows' group scales and biases, [m][scale, bias][groups], copied now with the
+    // weights in flight (cp.async, so nothing waits for them until they are used): a load
+    // issued at compute time would queue behind every weight in flight.
     bf16* sg = sgroups + warp * (2 * GQ_ROWS * 2 * groups);
-    for (unsigned v0 = 0; v0 < 2 * GQ_ROWS * 2 * groups; v0 += 32 * 8) {
-        bf16 tv[8];
-#pragma unroll
-        for (unsigned j = 0; j < 8; j++) {
-            const unsigned e = v0 + 32 * j + lane, m = e / (2 * groups), rem = e % (2 * groups);
-            if (m < 2 * GQ_ROWS) {
-                const unsigned long long off = m < GQ_ROWS ? (rem >= groups ? gb : gs) : (rem >= groups ? ub : us);
-                tv[j] = reinterpret_cast<const bf16*>(sp + off)[(size_t)(row0 + m % GQ_ROWS) * groups + rem % groups];
-            }
+    if (groups % 2 == 0) {
+        const unsigned per = groups / 2;  // bf16 pairs per row of scales or biases
+        for (unsigned e = lane; e < 2 * GQ_ROWS * 2 * per; e += 32) {
+            const unsigned sel = e / per, m = sel / 2, pr = e % per;
+            const unsigned long long off = m < GQ_ROWS ? (sel % 2 ? gb : gs) : (sel % 2 ? ub : us);
+            cp_async4(sg + sel * groups + 2 * pr,
+                      reinterpret_cast<const bf16*>(sp + off) + (size_t)(row0 + m % GQ_ROWS) * groups + 2 * pr);
         }
-#pragma unroll
-        for (unsigned j = 0; j < 8; j++)
-            if (v0 + 32 * j + lane < 2 * GQ_ROWS * 2 * groups) sg[v0 + 32 * j + lane] = tv[j];
+        cp_async_commit();
+    } else {
+        for (unsigned e = lane; e < 2 * GQ_ROWS * 2 * groups; e += 32) {
+            const unsigned sel = e / groups, m = sel / 2;
+            const unsigned long long off = m < GQ_ROWS ? (sel % 2 ? gb : gs) : (sel % 2 ? ub : us);
+            sg[e] = reinterpret_cast<const bf16*>(sp + off)[(size_t)(row0 + m % GQ_ROWS) * groups + e % groups];
+        }
     }
     {
         // This block's slice of the slot's down matrix: weights, then scales and biases.
@@ -338,6 +341,7 @@ __device__ void gate_up_int8(const float* x, const unsigned* ids, const unsigned
         prefetch_l2_range(sp + db + s0, min(sslice, sbytes - s0), threadIdx.x, blockDim.x);
     }
     quantize_x8<BITS == 4>(x + t * hidden, hidden, sq, sd, ss, threadIdx.x, blockDim.x);
+    cp_async_wait<0>();
     __syncthreads();
     const QuantX xq{sq, sd, ss};
     float acc[2 * GQ_ROWS];
