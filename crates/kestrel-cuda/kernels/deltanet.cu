@@ -1,8 +1,9 @@
 // Gated DeltaNet. causal_conv1d: one thread per channel, walking the tokens in order from the
 // channel's saved inputs (kernel - 1 of them, KERNEL_MAX at most) and saving the last ones back.
-// delta_gates: element-wise decay and beta. delta_rule: the recurrence, one block per value head
-// with the state [k_dim, v_dim] in shared memory; each thread owns state columns, so the per-token
-// update needs no synchronisation beyond loading the token's normalised q and k.
+// delta_gates: element-wise decay and beta. delta_rule_f32: the recurrence, one block per value
+// head with the state [k_dim, v_dim] in shared memory; each thread owns state columns, so the
+// per-token update needs no synchronisation beyond loading the token's normalised q and k.
+// delta_rule_regs_*: the same with the state in registers (below).
 #include "kestrel.cuh"
 
 #define KERNEL_MAX 8
@@ -127,3 +128,98 @@ extern "C" __global__ void delta_rule_f32(const float* q, const float* k, const 
     }
     for (unsigned i = threadIdx.x; i < dk * dv; i += blockDim.x) st[i] = S[i];
 }
+
+// The same recurrence with the state in registers and each value head spread over blocks of
+// 32 state columns: thread (column j, part p) holds rows p, p + 4, ... of column j (R = dk / 4
+// of them), so a token costs each thread 4R multiply-adds and two 2-step shuffles, and a head
+// runs on dv / 32 multiprocessors. Everything a token needs is loaded one token ahead: warp 0
+// normalises the next q and k into a double-buffered shared copy, each thread holds the next v,
+// g and beta, so one barrier per token remains. Grid (v_heads, dv / 32), 128 threads.
+template <int R>
+__device__ void delta_rule_regs(const float* q, const float* k, const float* v, const float* g, const float* beta,
+                                float* state, float* out, unsigned tokens, unsigned k_heads, unsigned v_heads,
+                                unsigned dv) {
+    constexpr unsigned DK = 4 * R;
+    __shared__ float qs[2][DK], ks[2][DK];
+    const unsigned h = blockIdx.x, kh = h / (v_heads / k_heads);
+    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, p = threadIdx.x % 4;
+    const unsigned j = blockIdx.y * 32 + threadIdx.x / 4;
+    const bool col = j < dv;
+    float* st = state + (size_t)h * DK * dv;
+    float S[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) S[r] = col ? st[(size_t)(p + 4 * r) * dv + j] : 0.0f;
+    const float qscale = rsqrtf((float)DK);
+    // Warp 0's next q and k (DK / 32 values each per lane); every thread's next v, g, beta.
+    constexpr unsigned PER_LANE = DK / 32;
+    float nq[PER_LANE], nk[PER_LANE], nv = 0.0f, ng = 0.0f, nb = 0.0f;
+    const auto load = [&](unsigned t) {
+        if (t >= tokens) return;
+        if (warp == 0) {
+#pragma unroll
+            for (unsigned e = 0; e < PER_LANE; e++) {
+                nq[e] = q[((size_t)t * k_heads + kh) * DK + lane + 32 * e];
+                nk[e] = k[((size_t)t * k_heads + kh) * DK + lane + 32 * e];
+            }
+        }
+        nv = col ? v[((size_t)t * v_heads + h) * dv + j] : 0.0f;
+        ng = g[(size_t)t * v_heads + h];
+        nb = beta[(size_t)t * v_heads + h];
+    };
+    load(0);
+    for (unsigned t = 0; t < tokens; t++) {
+        const unsigned buf = t & 1;
+        if (warp == 0) {
+            float qq = 0.0f, kk = 0.0f;
+#pragma unroll
+            for (unsigned e = 0; e < PER_LANE; e++) {
+                qq += nq[e] * nq[e];
+                kk += nk[e] * nk[e];
+            }
+            qq = warp_sum(qq);
+            kk = warp_sum(kk);
+            const float qn = qscale / sqrtf(qq + 1e-6f), kn = 1.0f / sqrtf(kk + 1e-6f);
+#pragma unroll
+            for (unsigned e = 0; e < PER_LANE; e++) {
+                qs[buf][lane + 32 * e] = nq[e] * qn;
+                ks[buf][lane + 32 * e] = nk[e] * kn;
+            }
+        }
+        const float vj = nv, decay = expf(ng), b = nb;
+        __syncthreads();  // qs[buf], ks[buf] are ready; everyone is past token t - 1
+        load(t + 1);
+        float mem = 0.0f;
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            S[r] *= decay;
+            mem += S[r] * ks[buf][p + 4 * r];
+        }
+        mem += __shfl_xor_sync(0xffffffffu, mem, 1);
+        mem += __shfl_xor_sync(0xffffffffu, mem, 2);
+        const float delta = (vj - mem) * b;
+        float o = 0.0f;
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            S[r] += ks[buf][p + 4 * r] * delta;
+            o += S[r] * qs[buf][p + 4 * r];
+        }
+        o += __shfl_xor_sync(0xffffffffu, o, 1);
+        o += __shfl_xor_sync(0xffffffffu, o, 2);
+        if (p == 0 && col) out[((size_t)t * v_heads + h) * dv + j] = o;
+    }
+    if (col) {
+#pragma unroll
+        for (int r = 0; r < R; r++) st[(size_t)(p + 4 * r) * dv + j] = S[r];
+    }
+}
+
+#define DELTA_REGS(R)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(128) delta_rule_regs_##R(                                \
+        const float* q, const float* k, const float* v, const float* g, const float* beta, float* state,  \
+        float* out, unsigned tokens, unsigned k_heads, unsigned v_heads, unsigned dv) {                    \
+        delta_rule_regs<R>(q, k, v, g, beta, state, out, tokens, k_heads, v_heads, dv);                    \
+    }
+DELTA_REGS(16)
+DELTA_REGS(32)
+DELTA_REGS(64)
+

@@ -1,6 +1,8 @@
 //! Gated DeltaNet: conv1d, gates and the delta rule, `kernels/deltanet.cu`. The delta rule runs
-//! as the exact recurrence for any number of tokens; the chunked algorithm is a CPU-side
-//! reference for now, so `DeltaAlgo` is a hint this backend does not need.
+//! as the exact recurrence for any number of tokens (state in registers, a head spread over
+//! blocks of 32 state columns, for key sizes 64, 128 and 256; state in shared memory
+//! otherwise); the chunked algorithm is a CPU-side reference for now, so `DeltaAlgo` is a hint
+//! this backend does not need.
 
 use kestrel_core::ir::Op;
 
@@ -99,13 +101,6 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             v_dim,
             ..
         } => {
-            let shared = (k_dim * v_dim + 2 * k_dim) * 4;
-            if shared > enc.device.info().max_shared_per_block {
-                return Err(unsupported(format!(
-                    "state {k_dim}x{v_dim} exceeds shared memory"
-                )));
-            }
-            let kern = enc.device.kernel("deltanet", "delta_rule_f32")?;
             let (q, k, v) = (enc.buf(q)?.clone(), enc.buf(k)?.clone(), enc.buf(v)?.clone());
             let (g, b, s, o) = (
                 enc.buf(g)?.clone(),
@@ -113,6 +108,36 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 enc.buf(state)?.clone(),
                 enc.buf(out)?.clone(),
             );
+            // The state in registers, each head over dv / 32 blocks, where k_dim allows.
+            if matches!(k_dim, 64 | 128 | 256) {
+                let kern = enc
+                    .device
+                    .kernel("deltanet", &format!("delta_rule_regs_{}", k_dim / 4))?;
+                enc.list
+                    .dispatch(&kern)
+                    .grid((u32_arg(v_heads)?, u32_arg(v_dim.div_ceil(32))?))
+                    .block(128)
+                    .read(&q)
+                    .read(&k)
+                    .read(&v)
+                    .read(&g)
+                    .read(&b)
+                    .read_write(&s)
+                    .write(&o)
+                    .arg(u32_arg(tokens)?)
+                    .arg(u32_arg(k_heads)?)
+                    .arg(u32_arg(v_heads)?)
+                    .arg(u32_arg(v_dim)?)
+                    .record();
+                return Ok(());
+            }
+            let shared = (k_dim * v_dim + 2 * k_dim) * 4;
+            if shared > enc.device.info().max_shared_per_block {
+                return Err(unsupported(format!(
+                    "state {k_dim}x{v_dim} exceeds shared memory"
+                )));
+            }
+            let kern = enc.device.kernel("deltanet", "delta_rule_f32")?;
             enc.list
                 .dispatch(&kern)
                 .grid(u32_arg(v_heads)?)
