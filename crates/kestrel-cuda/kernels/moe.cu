@@ -264,10 +264,9 @@ __device__ void down_combine(const float* act, const unsigned* ids, const float*
 // ---- quantised experts on int8 activations (see kestrel.cuh) ----
 // Two launches: gate_up rounds x_t to int8 in every block (it is small and read from L2, and the
 // block's first weight loads are already in flight), and writes the activations already rounded
-// to int8, one block of 32 per block of the grid, so down reads them as they are. gate_up also
-// asks L2 for its slot's down matrix (each block a slice), so down, which cannot know its experts
-// before the router has run, reads its weights from L2 instead of memory. Both keep the
-// programmatic-launch contract (kestrel.cuh).
+// to int8, one block of 32 per block of the grid, so down reads them as they are. Both keep the
+// programmatic-launch contract (kestrel.cuh). (gate_up prefetching the down matrices into L2
+// measured no difference: the op is bound by latency, not by its memory traffic.)
 
 #define GQ_WARPS 16
 #define GQ_ROWS 2  // rows of gate and of up per warp: GQ_WARPS * GQ_ROWS = 32, one int8 block of act
@@ -276,13 +275,11 @@ __device__ void down_combine(const float* act, const unsigned* ids, const float*
 // as int8 (aq bytes, ad scale, as16 sums; inter a multiple of 32). Grid (inter / 32, tokens * k),
 // GQ_WARPS warps; dynamic shared memory: 32 floats, GQ_WARPS * 4 * 2 * (hidden / group) bf16
 // (each warp's rows' group scales and biases), hidden bytes + (hidden / 32 + hidden / 16) floats.
-// dw, ds, db locate the down matrix, prefetched into L2.
 template <int BITS>
 __device__ void gate_up_int8(const float* x, const unsigned* ids, const unsigned char* experts, int* aq, float* ad,
                              float* as16, unsigned hidden, unsigned inter, unsigned k, unsigned long long span,
                              unsigned long long gw, unsigned long long gs, unsigned long long gb,
-                             unsigned long long uw, unsigned long long us, unsigned long long ub,
-                             unsigned long long dw, unsigned long long ds, unsigned long long db, unsigned group) {
+                             unsigned long long uw, unsigned long long us, unsigned long long ub, unsigned group) {
     // The 32 activations first: they are read as float4s.
     extern __shared__ __align__(16) float sact[];
     pdl_wait();
@@ -329,16 +326,6 @@ __device__ void gate_up_int8(const float* x, const unsigned* ids, const unsigned
             const unsigned long long off = m < GQ_ROWS ? (sel % 2 ? gb : gs) : (sel % 2 ? ub : us);
             sg[e] = reinterpret_cast<const bf16*>(sp + off)[(size_t)(row0 + m % GQ_ROWS) * groups + e % groups];
         }
-    }
-    {
-        // This block's slice of the slot's down matrix: weights, then scales and biases.
-        const unsigned blocks = gridDim.x, b = blockIdx.x;
-        const size_t wbytes = (size_t)hidden * inter * BITS / 8, sbytes = (size_t)hidden * (inter / group) * sizeof(bf16);
-        const size_t wslice = (wbytes + blocks - 1) / blocks, sslice = (sbytes + blocks - 1) / blocks;
-        const size_t w0 = min(wbytes, b * wslice), s0 = min(sbytes, b * sslice);
-        prefetch_l2_range(sp + dw + w0, min(wslice, wbytes - w0), threadIdx.x, blockDim.x);
-        prefetch_l2_range(sp + ds + s0, min(sslice, sbytes - s0), threadIdx.x, blockDim.x);
-        prefetch_l2_range(sp + db + s0, min(sslice, sbytes - s0), threadIdx.x, blockDim.x);
     }
     quantize_x8<BITS == 4>(x + t * hidden, hidden, sq, sd, ss, threadIdx.x, blockDim.x);
     cp_async_wait<0>();
@@ -479,10 +466,9 @@ __device__ void down_int8(const int* aq, const float* ad, const float* as16, con
         const float* x, const unsigned* ids, const unsigned char* experts, int* aq, float* ad, float* as16, \
         unsigned hidden, unsigned inter, unsigned k, unsigned long long span, unsigned long long gw,         \
         unsigned long long gs, unsigned long long gb, unsigned long long uw, unsigned long long us,         \
-        unsigned long long ub, unsigned long long dw, unsigned long long ds, unsigned long long db,          \
-        unsigned group) {                                                                                   \
-        gate_up_int8<BITS>(x, ids, experts, aq, ad, as16, hidden, inter, k, span, gw, gs, gb, uw, us, ub, dw, \
-                           ds, db, group);                                                                   \
+        unsigned long long ub, unsigned group) {                                                            \
+        gate_up_int8<BITS>(x, ids, experts, aq, ad, as16, hidden, inter, k, span, gw, gs, gb, uw, us, ub,   \
+                           group);                                                                           \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(32 * DOWN_WARPS, 4) moe_down_##NAME(                        \
         const int* aq, const float* ad, const float* as16, const unsigned* ids, const float* weights,        \

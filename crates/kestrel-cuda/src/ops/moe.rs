@@ -292,8 +292,7 @@ fn encode_int8(
         .write(&ad)
         .write(&as16)
         .programmatic();
-    // The down matrix's offsets too: gate/up prefetches it into L2.
-    expert_args(b, (h, i, k), span, &[g, u, d], group)?.record();
+    expert_args(b, (h, i, k), span, &[g, u], group)?.record();
     let b = enc
         .list
         .dispatch(&down)
