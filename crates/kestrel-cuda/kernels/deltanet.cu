@@ -3,7 +3,8 @@
 // delta_gates: element-wise decay and beta. delta_rule_f32: the recurrence, one block per value
 // head with the state [k_dim, v_dim] in shared memory; each thread owns state columns, so the
 // per-token update needs no synchronisation beyond loading the token's normalised q and k.
-// delta_rule_regs_*: the same with the state in registers (below).
+// delta_rule_regs_*: the same with the state in registers (below). delta_chunked_*: the chunked
+// form of the CPU reference, at the end.
 #include "kestrel.cuh"
 
 #define KERNEL_MAX 8
@@ -223,3 +224,205 @@ DELTA_REGS(16)
 DELTA_REGS(32)
 DELTA_REGS(64)
 
+
+// ---- the chunked form (prefill) ----
+// The same recurrence over chunks of DC = 64 tokens, as the CPU's chunked form: within a chunk,
+// with c the cumulative decay and a_ij = beta_i (k_i . k_j) e^(c_i - c_j) for j < i,
+//   W = (I + A)^-1 (K beta e^c),  U = (I + A)^-1 (V beta),  V' = U - W S,
+//   out_i = e^(c_i) q_i S + sum_{j <= i} (q_i . k_j) e^(c_i - c_j) V'_j,
+//   S <- e^(c_last) S + sum_i e^(c_last - c_i) k_i (x) V'_i.
+// One block per (value head, 32 state columns), 256 threads; thread (column j, part p) keeps
+// rows p, p + CP, ... of its column of S in registers (CP = 8 parts to a column). The chunk's
+// normalised q and k, W, the two triangular matrices and the block's 32 columns of V live in
+// shared memory (rows padded by 4 floats, so 16-byte row reads of different rows do not collide).
+// Every step is parallel across threads; only the triangular solves walk the chunk's rows.
+#define DC 64
+#define CP 8  // threads to a state column
+
+template <int DK>
+struct ChunkSmem {
+    static constexpr unsigned P = DK + 4;  // padded row of q, k, W
+    float q[DC][P], k[DC][P], w[DC][P];
+    float a[DC][DC], m[DC][DC];  // a_ij (j < i) and (q_i . k_j) e^(c_i - c_j) (j <= i)
+    float v[DC][33];             // V, then U, then V' (the block's columns; padded against conflicts)
+    float c[DC], beta[DC], ec[DC], f[DC];
+};
+
+template <int DK>
+__device__ void delta_chunked(const float* q, const float* k, const float* v, const float* g, const float* beta,
+                              float* state, float* out, unsigned tokens, unsigned k_heads, unsigned v_heads,
+                              unsigned dv) {
+    constexpr unsigned R = DK / CP;
+    extern __shared__ __align__(16) unsigned char chunk_smem[];
+    ChunkSmem<DK>& sm = *reinterpret_cast<ChunkSmem<DK>*>(chunk_smem);
+    const unsigned h = blockIdx.x, kh = h / (v_heads / k_heads), j0 = blockIdx.y * 32;
+    const unsigned tid = threadIdx.x, lane = tid % 32, warp = tid / 32, p = tid % CP, jj = tid / CP;
+    const unsigned j = j0 + jj;
+    const bool col = j < dv;
+    float* st = state + (size_t)h * DK * dv;
+    float S[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) S[r] = col ? st[(size_t)(p + CP * r) * dv + j] : 0.0f;
+    const float qscale = rsqrtf((float)DK);
+    for (unsigned t0 = 0; t0 < tokens; t0 += DC) {
+        const unsigned l = min(DC, tokens - t0);
+        // 1. This chunk's q, k (rows past the chunk are zero) and V, every thread's loads issued
+        // before its stores; then q and k normalised in place, a row per warp at a time.
+        constexpr unsigned V4 = DK / 4;  // float4s per row
+        for (unsigned e0 = tid; e0 < DC * V4; e0 += 4 * blockDim.x) {
+            float4 xq[4], xk[4];
+#pragma unroll
+            for (unsigned u = 0; u < 4; u++) {
+                const unsigned e = e0 + u * blockDim.x, i = e / V4;
+                const size_t at = ((size_t)(t0 + i) * k_heads + kh) * V4 + e % V4;
+                const bool ok = e < DC * V4 && i < l;
+                xq[u] = ok ? reinterpret_cast<const float4*>(q)[at] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                xk[u] = ok ? reinterpret_cast<const float4*>(k)[at] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+#pragma unroll
+            for (unsigned u = 0; u < 4; u++) {
+                const unsigned e = e0 + u * blockDim.x, i = e / V4;
+                if (e >= DC * V4) continue;
+                *reinterpret_cast<float4*>(&sm.q[i][4 * (e % V4)]) = xq[u];
+                *reinterpret_cast<float4*>(&sm.k[i][4 * (e % V4)]) = xk[u];
+            }
+        }
+        for (unsigned e0 = tid; e0 < DC * 32; e0 += 8 * blockDim.x) {
+            float xv[8];
+#pragma unroll
+            for (unsigned u = 0; u < 8; u++) {
+                const unsigned e = e0 + u * blockDim.x, i = e / 32, c = e % 32;
+                xv[u] = e < DC * 32 && i < l && j0 + c < dv ? v[((size_t)(t0 + i) * v_heads + h) * dv + j0 + c] : 0.0f;
+            }
+#pragma unroll
+            for (unsigned u = 0; u < 8; u++) {
+                const unsigned e = e0 + u * blockDim.x;
+                if (e < DC * 32) sm.v[e / 32][e % 32] = xv[u];
+            }
+        }
+        if (tid < DC) {
+            sm.beta[tid] = tid < l ? beta[(size_t)(t0 + tid) * v_heads + h] : 0.0f;
+            sm.c[tid] = tid < l ? g[(size_t)(t0 + tid) * v_heads + h] : 0.0f;
+        }
+        __syncthreads();
+        for (unsigned i = warp; i < l; i += blockDim.x / 32) {
+            float qq = 0.0f, kk = 0.0f;
+#pragma unroll
+            for (unsigned e = 0; e < DK / 32; e++) {
+                qq += sm.q[i][lane + 32 * e] * sm.q[i][lane + 32 * e];
+                kk += sm.k[i][lane + 32 * e] * sm.k[i][lane + 32 * e];
+            }
+            qq = warp_sum(qq);
+            kk = warp_sum(kk);
+            const float qn = qscale / sqrtf(qq + 1e-6f), kn = 1.0f / sqrtf(kk + 1e-6f);
+#pragma unroll
+            for (unsigned e = 0; e < DK / 32; e++) {
+                sm.q[i][lane + 32 * e] *= qn;
+                sm.k[i][lane + 32 * e] *= kn;
+            }
+        }
+        if (tid == 0) {
+            // The cumulative decay, summed in order as the CPU does.
+            float acc = 0.0f;
+            for (unsigned i = 0; i < DC; i++) sm.c[i] = acc += sm.c[i];
+        }
+        __syncthreads();
+        if (tid < DC) {
+            sm.ec[tid] = expf(sm.c[tid]);
+            sm.f[tid] = tid < l ? expf(sm.c[l - 1] - sm.c[tid]) : 0.0f;
+        }
+        // 2. k_i . k_j (j < i) and q_i . k_j (j <= i), 4 x 4 tiles of the lower triangle.
+        constexpr unsigned TILES = (DC / 4) * (DC / 4 + 1) / 2;
+        for (unsigned T = tid; T < 2 * TILES; T += blockDim.x) {
+            const bool qk = T >= TILES;
+            unsigned idx = T % TILES, ti = 0;
+            while (idx > ti) idx -= ++ti;  // row ti of tiles holds ti + 1 of them
+            const unsigned tj = idx, i0 = 4 * ti, jb = 4 * tj;
+            float acc[4][4] = {};
+            for (unsigned a = 0; a < DK; a += 4) {
+                float4 x[4], y[4];
+#pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    x[u] = *reinterpret_cast<const float4*>(qk ? &sm.q[i0 + u][a] : &sm.k[i0 + u][a]);
+                    y[u] = *reinterpret_cast<const float4*>(&sm.k[jb + u][a]);
+                }
+#pragma unroll
+                for (int u = 0; u < 4; u++)
+#pragma unroll
+                    for (int w = 0; w < 4; w++)
+                        acc[u][w] += x[u].x * y[w].x + x[u].y * y[w].y + x[u].z * y[w].z + x[u].w * y[w].w;
+            }
+#pragma unroll
+            for (int u = 0; u < 4; u++)
+#pragma unroll
+                for (int w = 0; w < 4; w++) {
+                    const unsigned i = i0 + u, jx = jb + w;
+                    // exp of a difference, not a ratio of exps, as the CPU computes it
+                    const float decay = expf(sm.c[i] - sm.c[jx]);
+                    if (qk) sm.m[i][jx] = jx <= i ? acc[u][w] * decay : 0.0f;
+                    else sm.a[i][jx] = jx < i ? sm.beta[i] * acc[u][w] * decay : 0.0f;
+                }
+        }
+        __syncthreads();
+        // 3. Forward substitution, one column per thread: W's DK columns, then U's 32.
+        for (unsigned cc = tid; cc < DK + 32; cc += blockDim.x) {
+            if (cc < DK) {
+                for (unsigned i = 0; i < DC; i++) {
+                    float x = sm.k[i][cc] * sm.beta[i] * sm.ec[i];
+                    for (unsigned jx = 0; jx < i; jx++) x -= sm.a[i][jx] * sm.w[jx][cc];
+                    sm.w[i][cc] = x;
+                }
+            } else {
+                const unsigned u = cc - DK;
+                for (unsigned i = 0; i < DC; i++) {
+                    float x = sm.v[i][u] * sm.beta[i];
+                    for (unsigned jx = 0; jx < i; jx++) x -= sm.a[i][jx] * sm.v[jx][u];
+                    sm.v[i][u] = x;
+                }
+            }
+        }
+        __syncthreads();
+        // 4. V' = U - W S (this thread's rows of S, summed over the column's parts).
+        for (unsigned i = 0; i < DC; i++) {
+            float part = 0.0f;
+#pragma unroll
+            for (int r = 0; r < R; r++) part += sm.w[i][p + CP * r] * S[r];
+            for (unsigned o = 1; o < CP; o <<= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+            if (p == 0) sm.v[i][jj] -= part;
+        }
+        __syncthreads();
+        // 5. out_i = e^(c_i) q_i S + sum_{j <= i} m_ij V'_j (the j's split over the parts).
+        for (unsigned i = 0; i < l; i++) {
+            float part = 0.0f;
+#pragma unroll
+            for (int r = 0; r < R; r++) part += sm.q[i][p + CP * r] * S[r];
+            part *= sm.ec[i];
+            for (unsigned jx = p; jx <= i; jx += CP) part += sm.m[i][jx] * sm.v[jx][jj];
+            for (unsigned o = 1; o < CP; o <<= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+            if (p == 0 && col) out[((size_t)(t0 + i) * v_heads + h) * dv + j] = part;
+        }
+        // 6. S <- e^(c_last) S + sum_i e^(c_last - c_i) k_i (x) V'_i.
+        const float el = expf(sm.c[l - 1]);
+#pragma unroll
+        for (int r = 0; r < R; r++) S[r] *= el;
+        for (unsigned i = 0; i < l; i++) {
+            const float x = sm.v[i][jj] * sm.f[i];
+#pragma unroll
+            for (int r = 0; r < R; r++) S[r] += sm.k[i][p + CP * r] * x;
+        }
+        __syncthreads();  // the next chunk overwrites shared memory
+    }
+    if (col) {
+#pragma unroll
+        for (int r = 0; r < R; r++) st[(size_t)(p + CP * r) * dv + j] = S[r];
+    }
+}
+
+#define DELTA_CHUNKED(DKV)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(32 * CP) delta_chunked_##DKV(                                \
+        const float* q, const float* k, const float* v, const float* g, const float* beta, float* state,  \
+        float* out, unsigned tokens, unsigned k_heads, unsigned v_heads, unsigned dv) {                    \
+        delta_chunked<DKV>(q, k, v, g, beta, state, out, tokens, k_heads, v_heads, dv);                    \
+    }
+DELTA_CHUNKED(64)
+DELTA_CHUNKED(128)

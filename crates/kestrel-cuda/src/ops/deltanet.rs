@@ -1,10 +1,11 @@
 //! Gated DeltaNet: conv1d, gates and the delta rule, `kernels/deltanet.cu`. The delta rule runs
-//! as the exact recurrence for any number of tokens (state in registers, a head spread over
-//! blocks of 32 state columns, for key sizes 64, 128 and 256; state in shared memory
-//! otherwise); the chunked algorithm is a CPU-side reference for now, so `DeltaAlgo` is a hint
-//! this backend does not need.
+//! as the recurrence with the state in registers for key sizes 64, 128 and 256 (in shared memory
+//! otherwise). `DeltaAlgo::Chunked` runs the chunked form instead (`delta_chunked_*`, chunks of
+//! 64 tokens whatever size is asked, key sizes 64 and 128); `Auto` keeps the recurrence, which
+//! measures faster on an H200 for now (BENCHMARKS.md). A head is spread over blocks of 32 state
+//! columns in the register and chunked kernels.
 
-use kestrel_core::ir::Op;
+use kestrel_core::ir::{DeltaAlgo, Op};
 
 use super::{float_name, u32_arg, unsupported};
 use crate::backend::Encoder;
@@ -12,6 +13,16 @@ use crate::error::Result;
 
 /// `deltanet.cu`'s window limit.
 const KERNEL_MAX: usize = 8;
+
+/// Tokens per chunk of `delta_chunked_*` (`DC` in deltanet.cu).
+const DELTA_CHUNK: usize = 64;
+
+/// Bytes of `ChunkSmem<dk>` (deltanet.cu): q, k and W rows padded by 4 floats, the two
+/// triangular matrices, 32 padded columns of V, and four per-token vectors.
+fn chunk_smem(dk: usize) -> usize {
+    let c = DELTA_CHUNK;
+    4 * (3 * c * (dk + 4) + 2 * c * c + c * 33 + 4 * c)
+}
 
 pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
     match *op {
@@ -99,7 +110,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             v_heads,
             k_dim,
             v_dim,
-            ..
+            algo,
         } => {
             let (q, k, v) = (enc.buf(q)?.clone(), enc.buf(k)?.clone(), enc.buf(v)?.clone());
             let (g, b, s, o) = (
@@ -108,15 +119,23 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 enc.buf(state)?.clone(),
                 enc.buf(out)?.clone(),
             );
-            // The state in registers, each head over dv / 32 blocks, where k_dim allows.
-            if matches!(k_dim, 64 | 128 | 256) {
-                let kern = enc
-                    .device
-                    .kernel("deltanet", &format!("delta_rule_regs_{}", k_dim / 4))?;
+            // Chunked when asked for, where the key size allows (`Auto` takes the recurrence: the
+            // chunked kernel still measures slower); otherwise the state in registers, each
+            // head over dv / 32 blocks, where the key size allows.
+            let chunked =
+                tokens > 1 && matches!(algo, DeltaAlgo::Chunked { .. }) && matches!(k_dim, 64 | 128);
+            if chunked || matches!(k_dim, 64 | 128 | 256) {
+                let (name, smem) = if chunked {
+                    (format!("delta_chunked_{k_dim}"), chunk_smem(k_dim))
+                } else {
+                    (format!("delta_rule_regs_{}", k_dim / 4), 0)
+                };
+                let kern = enc.device.kernel("deltanet", &name)?;
                 enc.list
                     .dispatch(&kern)
                     .grid((u32_arg(v_heads)?, u32_arg(v_dim.div_ceil(32))?))
-                    .block(128)
+                    .block(if chunked { 256 } else { 128 })
+                    .shared_mem(u32_arg(smem)?)
                     .read(&q)
                     .read(&k)
                     .read(&v)
