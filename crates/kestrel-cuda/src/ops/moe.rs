@@ -1,7 +1,8 @@
-//! Router and routed experts: `kernels/moe.cu` and `kernels/moe_gemm.cu`. Few tokens: gate/up per
-//! (token, slot) into scratch activations `[tokens * k, inter]` (int8 for quantised experts),
-//! then down with the weighted, ordered combine. Many tokens: the slots sorted by expert on the device, grouped tensor-core
-//! GEMMs over each expert's rows, then the same ordered combine.
+//! Router and routed experts: `kernels/moe.cu` and `kernels/moe_gemm.cu`. Few tokens: gate/up
+//! per (token, slot) into scratch activations `[tokens * k, inter]` (int8 for quantised
+//! experts), then down with the weighted, ordered combine. Many tokens: the slots sorted by
+//! expert on the device, grouped tensor-core GEMMs over each expert's rows, then the same
+//! ordered combine.
 
 use kestrel_core::ir::{ExpertFormat, MatrixSpan, Op};
 use kestrel_core::DType;
