@@ -1,0 +1,43 @@
+//! Errors of reading model directories: each names the file, key or architecture at fault.
+
+use std::path::{Path, PathBuf};
+
+use crate::config::Arch;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("reading {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("not valid JSON: {0}")]
+    Json(String),
+    #[error("config key `{key}`: {reason}")]
+    Config { key: String, reason: String },
+    #[error("unknown model_type {model_type:?}; supported: {}", supported())]
+    UnknownArch { model_type: String },
+    #[error("{path}: {inner}")]
+    InFile {
+        path: PathBuf,
+        #[source]
+        inner: Box<ModelError>,
+    },
+}
+
+fn supported() -> String {
+    Arch::ALL.map(|a| a.model_type()).join(", ")
+}
+
+impl ModelError {
+    /// The same error, naming the file it came from.
+    pub(crate) fn in_file(self, path: &Path) -> ModelError {
+        ModelError::InFile {
+            path: path.to_path_buf(),
+            inner: Box::new(self),
+        }
+    }
+}
+
+pub type Result<T> = std::result::Result<T, ModelError>;
