@@ -6,7 +6,7 @@ use crate::config::Arch;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
-    #[error("reading {path}: {source}")]
+    #[error("reading {}: {source}", path.display())]
     Io {
         path: PathBuf,
         #[source]
@@ -18,7 +18,11 @@ pub enum ModelError {
     Config { key: String, reason: String },
     #[error("unknown model_type {model_type:?}; supported: {}", supported())]
     UnknownArch { model_type: String },
-    #[error("{path}: {inner}")]
+    #[error("tensor {name} not found in the weights of {}", dir.display())]
+    MissingTensor { name: String, dir: PathBuf },
+    #[error("{}: {reason}", path.display())]
+    Weights { path: PathBuf, reason: String },
+    #[error("{}: {inner}", path.display())]
     InFile {
         path: PathBuf,
         #[source]

@@ -1,0 +1,265 @@
+//! The weights of a model directory: `model.safetensors`, the shards that
+//! `model.safetensors.index.json` lists, or (older MLX directories) every `*.safetensors` file.
+//! Files are memory-mapped, never read into memory; a tensor is looked up by name and comes back
+//! as its dtype, shape and bytes inside the map.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use kestrel_core::DType;
+use memmap2::Mmap;
+use safetensors::tensor::{Dtype, SafeTensors, TensorInfo};
+
+use crate::error::{ModelError, Result};
+
+/// One memory-mapped safetensors file.
+struct Shard {
+    path: PathBuf,
+    map: Mmap,
+    /// Offset of the tensor data: 8 bytes of header length, then the JSON header.
+    data_start: usize,
+}
+
+/// One tensor, borrowed from its file's map.
+#[derive(Debug, Clone, Copy)]
+pub struct Tensor<'a> {
+    pub name: &'a str,
+    pub dtype: DType,
+    pub shape: &'a [usize],
+    /// Little-endian, row-major.
+    pub bytes: &'a [u8],
+}
+
+impl Tensor<'_> {
+    pub fn elem_count(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// Every tensor of a model directory by name.
+pub struct Weights {
+    dir: PathBuf,
+    shards: Vec<Shard>,
+    by_name: HashMap<String, (usize, TensorInfo)>,
+}
+
+const INDEX: &str = "model.safetensors.index.json";
+const SINGLE: &str = "model.safetensors";
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> ModelError + '_ {
+    move |source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+fn bad_file(path: &Path, reason: impl Into<String>) -> ModelError {
+    ModelError::Weights {
+        path: path.to_path_buf(),
+        reason: reason.into(),
+    }
+}
+
+fn kestrel_dtype(d: Dtype) -> Option<DType> {
+    Some(match d {
+        Dtype::BF16 => DType::BF16,
+        Dtype::F16 => DType::F16,
+        Dtype::F32 => DType::F32,
+        Dtype::U32 => DType::U32,
+        Dtype::I32 => DType::I32,
+        Dtype::I64 => DType::I64,
+        Dtype::U8 => DType::U8,
+        _ => return None,
+    })
+}
+
+impl Shard {
+    fn open(path: PathBuf) -> Result<Shard> {
+        let file = File::open(&path).map_err(io(&path))?;
+        // SAFETY: the map is read-only and lives as long as this value. Its contents are only
+        // sound to read while nobody truncates or rewrites the file underneath; model files are
+        // not modified while a model is loaded, which is the usual contract of mapping weights
+        // (the same one transformers and llama.cpp rely on).
+        let map = unsafe { Mmap::map(&file) }.map_err(io(&path))?;
+        let (header_len, _) = SafeTensors::read_metadata(&map).map_err(|e| bad_file(&path, e.to_string()))?;
+        Ok(Shard {
+            path,
+            map,
+            data_start: 8 + header_len,
+        })
+    }
+
+    fn tensors(&self) -> Result<Vec<(String, TensorInfo)>> {
+        let (_, meta) =
+            SafeTensors::read_metadata(&self.map).map_err(|e| bad_file(&self.path, e.to_string()))?;
+        let data_len = self.map.len() - self.data_start;
+        let mut out = Vec::new();
+        for (name, info) in meta.tensors() {
+            let (start, end) = info.data_offsets;
+            if start > end || end > data_len {
+                return Err(bad_file(
+                    &self.path,
+                    format!("tensor {name} lies outside the file ({start}..{end} of {data_len} bytes)"),
+                ));
+            }
+            out.push((name, info.clone()));
+        }
+        Ok(out)
+    }
+}
+
+impl Weights {
+    /// Maps the weight files of `dir` and indexes their tensors.
+    pub fn open(dir: &Path) -> Result<Weights> {
+        let files = weight_files(dir)?;
+        let mut shards = Vec::with_capacity(files.len());
+        let mut by_name = HashMap::new();
+        for (i, (path, listed)) in files.into_iter().enumerate() {
+            let shard = Shard::open(path)?;
+            let mut found = Vec::new();
+            for (name, info) in shard.tensors()? {
+                if let Some(&(other, _)) = by_name.get(&name) {
+                    let other: &Shard = &shards[other];
+                    return Err(bad_file(
+                        &shard.path,
+                        format!("tensor {name} is also in {}", other.path.display()),
+                    ));
+                }
+                found.push(name.clone());
+                by_name.insert(name, (i, info));
+            }
+            // Whatever the index says lives in this file must be there.
+            if let Some(listed) = listed {
+                if let Some(name) = listed.iter().find(|n| !found.contains(n)) {
+                    return Err(bad_file(
+                        &shard.path,
+                        format!("{INDEX} lists tensor {name} in this file, which does not hold it"),
+                    ));
+                }
+            }
+            shards.push(shard);
+        }
+        Ok(Weights {
+            dir: dir.to_path_buf(),
+            shards,
+            by_name,
+        })
+    }
+
+    /// The tensor called `name`, or an error naming it and the directory.
+    pub fn get(&self, name: &str) -> Result<Tensor<'_>> {
+        let Some((key, (shard, info))) = self.by_name.get_key_value(name) else {
+            return Err(ModelError::MissingTensor {
+                name: name.to_string(),
+                dir: self.dir.clone(),
+            });
+        };
+        let shard = &self.shards[*shard];
+        let dtype = kestrel_dtype(info.dtype).ok_or_else(|| {
+            bad_file(
+                &shard.path,
+                format!(
+                    "tensor {name} has dtype {:?}, which Kestrel does not read",
+                    info.dtype
+                ),
+            )
+        })?;
+        let (start, end) = info.data_offsets;
+        let bytes = &shard.map[shard.data_start + start..shard.data_start + end];
+        let expect = info.shape.iter().product::<usize>() * dtype.size_in_bytes();
+        if bytes.len() != expect {
+            return Err(bad_file(
+                &shard.path,
+                format!(
+                    "tensor {name}: {} bytes for shape {:?} of {dtype}",
+                    bytes.len(),
+                    info.shape
+                ),
+            ));
+        }
+        Ok(Tensor {
+            name: key,
+            dtype,
+            shape: &info.shape,
+            bytes,
+        })
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.by_name.contains_key(name)
+    }
+
+    /// Every tensor name, sorted.
+    pub fn names(&self) -> Vec<&str> {
+        let mut names: Vec<&str> = self.by_name.keys().map(String::as_str).collect();
+        names.sort_unstable();
+        names
+    }
+
+    /// Bytes of tensor data across all files.
+    pub fn total_bytes(&self) -> usize {
+        self.by_name
+            .values()
+            .map(|(_, info)| info.data_offsets.1 - info.data_offsets.0)
+            .sum()
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
+/// The files to map, each with the tensor names the index assigns to it (None without an index).
+fn weight_files(dir: &Path) -> Result<Vec<(PathBuf, Option<Vec<String>>)>> {
+    let index = dir.join(INDEX);
+    if index.exists() {
+        let text = std::fs::read_to_string(&index).map_err(io(&index))?;
+        let value: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| bad_file(&index, format!("not valid JSON: {e}")))?;
+        let map = value
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| bad_file(&index, "no weight_map object"))?;
+        let mut files: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for (name, file) in map {
+            let file = file
+                .as_str()
+                .ok_or_else(|| bad_file(&index, format!("weight_map entry {name} is not a file name")))?;
+            if file.contains('/') || file.contains('\\') || file == ".." {
+                return Err(bad_file(
+                    &index,
+                    format!("weight_map names {file:?}, outside the directory"),
+                ));
+            }
+            files.entry(file.to_string()).or_default().push(name.clone());
+        }
+        if files.is_empty() {
+            return Err(bad_file(&index, "weight_map is empty"));
+        }
+        return Ok(files
+            .into_iter()
+            .map(|(f, names)| (dir.join(f), Some(names)))
+            .collect());
+    }
+    let single = dir.join(SINGLE);
+    if single.exists() {
+        return Ok(vec![(single, None)]);
+    }
+    let entries = std::fs::read_dir(dir).map_err(io(dir))?;
+    let mut files = Vec::new();
+    for entry in entries {
+        let path = entry.map_err(io(dir))?.path();
+        if path.extension().is_some_and(|e| e == "safetensors") {
+            files.push((path, None));
+        }
+    }
+    if files.is_empty() {
+        return Err(ModelError::Weights {
+            path: dir.to_path_buf(),
+            reason: format!("no {SINGLE}, {INDEX} or other *.safetensors file"),
+        });
+    }
+    files.sort();
+    Ok(files)
+}
