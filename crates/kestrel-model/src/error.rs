@@ -22,6 +22,8 @@ pub enum ModelError {
     MissingTensor { name: String, dir: PathBuf },
     #[error("{}: {reason}", path.display())]
     Weights { path: PathBuf, reason: String },
+    #[error("tensor {name}: {reason}")]
+    Tensor { name: String, reason: String },
     #[error("{}: {inner}", path.display())]
     InFile {
         path: PathBuf,

@@ -1,13 +1,16 @@
 //! Kestrel's model side: what a model directory declares about its architecture
-//! ([`ModelConfig`], from Hugging Face and MLX `config.json` files of both generations) and its
-//! memory-mapped weights ([`Weights`]).
+//! ([`ModelConfig`], from Hugging Face and MLX `config.json` files of both generations), its
+//! memory-mapped weights ([`Weights`]), and a layer's experts packed for the engine
+//! ([`pack_experts`]).
 
 pub mod config;
 pub mod error;
+pub mod experts;
 pub mod weights;
 
 pub use config::{
     Arch, LayerKind, LinearAttnConfig, MlpKind, ModelConfig, MoeConfig, QuantConfig, RopeConfig,
 };
 pub use error::{ModelError, Result};
+pub use experts::{expert_source, pack_experts, ExpertSource};
 pub use weights::{Tensor, Weights};

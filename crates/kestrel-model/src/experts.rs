@@ -1,0 +1,295 @@
+//! A layer's routed experts packed into the engine's expert buffer ([`ExpertLayout`]: one
+//! contiguous span per expert holding its gate, up and down matrices), from the three ways
+//! checkpoints store them:
+//!
+//! - one tensor per expert and matrix, `{mlp}.experts.{e}.{gate,up,down}_proj.weight` (Qwen3-MoE
+//!   and Qwen3-Next on the hub);
+//! - stacked, `{mlp}.experts.gate_up_proj` `[E, 2 * inter, hidden]` (gate rows, then up rows) and
+//!   `{mlp}.experts.down_proj` `[E, hidden, inter]` (Qwen3.5-MoE);
+//! - MLX, quantised and stacked: `{mlp}.switch_mlp.{gate,up,down}_proj.{weight,scales,biases}`
+//!   with a leading expert dimension.
+//!
+//! bf16, f16 and f32 sources are rounded to bf16 for a bf16 layout or quantised on load for a
+//! quantised one (as `kestrel_core::quant` does it); MLX sources are copied as they are into a
+//! layout of the same format, or dequantised for a bf16 layout.
+
+use half::{bf16, f16};
+use kestrel_core::ir::{ExpertFormat, ExpertLayout, MatrixSpan};
+use kestrel_core::quant::{QuantFormat, QuantMatrix};
+use kestrel_core::DType;
+use rayon::prelude::*;
+
+use crate::error::{ModelError, Result};
+use crate::weights::{Tensor, Weights};
+
+/// How a checkpoint stores a layer's experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertSource {
+    PerExpert,
+    Stacked,
+    MlxSwitch,
+}
+
+/// Which of gate, up and down.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Which {
+    Gate,
+    Up,
+    Down,
+}
+
+impl Which {
+    const ALL: [Which; 3] = [Which::Gate, Which::Up, Which::Down];
+
+    fn name(self) -> &'static str {
+        match self {
+            Which::Gate => "gate_proj",
+            Which::Up => "up_proj",
+            Which::Down => "down_proj",
+        }
+    }
+
+    /// `[rows, cols]` of this matrix of one expert.
+    fn dims(self, l: &ExpertLayout) -> (usize, usize) {
+        match self {
+            Which::Gate | Which::Up => (l.inter, l.hidden),
+            Which::Down => (l.hidden, l.inter),
+        }
+    }
+
+    fn span(self, l: &ExpertLayout) -> MatrixSpan {
+        match self {
+            Which::Gate => l.gate(),
+            Which::Up => l.up(),
+            Which::Down => l.down(),
+        }
+    }
+}
+
+fn tensor_error(t: &Tensor, reason: String) -> ModelError {
+    ModelError::Tensor {
+        name: t.name.to_string(),
+        reason,
+    }
+}
+
+fn expect_shape(t: &Tensor, shape: &[usize]) -> Result<()> {
+    if t.shape != shape {
+        return Err(tensor_error(
+            t,
+            format!("shape {:?}, expected {shape:?}", t.shape),
+        ));
+    }
+    Ok(())
+}
+
+/// Elements `start .. start + len` of a dense (bf16, f16 or f32) tensor as f32.
+fn dense_values(t: &Tensor, start: usize, len: usize) -> Result<Vec<f32>> {
+    let b = t.bytes;
+    Ok(match t.dtype {
+        DType::BF16 => (start..start + len)
+            .map(|i| bf16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f32())
+            .collect(),
+        DType::F16 => (start..start + len)
+            .map(|i| f16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f32())
+            .collect(),
+        DType::F32 => (start..start + len)
+            .map(|i| f32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]]))
+            .collect(),
+        other => {
+            return Err(tensor_error(
+                t,
+                format!("dtype {other}, expected bf16, f16 or f32"),
+            ))
+        }
+    })
+}
+
+/// Detects how the checkpoint stores the experts under `mlp` (`model.layers.3.mlp`).
+pub fn expert_source(w: &Weights, mlp: &str) -> Result<ExpertSource> {
+    if w.contains(&format!("{mlp}.switch_mlp.gate_proj.weight")) {
+        Ok(ExpertSource::MlxSwitch)
+    } else if w.contains(&format!("{mlp}.experts.gate_up_proj")) {
+        Ok(ExpertSource::Stacked)
+    } else if w.contains(&format!("{mlp}.experts.0.gate_proj.weight")) {
+        Ok(ExpertSource::PerExpert)
+    } else {
+        Err(ModelError::MissingTensor {
+            name: format!(
+                "{mlp}.experts.0.gate_proj.weight (or .experts.gate_up_proj, .switch_mlp.gate_proj.weight)"
+            ),
+            dir: w.dir().to_path_buf(),
+        })
+    }
+}
+
+/// One expert's matrix from a dense source, as f32 `[rows, cols]`.
+fn dense_matrix(
+    w: &Weights,
+    mlp: &str,
+    src: ExpertSource,
+    l: &ExpertLayout,
+    e: usize,
+    m: Which,
+) -> Result<Vec<f32>> {
+    let (rows, cols) = m.dims(l);
+    match src {
+        ExpertSource::PerExpert => {
+            let t = w.get(&format!("{mlp}.experts.{e}.{}.weight", m.name()))?;
+            expect_shape(&t, &[rows, cols])?;
+            dense_values(&t, 0, rows * cols)
+        }
+        ExpertSource::Stacked => {
+            if m == Which::Down {
+                let t = w.get(&format!("{mlp}.experts.down_proj"))?;
+                expect_shape(&t, &[l.experts, rows, cols])?;
+                dense_values(&t, e * rows * cols, rows * cols)
+            } else {
+                let t = w.get(&format!("{mlp}.experts.gate_up_proj"))?;
+                expect_shape(&t, &[l.experts, 2 * rows, cols])?;
+                let half = if m == Which::Gate { 0 } else { rows * cols };
+                dense_values(&t, e * 2 * rows * cols + half, rows * cols)
+            }
+        }
+        ExpertSource::MlxSwitch => unreachable!("MLX experts are read by mlx_matrix"),
+    }
+}
+
+/// One expert's matrix of an MLX stacked source, as stored, with the format its shapes imply.
+fn mlx_matrix(w: &Weights, mlp: &str, l: &ExpertLayout, e: usize, m: Which) -> Result<QuantMatrix> {
+    let (rows, cols) = m.dims(l);
+    let base = format!("{mlp}.switch_mlp.{}", m.name());
+    let (wt, st, bt) = (
+        w.get(&format!("{base}.weight"))?,
+        w.get(&format!("{base}.scales"))?,
+        w.get(&format!("{base}.biases"))?,
+    );
+    let bad = |t: &Tensor, r: String| Err(tensor_error(t, r));
+    if wt.dtype != DType::U32 || wt.shape.len() != 3 || wt.shape[0] != l.experts || wt.shape[1] != rows {
+        return bad(
+            &wt,
+            format!(
+                "{} {:?}, expected u32 [{}, {rows}, words]",
+                wt.dtype, wt.shape, l.experts
+            ),
+        );
+    }
+    let words = wt.shape[2];
+    if words == 0 || (32 * words) % cols != 0 {
+        return bad(&wt, format!("{words} words per row do not hold {cols} values"));
+    }
+    let bits = (32 * words / cols) as u32;
+    let groups = st.shape.get(2).copied().unwrap_or(0);
+    if st.dtype != DType::BF16 || st.shape != [l.experts, rows, groups] || groups == 0 || cols % groups != 0 {
+        return bad(
+            &st,
+            format!(
+                "{} {:?}, expected bf16 [{}, {rows}, groups]",
+                st.dtype, st.shape, l.experts
+            ),
+        );
+    }
+    if bt.dtype != DType::BF16 || bt.shape != st.shape {
+        return bad(
+            &bt,
+            format!("{} {:?}, expected bf16 {:?}", bt.dtype, bt.shape, st.shape),
+        );
+    }
+    let format = QuantFormat {
+        bits,
+        group_size: cols / groups,
+    };
+    if !format.fits(cols) {
+        return bad(
+            &wt,
+            format!("{bits}-bit groups of {} are not supported", cols / groups),
+        );
+    }
+    let (wn, gn) = (rows * words, rows * groups);
+    let u32s = |t: &Tensor, start: usize, n: usize| -> Vec<u32> {
+        t.bytes[4 * start..4 * (start + n)]
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    };
+    let bf16s = |t: &Tensor, start: usize, n: usize| -> Vec<bf16> {
+        t.bytes[2 * start..2 * (start + n)]
+            .chunks_exact(2)
+            .map(|c| bf16::from_le_bytes([c[0], c[1]]))
+            .collect()
+    };
+    Ok(QuantMatrix {
+        format,
+        rows,
+        cols,
+        weight: u32s(&wt, e * wn, wn),
+        scales: bf16s(&st, e * gn, gn),
+        biases: bf16s(&bt, e * gn, gn),
+    })
+}
+
+/// Writes a quantised matrix at its place in an expert span.
+fn put_quant(span: &mut [u8], at: MatrixSpan, q: &QuantMatrix) {
+    for (i, word) in q.weight.iter().enumerate() {
+        span[at.weight + 4 * i..at.weight + 4 * i + 4].copy_from_slice(&word.to_le_bytes());
+    }
+    for (i, (s, b)) in q.scales.iter().zip(&q.biases).enumerate() {
+        span[at.scales + 2 * i..at.scales + 2 * i + 2].copy_from_slice(&s.to_le_bytes());
+        span[at.biases + 2 * i..at.biases + 2 * i + 2].copy_from_slice(&b.to_le_bytes());
+    }
+}
+
+fn put_bf16(span: &mut [u8], at: MatrixSpan, v: &[f32]) {
+    for (i, x) in v.iter().enumerate() {
+        span[at.weight + 2 * i..at.weight + 2 * i + 2].copy_from_slice(&bf16::from_f32(*x).to_le_bytes());
+    }
+}
+
+/// The experts of the MoE block at `mlp` (`model.layers.3.mlp`), packed as `layout` lays them
+/// out: `layout.total_bytes()` bytes, expert `e`'s span at `e * layout.span_bytes()`.
+pub fn pack_experts(w: &Weights, mlp: &str, layout: &ExpertLayout) -> Result<Vec<u8>> {
+    let src = expert_source(w, mlp)?;
+    if let ExpertFormat::Quant(q) = layout.format {
+        for m in Which::ALL {
+            let (_, cols) = m.dims(layout);
+            if !q.fits(cols) {
+                return Err(ModelError::Tensor {
+                    name: format!("{mlp} {}", m.name()),
+                    reason: format!("rows of {cols} values cannot be stored as {q:?}"),
+                });
+            }
+        }
+    }
+    let span = layout.span_bytes();
+    let mut out = vec![0u8; layout.total_bytes()];
+    out.par_chunks_mut(span)
+        .enumerate()
+        .try_for_each(|(e, dst)| -> Result<()> {
+            for m in Which::ALL {
+                let at = m.span(layout);
+                let (rows, cols) = m.dims(layout);
+                match (src, layout.format) {
+                    (ExpertSource::MlxSwitch, ExpertFormat::Quant(want)) => {
+                        let q = mlx_matrix(w, mlp, layout, e, m)?;
+                        if q.format != want {
+                            return Err(ModelError::Tensor {
+                                name: format!("{mlp}.switch_mlp.{}.weight", m.name()),
+                                reason: format!("stored as {:?}, the layout wants {want:?}", q.format),
+                            });
+                        }
+                        put_quant(dst, at, &q);
+                    }
+                    (ExpertSource::MlxSwitch, ExpertFormat::Bf16) => {
+                        put_bf16(dst, at, &mlx_matrix(w, mlp, layout, e, m)?.dequantize());
+                    }
+                    (_, ExpertFormat::Bf16) => put_bf16(dst, at, &dense_matrix(w, mlp, src, layout, e, m)?),
+                    (_, ExpertFormat::Quant(q)) => {
+                        let v = dense_matrix(w, mlp, src, layout, e, m)?;
+                        put_quant(dst, at, &QuantMatrix::quantize(&v, rows, cols, q));
+                    }
+                }
+            }
+            Ok(())
+        })?;
+    Ok(out)
+}
