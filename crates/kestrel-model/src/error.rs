@@ -24,6 +24,8 @@ pub enum ModelError {
     Weights { path: PathBuf, reason: String },
     #[error("tensor {name}: {reason}")]
     Tensor { name: String, reason: String },
+    #[error("backend: {0}")]
+    Backend(#[source] Box<dyn std::error::Error + Send + Sync>),
     #[error("{}: {inner}", path.display())]
     InFile {
         path: PathBuf,

@@ -6,6 +6,7 @@
 pub mod config;
 pub mod error;
 pub mod experts;
+pub mod graph;
 pub mod weights;
 
 pub use config::{
@@ -13,4 +14,5 @@ pub use config::{
 };
 pub use error::{ModelError, Result};
 pub use experts::{expert_source, pack_experts, ExpertSource};
+pub use graph::{Forward, ForwardSpec};
 pub use weights::{Tensor, Weights};

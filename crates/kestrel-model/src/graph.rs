@@ -1,0 +1,388 @@
+//! Forward-pass graphs of a model directory: from its [`ModelConfig`] and the tensor names of its
+//! [`Weights`], one op graph for a chunk of `tokens` tokens at positions `past..past + tokens`
+//! (prefill when `past` is 0 and there are several, a decode step for one), with the KV caches
+//! and recurrent states as persistent buffers shared by every graph of the same model on a
+//! backend. [`Forward::upload`] writes the weights a backend has not been given yet.
+//!
+//! Weight buffers are labelled with the checkpoint's tensor names, so a program's weights are
+//! the file's tensors; packed experts and rotary tables are derived on the host.
+
+use kestrel_core::ir::{
+    Buf, BufId, ExpertFormat, ExpertLayout, Graph, LinearWeight, Logits, NormKind, Normed, Positions,
+    Residual, Tokens, Weight,
+};
+use kestrel_core::quant::QuantFormat;
+use kestrel_core::rope::RopeTable;
+use kestrel_core::{Backend, DType, GraphBuilder};
+
+use crate::config::{LayerKind, MlpKind, ModelConfig};
+use crate::error::{ModelError, Result};
+use crate::experts::pack_experts;
+use crate::weights::Weights;
+
+/// What one forward graph covers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ForwardSpec {
+    /// Tokens in this chunk, at positions `past..past + tokens`.
+    pub tokens: usize,
+    pub past: usize,
+    /// Positions the KV caches hold.
+    pub ctx: usize,
+    /// Element type of the KV caches (f32, bf16 or f16).
+    pub cache_dtype: DType,
+    /// Logits for every token of the chunk, or only the last.
+    pub all_logits: bool,
+}
+
+/// Where a weight buffer's bytes come from.
+#[derive(Debug, Clone)]
+enum Source {
+    /// The checkpoint tensor of the same name, as stored.
+    Tensor(String),
+    /// Computed on the host.
+    Bytes(Vec<u8>),
+    /// The experts of the MoE block at this path, packed for `layout`.
+    Experts { mlp: String, layout: ExpertLayout },
+}
+
+/// A built forward graph and what it needs before it runs.
+pub struct Forward {
+    pub graph: Graph,
+    pub tokens: BufId<Tokens>,
+    pub positions: BufId<Positions>,
+    pub logits: BufId<Logits>,
+    pub spec: ForwardSpec,
+    sources: Vec<(Buf, Source)>,
+}
+
+struct Build<'a> {
+    c: &'a ModelConfig,
+    w: &'a Weights,
+    g: GraphBuilder,
+    sources: Vec<(Buf, Source)>,
+    /// `model` or `model.language_model`.
+    prefix: &'static str,
+    norm: NormKind,
+}
+
+impl Build<'_> {
+    fn err(&self, name: &str, reason: String) -> ModelError {
+        ModelError::Tensor {
+            name: name.to_string(),
+            reason,
+        }
+    }
+
+    /// A weight buffer holding the tensor `name` as stored, of the expected shape.
+    fn tensor(&mut self, name: &str, shape: &[usize]) -> Result<BufId<Weight>> {
+        let t = self.w.get(name)?;
+        // Checkpoints store 1-D norm vectors and `[C, 1, K]` convolutions: compare element counts
+        // where the graph wants another view of the same bytes.
+        let same = t.shape == shape || t.shape.iter().product::<usize>() == shape.iter().product::<usize>();
+        if !same {
+            return Err(self.err(name, format!("shape {:?}, expected {shape:?}", t.shape)));
+        }
+        let b = self.g.weight(name, t.dtype, shape.to_vec());
+        self.sources.push((b.raw(), Source::Tensor(name.to_string())));
+        Ok(b)
+    }
+
+    /// A projection `[rows, cols]`: dense as stored, or MLX-quantised (`.scales` beside it).
+    fn linear(&mut self, base: &str, rows: usize, cols: usize) -> Result<LinearWeight> {
+        let name = format!("{base}.weight");
+        if !self.w.contains(&format!("{base}.scales")) {
+            return Ok(LinearWeight::Dense(self.tensor(&name, &[rows, cols])?));
+        }
+        let t = self.w.get(&name)?;
+        if t.dtype != DType::U32 || t.shape.len() != 2 || t.shape[0] != rows || t.shape[1] == 0 {
+            return Err(self.err(
+                &name,
+                format!("{} {:?}, expected u32 [{rows}, words]", t.dtype, t.shape),
+            ));
+        }
+        let bits = (32 * t.shape[1] / cols) as u32;
+        let s = self.w.get(&format!("{base}.scales"))?;
+        let groups = s.shape.get(1).copied().unwrap_or(0);
+        if groups == 0 || cols % groups != 0 {
+            return Err(self.err(
+                &format!("{base}.scales"),
+                format!("shape {:?} for {cols} columns", s.shape),
+            ));
+        }
+        let format = QuantFormat {
+            bits,
+            group_size: cols / groups,
+        };
+        if let Some(q) = &self.c.quant {
+            if let Some(want) = q.format_for(base) {
+                if want != format {
+                    return Err(self.err(&name, format!("stored as {format:?}, config.json says {want:?}")));
+                }
+            }
+        }
+        let lw = self.g.quant_weight(base, rows, cols, format);
+        if let LinearWeight::Quant {
+            weight,
+            scales,
+            biases,
+            ..
+        } = lw
+        {
+            for (b, suffix) in [(weight, "weight"), (scales, "scales"), (biases, "biases")] {
+                self.sources
+                    .push((b.raw(), Source::Tensor(format!("{base}.{suffix}"))));
+            }
+        }
+        Ok(lw)
+    }
+
+    fn norm_weight(&mut self, name: &str, dim: usize) -> Result<BufId<Weight>> {
+        self.tensor(name, &[dim])
+    }
+}
+
+impl Forward {
+    /// The graph of `spec` for the model `c` whose tensors are `w`.
+    pub fn build(c: &ModelConfig, w: &Weights, spec: ForwardSpec) -> Result<Forward> {
+        if spec.tokens == 0 || spec.past + spec.tokens > spec.ctx {
+            return Err(ModelError::Config {
+                key: "ctx".into(),
+                reason: format!(
+                    "{} tokens at position {} do not fit a context of {}",
+                    spec.tokens, spec.past, spec.ctx
+                ),
+            });
+        }
+        if c.arch.is_hybrid() {
+            return Err(ModelError::Config {
+                key: "model_type".into(),
+                reason: format!(
+                    "{} graphs are not built yet (linear attention)",
+                    c.arch.model_type()
+                ),
+            });
+        }
+        let mut b = Build {
+            c,
+            w,
+            g: GraphBuilder::new(),
+            sources: Vec::new(),
+            prefix: if c.nested_text {
+                "model.language_model"
+            } else {
+                "model"
+            },
+            norm: if c.arch.is_hybrid() {
+                NormKind::ZeroCentered
+            } else {
+                NormKind::Standard
+            },
+        };
+        let prefix = b.prefix;
+        let tokens = b.g.tokens_input("tokens", spec.tokens);
+        let positions = b.g.positions_input("positions", spec.tokens);
+        let embed = b.linear(&format!("{prefix}.embed_tokens"), c.vocab, c.hidden)?;
+        let mut x: BufId<Residual> = b.g.embed("embed", &embed, tokens);
+        // One rotary table for every layer.
+        let table = RopeTable::new(
+            c.rope.theta,
+            c.head_dim,
+            c.rope.partial_rotary_factor,
+            &c.rope.scaling,
+        );
+        let inv_freq = b.g.weight("rope.inv_freq", DType::F32, [table.rot_dim / 2]);
+        b.sources.push((
+            inv_freq.raw(),
+            Source::Bytes(bytemuck::cast_slice(&table.inv_freq).to_vec()),
+        ));
+        for i in 0..c.layers {
+            let l = format!("{prefix}.layers.{i}");
+            let in_ln = b.norm_weight(&format!("{l}.input_layernorm.weight"), c.hidden)?;
+            let h = b.g.rms_norm(
+                &format!("{l}.input_layernorm"),
+                x,
+                in_ln,
+                c.norm_eps as f32,
+                b.norm,
+            );
+            let mixed = match c.layer_kinds[i] {
+                LayerKind::FullAttention => attention(&mut b, &l, h, positions, inv_freq, &table, spec)?,
+                LayerKind::LinearAttention => unreachable!("hybrid architectures are refused above"),
+            };
+            let post_ln = b.norm_weight(&format!("{l}.post_attention_layernorm.weight"), c.hidden)?;
+            let h2 = b.g.add_rms_norm(
+                &format!("{l}.post_attention_layernorm"),
+                x,
+                mixed,
+                post_ln,
+                c.norm_eps as f32,
+                b.norm,
+            );
+            let m = match c.mlp_kinds[i] {
+                MlpKind::Dense => dense_mlp(&mut b, &format!("{l}.mlp"), h2, c.intermediate)?,
+                MlpKind::Moe => moe(&mut b, &format!("{l}.mlp"), h2)?,
+            };
+            x = b.g.add_residual(&format!("{l}.residual"), x, m);
+        }
+        let final_ln = b.norm_weight(&format!("{prefix}.norm.weight"), c.hidden)?;
+        let x = if spec.all_logits {
+            x
+        } else {
+            b.g.last_row("last_row", x)
+        };
+        let h =
+            b.g.rms_norm(&format!("{prefix}.norm"), x, final_ln, c.norm_eps as f32, b.norm);
+        let head = if c.tie_embeddings && !w.contains("lm_head.weight") {
+            embed
+        } else {
+            b.linear("lm_head", c.vocab, c.hidden)?
+        };
+        let logits = b.g.lm_head("lm_head", h, &head);
+        b.g.mark_output(logits);
+        let graph = b.g.finish().map_err(|e| ModelError::Config {
+            key: "graph".into(),
+            reason: e.to_string(),
+        })?;
+        Ok(Forward {
+            graph,
+            tokens,
+            positions,
+            logits,
+            spec,
+            sources: b.sources,
+        })
+    }
+
+    /// Writes every weight into `program`'s buffers. Weights are shared by label between the
+    /// programs of one backend, so this is needed once per backend and model.
+    pub fn upload<B: Backend>(&self, w: &Weights, backend: &mut B, program: &mut B::Program) -> Result<()> {
+        let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
+        for (buf, src) in &self.sources {
+            match src {
+                Source::Tensor(name) => backend.write_bytes(program, *buf, 0, w.get(name)?.bytes),
+                Source::Bytes(bytes) => backend.write_bytes(program, *buf, 0, bytes),
+                Source::Experts { mlp, layout } => {
+                    backend.write_bytes(program, *buf, 0, &pack_experts(w, mlp, layout)?)
+                }
+            }
+            .map_err(backend_err)?;
+        }
+        Ok(())
+    }
+}
+
+fn attention(
+    b: &mut Build,
+    l: &str,
+    h: BufId<Normed>,
+    pos: BufId<Positions>,
+    inv_freq: BufId<Weight>,
+    table: &RopeTable,
+    spec: ForwardSpec,
+) -> Result<BufId<kestrel_core::ir::Act>> {
+    let c = b.c;
+    let (heads, kv, hd) = (c.heads, c.kv_heads, c.head_dim);
+    let a = format!("{l}.self_attn");
+    let qw = b.linear(&format!("{a}.q_proj"), heads * hd, c.hidden)?;
+    let kw = b.linear(&format!("{a}.k_proj"), kv * hd, c.hidden)?;
+    let vw = b.linear(&format!("{a}.v_proj"), kv * hd, c.hidden)?;
+    let ow = b.linear(&format!("{a}.o_proj"), c.hidden, heads * hd)?;
+    let mut q = b.g.linear(&format!("{a}.q_proj"), h, &qw);
+    let mut k = b.g.linear(&format!("{a}.k_proj"), h, &kw);
+    let v = b.g.linear(&format!("{a}.v_proj"), h, &vw);
+    // Qwen3 families normalise each head of q and k before the rotation.
+    if b.w.contains(&format!("{a}.q_norm.weight")) {
+        let (qn, kn) = (
+            b.norm_weight(&format!("{a}.q_norm.weight"), hd)?,
+            b.norm_weight(&format!("{a}.k_norm.weight"), hd)?,
+        );
+        q =
+            b.g.head_norm(&format!("{a}.q_norm"), q, qn, hd, c.norm_eps as f32, b.norm);
+        k =
+            b.g.head_norm(&format!("{a}.k_norm"), k, kn, hd, c.norm_eps as f32, b.norm);
+    }
+    let scaling = table.attention_scaling;
+    b.g.rope(
+        &format!("{a}.rope_q"),
+        q,
+        pos,
+        inv_freq,
+        heads,
+        hd,
+        table.rot_dim,
+        scaling,
+    );
+    b.g.rope(
+        &format!("{a}.rope_k"),
+        k,
+        pos,
+        inv_freq,
+        kv,
+        hd,
+        table.rot_dim,
+        scaling,
+    );
+    let kc =
+        b.g.cache(&format!("{l}.k_cache"), spec.cache_dtype, kv, spec.ctx, hd);
+    let vc =
+        b.g.cache(&format!("{l}.v_cache"), spec.cache_dtype, kv, spec.ctx, hd);
+    b.g.kv_append(&format!("{a}.kv_append"), k, v, pos, kc, vc);
+    let o = b.g.attention(
+        &format!("{a}.attention"),
+        q,
+        kc,
+        vc,
+        pos,
+        heads,
+        1.0 / (hd as f32).sqrt(),
+    );
+    Ok(b.g.linear(&format!("{a}.o_proj"), o, &ow))
+}
+
+fn dense_mlp(b: &mut Build, m: &str, h: BufId<Normed>, inter: usize) -> Result<BufId<kestrel_core::ir::Act>> {
+    let hidden = b.c.hidden;
+    let gw = b.linear(&format!("{m}.gate_proj"), inter, hidden)?;
+    let uw = b.linear(&format!("{m}.up_proj"), inter, hidden)?;
+    let dw = b.linear(&format!("{m}.down_proj"), hidden, inter)?;
+    let g = b.g.linear(&format!("{m}.gate_proj"), h, &gw);
+    let u = b.g.linear(&format!("{m}.up_proj"), h, &uw);
+    let a = b.g.swiglu(&format!("{m}.act"), g, u);
+    Ok(b.g.linear(&format!("{m}.down_proj"), a, &dw))
+}
+
+fn moe(b: &mut Build, m: &str, h: BufId<Normed>) -> Result<BufId<kestrel_core::ir::Act>> {
+    let c = b.c;
+    let moe = c.moe.as_ref().expect("MoE layers come with a MoE config");
+    let router = b.linear(&format!("{m}.gate"), moe.experts, c.hidden)?;
+    let format = match c
+        .quant
+        .as_ref()
+        .and_then(|q| q.format_for(&format!("{m}.switch_mlp")))
+    {
+        Some(q) if b.w.contains(&format!("{m}.switch_mlp.gate_proj.scales")) => ExpertFormat::Quant(q),
+        _ => ExpertFormat::Bf16,
+    };
+    let layout = ExpertLayout {
+        experts: moe.experts,
+        hidden: c.hidden,
+        inter: moe.expert_intermediate,
+        format,
+    };
+    let eb =
+        b.g.weight(&format!("{m}.experts.packed"), DType::U8, [layout.total_bytes()]);
+    b.sources.push((
+        eb.raw(),
+        Source::Experts {
+            mlp: m.to_string(),
+            layout,
+        },
+    ));
+    let logits = b.g.linear(&format!("{m}.gate"), h, &router);
+    let (ids, weights) = b.g.router(
+        &format!("{m}.topk"),
+        logits,
+        moe.experts_per_token,
+        moe.norm_topk_prob,
+    );
+    Ok(b.g.moe_experts(&format!("{m}.experts"), h, ids, weights, eb, layout))
+}
