@@ -153,15 +153,6 @@ impl Forward {
                 ),
             });
         }
-        if c.arch.is_hybrid() {
-            return Err(ModelError::Config {
-                key: "model_type".into(),
-                reason: format!(
-                    "{} graphs are not built yet (linear attention)",
-                    c.arch.model_type()
-                ),
-            });
-        }
         let mut b = Build {
             c,
             w,
@@ -207,7 +198,7 @@ impl Forward {
             );
             let mixed = match c.layer_kinds[i] {
                 LayerKind::FullAttention => attention(&mut b, &l, h, positions, inv_freq, &table, spec)?,
-                LayerKind::LinearAttention => unreachable!("hybrid architectures are refused above"),
+                LayerKind::LinearAttention => linear_attention(&mut b, &l, h)?,
             };
             let post_ln = b.norm_weight(&format!("{l}.post_attention_layernorm.weight"), c.hidden)?;
             let h2 = b.g.add_rms_norm(
@@ -283,11 +274,20 @@ fn attention(
     let c = b.c;
     let (heads, kv, hd) = (c.heads, c.kv_heads, c.head_dim);
     let a = format!("{l}.self_attn");
-    let qw = b.linear(&format!("{a}.q_proj"), heads * hd, c.hidden)?;
+    // The hybrids gate the attention output: q_proj gives each head its queries, then a gate.
+    let gated = c.arch.is_hybrid();
+    let q_rows = if gated { 2 * heads * hd } else { heads * hd };
+    let qw = b.linear(&format!("{a}.q_proj"), q_rows, c.hidden)?;
     let kw = b.linear(&format!("{a}.k_proj"), kv * hd, c.hidden)?;
     let vw = b.linear(&format!("{a}.v_proj"), kv * hd, c.hidden)?;
     let ow = b.linear(&format!("{a}.o_proj"), c.hidden, heads * hd)?;
-    let mut q = b.g.linear(&format!("{a}.q_proj"), h, &qw);
+    let qg = b.g.linear(&format!("{a}.q_proj"), h, &qw);
+    let (mut q, gate) = if gated {
+        let parts = b.g.split(&format!("{a}.q_gate"), qg, heads, &[hd, hd]);
+        (parts[0], Some(parts[1]))
+    } else {
+        (qg, None)
+    };
     let mut k = b.g.linear(&format!("{a}.k_proj"), h, &kw);
     let v = b.g.linear(&format!("{a}.v_proj"), h, &vw);
     // Qwen3 families normalise each head of q and k before the rotation.
@@ -327,7 +327,7 @@ fn attention(
     let vc =
         b.g.cache(&format!("{l}.v_cache"), spec.cache_dtype, kv, spec.ctx, hd);
     b.g.kv_append(&format!("{a}.kv_append"), k, v, pos, kc, vc);
-    let o = b.g.attention(
+    let mut o = b.g.attention(
         &format!("{a}.attention"),
         q,
         kc,
@@ -336,7 +336,91 @@ fn attention(
         heads,
         1.0 / (hd as f32).sqrt(),
     );
+    if let Some(gate) = gate {
+        o = b.g.sigmoid_gate(&format!("{a}.gate"), o, gate);
+    }
     Ok(b.g.linear(&format!("{a}.o_proj"), o, &ow))
+}
+
+/// Gated DeltaNet. Qwen3-Next fuses the input projections per key head
+/// (`in_proj_qkvz`: q, k, v, z; `in_proj_ba`: b, a); Qwen3.5 keeps them apart
+/// (`in_proj_qkv` with q, k and v one after the other, `in_proj_z`, `in_proj_b`, `in_proj_a`).
+fn linear_attention(b: &mut Build, l: &str, h: BufId<Normed>) -> Result<BufId<kestrel_core::ir::Act>> {
+    let c = b.c;
+    let la = c
+        .linear_attn
+        .as_ref()
+        .expect("hybrid configs carry linear-attention sizes");
+    let (nk, nv, dk, dv, kernel) = (
+        la.key_heads,
+        la.value_heads,
+        la.key_head_dim,
+        la.value_head_dim,
+        la.conv_kernel,
+    );
+    let r = nv / nk;
+    let (key_dim, value_dim) = (nk * dk, nv * dv);
+    let conv_dim = 2 * key_dim + value_dim;
+    let p = format!("{l}.linear_attn");
+    let (mixed, z, beta_in, a_in) = if b.w.contains(&format!("{p}.in_proj_qkvz.weight")) {
+        let qkvz_w = b.linear(
+            &format!("{p}.in_proj_qkvz"),
+            2 * key_dim + 2 * value_dim,
+            c.hidden,
+        )?;
+        let ba_w = b.linear(&format!("{p}.in_proj_ba"), 2 * nv, c.hidden)?;
+        let qkvz = b.g.linear(&format!("{p}.in_proj_qkvz"), h, &qkvz_w);
+        let ba = b.g.linear(&format!("{p}.in_proj_ba"), h, &ba_w);
+        let parts =
+            b.g.split(&format!("{p}.qkvz"), qkvz, nk, &[dk, dk, r * dv, r * dv]);
+        let bap = b.g.split(&format!("{p}.ba"), ba, nk, &[r, r]);
+        let mixed =
+            b.g.concat(&format!("{p}.mixed_qkv"), &[parts[0], parts[1], parts[2]]);
+        (mixed, parts[3], bap[0], bap[1])
+    } else {
+        let qkv_w = b.linear(&format!("{p}.in_proj_qkv"), conv_dim, c.hidden)?;
+        let z_w = b.linear(&format!("{p}.in_proj_z"), value_dim, c.hidden)?;
+        let b_w = b.linear(&format!("{p}.in_proj_b"), nv, c.hidden)?;
+        let a_w = b.linear(&format!("{p}.in_proj_a"), nv, c.hidden)?;
+        (
+            b.g.linear(&format!("{p}.in_proj_qkv"), h, &qkv_w),
+            b.g.linear(&format!("{p}.in_proj_z"), h, &z_w),
+            b.g.linear(&format!("{p}.in_proj_b"), h, &b_w),
+            b.g.linear(&format!("{p}.in_proj_a"), h, &a_w),
+        )
+    };
+    let conv_w = b.tensor(&format!("{p}.conv1d.weight"), &[conv_dim, kernel])?;
+    let a_log = b.tensor(&format!("{p}.A_log"), &[nv])?;
+    let dt_bias = b.tensor(&format!("{p}.dt_bias"), &[nv])?;
+    let norm_w = b.tensor(&format!("{p}.norm.weight"), &[dv])?;
+    let out_w = b.linear(&format!("{p}.out_proj"), c.hidden, value_dim)?;
+    let conv_state =
+        b.g.state(&format!("{l}.conv_state"), DType::F32, [conv_dim, kernel - 1]);
+    let state =
+        b.g.state(&format!("{l}.recurrent_state"), DType::F32, [nv, dk, dv]);
+    let conv =
+        b.g.causal_conv1d(&format!("{p}.conv1d"), mixed, conv_w, conv_state);
+    let qkv =
+        b.g.split(&format!("{p}.qkv"), conv, 1, &[key_dim, key_dim, value_dim]);
+    let (g, beta) =
+        b.g.delta_gates(&format!("{p}.gates"), a_in, beta_in, a_log, dt_bias);
+    let o = b.g.delta_rule(
+        &format!("{p}.delta_rule"),
+        qkv[0],
+        qkv[1],
+        qkv[2],
+        g,
+        beta,
+        state,
+        nk,
+        dk,
+        nv,
+        dv,
+        kestrel_core::ir::DeltaAlgo::Auto,
+    );
+    let o =
+        b.g.gated_rms_norm(&format!("{p}.norm"), o, z, norm_w, dv, c.norm_eps as f32);
+    Ok(b.g.linear(&format!("{p}.out_proj"), o, &out_w))
 }
 
 fn dense_mlp(b: &mut Build, m: &str, h: BufId<Normed>, inter: usize) -> Result<BufId<kestrel_core::ir::Act>> {
@@ -384,5 +468,15 @@ fn moe(b: &mut Build, m: &str, h: BufId<Normed>) -> Result<BufId<kestrel_core::i
         moe.experts_per_token,
         moe.norm_topk_prob,
     );
-    Ok(b.g.moe_experts(&format!("{m}.experts"), h, ids, weights, eb, layout))
+    let out =
+        b.g.moe_experts(&format!("{m}.experts"), h, ids, weights, eb, layout);
+    let Some(si) = moe.shared_intermediate else {
+        return Ok(out);
+    };
+    // The hybrids add a shared expert, scaled by a sigmoid gate of its own.
+    let shared = dense_mlp(b, &format!("{m}.shared_expert"), h, si)?;
+    let sg_w = b.linear(&format!("{m}.shared_expert_gate"), 1, c.hidden)?;
+    let sg = b.g.linear(&format!("{m}.shared_expert_gate"), h, &sg_w);
+    let shared = b.g.sigmoid_gate(&format!("{m}.shared_gated"), shared, sg);
+    Ok(b.g.add(&format!("{m}.sum"), out, shared))
 }

@@ -147,3 +147,13 @@ fn qwen3_moe_matches_transformers() {
 fn qwen3_moe_mlx_4bit_matches_its_dequantised_reference() {
     check("qwen3_moe_mlx_q4");
 }
+
+#[test]
+fn qwen3_next_matches_transformers() {
+    check("qwen3_next");
+}
+
+#[test]
+fn qwen3_5_moe_text_model_matches_transformers() {
+    check("qwen3_5_moe");
+}
