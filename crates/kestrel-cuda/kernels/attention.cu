@@ -346,6 +346,9 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
 #define SPLITS(T, NAME) SPLIT(T, NAME, 2) SPLIT(T, NAME, 3) SPLIT(T, NAME, 4) SPLIT(T, NAME, 8)
 
 SPLITS(float, f32)
+// Half caches take the tensor-core kernel for its head dims, this one for the others.
+SPLITS(bf16, bf16)
+SPLITS(f16, f16)
 
 // ---- tensor-core attention (bf16/f16 caches): prefill and decode ----
 // A block takes one KV head and 64 * MT query rows of it, a row being a (token, query head) pair

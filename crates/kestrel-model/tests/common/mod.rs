@@ -1,0 +1,163 @@
+//! Shared by the parity tests: the fixtures' references, a model on any backend, and the
+//! comparisons.
+
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+use kestrel_core::{Backend, DType};
+use kestrel_model::{Forward, ForwardSpec, ModelConfig, Weights};
+
+pub const VOCAB: usize = 256;
+
+pub fn dir(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/parity")
+        .join(name)
+}
+
+/// A fixture's model on one backend; weights are uploaded with the first program.
+pub struct Model<B: Backend> {
+    pub c: ModelConfig,
+    pub w: Weights,
+    pub backend: B,
+    pub cache: DType,
+    uploaded: bool,
+}
+
+impl<B: Backend> Model<B> {
+    pub fn open(name: &str, backend: B, cache: DType) -> Model<B> {
+        let d = dir(name);
+        Model {
+            c: ModelConfig::from_dir(&d).unwrap(),
+            w: Weights::open(&d).unwrap(),
+            backend,
+            cache,
+            uploaded: false,
+        }
+    }
+
+    /// Logits (`[tokens or 1, vocab]`) of `ids` at positions `past..`.
+    pub fn forward(&mut self, ids: &[u32], past: usize, all_logits: bool) -> Vec<f32> {
+        let spec = ForwardSpec {
+            tokens: ids.len(),
+            past,
+            ctx: 64,
+            cache_dtype: self.cache,
+            all_logits,
+        };
+        let f = Forward::build(&self.c, &self.w, spec).unwrap();
+        let mut p = self.backend.prepare(&f.graph).unwrap();
+        if !self.uploaded {
+            f.upload(&self.w, &mut self.backend, &mut p).unwrap();
+            self.uploaded = true;
+        }
+        let pos: Vec<u32> = (past..past + ids.len()).map(|p| p as u32).collect();
+        self.backend.upload(&mut p, f.tokens, ids).unwrap();
+        self.backend.upload(&mut p, f.positions, &pos).unwrap();
+        self.backend.run(&mut p).unwrap();
+        self.backend.download::<f32>(&p, f.logits).unwrap()
+    }
+}
+
+/// The fixture's tokens, reference logits `[tokens, vocab]` and greedy continuation.
+pub fn reference(name: &str) -> (Vec<u32>, Vec<f32>, Vec<u32>) {
+    let r = Weights::open(&dir(name).join("reference")).unwrap();
+    let tokens: Vec<u32> = r
+        .get("tokens")
+        .unwrap()
+        .bytes
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+        .collect();
+    let logits: Vec<f32> = r
+        .get("logits")
+        .unwrap()
+        .bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    let greedy: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir(name).join("reference/greedy.json")).unwrap())
+            .unwrap();
+    let cont = greedy["continuation"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    (tokens, logits, cont)
+}
+
+/// max |got - want| / max |want|.
+pub fn rel_max_err(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    got.iter().zip(want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale
+}
+
+/// The smallest cosine similarity between corresponding rows of `vocab` values.
+pub fn min_cosine(got: &[f32], want: &[f32]) -> f64 {
+    got.chunks(VOCAB)
+        .zip(want.chunks(VOCAB))
+        .map(|(a, b)| {
+            let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
+            let na: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+            let nb: f64 = b.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+            dot / (na * nb)
+        })
+        .fold(1.0, f64::min)
+}
+
+/// Fraction of rows whose largest entry is at the same index.
+pub fn top1_agreement(got: &[f32], want: &[f32]) -> f64 {
+    let rows = got.len() / VOCAB;
+    let same = got
+        .chunks(VOCAB)
+        .zip(want.chunks(VOCAB))
+        .filter(|(a, b)| argmax(a) == argmax(b))
+        .count();
+    same as f64 / rows as f64
+}
+
+pub fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, v) in row.iter().enumerate() {
+        if *v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Logits of the whole sequence as one prefill, and as a one-token prefill followed by decode
+/// steps, then the greedy continuation from the decode state.
+pub fn run<B: Backend>(
+    name: &str,
+    mut new: impl FnMut() -> B,
+    cache: DType,
+) -> (Vec<f32>, Vec<f32>, Vec<u32>) {
+    let (tokens, _, cont) = reference(name);
+    let prefill = Model::open(name, new(), cache).forward(&tokens, 0, true);
+    let mut m = Model::open(name, new(), cache);
+    let mut rows = Vec::new();
+    for (t, &id) in tokens.iter().enumerate() {
+        rows.extend(m.forward(&[id], t, false));
+    }
+    let mut next = argmax(&rows[(tokens.len() - 1) * VOCAB..]);
+    let mut generated = vec![next];
+    for t in tokens.len()..tokens.len() + cont.len() - 1 {
+        next = argmax(&m.forward(&[next], t, false));
+        generated.push(next);
+    }
+    (prefill, rows, generated)
+}
+
+pub const FIXTURES: [&str; 6] = [
+    "llama",
+    "qwen3",
+    "qwen3_moe",
+    "qwen3_moe_mlx_q4",
+    "qwen3_next",
+    "qwen3_5_moe",
+];
