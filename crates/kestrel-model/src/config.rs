@@ -243,9 +243,9 @@ impl ModelConfig {
     /// Reads `config.json` from a model directory.
     pub fn from_dir(dir: &Path) -> Result<ModelConfig> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
+        let text = std::fs::read_to_string(&path).map_err(|error| ModelError::Io {
             path: path.clone(),
-            source,
+            error,
         })?;
         ModelConfig::from_json(&text).map_err(|e| e.in_file(&path))
     }

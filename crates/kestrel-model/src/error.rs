@@ -4,14 +4,11 @@ use std::path::{Path, PathBuf};
 
 use crate::config::Arch;
 
+/// Each message carries its cause in full (no separate `source`, so chains do not repeat it).
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
-    #[error("reading {}: {source}", path.display())]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error("reading {}: {error}", path.display())]
+    Io { path: PathBuf, error: std::io::Error },
     #[error("not valid JSON: {0}")]
     Json(String),
     #[error("config key `{key}`: {reason}")]
@@ -25,13 +22,9 @@ pub enum ModelError {
     #[error("tensor {name}: {reason}")]
     Tensor { name: String, reason: String },
     #[error("backend: {0}")]
-    Backend(#[source] Box<dyn std::error::Error + Send + Sync>),
+    Backend(Box<dyn std::error::Error + Send + Sync>),
     #[error("{}: {inner}", path.display())]
-    InFile {
-        path: PathBuf,
-        #[source]
-        inner: Box<ModelError>,
-    },
+    InFile { path: PathBuf, inner: Box<ModelError> },
 }
 
 fn supported() -> String {

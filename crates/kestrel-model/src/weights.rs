@@ -48,9 +48,9 @@ const INDEX: &str = "model.safetensors.index.json";
 const SINGLE: &str = "model.safetensors";
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> ModelError + '_ {
-    move |source| ModelError::Io {
+    move |error| ModelError::Io {
         path: path.to_path_buf(),
-        source,
+        error,
     }
 }
 

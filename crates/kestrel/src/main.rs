@@ -1,8 +1,10 @@
-//! The `kestrel` command line: `doctor` checks the CUDA set-up, `bench` measures.
+//! The `kestrel` command line: `doctor` checks the CUDA set-up, `bench` measures, `logits`
+//! runs a model directory over a token sequence.
 
 mod bench;
 mod bench_ops;
 mod doctor;
+mod logits;
 
 use clap::{Parser, Subcommand};
 use kestrel_core::Config;
@@ -31,6 +33,8 @@ enum Command {
         #[command(subcommand)]
         what: bench::BenchCommand,
     },
+    /// Logits of a token sequence under a model directory, written to a safetensors file.
+    Logits(logits::LogitsArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -45,6 +49,7 @@ fn main() -> std::process::ExitCode {
     let outcome = match cli.command {
         Command::Doctor { device } => doctor::run(&config, device),
         Command::Bench { what } => bench::run(&config, what),
+        Command::Logits(args) => logits::run(&config, args),
     };
     match outcome {
         Ok(code) => code,

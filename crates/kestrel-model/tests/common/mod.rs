@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 
 use kestrel_core::{Backend, DType};
-use kestrel_model::{Forward, ForwardSpec, ModelConfig, Weights};
+use kestrel_model::{Session, Weights};
 
 pub const VOCAB: usize = 256;
 
@@ -16,48 +16,9 @@ pub fn dir(name: &str) -> PathBuf {
         .join(name)
 }
 
-/// A fixture's model on one backend; weights are uploaded with the first program.
-pub struct Model<B: Backend> {
-    pub c: ModelConfig,
-    pub w: Weights,
-    pub backend: B,
-    pub cache: DType,
-    uploaded: bool,
-}
-
-impl<B: Backend> Model<B> {
-    pub fn open(name: &str, backend: B, cache: DType) -> Model<B> {
-        let d = dir(name);
-        Model {
-            c: ModelConfig::from_dir(&d).unwrap(),
-            w: Weights::open(&d).unwrap(),
-            backend,
-            cache,
-            uploaded: false,
-        }
-    }
-
-    /// Logits (`[tokens or 1, vocab]`) of `ids` at positions `past..`.
-    pub fn forward(&mut self, ids: &[u32], past: usize, all_logits: bool) -> Vec<f32> {
-        let spec = ForwardSpec {
-            tokens: ids.len(),
-            past,
-            ctx: 64,
-            cache_dtype: self.cache,
-            all_logits,
-        };
-        let f = Forward::build(&self.c, &self.w, spec).unwrap();
-        let mut p = self.backend.prepare(&f.graph).unwrap();
-        if !self.uploaded {
-            f.upload(&self.w, &mut self.backend, &mut p).unwrap();
-            self.uploaded = true;
-        }
-        let pos: Vec<u32> = (past..past + ids.len()).map(|p| p as u32).collect();
-        self.backend.upload(&mut p, f.tokens, ids).unwrap();
-        self.backend.upload(&mut p, f.positions, &pos).unwrap();
-        self.backend.run(&mut p).unwrap();
-        self.backend.download::<f32>(&p, f.logits).unwrap()
-    }
+/// A fixture's model on one backend, caches of 64 positions.
+pub fn open<B: Backend>(name: &str, backend: B, cache: DType) -> Session<B> {
+    Session::open(&dir(name), backend, 64, cache).unwrap()
 }
 
 /// The fixture's tokens, reference logits `[tokens, vocab]` and greedy continuation.
@@ -138,16 +99,16 @@ pub fn run<B: Backend>(
     cache: DType,
 ) -> (Vec<f32>, Vec<f32>, Vec<u32>) {
     let (tokens, _, cont) = reference(name);
-    let prefill = Model::open(name, new(), cache).forward(&tokens, 0, true);
-    let mut m = Model::open(name, new(), cache);
+    let prefill = open(name, new(), cache).forward(&tokens, 0, true).unwrap();
+    let mut m = open(name, new(), cache);
     let mut rows = Vec::new();
     for (t, &id) in tokens.iter().enumerate() {
-        rows.extend(m.forward(&[id], t, false));
+        rows.extend(m.forward(&[id], t, false).unwrap());
     }
     let mut next = argmax(&rows[(tokens.len() - 1) * VOCAB..]);
     let mut generated = vec![next];
     for t in tokens.len()..tokens.len() + cont.len() - 1 {
-        next = argmax(&m.forward(&[next], t, false));
+        next = argmax(&m.forward(&[next], t, false).unwrap());
         generated.push(next);
     }
     (prefill, rows, generated)
