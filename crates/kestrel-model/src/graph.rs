@@ -76,10 +76,10 @@ impl Build<'_> {
     /// A weight buffer holding the tensor `name` as stored, of the expected shape.
     fn tensor(&mut self, name: &str, shape: &[usize]) -> Result<BufId<Weight>> {
         let t = self.w.get(name)?;
-        // Checkpoints store 1-D norm vectors and `[C, 1, K]` convolutions: compare element counts
-        // where the graph wants another view of the same bytes.
-        let same = t.shape == shape || t.shape.iter().product::<usize>() == shape.iter().product::<usize>();
-        if !same {
+        // Checkpoints store convolutions as `[C, 1, K]` where the graph wants `[C, K]`: shapes
+        // agree once dimensions of size 1 are dropped (a transposed matrix still does not).
+        let squeeze = |s: &[usize]| s.iter().copied().filter(|&d| d != 1).collect::<Vec<_>>();
+        if squeeze(t.shape) != squeeze(shape) {
             return Err(self.err(name, format!("shape {:?}, expected {shape:?}", t.shape)));
         }
         let b = self.g.weight(name, t.dtype, shape.to_vec());
