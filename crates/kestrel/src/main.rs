@@ -1,10 +1,11 @@
 //! The `kestrel` command line: `doctor` checks the CUDA set-up, `bench` measures, `logits`
-//! runs a model directory over a token sequence.
+//! runs a model directory over a token sequence, `run` generates from prompt token ids.
 
 mod bench;
 mod bench_ops;
 mod doctor;
 mod logits;
+mod run;
 
 use clap::{Parser, Subcommand};
 use kestrel_core::Config;
@@ -35,6 +36,8 @@ enum Command {
     },
     /// Logits of a token sequence under a model directory, written to a safetensors file.
     Logits(logits::LogitsArgs),
+    /// Generate from prompt token ids under a model directory.
+    Run(run::RunArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -50,6 +53,7 @@ fn main() -> std::process::ExitCode {
         Command::Doctor { device } => doctor::run(&config, device),
         Command::Bench { what } => bench::run(&config, what),
         Command::Logits(args) => logits::run(&config, args),
+        Command::Run(args) => run::run(&config, args),
     };
     match outcome {
         Ok(code) => code,
