@@ -1,9 +1,11 @@
 //! The `kestrel` command line: `doctor` checks the CUDA set-up, `bench` measures, `logits`
-//! runs a model directory over a token sequence, `run` generates from prompt token ids.
+//! runs a model directory over a token sequence, `run` generates from prompt token ids, `inspect`
+//! describes a model directory.
 
 mod bench;
 mod bench_ops;
 mod doctor;
+mod inspect;
 mod logits;
 mod run;
 
@@ -38,6 +40,8 @@ enum Command {
     Logits(logits::LogitsArgs),
     /// Generate from prompt token ids under a model directory.
     Run(run::RunArgs),
+    /// What a model directory holds: architecture, parameters, formats, memory at a context.
+    Inspect(inspect::InspectArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -54,6 +58,7 @@ fn main() -> std::process::ExitCode {
         Command::Bench { what } => bench::run(&config, what),
         Command::Logits(args) => logits::run(&config, args),
         Command::Run(args) => run::run(&config, args),
+        Command::Inspect(args) => inspect::run(args),
     };
     match outcome {
         Ok(code) => code,

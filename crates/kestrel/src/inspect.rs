@@ -1,0 +1,155 @@
+//! `kestrel inspect`: what a model directory holds: architecture, layer kinds, parameter counts
+//! (total, and active per token for MoE models), weight dtypes and formats, and the memory a
+//! run needs at a given context (weights, KV caches of the full-attention layers, recurrent
+//! states of the linear-attention ones).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use kestrel_core::DType;
+use kestrel_model::{LayerKind, MlpKind, ModelConfig, Weights};
+
+#[derive(Args)]
+pub struct InspectArgs {
+    /// Model directory (config.json and safetensors weights).
+    #[arg(long)]
+    model: PathBuf,
+    /// Context the memory estimate is for.
+    #[arg(long, default_value_t = 4096)]
+    ctx: usize,
+    /// KV cache element type of the estimate: bf16, f16 or f32.
+    #[arg(long, default_value = "bf16")]
+    cache: String,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Bits per value of the MLX-quantised matrix `base` (its `.weight` words beside `.scales`),
+/// as config.json's quantisation section gives them.
+fn bits_of(c: &ModelConfig, w: &Weights, base: &str) -> Option<u64> {
+    if !w.contains(&format!("{base}.scales")) {
+        return None;
+    }
+    c.quant.as_ref()?.format_for(base).map(|f| f.bits as u64)
+}
+
+/// Values a tensor stores: its elements, or for MLX-packed `u32` words the values they hold.
+fn values(c: &ModelConfig, w: &Weights, name: &str) -> Result<u64> {
+    let t = w.get(name)?;
+    let n = t.elem_count() as u64;
+    match name.strip_suffix(".weight").and_then(|base| bits_of(c, w, base)) {
+        Some(bits) if t.dtype == DType::U32 => Ok(n * 32 / bits),
+        _ => Ok(n),
+    }
+}
+
+pub fn run(a: InspectArgs) -> Result<std::process::ExitCode> {
+    let c = ModelConfig::from_dir(&a.model).with_context(|| format!("reading {}", a.model.display()))?;
+    let w = Weights::open(&a.model).with_context(|| format!("opening {}", a.model.display()))?;
+    let cache = match a.cache.as_str() {
+        "bf16" => DType::BF16,
+        "f16" => DType::F16,
+        "f32" => DType::F32,
+        other => anyhow::bail!("--cache {other}: expected bf16, f16 or f32"),
+    };
+    let mut total = 0u64;
+    let mut expert_values = 0u64;
+    let mut formats: BTreeMap<String, u64> = BTreeMap::new();
+    for name in w.names() {
+        if name.ends_with(".scales") || name.ends_with(".biases") {
+            continue;
+        }
+        // Vision towers of multimodal checkpoints are not part of the language model.
+        if name.starts_with("model.visual.") || name.starts_with("visual.") {
+            continue;
+        }
+        let n = values(&c, &w, name)?;
+        total += n;
+        if name.contains(".experts.") || name.contains(".switch_mlp.") {
+            expert_values += n;
+        }
+        let t = w.get(name)?;
+        let base = name.strip_suffix(".weight").unwrap_or(name);
+        let format = match bits_of(&c, &w, base) {
+            Some(bits) if t.dtype == DType::U32 => format!("{bits}-bit"),
+            _ => t.dtype.to_string(),
+        };
+        *formats.entry(format).or_default() += n;
+    }
+    let active = match &c.moe {
+        Some(m) if m.experts > 0 => {
+            total - expert_values + expert_values * m.experts_per_token as u64 / m.experts as u64
+        }
+        _ => total,
+    };
+    let full = c
+        .layer_kinds
+        .iter()
+        .filter(|&&k| k == LayerKind::FullAttention)
+        .count();
+    let linear = c.layers - full;
+    let kv_bytes = (2 * full * c.kv_heads * a.ctx * c.head_dim * cache.size_in_bytes()) as u64;
+    let state_bytes = c.linear_attn.as_ref().map_or(0, |l| {
+        let conv =
+            (2 * l.key_heads * l.key_head_dim + l.value_heads * l.value_head_dim) * (l.conv_kernel - 1);
+        (linear * (l.value_heads * l.key_head_dim * l.value_head_dim + conv) * 4) as u64
+    });
+    let weight_bytes = w.total_bytes() as u64;
+    let moe_layers = c.mlp_kinds.iter().filter(|&&k| k == MlpKind::Moe).count();
+    let size = |b: u64| match b {
+        b if b >= 1 << 30 => format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64),
+        b if b >= 1 << 20 => format!("{:.2} MiB", b as f64 / (1u64 << 20) as f64),
+        b => format!("{:.1} KiB", b as f64 / 1024.0),
+    };
+    if a.json {
+        let v = serde_json::json!({
+            "architecture": c.arch.model_type(),
+            "layers": c.layers,
+            "full_attention_layers": full,
+            "linear_attention_layers": linear,
+            "moe_layers": moe_layers,
+            "parameters": total,
+            "active_parameters_per_token": active,
+            "formats": formats,
+            "weight_bytes": weight_bytes,
+            "ctx": a.ctx,
+            "kv_cache_bytes": kv_bytes,
+            "recurrent_state_bytes": state_bytes,
+        });
+        println!("{v}");
+        return Ok(std::process::ExitCode::SUCCESS);
+    }
+    println!("architecture      {}", c.arch.model_type());
+    println!(
+        "layers            {} ({full} full attention, {linear} linear attention; {moe_layers} MoE)",
+        c.layers
+    );
+    println!(
+        "sizes             hidden {}, heads {}/{} of {}, vocab {}",
+        c.hidden, c.heads, c.kv_heads, c.head_dim, c.vocab
+    );
+    if let Some(m) = &c.moe {
+        println!(
+            "experts           {} of {} per token, width {}{}",
+            m.experts_per_token,
+            m.experts,
+            m.expert_intermediate,
+            m.shared_intermediate
+                .map_or(String::new(), |s| format!(", shared expert {s}"))
+        );
+    }
+    println!("parameters        {total} total, {active} active per token");
+    let fmts: Vec<String> = formats.iter().map(|(f, n)| format!("{f}: {n}")).collect();
+    println!("formats           {}", fmts.join(", "));
+    println!(
+        "memory at ctx {}  weights {}, KV cache ({cache}) {}, recurrent state {}",
+        a.ctx,
+        size(weight_bytes),
+        size(kv_bytes),
+        size(state_bytes)
+    );
+    Ok(std::process::ExitCode::SUCCESS)
+}

@@ -1,0 +1,61 @@
+//! `kestrel inspect --json` on the fixtures: parameter counts worked out by hand from the sizes
+//! `scripts/make-parity-fixtures.py` sets, the same count for a model and its MLX 4-bit copy, the
+//! vision tower of the multimodal checkpoint left out, and the memory of caches and states.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn inspect(name: &str) -> serde_json::Value {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../kestrel-model/tests/parity")
+        .join(name);
+    let o = Command::new(env!("CARGO_BIN_EXE_kestrel"))
+        .args([
+            "inspect",
+            "--model",
+            dir.to_str().unwrap(),
+            "--ctx",
+            "64",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    serde_json::from_str(String::from_utf8(o.stdout).unwrap().lines().last().unwrap()).unwrap()
+}
+
+#[test]
+fn counts_and_memory_match_the_fixture_sizes() {
+    // qwen3_moe: embedding and lm_head 2 * 256 * 64; per layer attention 4096 + 2048 + 2048 +
+    // 4096, head norms 2 * 16, layer norms 2 * 64; layers 0 and 2 MoE (router 8 * 64, experts
+    // 8 * 3 * 32 * 64), layer 1 dense (3 * 96 * 64); final norm 64.
+    let experts = 2 * 8 * 3 * 32 * 64;
+    let total = 2 * 256 * 64 + 3 * (12288 + 32 + 128) + 2 * 512 + experts + 3 * 96 * 64 + 64;
+    let v = inspect("qwen3_moe");
+    assert_eq!(v["parameters"], total);
+    assert_eq!(
+        v["active_parameters_per_token"],
+        total - experts + experts * 2 / 8
+    );
+    assert_eq!(v["kv_cache_bytes"], 3 * 2 * 2 * 64 * 16 * 2);
+    assert_eq!(v["recurrent_state_bytes"], 0);
+    let q = inspect("qwen3_moe_mlx_q4");
+    assert_eq!(
+        q["parameters"], total,
+        "packed 4-bit words count as the values they hold"
+    );
+    let f = q["formats"].as_object().unwrap();
+    assert!(
+        f.contains_key("4-bit") && f.contains_key("8-bit") && f.contains_key("bf16"),
+        "{f:?}"
+    );
+    // The hybrids: 2 full-attention layers of caches, 2 linear-attention layers of state
+    // (4 * 16 * 16 state + (2 * 2 * 16 + 4 * 16) * 3 conv values, f32).
+    let (next, three_five) = (inspect("qwen3_next"), inspect("qwen3_5_moe"));
+    assert_eq!(next["kv_cache_bytes"], 2 * 2 * 2 * 64 * 16 * 2);
+    assert_eq!(next["recurrent_state_bytes"], 2 * (4 * 16 * 16 + 128 * 3) * 4);
+    assert_eq!(
+        next["parameters"], three_five["parameters"],
+        "the same sizes (Qwen3.5's separate projections hold as many values); no vision tower"
+    );
+}
