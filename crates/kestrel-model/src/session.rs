@@ -1,7 +1,10 @@
 //! A model on a backend: the directory's config and weights, the weights uploaded with the first
 //! program, and forward passes over chunks of tokens at given positions (KV caches and recurrent
-//! states persist between them on the backend).
+//! states persist between them on the backend). Positions are data, not part of a graph, so a
+//! program is prepared once per chunk length and replayed: every decode step after the first
+//! is one run of the same program (one CUDA graph replay).
 
+use std::collections::HashMap;
 use std::path::Path;
 
 use kestrel_core::{Backend, DType};
@@ -19,6 +22,8 @@ pub struct Session<B: Backend> {
     pub ctx: usize,
     pub cache_dtype: DType,
     uploaded: bool,
+    /// Prepared programs by (tokens, all_logits).
+    programs: HashMap<(usize, bool), (Forward, B::Program)>,
 }
 
 impl<B: Backend> Session<B> {
@@ -31,6 +36,7 @@ impl<B: Backend> Session<B> {
             ctx,
             cache_dtype,
             uploaded: false,
+            programs: HashMap::new(),
         })
     }
 
@@ -43,26 +49,39 @@ impl<B: Backend> Session<B> {
                 reason: format!("token {bad} is outside the vocabulary of {}", self.config.vocab),
             });
         }
-        let spec = ForwardSpec {
-            tokens: ids.len(),
-            past,
-            ctx: self.ctx,
-            cache_dtype: self.cache_dtype,
-            all_logits,
-        };
-        let f = Forward::build(&self.config, &self.weights, spec)?;
-        let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
-        let mut p = self.backend.prepare(&f.graph).map_err(backend_err)?;
-        if !self.uploaded {
-            f.upload(&self.weights, &mut self.backend, &mut p)?;
-            self.uploaded = true;
+        if ids.is_empty() || past + ids.len() > self.ctx {
+            return Err(ModelError::Config {
+                key: "ctx".into(),
+                reason: format!(
+                    "{} tokens at position {past} do not fit a context of {}",
+                    ids.len(),
+                    self.ctx
+                ),
+            });
         }
+        let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
+        let key = (ids.len(), all_logits);
+        if !self.programs.contains_key(&key) {
+            let spec = ForwardSpec {
+                tokens: ids.len(),
+                past,
+                ctx: self.ctx,
+                cache_dtype: self.cache_dtype,
+                all_logits,
+            };
+            let f = Forward::build(&self.config, &self.weights, spec)?;
+            let mut p = self.backend.prepare(&f.graph).map_err(backend_err)?;
+            if !self.uploaded {
+                f.upload(&self.weights, &mut self.backend, &mut p)?;
+                self.uploaded = true;
+            }
+            self.programs.insert(key, (f, p));
+        }
+        let (f, p) = self.programs.get_mut(&key).expect("inserted above");
         let pos: Vec<u32> = (past..past + ids.len()).map(|p| p as u32).collect();
-        self.backend.upload(&mut p, f.tokens, ids).map_err(backend_err)?;
-        self.backend
-            .upload(&mut p, f.positions, &pos)
-            .map_err(backend_err)?;
-        self.backend.run(&mut p).map_err(backend_err)?;
-        self.backend.download::<f32>(&p, f.logits).map_err(backend_err)
+        self.backend.upload(p, f.tokens, ids).map_err(backend_err)?;
+        self.backend.upload(p, f.positions, &pos).map_err(backend_err)?;
+        self.backend.run(p).map_err(backend_err)?;
+        self.backend.download::<f32>(p, f.logits).map_err(backend_err)
     }
 }
