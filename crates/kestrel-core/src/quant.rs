@@ -64,9 +64,10 @@ pub struct QuantMatrix {
 }
 
 impl QuantMatrix {
-    /// Quantises `w` (`[rows, cols]`, row-major) as MLX does: per group, `scale = (max - min) /
-    /// (2^bits - 1)` and `bias = min`, with the scale and bias rounded to bf16 before `q` is chosen,
-    /// so dequantisation reproduces the stored affine map exactly.
+    /// Quantises `w` (`[rows, cols]`, row-major) in MLX's affine layout: per group, `scale =
+    /// (max - min) / (2^bits - 1)` and `bias = min`, with the scale and bias rounded to bf16 before
+    /// `q` is chosen, so dequantisation reproduces the stored affine map exactly; `q` rounds half
+    /// to even, as numpy and torch do (the parity fixtures' quantiser).
     pub fn quantize(w: &[f32], rows: usize, cols: usize, format: QuantFormat) -> QuantMatrix {
         assert!(format.fits(cols), "{cols} columns cannot be stored as {format:?}");
         assert_eq!(w.len(), rows * cols);
@@ -92,7 +93,9 @@ impl QuantMatrix {
                 scales.push(scale);
                 biases.push(bias);
                 for (i, &v) in group.iter().enumerate() {
-                    let q = ((v - bias.to_f32()) / scale.to_f32()).round().clamp(0.0, levels) as u32;
+                    let q = ((v - bias.to_f32()) / scale.to_f32())
+                        .round_ties_even()
+                        .clamp(0.0, levels) as u32;
                     let col = g * format.group_size + i;
                     let word = r * format.words_per_row(cols) + col / vpw;
                     weight[word] |= q << (format.bits as usize * (col % vpw));

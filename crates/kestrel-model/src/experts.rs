@@ -84,7 +84,7 @@ fn expect_shape(t: &Tensor, shape: &[usize]) -> Result<()> {
 }
 
 /// Elements `start .. start + len` of a dense (bf16, f16 or f32) tensor as f32.
-fn dense_values(t: &Tensor, start: usize, len: usize) -> Result<Vec<f32>> {
+pub(crate) fn dense_values(t: &Tensor, start: usize, len: usize) -> Result<Vec<f32>> {
     let b = t.bytes;
     Ok(match t.dtype {
         DType::BF16 => (start..start + len)

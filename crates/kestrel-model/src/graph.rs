@@ -11,7 +11,7 @@ use kestrel_core::ir::{
     Buf, BufId, ExpertFormat, ExpertLayout, Graph, LinearWeight, Logits, NormKind, Normed, Positions,
     Residual, Tokens, Weight,
 };
-use kestrel_core::quant::QuantFormat;
+use kestrel_core::quant::{QuantFormat, QuantMatrix};
 use kestrel_core::rope::RopeTable;
 use kestrel_core::{Backend, DType, GraphBuilder};
 
@@ -32,6 +32,10 @@ pub struct ForwardSpec {
     pub cache_dtype: DType,
     /// Logits for every token of the chunk, or only the last.
     pub all_logits: bool,
+    /// Quantise the checkpoint's dense projections and experts to this format on load (routers
+    /// and the shared-expert gate at 8 bits, as MLX does; matrices whose rows do not divide into
+    /// groups stay dense). Already-quantised tensors keep their own format.
+    pub quant: Option<QuantFormat>,
 }
 
 /// Where a weight buffer's bytes come from.
@@ -43,6 +47,16 @@ enum Source {
     Bytes(Vec<u8>),
     /// The experts of the MoE block at this path, packed for `layout`.
     Experts { mlp: String, layout: ExpertLayout },
+    /// The dense tensor `name` (`[rows, cols]`) quantised on the host; this buffer gets the
+    /// weight words, `scales` and `biases` the rest.
+    Quantized {
+        name: String,
+        rows: usize,
+        cols: usize,
+        format: QuantFormat,
+        scales: Buf,
+        biases: Buf,
+    },
 }
 
 /// A built forward graph and what it needs before it runs.
@@ -63,6 +77,7 @@ struct Build<'a> {
     /// `model` or `model.language_model`.
     prefix: &'static str,
     norm: NormKind,
+    quant: Option<QuantFormat>,
 }
 
 impl Build<'_> {
@@ -91,7 +106,43 @@ impl Build<'_> {
     fn linear(&mut self, base: &str, rows: usize, cols: usize) -> Result<LinearWeight> {
         let name = format!("{base}.weight");
         if !self.w.contains(&format!("{base}.scales")) {
-            return Ok(LinearWeight::Dense(self.tensor(&name, &[rows, cols])?));
+            // Routers and gates decide discrete things: 8 bits whatever the rest gets.
+            let router = base.ends_with(".mlp.gate") || base.ends_with(".shared_expert_gate");
+            let format = self
+                .quant
+                .map(|q| if router { QuantFormat { bits: 8, ..q } } else { q });
+            return match format {
+                Some(format) if format.fits(cols) => {
+                    let t = self.w.get(&name)?;
+                    if t.shape != [rows, cols] {
+                        return Err(
+                            self.err(&name, format!("shape {:?}, expected [{rows}, {cols}]", t.shape))
+                        );
+                    }
+                    let lw = self.g.quant_weight(base, rows, cols, format);
+                    if let LinearWeight::Quant {
+                        weight,
+                        scales,
+                        biases,
+                        ..
+                    } = lw
+                    {
+                        self.sources.push((
+                            weight.raw(),
+                            Source::Quantized {
+                                name,
+                                rows,
+                                cols,
+                                format,
+                                scales: scales.raw(),
+                                biases: biases.raw(),
+                            },
+                        ));
+                    }
+                    Ok(lw)
+                }
+                _ => Ok(LinearWeight::Dense(self.tensor(&name, &[rows, cols])?)),
+            };
         }
         let t = self.w.get(&name)?;
         if t.dtype != DType::U32 || t.shape.len() != 2 || t.shape[0] != rows || t.shape[1] == 0 {
@@ -163,6 +214,7 @@ impl Forward {
             } else {
                 "model"
             },
+            quant: spec.quant,
             norm: if c.arch.is_hybrid() {
                 NormKind::ZeroCentered
             } else {
@@ -252,6 +304,27 @@ impl Forward {
             match src {
                 Source::Tensor(name) => backend.write_bytes(program, *buf, 0, w.get(name)?.bytes),
                 Source::Bytes(bytes) => backend.write_bytes(program, *buf, 0, bytes),
+                Source::Quantized {
+                    name,
+                    rows,
+                    cols,
+                    format,
+                    scales,
+                    biases,
+                } => {
+                    let t = w.get(name)?;
+                    let v = crate::experts::dense_values(&t, 0, rows * cols)?;
+                    let q = QuantMatrix::quantize(&v, *rows, *cols, *format);
+                    let bf16_bytes =
+                        |v: &[half::bf16]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+                    backend
+                        .write_bytes(program, *scales, 0, &bf16_bytes(&q.scales))
+                        .map_err(backend_err)?;
+                    backend
+                        .write_bytes(program, *biases, 0, &bf16_bytes(&q.biases))
+                        .map_err(backend_err)?;
+                    backend.write_bytes(program, *buf, 0, bytemuck::cast_slice(&q.weight))
+                }
                 Source::Experts { mlp, layout } => {
                     backend.write_bytes(program, *buf, 0, &pack_experts(w, mlp, layout)?)
                 }
@@ -444,7 +517,11 @@ fn moe(b: &mut Build, m: &str, h: BufId<Normed>) -> Result<BufId<kestrel_core::i
         .and_then(|q| q.format_for(&format!("{m}.switch_mlp")))
     {
         Some(q) if b.w.contains(&format!("{m}.switch_mlp.gate_proj.scales")) => ExpertFormat::Quant(q),
-        _ => ExpertFormat::Bf16,
+        // Dense experts: quantised on load when asked and every matrix divides into groups.
+        _ => match b.quant {
+            Some(q) if q.fits(c.hidden) && q.fits(moe.expert_intermediate) => ExpertFormat::Quant(q),
+            _ => ExpertFormat::Bf16,
+        },
     };
     let layout = ExpertLayout {
         experts: moe.experts,

@@ -7,6 +7,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
+use kestrel_core::quant::QuantFormat;
 use kestrel_core::{Backend, DType};
 
 use crate::config::ModelConfig;
@@ -21,6 +22,8 @@ pub struct Session<B: Backend> {
     /// Positions the KV caches hold.
     pub ctx: usize,
     pub cache_dtype: DType,
+    /// Dense weights quantised on load to this format (see [`ForwardSpec::quant`]).
+    quant: Option<QuantFormat>,
     uploaded: bool,
     /// Prepared programs by (tokens, all_logits).
     programs: HashMap<(usize, bool), (Forward, B::Program)>,
@@ -35,9 +38,16 @@ impl<B: Backend> Session<B> {
             backend,
             ctx,
             cache_dtype,
+            quant: None,
             uploaded: false,
             programs: HashMap::new(),
         })
+    }
+
+    /// Quantises the checkpoint's dense projections and experts to `format` on load.
+    pub fn with_quant(mut self, format: Option<QuantFormat>) -> Session<B> {
+        self.quant = format;
+        self
     }
 
     /// Runs `ids` at positions `past..past + ids.len()` and returns the logits, `[ids.len(),
@@ -68,6 +78,7 @@ impl<B: Backend> Session<B> {
                 ctx: self.ctx,
                 cache_dtype: self.cache_dtype,
                 all_logits,
+                quant: self.quant,
             };
             let f = Forward::build(&self.config, &self.weights, spec)?;
             let mut p = self.backend.prepare(&f.graph).map_err(backend_err)?;

@@ -49,6 +49,7 @@ const SPEC: ForwardSpec = ForwardSpec {
     ctx: 8,
     cache_dtype: DType::F32,
     all_logits: true,
+    quant: None,
 };
 
 #[test]

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
+use kestrel_core::quant::QuantFormat;
 use kestrel_core::{Backend, Config, DType};
 use kestrel_cpu::CpuBackend;
 use kestrel_cuda::{CudaBackend, Device, RunMode};
@@ -17,6 +18,43 @@ use safetensors::tensor::{serialize_to_file, Dtype, TensorView};
 pub enum BackendChoice {
     Cpu,
     Cuda,
+}
+
+/// Quantisation on load of a dense checkpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Quant {
+    None,
+    Q4,
+    Q8,
+}
+
+/// Options shared by the commands that load a model.
+#[derive(Args, Clone, Copy)]
+pub struct QuantArgs {
+    /// Quantise dense weights on load (4 or 8 bits; routers at 8); quantised checkpoints keep
+    /// their own format.
+    #[arg(long, value_enum, default_value = "none")]
+    quant: Quant,
+    /// Values per quantisation group.
+    #[arg(long, default_value_t = 64)]
+    group_size: usize,
+}
+
+impl QuantArgs {
+    pub fn format(&self) -> Result<Option<QuantFormat>> {
+        let bits = match self.quant {
+            Quant::None => return Ok(None),
+            Quant::Q4 => 4,
+            Quant::Q8 => 8,
+        };
+        if self.group_size == 0 || self.group_size % 32 != 0 {
+            bail!("--group-size {} is not a multiple of 32", self.group_size);
+        }
+        Ok(Some(QuantFormat {
+            bits,
+            group_size: self.group_size,
+        }))
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -41,6 +79,8 @@ pub struct LogitsArgs {
     /// Positions the KV caches hold; default the number of tokens.
     #[arg(long)]
     ctx: Option<usize>,
+    #[command(flatten)]
+    quant: QuantArgs,
     /// Output file.
     #[arg(long)]
     out: PathBuf,
@@ -60,7 +100,8 @@ fn logits_with<B: Backend>(a: &LogitsArgs, backend: B, cache: DType) -> Result<(
         bail!("{} tokens do not fit a context of {ctx} (--ctx)", a.tokens.len());
     }
     let mut s = Session::open(&a.model, backend, ctx, cache)
-        .with_context(|| format!("opening {}", a.model.display()))?;
+        .with_context(|| format!("opening {}", a.model.display()))?
+        .with_quant(a.quant.format()?);
     let vocab = s.config.vocab;
     let rows = match a.mode {
         Mode::Prefill => s.forward(&a.tokens, 0, true)?,

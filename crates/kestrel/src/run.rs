@@ -15,7 +15,7 @@ use kestrel_cpu::CpuBackend;
 use kestrel_cuda::{CudaBackend, Device, RunMode};
 use kestrel_model::Session;
 
-use crate::logits::{default_backend, BackendChoice};
+use crate::logits::{default_backend, BackendChoice, QuantArgs};
 
 #[derive(Args)]
 pub struct RunArgs {
@@ -40,6 +40,8 @@ pub struct RunArgs {
     /// Positions the KV caches hold; default prompt plus generated tokens.
     #[arg(long)]
     ctx: Option<usize>,
+    #[command(flatten)]
+    quant: QuantArgs,
     /// Print one JSON object (tokens, timings) as the last stdout line.
     #[arg(long)]
     json: bool,
@@ -86,7 +88,8 @@ fn generate<B: Backend>(a: &RunArgs, backend: B, cache: DType) -> Result<Outcome
         );
     }
     let mut s = Session::open(&a.model, backend, ctx, cache)
-        .with_context(|| format!("opening {}", a.model.display()))?;
+        .with_context(|| format!("opening {}", a.model.display()))?
+        .with_quant(a.quant.format()?);
     let mut rng = Rng::new(a.seed);
     let start = Instant::now();
     let logits = s.forward(prompt, 0, false)?;

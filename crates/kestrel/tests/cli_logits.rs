@@ -129,3 +129,35 @@ fn bad_input_is_an_error_naming_the_cause() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("context of 2"));
     assert!(!out.exists(), "nothing is written on error");
 }
+
+#[test]
+fn quantising_on_load_gives_the_mlx_fixtures_logits() {
+    // The bf16 qwen3_moe quantised on load to 4 bits in groups of 32 is the MLX fixture.
+    let (tokens, want) = reference("qwen3_moe_mlx_q4");
+    let ids = tokens.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(",");
+    let model = fixture("qwen3_moe");
+    let out = std::env::temp_dir().join(format!("kestrel-logits-q4-{}.safetensors", std::process::id()));
+    let o = kestrel(&[
+        "logits",
+        "--model",
+        model.to_str().unwrap(),
+        "--tokens",
+        &ids,
+        "--backend",
+        "cpu",
+        "--quant",
+        "q4",
+        "--group-size",
+        "32",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let bytes = std::fs::read(&out).unwrap();
+    std::fs::remove_file(&out).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let got = f32s(st.tensor("logits").unwrap().data());
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let err = got.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+    assert!(err <= 1e-3, "error {err:e}");
+}
