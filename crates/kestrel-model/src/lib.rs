@@ -8,6 +8,7 @@ pub mod config;
 pub mod error;
 pub mod experts;
 pub mod graph;
+pub mod quantize;
 pub mod session;
 pub mod weights;
 
@@ -17,5 +18,6 @@ pub use config::{
 pub use error::{ModelError, Result};
 pub use experts::{expert_source, pack_experts, ExpertSource};
 pub use graph::{Forward, ForwardSpec};
+pub use quantize::{quantize_dir, QuantizeReport};
 pub use session::Session;
 pub use weights::{Tensor, Weights};

@@ -1,12 +1,13 @@
 //! The `kestrel` command line: `doctor` checks the CUDA set-up, `bench` measures, `logits`
 //! runs a model directory over a token sequence, `run` generates from prompt token ids, `inspect`
-//! describes a model directory.
+//! describes a model directory, `quantize` rewrites one at 4 or 8 bits.
 
 mod bench;
 mod bench_ops;
 mod doctor;
 mod inspect;
 mod logits;
+mod quantize;
 mod run;
 
 use clap::{Parser, Subcommand};
@@ -42,6 +43,8 @@ enum Command {
     Run(run::RunArgs),
     /// What a model directory holds: architecture, parameters, formats, memory at a context.
     Inspect(inspect::InspectArgs),
+    /// Rewrite a dense model directory as an MLX-format quantised one.
+    Quantize(quantize::QuantizeArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -59,6 +62,7 @@ fn main() -> std::process::ExitCode {
         Command::Logits(args) => logits::run(&config, args),
         Command::Run(args) => run::run(&config, args),
         Command::Inspect(args) => inspect::run(args),
+        Command::Quantize(args) => quantize::run(args),
     };
     match outcome {
         Ok(code) => code,

@@ -1,0 +1,293 @@
+//! A dense model directory rewritten as an MLX-format quantised one, so quantisation is done
+//! once: every projection (embeddings and lm_head included) becomes `.weight` (`u32` words),
+//! `.scales` and `.biases`; routers and gates get 8 bits; a layer's experts become
+//! `switch_mlp` stacks; config.json gains `quantization` (and `quantization_config`) with the
+//! per-module exceptions; norms, convolutions and gate parameters are copied as they are, and so
+//! is every other file of the directory (tokenizer, generation config).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use half::bf16;
+use kestrel_core::quant::{QuantFormat, QuantMatrix};
+use safetensors::tensor::{serialize_to_file, Dtype, TensorView};
+use serde_json::Value;
+
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+use crate::experts::dense_values;
+use crate::weights::{Tensor, Weights};
+
+/// What `quantize_dir` did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct QuantizeReport {
+    /// Matrices quantised (experts counted per layer and matrix).
+    pub quantized: usize,
+    /// Tensors copied as stored.
+    pub copied: usize,
+    /// Bytes of the written weights.
+    pub bytes: usize,
+}
+
+/// One output tensor.
+struct Out {
+    dtype: Dtype,
+    shape: Vec<usize>,
+    data: Vec<u8>,
+}
+
+fn st_dtype(t: &Tensor) -> Result<Dtype> {
+    use kestrel_core::DType::*;
+    Ok(match t.dtype {
+        BF16 => Dtype::BF16,
+        F16 => Dtype::F16,
+        F32 => Dtype::F32,
+        U32 => Dtype::U32,
+        I32 => Dtype::I32,
+        I64 => Dtype::I64,
+        U8 => Dtype::U8,
+    })
+}
+
+fn quantized_parts(q: &QuantMatrix, lead: &[usize]) -> [(String, Out); 3] {
+    let shape = |cols: usize| lead.iter().copied().chain([q.rows, cols]).collect::<Vec<_>>();
+    let bf = |v: &[bf16]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let words = q.format.words_per_row(q.cols);
+    let groups = q.format.groups_per_row(q.cols);
+    [
+        (
+            "weight".into(),
+            Out {
+                dtype: Dtype::U32,
+                shape: shape(words),
+                data: q.weight.iter().flat_map(|w| w.to_le_bytes()).collect(),
+            },
+        ),
+        (
+            "scales".into(),
+            Out {
+                dtype: Dtype::BF16,
+                shape: shape(groups),
+                data: bf(&q.scales),
+            },
+        ),
+        (
+            "biases".into(),
+            Out {
+                dtype: Dtype::BF16,
+                shape: shape(groups),
+                data: bf(&q.biases),
+            },
+        ),
+    ]
+}
+
+/// `{mlp}.experts.{e}.{proj}.weight` → (mlp, e, proj).
+fn per_expert(name: &str) -> Option<(&str, usize, &str)> {
+    let (mlp, rest) = name.split_once(".experts.")?;
+    let (e, rest) = rest.split_once('.')?;
+    let proj = rest.strip_suffix(".weight")?;
+    Some((mlp, e.parse().ok()?, proj))
+}
+
+/// Rewrites the dense model directory `src` into `dst` (created; must not hold a model yet) with
+/// its projections quantised to `format`.
+pub fn quantize_dir(src: &Path, dst: &Path, format: QuantFormat) -> Result<QuantizeReport> {
+    let config = ModelConfig::from_dir(src)?;
+    if config.quant.is_some() {
+        return Err(ModelError::Config {
+            key: "quantization".into(),
+            reason: format!("{} is already quantised", src.display()),
+        });
+    }
+    if dst.join("config.json").exists() {
+        return Err(ModelError::Weights {
+            path: dst.to_path_buf(),
+            reason: "already holds a model; not overwriting it".into(),
+        });
+    }
+    let w = Weights::open(src)?;
+    let router = QuantFormat { bits: 8, ..format };
+    let mut out: BTreeMap<String, Out> = BTreeMap::new();
+    let mut overrides = serde_json::Map::new();
+    let mut report = QuantizeReport::default();
+    // Experts by (mlp, projection): one matrix per expert, stacked at the end.
+    let mut experts: BTreeMap<(String, String), BTreeMap<usize, QuantMatrix>> = BTreeMap::new();
+    let quantize =
+        |t: &Tensor, rows: usize, cols: usize, f: QuantFormat, start: usize| -> Result<QuantMatrix> {
+            Ok(QuantMatrix::quantize(
+                &dense_values(t, start, rows * cols)?,
+                rows,
+                cols,
+                f,
+            ))
+        };
+    for name in w.names() {
+        let t = w.get(name)?;
+        let dense = matches!(
+            t.dtype,
+            kestrel_core::DType::BF16 | kestrel_core::DType::F16 | kestrel_core::DType::F32
+        );
+        // The vision tower of a multimodal checkpoint is copied as it is.
+        let visual = name.starts_with("model.visual.") || name.starts_with("visual.");
+        if let Some((mlp, e, proj)) = per_expert(name).filter(|_| dense && t.shape.len() == 2) {
+            let (rows, cols) = (t.shape[0], t.shape[1]);
+            if format.fits(cols) {
+                experts
+                    .entry((mlp.to_string(), proj.to_string()))
+                    .or_default()
+                    .insert(e, quantize(&t, rows, cols, format, 0)?);
+                continue;
+            }
+        }
+        // Qwen3.5 stores a layer's experts stacked: gate rows then up rows, and down.
+        if let Some(mlp) = name
+            .strip_suffix(".experts.gate_up_proj")
+            .filter(|_| dense && t.shape.len() == 3)
+        {
+            let (n, rows2, cols) = (t.shape[0], t.shape[1], t.shape[2]);
+            if format.fits(cols) {
+                for (proj, half) in [("gate_proj", 0), ("up_proj", 1)] {
+                    let e_map = experts.entry((mlp.to_string(), proj.to_string())).or_default();
+                    for e in 0..n {
+                        let start = e * rows2 * cols + half * (rows2 / 2) * cols;
+                        e_map.insert(e, quantize(&t, rows2 / 2, cols, format, start)?);
+                    }
+                }
+                continue;
+            }
+        }
+        if let Some(mlp) = name
+            .strip_suffix(".experts.down_proj")
+            .filter(|_| dense && t.shape.len() == 3)
+        {
+            let (n, rows, cols) = (t.shape[0], t.shape[1], t.shape[2]);
+            if format.fits(cols) {
+                let e_map = experts
+                    .entry((mlp.to_string(), "down_proj".to_string()))
+                    .or_default();
+                for e in 0..n {
+                    e_map.insert(e, quantize(&t, rows, cols, format, e * rows * cols)?);
+                }
+                continue;
+            }
+        }
+        let base = name.strip_suffix(".weight");
+        let matrix = dense && t.shape.len() == 2 && !visual && !name.contains("norm");
+        if let (Some(base), true) = (base, matrix) {
+            let (rows, cols) = (t.shape[0], t.shape[1]);
+            let f = if base.ends_with(".mlp.gate") || base.ends_with(".shared_expert_gate") {
+                router
+            } else {
+                format
+            };
+            if f.fits(cols) {
+                let q = quantize(&t, rows, cols, f, 0)?;
+                for (suffix, o) in quantized_parts(&q, &[]) {
+                    out.insert(format!("{base}.{suffix}"), o);
+                }
+                if f != format {
+                    overrides.insert(
+                        base.to_string(),
+                        serde_json::json!({"group_size": f.group_size, "bits": f.bits}),
+                    );
+                }
+                report.quantized += 1;
+                continue;
+            }
+            overrides.insert(base.to_string(), Value::Bool(false));
+        }
+        out.insert(
+            name.to_string(),
+            Out {
+                dtype: st_dtype(&t)?,
+                shape: t.shape.to_vec(),
+                data: t.bytes.to_vec(),
+            },
+        );
+        report.copied += 1;
+    }
+    for ((mlp, proj), mats) in experts {
+        let n = mats.len();
+        if mats.keys().copied().ne(0..n) {
+            return Err(ModelError::Tensor {
+                name: format!("{mlp}.experts.*.{proj}.weight"),
+                reason: format!("experts {:?} are not 0..{n}", mats.keys().collect::<Vec<_>>()),
+            });
+        }
+        let first = &mats[&0];
+        let mut parts = quantized_parts(first, &[n]);
+        for (_, o) in parts.iter_mut() {
+            o.data.clear();
+        }
+        for q in mats.values() {
+            for (i, (_, o)) in quantized_parts(q, &[n]).into_iter().enumerate() {
+                parts[i].1.data.extend(o.data);
+            }
+        }
+        for (suffix, o) in parts {
+            out.insert(format!("{mlp}.switch_mlp.{proj}.{suffix}"), o);
+        }
+        report.quantized += 1;
+    }
+    std::fs::create_dir_all(dst).map_err(|error| ModelError::Io {
+        path: dst.to_path_buf(),
+        error,
+    })?;
+    // Every file but the weights and config.json, as it is.
+    let entries = std::fs::read_dir(src).map_err(|error| ModelError::Io {
+        path: src.to_path_buf(),
+        error,
+    })?;
+    for entry in entries.flatten() {
+        let p = entry.path();
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let weights_file = name.ends_with(".safetensors") || name == "model.safetensors.index.json";
+        if p.is_file() && !weights_file && name != "config.json" {
+            std::fs::copy(&p, dst.join(&name)).map_err(|error| ModelError::Io {
+                path: p.clone(),
+                error,
+            })?;
+        }
+    }
+    let views: Vec<(String, TensorView)> = out
+        .iter()
+        .map(|(n, o)| {
+            TensorView::new(o.dtype, o.shape.clone(), &o.data)
+                .map(|v| (n.clone(), v))
+                .map_err(|e| ModelError::Tensor {
+                    name: n.clone(),
+                    reason: e.to_string(),
+                })
+        })
+        .collect::<Result<_>>()?;
+    report.bytes = out.values().map(|o| o.data.len()).sum();
+    let file = dst.join("model.safetensors");
+    let meta = [("format".to_string(), "mlx".to_string())].into_iter().collect();
+    serialize_to_file(views, Some(meta), &file).map_err(|e| ModelError::Weights {
+        path: file.clone(),
+        reason: e.to_string(),
+    })?;
+    // config.json: the original, plus the quantisation MLX readers look for.
+    let cfg_path = src.join("config.json");
+    let text = std::fs::read_to_string(&cfg_path).map_err(|error| ModelError::Io {
+        path: cfg_path,
+        error,
+    })?;
+    let mut cfg: Value = serde_json::from_str(&text).map_err(|e| ModelError::Json(e.to_string()))?;
+    let mut q = serde_json::Map::new();
+    q.insert("group_size".into(), format.group_size.into());
+    q.insert("bits".into(), format.bits.into());
+    q.extend(overrides);
+    let obj = cfg
+        .as_object_mut()
+        .ok_or_else(|| ModelError::Json("config.json is not an object".into()))?;
+    obj.insert("quantization".into(), Value::Object(q.clone()));
+    obj.insert("quantization_config".into(), Value::Object(q));
+    let pretty = serde_json::to_string_pretty(&cfg).map_err(|e| ModelError::Json(e.to_string()))?;
+    std::fs::write(dst.join("config.json"), pretty).map_err(|error| ModelError::Io {
+        path: dst.join("config.json"),
+        error,
+    })?;
+    Ok(report)
+}
