@@ -2,10 +2,12 @@
 //! [`Weights`], one op graph for a chunk of `tokens` tokens at positions `past..past + tokens`
 //! (prefill when `past` is 0 and there are several, a decode step for one), with the KV caches
 //! and recurrent states as persistent buffers shared by every graph of the same model on a
-//! backend. [`Forward::upload`] writes the weights a backend has not been given yet.
+//! backend. [`Forward::upload`] writes every weight; a backend shares weights by label, so that
+//! is needed once per backend and model.
 //!
 //! Weight buffers are labelled with the checkpoint's tensor names, so a program's weights are
-//! the file's tensors; packed experts and rotary tables are derived on the host.
+//! the file's tensors; packed experts, rotary tables and weights quantised on load
+//! ([`ForwardSpec::quant`]) are derived on the host.
 
 use kestrel_core::ir::{
     Buf, BufId, ExpertFormat, ExpertLayout, Graph, LinearWeight, Logits, NormKind, Normed, Positions,
