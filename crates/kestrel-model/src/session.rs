@@ -50,6 +50,27 @@ impl<B: Backend> Session<B> {
         self
     }
 
+    /// Runs a prompt from position `past` in chunks of at most `chunk` tokens (one graph per
+    /// chunk length, the caches and states carrying over) and returns the last token's logits,
+    /// or with `all_logits` every token's, `[ids.len(), vocab]`.
+    pub fn prefill(&mut self, ids: &[u32], past: usize, chunk: usize, all_logits: bool) -> Result<Vec<f32>> {
+        if chunk == 0 {
+            return Err(ModelError::Config {
+                key: "prefill chunk".into(),
+                reason: "must be at least one token".into(),
+            });
+        }
+        let mut out = Vec::new();
+        for (i, part) in ids.chunks(chunk).enumerate() {
+            let last = (i + 1) * chunk >= ids.len();
+            let logits = self.forward(part, past + i * chunk, all_logits)?;
+            if all_logits || last {
+                out.extend(logits);
+            }
+        }
+        Ok(out)
+    }
+
     /// Runs `ids` at positions `past..past + ids.len()` and returns the logits, `[ids.len(),
     /// vocab]` with `all_logits`, else those of the last token.
     pub fn forward(&mut self, ids: &[u32], past: usize, all_logits: bool) -> Result<Vec<f32>> {

@@ -79,6 +79,9 @@ pub struct LogitsArgs {
     /// Positions the KV caches hold; default the number of tokens.
     #[arg(long)]
     ctx: Option<usize>,
+    /// In prefill mode, chunks of at most this many tokens (default: one chunk).
+    #[arg(long)]
+    prefill_chunk: Option<usize>,
     #[command(flatten)]
     quant: QuantArgs,
     /// Output file.
@@ -104,7 +107,7 @@ fn logits_with<B: Backend>(a: &LogitsArgs, backend: B, cache: DType) -> Result<(
         .with_quant(a.quant.format()?);
     let vocab = s.config.vocab;
     let rows = match a.mode {
-        Mode::Prefill => s.forward(&a.tokens, 0, true)?,
+        Mode::Prefill => s.prefill(&a.tokens, 0, a.prefill_chunk.unwrap_or(a.tokens.len()), true)?,
         Mode::Decode => {
             let mut rows = Vec::with_capacity(a.tokens.len() * vocab);
             for (t, &id) in a.tokens.iter().enumerate() {

@@ -1,5 +1,5 @@
 //! `kestrel run`: generation from prompt token ids under a model directory. The prompt runs as
-//! one prefill, then one token at a time through the single-token path; each next token is the
+//! a prefill (in chunks with `--prefill-chunk`), then one token at a time through the single-token path; each next token is the
 //! most likely one (`--temperature 0`) or drawn from the softmax of the logits divided by the
 //! temperature (seeded). Prints the generated ids, or with `--json` one JSON object as the last
 //! stdout line. Text in and out comes with the tokenizer.
@@ -40,6 +40,9 @@ pub struct RunArgs {
     /// Positions the KV caches hold; default prompt plus generated tokens.
     #[arg(long)]
     ctx: Option<usize>,
+    /// Prefill the prompt in chunks of at most this many tokens (default: one chunk).
+    #[arg(long)]
+    prefill_chunk: Option<usize>,
     #[command(flatten)]
     quant: QuantArgs,
     /// Print one JSON object (tokens, timings) as the last stdout line.
@@ -92,7 +95,7 @@ fn generate<B: Backend>(a: &RunArgs, backend: B, cache: DType) -> Result<Outcome
         .with_quant(a.quant.format()?);
     let mut rng = Rng::new(a.seed);
     let start = Instant::now();
-    let logits = s.forward(prompt, 0, false)?;
+    let logits = s.prefill(prompt, 0, a.prefill_chunk.unwrap_or(prompt.len()), false)?;
     let prefill_s = start.elapsed().as_secs_f64();
     let mut tokens = Vec::with_capacity(a.max_new_tokens);
     if a.max_new_tokens > 0 {

@@ -1,0 +1,27 @@
+//! A prompt prefilled in chunks (caches and recurrent states carried from chunk to chunk) gives
+//! the logits of one prefill of the whole prompt, for every architecture and several chunk sizes.
+
+mod common;
+
+use common::{dir, reference, rel_max_err, FIXTURES};
+use kestrel_core::DType;
+use kestrel_cpu::CpuBackend;
+use kestrel_model::Session;
+
+#[test]
+fn chunked_prefill_equals_one_prefill() {
+    for name in FIXTURES {
+        let (tokens, want, _) = reference(name);
+        for chunk in [1, 5, 12] {
+            let mut s = Session::open(&dir(name), CpuBackend::new(), 64, DType::F32).unwrap();
+            let got = s.prefill(&tokens, 0, chunk, true).unwrap();
+            let err = rel_max_err(&got, &want);
+            assert!(err <= 1e-5, "{name} in chunks of {chunk}: {err:e}");
+            // Only the last token's logits without all_logits.
+            let mut s = Session::open(&dir(name), CpuBackend::new(), 64, DType::F32).unwrap();
+            let last = s.prefill(&tokens, 0, chunk, false).unwrap();
+            assert_eq!(last.len(), 256);
+            assert!(rel_max_err(&last, &want[want.len() - 256..]) <= 1e-5, "{name}");
+        }
+    }
+}
