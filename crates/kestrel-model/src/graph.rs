@@ -11,7 +11,7 @@
 
 use kestrel_core::ir::{
     Buf, BufId, ExpertFormat, ExpertLayout, Graph, LinearWeight, Logits, NormKind, Normed, Positions,
-    Residual, Tokens, Weight,
+    Residual, TokenIds, Tokens, Weight,
 };
 use kestrel_core::quant::{QuantFormat, QuantMatrix};
 use kestrel_core::rope::RopeTable;
@@ -67,6 +67,9 @@ pub struct Forward {
     pub tokens: BufId<Tokens>,
     pub positions: BufId<Positions>,
     pub logits: BufId<Logits>,
+    /// The most likely next token of each logits row (lower id on ties), computed on the
+    /// backend, so greedy decoding reads back one id instead of the vocabulary's logits.
+    pub argmax: BufId<TokenIds>,
     pub spec: ForwardSpec,
     sources: Vec<(Buf, Source)>,
 }
@@ -283,7 +286,9 @@ impl Forward {
             b.linear("lm_head", c.vocab, c.hidden)?
         };
         let logits = b.g.lm_head("lm_head", h, &head);
+        let argmax = b.g.argmax("argmax", logits);
         b.g.mark_output(logits);
+        b.g.mark_output(argmax);
         let graph = b.g.finish().map_err(|e| ModelError::Config {
             key: "graph".into(),
             reason: e.to_string(),
@@ -293,6 +298,7 @@ impl Forward {
             tokens,
             positions,
             logits,
+            argmax,
             spec,
             sources: b.sources,
         })

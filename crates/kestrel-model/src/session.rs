@@ -54,26 +54,68 @@ impl<B: Backend> Session<B> {
     /// chunk length, the caches and states carrying over) and returns the last token's logits,
     /// or with `all_logits` every token's, `[ids.len(), vocab]`.
     pub fn prefill(&mut self, ids: &[u32], past: usize, chunk: usize, all_logits: bool) -> Result<Vec<f32>> {
-        if chunk == 0 {
+        let (tail, at, mut out) = self.prefill_head(ids, past, chunk, all_logits)?;
+        out.extend(self.forward(tail, at, all_logits)?);
+        Ok(out)
+    }
+
+    /// The same prefill, returning only the most likely next token (computed on the backend).
+    pub fn prefill_next_token(&mut self, ids: &[u32], past: usize, chunk: usize) -> Result<u32> {
+        let (tail, at, _) = self.prefill_head(ids, past, chunk, false)?;
+        self.next_token(tail, at)
+    }
+
+    /// Runs every chunk but the last and returns the last chunk, its position and (with
+    /// `all_logits`) the logits of the chunks run.
+    fn prefill_head<'a>(
+        &mut self,
+        ids: &'a [u32],
+        past: usize,
+        chunk: usize,
+        all_logits: bool,
+    ) -> Result<(&'a [u32], usize, Vec<f32>)> {
+        if chunk == 0 || ids.is_empty() {
             return Err(ModelError::Config {
                 key: "prefill chunk".into(),
-                reason: "must be at least one token".into(),
+                reason: format!("{} tokens in chunks of {chunk}: both must be positive", ids.len()),
             });
         }
-        let mut out = Vec::new();
-        for (i, part) in ids.chunks(chunk).enumerate() {
-            let last = (i + 1) * chunk >= ids.len();
-            let logits = self.forward(part, past + i * chunk, all_logits)?;
-            if all_logits || last {
-                out.extend(logits);
+        let mut gathered = Vec::new();
+        let heads = (ids.len() - 1) / chunk;
+        for i in 0..heads {
+            let part = &ids[i * chunk..(i + 1) * chunk];
+            if all_logits {
+                let logits = self.forward(part, past + i * chunk, true)?;
+                gathered.extend(logits);
+            } else {
+                self.run(part, past + i * chunk, false)?;
             }
         }
-        Ok(out)
+        Ok((&ids[heads * chunk..], past + heads * chunk, gathered))
+    }
+
+    /// Runs `ids` at positions `past..` and returns the most likely next token after the last
+    /// one, computed on the backend (only the id is read back).
+    pub fn next_token(&mut self, ids: &[u32], past: usize) -> Result<u32> {
+        let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
+        let key = self.run(ids, past, false)?;
+        let (f, p) = &self.programs[&key];
+        let ids = self.backend.download::<u32>(p, f.argmax).map_err(backend_err)?;
+        Ok(ids[0])
     }
 
     /// Runs `ids` at positions `past..past + ids.len()` and returns the logits, `[ids.len(),
     /// vocab]` with `all_logits`, else those of the last token.
     pub fn forward(&mut self, ids: &[u32], past: usize, all_logits: bool) -> Result<Vec<f32>> {
+        let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
+        let key = self.run(ids, past, all_logits)?;
+        let (f, p) = &self.programs[&key];
+        self.backend.download::<f32>(p, f.logits).map_err(backend_err)
+    }
+
+    /// Runs `ids` at positions `past..` through the program for their length (prepared on first
+    /// use), leaving the outputs in its buffers; returns the program's key.
+    fn run(&mut self, ids: &[u32], past: usize, all_logits: bool) -> Result<(usize, bool)> {
         if let Some(&bad) = ids.iter().find(|&&t| t as usize >= self.config.vocab) {
             return Err(ModelError::Config {
                 key: "vocab_size".into(),
@@ -114,6 +156,6 @@ impl<B: Backend> Session<B> {
         self.backend.upload(p, f.tokens, ids).map_err(backend_err)?;
         self.backend.upload(p, f.positions, &pos).map_err(backend_err)?;
         self.backend.run(p).map_err(backend_err)?;
-        self.backend.download::<f32>(p, f.logits).map_err(backend_err)
+        Ok(key)
     }
 }

@@ -1,5 +1,6 @@
 //! A prompt prefilled in chunks (caches and recurrent states carried from chunk to chunk) gives
-//! the logits of one prefill of the whole prompt, for every architecture and several chunk sizes.
+//! the logits of one prefill of the whole prompt, for every architecture and several chunk sizes,
+//! and the next token picked on the backend is the reference's argmax.
 
 mod common;
 
@@ -22,6 +23,10 @@ fn chunked_prefill_equals_one_prefill() {
             let last = s.prefill(&tokens, 0, chunk, false).unwrap();
             assert_eq!(last.len(), 256);
             assert!(rel_max_err(&last, &want[want.len() - 256..]) <= 1e-5, "{name}");
+            // The argmax taken on the backend is the host's.
+            let mut s = Session::open(&dir(name), CpuBackend::new(), 64, DType::F32).unwrap();
+            let id = s.prefill_next_token(&tokens, 0, chunk).unwrap();
+            assert_eq!(id, common::argmax(&want[want.len() - 256..]), "{name}");
         }
     }
 }

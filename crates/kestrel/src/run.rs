@@ -95,17 +95,29 @@ fn generate<B: Backend>(a: &RunArgs, backend: B, cache: DType) -> Result<Outcome
         .with_quant(a.quant.format()?);
     let mut rng = Rng::new(a.seed);
     let start = Instant::now();
-    let logits = s.prefill(prompt, 0, a.prefill_chunk.unwrap_or(prompt.len()), false)?;
+    let chunk = a.prefill_chunk.unwrap_or(prompt.len());
+    // Greedy decoding takes the argmax on the backend and reads back one id a token.
+    let greedy = a.temperature == 0.0;
+    let first = if greedy {
+        s.prefill_next_token(prompt, 0, chunk)?
+    } else {
+        pick(&s.prefill(prompt, 0, chunk, false)?, a.temperature, &mut rng)
+    };
     let prefill_s = start.elapsed().as_secs_f64();
     let mut tokens = Vec::with_capacity(a.max_new_tokens);
     if a.max_new_tokens > 0 {
-        tokens.push(pick(&logits, a.temperature, &mut rng));
+        tokens.push(first);
     }
     let start = Instant::now();
     while tokens.len() < a.max_new_tokens {
         let last = *tokens.last().expect("one token was picked after the prompt");
-        let logits = s.forward(&[last], prompt.len() + tokens.len() - 1, false)?;
-        tokens.push(pick(&logits, a.temperature, &mut rng));
+        let at = prompt.len() + tokens.len() - 1;
+        let next = if greedy {
+            s.next_token(&[last], at)?
+        } else {
+            pick(&s.forward(&[last], at, false)?, a.temperature, &mut rng)
+        };
+        tokens.push(next);
     }
     Ok(Outcome {
         tokens,
