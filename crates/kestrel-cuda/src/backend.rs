@@ -88,6 +88,13 @@ pub struct Encoder<'a> {
 }
 
 impl Encoder<'_> {
+    /// Records a dispatch of `kernel`, marked programmatic: every kernel of the op modules keeps
+    /// the programmatic-launch contract of `kestrel.cuh` (`tests/pdl_contract.rs` checks the
+    /// sources), so in a CUDA graph each one launches while its predecessors finish.
+    pub fn dispatch(&mut self, kernel: &crate::Kernel) -> crate::command::DispatchBuilder<'_> {
+        self.list.dispatch(kernel).programmatic()
+    }
+
     pub fn buf(&self, b: Buf) -> Result<&Buffer> {
         self.views[b.index()].as_ref().ok_or_else(|| CudaError::Op {
             node: String::new(),
@@ -151,6 +158,13 @@ impl CudaBackend {
 
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// How programs run from now on. Programs prepared in graph mode keep their captured graph
+    /// and run eagerly while the mode is `Eager` (so each dispatch can be timed, see
+    /// [`Device::set_profiling`]); programs prepared eagerly have no graph and stay eager.
+    pub fn set_mode(&mut self, mode: RunMode) {
+        self.mode = mode;
     }
 
     /// Fills the arena and every dedicated buffer except inputs with 0xFF bytes (NaN as f32),
@@ -279,9 +293,9 @@ impl Backend for CudaBackend {
     }
 
     fn run(&mut self, p: &mut CudaProgram) -> Result<()> {
-        match &p.exec {
-            Some(g) => g.launch(),
-            None => self.device.run(&p.list),
+        match (&p.exec, self.mode) {
+            (Some(g), RunMode::Graph) => g.launch(),
+            _ => self.device.run(&p.list),
         }
     }
 }

@@ -1,15 +1,17 @@
 //! Kestrel's model side: what a model directory declares about its architecture
 //! ([`ModelConfig`], from Hugging Face and MLX `config.json` files of both generations), its
 //! memory-mapped weights ([`Weights`]), a layer's experts packed for the engine
-//! ([`pack_experts`]), forward graphs of every supported architecture ([`Forward`]) and a model
-//! running on a backend ([`Session`]).
+//! ([`pack_experts`]), forward graphs of every supported architecture ([`Forward`]), a model
+//! running on a backend ([`Session`]) and random models at real shapes ([`synthetic_model`]).
 
 pub mod config;
 pub mod error;
 pub mod experts;
+pub mod footprint;
 pub mod graph;
 pub mod quantize;
 pub mod session;
+pub mod synthetic;
 pub mod weights;
 
 pub use config::{
@@ -17,7 +19,9 @@ pub use config::{
 };
 pub use error::{ModelError, Result};
 pub use experts::{expert_source, pack_experts, ExpertSource};
+pub use footprint::{footprint, Footprint};
 pub use graph::{Forward, ForwardSpec};
 pub use quantize::{quantize_dir, QuantizeReport};
 pub use session::Session;
-pub use weights::{Tensor, Weights};
+pub use synthetic::{synthetic_model, synthetic_weights, SYNTHETIC_MODELS};
+pub use weights::{OwnedTensor, Tensor, Weights};

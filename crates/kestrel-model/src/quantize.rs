@@ -16,7 +16,7 @@ use serde_json::Value;
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::experts::dense_values;
-use crate::weights::{Tensor, Weights};
+use crate::weights::{st_dtype, Tensor, Weights};
 
 /// What `quantize_dir` did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -34,19 +34,6 @@ struct Out {
     dtype: Dtype,
     shape: Vec<usize>,
     data: Vec<u8>,
-}
-
-fn st_dtype(t: &Tensor) -> Result<Dtype> {
-    use kestrel_core::DType::*;
-    Ok(match t.dtype {
-        BF16 => Dtype::BF16,
-        F16 => Dtype::F16,
-        F32 => Dtype::F32,
-        U32 => Dtype::U32,
-        I32 => Dtype::I32,
-        I64 => Dtype::I64,
-        U8 => Dtype::U8,
-    })
 }
 
 fn quantized_parts(q: &QuantMatrix, lead: &[usize]) -> [(String, Out); 3] {
@@ -200,7 +187,7 @@ pub fn quantize_dir(src: &Path, dst: &Path, format: QuantFormat) -> Result<Quant
         out.insert(
             name.to_string(),
             Out {
-                dtype: st_dtype(&t)?,
+                dtype: st_dtype(t.dtype),
                 shape: t.shape.to_vec(),
                 data: t.bytes.to_vec(),
             },

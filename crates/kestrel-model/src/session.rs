@@ -32,16 +32,29 @@ pub struct Session<B: Backend> {
 impl<B: Backend> Session<B> {
     /// Opens the model directory `dir` for `backend`, with caches of `ctx` positions.
     pub fn open(dir: &Path, backend: B, ctx: usize, cache_dtype: DType) -> Result<Session<B>> {
-        Ok(Session {
-            config: ModelConfig::from_dir(dir)?,
-            weights: Weights::open(dir)?,
+        let config = ModelConfig::from_dir(dir)?;
+        let weights = Weights::open(dir)?;
+        Ok(Session::new(config, weights, backend, ctx, cache_dtype))
+    }
+
+    /// A model given by its config and weights (for example a synthetic one) on `backend`.
+    pub fn new(
+        config: ModelConfig,
+        weights: Weights,
+        backend: B,
+        ctx: usize,
+        cache_dtype: DType,
+    ) -> Session<B> {
+        Session {
+            config,
+            weights,
             backend,
             ctx,
             cache_dtype,
             quant: None,
             uploaded: false,
             programs: HashMap::new(),
-        })
+        }
     }
 
     /// Quantises the checkpoint's dense projections and experts to `format` on load.

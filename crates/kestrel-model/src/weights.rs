@@ -1,7 +1,8 @@
 //! The weights of a model directory: `model.safetensors`, the shards that
 //! `model.safetensors.index.json` lists, or (older MLX directories) every `*.safetensors` file.
 //! Files are memory-mapped, never read into memory; a tensor is looked up by name and comes back
-//! as its dtype, shape and bytes inside the map.
+//! as its dtype, shape and bytes inside the map. Weights can also be held in memory
+//! ([`Weights::from_memory`], for synthetic models built without files).
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -13,10 +14,26 @@ use safetensors::tensor::{Dtype, SafeTensors, TensorInfo};
 
 use crate::error::{ModelError, Result};
 
-/// One memory-mapped safetensors file.
+/// Where a shard's bytes live.
+enum Storage {
+    Mapped(Mmap),
+    Owned(Vec<u8>),
+}
+
+impl std::ops::Deref for Storage {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Storage::Mapped(m) => m,
+            Storage::Owned(v) => v,
+        }
+    }
+}
+
+/// One memory-mapped safetensors file, or one tensor held in memory.
 struct Shard {
     path: PathBuf,
-    map: Mmap,
+    map: Storage,
     /// Offset of the tensor data: 8 bytes of header length, then the JSON header.
     data_start: usize,
 }
@@ -34,6 +51,28 @@ pub struct Tensor<'a> {
 impl Tensor<'_> {
     pub fn elem_count(&self) -> usize {
         self.shape.iter().product()
+    }
+}
+
+/// A tensor held in memory, for [`Weights::from_memory`].
+pub struct OwnedTensor {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    /// Little-endian, row-major.
+    pub bytes: Vec<u8>,
+}
+
+/// The safetensors dtype of a Kestrel one.
+pub(crate) fn st_dtype(d: DType) -> Dtype {
+    match d {
+        DType::BF16 => Dtype::BF16,
+        DType::F16 => Dtype::F16,
+        DType::F32 => Dtype::F32,
+        DType::U32 => Dtype::U32,
+        DType::I32 => Dtype::I32,
+        DType::I64 => Dtype::I64,
+        DType::U8 => Dtype::U8,
     }
 }
 
@@ -85,7 +124,7 @@ impl Shard {
         let (header_len, _) = SafeTensors::read_metadata(&map).map_err(|e| bad_file(&path, e.to_string()))?;
         Ok(Shard {
             path,
-            map,
+            map: Storage::Mapped(map),
             data_start: 8 + header_len,
         })
     }
@@ -145,6 +184,41 @@ impl Weights {
             shards,
             by_name,
         })
+    }
+
+    /// Tensors held in memory, under `label` (in place of a directory in messages). A name
+    /// given twice or bytes that do not match a shape are errors.
+    pub fn from_memory(label: &str, tensors: Vec<OwnedTensor>) -> Result<Weights> {
+        let dir = PathBuf::from(label);
+        let mut shards = Vec::with_capacity(tensors.len());
+        let mut by_name = HashMap::new();
+        for (i, t) in tensors.into_iter().enumerate() {
+            let expect = t.shape.iter().product::<usize>() * t.dtype.size_in_bytes();
+            if t.bytes.len() != expect || by_name.contains_key(&t.name) {
+                return Err(bad_file(
+                    &dir,
+                    format!(
+                        "tensor {}: {} bytes for shape {:?} of {}, or given twice",
+                        t.name,
+                        t.bytes.len(),
+                        t.shape,
+                        t.dtype
+                    ),
+                ));
+            }
+            let info = TensorInfo {
+                dtype: st_dtype(t.dtype),
+                shape: t.shape,
+                data_offsets: (0, t.bytes.len()),
+            };
+            by_name.insert(t.name, (i, info));
+            shards.push(Shard {
+                path: dir.clone(),
+                map: Storage::Owned(t.bytes),
+                data_start: 0,
+            });
+        }
+        Ok(Weights { dir, shards, by_name })
     }
 
     /// The tensor called `name`, or an error naming it and the directory.

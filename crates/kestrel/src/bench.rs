@@ -1,17 +1,28 @@
-//! `kestrel bench runtime`: launch cost eagerly and as graph replay, device copy bandwidth, and
-//! host-to-device bandwidth from pinned and pageable memory. Every figure is the median of
-//! repeated runs after a warm-up, timed with CUDA events.
+//! `kestrel bench`: a model's tokens/s by default (see `bench_model`); `kestrel bench runtime`:
+//! launch cost eagerly and as graph replay, device copy bandwidth, and host-to-device bandwidth
+//! from pinned and pageable memory; `kestrel bench ops`: the hot ops at real shapes. Runtime and
+//! op figures are medians of repeated runs after a warm-up, timed with CUDA events.
 
 use std::process::ExitCode;
 
 use anyhow::{ensure, Context, Result};
-use clap::Subcommand;
+use clap::{Args, Subcommand};
 use kestrel_core::{Config, DType};
 use kestrel_cuda::{device_count, CommandList, Device, Stream};
 
 /// Device-to-device copy bandwidth measured on the H200 this project targets (bytes read plus
 /// written); the floor every bandwidth figure is compared with.
 const H200_COPY_BYTES_PER_S: f64 = 4.26e12;
+
+/// `kestrel bench`: a model (the default, see `bench_model`) or one of the subcommands.
+#[derive(Args)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    what: Option<BenchCommand>,
+    #[command(flatten)]
+    model: crate::bench_model::ModelBenchArgs,
+}
 
 #[derive(Subcommand)]
 pub enum BenchCommand {
@@ -68,7 +79,10 @@ struct Row {
     note: String,
 }
 
-pub fn run(config: &Config, what: BenchCommand) -> Result<ExitCode> {
+pub fn run(config: &Config, args: BenchArgs) -> Result<ExitCode> {
+    let Some(what) = args.what else {
+        return crate::bench_model::run(config, args.model);
+    };
     let (reps, chain, copy_mib, device, json) = match what {
         BenchCommand::Runtime {
             reps,

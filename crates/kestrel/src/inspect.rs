@@ -3,13 +3,12 @@
 //! run needs at a given context (weights, KV caches of the full-attention layers, recurrent
 //! states of the linear-attention ones).
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Args;
 use kestrel_core::DType;
-use kestrel_model::{LayerKind, MlpKind, ModelConfig, Weights};
+use kestrel_model::{footprint, LayerKind, MlpKind, ModelConfig, Weights};
 
 #[derive(Args)]
 pub struct InspectArgs {
@@ -27,25 +26,6 @@ pub struct InspectArgs {
     json: bool,
 }
 
-/// Bits per value of the MLX-quantised matrix `base` (its `.weight` words beside `.scales`),
-/// as config.json's quantisation section gives them.
-fn bits_of(c: &ModelConfig, w: &Weights, base: &str) -> Option<u64> {
-    if !w.contains(&format!("{base}.scales")) {
-        return None;
-    }
-    c.quant.as_ref()?.format_for(base).map(|f| f.bits as u64)
-}
-
-/// Values a tensor stores: its elements, or for MLX-packed `u32` words the values they hold.
-fn values(c: &ModelConfig, w: &Weights, name: &str) -> Result<u64> {
-    let t = w.get(name)?;
-    let n = t.elem_count() as u64;
-    match name.strip_suffix(".weight").and_then(|base| bits_of(c, w, base)) {
-        Some(bits) if t.dtype == DType::U32 => Ok(n * 32 / bits),
-        _ => Ok(n),
-    }
-}
-
 pub fn run(a: InspectArgs) -> Result<std::process::ExitCode> {
     let c = ModelConfig::from_dir(&a.model).with_context(|| format!("reading {}", a.model.display()))?;
     let w = Weights::open(&a.model).with_context(|| format!("opening {}", a.model.display()))?;
@@ -55,36 +35,8 @@ pub fn run(a: InspectArgs) -> Result<std::process::ExitCode> {
         "f32" => DType::F32,
         other => anyhow::bail!("--cache {other}: expected bf16, f16 or f32"),
     };
-    let mut total = 0u64;
-    let mut expert_values = 0u64;
-    let mut formats: BTreeMap<String, u64> = BTreeMap::new();
-    for name in w.names() {
-        if name.ends_with(".scales") || name.ends_with(".biases") {
-            continue;
-        }
-        // Vision towers of multimodal checkpoints are not part of the language model.
-        if name.starts_with("model.visual.") || name.starts_with("visual.") {
-            continue;
-        }
-        let n = values(&c, &w, name)?;
-        total += n;
-        if name.contains(".experts.") || name.contains(".switch_mlp.") {
-            expert_values += n;
-        }
-        let t = w.get(name)?;
-        let base = name.strip_suffix(".weight").unwrap_or(name);
-        let format = match bits_of(&c, &w, base) {
-            Some(bits) if t.dtype == DType::U32 => format!("{bits}-bit"),
-            _ => t.dtype.to_string(),
-        };
-        *formats.entry(format).or_default() += n;
-    }
-    let active = match &c.moe {
-        Some(m) if m.experts > 0 => {
-            total - expert_values + expert_values * m.experts_per_token as u64 / m.experts as u64
-        }
-        _ => total,
-    };
+    let fp = footprint(&c, &w)?;
+    let (total, active, formats) = (fp.params, fp.active_params, &fp.formats);
     let full = c
         .layer_kinds
         .iter()
@@ -97,7 +49,7 @@ pub fn run(a: InspectArgs) -> Result<std::process::ExitCode> {
             (2 * l.key_heads * l.key_head_dim + l.value_heads * l.value_head_dim) * (l.conv_kernel - 1);
         (linear * (l.value_heads * l.key_head_dim * l.value_head_dim + conv) * 4) as u64
     });
-    let weight_bytes = w.total_bytes() as u64;
+    let weight_bytes = fp.bytes;
     let moe_layers = c.mlp_kinds.iter().filter(|&&k| k == MlpKind::Moe).count();
     let size = |b: u64| match b {
         b if b >= 1 << 30 => format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64),
@@ -115,6 +67,7 @@ pub fn run(a: InspectArgs) -> Result<std::process::ExitCode> {
             "active_parameters_per_token": active,
             "formats": formats,
             "weight_bytes": weight_bytes,
+            "active_bytes_per_token": fp.active_bytes,
             "ctx": a.ctx,
             "kv_cache_bytes": kv_bytes,
             "recurrent_state_bytes": state_bytes,
@@ -142,6 +95,11 @@ pub fn run(a: InspectArgs) -> Result<std::process::ExitCode> {
         );
     }
     println!("parameters        {total} total, {active} active per token");
+    println!(
+        "bytes per token   {} read by a decode step (floor {:.0} tokens/s at 4.26 TB/s)",
+        size(fp.active_bytes),
+        4.26e12 / fp.active_bytes.max(1) as f64
+    );
     let fmts: Vec<String> = formats.iter().map(|(f, n)| format!("{f}: {n}")).collect();
     println!("formats           {}", fmts.join(", "));
     println!(

@@ -1,8 +1,10 @@
-//! The `kestrel` command line: `doctor` checks the CUDA set-up, `bench` measures, `logits`
+//! The `kestrel` command line: `doctor` checks the CUDA set-up, `bench` measures (a model's
+//! tokens/s, the runtime, the hot ops), `logits`
 //! runs a model directory over a token sequence, `run` generates from prompt token ids, `inspect`
 //! describes a model directory, `quantize` rewrites one at 4 or 8 bits.
 
 mod bench;
+mod bench_model;
 mod bench_ops;
 mod doctor;
 mod inspect;
@@ -32,11 +34,10 @@ enum Command {
         #[arg(long)]
         device: Option<usize>,
     },
-    /// Benchmarks (median of repeated runs after warm-up, timed with CUDA events).
-    Bench {
-        #[command(subcommand)]
-        what: bench::BenchCommand,
-    },
+    /// Benchmarks: a model's prompt processing and generation in tokens/s (`--model DIR` or
+    /// `--synthetic NAME`), or the runtime and the hot ops (`runtime`, `ops`); medians of
+    /// repeated runs after warm-up.
+    Bench(bench::BenchArgs),
     /// Logits of a token sequence under a model directory, written to a safetensors file.
     Logits(logits::LogitsArgs),
     /// Generate from prompt token ids under a model directory.
@@ -58,7 +59,7 @@ fn main() -> std::process::ExitCode {
     };
     let outcome = match cli.command {
         Command::Doctor { device } => doctor::run(&config, device),
-        Command::Bench { what } => bench::run(&config, what),
+        Command::Bench(args) => bench::run(&config, args),
         Command::Logits(args) => logits::run(&config, args),
         Command::Run(args) => run::run(&config, args),
         Command::Inspect(args) => inspect::run(args),

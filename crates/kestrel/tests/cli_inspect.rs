@@ -37,6 +37,13 @@ fn counts_and_memory_match_the_fixture_sizes() {
         v["active_parameters_per_token"],
         total - experts + experts * 2 / 8
     );
+    // A decode step reads every bf16 weight but the experts and the embedding table, two of
+    // eight experts, and one embedding row.
+    assert_eq!(v["weight_bytes"], 2 * total);
+    assert_eq!(
+        v["active_bytes_per_token"],
+        2 * (total - experts + experts * 2 / 8 - 256 * 64 + 64)
+    );
     assert_eq!(v["kv_cache_bytes"], 3 * 2 * 2 * 64 * 16 * 2);
     assert_eq!(v["recurrent_state_bytes"], 0);
     let q = inspect("qwen3_moe_mlx_q4");

@@ -111,6 +111,18 @@ pub fn run<B: Backend>(
         next = argmax(&m.forward(&[next], t, false).unwrap());
         generated.push(next);
     }
+    // The same steps with the argmax taken on the backend pick the same tokens.
+    let mut m = open(name, new(), cache);
+    let mut on_backend = Vec::new();
+    for (t, &id) in tokens.iter().enumerate() {
+        next = m.next_token(&[id], t).unwrap();
+    }
+    on_backend.push(next);
+    for t in tokens.len()..tokens.len() + cont.len() - 1 {
+        next = m.next_token(&[next], t).unwrap();
+        on_backend.push(next);
+    }
+    assert_eq!(on_backend, generated, "{name}: argmax on the backend");
     (prefill, rows, generated)
 }
 

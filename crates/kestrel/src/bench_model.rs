@@ -1,0 +1,338 @@
+//! `kestrel bench` on a model (llama-bench style): prompt processing (`pp`, a prompt of `-p`
+//! tokens prefilled from an empty context) and token generation (`tg`, `-n` tokens decoded one
+//! at a time from an empty context, each a graph replay whose only host synchronisation is the
+//! read-back of the chosen token id), in tokens per second, median of `-r` runs after a warm-up.
+//! The model is a directory, or a named real configuration with random weights built in memory
+//! (`--synthetic NAME [--layers N]`). Times are wall-clock around each whole test, as a user
+//! sees them; the generation figure is set beside its floor, the bytes a decode step reads over
+//! the H200's 4.26 TB/s.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, ensure, Context, Result};
+use clap::Args;
+use kestrel_core::quant::QuantFormat;
+use kestrel_core::rng::Rng;
+use kestrel_core::{Backend, Config, DType};
+use kestrel_cpu::CpuBackend;
+use kestrel_cuda::{CudaBackend, Device, RunMode};
+use kestrel_model::{footprint, synthetic_model, ModelConfig, Session, Weights, SYNTHETIC_MODELS};
+
+use crate::bench::median;
+use crate::logits::{default_backend, BackendChoice, QuantArgs};
+
+/// Device copy bandwidth of the H200 (see `kestrel bench runtime`): the floor of a decode step
+/// is the bytes it reads over this.
+const H200_BYTES_PER_S: f64 = 4.26e12;
+
+#[derive(Args)]
+pub struct ModelBenchArgs {
+    /// Model directory (config.json and safetensors weights).
+    #[arg(short = 'm', long, conflicts_with = "synthetic")]
+    model: Option<PathBuf>,
+    /// A named real configuration with random weights built in memory, in the MLX layout:
+    /// qwen3-30b-a3b, qwen3-next-80b-a3b or qwen3.5-397b-a17b.
+    #[arg(long)]
+    synthetic: Option<String>,
+    /// Decoder layers of the synthetic model (default: all of the configuration's).
+    #[arg(long, requires = "synthetic")]
+    layers: Option<usize>,
+    /// Bits of the synthetic model's weights (4 or 8; routers at 8), in groups of 64.
+    #[arg(long, default_value_t = 4, requires = "synthetic")]
+    bits: u32,
+    /// Prompt lengths of the prompt-processing tests, comma separated (0: none).
+    #[arg(short = 'p', long, value_delimiter = ',', default_value = "512")]
+    n_prompt: Vec<usize>,
+    /// Token counts of the generation tests, comma separated (0: none).
+    #[arg(short = 'n', long, value_delimiter = ',', default_value = "128")]
+    n_gen: Vec<usize>,
+    /// Timed runs of each test (the median is reported).
+    #[arg(short = 'r', long, default_value_t = 5)]
+    reps: usize,
+    /// Prefill in chunks of at most this many tokens (default: the whole prompt at once).
+    #[arg(long)]
+    prefill_chunk: Option<usize>,
+    /// Backend; default CUDA when a device is present, else the CPU.
+    #[arg(long, value_enum)]
+    backend: Option<BackendChoice>,
+    #[command(flatten)]
+    quant: QuantArgs,
+    /// Seed of the synthetic weights and of the benchmark's token ids.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// On CUDA, also run one generation test eagerly with every dispatch timed and print the
+    /// per-kernel table (to stderr).
+    #[arg(long)]
+    profile: bool,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// One test's result.
+struct TestRow {
+    name: String,
+    n_prompt: usize,
+    n_gen: usize,
+    samples: Vec<f64>,
+}
+
+impl TestRow {
+    fn tokens(&self) -> usize {
+        self.n_prompt + self.n_gen
+    }
+
+    fn median_tps(&self) -> f64 {
+        median(self.samples.iter().map(|s| self.tokens() as f64 / s).collect())
+    }
+}
+
+/// Random token ids of the vocabulary.
+fn ids(rng: &mut Rng, vocab: usize, n: usize) -> Vec<u32> {
+    (0..n).map(|_| rng.range(0, vocab) as u32).collect()
+}
+
+/// Decodes `n` tokens from an empty context starting with `first`; returns the last id.
+fn generate<B: Backend>(s: &mut Session<B>, first: u32, n: usize) -> Result<u32> {
+    let mut t = first;
+    for at in 0..n {
+        t = s.next_token(&[t], at)?;
+    }
+    Ok(t)
+}
+
+/// Runs every test on `s`. With a CUDA device, also the per-token counters and the profile.
+fn run_tests<B: Backend>(s: &mut Session<B>, a: &ModelBenchArgs, rng: &mut Rng) -> Result<Vec<TestRow>> {
+    let vocab = s.config.vocab;
+    let mut rows = Vec::new();
+    for &pp in a.n_prompt.iter().filter(|&&n| n > 0) {
+        let chunk = a.prefill_chunk.unwrap_or(pp);
+        let prompt = ids(rng, vocab, pp);
+        // Warm-up: uploads the weights on the first test and prepares the programs.
+        s.prefill_next_token(&prompt, 0, chunk)?;
+        let mut samples = Vec::with_capacity(a.reps);
+        for _ in 0..a.reps {
+            let prompt = ids(rng, vocab, pp);
+            let start = Instant::now();
+            s.prefill_next_token(&prompt, 0, chunk)?;
+            samples.push(start.elapsed().as_secs_f64());
+        }
+        rows.push(TestRow {
+            name: format!("pp{pp}"),
+            n_prompt: pp,
+            n_gen: 0,
+            samples,
+        });
+    }
+    for &tg in a.n_gen.iter().filter(|&&n| n > 0) {
+        generate(s, ids(rng, vocab, 1)[0], tg.min(4))?;
+        let mut samples = Vec::with_capacity(a.reps);
+        for _ in 0..a.reps {
+            let first = ids(rng, vocab, 1)[0];
+            let start = Instant::now();
+            generate(s, first, tg)?;
+            samples.push(start.elapsed().as_secs_f64());
+        }
+        rows.push(TestRow {
+            name: format!("tg{tg}"),
+            n_prompt: 0,
+            n_gen: tg,
+            samples,
+        });
+    }
+    Ok(rows)
+}
+
+/// Host synchronisations, graph launches and bytes read back per generated token, counted over
+/// one more generation run; and with `profile`, the per-kernel table of an eager run.
+fn cuda_extras(
+    s: &mut Session<CudaBackend>,
+    dev: &Device,
+    tg: usize,
+    profile: bool,
+    rng: &mut Rng,
+) -> Result<serde_json::Value> {
+    let first = ids(rng, s.config.vocab, 1)[0];
+    dev.synchronize()?;
+    let before = dev.counters();
+    generate(s, first, tg)?;
+    let d = dev.counters() - before;
+    let per = |n: u64| n as f64 / tg as f64;
+    let counters = serde_json::json!({
+        "host_syncs_per_token": per(d.host_syncs),
+        "graph_launches_per_token": per(d.graph_launches),
+        "dispatches_per_token": per(d.dispatches),
+        "bytes_d2h_per_token": per(d.bytes_d2h),
+    });
+    if profile {
+        s.backend.set_mode(RunMode::Eager);
+        generate(s, first, tg.min(4))?;
+        dev.take_profile()?;
+        dev.set_profiling(true);
+        let start = Instant::now();
+        let outcome = generate(s, first, tg);
+        dev.set_profiling(false);
+        s.backend.set_mode(RunMode::Graph);
+        outcome?;
+        let secs = start.elapsed().as_secs_f64();
+        eprintln!(
+            "profile: tg{tg} run eagerly, every dispatch timed with CUDA events ({:.1} tokens/s \
+             with the timing's own cost); totals over the {tg} tokens:\n{}",
+            tg as f64 / secs,
+            dev.take_profile()?.table()
+        );
+    }
+    Ok(counters)
+}
+
+/// The model to measure: its config, weights and a one-line description.
+fn load(a: &ModelBenchArgs) -> Result<(ModelConfig, Weights, String)> {
+    match (&a.model, &a.synthetic) {
+        (Some(dir), None) => {
+            let c = ModelConfig::from_dir(dir).with_context(|| format!("reading {}", dir.display()))?;
+            let w = Weights::open(dir).with_context(|| format!("opening {}", dir.display()))?;
+            Ok((c, w, dir.display().to_string()))
+        }
+        (None, Some(name)) => {
+            ensure!(
+                a.quant.format()?.is_none(),
+                "--quant applies to checkpoints; a synthetic model's format is --bits"
+            );
+            ensure!(matches!(a.bits, 4 | 8), "--bits {}: 4 or 8", a.bits);
+            let format = QuantFormat {
+                bits: a.bits,
+                group_size: 64,
+            };
+            let start = Instant::now();
+            let (c, w) = synthetic_model(name, a.layers, format, a.seed)?;
+            eprintln!(
+                "built {name} ({} layers, {}-bit) in memory in {:.1} s",
+                c.layers,
+                a.bits,
+                start.elapsed().as_secs_f64()
+            );
+            let label = format!("{name} (synthetic, {} layers, {}-bit)", c.layers, a.bits);
+            Ok((c, w, label))
+        }
+        _ => bail!(
+            "give a model: --model DIR or --synthetic NAME ({})",
+            SYNTHETIC_MODELS.join(", ")
+        ),
+    }
+}
+
+pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode> {
+    ensure!(a.reps >= 1, "-r must be at least 1");
+    ensure!(a.prefill_chunk != Some(0), "--prefill-chunk must be at least 1");
+    let (c, w, label) = load(&a)?;
+    let fp = footprint(&c, &w)?;
+    let ctx = a
+        .n_prompt
+        .iter()
+        .chain(&a.n_gen)
+        .copied()
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    let backend = a.backend.unwrap_or_else(default_backend);
+    let mut rng = Rng::new(a.seed ^ 0xBE7C);
+    let quant = a.quant.format()?;
+    let start = Instant::now();
+    let (rows, counters) = match backend {
+        BackendChoice::Cpu => {
+            let mut s = Session::new(c, w, CpuBackend::new(), ctx, DType::F32).with_quant(quant);
+            (run_tests(&mut s, &a, &mut rng)?, serde_json::Value::Null)
+        }
+        BackendChoice::Cuda => {
+            let dev = Device::open(config.device, config)?;
+            let cuda = CudaBackend::new(dev.clone(), RunMode::Graph);
+            let mut s = Session::new(c, w, cuda, ctx, DType::BF16).with_quant(quant);
+            let rows = run_tests(&mut s, &a, &mut rng)?;
+            let tg = a.n_gen.iter().copied().max().unwrap_or(0);
+            let counters = if tg > 0 {
+                cuda_extras(&mut s, &dev, tg, a.profile, &mut rng)?
+            } else {
+                serde_json::Value::Null
+            };
+            (rows, counters)
+        }
+    };
+    let total_s = start.elapsed().as_secs_f64();
+    let floor_tps = H200_BYTES_PER_S / fp.active_bytes.max(1) as f64;
+    let backend_name = format!("{backend:?}").to_lowercase();
+    // The floor is the H200's: set beside CUDA figures only.
+    let on_gpu = backend == BackendChoice::Cuda;
+    if a.json {
+        let tests: Vec<serde_json::Value> = rows
+            .iter()
+            .map(|r| {
+                let tps: Vec<f64> = r.samples.iter().map(|s| r.tokens() as f64 / s).collect();
+                let mut v = serde_json::json!({
+                    "test": r.name,
+                    "n_prompt": r.n_prompt,
+                    "n_gen": r.n_gen,
+                    "tokens_per_s": r.median_tps(),
+                    "samples_tokens_per_s": tps,
+                });
+                if r.n_gen > 0 && on_gpu {
+                    v["of_floor"] = (r.median_tps() / floor_tps).into();
+                }
+                v
+            })
+            .collect();
+        let v = serde_json::json!({
+            "model": label,
+            "backend": backend_name,
+            "reps": a.reps,
+            "parameters": fp.params,
+            "active_parameters_per_token": fp.active_params,
+            "weight_bytes": fp.bytes,
+            "active_bytes_per_token": fp.active_bytes,
+            "floor_tokens_per_s": floor_tps,
+            "results": tests,
+            "cuda_counters": counters,
+            "wall_s": total_s,
+        });
+        println!("{v}");
+        return Ok(std::process::ExitCode::SUCCESS);
+    }
+    println!(
+        "model: {label} | {:.2} GiB | {:.2} B params, {:.2} B active | {backend_name} | median of {} runs",
+        fp.bytes as f64 / (1u64 << 30) as f64,
+        fp.params as f64 / 1e9,
+        fp.active_params as f64 / 1e9,
+        a.reps
+    );
+    println!(
+        "decode floor: {:.1} MiB read per token / 4.26 TB/s = {floor_tps:.0} tokens/s",
+        fp.active_bytes as f64 / (1u64 << 20) as f64
+    );
+    println!(
+        "{:<10} {:>12} {:>12} {:>12} {:>9}",
+        "test", "t/s", "min t/s", "max t/s", "floor"
+    );
+    for r in &rows {
+        let tps: Vec<f64> = r.samples.iter().map(|s| r.tokens() as f64 / s).collect();
+        let (lo, hi) = tps
+            .iter()
+            .fold((f64::MAX, f64::MIN), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+        let floor = if r.n_gen > 0 && on_gpu {
+            format!("{:.1}%", 100.0 * r.median_tps() / floor_tps)
+        } else {
+            String::new()
+        };
+        println!(
+            "{:<10} {:>12.1} {:>12.1} {:>12.1} {:>9}",
+            r.name,
+            r.median_tps(),
+            lo,
+            hi,
+            floor
+        );
+    }
+    if !counters.is_null() {
+        println!("per generated token: {counters}");
+    }
+    Ok(std::process::ExitCode::SUCCESS)
+}

@@ -1,0 +1,96 @@
+//! `kestrel bench` on the CPU backend: a synthetic model of a named real configuration cut to
+//! one layer, and a fixture directory; the JSON carries every test with positive rates and the
+//! parameter count worked out by hand from the published sizes.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn bench(args: &[&str]) -> serde_json::Value {
+    let o = Command::new(env!("CARGO_BIN_EXE_kestrel"))
+        .arg("bench")
+        .args(args)
+        .args(["--backend", "cpu", "--json"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    serde_json::from_str(String::from_utf8(o.stdout).unwrap().lines().last().unwrap()).unwrap()
+}
+
+fn rates(v: &serde_json::Value) -> Vec<(String, f64, usize)> {
+    v["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            let n = r["samples_tokens_per_s"].as_array().unwrap().len();
+            (
+                r["test"].as_str().unwrap().to_string(),
+                r["tokens_per_s"].as_f64().unwrap(),
+                n,
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn synthetic_qwen3_30b_a3b_one_layer() {
+    let v = bench(&[
+        "--synthetic",
+        "qwen3-30b-a3b",
+        "--layers",
+        "1",
+        "-p",
+        "6",
+        "-n",
+        "3",
+        "-r",
+        "2",
+    ]);
+    let r = rates(&v);
+    assert_eq!(r.iter().map(|t| t.0.as_str()).collect::<Vec<_>>(), ["pp6", "tg3"]);
+    assert!(r.iter().all(|t| t.1 > 0.0 && t.2 == 2), "{r:?}");
+    // Embedding and lm_head 151936 x 2048; attention q 4096 x 2048, k and v 512 x 2048, o
+    // 2048 x 4096, head norms 2 x 128; router 128 x 2048; 128 experts of 3 x 768 x 2048; two
+    // layer norms and the final norm of 2048.
+    let (h, experts) = (2048u64, 128 * 3 * 768 * 2048u64);
+    let total = 2 * 151936 * h + 2 * 4096 * h + 2 * 512 * h + 2 * 128 + 128 * h + experts + 3 * h;
+    assert_eq!(v["parameters"], total);
+    assert_eq!(
+        v["active_parameters_per_token"],
+        total - experts + experts * 8 / 128
+    );
+    assert!(v["cuda_counters"].is_null());
+}
+
+#[test]
+fn model_directory_and_bad_arguments() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../kestrel-model/tests/parity/qwen3_next");
+    let v = bench(&[
+        "-m",
+        dir.to_str().unwrap(),
+        "-p",
+        "9,4",
+        "-n",
+        "5",
+        "-r",
+        "3",
+        "--prefill-chunk",
+        "4",
+    ]);
+    let names: Vec<String> = rates(&v).into_iter().map(|t| t.0).collect();
+    assert_eq!(names, ["pp9", "pp4", "tg5"]);
+    for (args, want) in [
+        (vec![], "--model DIR or --synthetic NAME"),
+        (vec!["--synthetic", "qwen2"], "qwen3-30b-a3b"),
+        (vec!["--synthetic", "qwen3-30b-a3b", "--layers", "0"], "48 layers"),
+    ] {
+        let o = Command::new(env!("CARGO_BIN_EXE_kestrel"))
+            .arg("bench")
+            .args(&args)
+            .args(["--backend", "cpu"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(want), "{args:?}: {err}");
+    }
+}
