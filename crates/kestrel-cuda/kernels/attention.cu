@@ -90,12 +90,14 @@ __device__ void attention(const float* q, const T* k_cache, const T* v_cache, co
     extern "C" __global__ void kv_append_##NAME(const float* k, const float* v, const unsigned* positions,   \
                                                 T* k_cache, T* v_cache, unsigned tokens, unsigned kv_heads,  \
                                                 unsigned head_dim, unsigned max_ctx) {                      \
+        pdl_begin();                                                                                        \
         kv_append(k, v, positions, k_cache, v_cache, tokens, kv_heads, head_dim, max_ctx);                  \
     }                                                                                                       \
     extern "C" __global__ void attention_##NAME(const float* q, const T* k_cache, const T* v_cache,          \
                                                 const unsigned* positions, float* out, unsigned heads,       \
                                                 unsigned kv_heads, unsigned head_dim, unsigned max_ctx,      \
                                                 float scale) {                                               \
+        pdl_begin();                                                                                        \
         attention(q, k_cache, v_cache, positions, out, heads, kv_heads, head_dim, max_ctx, scale);          \
     }
 
@@ -275,6 +277,7 @@ __device__ void attention_split(const float* q, const T* k_cache, const T* v_cac
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
     attention_combine_f32(const float* part_m, const float* part_l, const float* part_acc, float* out,
                           unsigned head_dim, unsigned splits) {
+    pdl_begin();
     __shared__ float f[MAX_SPLITS];
     __shared__ float scratch[32];
     __shared__ float4 red[COMBINE_THREADS];
@@ -340,6 +343,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
         const float* q, const T* k_cache, const T* v_cache, const unsigned* positions, float* part_m,       \
         float* part_l, float* part_acc, unsigned heads, unsigned kv_heads, unsigned head_dim,               \
         unsigned max_ctx, float scale, unsigned chunk) {                                                    \
+        pdl_begin();                                                                                       \
         attention_split<T, PL>(q, k_cache, v_cache, positions, part_m, part_l, part_acc, heads, kv_heads,  \
                                head_dim, max_ctx, scale, chunk);                                            \
     }
@@ -614,6 +618,7 @@ __device__ void flash_attention(const float* q, const T* k_cache, const T* v_cac
         const float* q, const T* k_cache, const T* v_cache, const unsigned* positions, float* out,          \
         float* part_m, float* part_l, float* part_acc, unsigned tokens, unsigned heads, unsigned kv_heads,   \
         unsigned max_ctx, float scale, unsigned chunk) {                                                    \
+        pdl_begin();                                                                                        \
         flash_attention<T, HD, MT>(q, k_cache, v_cache, positions, out, part_m, part_l, part_acc, tokens,   \
                                    heads, kv_heads, max_ctx, scale, chunk);                                 \
     }

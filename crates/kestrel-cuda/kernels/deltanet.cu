@@ -55,6 +55,7 @@ __device__ void gates(const float* a, const float* b, const A* a_log, const D* d
 #define CONV(W, NAME)                                                                                       \
     extern "C" __global__ void causal_conv1d_##NAME(const float* x, const W* w, float* state, float* out,   \
                                                     unsigned tokens, unsigned channels, unsigned kernel) {   \
+        pdl_begin();                                                                                        \
         conv1d(x, w, state, out, tokens, channels, kernel);                                                 \
     }
 
@@ -68,6 +69,7 @@ CONV(f16, f16)
     extern "C" __global__ void delta_gates_##AN##_##DN(const float* a, const float* b, const A* a_log,      \
                                                        const D* dt_bias, float* g, float* beta, unsigned n, \
                                                        unsigned heads) {                                     \
+        pdl_begin();                                                                                        \
         gates(a, b, a_log, dt_bias, g, beta, n, heads);                                                     \
     }
 #define GATES_FOR(A, AN) GATES(A, AN, float, f32) GATES(A, AN, bf16, bf16) GATES(A, AN, f16, f16)
@@ -81,6 +83,7 @@ GATES_FOR(f16, f16)
 extern "C" __global__ void delta_rule_f32(const float* q, const float* k, const float* v, const float* g,
                                           const float* beta, float* state, float* out, unsigned tokens,
                                           unsigned k_heads, unsigned v_heads, unsigned dk, unsigned dv) {
+    pdl_begin();
     extern __shared__ float smem[];
     __shared__ float scratch[32];
     float* S = smem;          // [dk, dv]
@@ -218,6 +221,7 @@ __device__ void delta_rule_regs(const float* q, const float* k, const float* v, 
     extern "C" __global__ void __launch_bounds__(128) delta_rule_regs_##R(                                \
         const float* q, const float* k, const float* v, const float* g, const float* beta, float* state,  \
         float* out, unsigned tokens, unsigned k_heads, unsigned v_heads, unsigned dv) {                    \
+        pdl_begin();                                                                                       \
         delta_rule_regs<R>(q, k, v, g, beta, state, out, tokens, k_heads, v_heads, dv);                    \
     }
 DELTA_REGS(16)
@@ -422,6 +426,7 @@ __device__ void delta_chunked(const float* q, const float* k, const float* v, co
     extern "C" __global__ void __launch_bounds__(32 * CP) delta_chunked_##DKV(                                \
         const float* q, const float* k, const float* v, const float* g, const float* beta, float* state,  \
         float* out, unsigned tokens, unsigned k_heads, unsigned v_heads, unsigned dv) {                    \
+        pdl_begin();                                                                                       \
         delta_chunked<DKV>(q, k, v, g, beta, state, out, tokens, k_heads, v_heads, dv);                    \
     }
 DELTA_CHUNKED(64)

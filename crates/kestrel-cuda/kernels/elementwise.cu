@@ -1,10 +1,11 @@
-// Element-wise ops: a column part of a split or of a concatenation, SwiGLU, the sigmoid gate, row copies. One thread
-// per output element.
+// Element-wise ops: a column part of a split or of a concatenation, the residual add, SwiGLU, the sigmoid gate,
+// row copies. One thread per output element. Every kernel starts with pdl_begin() (see kestrel.cuh).
 #include "kestrel.cuh"
 
 // out[rg, c] = x[rg, offset + c] for rg < rows_groups, c < width; x rows hold `total` columns.
 extern "C" __global__ void split_f32(const float* x, float* out, unsigned rows_groups, unsigned total,
                                      unsigned offset, unsigned width) {
+    pdl_begin();
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)rows_groups * width) return;
     const size_t rg = i / width, c = i % width;
@@ -14,13 +15,22 @@ extern "C" __global__ void split_f32(const float* x, float* out, unsigned rows_g
 // dst[r, offset + c] = src[r, c] for r < rows, c < width; dst rows hold `total` columns.
 extern "C" __global__ void place_f32(const float* src, float* dst, unsigned rows, unsigned total, unsigned offset,
                                      unsigned width) {
+    pdl_begin();
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)rows * width) return;
     const size_t r = i / width, c = i % width;
     dst[r * total + offset + c] = src[i];
 }
 
+// out[i] = a[i] + b[i]: the residual add.
+extern "C" __global__ void add_f32(const float* a, const float* b, float* out, unsigned n) {
+    pdl_begin();
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = a[i] + b[i];
+}
+
 extern "C" __global__ void swiglu_f32(const float* gate, const float* up, float* out, unsigned n) {
+    pdl_begin();
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = silu(gate[i]) * up[i];
 }
@@ -28,6 +38,7 @@ extern "C" __global__ void swiglu_f32(const float* gate, const float* up, float*
 // out[r, c] = x[r, c] * sigmoid(gate[r, c]) (gate_cols == cols) or sigmoid(gate[r]) (gate_cols == 1).
 extern "C" __global__ void sigmoid_gate_f32(const float* x, const float* gate, float* out, unsigned rows,
                                             unsigned cols, unsigned gate_cols) {
+    pdl_begin();
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)rows * cols) return;
     const float g = gate_cols == 1 ? gate[i / cols] : gate[i];
@@ -35,6 +46,7 @@ extern "C" __global__ void sigmoid_gate_f32(const float* x, const float* gate, f
 }
 
 extern "C" __global__ void copy_f32(const float* src, float* dst, unsigned n) {
+    pdl_begin();
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) dst[i] = src[i];
 }
@@ -42,6 +54,7 @@ extern "C" __global__ void copy_f32(const float* src, float* dst, unsigned n) {
 // out[i] = bf16(x[i]), round to nearest even: activations for a bf16 tensor-core product.
 // Eight values per thread (two 16-byte loads, one 16-byte store); n is a multiple of 8.
 extern "C" __global__ void convert_f32_bf16(const float* x, bf16* out, unsigned n) {
+    pdl_begin();
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i * 8 >= n) return;
     const float4 a = reinterpret_cast<const float4*>(x)[2 * i], b = reinterpret_cast<const float4*>(x)[2 * i + 1];

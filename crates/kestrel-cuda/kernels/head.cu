@@ -27,6 +27,7 @@ __device__ void block_best(float& v, unsigned& i) {
 }
 
 extern "C" __global__ void argmax_f32(const float* logits, unsigned* out, unsigned cols) {
+    pdl_begin();
     const float* row = logits + (size_t)blockIdx.x * cols;
     float bv = -INFINITY;
     unsigned bi = 0xffffffffu;
@@ -37,6 +38,7 @@ extern "C" __global__ void argmax_f32(const float* logits, unsigned* out, unsign
 }
 
 extern "C" __global__ void top_k_f32(const float* logits, unsigned* ids, float* values, unsigned cols, unsigned k) {
+    pdl_begin();
     const float* row = logits + (size_t)blockIdx.x * cols;
     float lv = INFINITY;  // the previous pick; unused before the first round
     unsigned li = 0;

@@ -70,6 +70,13 @@ __device__ __forceinline__ void pdl_trigger() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
+// The contract at its simplest, as a kernel's first statement: wait, then let the next kernel
+// launch. Kernels with work that needs nothing from earlier kernels (loading weights) do that
+// work first and call the two themselves.
+__device__ __forceinline__ void pdl_begin() {
+    pdl_wait();
+    pdl_trigger();
+}
 
 // Asks L2 to fetch the 128-byte line holding p, to be kept (evict_last) until it is read.
 __device__ __forceinline__ void prefetch_l2(const void* p) {

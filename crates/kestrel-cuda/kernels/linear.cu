@@ -72,10 +72,12 @@ __device__ void linear_quant(const float* x, const unsigned* words, const bf16* 
 #define DENSE(W, NAME)                                                                                      \
     extern "C" __global__ void linear_##NAME(const float* x, const W* w, float* out, unsigned tokens,       \
                                              unsigned in_dim, unsigned out_dim) {                           \
+        pdl_begin();                                                                                        \
         linear_dense(x, w, out, tokens, in_dim, out_dim);                                                   \
     }                                                                                                       \
     extern "C" __global__ void embed_##NAME(const W* table, const unsigned* ids, float* out, unsigned hidden, \
                                             unsigned vocab) {                                                \
+        pdl_begin();                                                                                        \
         const size_t t = blockIdx.x;                                                                        \
         const unsigned id = ids[t];                                                                         \
         if (id >= vocab) return;                                                                            \
@@ -91,11 +93,13 @@ DENSE(f16, f16)
     extern "C" __global__ void linear_q##BITS(const float* x, const unsigned* w, const bf16* scales,        \
                                               const bf16* biases, float* out, unsigned tokens,              \
                                               unsigned in_dim, unsigned out_dim, unsigned group) {          \
+        pdl_begin();                                                                                        \
         linear_quant<BITS>(x, w, scales, biases, out, tokens, in_dim, out_dim, group);                      \
     }                                                                                                       \
     extern "C" __global__ void embed_q##BITS(const unsigned* w, const bf16* scales, const bf16* biases,     \
                                              const unsigned* ids, float* out, unsigned hidden,              \
                                              unsigned vocab, unsigned group) {                               \
+        pdl_begin();                                                                                        \
         constexpr unsigned VPW = 32 / BITS, MASK = (1u << BITS) - 1u;                                       \
         const size_t t = blockIdx.x;                                                                        \
         const unsigned id = ids[t];                                                                         \
@@ -143,6 +147,7 @@ __device__ void matvec(const float* x, const void* w, const bf16* scales, const 
 }
 
 extern "C" __global__ void __launch_bounds__(32 * VEC_WARPS, 8) matvec_bf16(const float* x, const bf16* w, float* out, unsigned in_dim, unsigned out_dim) {
+    pdl_begin();
     matvec<16>(x, w, nullptr, nullptr, out, in_dim, out_dim, 1);
 }
 

@@ -489,6 +489,7 @@ EXPERTS_INT8(8, q8)
                                                   unsigned long long gb, unsigned long long uw,              \
                                                   unsigned long long us, unsigned long long ub,              \
                                                   unsigned group) {                                          \
+        pdl_begin();                                                                                        \
         gate_up<BITS>(x, ids, experts, act, hidden, inter, k, span, gw, gs, gb, uw, us, ub, group);         \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(128, 8) moe_down_##NAME(const float* act, const unsigned* ids, const float* weights,  \
@@ -496,6 +497,7 @@ EXPERTS_INT8(8, q8)
                                                unsigned inter, unsigned k, unsigned long long span,          \
                                                unsigned long long dw, unsigned long long ds,                \
                                                unsigned long long db, unsigned group) {                     \
+        pdl_begin();                                                                                        \
         down_combine<BITS>(act, ids, weights, experts, out, hidden, inter, k, span, dw, ds, db, group);     \
     }
 

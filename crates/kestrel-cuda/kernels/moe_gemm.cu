@@ -46,6 +46,7 @@ __device__ unsigned block_scan(unsigned v, unsigned* scratch) {
 extern "C" __global__ void __launch_bounds__(SORT_THREADS)
     moe_sort(const unsigned* ids, unsigned* order, unsigned* tiles, unsigned slots, unsigned experts,
              unsigned max_tiles) {
+    pdl_begin();
     __shared__ unsigned count[SORT_THREADS], offset[SORT_THREADS], cursor[SORT_THREADS], scratch[SORT_THREADS];
     const unsigned tid = threadIdx.x;
     count[tid] = 0;
@@ -371,6 +372,7 @@ __device__ void gemm_down(const bf16* act, const unsigned* order, const unsigned
 // id >= experts contribute nothing. Eight values per thread, every slot's load issued first.
 extern "C" __global__ void moe_combine(const bf16* ys, const unsigned* ids, float* out, unsigned tokens,
                                        unsigned hidden, unsigned k, unsigned experts) {
+    pdl_begin();
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     const unsigned vecs = hidden / 8;
     if (i >= (size_t)tokens * vecs) return;
@@ -404,6 +406,7 @@ extern "C" __global__ void moe_combine(const bf16* ys, const unsigned* ids, floa
         const bf16* act, const unsigned* order, const unsigned* tiles, const float* weights,              \
         const unsigned char* experts, bf16* ys, unsigned hidden, unsigned inter, unsigned long long span,   \
         unsigned long long dw, unsigned long long ds, unsigned long long db, unsigned group) {             \
+        pdl_begin();                                                                                          \
         gemm_down<BITS, NB>(act, order, tiles, weights, experts, ys, hidden, inter, span, dw, ds, db, group); \
     }
 #define GEMMS(BITS, NAME)                                                                                  \
@@ -412,6 +415,7 @@ extern "C" __global__ void moe_combine(const bf16* ys, const unsigned* ids, floa
         unsigned hidden, unsigned inter, unsigned k, unsigned long long span, unsigned long long gw,       \
         unsigned long long gs, unsigned long long gb, unsigned long long uw, unsigned long long us,        \
         unsigned long long ub, unsigned group) {                                                           \
+        pdl_begin();                                                                                               \
         gemm_gate_up<BITS>(xb, order, tiles, experts, act, hidden, inter, k, span, gw, gs, gb, uw, us, ub, group); \
     }                                                                                                       \
     DOWN(BITS, NAME, 1) DOWN(BITS, NAME, 2)

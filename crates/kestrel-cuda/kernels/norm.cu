@@ -18,12 +18,14 @@ __device__ void norm_row(const float* x, const W* w, float* out, unsigned dim, f
 #define NORMS(W, NAME)                                                                                       \
     extern "C" __global__ void rms_norm_##NAME(const float* x, const W* w, float* out, unsigned dim, float eps, \
                                                int zero_centered) {                                        \
+        pdl_begin();                                                                                         \
         __shared__ float scratch[32];                                                                        \
         const size_t r = blockIdx.x;                                                                         \
         norm_row(x + r * dim, w, out + r * dim, dim, eps, zero_centered, scratch);                           \
     }                                                                                                        \
     extern "C" __global__ void add_rms_norm_##NAME(float* residual, const float* x, const W* w, float* out,   \
                                                    unsigned dim, float eps, int zero_centered) {             \
+        pdl_begin();                                                                                         \
         __shared__ float scratch[32];                                                                        \
         const size_t r = blockIdx.x;                                                                         \
         float* res = residual + r * dim;                                                                     \
@@ -33,6 +35,7 @@ __device__ void norm_row(const float* x, const W* w, float* out, unsigned dim, f
     }                                                                                                        \
     extern "C" __global__ void gated_rms_norm_##NAME(const float* x, const float* z, const W* w, float* out,  \
                                                      unsigned dim, float eps) {                              \
+        pdl_begin();                                                                                         \
         __shared__ float scratch[32];                                                                        \
         const size_t r = blockIdx.x;                                                                         \
         norm_row(x + r * dim, w, out + r * dim, dim, eps, 0, scratch);                                       \

@@ -4,6 +4,7 @@
 
 extern "C" __global__ void rope_f32(float* x, const unsigned* positions, const float* inv_freq, unsigned heads,
                                     unsigned head_dim, unsigned rot_dim, float scaling) {
+    pdl_begin();
     const size_t row = blockIdx.x;
     const unsigned t = row / heads, half = rot_dim / 2;
     float* h = x + row * head_dim;

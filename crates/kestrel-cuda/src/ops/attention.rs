@@ -92,8 +92,7 @@ fn encode_flash(enc: &mut Encoder, op: &Op) -> Result<()> {
     } else {
         [o.clone(), o.clone(), o.clone()]
     };
-    enc.list
-        .dispatch(&kern)
+    enc.dispatch(&kern)
         .grid((u32_arg(row_blocks)?, u32_arg(kv_heads)?, u32_arg(splits)?))
         .block(32 * FA_WARPS as u32)
         .shared_mem(u32_arg(smem)?)
@@ -172,8 +171,7 @@ fn encode_split(enc: &mut Encoder, op: &Op) -> Result<()> {
         enc.buf(out)?.clone(),
     );
     let (kc, vc) = (enc.buf(k_cache)?.clone(), enc.buf(v_cache)?.clone());
-    enc.list
-        .dispatch(&kern)
+    enc.dispatch(&kern)
         .grid((u32_arg(kv_heads * subgroups)?, u32_arg(splits)?, u32_arg(tokens)?))
         .block(32 * DEC_WARPS as u32)
         .shared_mem(u32_arg(smem)?)
@@ -214,8 +212,7 @@ fn record_combine(
     splits: usize,
 ) -> Result<()> {
     let combine = enc.device.kernel("attention", "attention_combine_f32")?;
-    enc.list
-        .dispatch(&combine)
+    enc.dispatch(&combine)
         .grid(u32_arg(rows)?)
         .block(COMBINE_THREADS)
         .read(pm)
@@ -252,8 +249,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 enc.buf(positions)?.clone(),
             );
             let (kc, vc) = (enc.buf(k_cache)?.clone(), enc.buf(v_cache)?.clone());
-            enc.list
-                .dispatch(&kern)
+            enc.dispatch(&kern)
                 .cover(tokens * kv_heads * head_dim, 256)
                 .read(&k)
                 .read(&v)
@@ -302,8 +298,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 enc.buf(out)?.clone(),
             );
             let (kc, vc) = (enc.buf(k_cache)?.clone(), enc.buf(v_cache)?.clone());
-            enc.list
-                .dispatch(&kern)
+            enc.dispatch(&kern)
                 .grid(u32_arg(tokens * heads)?)
                 .block(128)
                 .read(&q)

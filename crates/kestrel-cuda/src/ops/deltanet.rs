@@ -48,8 +48,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 enc.buf(state)?.clone(),
                 enc.buf(out)?.clone(),
             );
-            enc.list
-                .dispatch(&kern)
+            enc.dispatch(&kern)
                 .cover(channels, 128)
                 .read(&x)
                 .read(&w)
@@ -84,8 +83,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             );
             let (g, beta) = (enc.buf(g)?.clone(), enc.buf(beta)?.clone());
             let n = tokens * heads;
-            enc.list
-                .dispatch(&kern)
+            enc.dispatch(&kern)
                 .cover(n, 256)
                 .read(&a)
                 .read(&b)
@@ -131,8 +129,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                     (format!("delta_rule_regs_{}", k_dim / 4), 0)
                 };
                 let kern = enc.device.kernel("deltanet", &name)?;
-                enc.list
-                    .dispatch(&kern)
+                enc.dispatch(&kern)
                     .grid((u32_arg(v_heads)?, u32_arg(v_dim.div_ceil(32))?))
                     .block(if chunked { 256 } else { 128 })
                     .shared_mem(u32_arg(smem)?)
@@ -157,8 +154,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 )));
             }
             let kern = enc.device.kernel("deltanet", "delta_rule_f32")?;
-            enc.list
-                .dispatch(&kern)
+            enc.dispatch(&kern)
                 .grid(u32_arg(v_heads)?)
                 .block(128)
                 .shared_mem(u32_arg(shared)?)

@@ -24,8 +24,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             for &(part, width) in parts {
                 let out = enc.buf(part)?.clone();
                 let n = rows * groups * width;
-                enc.list
-                    .dispatch(&k)
+                enc.dispatch(&k)
                     .cover(n, THREADS)
                     .read(&x)
                     .write(&out)
@@ -44,8 +43,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             let mut offset = 0;
             for &(part, width) in parts {
                 let src = enc.buf(part)?.clone();
-                enc.list
-                    .dispatch(&k)
+                enc.dispatch(&k)
                     .cover(rows * width, THREADS)
                     .read(&src)
                     .write(&o)
@@ -64,8 +62,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 enc.buf(*up)?.clone(),
                 enc.buf(*out)?.clone(),
             );
-            enc.list
-                .dispatch(&k)
+            enc.dispatch(&k)
                 .cover(*len, THREADS)
                 .read(&g)
                 .read(&u)
@@ -87,8 +84,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 enc.buf(*gate)?.clone(),
                 enc.buf(*out)?.clone(),
             );
-            enc.list
-                .dispatch(&k)
+            enc.dispatch(&k)
                 .cover(rows * cols, THREADS)
                 .read(&x)
                 .read(&g)
@@ -99,10 +95,9 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 .record();
         }
         Op::Add { a, b, out, len } => {
-            let k = enc.device.kernel("runtime", "add_f32")?;
+            let k = enc.device.kernel("elementwise", "add_f32")?;
             let (a, b, o) = (enc.buf(*a)?.clone(), enc.buf(*b)?.clone(), enc.buf(*out)?.clone());
-            enc.list
-                .dispatch(&k)
+            enc.dispatch(&k)
                 .cover(*len, THREADS)
                 .read(&a)
                 .read(&b)
@@ -120,8 +115,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             let k = enc.device.kernel("elementwise", "copy_f32")?;
             let src = enc.buf(*x)?.slice(start * cols, rows * cols)?;
             let o = enc.buf(*out)?.clone();
-            enc.list
-                .dispatch(&k)
+            enc.dispatch(&k)
                 .cover(rows * cols, THREADS)
                 .read(&src)
                 .write(&o)

@@ -16,8 +16,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
         } => {
             let kern = enc.device.kernel("head", "argmax_f32")?;
             let (l, o) = (enc.buf(logits)?.clone(), enc.buf(out)?.clone());
-            enc.list
-                .dispatch(&kern)
+            enc.dispatch(&kern)
                 .grid(u32_arg(rows)?)
                 .block(256)
                 .read(&l)
@@ -39,8 +38,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 enc.buf(ids)?.clone(),
                 enc.buf(values)?.clone(),
             );
-            enc.list
-                .dispatch(&kern)
+            enc.dispatch(&kern)
                 .grid(u32_arg(rows)?)
                 .block(256)
                 .read(&l)

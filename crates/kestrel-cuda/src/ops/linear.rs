@@ -84,8 +84,7 @@ fn encode_matvec(
         LinearWeight::Dense(wb) if enc.dtype(wb.raw()) == DType::BF16 && in_dim % 8 == 0 => {
             let k = enc.device.kernel("linear", "matvec_bf16")?;
             let wb = enc.buf(wb.raw())?.clone();
-            enc.list
-                .dispatch(&k)
+            enc.dispatch(&k)
                 .grid(blocks(MATVEC_BLOCKS_PER_SM)?)
                 .block(32 * MATVEC_WARPS)
                 .shared_mem(u32_arg(smem)?)
@@ -111,8 +110,7 @@ fn encode_matvec(
                 enc.buf(scales.raw())?.clone(),
                 enc.buf(biases.raw())?.clone(),
             );
-            enc.list
-                .dispatch(&k)
+            enc.dispatch(&k)
                 .grid(blocks(DP_BLOCKS_PER_SM)?)
                 .block(32 * MATVEC_WARPS)
                 .shared_mem(u32_arg(smem)?)
@@ -124,7 +122,6 @@ fn encode_matvec(
                 .arg(u32_arg(in_dim)?)
                 .arg(u32_arg(out_dim)?)
                 .arg(u32_arg(format.group_size)?)
-                .programmatic()
                 .record();
         }
         _ => return Ok(false),
@@ -159,8 +156,7 @@ fn encode_gemm(
         enc.buf(out)?.clone(),
     );
     let convert = enc.device.kernel("elementwise", "convert_f32_bf16")?;
-    enc.list
-        .dispatch(&convert)
+    enc.dispatch(&convert)
         .cover(tokens * in_dim / 8, 256)
         .read(&x)
         .write(&xb)
@@ -196,7 +192,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             let (x, out) = (enc.buf(*x)?.clone(), enc.buf(*out)?.clone());
             let (suffix, parts, group) = weight_parts(enc, w)?;
             let k = enc.device.kernel("linear", &format!("linear_{suffix}"))?;
-            let mut b = enc.list.dispatch(&k).grid(grid).block(32 * ROWS as u32).read(&x);
+            let mut b = enc.dispatch(&k).grid(grid).block(32 * ROWS as u32).read(&x);
             for part in &parts {
                 b = b.read(part);
             }
@@ -222,7 +218,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             let (ids, out) = (enc.buf(*ids)?.clone(), enc.buf(*out)?.clone());
             let (suffix, parts, group) = weight_parts(enc, table)?;
             let k = enc.device.kernel("linear", &format!("embed_{suffix}"))?;
-            let mut b = enc.list.dispatch(&k).grid(u32_arg(tokens)?).block(256);
+            let mut b = enc.dispatch(&k).grid(u32_arg(tokens)?).block(256);
             for part in &parts {
                 b = b.read(part);
             }

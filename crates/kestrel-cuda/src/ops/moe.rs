@@ -66,16 +66,14 @@ fn encode_grouped(
         enc.workspace(DType::BF16, [slots, h])?,
     );
     let convert = enc.device.kernel("elementwise", "convert_f32_bf16")?;
-    enc.list
-        .dispatch(&convert)
+    enc.dispatch(&convert)
         .cover(tokens * h / 8, 256)
         .read(x)
         .write(&xb)
         .arg(u32_arg(tokens * h)?)
         .record();
     let sort = enc.device.kernel("moe_gemm", "moe_sort")?;
-    enc.list
-        .dispatch(&sort)
+    enc.dispatch(&sort)
         .grid(1)
         .block(SORT_MAX_EXPERTS as u32)
         .read(ids)
@@ -92,7 +90,6 @@ fn encode_grouped(
         .kernel("moe_gemm", &format!("moe_gemm_gate_up_{name}"))?;
     let smem = |nb: usize| 2 * (GT_ROWS + nb * GT_COLS) * GT_STRIDE * 2;
     let b = enc
-        .list
         .dispatch(&gate_up)
         .grid((u32_arg(max_tiles)?, u32_arg(i / GT_COLS)?))
         .block(256)
@@ -108,8 +105,7 @@ fn encode_grouped(
     let down = enc
         .device
         .kernel("moe_gemm", &format!("moe_gemm_down_{name}_{nb}"))?;
-    enc.list
-        .dispatch(&down)
+    enc.dispatch(&down)
         .grid((u32_arg(max_tiles)?, u32_arg(h / (nb * GT_COLS))?))
         .block(256)
         .shared_mem(u32_arg(smem(nb))?)
@@ -128,8 +124,7 @@ fn encode_grouped(
         .arg(u32_arg(group)?)
         .record();
     let combine = enc.device.kernel("moe_gemm", "moe_combine")?;
-    enc.list
-        .dispatch(&combine)
+    enc.dispatch(&combine)
         .cover(tokens * h / 8, 256)
         .read(&ys)
         .read(ids)
@@ -192,8 +187,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 enc.buf(ids)?.clone(),
                 enc.buf(weights)?.clone(),
             );
-            enc.list
-                .dispatch(&kern)
+            enc.dispatch(&kern)
                 .grid(u32_arg(tokens)?)
                 .block(32)
                 .read(&l)
@@ -202,7 +196,6 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 .arg(u32_arg(experts)?)
                 .arg(u32_arg(k)?)
                 .arg(normalize as i32)
-                .programmatic()
                 .record();
         }
         Op::MoeExperts {
@@ -281,7 +274,6 @@ fn encode_int8(
     let gate_up = enc.device.kernel("moe", &format!("moe_gate_up_{name}"))?;
     let down = enc.device.kernel("moe", &format!("moe_down_{name}"))?;
     let b = enc
-        .list
         .dispatch(&gate_up)
         .grid((u32_arg(i / 32)?, u32_arg(tokens * k)?))
         .block(GQ_THREADS)
@@ -291,11 +283,9 @@ fn encode_int8(
         .read(e)
         .write(&aq)
         .write(&ad)
-        .write(&as16)
-        .programmatic();
+        .write(&as16);
     expert_args(b, (h, i, k), span, &[g, u], group)?.record();
     let b = enc
-        .list
         .dispatch(&down)
         .grid((u32_arg(h.div_ceil(DOWN_ROWS))?, u32_arg(tokens)?))
         .block(128)
@@ -306,8 +296,7 @@ fn encode_int8(
         .read(ids)
         .read(w)
         .read(e)
-        .write(o)
-        .programmatic();
+        .write(o);
     expert_args(b, (h, i, k), span, &[d], group)?.record();
     Ok(())
 }
@@ -340,7 +329,6 @@ fn encode_bf16(
     let gate_up = enc.device.kernel("moe", "moe_gate_up_bf16")?;
     let down = enc.device.kernel("moe", "moe_down_bf16")?;
     let b = enc
-        .list
         .dispatch(&gate_up)
         .grid((u32_arg(i.div_ceil(GU_ROWS))?, u32_arg(tokens * k)?))
         .block(128)
@@ -351,7 +339,6 @@ fn encode_bf16(
         .write(&act);
     expert_args(b, (h, i, k), span, &[g, u], 0)?.record();
     let b = enc
-        .list
         .dispatch(&down)
         .grid((u32_arg(h.div_ceil(DOWN_ROWS))?, u32_arg(tokens)?))
         .block(128)

@@ -23,8 +23,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 .device
                 .kernel("norm", &format!("rms_norm_{}", float_name(enc.dtype(w))?))?;
             let (x, w, out) = (enc.buf(x)?.clone(), enc.buf(w)?.clone(), enc.buf(out)?.clone());
-            enc.list
-                .dispatch(&k)
+            enc.dispatch(&k)
                 .grid(u32_arg(rows)?)
                 .block(THREADS)
                 .read(&x)
@@ -54,8 +53,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 enc.buf(w)?.clone(),
                 enc.buf(out)?.clone(),
             );
-            enc.list
-                .dispatch(&k)
+            enc.dispatch(&k)
                 .grid(u32_arg(rows)?)
                 .block(THREADS)
                 .read_write(&r)
@@ -85,8 +83,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 enc.buf(w)?.clone(),
                 enc.buf(out)?.clone(),
             );
-            enc.list
-                .dispatch(&k)
+            enc.dispatch(&k)
                 .grid(u32_arg(rows)?)
                 .block(THREADS)
                 .read(&x)
@@ -114,8 +111,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 enc.buf(positions)?.clone(),
                 enc.buf(inv_freq)?.clone(),
             );
-            enc.list
-                .dispatch(&k)
+            enc.dispatch(&k)
                 .grid(u32_arg(tokens * heads)?)
                 .block(block)
                 .read_write(&x)
