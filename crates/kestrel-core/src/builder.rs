@@ -590,6 +590,75 @@ impl GraphBuilder {
         );
     }
 
+    /// Per-head norms (when given) and rotation of `q` (in place) and `k`, and the new `k` and
+    /// `v` appended to the caches: [`Op::AttentionInputs`], what `head_norm`, `rope` and
+    /// `kv_append` do in five ops.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_inputs(
+        &mut self,
+        name: &str,
+        q: BufId<Act>,
+        k: BufId<Act>,
+        v: BufId<Act>,
+        norms: Option<(BufId<Weight>, BufId<Weight>, f32, NormKind)>,
+        positions: BufId<Positions>,
+        inv_freq: BufId<Weight>,
+        rot_dim: usize,
+        scaling: f32,
+        k_cache: BufId<Cache>,
+        v_cache: BufId<Cache>,
+    ) {
+        let (kv_heads, max_ctx, head_dim) = self.cache_dims(k_cache);
+        self.check(
+            name,
+            self.cache_dims(v_cache) == (kv_heads, max_ctx, head_dim),
+            || "k and v caches differ".into(),
+        );
+        let (tokens, cols) = self.rows_cols(q);
+        self.check(name, cols % head_dim == 0, || {
+            format!("q has {cols} columns, not whole heads of {head_dim}")
+        });
+        self.check_cols(name, k, kv_heads * head_dim);
+        self.check_cols(name, v, kv_heads * head_dim);
+        self.check_len(name, k, tokens * kv_heads * head_dim);
+        self.check_len(name, positions, tokens);
+        self.check(name, rot_dim % 2 == 0 && rot_dim <= head_dim, || {
+            format!("rot_dim {rot_dim} for head_dim {head_dim}")
+        });
+        self.check_len(name, inv_freq, rot_dim / 2);
+        self.check_dtype(name, inv_freq, &[DType::F32]);
+        let norms = norms.map(|(qw, kw, eps, kind)| {
+            self.norm_weight(name, qw, head_dim);
+            self.norm_weight(name, kw, head_dim);
+            HeadNorms {
+                q: qw.raw(),
+                k: kw.raw(),
+                eps,
+                kind,
+            }
+        });
+        self.push(
+            name,
+            Op::AttentionInputs {
+                q: q.raw(),
+                k: k.raw(),
+                v: v.raw(),
+                norms,
+                positions: positions.raw(),
+                inv_freq: inv_freq.raw(),
+                k_cache: k_cache.raw(),
+                v_cache: v_cache.raw(),
+                tokens,
+                heads: cols / head_dim,
+                kv_heads,
+                head_dim,
+                rot_dim,
+                scaling,
+                max_ctx,
+            },
+        );
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub fn attention<R: Activation>(
         &mut self,

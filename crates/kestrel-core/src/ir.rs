@@ -298,6 +298,16 @@ impl ExpertLayout {
     }
 }
 
+/// Per-head RMS norms of queries and keys (`[head_dim]` weights each), as Qwen3 applies them
+/// before the rotation.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HeadNorms {
+    pub q: Buf,
+    pub k: Buf,
+    pub eps: f32,
+    pub kind: NormKind,
+}
+
 /// RMS norm weight convention.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum NormKind {
@@ -426,6 +436,27 @@ pub enum Op {
         tokens: usize,
         kv_heads: usize,
         head_dim: usize,
+        max_ctx: usize,
+    },
+    /// The inputs of attention for new tokens in one op: each head of `q: [tokens, heads,
+    /// head_dim]` and of `k: [tokens, kv_heads, head_dim]` RMS-normalised with `norms` when
+    /// given, then rotated as [`Op::Rope`] rotates; `q` in place, the new `k` and `v` into the
+    /// caches at `positions[t]` as [`Op::KvAppend`] stores them (`k` itself is left as it was).
+    AttentionInputs {
+        q: Buf,
+        k: Buf,
+        v: Buf,
+        norms: Option<HeadNorms>,
+        positions: Buf,
+        inv_freq: Buf,
+        k_cache: Buf,
+        v_cache: Buf,
+        tokens: usize,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        rot_dim: usize,
+        scaling: f32,
         max_ctx: usize,
     },
     /// Causal attention with GQA: query token t attends to cache rows `0 ..= positions[t]`.
@@ -563,6 +594,21 @@ impl Op {
                 vec![*k, *v, *positions, *k_cache, *v_cache],
                 vec![*k_cache, *v_cache],
             ),
+            AttentionInputs {
+                q,
+                k,
+                v,
+                norms,
+                positions,
+                inv_freq,
+                k_cache,
+                v_cache,
+                ..
+            } => {
+                let mut r = vec![*q, *k, *v, *positions, *inv_freq, *k_cache, *v_cache];
+                r.extend(norms.iter().flat_map(|n| [n.q, n.k]));
+                (r, vec![*q, *k_cache, *v_cache])
+            }
             Attention {
                 q,
                 k_cache,
@@ -626,6 +672,7 @@ impl Op {
             Add { .. } => "add",
             CopyRows { .. } => "copy_rows",
             KvAppend { .. } => "kv_append",
+            AttentionInputs { .. } => "attention_inputs",
             Attention { .. } => "attention",
             Router { .. } => "router",
             MoeExperts { .. } => "moe_experts",

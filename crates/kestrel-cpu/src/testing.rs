@@ -330,6 +330,24 @@ pub mod reference {
         1.0 / (1.0 + (-x).exp())
     }
 
+    /// Neox rotation of every head of `x` (`[tokens, heads * head_dim]`, in place) by
+    /// `positions[t] * inv_freq[i]`, the angle taken in f32 as transformers computes it.
+    pub fn rope(x: &mut [f64], head_dim: usize, positions: &[u32], inv_freq: &[f32], scaling: f32) {
+        let half = inv_freq.len();
+        let per_token = x.len() / positions.len();
+        for (row, &p) in x.chunks_mut(per_token).zip(positions) {
+            for head in row.chunks_mut(head_dim) {
+                for i in 0..half {
+                    let a = (p as f32 * inv_freq[i]) as f64;
+                    let (cs, sn) = (a.cos() * scaling as f64, a.sin() * scaling as f64);
+                    let (x1, x2) = (head[i], head[i + half]);
+                    head[i] = x1 * cs - x2 * sn;
+                    head[i + half] = x2 * cs + x1 * sn;
+                }
+            }
+        }
+    }
+
     pub fn rms_norm(x: &[f64], w: &[f64], dim: usize, eps: f64, zero_centered: bool) -> Vec<f64> {
         x.chunks(dim)
             .flat_map(|row| {
@@ -534,24 +552,8 @@ pub fn rope(rng: Rng) -> Case {
         table.rot_dim,
         table.attention_scaling,
     );
-    let half = table.rot_dim / 2;
     let mut expect = xf.clone();
-    for t in 0..tokens {
-        for h in 0..heads {
-            let base = (t * heads + h) * hd;
-            for i in 0..half {
-                // The angle as transformers computes it: f32 product, then cos/sin.
-                let a = (pos[t] as f32 * table.inv_freq[i]) as f64;
-                let (cs, sn) = (
-                    a.cos() * table.attention_scaling as f64,
-                    a.sin() * table.attention_scaling as f64,
-                );
-                let (x1, x2) = (xf[base + i], xf[base + i + half]);
-                expect[base + i] = x1 * cs - x2 * sn;
-                expect[base + i + half] = x2 * cs + x1 * sn;
-            }
-        }
-    }
+    r::rope(&mut expect, hd, &pos, &table.inv_freq, table.attention_scaling);
     c.check_floats(x, expect);
     c.finish(format!(
         "rope {tokens}x{heads}x{hd} rot {} from {start}",
@@ -741,6 +743,87 @@ pub fn attention(rng: Rng) -> Case {
     c.check_floats(out, expect);
     c.finish(format!(
         "attention t{tokens} past{past} ctx{max_ctx} h{heads}/{kv_heads} d{hd} {dtype}"
+    ))
+}
+
+/// Per-head norms, rotation and cache append in one op, then attention over the caches. q is
+/// checked against the float64 reference; f32 caches directly, half ones through the attention
+/// that reads them, between backends (a computed key may round to either neighbouring bf16).
+pub fn attention_inputs(rng: Rng) -> Case {
+    let mut c = CaseBuilder::new(rng);
+    let kv_heads = c.rng.range(1, 4);
+    let heads = kv_heads * c.rng.range(1, 9);
+    let hd = pick(&mut c.rng, &[64, 128, 256, 40]);
+    let partial = pick(&mut c.rng, &[1.0, 0.25, 0.5]);
+    let tokens = pick(&mut c.rng, &[1, 1, 3, 19]);
+    let past = c.rng.range(0, 90);
+    let max_ctx = past + tokens + c.rng.range(0, 20);
+    let dtype = pick(&mut c.rng, &[DType::F32, DType::BF16, DType::F16]);
+    let table = RopeTable::new(1e6, hd, partial, &RopeScaling::None);
+    let (freq, _) = c.weight_from("inv_freq", DType::F32, &[table.rot_dim / 2], &table.inv_freq);
+    let kc = c.randn(kv_heads * max_ctx * hd, 1.0);
+    let vc = c.randn(kv_heads * max_ctx * hd, 1.0);
+    let kcache = c.g.cache("k_cache", dtype, kv_heads, max_ctx, hd);
+    let vcache = c.g.cache("v_cache", dtype, kv_heads, max_ctx, hd);
+    let (kb, mut kf) = stored(&kc, dtype);
+    let (vb, mut vf) = stored(&vc, dtype);
+    c.set(kcache, kb);
+    c.set(vcache, vb);
+    let (q, mut qx) = c.act("q", tokens, heads * hd, 1.0);
+    let (k, mut kx) = c.act("k", tokens, kv_heads * hd, 1.0);
+    let (v, vx) = c.act("v", tokens, kv_heads * hd, 1.0);
+    let kind = pick(&mut c.rng, &[NormKind::Standard, NormKind::ZeroCentered]);
+    let norms = if c.rng.next_f32() < 0.7 {
+        let wdtype = pick(&mut c.rng, &[DType::BF16, DType::F32]);
+        let (qw, qwf) = c.weight("q_norm", wdtype, &[hd], 0.5);
+        let (kw, kwf) = c.weight("k_norm", wdtype, &[hd], 0.5);
+        let zc = kind == NormKind::ZeroCentered;
+        qx = r::rms_norm(&qx, &qwf, hd, 1e-6, zc);
+        kx = r::rms_norm(&kx, &kwf, hd, 1e-6, zc);
+        Some((qw, kw, 1e-6, kind))
+    } else {
+        None
+    };
+    let pos: Vec<u32> = (0..tokens).map(|t| (past + t) as u32).collect();
+    let p = c.positions("pos", &pos);
+    c.g.attention_inputs(
+        "inputs",
+        q,
+        k,
+        v,
+        norms,
+        p,
+        freq,
+        table.rot_dim,
+        table.attention_scaling,
+        kcache,
+        vcache,
+    );
+    r::rope(&mut qx, hd, &pos, &table.inv_freq, table.attention_scaling);
+    r::rope(&mut kx, hd, &pos, &table.inv_freq, table.attention_scaling);
+    c.check_floats(q, qx);
+    if dtype == DType::F32 {
+        for t in 0..tokens {
+            for h in 0..kv_heads {
+                for d in 0..hd {
+                    let at = (h * max_ctx + past + t) * hd + d;
+                    kf[at] = kx[(t * kv_heads + h) * hd + d] as f32 as f64;
+                    vf[at] = vx[(t * kv_heads + h) * hd + d] as f32 as f64;
+                }
+            }
+        }
+        c.check_floats(kcache, kf);
+        c.check_floats(vcache, vf);
+    } else {
+        c.rounded_activations = true;
+        let out =
+            c.g.attention("attn", q, kcache, vcache, p, heads, 1.0 / (hd as f32).sqrt());
+        c.check_backends(out);
+    }
+    c.finish(format!(
+        "attention_inputs t{tokens} past{past} ctx{max_ctx} h{heads}/{kv_heads} d{hd} rot {} {dtype} norms {}",
+        table.rot_dim,
+        norms.is_some()
     ))
 }
 
@@ -995,6 +1078,7 @@ pub fn all_cases(rng: &mut Rng) -> Vec<Case> {
         linear(seed()),
         elementwise(seed()),
         attention(seed()),
+        attention_inputs(seed()),
         moe(seed()),
         deltanet(seed(), DeltaAlgo::Recurrent),
         deltanet(seed(), DeltaAlgo::Chunked { chunk: 16 }),

@@ -1,4 +1,5 @@
-// Full attention with a KV cache. kv_append writes new keys/values at their positions; attention
+// Full attention with a KV cache. kv_append writes new keys/values at their positions
+// (attention_inputs does it together with the per-head norms and rotation of q and k); attention
 // is causal with grouped-query heads. Three kernels: flash_attention (tensor cores, bf16/f16
 // caches, head dims 64/96/128/256, any number of tokens, split over the cache when there are
 // few rows), attention_split + attention_combine (f32 caches, decode), and the plain kernel
@@ -21,6 +22,60 @@ __device__ void kv_append(const float* k, const float* v, const unsigned* positi
     const size_t dst = (h * max_ctx + p) * head_dim + d;
     k_cache[dst] = from_f32<T>(k[i]);
     v_cache[dst] = from_f32<T>(v[i]);
+}
+
+// The inputs of attention for new tokens in one kernel: one block per (token, row), the rows being
+// the heads of q, then of k, then of v. A head is staged in shared memory, RMS-normalised when
+// norm weights are given (q and k), rotated (neox halves, angle position * inv_freq in f32 as
+// rope_f32 computes it) and stored: q in place, k and v into the caches at the token's position.
+// head_dim <= 256; blockDim.x a multiple of 32.
+template <typename T, typename W>
+__device__ void attention_inputs(float* q, const float* k, const float* v, const W* q_norm, const W* k_norm,
+                                 float eps, int zero_centered, const unsigned* positions, const float* inv_freq,
+                                 T* k_cache, T* v_cache, unsigned heads, unsigned kv_heads, unsigned head_dim,
+                                 unsigned rot_dim, float scaling, unsigned max_ctx) {
+    __shared__ float row[256];
+    __shared__ float scratch[32];
+    const unsigned t = blockIdx.x, r = blockIdx.y;
+    const unsigned p = positions[t];
+    const bool is_q = r < heads, is_k = !is_q && r < heads + kv_heads;
+    const unsigned h = is_q ? r : (is_k ? r - heads : r - heads - kv_heads);
+    float* qh = q + ((size_t)t * heads + h) * head_dim;
+    const float* src = is_q ? qh : (is_k ? k : v) + ((size_t)t * kv_heads + h) * head_dim;
+    for (unsigned i = threadIdx.x; i < head_dim; i += blockDim.x) row[i] = src[i];
+    const W* w = is_q ? q_norm : k_norm;
+    if (w != nullptr && (is_q || is_k)) {
+        float ss = 0.0f;
+        for (unsigned i = threadIdx.x; i < head_dim; i += blockDim.x) ss += row[i] * row[i];
+        ss = block_sum(ss, scratch);
+        const float inv = 1.0f / sqrtf(ss / (float)head_dim + eps);
+        for (unsigned i = threadIdx.x; i < head_dim; i += blockDim.x) {
+            const float s = zero_centered ? 1.0f + to_f32(w[i]) : to_f32(w[i]);
+            row[i] = row[i] * inv * s;
+        }
+    }
+    __syncthreads();
+    const unsigned half = (is_q || is_k) ? rot_dim / 2 : 0;
+    const size_t at = ((size_t)h * max_ctx + p) * head_dim;
+    if (!is_q && p >= max_ctx) return;  // the host checks lengths before any work; never write outside the cache
+    for (unsigned i = threadIdx.x; i < head_dim; i += blockDim.x) {
+        float out;
+        if (i < half) {
+            float sn, c;
+            sincosf((float)p * inv_freq[i], &sn, &c);
+            out = row[i] * (c * scaling) - row[i + half] * (sn * scaling);
+        } else if (i < 2 * half) {
+            float sn, c;
+            sincosf((float)p * inv_freq[i - half], &sn, &c);
+            out = row[i] * (c * scaling) + row[i - half] * (sn * scaling);
+        } else {
+            out = row[i];
+        }
+        if (is_q)
+            qh[i] = out;
+        else
+            (is_k ? k_cache : v_cache)[at + i] = from_f32<T>(out);
+    }
 }
 
 template <typename T>
@@ -104,6 +159,22 @@ __device__ void attention(const float* q, const T* k_cache, const T* v_cache, co
 ATTN(float, f32)
 ATTN(bf16, bf16)
 ATTN(f16, f16)
+
+// attention_inputs_{cache}_{norm weights}; without norms the weight pointers are null.
+#define INPUTS(T, NAME, W, WNAME)                                                                           \
+    extern "C" __global__ void attention_inputs_##NAME##_##WNAME(                                           \
+        float* q, const float* k, const float* v, const W* q_norm, const W* k_norm, float eps,             \
+        int zero_centered, const unsigned* positions, const float* inv_freq, T* k_cache, T* v_cache,        \
+        unsigned heads, unsigned kv_heads, unsigned head_dim, unsigned rot_dim, float scaling,              \
+        unsigned max_ctx) {                                                                                 \
+        pdl_begin();                                                                                        \
+        attention_inputs(q, k, v, q_norm, k_norm, eps, zero_centered, positions, inv_freq, k_cache, v_cache, \
+                         heads, kv_heads, head_dim, rot_dim, scaling, max_ctx);                             \
+    }
+#define INPUTS_ALL(T, NAME) INPUTS(T, NAME, float, f32) INPUTS(T, NAME, bf16, bf16) INPUTS(T, NAME, f16, f16)
+INPUTS_ALL(float, f32)
+INPUTS_ALL(bf16, bf16)
+INPUTS_ALL(f16, f16)
 
 // ---- decode on f32 caches: split over the cache length ----
 // Grid (kv_heads * subgroups, splits, tokens): a block takes one KV head, up to GROUP query heads

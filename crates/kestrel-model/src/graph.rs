@@ -230,7 +230,7 @@ impl Forward {
         let tokens = b.g.tokens_input("tokens", spec.tokens);
         let positions = b.g.positions_input("positions", spec.tokens);
         let embed = b.linear(&format!("{prefix}.embed_tokens"), c.vocab, c.hidden)?;
-        let mut x: BufId<Residual> = b.g.embed("embed", &embed, tokens);
+        let x: BufId<Residual> = b.g.embed("embed", &embed, tokens);
         // One rotary table for every layer.
         let table = RopeTable::new(
             c.rope.theta,
@@ -243,16 +243,18 @@ impl Forward {
             inv_freq.raw(),
             Source::Bytes(bytemuck::cast_slice(&table.inv_freq).to_vec()),
         ));
+        // Each layer's feed-forward output joins the residual in the next layer's input norm (one
+        // add-and-norm instead of an add and a norm).
+        let mut pending: Option<BufId<kestrel_core::ir::Act>> = None;
         for i in 0..c.layers {
             let l = format!("{prefix}.layers.{i}");
             let in_ln = b.norm_weight(&format!("{l}.input_layernorm.weight"), c.hidden)?;
-            let h = b.g.rms_norm(
-                &format!("{l}.input_layernorm"),
-                x,
-                in_ln,
-                c.norm_eps as f32,
-                b.norm,
-            );
+            let name = format!("{l}.input_layernorm");
+            let eps = c.norm_eps as f32;
+            let h = match pending.take() {
+                Some(m) => b.g.add_rms_norm(&name, x, m, in_ln, eps, b.norm),
+                None => b.g.rms_norm(&name, x, in_ln, eps, b.norm),
+            };
             let mixed = match c.layer_kinds[i] {
                 LayerKind::FullAttention => attention(&mut b, &l, h, positions, inv_freq, &table, spec)?,
                 LayerKind::LinearAttention => linear_attention(&mut b, &l, h)?,
@@ -270,16 +272,20 @@ impl Forward {
                 MlpKind::Dense => dense_mlp(&mut b, &format!("{l}.mlp"), h2, c.intermediate)?,
                 MlpKind::Moe => moe(&mut b, &format!("{l}.mlp"), h2)?,
             };
-            x = b.g.add_residual(&format!("{l}.residual"), x, m);
+            pending = Some(m);
         }
         let final_ln = b.norm_weight(&format!("{prefix}.norm.weight"), c.hidden)?;
-        let x = if spec.all_logits {
-            x
-        } else {
-            b.g.last_row("last_row", x)
+        let (name, eps) = (format!("{prefix}.norm"), c.norm_eps as f32);
+        let h = match pending {
+            Some(m) => b.g.add_rms_norm(&name, x, m, final_ln, eps, b.norm),
+            None => b.g.rms_norm(&name, x, final_ln, eps, b.norm),
         };
-        let h =
-            b.g.rms_norm(&format!("{prefix}.norm"), x, final_ln, c.norm_eps as f32, b.norm);
+        // The lm_head runs on the last token's row only, unless every token's logits are wanted.
+        let h = if spec.all_logits || spec.tokens == 1 {
+            h
+        } else {
+            b.g.last_row("last_row", h)
+        };
         let head = if c.tie_embeddings && !w.contains("lm_head.weight") {
             embed
         } else {
@@ -363,51 +369,42 @@ fn attention(
     let vw = b.linear(&format!("{a}.v_proj"), kv * hd, c.hidden)?;
     let ow = b.linear(&format!("{a}.o_proj"), c.hidden, heads * hd)?;
     let qg = b.g.linear(&format!("{a}.q_proj"), h, &qw);
-    let (mut q, gate) = if gated {
+    let (q, gate) = if gated {
         let parts = b.g.split(&format!("{a}.q_gate"), qg, heads, &[hd, hd]);
         (parts[0], Some(parts[1]))
     } else {
         (qg, None)
     };
-    let mut k = b.g.linear(&format!("{a}.k_proj"), h, &kw);
+    let k = b.g.linear(&format!("{a}.k_proj"), h, &kw);
     let v = b.g.linear(&format!("{a}.v_proj"), h, &vw);
     // Qwen3 families normalise each head of q and k before the rotation.
-    if b.w.contains(&format!("{a}.q_norm.weight")) {
+    let norms = if b.w.contains(&format!("{a}.q_norm.weight")) {
         let (qn, kn) = (
             b.norm_weight(&format!("{a}.q_norm.weight"), hd)?,
             b.norm_weight(&format!("{a}.k_norm.weight"), hd)?,
         );
-        q =
-            b.g.head_norm(&format!("{a}.q_norm"), q, qn, hd, c.norm_eps as f32, b.norm);
-        k =
-            b.g.head_norm(&format!("{a}.k_norm"), k, kn, hd, c.norm_eps as f32, b.norm);
-    }
-    let scaling = table.attention_scaling;
-    b.g.rope(
-        &format!("{a}.rope_q"),
-        q,
-        pos,
-        inv_freq,
-        heads,
-        hd,
-        table.rot_dim,
-        scaling,
-    );
-    b.g.rope(
-        &format!("{a}.rope_k"),
-        k,
-        pos,
-        inv_freq,
-        kv,
-        hd,
-        table.rot_dim,
-        scaling,
-    );
+        Some((qn, kn, c.norm_eps as f32, b.norm))
+    } else {
+        None
+    };
     let kc =
         b.g.cache(&format!("{l}.k_cache"), spec.cache_dtype, kv, spec.ctx, hd);
     let vc =
         b.g.cache(&format!("{l}.v_cache"), spec.cache_dtype, kv, spec.ctx, hd);
-    b.g.kv_append(&format!("{a}.kv_append"), k, v, pos, kc, vc);
+    // Norms, rotation and the cache append in one op.
+    b.g.attention_inputs(
+        &format!("{a}.inputs"),
+        q,
+        k,
+        v,
+        norms,
+        pos,
+        inv_freq,
+        table.rot_dim,
+        table.attention_scaling,
+        kc,
+        vc,
+    );
     let mut o = b.g.attention(
         &format!("{a}.attention"),
         q,

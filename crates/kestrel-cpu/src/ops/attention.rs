@@ -1,11 +1,14 @@
-//! Full attention with a KV cache: append keys and values at their positions, then causal
-//! attention with grouped-query heads (query head h reads kv head h / (heads / kv_heads)).
+//! Full attention with a KV cache: append keys and values at their positions (alone, or with
+//! the per-head norms and rotation of queries and keys in one op), then causal attention with
+//! grouped-query heads (query head h reads kv head h / (heads / kv_heads)).
 
 use half::{bf16, f16};
 use kestrel_core::ir::Op;
 use kestrel_core::DType;
 use rayon::prelude::*;
 
+use super::norm::norm_row;
+use super::rope::{angles, rotate};
 use super::OpResult;
 use crate::views::Views;
 
@@ -60,6 +63,63 @@ pub fn exec(op: &Op, v: &mut Views) -> OpResult {
                     let src = (t * kv_heads + h) * head_dim;
                     let dst = (h * max_ctx + p) * head_dim;
                     store(kc, kd, dst, &k[src..src + head_dim])?;
+                    store(vc, vd, dst, &val[src..src + head_dim])?;
+                }
+            }
+        }
+        // q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim]
+        Op::AttentionInputs {
+            q,
+            k,
+            v: val,
+            norms,
+            positions,
+            inv_freq,
+            k_cache,
+            v_cache,
+            tokens,
+            heads,
+            kv_heads,
+            head_dim,
+            rot_dim,
+            scaling,
+            max_ctx,
+        } => {
+            let (k, val, pos) = (v.read::<f32>(k)?, v.read::<f32>(val)?, v.read::<u32>(positions)?);
+            let inv_freq = &v.read::<f32>(inv_freq)?[..rot_dim / 2];
+            let norms = match norms {
+                Some(n) => Some((v.floats(n.q)?, v.floats(n.k)?, n.eps, n.kind)),
+                None => None,
+            };
+            let (kd, vd) = (v.dtype(k_cache), v.dtype(v_cache));
+            let q = v.write::<f32>(q)?;
+            let (kc, vc) = (v.write_bytes(k_cache)?, v.write_bytes(v_cache)?);
+            let mut row = vec![0f32; head_dim];
+            for t in 0..tokens {
+                let p = pos[t] as usize;
+                if p >= max_ctx {
+                    return Err(format!("position {p} outside a cache of {max_ctx}"));
+                }
+                let (cos, sin) = angles(pos[t], inv_freq, scaling);
+                for h in 0..heads {
+                    let head = &mut q[(t * heads + h) * head_dim..][..head_dim];
+                    if let Some((qw, _, eps, kind)) = norms {
+                        row.copy_from_slice(head);
+                        norm_row(&row, qw, head, eps, kind);
+                    }
+                    rotate(head, &cos, &sin);
+                }
+                for h in 0..kv_heads {
+                    let src = (t * kv_heads + h) * head_dim;
+                    let dst = (h * max_ctx + p) * head_dim;
+                    match norms {
+                        Some((_, kw, eps, kind)) => {
+                            norm_row(&k[src..src + head_dim], kw, &mut row, eps, kind)
+                        }
+                        None => row.copy_from_slice(&k[src..src + head_dim]),
+                    }
+                    rotate(&mut row, &cos, &sin);
+                    store(kc, kd, dst, &row)?;
                     store(vc, vd, dst, &val[src..src + head_dim])?;
                 }
             }

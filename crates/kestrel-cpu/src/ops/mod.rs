@@ -24,7 +24,7 @@ pub fn exec(op: &Op, v: &mut Views) -> OpResult {
         Split { .. } | Concat { .. } | SwiGlu { .. } | SigmoidGate { .. } | Add { .. } | CopyRows { .. } => {
             elementwise::exec(op, v)
         }
-        KvAppend { .. } | Attention { .. } => attention::exec(op, v),
+        KvAppend { .. } | AttentionInputs { .. } | Attention { .. } => attention::exec(op, v),
         Router { .. } | MoeExperts { .. } => moe::exec(op, v),
         CausalConv1d { .. } | DeltaGates { .. } | DeltaRule { .. } => deltanet::exec(op, v),
         Argmax { .. } | TopK { .. } => head::exec(op, v),

@@ -8,7 +8,7 @@ use super::{silu, OpResult};
 use crate::views::{Floats, Views};
 
 /// `out = x / sqrt(mean(x²) + eps) * scale(w)` for one row.
-fn norm_row(x: &[f32], w: Floats, out: &mut [f32], eps: f32, kind: NormKind) {
+pub(super) fn norm_row(x: &[f32], w: Floats, out: &mut [f32], eps: f32, kind: NormKind) {
     let ms = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
     let inv = 1.0 / (ms + eps).sqrt();
     for (i, o) in out.iter_mut().enumerate() {

@@ -6,6 +6,27 @@ use kestrel_core::ir::Op;
 use super::OpResult;
 use crate::views::Views;
 
+/// cos and sin of `position * inv_freq[i]`, scaled, in f32 as transformers computes them.
+pub(super) fn angles(position: u32, inv_freq: &[f32], scaling: f32) -> (Vec<f32>, Vec<f32>) {
+    inv_freq
+        .iter()
+        .map(|f| {
+            let a = position as f32 * f;
+            (a.cos() * scaling, a.sin() * scaling)
+        })
+        .unzip()
+}
+
+/// Rotates one head in place by the angles of `angles` (its first `2 * cos.len()` dims).
+pub(super) fn rotate(head: &mut [f32], cos: &[f32], sin: &[f32]) {
+    let half = cos.len();
+    for i in 0..half {
+        let (x1, x2) = (head[i], head[i + half]);
+        head[i] = x1 * cos[i] - x2 * sin[i];
+        head[i + half] = x2 * cos[i] + x1 * sin[i];
+    }
+}
+
 pub fn exec(op: &Op, v: &mut Views) -> OpResult {
     let Op::Rope {
         x,
@@ -21,22 +42,11 @@ pub fn exec(op: &Op, v: &mut Views) -> OpResult {
     };
     let (pos, inv_freq) = (v.read::<u32>(positions)?, v.read::<f32>(inv_freq)?);
     let x = v.write::<f32>(x)?; // [tokens, heads, head_dim]
-    let half = rot_dim / 2;
+    let inv_freq = &inv_freq[..rot_dim / 2];
     for (t, row) in x.chunks_mut(heads * head_dim).enumerate() {
-        // Angles in f32 as transformers computes them: position * inv_freq, then cos and sin.
-        let (cos, sin): (Vec<f32>, Vec<f32>) = inv_freq
-            .iter()
-            .map(|f| {
-                let a = pos[t] as f32 * f;
-                (a.cos() * scaling, a.sin() * scaling)
-            })
-            .unzip();
+        let (cos, sin) = angles(pos[t], inv_freq, scaling);
         for head in row.chunks_mut(head_dim) {
-            for i in 0..half {
-                let (x1, x2) = (head[i], head[i + half]);
-                head[i] = x1 * cos[i] - x2 * sin[i];
-                head[i + half] = x2 * cos[i] + x1 * sin[i];
-            }
+            rotate(head, &cos, &sin);
         }
     }
     Ok(())

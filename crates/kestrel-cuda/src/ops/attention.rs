@@ -1,6 +1,7 @@
-//! KV-cache append and causal GQA attention: `kernels/attention.cu`.
+//! KV-cache append (alone or with the per-head norms and rotation of q and k) and causal GQA
+//! attention: `kernels/attention.cu`.
 
-use kestrel_core::ir::Op;
+use kestrel_core::ir::{NormKind, Op};
 use kestrel_core::DType;
 
 use super::{float_name, u32_arg, unsupported};
@@ -259,6 +260,82 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 .arg(u32_arg(tokens)?)
                 .arg(u32_arg(kv_heads)?)
                 .arg(u32_arg(head_dim)?)
+                .arg(u32_arg(max_ctx)?)
+                .record();
+        }
+        Op::AttentionInputs {
+            q,
+            k,
+            v,
+            norms,
+            positions,
+            inv_freq,
+            k_cache,
+            v_cache,
+            tokens,
+            heads,
+            kv_heads,
+            head_dim,
+            rot_dim,
+            scaling,
+            max_ctx,
+        } => {
+            let cache = float_name(enc.dtype(k_cache))?;
+            if enc.dtype(v_cache) != enc.dtype(k_cache) {
+                return Err(unsupported("k and v caches of different dtypes".into()));
+            }
+            if head_dim > MAX_HEAD_DIM {
+                return Err(unsupported(format!("head_dim {head_dim} > {MAX_HEAD_DIM}")));
+            }
+            let weights = match norms {
+                Some(n) if enc.dtype(n.q) != enc.dtype(n.k) => {
+                    return Err(unsupported("q and k norm weights of different dtypes".into()))
+                }
+                Some(n) => float_name(enc.dtype(n.q))?,
+                None => "f32",
+            };
+            let kern = enc
+                .device
+                .kernel("attention", &format!("attention_inputs_{cache}_{weights}"))?;
+            let bufs = (
+                enc.buf(q)?.clone(),
+                enc.buf(k)?.clone(),
+                enc.buf(v)?.clone(),
+                enc.buf(positions)?.clone(),
+                enc.buf(inv_freq)?.clone(),
+            );
+            let (kc, vc) = (enc.buf(k_cache)?.clone(), enc.buf(v_cache)?.clone());
+            let norm_bufs = match norms {
+                Some(n) => Some((enc.buf(n.q)?.clone(), enc.buf(n.k)?.clone(), n.eps, n.kind)),
+                None => None,
+            };
+            let (q, k, v, p, f) = bufs;
+            let rows = heads + 2 * kv_heads;
+            let b = enc
+                .dispatch(&kern)
+                .grid((u32_arg(tokens)?, u32_arg(rows)?))
+                .block(((head_dim / 2).div_ceil(32) * 32).clamp(32, 128) as u32)
+                .read_write(&q)
+                .read(&k)
+                .read(&v);
+            // Without norms the weight pointers are null.
+            let b = match &norm_bufs {
+                Some((qw, kw, eps, kind)) => b
+                    .read(qw)
+                    .read(kw)
+                    .arg(*eps)
+                    .arg(i32::from(*kind == NormKind::ZeroCentered)),
+                None => b.arg(0u64).arg(0u64).arg(0f32).arg(0i32),
+            };
+            b.read(&p)
+                .read(&f)
+                .read_write(&kc)
+                .read_write(&vc)
+                .arg(u32_arg(heads)?)
+                .arg(u32_arg(kv_heads)?)
+                .arg(u32_arg(head_dim)?)
+                .arg(u32_arg(rot_dim)?)
+                .arg(scaling)
                 .arg(u32_arg(max_ctx)?)
                 .record();
         }

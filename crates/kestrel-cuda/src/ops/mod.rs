@@ -22,7 +22,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
         Split { .. } | Concat { .. } | SwiGlu { .. } | SigmoidGate { .. } | Add { .. } | CopyRows { .. } => {
             elementwise::encode(op, enc)
         }
-        KvAppend { .. } | Attention { .. } => attention::encode(op, enc),
+        KvAppend { .. } | AttentionInputs { .. } | Attention { .. } => attention::encode(op, enc),
         Router { .. } | MoeExperts { .. } => moe::encode(op, enc),
         CausalConv1d { .. } | DeltaGates { .. } | DeltaRule { .. } => deltanet::encode(op, enc),
         Argmax { .. } | TopK { .. } => head::encode(op, enc),
