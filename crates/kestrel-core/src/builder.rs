@@ -590,16 +590,15 @@ impl GraphBuilder {
         );
     }
 
-    /// Per-head norms (when given) and rotation of `q` (in place) and `k`, and the new `k` and
-    /// `v` appended to the caches: [`Op::AttentionInputs`], what `head_norm`, `rope` and
-    /// `kv_append` do in five ops.
+    /// Per-head norms (when given) and rotation of the queries and keys of the fused projection
+    /// `qkv`, and the new keys and values appended to the caches: [`Op::AttentionInputs`]. Returns
+    /// the queries and, when `gated`, the gates.
     #[allow(clippy::too_many_arguments)]
     pub fn attention_inputs(
         &mut self,
         name: &str,
-        q: BufId<Act>,
-        k: BufId<Act>,
-        v: BufId<Act>,
+        qkv: BufId<Act>,
+        gated: bool,
         norms: Option<(BufId<Weight>, BufId<Weight>, f32, NormKind)>,
         positions: BufId<Positions>,
         inv_freq: BufId<Weight>,
@@ -607,20 +606,22 @@ impl GraphBuilder {
         scaling: f32,
         k_cache: BufId<Cache>,
         v_cache: BufId<Cache>,
-    ) {
+    ) -> (BufId<Act>, Option<BufId<Act>>) {
         let (kv_heads, max_ctx, head_dim) = self.cache_dims(k_cache);
         self.check(
             name,
             self.cache_dims(v_cache) == (kv_heads, max_ctx, head_dim),
             || "k and v caches differ".into(),
         );
-        let (tokens, cols) = self.rows_cols(q);
-        self.check(name, cols % head_dim == 0, || {
-            format!("q has {cols} columns, not whole heads of {head_dim}")
-        });
-        self.check_cols(name, k, kv_heads * head_dim);
-        self.check_cols(name, v, kv_heads * head_dim);
-        self.check_len(name, k, tokens * kv_heads * head_dim);
+        let (tokens, cols) = self.rows_cols(qkv);
+        let q_stride = if gated { 2 * head_dim } else { head_dim };
+        let kv_cols = 2 * kv_heads * head_dim;
+        self.check(
+            name,
+            cols > kv_cols && (cols - kv_cols) % q_stride == 0,
+            || format!("{cols} columns are not query heads of {q_stride} and keys and values of {kv_heads} heads of {head_dim}"),
+        );
+        let heads = cols.saturating_sub(kv_cols) / q_stride;
         self.check_len(name, positions, tokens);
         self.check(name, rot_dim % 2 == 0 && rot_dim <= head_dim, || {
             format!("rot_dim {rot_dim} for head_dim {head_dim}")
@@ -637,19 +638,27 @@ impl GraphBuilder {
                 kind,
             }
         });
+        let q: BufId<Act> = self.transient(&format!("{name}.q"), DType::F32, vec![tokens, heads * head_dim]);
+        let gate: Option<BufId<Act>> = gated.then(|| {
+            self.transient(
+                &format!("{name}.gate"),
+                DType::F32,
+                vec![tokens, heads * head_dim],
+            )
+        });
         self.push(
             name,
             Op::AttentionInputs {
+                qkv: qkv.raw(),
                 q: q.raw(),
-                k: k.raw(),
-                v: v.raw(),
+                gate: gate.map(|g| g.raw()),
                 norms,
                 positions: positions.raw(),
                 inv_freq: inv_freq.raw(),
                 k_cache: k_cache.raw(),
                 v_cache: v_cache.raw(),
                 tokens,
-                heads: cols / head_dim,
+                heads,
                 kv_heads,
                 head_dim,
                 rot_dim,
@@ -657,6 +666,7 @@ impl GraphBuilder {
                 max_ctx,
             },
         );
+        (q, gate)
     }
 
     #[allow(clippy::too_many_arguments)]

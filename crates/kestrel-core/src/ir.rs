@@ -438,14 +438,17 @@ pub enum Op {
         head_dim: usize,
         max_ctx: usize,
     },
-    /// The inputs of attention for new tokens in one op: each head of `q: [tokens, heads,
-    /// head_dim]` and of `k: [tokens, kv_heads, head_dim]` RMS-normalised with `norms` when
-    /// given, then rotated as [`Op::Rope`] rotates; `q` in place, the new `k` and `v` into the
-    /// caches at `positions[t]` as [`Op::KvAppend`] stores them (`k` itself is left as it was).
+    /// The inputs of attention for new tokens in one op, from the fused projection `qkv:
+    /// [tokens, heads * q_stride + 2 * kv_heads * head_dim]` (a row holds each query head's
+    /// `head_dim` values, followed by its gate's when gated, `q_stride = 2 * head_dim`, else
+    /// `head_dim`; then the keys; then the values): each head of q and k RMS-normalised with
+    /// `norms` when given, then rotated as [`Op::Rope`] rotates; q written to `q: [tokens, heads,
+    /// head_dim]`, the gates (when gated) to `gate`, the new keys and values into the caches at
+    /// `positions[t]` as [`Op::KvAppend`] stores them.
     AttentionInputs {
+        qkv: Buf,
         q: Buf,
-        k: Buf,
-        v: Buf,
+        gate: Option<Buf>,
         norms: Option<HeadNorms>,
         positions: Buf,
         inv_freq: Buf,
@@ -595,9 +598,9 @@ impl Op {
                 vec![*k_cache, *v_cache],
             ),
             AttentionInputs {
+                qkv,
                 q,
-                k,
-                v,
+                gate,
                 norms,
                 positions,
                 inv_freq,
@@ -605,9 +608,11 @@ impl Op {
                 v_cache,
                 ..
             } => {
-                let mut r = vec![*q, *k, *v, *positions, *inv_freq, *k_cache, *v_cache];
+                let mut r = vec![*qkv, *positions, *inv_freq, *k_cache, *v_cache];
                 r.extend(norms.iter().flat_map(|n| [n.q, n.k]));
-                (r, vec![*q, *k_cache, *v_cache])
+                let mut w = vec![*q, *k_cache, *v_cache];
+                w.extend(gate);
+                (r, w)
             }
             Attention {
                 q,

@@ -746,9 +746,10 @@ pub fn attention(rng: Rng) -> Case {
     ))
 }
 
-/// Per-head norms, rotation and cache append in one op, then attention over the caches. q is
-/// checked against the float64 reference; f32 caches directly, half ones through the attention
-/// that reads them, between backends (a computed key may round to either neighbouring bf16).
+/// Per-head norms, rotation and cache append in one op from a fused q/k/v projection (gated
+/// or not), then attention over the caches. q and the gates are checked against the float64
+/// reference; f32 caches directly, half ones through the attention that reads them, between
+/// backends (a computed key may round to either neighbouring half value).
 pub fn attention_inputs(rng: Rng) -> Case {
     let mut c = CaseBuilder::new(rng);
     let kv_heads = c.rng.range(1, 4);
@@ -759,6 +760,9 @@ pub fn attention_inputs(rng: Rng) -> Case {
     let past = c.rng.range(0, 90);
     let max_ctx = past + tokens + c.rng.range(0, 20);
     let dtype = pick(&mut c.rng, &[DType::F32, DType::BF16, DType::F16]);
+    let gated = c.rng.next_f32() < 0.5;
+    let q_stride = if gated { 2 * hd } else { hd };
+    let cols = heads * q_stride + 2 * kv_heads * hd;
     let table = RopeTable::new(1e6, hd, partial, &RopeScaling::None);
     let (freq, _) = c.weight_from("inv_freq", DType::F32, &[table.rot_dim / 2], &table.inv_freq);
     let kc = c.randn(kv_heads * max_ctx * hd, 1.0);
@@ -769,9 +773,19 @@ pub fn attention_inputs(rng: Rng) -> Case {
     let (vb, mut vf) = stored(&vc, dtype);
     c.set(kcache, kb);
     c.set(vcache, vb);
-    let (q, mut qx) = c.act("q", tokens, heads * hd, 1.0);
-    let (k, mut kx) = c.act("k", tokens, kv_heads * hd, 1.0);
-    let (v, vx) = c.act("v", tokens, kv_heads * hd, 1.0);
+    let (qkv, xf) = c.act("qkv", tokens, cols, 1.0);
+    // The parts of each row.
+    let (mut qx, mut gx, mut kx, mut vx) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for row in xf.chunks(cols) {
+        for h in 0..heads {
+            qx.extend_from_slice(&row[h * q_stride..][..hd]);
+            if gated {
+                gx.extend_from_slice(&row[h * q_stride + hd..][..hd]);
+            }
+        }
+        kx.extend_from_slice(&row[heads * q_stride..][..kv_heads * hd]);
+        vx.extend_from_slice(&row[heads * q_stride + kv_heads * hd..][..kv_heads * hd]);
+    }
     let kind = pick(&mut c.rng, &[NormKind::Standard, NormKind::ZeroCentered]);
     let norms = if c.rng.next_f32() < 0.7 {
         let wdtype = pick(&mut c.rng, &[DType::BF16, DType::F32]);
@@ -786,11 +800,10 @@ pub fn attention_inputs(rng: Rng) -> Case {
     };
     let pos: Vec<u32> = (0..tokens).map(|t| (past + t) as u32).collect();
     let p = c.positions("pos", &pos);
-    c.g.attention_inputs(
+    let (q, gate) = c.g.attention_inputs(
         "inputs",
-        q,
-        k,
-        v,
+        qkv,
+        gated,
         norms,
         p,
         freq,
@@ -802,6 +815,9 @@ pub fn attention_inputs(rng: Rng) -> Case {
     r::rope(&mut qx, hd, &pos, &table.inv_freq, table.attention_scaling);
     r::rope(&mut kx, hd, &pos, &table.inv_freq, table.attention_scaling);
     c.check_floats(q, qx);
+    if let Some(g) = gate {
+        c.check_floats(g, gx);
+    }
     if dtype == DType::F32 {
         for t in 0..tokens {
             for h in 0..kv_heads {
@@ -821,7 +837,7 @@ pub fn attention_inputs(rng: Rng) -> Case {
         c.check_backends(out);
     }
     c.finish(format!(
-        "attention_inputs t{tokens} past{past} ctx{max_ctx} h{heads}/{kv_heads} d{hd} rot {} {dtype} norms {}",
+        "attention_inputs t{tokens} past{past} ctx{max_ctx} h{heads}/{kv_heads} d{hd} rot {} {dtype} norms {} gated {gated}",
         table.rot_dim,
         norms.is_some()
     ))

@@ -24,25 +24,33 @@ __device__ void kv_append(const float* k, const float* v, const unsigned* positi
     v_cache[dst] = from_f32<T>(v[i]);
 }
 
-// The inputs of attention for new tokens in one kernel: one block per (token, row), the rows being
-// the heads of q, then of k, then of v. A head is staged in shared memory, RMS-normalised when
-// norm weights are given (q and k), rotated (neox halves, angle position * inv_freq in f32 as
-// rope_f32 computes it) and stored: q in place, k and v into the caches at the token's position.
+// The inputs of attention for new tokens in one kernel, from the fused projection qkv (a row: each
+// query head's head_dim values, followed by its gate's when q_stride = 2 * head_dim; then the keys;
+// then the values). One block per (token, row), the rows being the heads of q, then of k, then
+// of v. A head is staged in shared memory, RMS-normalised when norm weights are given (q and k),
+// rotated (neox halves, angle position * inv_freq in f32 as rope_f32 computes it) and stored: q
+// (and its gate, copied) to q and gate, k and v into the caches at the token's position.
 // head_dim <= 256; blockDim.x a multiple of 32.
 template <typename T, typename W>
-__device__ void attention_inputs(float* q, const float* k, const float* v, const W* q_norm, const W* k_norm,
+__device__ void attention_inputs(const float* qkv, float* q, float* gate, const W* q_norm, const W* k_norm,
                                  float eps, int zero_centered, const unsigned* positions, const float* inv_freq,
                                  T* k_cache, T* v_cache, unsigned heads, unsigned kv_heads, unsigned head_dim,
-                                 unsigned rot_dim, float scaling, unsigned max_ctx) {
+                                 unsigned q_stride, unsigned rot_dim, float scaling, unsigned max_ctx) {
     __shared__ float row[256];
     __shared__ float scratch[32];
     const unsigned t = blockIdx.x, r = blockIdx.y;
     const unsigned p = positions[t];
     const bool is_q = r < heads, is_k = !is_q && r < heads + kv_heads;
     const unsigned h = is_q ? r : (is_k ? r - heads : r - heads - kv_heads);
-    float* qh = q + ((size_t)t * heads + h) * head_dim;
-    const float* src = is_q ? qh : (is_k ? k : v) + ((size_t)t * kv_heads + h) * head_dim;
+    const size_t cols = (size_t)heads * q_stride + 2 * (size_t)kv_heads * head_dim;
+    const float* x = qkv + t * cols;
+    const float* src = is_q ? x + (size_t)h * q_stride
+                            : x + (size_t)heads * q_stride + (is_k ? 0 : (size_t)kv_heads * head_dim) + (size_t)h * head_dim;
     for (unsigned i = threadIdx.x; i < head_dim; i += blockDim.x) row[i] = src[i];
+    if (is_q && gate != nullptr) {
+        float* g = gate + ((size_t)t * heads + h) * head_dim;
+        for (unsigned i = threadIdx.x; i < head_dim; i += blockDim.x) g[i] = src[head_dim + i];
+    }
     const W* w = is_q ? q_norm : k_norm;
     if (w != nullptr && (is_q || is_k)) {
         float ss = 0.0f;
@@ -55,9 +63,10 @@ __device__ void attention_inputs(float* q, const float* k, const float* v, const
         }
     }
     __syncthreads();
-    const unsigned half = (is_q || is_k) ? rot_dim / 2 : 0;
-    const size_t at = ((size_t)h * max_ctx + p) * head_dim;
     if (!is_q && p >= max_ctx) return;  // the host checks lengths before any work; never write outside the cache
+    const unsigned half = (is_q || is_k) ? rot_dim / 2 : 0;
+    float* qh = q + ((size_t)t * heads + h) * head_dim;
+    const size_t at = ((size_t)h * max_ctx + p) * head_dim;
     for (unsigned i = threadIdx.x; i < head_dim; i += blockDim.x) {
         float out;
         if (i < half) {
@@ -160,16 +169,16 @@ ATTN(float, f32)
 ATTN(bf16, bf16)
 ATTN(f16, f16)
 
-// attention_inputs_{cache}_{norm weights}; without norms the weight pointers are null.
+// attention_inputs_{cache}_{norm weights}; without norms (or gates) the pointers are null.
 #define INPUTS(T, NAME, W, WNAME)                                                                           \
     extern "C" __global__ void attention_inputs_##NAME##_##WNAME(                                           \
-        float* q, const float* k, const float* v, const W* q_norm, const W* k_norm, float eps,             \
+        const float* qkv, float* q, float* gate, const W* q_norm, const W* k_norm, float eps,              \
         int zero_centered, const unsigned* positions, const float* inv_freq, T* k_cache, T* v_cache,        \
-        unsigned heads, unsigned kv_heads, unsigned head_dim, unsigned rot_dim, float scaling,              \
-        unsigned max_ctx) {                                                                                 \
+        unsigned heads, unsigned kv_heads, unsigned head_dim, unsigned q_stride, unsigned rot_dim,          \
+        float scaling, unsigned max_ctx) {                                                                  \
         pdl_begin();                                                                                        \
-        attention_inputs(q, k, v, q_norm, k_norm, eps, zero_centered, positions, inv_freq, k_cache, v_cache, \
-                         heads, kv_heads, head_dim, rot_dim, scaling, max_ctx);                             \
+        attention_inputs(qkv, q, gate, q_norm, k_norm, eps, zero_centered, positions, inv_freq, k_cache,    \
+                         v_cache, heads, kv_heads, head_dim, q_stride, rot_dim, scaling, max_ctx);          \
     }
 #define INPUTS_ALL(T, NAME) INPUTS(T, NAME, float, f32) INPUTS(T, NAME, bf16, bf16) INPUTS(T, NAME, f16, f16)
 INPUTS_ALL(float, f32)

@@ -43,22 +43,33 @@ pub struct ForwardSpec {
 /// Where a weight buffer's bytes come from.
 #[derive(Debug, Clone)]
 enum Source {
-    /// The checkpoint tensor of the same name, as stored.
-    Tensor(String),
+    /// The checkpoint tensors of these names, as stored, one after the other (several when
+    /// projections that read the same input are fused into one).
+    Tensors(Vec<String>),
     /// Computed on the host.
     Bytes(Vec<u8>),
     /// The experts of the MoE block at this path, packed for `layout`.
     Experts { mlp: String, layout: ExpertLayout },
-    /// The dense tensor `name` (`[rows, cols]`) quantised on the host; this buffer gets the
-    /// weight words, `scales` and `biases` the rest.
+    /// The dense tensors `parts` (each `[rows, cols]`, stacked by rows) quantised on the host;
+    /// this buffer gets the weight words, `scales` and `biases` the rest.
     Quantized {
-        name: String,
-        rows: usize,
+        parts: Vec<(String, usize)>,
         cols: usize,
         format: QuantFormat,
         scales: Buf,
         biases: Buf,
     },
+}
+
+/// How a projection's weight is held on the backend.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Held {
+    /// As stored, dense, of this dtype.
+    Dense(DType),
+    /// As stored, MLX-quantised in this format.
+    Stored(QuantFormat),
+    /// Stored dense, quantised on load to this format.
+    OnLoad(QuantFormat),
 }
 
 /// A built forward graph and what it needs before it runs.
@@ -103,53 +114,30 @@ impl Build<'_> {
             return Err(self.err(name, format!("shape {:?}, expected {shape:?}", t.shape)));
         }
         let b = self.g.weight(name, t.dtype, shape.to_vec());
-        self.sources.push((b.raw(), Source::Tensor(name.to_string())));
+        self.sources
+            .push((b.raw(), Source::Tensors(vec![name.to_string()])));
         Ok(b)
     }
 
-    /// A projection `[rows, cols]`: dense as stored, or MLX-quantised (`.scales` beside it).
-    fn linear(&mut self, base: &str, rows: usize, cols: usize) -> Result<LinearWeight> {
+    /// How the projection `base` (`[rows, cols]`) is held: dense as stored, MLX-quantised as
+    /// stored (`.scales` beside it), or quantised on load. Checks the stored shapes.
+    fn stored_as(&self, base: &str, rows: usize, cols: usize) -> Result<Held> {
         let name = format!("{base}.weight");
+        let t = self.w.get(&name)?;
         if !self.w.contains(&format!("{base}.scales")) {
+            if t.shape != [rows, cols] {
+                return Err(self.err(&name, format!("shape {:?}, expected [{rows}, {cols}]", t.shape)));
+            }
             // Routers and gates decide discrete things: 8 bits whatever the rest gets.
             let router = base.ends_with(".mlp.gate") || base.ends_with(".shared_expert_gate");
             let format = self
                 .quant
                 .map(|q| if router { QuantFormat { bits: 8, ..q } } else { q });
-            return match format {
-                Some(format) if format.fits(cols) => {
-                    let t = self.w.get(&name)?;
-                    if t.shape != [rows, cols] {
-                        return Err(
-                            self.err(&name, format!("shape {:?}, expected [{rows}, {cols}]", t.shape))
-                        );
-                    }
-                    let lw = self.g.quant_weight(base, rows, cols, format);
-                    if let LinearWeight::Quant {
-                        weight,
-                        scales,
-                        biases,
-                        ..
-                    } = lw
-                    {
-                        self.sources.push((
-                            weight.raw(),
-                            Source::Quantized {
-                                name,
-                                rows,
-                                cols,
-                                format,
-                                scales: scales.raw(),
-                                biases: biases.raw(),
-                            },
-                        ));
-                    }
-                    Ok(lw)
-                }
-                _ => Ok(LinearWeight::Dense(self.tensor(&name, &[rows, cols])?)),
-            };
+            return Ok(match format {
+                Some(format) if format.fits(cols) => Held::OnLoad(format),
+                _ => Held::Dense(t.dtype),
+            });
         }
-        let t = self.w.get(&name)?;
         if t.dtype != DType::U32 || t.shape.len() != 2 || t.shape[0] != rows || t.shape[1] == 0 {
             return Err(self.err(
                 &name,
@@ -176,20 +164,93 @@ impl Build<'_> {
                 }
             }
         }
-        let lw = self.g.quant_weight(base, rows, cols, format);
-        if let LinearWeight::Quant {
-            weight,
-            scales,
-            biases,
-            ..
-        } = lw
-        {
-            for (b, suffix) in [(weight, "weight"), (scales, "scales"), (biases, "biases")] {
-                self.sources
-                    .push((b.raw(), Source::Tensor(format!("{base}.{suffix}"))));
+        Ok(Held::Stored(format))
+    }
+
+    /// A projection `[rows, cols]`: dense as stored, or MLX-quantised (`.scales` beside it).
+    fn linear(&mut self, base: &str, rows: usize, cols: usize) -> Result<LinearWeight> {
+        let held = self.stored_as(base, rows, cols)?;
+        Ok(self.stacked(base, &[(base, rows)], cols, held))
+    }
+
+    /// The projections `parts` (name, rows), all of `cols` columns, as one weight of their
+    /// stacked rows labelled `label`, when they are held alike (else None: the caller runs
+    /// them one by one).
+    fn linear_rows(
+        &mut self,
+        label: &str,
+        parts: &[(&str, usize)],
+        cols: usize,
+    ) -> Result<Option<LinearWeight>> {
+        let held = parts
+            .iter()
+            .map(|&(base, rows)| self.stored_as(base, rows, cols))
+            .collect::<Result<Vec<_>>>()?;
+        if held.windows(2).any(|w| w[0] != w[1]) {
+            return Ok(None);
+        }
+        Ok(Some(self.stacked(label, parts, cols, held[0])))
+    }
+
+    fn stacked(&mut self, label: &str, parts: &[(&str, usize)], cols: usize, held: Held) -> LinearWeight {
+        let rows = parts.iter().map(|p| p.1).sum();
+        let names = |suffix: &str| {
+            parts
+                .iter()
+                .map(|(b, _)| format!("{b}.{suffix}"))
+                .collect::<Vec<_>>()
+        };
+        match held {
+            Held::Dense(dtype) => {
+                // A single projection keeps its tensor's name as its label.
+                let label = if parts.len() == 1 {
+                    format!("{label}.weight")
+                } else {
+                    label.to_string()
+                };
+                let b = self.g.weight(&label, dtype, [rows, cols]);
+                self.sources.push((b.raw(), Source::Tensors(names("weight"))));
+                LinearWeight::Dense(b)
+            }
+            Held::Stored(format) => {
+                let lw = self.g.quant_weight(label, rows, cols, format);
+                if let LinearWeight::Quant {
+                    weight,
+                    scales,
+                    biases,
+                    ..
+                } = lw
+                {
+                    for (b, suffix) in [(weight, "weight"), (scales, "scales"), (biases, "biases")] {
+                        self.sources.push((b.raw(), Source::Tensors(names(suffix))));
+                    }
+                }
+                lw
+            }
+            Held::OnLoad(format) => {
+                let lw = self.g.quant_weight(label, rows, cols, format);
+                if let LinearWeight::Quant {
+                    weight,
+                    scales,
+                    biases,
+                    ..
+                } = lw
+                {
+                    let parts = parts.iter().map(|&(b, r)| (format!("{b}.weight"), r)).collect();
+                    self.sources.push((
+                        weight.raw(),
+                        Source::Quantized {
+                            parts,
+                            cols,
+                            format,
+                            scales: scales.raw(),
+                            biases: biases.raw(),
+                        },
+                    ));
+                }
+                lw
             }
         }
-        Ok(lw)
     }
 
     fn norm_weight(&mut self, name: &str, dim: usize) -> Result<BufId<Weight>> {
@@ -316,28 +377,44 @@ impl Forward {
         let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
         for (buf, src) in &self.sources {
             match src {
-                Source::Tensor(name) => backend.write_bytes(program, *buf, 0, w.get(name)?.bytes),
+                Source::Tensors(names) => {
+                    let mut at = 0;
+                    for name in names {
+                        let bytes = w.get(name)?.bytes;
+                        backend
+                            .write_bytes(program, *buf, at, bytes)
+                            .map_err(backend_err)?;
+                        at += bytes.len();
+                    }
+                    Ok(())
+                }
                 Source::Bytes(bytes) => backend.write_bytes(program, *buf, 0, bytes),
                 Source::Quantized {
-                    name,
-                    rows,
+                    parts,
                     cols,
                     format,
                     scales,
                     biases,
                 } => {
-                    let t = w.get(name)?;
-                    let v = crate::experts::dense_values(&t, 0, rows * cols)?;
-                    let q = QuantMatrix::quantize(&v, *rows, *cols, *format);
                     let bf16_bytes =
                         |v: &[half::bf16]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-                    backend
-                        .write_bytes(program, *scales, 0, &bf16_bytes(&q.scales))
-                        .map_err(backend_err)?;
-                    backend
-                        .write_bytes(program, *biases, 0, &bf16_bytes(&q.biases))
-                        .map_err(backend_err)?;
-                    backend.write_bytes(program, *buf, 0, bytemuck::cast_slice(&q.weight))
+                    let (mut row, wpr, gpr) = (0, format.words_per_row(*cols), format.groups_per_row(*cols));
+                    for (name, rows) in parts {
+                        let t = w.get(name)?;
+                        let v = crate::experts::dense_values(&t, 0, rows * cols)?;
+                        let q = QuantMatrix::quantize(&v, *rows, *cols, *format);
+                        backend
+                            .write_bytes(program, *scales, row * gpr * 2, &bf16_bytes(&q.scales))
+                            .map_err(backend_err)?;
+                        backend
+                            .write_bytes(program, *biases, row * gpr * 2, &bf16_bytes(&q.biases))
+                            .map_err(backend_err)?;
+                        backend
+                            .write_bytes(program, *buf, row * wpr * 4, bytemuck::cast_slice(&q.weight))
+                            .map_err(backend_err)?;
+                        row += rows;
+                    }
+                    Ok(())
                 }
                 Source::Experts { mlp, layout } => {
                     backend.write_bytes(program, *buf, 0, &pack_experts(w, mlp, layout)?)
@@ -364,19 +441,30 @@ fn attention(
     // The hybrids gate the attention output: q_proj gives each head its queries, then a gate.
     let gated = c.arch.is_hybrid();
     let q_rows = if gated { 2 * heads * hd } else { heads * hd };
-    let qw = b.linear(&format!("{a}.q_proj"), q_rows, c.hidden)?;
-    let kw = b.linear(&format!("{a}.k_proj"), kv * hd, c.hidden)?;
-    let vw = b.linear(&format!("{a}.v_proj"), kv * hd, c.hidden)?;
     let ow = b.linear(&format!("{a}.o_proj"), c.hidden, heads * hd)?;
-    let qg = b.g.linear(&format!("{a}.q_proj"), h, &qw);
-    let (q, gate) = if gated {
-        let parts = b.g.split(&format!("{a}.q_gate"), qg, heads, &[hd, hd]);
-        (parts[0], Some(parts[1]))
-    } else {
-        (qg, None)
+    // q, k and v read the same input: one product over their stacked weights when they are
+    // held alike (always, in published checkpoints), else three and a concatenation.
+    let (qn, kn, vn) = (
+        format!("{a}.q_proj"),
+        format!("{a}.k_proj"),
+        format!("{a}.v_proj"),
+    );
+    let parts = [
+        (qn.as_str(), q_rows),
+        (kn.as_str(), kv * hd),
+        (vn.as_str(), kv * hd),
+    ];
+    let qkv = match b.linear_rows(&format!("{a}.qkv_proj"), &parts, c.hidden)? {
+        Some(w) => b.g.linear(&format!("{a}.qkv_proj"), h, &w),
+        None => {
+            let mut outs = Vec::new();
+            for (base, rows) in parts {
+                let w = b.linear(base, rows, c.hidden)?;
+                outs.push(b.g.linear(base, h, &w));
+            }
+            b.g.concat(&format!("{a}.qkv"), &outs)
+        }
     };
-    let k = b.g.linear(&format!("{a}.k_proj"), h, &kw);
-    let v = b.g.linear(&format!("{a}.v_proj"), h, &vw);
     // Qwen3 families normalise each head of q and k before the rotation.
     let norms = if b.w.contains(&format!("{a}.q_norm.weight")) {
         let (qn, kn) = (
@@ -391,12 +479,11 @@ fn attention(
         b.g.cache(&format!("{l}.k_cache"), spec.cache_dtype, kv, spec.ctx, hd);
     let vc =
         b.g.cache(&format!("{l}.v_cache"), spec.cache_dtype, kv, spec.ctx, hd);
-    // Norms, rotation and the cache append in one op.
-    b.g.attention_inputs(
+    // Norms, rotation, the gate split and the cache append in one op.
+    let (q, gate) = b.g.attention_inputs(
         &format!("{a}.inputs"),
-        q,
-        k,
-        v,
+        qkv,
+        gated,
         norms,
         pos,
         inv_freq,

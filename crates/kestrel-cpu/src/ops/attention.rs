@@ -67,11 +67,11 @@ pub fn exec(op: &Op, v: &mut Views) -> OpResult {
                 }
             }
         }
-        // q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim]
+        // qkv: [tokens, heads * q_stride + 2 * kv_heads * head_dim]; q, gate: [tokens, heads, head_dim]
         Op::AttentionInputs {
+            qkv,
             q,
-            k,
-            v: val,
+            gate,
             norms,
             positions,
             inv_freq,
@@ -85,7 +85,7 @@ pub fn exec(op: &Op, v: &mut Views) -> OpResult {
             scaling,
             max_ctx,
         } => {
-            let (k, val, pos) = (v.read::<f32>(k)?, v.read::<f32>(val)?, v.read::<u32>(positions)?);
+            let (x, pos) = (v.read::<f32>(qkv)?, v.read::<u32>(positions)?);
             let inv_freq = &v.read::<f32>(inv_freq)?[..rot_dim / 2];
             let norms = match norms {
                 Some(n) => Some((v.floats(n.q)?, v.floats(n.k)?, n.eps, n.kind)),
@@ -93,7 +93,13 @@ pub fn exec(op: &Op, v: &mut Views) -> OpResult {
             };
             let (kd, vd) = (v.dtype(k_cache), v.dtype(v_cache));
             let q = v.write::<f32>(q)?;
+            let mut gate = match gate {
+                Some(g) => Some(v.write::<f32>(g)?),
+                None => None,
+            };
             let (kc, vc) = (v.write_bytes(k_cache)?, v.write_bytes(v_cache)?);
+            let q_stride = if gate.is_some() { 2 * head_dim } else { head_dim };
+            let cols = heads * q_stride + 2 * kv_heads * head_dim;
             let mut row = vec![0f32; head_dim];
             for t in 0..tokens {
                 let p = pos[t] as usize;
@@ -101,26 +107,31 @@ pub fn exec(op: &Op, v: &mut Views) -> OpResult {
                     return Err(format!("position {p} outside a cache of {max_ctx}"));
                 }
                 let (cos, sin) = angles(pos[t], inv_freq, scaling);
+                let xt = &x[t * cols..(t + 1) * cols];
                 for h in 0..heads {
-                    let head = &mut q[(t * heads + h) * head_dim..][..head_dim];
-                    if let Some((qw, _, eps, kind)) = norms {
-                        row.copy_from_slice(head);
-                        norm_row(&row, qw, head, eps, kind);
-                    }
-                    rotate(head, &cos, &sin);
-                }
-                for h in 0..kv_heads {
-                    let src = (t * kv_heads + h) * head_dim;
-                    let dst = (h * max_ctx + p) * head_dim;
+                    let src = &xt[h * q_stride..][..head_dim];
+                    let dst = &mut q[(t * heads + h) * head_dim..][..head_dim];
                     match norms {
-                        Some((_, kw, eps, kind)) => {
-                            norm_row(&k[src..src + head_dim], kw, &mut row, eps, kind)
-                        }
-                        None => row.copy_from_slice(&k[src..src + head_dim]),
+                        Some((qw, _, eps, kind)) => norm_row(src, qw, dst, eps, kind),
+                        None => dst.copy_from_slice(src),
+                    }
+                    rotate(dst, &cos, &sin);
+                    if let Some(g) = gate.as_deref_mut() {
+                        g[(t * heads + h) * head_dim..][..head_dim]
+                            .copy_from_slice(&xt[h * q_stride + head_dim..][..head_dim]);
+                    }
+                }
+                let (keys, values) = xt[heads * q_stride..].split_at(kv_heads * head_dim);
+                for h in 0..kv_heads {
+                    let src = &keys[h * head_dim..][..head_dim];
+                    match norms {
+                        Some((_, kw, eps, kind)) => norm_row(src, kw, &mut row, eps, kind),
+                        None => row.copy_from_slice(src),
                     }
                     rotate(&mut row, &cos, &sin);
+                    let dst = (h * max_ctx + p) * head_dim;
                     store(kc, kd, dst, &row)?;
-                    store(vc, vd, dst, &val[src..src + head_dim])?;
+                    store(vc, vd, dst, &values[h * head_dim..][..head_dim])?;
                 }
             }
         }

@@ -264,9 +264,9 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 .record();
         }
         Op::AttentionInputs {
+            qkv,
             q,
-            k,
-            v,
+            gate,
             norms,
             positions,
             inv_freq,
@@ -297,28 +297,33 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             let kern = enc
                 .device
                 .kernel("attention", &format!("attention_inputs_{cache}_{weights}"))?;
-            let bufs = (
+            let (x, q_out, p, f) = (
+                enc.buf(qkv)?.clone(),
                 enc.buf(q)?.clone(),
-                enc.buf(k)?.clone(),
-                enc.buf(v)?.clone(),
                 enc.buf(positions)?.clone(),
                 enc.buf(inv_freq)?.clone(),
             );
+            let gate = match gate {
+                Some(g) => Some(enc.buf(g)?.clone()),
+                None => None,
+            };
             let (kc, vc) = (enc.buf(k_cache)?.clone(), enc.buf(v_cache)?.clone());
             let norm_bufs = match norms {
                 Some(n) => Some((enc.buf(n.q)?.clone(), enc.buf(n.k)?.clone(), n.eps, n.kind)),
                 None => None,
             };
-            let (q, k, v, p, f) = bufs;
-            let rows = heads + 2 * kv_heads;
+            let q_stride = if gate.is_some() { 2 * head_dim } else { head_dim };
             let b = enc
                 .dispatch(&kern)
-                .grid((u32_arg(tokens)?, u32_arg(rows)?))
+                .grid((u32_arg(tokens)?, u32_arg(heads + 2 * kv_heads)?))
                 .block(((head_dim / 2).div_ceil(32) * 32).clamp(32, 128) as u32)
-                .read_write(&q)
-                .read(&k)
-                .read(&v);
-            // Without norms the weight pointers are null.
+                .read(&x)
+                .write(&q_out);
+            // Absent gates and norm weights are null pointers.
+            let b = match &gate {
+                Some(g) => b.write(g),
+                None => b.arg(0u64),
+            };
             let b = match &norm_bufs {
                 Some((qw, kw, eps, kind)) => b
                     .read(qw)
@@ -334,6 +339,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 .arg(u32_arg(heads)?)
                 .arg(u32_arg(kv_heads)?)
                 .arg(u32_arg(head_dim)?)
+                .arg(u32_arg(q_stride)?)
                 .arg(u32_arg(rot_dim)?)
                 .arg(scaling)
                 .arg(u32_arg(max_ctx)?)
