@@ -9,6 +9,7 @@
 //! | `KESTREL_KERNEL_CACHE` | path or `off` | `$XDG_CACHE_HOME/kestrel/kernels`, else `$HOME/.cache/kestrel/kernels` | where compiled kernel modules are cached |
 //! | `KESTREL_CUDA_INCLUDE` | path | `$CUDA_HOME/include`, `$CUDA_PATH/include` or `/usr/local/cuda/include`, the first that exists | headers (`cuda_bf16.h`, `cuda_fp16.h`) given to NVRTC |
 //! | `KESTREL_PROFILE` | bool | `false` | time every dispatch with CUDA events |
+//! | `KESTREL_PDL` | bool | `true` | programmatic dependent launch in CUDA graphs (`off` links every kernel to its predecessors by completion, for debugging) |
 //! | `KESTREL_REQUIRE_GPU` | bool | `false` | tests fail, instead of skipping, when no CUDA device is present |
 //!
 //! Booleans accept `1/0`, `true/false`, `yes/no`, `on/off`.
@@ -30,6 +31,8 @@ pub struct Config {
     pub profile: bool,
     /// A missing CUDA device fails GPU tests instead of skipping them.
     pub require_gpu: bool,
+    /// CUDA graphs link programmatic dispatches by programmatic edges (else by completion).
+    pub pdl: bool,
 }
 
 impl Default for Config {
@@ -92,6 +95,10 @@ impl Config {
             cuda_include_dir,
             profile: parse_bool(get("KESTREL_PROFILE"), "KESTREL_PROFILE")?,
             require_gpu: parse_bool(get("KESTREL_REQUIRE_GPU"), "KESTREL_REQUIRE_GPU")?,
+            pdl: match get("KESTREL_PDL") {
+                None => true,
+                v => parse_bool(v, "KESTREL_PDL")?,
+            },
         })
     }
 }
@@ -126,6 +133,9 @@ mod tests {
         assert_eq!(c.device, 0);
         assert!(!c.profile);
         assert!(!c.require_gpu);
+        assert!(c.pdl);
+        assert!(!Config::from_vars(&vars(&[("KESTREL_PDL", "off")])).unwrap().pdl);
+        assert!(Config::from_vars(&vars(&[("KESTREL_PDL", "maybe")])).is_err());
         assert_eq!(c.kernel_cache_dir, None, "no HOME, no XDG_CACHE_HOME: no cache");
     }
 

@@ -113,6 +113,18 @@ impl Dispatch {
         }
     }
 
+    /// The launch shape and the limits of its function, for error messages.
+    pub(crate) fn describe_launch(&self) -> String {
+        format!(
+            "grid {:?}, block {:?}, {} bytes of dynamic shared memory, {} arguments; {}",
+            self.grid,
+            self.block,
+            self.shared_mem,
+            self.args.len(),
+            self.kernel.limits()
+        )
+    }
+
     /// True when launching `self` and `other` differs only in argument values or launch shape.
     pub(crate) fn same_kernel(&self, other: &Dispatch) -> bool {
         self.kernel == other.kernel

@@ -61,6 +61,8 @@ struct DeviceInner {
     registry: KernelRegistry,
     counters: Arc<Counters>,
     profiling: AtomicBool,
+    /// Graphs use programmatic edges (`Config::pdl`).
+    pdl: bool,
     /// Event pairs around profiled dispatches, read back by `take_profile`.
     profile_events: Mutex<Vec<(String, String, CudaEvent, CudaEvent)>>,
     /// The cuBLAS handle, created on first use.
@@ -117,6 +119,7 @@ impl Device {
                 registry,
                 counters,
                 profiling: AtomicBool::new(config.profile),
+                pdl: config.pdl,
                 profile_events: Mutex::new(Vec::new()),
                 blas: Mutex::new(None),
             }),
@@ -308,6 +311,7 @@ impl Device {
                     submission: submission.to_string(),
                     dispatch: d.label.clone(),
                     kernel: d.kernel.name().to_string(),
+                    detail: d.describe_launch(),
                     source: e,
                 }
             }
@@ -321,6 +325,11 @@ impl Device {
     }
 
     /// Turns per-dispatch timing on or off (the configuration sets the initial state).
+    /// Whether graphs link programmatic dispatches by programmatic edges.
+    pub fn pdl(&self) -> bool {
+        self.inner.pdl
+    }
+
     pub fn set_profiling(&self, on: bool) {
         self.inner.profiling.store(on, Ordering::Relaxed);
     }

@@ -30,11 +30,13 @@ pub enum CudaError {
     },
     #[error("out of pinned host memory: requested {requested} bytes")]
     OutOfPinnedMemory { requested: usize },
-    #[error("launch of kernel {kernel} (dispatch {dispatch:?} in submission {submission:?}) failed: {}", describe(.source))]
+    #[error("launch of kernel {kernel} (dispatch {dispatch:?} in submission {submission:?}) failed: {}; {detail}", describe(.source))]
     Launch {
         submission: String,
         dispatch: String,
         kernel: String,
+        /// The launch shape and the function's limits.
+        detail: String,
         #[source]
         source: DriverError,
     },

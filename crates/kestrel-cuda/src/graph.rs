@@ -171,7 +171,7 @@ impl Graph {
             // A programmatic dispatch waits for kernel predecessors itself (pdl_wait); every
             // other edge is an ordinary completion edge.
             let is_programmatic = |p: usize| match (command, &list.commands()[p]) {
-                (Command::Launch(d), Command::Launch(_)) => d.programmatic,
+                (Command::Launch(d), Command::Launch(_)) => d.programmatic && device.pdl(),
                 _ => false,
             };
             let (early, preds): (Vec<usize>, Vec<usize>) =
@@ -194,6 +194,7 @@ impl Graph {
                         submission: g.label.clone(),
                         dispatch: d.label.clone(),
                         kernel: d.kernel.name().to_string(),
+                        detail: format!("{}; {} graph predecessors", d.describe_launch(), preds.len()),
                         source,
                     })?;
                 }

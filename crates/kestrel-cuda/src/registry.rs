@@ -97,6 +97,27 @@ impl Kernel {
         self.inner.func.cu_function()
     }
 
+    /// The function's limits as the driver reports them (for error messages).
+    pub(crate) fn limits(&self) -> String {
+        use drv::CUfunction_attribute::*;
+        let attr = |a| {
+            let mut v = 0i32;
+            // SAFETY: a valid function handle whose module is kept alive by `func`; `v` is a
+            // valid out-pointer.
+            match unsafe { drv::cuFuncGetAttribute(&mut v, a, self.cu_function()).result() } {
+                Ok(()) => v.to_string(),
+                Err(e) => format!("({e:?})"),
+            }
+        };
+        format!(
+            "function: max dynamic shared {} bytes, static shared {} bytes, max threads {}, registers {}",
+            attr(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES),
+            attr(CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES),
+            attr(CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK),
+            attr(CU_FUNC_ATTRIBUTE_NUM_REGS)
+        )
+    }
+
     /// Opts the function into `bytes` of dynamic shared memory when that exceeds the default.
     pub(crate) fn ensure_shared_mem(&self, bytes: u32) -> Result<()> {
         const DEFAULT_LIMIT: u32 = 48 * 1024;
@@ -125,6 +146,10 @@ pub struct KernelRegistry {
     include_dir: Option<PathBuf>,
     counters: Arc<Counters>,
     modules: Mutex<HashMap<String, Arc<CudaModule>>>,
+    /// One `Kernel` per (module, function): the shared-memory opt-in is a property of the
+    /// function, so every dispatch of it must see the largest one made (a second handle with its
+    /// own record would lower the attribute under nodes that need more).
+    functions: Mutex<HashMap<(String, String), Kernel>>,
 }
 
 impl KernelRegistry {
@@ -142,6 +167,7 @@ impl KernelRegistry {
             include_dir,
             counters,
             modules: Mutex::new(HashMap::new()),
+            functions: Mutex::new(HashMap::new()),
         }
     }
 
@@ -166,6 +192,10 @@ impl KernelRegistry {
 
     /// Function `function` of a module loaded earlier (shipped or through [`Self::load`]).
     pub fn function(&self, module: &str, function: &str) -> Result<Kernel> {
+        let key = (module.to_string(), function.to_string());
+        if let Some(k) = self.functions.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
+            return Ok(k.clone());
+        }
         let m = self
             .modules
             .lock()
@@ -177,14 +207,19 @@ impl KernelRegistry {
             module: module.to_string(),
             function: function.to_string(),
         })?;
-        Ok(Kernel {
+        let k = Kernel {
             inner: Arc::new(KernelInner {
                 func,
                 module: module.to_string(),
                 name: function.to_string(),
                 shared_limit: AtomicU32::new(0),
             }),
-        })
+        };
+        self.functions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key, k.clone());
+        Ok(k)
     }
 
     /// Loads module `name` from `source`: from memory if already loaded, else from the disk
