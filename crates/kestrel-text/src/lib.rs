@@ -1,7 +1,19 @@
-//! Kestrel's text side: chat templates rendered as transformers renders them ([`ChatTemplate`]).
+//! Kestrel's text side: a model directory's tokenizer ([`Tokenizer`], through the Hugging Face
+//! `tokenizers` crate) with streaming detokenisation ([`TextStream`]), chat templates rendered as
+//! transformers renders them ([`ChatTemplate`]), stop strings ([`StopStrings`]), the sampling
+//! defaults of `generation_config.json` ([`GenerationConfig`]) and the host sampler
+//! ([`Sampler`]).
 
 pub mod error;
+pub mod generation;
+pub mod sample;
+pub mod stop;
 pub mod template;
+pub mod tokenizer;
 
 pub use error::{Result, TextError};
+pub use generation::GenerationConfig;
+pub use sample::{argmax, Sampler, SamplingParams};
+pub use stop::{Released, StopStrings};
 pub use template::{ChatInput, ChatTemplate};
+pub use tokenizer::{TextStream, Tokenizer};

@@ -1,0 +1,373 @@
+//! Choosing the next token from a row of logits, on the host: penalties (repetition, presence,
+//! frequency), then temperature, top-k, top-p and min-p in the order transformers applies them,
+//! then a draw from the remaining distribution with Kestrel's seeded generator (xoshiro256**),
+//! so a seed gives the same tokens on every machine. Temperature 0 is the argmax (after the
+//! penalties; the lower id wins ties).
+
+use kestrel_core::rng::Rng;
+
+use crate::error::{Result, TextError};
+
+/// Sampling settings; the defaults change nothing (plain sampling at temperature 1).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SamplingParams {
+    /// 0: greedy.
+    pub temperature: f32,
+    /// Keep the `top_k` most likely tokens (0: all).
+    pub top_k: usize,
+    /// Keep the most likely tokens whose probabilities add up to `top_p` (1: all).
+    pub top_p: f32,
+    /// Keep tokens at least `min_p` times as likely as the most likely one (0: all).
+    pub min_p: f32,
+    /// transformers' repetition penalty on tokens seen before (1: none): a positive logit is
+    /// divided by it, a negative one multiplied.
+    pub repetition_penalty: f32,
+    /// Subtracted once from the logit of every token seen before (0: none).
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit once per time it was seen (0: none).
+    pub frequency_penalty: f32,
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: 0,
+        }
+    }
+}
+
+impl SamplingParams {
+    pub fn validate(&self) -> Result<()> {
+        let bad = |what: &str, v: f32| Err(TextError::Sampling(format!("{what} {v} is out of range")));
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return bad("temperature", self.temperature);
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad("top-p", self.top_p);
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad("min-p", self.min_p);
+        }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
+            return bad("repetition penalty", self.repetition_penalty);
+        }
+        if !self.presence_penalty.is_finite() || !self.frequency_penalty.is_finite() {
+            return bad(
+                "presence/frequency penalty",
+                self.presence_penalty + self.frequency_penalty,
+            );
+        }
+        Ok(())
+    }
+
+    /// Whether `sample` can only return the argmax of the raw logits (no penalties, greedy), so
+    /// a backend may pick the token itself.
+    pub fn is_plain_greedy(&self) -> bool {
+        self.temperature == 0.0
+            && self.repetition_penalty == 1.0
+            && self.presence_penalty == 0.0
+            && self.frequency_penalty == 0.0
+    }
+}
+
+pub struct Sampler {
+    pub params: SamplingParams,
+    rng: Rng,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams) -> Result<Sampler> {
+        params.validate()?;
+        Ok(Sampler {
+            params,
+            rng: Rng::new(params.seed),
+        })
+    }
+
+    /// Applies the penalties for `history` (the prompt and the tokens generated so far) to
+    /// `logits` in place.
+    pub fn penalize(&self, logits: &mut [f32], history: &[u32]) {
+        let p = &self.params;
+        if p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0 {
+            return;
+        }
+        let mut counts: Vec<(u32, u32)> = Vec::new();
+        let mut sorted: Vec<u32> = history
+            .iter()
+            .copied()
+            .filter(|&t| (t as usize) < logits.len())
+            .collect();
+        sorted.sort_unstable();
+        for t in sorted {
+            match counts.last_mut() {
+                Some((last, n)) if *last == t => *n += 1,
+                _ => counts.push((t, 1)),
+            }
+        }
+        for (t, n) in counts {
+            let l = &mut logits[t as usize];
+            if p.repetition_penalty != 1.0 {
+                *l = if *l > 0.0 {
+                    *l / p.repetition_penalty
+                } else {
+                    *l * p.repetition_penalty
+                };
+            }
+            *l -= p.presence_penalty + p.frequency_penalty * n as f32;
+        }
+    }
+
+    /// The distribution sampling draws from after temperature, top-k, top-p and min-p: (token,
+    /// probability) in ascending token order, probabilities summing to one. Logits must already
+    /// carry the penalties. At temperature 0 it is the argmax alone.
+    pub fn distribution(&self, logits: &[f32]) -> Vec<(u32, f64)> {
+        let p = &self.params;
+        let best = argmax(logits);
+        if p.temperature == 0.0 || logits.is_empty() {
+            return vec![(best, 1.0)];
+        }
+        let t = p.temperature as f64;
+        let max = logits[best as usize] as f64;
+        // Candidates most likely first (ties: lower id first), as f64 softmax weights.
+        let mut cand: Vec<(u32, f64)> = logits
+            .iter()
+            .enumerate()
+            .filter(|(_, &l)| !l.is_nan())
+            .map(|(i, &l)| (i as u32, ((l as f64 - max) / t).exp()))
+            .collect();
+        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        if p.top_k > 0 {
+            cand.truncate(p.top_k);
+        }
+        let total: f64 = cand.iter().map(|c| c.1).sum();
+        if p.top_p < 1.0 {
+            // The smallest head whose mass reaches top_p (the token crossing it included).
+            let mut acc = 0.0;
+            let keep = cand
+                .iter()
+                .position(|c| {
+                    acc += c.1 / total;
+                    acc >= p.top_p as f64
+                })
+                .map_or(cand.len(), |i| i + 1);
+            cand.truncate(keep.max(1));
+        }
+        if p.min_p > 0.0 {
+            let floor = cand[0].1 * p.min_p as f64;
+            cand.retain(|c| c.1 >= floor);
+        }
+        let total: f64 = cand.iter().map(|c| c.1).sum();
+        let mut out: Vec<(u32, f64)> = cand.into_iter().map(|(i, w)| (i, w / total)).collect();
+        out.sort_by_key(|c| c.0);
+        out
+    }
+
+    /// The next token: penalties for `history`, then a draw from [`Self::distribution`].
+    pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
+        self.penalize(logits, history);
+        let dist = self.distribution(logits);
+        if dist.len() == 1 {
+            return dist[0].0;
+        }
+        let u = self.rng.next_f32() as f64;
+        let mut acc = 0.0;
+        for &(t, p) in &dist {
+            acc += p;
+            if u < acc {
+                return t;
+            }
+        }
+        dist.last().expect("a non-empty distribution").0
+    }
+}
+
+/// The index of the largest value (the lower index wins ties; NaN never wins).
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > logits[best] || logits[best].is_nan() && !v.is_nan() {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn logits(rng: &mut Rng, n: usize) -> Vec<f32> {
+        (0..n).map(|_| rng.symmetric() * 6.0).collect()
+    }
+
+    fn sampler(p: SamplingParams) -> Sampler {
+        Sampler::new(p).unwrap()
+    }
+
+    /// Token ids sorted by logit, highest first (lower id on ties).
+    fn ranked(l: &[f32]) -> Vec<u32> {
+        let mut ids: Vec<u32> = (0..l.len() as u32).collect();
+        ids.sort_by(|&a, &b| l[b as usize].total_cmp(&l[a as usize]).then(a.cmp(&b)));
+        ids
+    }
+
+    fn support(d: &[(u32, f64)]) -> Vec<u32> {
+        d.iter().map(|c| c.0).collect()
+    }
+
+    #[test]
+    fn top_k_keeps_exactly_the_k_most_likely() {
+        let mut rng = Rng::new(1);
+        for k in [1, 2, 7, 50] {
+            let l = logits(&mut rng, 40);
+            let d = sampler(SamplingParams {
+                top_k: k,
+                ..Default::default()
+            })
+            .distribution(&l);
+            let mut want: Vec<u32> = ranked(&l).into_iter().take(k).collect();
+            want.sort();
+            assert_eq!(support(&d), want, "k {k}");
+            assert!((d.iter().map(|c| c.1).sum::<f64>() - 1.0).abs() < 1e-12);
+        }
+    }
+
+    #[test]
+    fn top_p_keeps_the_smallest_head_reaching_p() {
+        let mut rng = Rng::new(2);
+        for top_p in [0.05f32, 0.3, 0.9, 0.999] {
+            let l = logits(&mut rng, 60);
+            let s = sampler(SamplingParams {
+                top_p,
+                ..Default::default()
+            });
+            let full = sampler(SamplingParams::default()).distribution(&l);
+            let prob = |t: u32| full.iter().find(|c| c.0 == t).unwrap().1;
+            let kept = support(&s.distribution(&l));
+            let order = ranked(&l);
+            let n = kept.len();
+            let mass: f64 = order[..n].iter().map(|&t| prob(t)).sum();
+            let without_last: f64 = order[..n - 1].iter().map(|&t| prob(t)).sum();
+            assert!(
+                mass >= top_p as f64 - 1e-9 && without_last < top_p as f64,
+                "p {top_p}"
+            );
+            let mut want = order[..n].to_vec();
+            want.sort();
+            assert_eq!(kept, want);
+        }
+    }
+
+    #[test]
+    fn min_p_keeps_tokens_above_its_share_of_the_best() {
+        let mut rng = Rng::new(3);
+        let l = logits(&mut rng, 80);
+        let s = sampler(SamplingParams {
+            min_p: 0.2,
+            temperature: 0.7,
+            ..Default::default()
+        });
+        let full = sampler(SamplingParams {
+            temperature: 0.7,
+            ..Default::default()
+        })
+        .distribution(&l);
+        let top = full.iter().map(|c| c.1).fold(0.0, f64::max);
+        let want: Vec<u32> = full.iter().filter(|c| c.1 >= 0.2 * top).map(|c| c.0).collect();
+        assert_eq!(support(&s.distribution(&l)), want);
+    }
+
+    #[test]
+    fn penalties_change_only_the_penalised_logits() {
+        let mut rng = Rng::new(4);
+        let l = logits(&mut rng, 30);
+        let history = [3u32, 7, 7, 29, 3, 3, 100];
+        let s = sampler(SamplingParams {
+            repetition_penalty: 1.3,
+            presence_penalty: 0.5,
+            frequency_penalty: 0.25,
+            ..Default::default()
+        });
+        let mut p = l.clone();
+        s.penalize(&mut p, &history);
+        for (i, (&a, &b)) in l.iter().zip(&p).enumerate() {
+            let n = history.iter().filter(|&&t| t as usize == i).count() as f32;
+            if n == 0.0 {
+                assert_eq!(a, b, "token {i} untouched");
+            } else {
+                let r = if a > 0.0 { a / 1.3 } else { a * 1.3 };
+                assert!((b - (r - 0.5 - 0.25 * n)).abs() < 1e-6, "token {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_same_seed_gives_the_same_tokens() {
+        let mut rng = Rng::new(5);
+        let rows: Vec<Vec<f32>> = (0..50).map(|_| logits(&mut rng, 100)).collect();
+        let p = SamplingParams {
+            temperature: 0.9,
+            top_k: 40,
+            top_p: 0.95,
+            seed: 77,
+            ..Default::default()
+        };
+        let draw = |p: SamplingParams| {
+            let mut s = sampler(p);
+            rows.iter()
+                .map(|r| s.sample(&mut r.clone(), &[]))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(draw(p), draw(p));
+        assert_ne!(draw(p), draw(SamplingParams { seed: 78, ..p }));
+        // Fixed across machines and builds: the generator and the order of the sum are fixed.
+        assert_eq!(&draw(p)[..8], &[48, 9, 45, 97, 48, 14, 10, 72]);
+    }
+
+    #[test]
+    fn temperature_zero_is_the_argmax() {
+        let mut rng = Rng::new(6);
+        for _ in 0..20 {
+            let l = logits(&mut rng, 64);
+            let mut s = sampler(SamplingParams {
+                temperature: 0.0,
+                ..Default::default()
+            });
+            assert_eq!(s.sample(&mut l.clone(), &[]), argmax(&l));
+        }
+        assert_eq!(argmax(&[1.0, 3.0, 3.0, f32::NAN]), 1);
+        assert_eq!(argmax(&[f32::NAN, 0.5]), 1);
+    }
+
+    #[test]
+    fn bad_settings_are_errors() {
+        for p in [
+            SamplingParams {
+                temperature: -1.0,
+                ..Default::default()
+            },
+            SamplingParams {
+                top_p: 0.0,
+                ..Default::default()
+            },
+            SamplingParams {
+                min_p: 1.5,
+                ..Default::default()
+            },
+            SamplingParams {
+                repetition_penalty: 0.0,
+                ..Default::default()
+            },
+        ] {
+            assert!(Sampler::new(p).is_err(), "{p:?}");
+        }
+    }
+}

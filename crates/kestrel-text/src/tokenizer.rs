@@ -1,0 +1,156 @@
+//! A model directory's tokenizer: `tokenizer.json` through the Hugging Face `tokenizers` crate,
+//! with what `tokenizer_config.json` (and `chat_template.jinja`) add: the special tokens' text
+//! and the chat template.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use crate::error::{Result, TextError};
+use crate::template::ChatTemplate;
+
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    /// The text of the beginning- and end-of-sequence tokens, when the config names them.
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
+    /// The template's source, from `chat_template.jinja` or `tokenizer_config.json`.
+    pub chat_template: Option<String>,
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TextError + '_ {
+    move |error| TextError::Io {
+        path: path.to_path_buf(),
+        error,
+    }
+}
+
+fn bad(path: &Path, reason: impl Into<String>) -> TextError {
+    TextError::File {
+        path: path.to_path_buf(),
+        reason: reason.into(),
+    }
+}
+
+/// A special token as `tokenizer_config.json` gives it: a string or `{"content": ...}`.
+fn token_text(v: Option<&Value>) -> Option<String> {
+    match v? {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => o.get("content")?.as_str().map(str::to_string),
+        _ => None,
+    }
+}
+
+impl Tokenizer {
+    /// The tokenizer of model directory `dir`, or None when it has no `tokenizer.json`.
+    pub fn from_dir(dir: &Path) -> Result<Option<Tokenizer>> {
+        let path = dir.join("tokenizer.json");
+        if !path.exists() {
+            return Ok(None);
+        }
+        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| bad(&path, e.to_string()))?;
+        let mut t = Tokenizer {
+            inner,
+            bos_token: None,
+            eos_token: None,
+            chat_template: None,
+        };
+        let config_path = dir.join("tokenizer_config.json");
+        if config_path.exists() {
+            let text = std::fs::read_to_string(&config_path).map_err(io(&config_path))?;
+            let config: Value =
+                serde_json::from_str(&text).map_err(|e| bad(&config_path, format!("not valid JSON: {e}")))?;
+            t.bos_token = token_text(config.get("bos_token"));
+            t.eos_token = token_text(config.get("eos_token"));
+            t.chat_template = match config.get("chat_template") {
+                Some(Value::String(s)) => Some(s.clone()),
+                // Several named templates: the default one.
+                Some(Value::Array(list)) => list
+                    .iter()
+                    .find(|e| e.get("name").and_then(Value::as_str) == Some("default"))
+                    .and_then(|e| e.get("template")?.as_str())
+                    .map(str::to_string),
+                _ => None,
+            };
+        }
+        let jinja: PathBuf = dir.join("chat_template.jinja");
+        if jinja.exists() {
+            t.chat_template = Some(std::fs::read_to_string(&jinja).map_err(io(&jinja))?);
+        }
+        Ok(Some(t))
+    }
+
+    /// The compiled chat template, if the model has one.
+    pub fn template(&self) -> Result<Option<ChatTemplate>> {
+        self.chat_template.as_deref().map(ChatTemplate::new).transpose()
+    }
+
+    /// Token ids of `text`; `add_special_tokens` adds what the tokenizer's post-processor adds
+    /// (a BOS, for Llama), as for a raw prompt. Text rendered by a chat template already holds
+    /// its special tokens: encode it without.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        self.inner
+            .encode(text, add_special_tokens)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| TextError::Tokenizer(e.to_string()))
+    }
+
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        self.inner
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| TextError::Tokenizer(e.to_string()))
+    }
+
+    /// The id of a token given by its text (special tokens included).
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// A streaming decoder for generated ids (special tokens skipped).
+    pub fn stream(&self) -> TextStream<'_> {
+        TextStream {
+            tokenizer: self,
+            ids: Vec::new(),
+            prefix: 0,
+            read: 0,
+        }
+    }
+}
+
+/// Text of generated ids as they arrive: each push returns the text that is complete, holding
+/// back ids whose bytes do not yet end a character (a character split over tokens is never
+/// printed in halves), and decoding with a little left context, as the whole sequence would.
+pub struct TextStream<'a> {
+    tokenizer: &'a Tokenizer,
+    ids: Vec<u32>,
+    /// `ids[prefix..read]` was printed already and is kept as context.
+    prefix: usize,
+    read: usize,
+}
+
+impl TextStream<'_> {
+    pub fn push(&mut self, id: u32) -> Result<String> {
+        self.ids.push(id);
+        let before = self.tokenizer.decode(&self.ids[self.prefix..self.read], true)?;
+        let now = self.tokenizer.decode(&self.ids[self.prefix..], true)?;
+        if now.len() > before.len() && !now.ends_with('\u{FFFD}') && now.starts_with(&before) {
+            self.prefix = self.read;
+            self.read = self.ids.len();
+            return Ok(now[before.len()..].to_string());
+        }
+        Ok(String::new())
+    }
+
+    /// Whatever is still held back (at the end of generation), replacement characters and all.
+    pub fn finish(&mut self) -> Result<String> {
+        let before = self.tokenizer.decode(&self.ids[self.prefix..self.read], true)?;
+        let now = self.tokenizer.decode(&self.ids[self.prefix..], true)?;
+        self.prefix = self.ids.len();
+        self.read = self.ids.len();
+        Ok(now.get(before.len()..).unwrap_or_default().to_string())
+    }
+}
