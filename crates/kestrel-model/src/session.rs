@@ -126,6 +126,42 @@ impl<B: Backend> Session<B> {
         self.backend.download::<f32>(p, f.logits).map_err(backend_err)
     }
 
+    /// Prepares the program for chunks of `tokens` (uploading the weights with the first one),
+    /// so that loading can be timed apart from running.
+    pub fn prepare(&mut self, tokens: usize, all_logits: bool) -> Result<()> {
+        if tokens == 0 || tokens > self.ctx {
+            return Err(ModelError::Config {
+                key: "ctx".into(),
+                reason: format!("{tokens} tokens do not fit a context of {}", self.ctx),
+            });
+        }
+        self.program(tokens, 0, all_logits).map(|_| ())
+    }
+
+    /// The program for `tokens` tokens, built, prepared and (the first time) given the weights.
+    fn program(&mut self, tokens: usize, past: usize, all_logits: bool) -> Result<(usize, bool)> {
+        let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
+        let key = (tokens, all_logits);
+        if !self.programs.contains_key(&key) {
+            let spec = ForwardSpec {
+                tokens,
+                past,
+                ctx: self.ctx,
+                cache_dtype: self.cache_dtype,
+                all_logits,
+                quant: self.quant,
+            };
+            let f = Forward::build(&self.config, &self.weights, spec)?;
+            let mut p = self.backend.prepare(&f.graph).map_err(backend_err)?;
+            if !self.uploaded {
+                f.upload(&self.weights, &mut self.backend, &mut p)?;
+                self.uploaded = true;
+            }
+            self.programs.insert(key, (f, p));
+        }
+        Ok(key)
+    }
+
     /// Runs `ids` at positions `past..` through the program for their length (prepared on first
     /// use), leaving the outputs in its buffers; returns the program's key.
     fn run(&mut self, ids: &[u32], past: usize, all_logits: bool) -> Result<(usize, bool)> {
@@ -146,25 +182,8 @@ impl<B: Backend> Session<B> {
             });
         }
         let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
-        let key = (ids.len(), all_logits);
-        if !self.programs.contains_key(&key) {
-            let spec = ForwardSpec {
-                tokens: ids.len(),
-                past,
-                ctx: self.ctx,
-                cache_dtype: self.cache_dtype,
-                all_logits,
-                quant: self.quant,
-            };
-            let f = Forward::build(&self.config, &self.weights, spec)?;
-            let mut p = self.backend.prepare(&f.graph).map_err(backend_err)?;
-            if !self.uploaded {
-                f.upload(&self.weights, &mut self.backend, &mut p)?;
-                self.uploaded = true;
-            }
-            self.programs.insert(key, (f, p));
-        }
-        let (f, p) = self.programs.get_mut(&key).expect("inserted above");
+        let key = self.program(ids.len(), past, all_logits)?;
+        let (f, p) = self.programs.get_mut(&key).expect("prepared above");
         let pos: Vec<u32> = (past..past + ids.len()).map(|p| p as u32).collect();
         self.backend.upload(p, f.tokens, ids).map_err(backend_err)?;
         self.backend.upload(p, f.positions, &pos).map_err(backend_err)?;

@@ -59,14 +59,15 @@ impl GenerationConfig {
         })
     }
 
-    /// The model's sampling defaults as parameters (`do_sample: false` → temperature 0).
+    /// The model's sampling defaults as parameters. As in transformers, sampling happens only
+    /// with `do_sample: true`; otherwise decoding is greedy (temperature 0).
     pub fn sampling(&self) -> SamplingParams {
         let d = SamplingParams::default();
         SamplingParams {
-            temperature: if self.do_sample == Some(false) {
-                0.0
-            } else {
+            temperature: if self.do_sample == Some(true) {
                 self.temperature.unwrap_or(d.temperature)
+            } else {
+                0.0
             },
             top_k: self.top_k.unwrap_or(d.top_k),
             top_p: self.top_p.unwrap_or(d.top_p),
@@ -97,6 +98,9 @@ mod tests {
             .unwrap();
         assert_eq!(g.eos_token_ids, [2]);
         assert_eq!(g.sampling().temperature, 0.0);
+        // No do_sample: greedy, as transformers decodes.
+        let n = GenerationConfig::from_json(r#"{"temperature": 0.7}"#).unwrap();
+        assert_eq!(n.sampling().temperature, 0.0);
         assert!(GenerationConfig::from_json("{").is_err());
     }
 }

@@ -1,0 +1,171 @@
+//! `kestrel run` with text, on the CPU: a copy of the qwen3 fixture whose vocabulary is widened
+//! to the test tokenizer's (random embedding and output rows) and which carries that tokenizer.
+//! The streamed text equals the JSON's, which is the decode of the generated ids; the chat
+//! template wraps the prompt unless `--raw`; a stop string ends generation and is not printed;
+//! an end-of-sequence id from `generation_config.json` ends it too.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use kestrel_core::rng::Rng;
+use kestrel_text::Tokenizer;
+use safetensors::tensor::{serialize_to_file, Dtype, SafeTensors, TensorView};
+use serde_json::Value;
+
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The qwen3 fixture at the tokenizer's vocabulary, with the tokenizer and `eos_token_id`.
+fn model_dir(tag: &str, eos: Option<u32>) -> TempDir {
+    let out = TempDir(std::env::temp_dir().join(format!("kestrel-text-{tag}-{}", std::process::id())));
+    let _ = std::fs::remove_dir_all(&out.0);
+    std::fs::create_dir_all(&out.0).unwrap();
+    let fixture = root().join("kestrel-model/tests/parity/qwen3");
+    let tok_dir = root().join("kestrel-text/tests/tokenizer");
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(tok_dir.join(f), out.0.join(f)).unwrap();
+    }
+    let vocab = Tokenizer::from_dir(&tok_dir).unwrap().unwrap().vocab_size();
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture.join("config.json")).unwrap()).unwrap();
+    config["vocab_size"] = vocab.into();
+    std::fs::write(out.0.join("config.json"), config.to_string()).unwrap();
+    let generation = match eos {
+        Some(e) => serde_json::json!({"eos_token_id": e}),
+        None => serde_json::json!({}),
+    };
+    std::fs::write(out.0.join("generation_config.json"), generation.to_string()).unwrap();
+    let bytes = std::fs::read(fixture.join("model.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, view) in st.tensors() {
+        let mut shape = view.shape().to_vec();
+        let data = if name == "model.embed_tokens.weight" || name == "lm_head.weight" {
+            // Seeded by the name: the same rows in every copy, whatever order the file lists.
+            let mut rng = Rng::new(11 + u64::from(name == "lm_head.weight"));
+            shape[0] = vocab;
+            (0..vocab * shape[1])
+                .flat_map(|_| half::bf16::from_f32(rng.symmetric()).to_le_bytes())
+                .collect()
+        } else {
+            view.data().to_vec()
+        };
+        assert_eq!(view.dtype(), Dtype::BF16);
+        tensors.push((name, shape, data));
+    }
+    let views: Vec<(String, TensorView)> = tensors
+        .iter()
+        .map(|(n, s, d)| (n.clone(), TensorView::new(Dtype::BF16, s.clone(), d).unwrap()))
+        .collect();
+    serialize_to_file(views, None, &out.0.join("model.safetensors")).unwrap();
+    out
+}
+
+fn kestrel(dir: &Path, args: &[&str]) -> (String, String) {
+    let o = Command::new(env!("CARGO_BIN_EXE_kestrel"))
+        .args(["run", "-m", dir.to_str().unwrap(), "--backend", "cpu"])
+        .args(args)
+        .output()
+        .unwrap();
+    let (out, err) = (
+        String::from_utf8(o.stdout).unwrap(),
+        String::from_utf8(o.stderr).unwrap(),
+    );
+    assert!(o.status.success(), "{args:?}: {err}");
+    (out, err)
+}
+
+fn json(dir: &Path, args: &[&str]) -> Value {
+    let mut all = args.to_vec();
+    all.push("--json");
+    let (out, _) = kestrel(dir, &all);
+    serde_json::from_str(out.lines().last().unwrap()).unwrap()
+}
+
+#[test]
+fn text_in_text_out() {
+    let d = model_dir("plain", None);
+    let tok = Tokenizer::from_dir(&d.0).unwrap().unwrap();
+    let base = ["-p", "Return the number of items", "-n", "12", "--temp", "0"];
+    let v = json(&d.0, &base);
+    let ids: Vec<u32> = v["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect();
+    assert_eq!(ids.len(), 12, "no EOS configured: all 12 tokens");
+    let text = v["text"].as_str().unwrap().to_string();
+    assert_eq!(text, tok.decode(&ids, true).unwrap());
+    // Streamed: the same text on stdout, the figures on stderr.
+    let (out, err) = kestrel(&d.0, &base);
+    assert_eq!(out, format!("{text}\n"));
+    assert!(
+        err.contains("load:") && err.contains("prompt:") && err.contains("tokens/s"),
+        "{err}"
+    );
+    // The chat template wraps the prompt; --raw does not.
+    let raw = json(&d.0, &[&base[..], &["--raw"]].concat());
+    assert!(
+        raw["prompt_tokens"].as_u64() < v["prompt_tokens"].as_u64(),
+        "{raw} vs {v}"
+    );
+    // A stop string: text up to it, not printed, and generation ends.
+    let chars: Vec<char> = text.chars().collect();
+    if chars.len() >= 4 {
+        let stop: String = chars[2..4].iter().collect();
+        let at = text.find(&stop).unwrap();
+        let s = json(&d.0, &[&base[..], &["--stop", &stop]].concat());
+        assert_eq!(s["text"].as_str().unwrap(), &text[..at]);
+        assert_eq!(s["stop_reason"], "stop");
+    }
+    // An end-of-sequence id ends generation before it.
+    let cut = ids[4];
+    let first = ids.iter().position(|&t| t == cut).unwrap();
+    let e = model_dir("eos", Some(cut));
+    let v = json(&e.0, &base);
+    assert_eq!(v["stop_reason"], "eos");
+    let got: Vec<u32> = v["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect();
+    assert_eq!(got, ids[..first]);
+    let v = json(&e.0, &[&base[..], &["--ignore-eos"]].concat());
+    assert_eq!(v["tokens"].as_array().unwrap().len(), 12);
+}
+
+#[test]
+fn sampled_text_is_reproducible() {
+    let d = model_dir("sampled", None);
+    let args = [
+        "-p",
+        "def f(x):",
+        "-n",
+        "10",
+        "--temp",
+        "0.9",
+        "--top-k",
+        "50",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "5",
+    ];
+    let (a, b) = (json(&d.0, &args), json(&d.0, &args));
+    assert_eq!(a["tokens"], b["tokens"]);
+    let mut other = args.to_vec();
+    let last = other.len() - 1;
+    other[last] = "6";
+    assert_ne!(json(&d.0, &other)["tokens"], a["tokens"]);
+}
