@@ -82,6 +82,9 @@ pub struct Forward {
     /// backend, so greedy decoding reads back one id instead of the vocabulary's logits.
     pub argmax: BufId<TokenIds>,
     pub spec: ForwardSpec,
+    /// The recurrent and convolution states of the linear-attention layers (not the KV caches):
+    /// what a new sequence must start from zero.
+    pub states: Vec<Buf>,
     sources: Vec<(Buf, Source)>,
 }
 
@@ -90,6 +93,7 @@ struct Build<'a> {
     w: &'a Weights,
     g: GraphBuilder,
     sources: Vec<(Buf, Source)>,
+    states: Vec<Buf>,
     /// `model` or `model.language_model`.
     prefix: &'static str,
     norm: NormKind,
@@ -275,6 +279,7 @@ impl Forward {
             w,
             g: GraphBuilder::new(),
             sources: Vec::new(),
+            states: Vec::new(),
             prefix: if c.nested_text {
                 "model.language_model"
             } else {
@@ -367,6 +372,7 @@ impl Forward {
             logits,
             argmax,
             spec,
+            states: b.states,
             sources: b.sources,
         })
     }
@@ -563,6 +569,7 @@ fn linear_attention(b: &mut Build, l: &str, h: BufId<Normed>) -> Result<BufId<ke
         b.g.state(&format!("{l}.conv_state"), DType::F32, [conv_dim, kernel - 1]);
     let state =
         b.g.state(&format!("{l}.recurrent_state"), DType::F32, [nv, dk, dv]);
+    b.states.extend([conv_state.raw(), state.raw()]);
     let conv =
         b.g.causal_conv1d(&format!("{p}.conv1d"), mixed, conv_w, conv_state);
     let qkv =

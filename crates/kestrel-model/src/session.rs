@@ -126,6 +126,22 @@ impl<B: Backend> Session<B> {
         self.backend.download::<f32>(p, f.logits).map_err(backend_err)
     }
 
+    /// Starts a new sequence: the linear-attention layers' recurrent and convolution states go
+    /// back to zero. (KV caches need nothing: positions say which rows count.) Call it before
+    /// running from position 0 again.
+    pub fn reset_states(&mut self) -> Result<()> {
+        let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
+        // States are shared by label: zeroing them through one program zeroes them for all.
+        let Some((f, p)) = self.programs.values_mut().next() else {
+            return Ok(());
+        };
+        for &b in &f.states {
+            let zeros = vec![0u8; f.graph.decl(b).byte_len()];
+            self.backend.write_bytes(p, b, 0, &zeros).map_err(backend_err)?;
+        }
+        Ok(())
+    }
+
     /// Prepares the program for chunks of `tokens` (uploading the weights with the first one),
     /// so that loading can be timed apart from running.
     pub fn prepare(&mut self, tokens: usize, all_logits: bool) -> Result<()> {

@@ -30,3 +30,25 @@ fn chunked_prefill_equals_one_prefill() {
         }
     }
 }
+
+/// A second sequence from position 0 after `reset_states` computes as a fresh session does; the
+/// hybrids' recurrent states would otherwise carry the first sequence into it.
+#[test]
+fn a_reset_session_starts_a_new_sequence() {
+    for name in FIXTURES {
+        let (tokens, want, _) = reference(name);
+        let mut s = Session::open(&dir(name), CpuBackend::new(), 64, DType::F32).unwrap();
+        let other: Vec<u32> = tokens.iter().rev().copied().collect();
+        s.forward(&other, 0, true).unwrap();
+        let stale = s.forward(&tokens, 0, true).unwrap();
+        s.reset_states().unwrap();
+        let fresh = s.forward(&tokens, 0, true).unwrap();
+        assert!(rel_max_err(&fresh, &want) <= 1e-5, "{name}");
+        let hybrid = name.contains("next") || name.contains("3_5");
+        assert_eq!(
+            rel_max_err(&stale, &want) > 1e-3,
+            hybrid,
+            "{name}: states carry over only in hybrids"
+        );
+    }
+}

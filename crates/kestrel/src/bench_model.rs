@@ -114,6 +114,8 @@ fn run_tests<B: Backend>(s: &mut Session<B>, a: &ModelBenchArgs, rng: &mut Rng) 
         let mut samples = Vec::with_capacity(a.reps);
         for _ in 0..a.reps {
             let prompt = ids(rng, vocab, pp);
+            // Each run is a new sequence (the hybrids' states start from zero).
+            s.reset_states()?;
             let start = Instant::now();
             s.prefill_next_token(&prompt, 0, chunk)?;
             samples.push(start.elapsed().as_secs_f64());
@@ -130,6 +132,7 @@ fn run_tests<B: Backend>(s: &mut Session<B>, a: &ModelBenchArgs, rng: &mut Rng) 
         let mut samples = Vec::with_capacity(a.reps);
         for _ in 0..a.reps {
             let first = ids(rng, vocab, 1)[0];
+            s.reset_states()?;
             let start = Instant::now();
             generate(s, first, tg)?;
             samples.push(start.elapsed().as_secs_f64());

@@ -1,12 +1,14 @@
 //! The `kestrel` command line: `doctor` checks the CUDA set-up, `bench` measures (a model's
-//! tokens/s, the runtime, the hot ops), `logits`
-//! runs a model directory over a token sequence, `run` generates from prompt token ids, `inspect`
-//! describes a model directory, `quantize` rewrites one at 4 or 8 bits.
+//! tokens/s, the runtime, the hot ops), `logits` runs a model directory over a token sequence,
+//! `run` generates from a prompt, `chat` holds a conversation, `inspect` describes a model
+//! directory, `quantize` rewrites one at 4 or 8 bits.
 
 mod bench;
 mod bench_model;
 mod bench_ops;
+mod chat;
 mod doctor;
+mod generate;
 mod inspect;
 mod logits;
 mod quantize;
@@ -40,8 +42,10 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Logits of a token sequence under a model directory, written to a safetensors file.
     Logits(logits::LogitsArgs),
-    /// Generate from prompt token ids under a model directory.
+    /// Generate text (or ids) from a prompt under a model directory.
     Run(run::RunArgs),
+    /// Talk with a model that has a chat template.
+    Chat(chat::ChatArgs),
     /// What a model directory holds: architecture, parameters, formats, memory at a context.
     Inspect(inspect::InspectArgs),
     /// Rewrite a dense model directory as an MLX-format quantised one.
@@ -62,6 +66,7 @@ fn main() -> std::process::ExitCode {
         Command::Bench(args) => bench::run(&config, args),
         Command::Logits(args) => logits::run(&config, args),
         Command::Run(args) => run::run(&config, args),
+        Command::Chat(args) => chat::run(&config, args),
         Command::Inspect(args) => inspect::run(args),
         Command::Quantize(args) => quantize::run(args),
     };

@@ -8,8 +8,8 @@
 //! (never half a character); load time and speeds go to stderr. With `--json` the last stdout
 //! line is one JSON object instead.
 
-use std::io::Write as _;
 use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -19,8 +19,9 @@ use kestrel_core::{Backend, Config, DType};
 use kestrel_cpu::CpuBackend;
 use kestrel_cuda::{CudaBackend, Device, RunMode};
 use kestrel_model::Session;
-use kestrel_text::{ChatInput, GenerationConfig, Sampler, SamplingParams, StopStrings, Tokenizer};
+use kestrel_text::{ChatInput, GenerationConfig, Sampler, SamplingParams, Tokenizer};
 
+use crate::generate::{Generator, Turn};
 use crate::logits::{default_backend, BackendChoice, QuantArgs};
 
 #[derive(Args)]
@@ -45,31 +46,8 @@ pub struct RunArgs {
         default_value_t = 128
     )]
     n_predict: usize,
-    /// Temperature; 0 picks the most likely token (default: the model's generation config,
-    /// else 0).
-    #[arg(long = "temp", alias = "temperature")]
-    temperature: Option<f32>,
-    /// Keep the k most likely tokens (0: all).
-    #[arg(long)]
-    top_k: Option<usize>,
-    /// Keep the most likely tokens up to this probability mass (1: all).
-    #[arg(long)]
-    top_p: Option<f32>,
-    /// Keep tokens at least this fraction as likely as the most likely one (0: all).
-    #[arg(long)]
-    min_p: Option<f32>,
-    /// Repetition penalty on tokens seen before (1: none).
-    #[arg(long)]
-    repeat_penalty: Option<f32>,
-    /// Presence penalty (0: none).
-    #[arg(long)]
-    presence_penalty: Option<f32>,
-    /// Frequency penalty (0: none).
-    #[arg(long)]
-    frequency_penalty: Option<f32>,
-    /// Seed of the sampler (default: drawn from the clock and printed).
-    #[arg(long)]
-    seed: Option<u64>,
+    #[command(flatten)]
+    sampling: SamplingArgs,
     /// A system message, for models with a chat template.
     #[arg(long)]
     system: Option<String>,
@@ -99,18 +77,51 @@ pub struct RunArgs {
     json: bool,
 }
 
-/// The sampling settings: the model's defaults, then the flags.
-fn sampling(a: &RunArgs, generation: &GenerationConfig, seed: u64) -> SamplingParams {
-    let d = generation.sampling();
-    SamplingParams {
-        temperature: a.temperature.unwrap_or(d.temperature),
-        top_k: a.top_k.unwrap_or(d.top_k),
-        top_p: a.top_p.unwrap_or(d.top_p),
-        min_p: a.min_p.unwrap_or(d.min_p),
-        repetition_penalty: a.repeat_penalty.unwrap_or(d.repetition_penalty),
-        presence_penalty: a.presence_penalty.unwrap_or(d.presence_penalty),
-        frequency_penalty: a.frequency_penalty.unwrap_or(d.frequency_penalty),
-        seed,
+/// The sampling flags shared by `run` and `chat`, as llama.cpp names them.
+#[derive(Args, Clone)]
+pub struct SamplingArgs {
+    /// Temperature; 0 picks the most likely token (default: the model's generation config,
+    /// else 0).
+    #[arg(long = "temp", alias = "temperature")]
+    temperature: Option<f32>,
+    /// Keep the k most likely tokens (0: all).
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Keep the most likely tokens up to this probability mass (1: all).
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// Keep tokens at least this fraction as likely as the most likely one (0: all).
+    #[arg(long)]
+    min_p: Option<f32>,
+    /// Repetition penalty on tokens seen before (1: none).
+    #[arg(long)]
+    repeat_penalty: Option<f32>,
+    /// Presence penalty (0: none).
+    #[arg(long)]
+    presence_penalty: Option<f32>,
+    /// Frequency penalty (0: none).
+    #[arg(long)]
+    frequency_penalty: Option<f32>,
+    /// Seed of the sampler (default: drawn from the clock and printed).
+    #[arg(long)]
+    seed: Option<u64>,
+}
+
+impl SamplingArgs {
+    /// The model's defaults, then the flags; the seed drawn from the clock when not given.
+    pub fn params(&self, generation: &GenerationConfig) -> SamplingParams {
+        let d = generation.sampling();
+        let temperature = self.temperature.unwrap_or(d.temperature);
+        SamplingParams {
+            temperature,
+            top_k: self.top_k.unwrap_or(d.top_k),
+            top_p: self.top_p.unwrap_or(d.top_p),
+            min_p: self.min_p.unwrap_or(d.min_p),
+            repetition_penalty: self.repeat_penalty.unwrap_or(d.repetition_penalty),
+            presence_penalty: self.presence_penalty.unwrap_or(d.presence_penalty),
+            frequency_penalty: self.frequency_penalty.unwrap_or(d.frequency_penalty),
+            seed: seed_of(self.seed, temperature),
+        }
     }
 }
 
@@ -150,60 +161,30 @@ fn prompt_ids(a: &RunArgs, tokenizer: Option<&Tokenizer>) -> Result<Vec<u32>> {
 
 struct Outcome {
     prompt_len: usize,
-    tokens: Vec<u32>,
-    /// The generated text, when the model has a tokenizer.
-    text: Option<String>,
+    turn: Turn,
     load_s: f64,
-    stop_reason: &'static str,
-    prefill_s: f64,
-    decode_s: f64,
 }
 
-/// Where generated text goes: streamed to stdout, or kept for the JSON line.
-struct Sink<'t> {
-    stream: Option<kestrel_text::TextStream<'t>>,
-    stops: StopStrings,
-    print: bool,
-    text: String,
+/// The end-of-sequence ids: the generation config's and the tokenizer's EOS token.
+pub(crate) fn eos_ids(generation: &GenerationConfig, tokenizer: Option<&Tokenizer>) -> Vec<u32> {
+    let mut eos = generation.eos_token_ids.clone();
+    if let Some(t) = tokenizer.and_then(|t| t.eos_token.as_deref().and_then(|e| t.token_id(e))) {
+        if !eos.contains(&t) {
+            eos.push(t);
+        }
+    }
+    eos
 }
 
-impl Sink<'_> {
-    /// Takes one generated id; true when a stop string ended generation.
-    fn push(&mut self, id: u32) -> Result<bool> {
-        let Some(stream) = &mut self.stream else {
-            return Ok(false);
-        };
-        let piece = stream.push(id)?;
-        let released = self.stops.push(&piece);
-        self.emit(&released.text)?;
-        Ok(released.stopped)
-    }
-
-    fn finish(&mut self) -> Result<()> {
-        if let Some(stream) = &mut self.stream {
-            let rest = stream.finish()?;
-            let released = self.stops.push(&rest);
-            self.emit(&released.text)?;
-            if !released.stopped {
-                let held = self.stops.finish();
-                self.emit(&held)?;
-            }
+/// The sampler's seed: the flag's, or one drawn from the clock (printed when it matters).
+pub(crate) fn seed_of(flag: Option<u64>, temperature: f32) -> u64 {
+    flag.unwrap_or_else(|| {
+        let (_, seed) = Rng::from_time();
+        if temperature > 0.0 {
+            eprintln!("seed {seed}");
         }
-        Ok(())
-    }
-
-    fn emit(&mut self, s: &str) -> Result<()> {
-        if s.is_empty() {
-            return Ok(());
-        }
-        self.text.push_str(s);
-        if self.print {
-            let mut out = std::io::stdout().lock();
-            out.write_all(s.as_bytes())?;
-            out.flush()?;
-        }
-        Ok(())
-    }
+        seed
+    })
 }
 
 fn generate<B: Backend>(a: &RunArgs, dir: &std::path::Path, backend: B, cache: DType) -> Result<Outcome> {
@@ -216,96 +197,31 @@ fn generate<B: Backend>(a: &RunArgs, dir: &std::path::Path, backend: B, cache: D
     let ctx = a.ctx.unwrap_or(prompt.len() + a.n_predict);
     if prompt.len() + a.n_predict > ctx {
         bail!(
-            "{} prompt tokens and {} new ones do not fit a context of {ctx} (--ctx)",
+            "{} prompt tokens and {} new ones do not fit a context of {ctx} (-c / --ctx)",
             prompt.len(),
             a.n_predict
         );
     }
-    let seed = a.seed.unwrap_or_else(|| {
-        let (_, seed) = Rng::from_time();
-        seed
-    });
-    let params = sampling(a, &generation, seed);
-    let mut sampler = Sampler::new(params)?;
-    if params.temperature > 0.0 && a.seed.is_none() {
-        eprintln!("seed {seed}");
-    }
-    let mut eos: Vec<u32> = generation.eos_token_ids.clone();
-    if let Some(t) = tokenizer
-        .as_ref()
-        .and_then(|t| t.eos_token.as_deref().and_then(|e| t.token_id(e)))
-    {
-        eos.push(t);
-    }
-    if a.ignore_eos {
-        eos.clear();
-    }
-    let chunk = a.prefill_chunk.unwrap_or(prompt.len()).max(1);
+    let sampler = Sampler::new(a.sampling.params(&generation))?;
+    let eos = if a.ignore_eos {
+        Vec::new()
+    } else {
+        eos_ids(&generation, tokenizer.as_ref())
+    };
     let start = Instant::now();
     let mut s = Session::open(dir, backend, ctx, cache)
         .with_context(|| format!("opening {}", dir.display()))?
         .with_quant(a.quant.format()?);
     // The weights go to the backend with the first program.
+    let chunk = a.prefill_chunk.unwrap_or(prompt.len()).max(1);
     s.prepare(chunk.min(prompt.len()), false)?;
     let load_s = start.elapsed().as_secs_f64();
-    let start = Instant::now();
-    let mut sink = Sink {
-        stream: tokenizer.as_ref().map(|t| t.stream()),
-        stops: StopStrings::new(a.stop.iter().cloned()),
-        print: !a.json,
-        text: String::new(),
-    };
-    // Plain greedy decoding takes the argmax on the backend and reads back one id a token.
-    let greedy = params.is_plain_greedy();
-    let mut history = prompt.clone();
-    let mut next =
-        |s: &mut Session<B>, ids: &[u32], at: usize, first: bool, history: &[u32]| -> Result<u32> {
-            Ok(match (greedy, first) {
-                (true, true) => s.prefill_next_token(ids, at, chunk)?,
-                (true, false) => s.next_token(ids, at)?,
-                (false, true) => sampler.sample(&mut s.prefill(ids, at, chunk, false)?, history),
-                (false, false) => sampler.sample(&mut s.forward(ids, at, false)?, history),
-            })
-        };
-    let mut tokens = Vec::with_capacity(a.n_predict);
-    let mut stop_reason = "length";
-    let mut prefill_s = 0.0;
-    let decode_start = if a.n_predict > 0 {
-        let first = next(&mut s, &prompt, 0, true, &history)?;
-        prefill_s = start.elapsed().as_secs_f64();
-        let t = Instant::now();
-        let mut id = first;
-        loop {
-            if eos.contains(&id) {
-                stop_reason = "eos";
-                break;
-            }
-            tokens.push(id);
-            history.push(id);
-            if sink.push(id)? {
-                stop_reason = "stop";
-                break;
-            }
-            if tokens.len() == a.n_predict {
-                break;
-            }
-            let at = prompt.len() + tokens.len() - 1;
-            id = next(&mut s, &[id], at, false, &history)?;
-        }
-        t
-    } else {
-        Instant::now()
-    };
-    let decode_s = decode_start.elapsed().as_secs_f64();
-    sink.finish()?;
+    let mut g = Generator::new(s, tokenizer.as_ref(), sampler, eos, a.prefill_chunk);
+    let turn = g.turn(&prompt, a.n_predict, &a.stop, !a.json, &AtomicBool::new(false))?;
     Ok(Outcome {
         prompt_len: prompt.len(),
-        tokens,
-        text: sink.stream.is_some().then_some(sink.text),
+        turn,
         load_s,
-        stop_reason,
-        prefill_s,
-        decode_s,
     })
 }
 
@@ -323,45 +239,41 @@ pub fn run(config: &Config, a: RunArgs) -> Result<std::process::ExitCode> {
         }
     };
     let total_s = load.elapsed().as_secs_f64();
+    let t = &out.turn;
     // Decode speed over the tokens after the first (the first comes with the prefill).
-    let decoded = out.tokens.len().saturating_sub(1);
-    let decode_tps = if out.decode_s > 0.0 {
-        decoded as f64 / out.decode_s
-    } else {
-        0.0
-    };
+    let decode_tps = t.decode_tps();
     if a.json {
         let v = serde_json::json!({
-            "tokens": out.tokens,
-            "text": out.text,
-            "stop_reason": out.stop_reason,
+            "tokens": t.tokens,
+            "text": t.text,
+            "stop_reason": t.stop_reason,
             "prompt_tokens": out.prompt_len,
             "load_s": out.load_s,
             "backend": format!("{backend:?}").to_lowercase(),
-            "prefill_s": out.prefill_s,
+            "prefill_s": t.prefill_s,
             "decode_tokens_per_s": decode_tps,
         });
         println!("{v}");
     } else {
-        match &out.text {
+        match &t.text {
             // The text was streamed; end its line.
             Some(_) => println!(),
             // No tokenizer: the ids.
             None => {
-                let ids: Vec<String> = out.tokens.iter().map(|t| t.to_string()).collect();
+                let ids: Vec<String> = t.tokens.iter().map(|t| t.to_string()).collect();
                 println!("{}", ids.join(" "));
             }
         }
-        let prompt_tps = out.prompt_len as f64 / out.prefill_s.max(1e-9);
+        let prompt_tps = out.prompt_len as f64 / t.prefill_s.max(1e-9);
         eprintln!("load: {:.2} s", out.load_s);
         eprintln!(
             "prompt: {} tokens in {:.3} s ({prompt_tps:.1} tokens/s)",
-            out.prompt_len, out.prefill_s
+            out.prompt_len, t.prefill_s
         );
         eprintln!(
             "generated: {} tokens ({}), {decode_tps:.1} tokens/s; {total_s:.2} s in all",
-            out.tokens.len(),
-            out.stop_reason
+            t.tokens.len(),
+            t.stop_reason
         );
     }
     Ok(std::process::ExitCode::SUCCESS)
