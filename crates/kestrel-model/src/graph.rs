@@ -380,7 +380,21 @@ impl Forward {
     /// Writes every weight into `program`'s buffers. Weights are shared by label between the
     /// programs of one backend, so this is needed once per backend and model.
     pub fn upload<B: Backend>(&self, w: &Weights, backend: &mut B, program: &mut B::Program) -> Result<()> {
+        self.upload_with(w, backend, program, &mut |_, _| {})
+    }
+
+    /// `upload`, calling `progress(done, total)` in bytes of weight buffers after each one.
+    pub fn upload_with<B: Backend>(
+        &self,
+        w: &Weights,
+        backend: &mut B,
+        program: &mut B::Program,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<()> {
         let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
+        let size = |b: &Buf| self.graph.decl(*b).byte_len() as u64;
+        let total: u64 = self.sources.iter().map(|(b, _)| size(b)).sum();
+        let mut done = 0;
         for (buf, src) in &self.sources {
             match src {
                 Source::Tensors(names) => {
@@ -427,6 +441,8 @@ impl Forward {
                 }
             }
             .map_err(backend_err)?;
+            done += size(buf);
+            progress(done, total);
         }
         Ok(())
     }

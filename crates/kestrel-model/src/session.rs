@@ -27,6 +27,8 @@ pub struct Session<B: Backend> {
     uploaded: bool,
     /// Prepared programs by (tokens, all_logits).
     programs: HashMap<(usize, bool), (Forward, B::Program)>,
+    /// Told (bytes done, bytes in all) while the weights upload.
+    progress: Option<Box<dyn FnMut(u64, u64)>>,
 }
 
 impl<B: Backend> Session<B> {
@@ -54,7 +56,14 @@ impl<B: Backend> Session<B> {
             quant: None,
             uploaded: false,
             programs: HashMap::new(),
+            progress: None,
         }
+    }
+
+    /// Calls `f(bytes done, bytes in all)` as the weights go to the backend.
+    pub fn with_progress(mut self, f: impl FnMut(u64, u64) + 'static) -> Session<B> {
+        self.progress = Some(Box::new(f));
+        self
     }
 
     /// Quantises the checkpoint's dense projections and experts to `format` on load.
@@ -170,7 +179,10 @@ impl<B: Backend> Session<B> {
             let f = Forward::build(&self.config, &self.weights, spec)?;
             let mut p = self.backend.prepare(&f.graph).map_err(backend_err)?;
             if !self.uploaded {
-                f.upload(&self.weights, &mut self.backend, &mut p)?;
+                match &mut self.progress {
+                    Some(cb) => f.upload_with(&self.weights, &mut self.backend, &mut p, cb.as_mut())?,
+                    None => f.upload(&self.weights, &mut self.backend, &mut p)?,
+                }
                 self.uploaded = true;
             }
             self.programs.insert(key, (f, p));

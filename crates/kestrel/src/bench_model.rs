@@ -244,13 +244,17 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
     let start = Instant::now();
     let (rows, counters) = match backend {
         BackendChoice::Cpu => {
-            let mut s = Session::new(c, w, CpuBackend::new(), ctx, DType::F32).with_quant(quant);
+            let mut s = Session::new(c, w, CpuBackend::new(), ctx, DType::F32)
+                .with_quant(quant)
+                .with_progress(crate::progress::loading(&label));
             (run_tests(&mut s, &a, &mut rng)?, serde_json::Value::Null)
         }
         BackendChoice::Cuda => {
             let dev = Device::open(config.device, config)?;
             let cuda = CudaBackend::new(dev.clone(), RunMode::Graph);
-            let mut s = Session::new(c, w, cuda, ctx, DType::BF16).with_quant(quant);
+            let mut s = Session::new(c, w, cuda, ctx, DType::BF16)
+                .with_quant(quant)
+                .with_progress(crate::progress::loading(&label));
             let rows = run_tests(&mut s, &a, &mut rng)?;
             let tg = a.n_gen.iter().copied().max().unwrap_or(0);
             let counters = if tg > 0 {

@@ -11,6 +11,7 @@ mod doctor;
 mod generate;
 mod inspect;
 mod logits;
+mod progress;
 mod quantize;
 mod run;
 

@@ -56,6 +56,8 @@ fn text_in_text_out() {
         err.contains("load:") && err.contains("prompt:") && err.contains("tokens/s"),
         "{err}"
     );
+    // Not a terminal: loading reports plain lines, the last at 100%.
+    assert!(err.contains("loading ") && err.contains(": 100% ("), "{err}");
     // The chat template wraps the prompt; --raw does not.
     let raw = json(&d.0, &[&base[..], &["--raw"]].concat());
     assert!(
