@@ -26,7 +26,8 @@ use crate::run::{eos_ids, SamplingArgs};
 
 #[derive(Args)]
 pub struct ChatArgs {
-    /// Model directory (config.json, safetensors weights, tokenizer with a chat template).
+    /// Model directory (config.json, safetensors weights, tokenizer with a chat template);
+    /// default the built-in model.
     #[arg(short = 'm', long)]
     model: Option<PathBuf>,
     /// Tokens an answer may have at most.
@@ -173,9 +174,7 @@ fn converse<B: Backend>(a: &ChatArgs, dir: &std::path::Path, backend: B, cache: 
 }
 
 pub fn run(config: &Config, a: ChatArgs) -> Result<std::process::ExitCode> {
-    let Some(dir) = a.model.clone() else {
-        bail!("no model: give -m DIR (this build has no built-in model yet)");
-    };
+    let dir = crate::run::model_dir(&a.model)?;
     match a.backend.unwrap_or_else(default_backend) {
         BackendChoice::Cpu => converse(&a, &dir, CpuBackend::new(), DType::F32)?,
         BackendChoice::Cuda => {

@@ -26,7 +26,8 @@ use crate::logits::{default_backend, BackendChoice, QuantArgs};
 
 #[derive(Args)]
 pub struct RunArgs {
-    /// Model directory (config.json, safetensors weights, tokenizer files).
+    /// Model directory (config.json, safetensors weights, tokenizer files); default the built-in
+    /// model.
     #[arg(short = 'm', long)]
     model: Option<PathBuf>,
     /// The prompt, as text.
@@ -226,10 +227,26 @@ fn generate<B: Backend>(a: &RunArgs, dir: &std::path::Path, backend: B, cache: D
     })
 }
 
+/// Where the built-in model lives in a checkout (`scripts/train-builtin-model.py` makes it).
+const BUILTIN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../models/kestrel-tiny");
+
+/// The model directory: the flag's, else the built-in model.
+pub(crate) fn model_dir(flag: &Option<PathBuf>) -> Result<PathBuf> {
+    if let Some(dir) = flag {
+        return Ok(dir.clone());
+    }
+    let builtin = PathBuf::from(BUILTIN);
+    if !builtin.join("config.json").exists() {
+        bail!(
+            "no model given and no built-in model at {} (scripts/train-builtin-model.py makes it): give -m DIR",
+            builtin.display()
+        );
+    }
+    Ok(builtin)
+}
+
 pub fn run(config: &Config, a: RunArgs) -> Result<std::process::ExitCode> {
-    let Some(dir) = a.model.clone() else {
-        bail!("no model: give -m DIR (this build has no built-in model yet)");
-    };
+    let dir = model_dir(&a.model)?;
     let backend = a.backend.unwrap_or_else(default_backend);
     let load = Instant::now();
     let out = match backend {
