@@ -3,10 +3,11 @@
 //! `.scales` and `.biases`; routers and gates get 8 bits; a layer's experts become
 //! `switch_mlp` stacks; config.json gains `quantization` (and `quantization_config`) with the
 //! per-module exceptions; norms, convolutions and gate parameters are copied as they are, and so
-//! is every other file of the directory (tokenizer, generation config).
+//! is every other file of the directory (tokenizer, generation config). Layers are processed one
+//! at a time and written in shards as they fill, so memory holds a shard, not the model.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use half::bf16;
 use kestrel_core::quant::{QuantFormat, QuantMatrix};
@@ -77,9 +78,32 @@ fn per_expert(name: &str) -> Option<(&str, usize, &str)> {
     Some((mlp, e.parse().ok()?, proj))
 }
 
+/// Bytes of tensors per output file before a new shard starts.
+pub const DEFAULT_SHARD_BYTES: usize = 4 << 30;
+
+/// The layer a tensor belongs to (`model.layers.12.` → `Some(12)`), so a layer's tensors (its
+/// experts in particular) are quantised together.
+fn layer_of(name: &str) -> Option<usize> {
+    let (_, rest) = name.split_once("layers.")?;
+    rest.split('.').next()?.parse().ok()
+}
+
 /// Rewrites the dense model directory `src` into `dst` (created; must not hold a model yet) with
-/// its projections quantised to `format`.
+/// its projections quantised to `format`, in shards of about [`DEFAULT_SHARD_BYTES`].
 pub fn quantize_dir(src: &Path, dst: &Path, format: QuantFormat) -> Result<QuantizeReport> {
+    quantize_dir_sharded(src, dst, format, DEFAULT_SHARD_BYTES)
+}
+
+/// [`quantize_dir`] with shards of at most `shard_bytes` (a larger single layer gets a shard of
+/// its own). Layers are quantised one at a time and each shard is written as soon as it is full,
+/// so memory holds one shard and one layer, not the model. One shard is `model.safetensors`;
+/// several are `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`.
+pub fn quantize_dir_sharded(
+    src: &Path,
+    dst: &Path,
+    format: QuantFormat,
+    shard_bytes: usize,
+) -> Result<QuantizeReport> {
     let config = ModelConfig::from_dir(src)?;
     if config.quant.is_some() {
         return Err(ModelError::Config {
@@ -94,10 +118,77 @@ pub fn quantize_dir(src: &Path, dst: &Path, format: QuantFormat) -> Result<Quant
         });
     }
     let w = Weights::open(src)?;
-    let router = QuantFormat { bits: 8, ..format };
-    let mut out: BTreeMap<String, Out> = BTreeMap::new();
+    std::fs::create_dir_all(dst).map_err(|error| ModelError::Io {
+        path: dst.to_path_buf(),
+        error,
+    })?;
     let mut overrides = serde_json::Map::new();
     let mut report = QuantizeReport::default();
+    // Tensors by layer (the rest, embeddings, norms, the vision tower, last).
+    let mut groups: BTreeMap<Option<usize>, Vec<&str>> = BTreeMap::new();
+    for name in w.names() {
+        groups.entry(layer_of(name)).or_default().push(name);
+    }
+    let mut order: Vec<Option<usize>> = groups.keys().copied().filter(Option::is_some).collect();
+    order.extend(groups.contains_key(&None).then_some(None));
+    let mut shards = Shards::new(dst, shard_bytes);
+    for key in order {
+        let out = quantize_group(&w, &groups[&key], format, &mut overrides, &mut report)?;
+        shards.add(out)?;
+    }
+    report.bytes = shards.bytes;
+    shards.finish()?;
+    // Every file but the weights and config.json, as it is.
+    let entries = std::fs::read_dir(src).map_err(|error| ModelError::Io {
+        path: src.to_path_buf(),
+        error,
+    })?;
+    for entry in entries.flatten() {
+        let p = entry.path();
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let weights_file = name.ends_with(".safetensors") || name == "model.safetensors.index.json";
+        if p.is_file() && !weights_file && name != "config.json" {
+            std::fs::copy(&p, dst.join(&name)).map_err(|error| ModelError::Io {
+                path: p.clone(),
+                error,
+            })?;
+        }
+    }
+    // config.json: the original, plus the quantisation MLX readers look for.
+    let cfg_path = src.join("config.json");
+    let text = std::fs::read_to_string(&cfg_path).map_err(|error| ModelError::Io {
+        path: cfg_path,
+        error,
+    })?;
+    let mut cfg: Value = serde_json::from_str(&text).map_err(|e| ModelError::Json(e.to_string()))?;
+    let mut q = serde_json::Map::new();
+    q.insert("group_size".into(), format.group_size.into());
+    q.insert("bits".into(), format.bits.into());
+    q.extend(overrides);
+    let obj = cfg
+        .as_object_mut()
+        .ok_or_else(|| ModelError::Json("config.json is not an object".into()))?;
+    obj.insert("quantization".into(), Value::Object(q.clone()));
+    obj.insert("quantization_config".into(), Value::Object(q));
+    let pretty = serde_json::to_string_pretty(&cfg).map_err(|e| ModelError::Json(e.to_string()))?;
+    std::fs::write(dst.join("config.json"), pretty).map_err(|error| ModelError::Io {
+        path: dst.join("config.json"),
+        error,
+    })?;
+    Ok(report)
+}
+
+/// The output tensors of the source tensors `names` (one layer's, or the rest): projections
+/// quantised (routers and gates at 8 bits), experts stacked as `switch_mlp`, the others copied.
+fn quantize_group(
+    w: &Weights,
+    names: &[&str],
+    format: QuantFormat,
+    overrides: &mut serde_json::Map<String, Value>,
+    report: &mut QuantizeReport,
+) -> Result<Vec<(String, Out)>> {
+    let router = QuantFormat { bits: 8, ..format };
+    let mut out: BTreeMap<String, Out> = BTreeMap::new();
     // Experts by (mlp, projection): one matrix per expert, stacked at the end.
     let mut experts: BTreeMap<(String, String), BTreeMap<usize, QuantMatrix>> = BTreeMap::new();
     let quantize =
@@ -109,7 +200,7 @@ pub fn quantize_dir(src: &Path, dst: &Path, format: QuantFormat) -> Result<Quant
                 f,
             ))
         };
-    for name in w.names() {
+    for &name in names {
         let t = w.get(name)?;
         let dense = matches!(
             t.dtype,
@@ -217,64 +308,99 @@ pub fn quantize_dir(src: &Path, dst: &Path, format: QuantFormat) -> Result<Quant
         }
         report.quantized += 1;
     }
-    std::fs::create_dir_all(dst).map_err(|error| ModelError::Io {
-        path: dst.to_path_buf(),
-        error,
-    })?;
-    // Every file but the weights and config.json, as it is.
-    let entries = std::fs::read_dir(src).map_err(|error| ModelError::Io {
-        path: src.to_path_buf(),
-        error,
-    })?;
-    for entry in entries.flatten() {
-        let p = entry.path();
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let weights_file = name.ends_with(".safetensors") || name == "model.safetensors.index.json";
-        if p.is_file() && !weights_file && name != "config.json" {
-            std::fs::copy(&p, dst.join(&name)).map_err(|error| ModelError::Io {
-                path: p.clone(),
-                error,
-            })?;
+    Ok(out.into_iter().collect())
+}
+
+/// Output files being written: tensors gather until the next group would pass the limit.
+struct Shards<'a> {
+    dst: &'a Path,
+    limit: usize,
+    pending: Vec<(String, Out)>,
+    pending_bytes: usize,
+    /// Written shards: temporary file name and tensor names.
+    written: Vec<(PathBuf, Vec<String>)>,
+    bytes: usize,
+}
+
+impl<'a> Shards<'a> {
+    fn new(dst: &'a Path, limit: usize) -> Shards<'a> {
+        Shards {
+            dst,
+            limit,
+            pending: Vec::new(),
+            pending_bytes: 0,
+            written: Vec::new(),
+            bytes: 0,
         }
     }
-    let views: Vec<(String, TensorView)> = out
-        .iter()
-        .map(|(n, o)| {
-            TensorView::new(o.dtype, o.shape.clone(), &o.data)
-                .map(|v| (n.clone(), v))
-                .map_err(|e| ModelError::Tensor {
-                    name: n.clone(),
-                    reason: e.to_string(),
-                })
-        })
-        .collect::<Result<_>>()?;
-    report.bytes = out.values().map(|o| o.data.len()).sum();
-    let file = dst.join("model.safetensors");
-    let meta = [("format".to_string(), "mlx".to_string())].into_iter().collect();
-    serialize_to_file(views, Some(meta), &file).map_err(|e| ModelError::Weights {
-        path: file.clone(),
-        reason: e.to_string(),
-    })?;
-    // config.json: the original, plus the quantisation MLX readers look for.
-    let cfg_path = src.join("config.json");
-    let text = std::fs::read_to_string(&cfg_path).map_err(|error| ModelError::Io {
-        path: cfg_path,
-        error,
-    })?;
-    let mut cfg: Value = serde_json::from_str(&text).map_err(|e| ModelError::Json(e.to_string()))?;
-    let mut q = serde_json::Map::new();
-    q.insert("group_size".into(), format.group_size.into());
-    q.insert("bits".into(), format.bits.into());
-    q.extend(overrides);
-    let obj = cfg
-        .as_object_mut()
-        .ok_or_else(|| ModelError::Json("config.json is not an object".into()))?;
-    obj.insert("quantization".into(), Value::Object(q.clone()));
-    obj.insert("quantization_config".into(), Value::Object(q));
-    let pretty = serde_json::to_string_pretty(&cfg).map_err(|e| ModelError::Json(e.to_string()))?;
-    std::fs::write(dst.join("config.json"), pretty).map_err(|error| ModelError::Io {
-        path: dst.join("config.json"),
-        error,
-    })?;
-    Ok(report)
+
+    fn add(&mut self, group: Vec<(String, Out)>) -> Result<()> {
+        let size: usize = group.iter().map(|(_, o)| o.data.len()).sum();
+        if !self.pending.is_empty() && self.pending_bytes + size > self.limit {
+            self.flush()?;
+        }
+        self.pending_bytes += size;
+        self.bytes += size;
+        self.pending.extend(group);
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        let file = self
+            .dst
+            .join(format!(".shard-{}.safetensors.partial", self.written.len()));
+        let views: Vec<(String, TensorView)> = self
+            .pending
+            .iter()
+            .map(|(n, o)| {
+                TensorView::new(o.dtype, o.shape.clone(), &o.data)
+                    .map(|v| (n.clone(), v))
+                    .map_err(|e| ModelError::Tensor {
+                        name: n.clone(),
+                        reason: e.to_string(),
+                    })
+            })
+            .collect::<Result<_>>()?;
+        let meta = [("format".to_string(), "mlx".to_string())].into_iter().collect();
+        serialize_to_file(views, Some(meta), &file).map_err(|e| ModelError::Weights {
+            path: file.clone(),
+            reason: e.to_string(),
+        })?;
+        let names = self.pending.drain(..).map(|(n, _)| n).collect();
+        self.pending_bytes = 0;
+        self.written.push((file, names));
+        Ok(())
+    }
+
+    /// Writes the last shard and gives the files their final names (and the index, if several).
+    fn finish(mut self) -> Result<()> {
+        if !self.pending.is_empty() || self.written.is_empty() {
+            self.flush()?;
+        }
+        let n = self.written.len();
+        let rename = |from: &Path, to: &Path| {
+            std::fs::rename(from, to).map_err(|error| ModelError::Io {
+                path: to.to_path_buf(),
+                error,
+            })
+        };
+        if n == 1 {
+            return rename(&self.written[0].0, &self.dst.join("model.safetensors"));
+        }
+        let mut map = serde_json::Map::new();
+        for (i, (tmp, names)) in self.written.iter().enumerate() {
+            let file = format!("model-{:05}-of-{n:05}.safetensors", i + 1);
+            rename(tmp, &self.dst.join(&file))?;
+            for name in names {
+                map.insert(name.clone(), Value::String(file.clone()));
+            }
+        }
+        let index = serde_json::json!({"metadata": {"total_size": self.bytes}, "weight_map": map});
+        let path = self.dst.join("model.safetensors.index.json");
+        std::fs::write(
+            &path,
+            serde_json::to_string_pretty(&index).map_err(|e| ModelError::Json(e.to_string()))?,
+        )
+        .map_err(|error| ModelError::Io { path, error })
+    }
 }

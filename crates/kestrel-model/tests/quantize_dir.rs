@@ -175,3 +175,44 @@ fn refuses_quantised_input_and_an_occupied_output() {
         .to_string();
     assert!(msg.contains("already holds a model"), "{msg}");
 }
+
+/// Written in shards (here one a layer, with a limit of one byte): an index and several files
+/// holding, tensor for tensor, what the single file holds, loading and computing the same.
+#[test]
+fn sharded_output_equals_one_file() {
+    let (one, many) = (out_dir("one-shard"), out_dir("shards"));
+    quantize_dir(&dir("qwen3_next"), &one, Q4G32).unwrap();
+    kestrel_model::quantize::quantize_dir_sharded(&dir("qwen3_next"), &many, Q4G32, 1).unwrap();
+    let index = many.join("model.safetensors.index.json");
+    assert!(index.exists() && !many.join("model.safetensors").exists());
+    let files = std::fs::read_dir(&many)
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .ends_with(".safetensors")
+        })
+        .count();
+    assert_eq!(files, 5, "four layers and the rest");
+    let (a, b) = (Weights::open(&one).unwrap(), Weights::open(&many).unwrap());
+    assert_eq!(a.names(), b.names());
+    for name in a.names() {
+        let (x, y) = (a.get(name).unwrap(), b.get(name).unwrap());
+        assert!(
+            x.dtype == y.dtype && x.shape == y.shape && x.bytes == y.bytes,
+            "{name}"
+        );
+    }
+    let (tokens, _, _) = reference("qwen3_next");
+    let logits = |d: &std::path::Path| {
+        Session::open(d, CpuBackend::new(), 64, DType::F32)
+            .unwrap()
+            .forward(&tokens, 0, true)
+            .unwrap()
+    };
+    assert_eq!(logits(&one), logits(&many));
+    std::fs::remove_dir_all(&one).unwrap();
+    std::fs::remove_dir_all(&many).unwrap();
+}

@@ -1,5 +1,6 @@
 //! `kestrel quantize`: a dense model directory rewritten as an MLX-format 4- or 8-bit one
-//! (`kestrel_model::quantize_dir`), so quantisation is done once.
+//! (`kestrel_model::quantize::quantize_dir_sharded`, a layer at a time into shards), so
+//! quantisation is done once.
 
 use std::path::PathBuf;
 
@@ -18,13 +19,19 @@ pub struct QuantizeArgs {
     out: PathBuf,
     #[command(flatten)]
     quant: QuantArgs,
+    /// Largest output file, in MiB; past it the weights are written in shards with an index.
+    #[arg(long, default_value_t = 4096)]
+    shard_size: usize,
 }
 
 pub fn run(a: QuantizeArgs) -> Result<std::process::ExitCode> {
     let Some(format) = a.quant.format()? else {
         bail!("--quant q4 or q8 is needed");
     };
-    let r = kestrel_model::quantize_dir(&a.model, &a.out, format)
+    if a.shard_size == 0 {
+        bail!("--shard-size must be at least 1 MiB");
+    }
+    let r = kestrel_model::quantize::quantize_dir_sharded(&a.model, &a.out, format, a.shard_size << 20)
         .with_context(|| format!("quantising {} into {}", a.model.display(), a.out.display()))?;
     println!(
         "wrote {} ({}-bit, groups of {}): {} matrices quantised, {} tensors copied, {:.1} MiB",
