@@ -22,7 +22,7 @@ use serde_json::{json, Value};
 
 use crate::generate::Generator;
 use crate::logits::{default_backend, BackendChoice, QuantArgs};
-use crate::run::{eos_ids, SamplingArgs};
+use crate::run::{eos_ids, SamplingArgs, TemplateArgs};
 
 #[derive(Args)]
 pub struct ChatArgs {
@@ -44,6 +44,8 @@ pub struct ChatArgs {
     stop: Vec<String>,
     #[command(flatten)]
     sampling: SamplingArgs,
+    #[command(flatten)]
+    template: TemplateArgs,
     /// Backend; default CUDA when a device is present, else the CPU.
     #[arg(long, value_enum)]
     backend: Option<BackendChoice>,
@@ -99,6 +101,7 @@ fn converse<B: Backend>(a: &ChatArgs, dir: &std::path::Path, backend: B, cache: 
         ctrlc::set_handler(move || cancel.store(true, Ordering::Relaxed))
             .context("installing the Ctrl-C handler")?;
     }
+    let extra = a.template.extra()?;
     let mut editor = rustyline::DefaultEditor::new().context("opening the line editor")?;
     let mut system = a.system.clone();
     let mut messages = start(&system);
@@ -140,6 +143,7 @@ fn converse<B: Backend>(a: &ChatArgs, dir: &std::path::Path, backend: B, cache: 
             add_generation_prompt: true,
             bos_token: tokenizer.bos_token.as_deref(),
             eos_token: tokenizer.eos_token.as_deref(),
+            extra: extra.clone(),
             ..Default::default()
         })?;
         let ids = tokenizer.encode(&rendered, false)?;

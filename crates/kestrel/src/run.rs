@@ -55,6 +55,8 @@ pub struct RunArgs {
     /// Use the prompt as it is, without the chat template.
     #[arg(long)]
     raw: bool,
+    #[command(flatten)]
+    template: TemplateArgs,
     /// Stop when the generated text contains this string (repeatable; not printed).
     #[arg(long)]
     stop: Vec<String>,
@@ -76,6 +78,35 @@ pub struct RunArgs {
     /// streaming the text.
     #[arg(long)]
     json: bool,
+}
+
+/// Chat-template variables shared by `run` and `chat`.
+#[derive(Args, Clone)]
+pub struct TemplateArgs {
+    /// Ask a model with a thinking switch (Qwen3) to answer without thinking
+    /// (`enable_thinking: false`).
+    #[arg(long)]
+    no_think: bool,
+    /// More template variables, as a JSON object (`{"enable_thinking": false}`).
+    #[arg(long)]
+    chat_template_kwargs: Option<String>,
+}
+
+impl TemplateArgs {
+    /// The variables for `ChatInput::extra`.
+    pub fn extra(&self) -> Result<serde_json::Map<String, serde_json::Value>> {
+        let mut extra = match &self.chat_template_kwargs {
+            Some(text) => match serde_json::from_str(text) {
+                Ok(serde_json::Value::Object(m)) => m,
+                _ => bail!("--chat-template-kwargs {text:?} is not a JSON object"),
+            },
+            None => serde_json::Map::new(),
+        };
+        if self.no_think {
+            extra.insert("enable_thinking".into(), false.into());
+        }
+        Ok(extra)
+    }
 }
 
 /// The sampling flags shared by `run` and `chat`, as llama.cpp names them.
@@ -155,6 +186,7 @@ fn prompt_ids(a: &RunArgs, tokenizer: Option<&Tokenizer>) -> Result<Vec<u32>> {
         add_generation_prompt: true,
         bos_token: t.bos_token.as_deref(),
         eos_token: t.eos_token.as_deref(),
+        extra: a.template.extra()?,
         ..Default::default()
     })?;
     Ok(t.encode(&rendered, false)?)

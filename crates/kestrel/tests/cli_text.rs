@@ -114,3 +114,41 @@ fn sampled_text_is_reproducible() {
     other[last] = "6";
     assert_ne!(json(&d.0, &other)["tokens"], a["tokens"]);
 }
+
+/// The model's `chat_template.jinja` wins over tokenizer_config.json's; `--no-think` and
+/// `--chat-template-kwargs` reach it (Qwen3's template closes an empty think block).
+#[test]
+fn template_variables() {
+    let d = model_dir("think", None);
+    let qwen3 = common::root().join("kestrel-text/tests/templates/Qwen-Qwen3-0.6B.jinja");
+    std::fs::copy(qwen3, d.0.join("chat_template.jinja")).unwrap();
+    let base = ["-p", "2+2?", "-n", "2", "--temp", "0"];
+    let count = |extra: &[&str]| {
+        json(&d.0, &[&base[..], extra].concat())["prompt_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    let plain = count(&[]);
+    let no_think = count(&["--no-think"]);
+    assert!(no_think > plain, "{no_think} vs {plain}");
+    assert_eq!(
+        count(&["--chat-template-kwargs", r#"{"enable_thinking": false}"#]),
+        no_think
+    );
+    let o = Command::new(env!("CARGO_BIN_EXE_kestrel"))
+        .args([
+            "run",
+            "-m",
+            d.0.to_str().unwrap(),
+            "--backend",
+            "cpu",
+            "-p",
+            "x",
+            "--chat-template-kwargs",
+            "[1]",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("not a JSON object"), "{err}");
+}
