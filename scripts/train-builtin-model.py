@@ -19,13 +19,12 @@ the one `scripts/train-tokenizer.py` wrote for the tests), and RECIPE.md with th
 data, the losses and sample answers.
 """
 import argparse
-import ast
+import importlib.util
 import json
 import math
 import os
 import shutil
 import sys
-import sysconfig
 import time
 import zlib
 
@@ -39,33 +38,12 @@ DEFAULT_TOKENIZER = os.path.join(HERE, "..", "crates", "kestrel-text", "tests", 
 
 
 def documented():
-    """(qualified name, docstring) of every module, class and function in the standard library's
-    sources, in a fixed order (sorted paths, then source order), each docstring once."""
-    root = sysconfig.get_paths()["stdlib"]
-    seen, out = set(), []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "test", "tests", "idlelib", "__pycache__"))
-        for name in sorted(filenames):
-            if not name.endswith(".py"):
-                continue
-            rel = os.path.relpath(os.path.join(dirpath, name), root)[:-3].replace(os.sep, ".")
-            module = rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
-            try:
-                tree = ast.parse(open(os.path.join(dirpath, name), encoding="utf-8").read())
-            except (SyntaxError, UnicodeDecodeError, ValueError):
-                continue
-
-            def visit(node, prefix):
-                doc = ast.get_docstring(node)
-                if doc and len(doc) > 40 and doc not in seen:
-                    seen.add(doc)
-                    out.append((prefix, doc))
-                for child in ast.iter_child_nodes(node):
-                    if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                        visit(child, f"{prefix}.{child.name}")
-
-            visit(tree, module)
-    return out
+    """The standard library's (qualified name, docstring) pairs, gathered as the tokenizer's
+    training text is (scripts/train-tokenizer.py)."""
+    spec = importlib.util.spec_from_file_location("train_tokenizer", os.path.join(HERE, "train-tokenizer.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.documented()
 
 
 def held_out(name):

@@ -41,9 +41,10 @@ CHATML = (
 )
 
 
-def docstrings():
-    """Every module, class and function docstring of the standard library's sources, in a fixed
-    order (sorted paths), without duplicates."""
+def documented():
+    """(qualified name, docstring) of every module, class and function in the standard library's
+    sources, in a fixed order (sorted paths, then source order), each docstring once. Shared with
+    scripts/train-builtin-model.py."""
     root = sysconfig.get_paths()["stdlib"]
     seen, out = set(), []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -51,16 +52,23 @@ def docstrings():
         for name in sorted(filenames):
             if not name.endswith(".py"):
                 continue
+            rel = os.path.relpath(os.path.join(dirpath, name), root)[:-3].replace(os.sep, ".")
+            module = rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
             try:
                 tree = ast.parse(open(os.path.join(dirpath, name), encoding="utf-8").read())
             except (SyntaxError, UnicodeDecodeError, ValueError):
                 continue
-            for node in ast.walk(tree):
-                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                    doc = ast.get_docstring(node)
-                    if doc and len(doc) > 40 and doc not in seen:
-                        seen.add(doc)
-                        out.append(doc)
+
+            def visit(node, prefix):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) > 40 and doc not in seen:
+                    seen.add(doc)
+                    out.append((prefix, doc))
+                for child in ast.iter_child_nodes(node):
+                    if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                        visit(child, f"{prefix}.{child.name}")
+
+            visit(tree, module)
     return out
 
 
@@ -70,7 +78,7 @@ def main():
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--samples", action="store_true")
     a = ap.parse_args()
-    docs = docstrings()
+    docs = [doc for _, doc in documented()]
     print(f"Python {sys.version.split()[0]}: {len(docs)} docstrings, {sum(map(len, docs))} characters")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([

@@ -216,30 +216,22 @@ impl Build<'_> {
                 self.sources.push((b.raw(), Source::Tensors(names("weight"))));
                 LinearWeight::Dense(b)
             }
-            Held::Stored(format) => {
+            Held::Stored(format) | Held::OnLoad(format) => {
                 let lw = self.g.quant_weight(label, rows, cols, format);
-                if let LinearWeight::Quant {
+                let LinearWeight::Quant {
                     weight,
                     scales,
                     biases,
                     ..
                 } = lw
-                {
+                else {
+                    unreachable!("quant_weight makes a quantised weight")
+                };
+                if matches!(held, Held::Stored(_)) {
                     for (b, suffix) in [(weight, "weight"), (scales, "scales"), (biases, "biases")] {
                         self.sources.push((b.raw(), Source::Tensors(names(suffix))));
                     }
-                }
-                lw
-            }
-            Held::OnLoad(format) => {
-                let lw = self.g.quant_weight(label, rows, cols, format);
-                if let LinearWeight::Quant {
-                    weight,
-                    scales,
-                    biases,
-                    ..
-                } = lw
-                {
+                } else {
                     let parts = parts.iter().map(|&(b, r)| (format!("{b}.weight"), r)).collect();
                     self.sources.push((
                         weight.raw(),
