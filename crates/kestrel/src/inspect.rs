@@ -1,14 +1,52 @@
 //! `kestrel inspect`: what a model directory holds: architecture, layer kinds, parameter counts
 //! (total, and active per token for MoE models), weight dtypes and formats, and the memory a
-//! run needs at a given context (weights, KV caches of the full-attention layers, recurrent
-//! states of the linear-attention ones).
+//! run needs at a given context (weights as loaded, optionally quantised on load with `--quant`,
+//! KV caches of the full-attention layers, recurrent states of the linear-attention ones, the
+//! activations of a decode step and of a prefill chunk, from the graphs the run would build).
 
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::{ensure, Context, Result};
 use clap::Args;
+use kestrel_core::ir::BufKind;
+use kestrel_core::planner::Plan;
 use kestrel_core::DType;
-use kestrel_model::{footprint, LayerKind, MlpKind, ModelConfig, Weights};
+use kestrel_model::{footprint, Forward, ForwardSpec, LayerKind, MlpKind, ModelConfig, Weights};
+
+use crate::logits::QuantArgs;
+
+/// Bytes of what a run of `tokens` tokens holds on the backend, from its graph: weights as
+/// loaded (in `quant`'s format when given), KV caches and states, and the activations' arena.
+fn run_memory(
+    c: &ModelConfig,
+    w: &Weights,
+    a: &InspectArgs,
+    cache: DType,
+    tokens: usize,
+) -> Result<(u64, u64, u64)> {
+    let spec = ForwardSpec {
+        tokens,
+        past: 0,
+        ctx: a.ctx,
+        cache_dtype: cache,
+        all_logits: false,
+        quant: a.quant.format()?,
+    };
+    let f = Forward::build(c, w, spec)?;
+    let of = |kind: BufKind| -> u64 {
+        f.graph
+            .bufs
+            .iter()
+            .filter(|d| d.kind == kind)
+            .map(|d| d.byte_len() as u64)
+            .sum()
+    };
+    Ok((
+        of(BufKind::Weight),
+        of(BufKind::State),
+        Plan::new(&f.graph).arena_bytes as u64,
+    ))
+}
 
 #[derive(Args)]
 pub struct InspectArgs {
@@ -21,6 +59,11 @@ pub struct InspectArgs {
     /// KV cache element type of the estimate: bf16, f16 or f32.
     #[arg(long, default_value = "bf16")]
     cache: String,
+    /// Prompt chunk the prefill estimate is for.
+    #[arg(long, default_value_t = 512)]
+    prefill_chunk: usize,
+    #[command(flatten)]
+    quant: QuantArgs,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -50,6 +93,13 @@ pub fn run(a: InspectArgs) -> Result<std::process::ExitCode> {
         (linear * (l.value_heads * l.key_head_dim * l.value_head_dim + conv) * 4) as u64
     });
     let weight_bytes = fp.bytes;
+    ensure!(
+        a.ctx >= 1 && a.prefill_chunk >= 1,
+        "--ctx and --prefill-chunk must be at least 1"
+    );
+    let (loaded, persistent, decode_arena) = run_memory(&c, &w, &a, cache, 1)?;
+    let chunk = a.prefill_chunk.min(a.ctx);
+    let (_, _, prefill_arena) = run_memory(&c, &w, &a, cache, chunk)?;
     let moe_layers = c.mlp_kinds.iter().filter(|&&k| k == MlpKind::Moe).count();
     let size = |b: u64| match b {
         b if b >= 1 << 30 => format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64),
@@ -71,6 +121,12 @@ pub fn run(a: InspectArgs) -> Result<std::process::ExitCode> {
             "ctx": a.ctx,
             "kv_cache_bytes": kv_bytes,
             "recurrent_state_bytes": state_bytes,
+            "quant": a.quant.format()?.map(|f| format!("q{} (groups of {})", f.bits, f.group_size)),
+            "loaded_weight_bytes": loaded,
+            "cache_and_state_bytes": persistent,
+            "decode_activation_bytes": decode_arena,
+            "prefill_chunk": chunk,
+            "prefill_activation_bytes": prefill_arena,
         });
         println!("{v}");
         return Ok(std::process::ExitCode::SUCCESS);
@@ -103,11 +159,20 @@ pub fn run(a: InspectArgs) -> Result<std::process::ExitCode> {
     let fmts: Vec<String> = formats.iter().map(|(f, n)| format!("{f}: {n}")).collect();
     println!("formats           {}", fmts.join(", "));
     println!(
-        "memory at ctx {}  weights {}, KV cache ({cache}) {}, recurrent state {}",
+        "memory at ctx {}  weights {} as loaded{} ({} on disk), KV cache ({cache}) {}, recurrent state {}",
         a.ctx,
+        size(loaded),
+        a.quant
+            .format()?
+            .map_or(String::new(), |f| format!(" at {} bits", f.bits)),
         size(weight_bytes),
         size(kv_bytes),
         size(state_bytes)
+    );
+    println!(
+        "activations       {} for a decode step, {} for a {chunk}-token prefill chunk",
+        size(decode_arena),
+        size(prefill_arena)
     );
     Ok(std::process::ExitCode::SUCCESS)
 }

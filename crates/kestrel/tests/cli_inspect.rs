@@ -6,6 +6,10 @@ use std::path::PathBuf;
 use std::process::Command;
 
 fn inspect(name: &str) -> serde_json::Value {
+    inspect_with(name, &[])
+}
+
+fn inspect_with(name: &str, extra: &[&str]) -> serde_json::Value {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../kestrel-model/tests/parity")
         .join(name);
@@ -18,6 +22,7 @@ fn inspect(name: &str) -> serde_json::Value {
             "64",
             "--json",
         ])
+        .args(extra)
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -65,4 +70,23 @@ fn counts_and_memory_match_the_fixture_sizes() {
         next["parameters"], three_five["parameters"],
         "the same sizes (Qwen3.5's separate projections hold as many values); no vision tower"
     );
+    // The graph's persistent buffers are the caches and states counted above.
+    let sum = |v: &serde_json::Value| {
+        v["kv_cache_bytes"].as_u64().unwrap() + v["recurrent_state_bytes"].as_u64().unwrap()
+    };
+    assert_eq!(next["cache_and_state_bytes"].as_u64().unwrap(), sum(&next));
+}
+
+#[test]
+fn quantised_on_load_weighs_what_the_quantised_checkpoint_does() {
+    let q4 = ["--quant", "q4", "--group-size", "32"];
+    let (dense, on_load, mlx) = (
+        inspect("qwen3_moe"),
+        inspect_with("qwen3_moe", &q4),
+        inspect("qwen3_moe_mlx_q4"),
+    );
+    assert_eq!(on_load["loaded_weight_bytes"], mlx["loaded_weight_bytes"]);
+    assert!(on_load["loaded_weight_bytes"].as_u64() < dense["loaded_weight_bytes"].as_u64());
+    // Activations: a prefill chunk needs more than a decode step.
+    assert!(dense["prefill_activation_bytes"].as_u64() > dense["decode_activation_bytes"].as_u64());
 }
