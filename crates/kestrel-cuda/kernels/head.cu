@@ -1,5 +1,6 @@
 // Output-head selections on the GPU, so decode reads back a few bytes: argmax and top-k per row
-// (one block per row; the lower index wins ties). Top-k takes k rounds, each selecting the
+// (one block per row, or for argmax of long rows many blocks and a second pass; the lower index
+// wins ties). Top-k takes k rounds, each selecting the
 // largest element ordered after the previous pick in (value descending, index ascending).
 #include "kestrel.cuh"
 
@@ -33,6 +34,37 @@ extern "C" __global__ void argmax_f32(const float* logits, unsigned* out, unsign
     unsigned bi = 0xffffffffu;
     for (unsigned c = threadIdx.x; c < cols; c += blockDim.x)
         if (before(row[c], c, bv, bi)) { bv = row[c]; bi = c; }
+    block_best(bv, bi);
+    if (threadIdx.x == 0) out[blockIdx.x] = bi;
+}
+
+// Argmax of long rows in two launches: argmax_partial_f32 (grid (parts, rows)) leaves the best
+// (value, index) of each `chunk` columns of a row; argmax_final_f32 (one block per row) picks the
+// best of a row's parts. The order is the same total order, so the result is argmax_f32's.
+extern "C" __global__ void argmax_partial_f32(const float* logits, float* part_v, unsigned* part_i, unsigned cols,
+                                              unsigned chunk) {
+    pdl_begin();
+    const float* row = logits + (size_t)blockIdx.y * cols;
+    const unsigned c0 = blockIdx.x * chunk, c1 = min(cols, c0 + chunk);
+    float bv = -INFINITY;
+    unsigned bi = 0xffffffffu;
+    for (unsigned c = c0 + threadIdx.x; c < c1; c += blockDim.x)
+        if (before(row[c], c, bv, bi)) { bv = row[c]; bi = c; }
+    block_best(bv, bi);
+    if (threadIdx.x == 0) {
+        part_v[(size_t)blockIdx.y * gridDim.x + blockIdx.x] = bv;
+        part_i[(size_t)blockIdx.y * gridDim.x + blockIdx.x] = bi;
+    }
+}
+
+extern "C" __global__ void argmax_final_f32(const float* part_v, const unsigned* part_i, unsigned* out,
+                                            unsigned parts) {
+    pdl_begin();
+    const size_t base = (size_t)blockIdx.x * parts;
+    float bv = -INFINITY;
+    unsigned bi = 0xffffffffu;
+    for (unsigned p = threadIdx.x; p < parts; p += blockDim.x)
+        if (before(part_v[base + p], part_i[base + p], bv, bi)) { bv = part_v[base + p]; bi = part_i[base + p]; }
     block_best(bv, bi);
     if (threadIdx.x == 0) out[blockIdx.x] = bi;
 }
