@@ -8,6 +8,9 @@ use serde_json::Value;
 use crate::error::{Result, TextError};
 use crate::sample::SamplingParams;
 
+/// transformers' `GenerationConfig.top_k` when a file does not set it.
+const TRANSFORMERS_TOP_K: usize = 50;
+
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct GenerationConfig {
     /// Tokens that end generation (`eos_token_id`: one id or a list).
@@ -59,8 +62,9 @@ impl GenerationConfig {
         })
     }
 
-    /// The model's sampling defaults as parameters. As in transformers, sampling happens only
-    /// with `do_sample: true`; otherwise decoding is greedy (temperature 0).
+    /// The model's sampling defaults as parameters, with transformers' defaults for what the file
+    /// leaves out: sampling only with `do_sample: true` (else greedy, temperature 0), and then
+    /// top-k 50 unless the file says otherwise.
     pub fn sampling(&self) -> SamplingParams {
         let d = SamplingParams::default();
         SamplingParams {
@@ -69,7 +73,7 @@ impl GenerationConfig {
             } else {
                 0.0
             },
-            top_k: self.top_k.unwrap_or(d.top_k),
+            top_k: self.top_k.unwrap_or(TRANSFORMERS_TOP_K),
             top_p: self.top_p.unwrap_or(d.top_p),
             min_p: self.min_p.unwrap_or(d.min_p),
             repetition_penalty: self.repetition_penalty.unwrap_or(d.repetition_penalty),
@@ -101,6 +105,9 @@ mod tests {
         // No do_sample: greedy, as transformers decodes.
         let n = GenerationConfig::from_json(r#"{"temperature": 0.7}"#).unwrap();
         assert_eq!(n.sampling().temperature, 0.0);
+        // Sampling without a top_k: transformers' 50.
+        let t = GenerationConfig::from_json(r#"{"do_sample": true, "top_p": 0.9}"#).unwrap();
+        assert_eq!((t.sampling().top_k, t.sampling().top_p), (50, 0.9));
         assert!(GenerationConfig::from_json("{").is_err());
     }
 }

@@ -116,7 +116,8 @@ pub struct SamplingArgs {
     /// else 0).
     #[arg(long = "temp", alias = "temperature")]
     temperature: Option<f32>,
-    /// Keep the k most likely tokens (0: all).
+    /// Keep the k most likely tokens (0: all; default: the model's generation config, else 50
+    /// as in transformers).
     #[arg(long)]
     top_k: Option<usize>,
     /// Keep the most likely tokens up to this probability mass (1: all).
