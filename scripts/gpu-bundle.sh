@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds Kestrel's test binaries and CLI here (a machine with Rust) and collects them into
-# gpu-bundle/, which a GPU host with no Rust toolchain runs with `bash gpu-bundle/run.sh`.
+# gpu-bundle/ (the GPU tests alone), which a GPU host with no Rust toolchain runs with `bash gpu-bundle/run.sh`.
 #
 #   scripts/gpu-bundle.sh            # build and collect
 #   bash gpu-bundle/run.sh [LOGDIR]  # on the GPU host: every test with KESTREL_REQUIRE_GPU=1,
@@ -25,7 +25,12 @@ for line in sys.stdin:
         print(m["executable"])
 ' | while read -r exe; do
   name=$(basename "$exe")
-  cp "$exe" "$out/tests/${name%-*}"
+  name=${name%-*}
+  # Only what touches the GPU travels (the device call carries at most 64 MiB): integration
+  # tests whose source names CUDA, and the CUDA crate's unit tests.
+  if [ "$name" = kestrel_cuda ] || grep -qi cuda crates/*/tests/"$name".rs 2>/dev/null; then
+    cp "$exe" "$out/tests/$name"
+  fi
 done
 cp target/release/kestrel "$out/kestrel"
 strip "$out/kestrel" "$out"/tests/* 2>/dev/null || true

@@ -68,7 +68,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--tokenizer", default=DEFAULT_TOKENIZER)
-    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--steps", type=int, default=800)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--lr", type=float, default=3e-3)
@@ -124,7 +124,7 @@ def main():
     best_state = None
     model.train()
     for step in range(a.steps + 1):
-        if step % 200 == 0 or step == a.steps:
+        if step % 50 == 0 or step == a.steps:
             v = val_loss()
             log.append((step, v))
             print(f"step {step}: held-out loss {v:.4f}")

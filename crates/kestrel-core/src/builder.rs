@@ -911,6 +911,40 @@ impl GraphBuilder {
         out
     }
 
+    /// The next token sampled from one row of logits ([`Op::Sample`]); `counts` (`u32 [cols]`)
+    /// and `rng` (`u32 [8]`) are states the op updates.
+    pub fn sample(
+        &mut self,
+        name: &str,
+        logits: BufId<Logits>,
+        counts: BufId<State>,
+        rng: BufId<State>,
+        params: crate::sample::SamplingParams,
+    ) -> BufId<TokenIds> {
+        let (rows, cols) = self.rows_cols(logits);
+        self.check(name, rows == 1, || format!("samples one row, not {rows}"));
+        self.check_dtype(name, counts, &[DType::U32]);
+        self.check_len(name, counts, cols);
+        self.check_dtype(name, rng, &[DType::U32]);
+        self.check_len(name, rng, 8);
+        if let Err(e) = params.validate() {
+            self.fail(name, e);
+        }
+        let out = self.transient(name, DType::U32, vec![1]);
+        self.push(
+            name,
+            Op::Sample {
+                logits: logits.raw(),
+                counts: counts.raw(),
+                rng: rng.raw(),
+                out: out.raw(),
+                cols,
+                params,
+            },
+        );
+        out
+    }
+
     pub fn top_k(&mut self, name: &str, logits: BufId<Logits>, k: usize) -> (BufId<TokenIds>, BufId<Act>) {
         let (rows, cols) = self.rows_cols(logits);
         self.check(name, k >= 1 && k <= cols, || format!("top-{k} of {cols}"));

@@ -543,6 +543,20 @@ pub enum Op {
         rows: usize,
         cols: usize,
     },
+    /// The next token after one row of `logits`, sampled as [`crate::sample`] samples: penalties
+    /// from `counts` (`u32 [cols]`, how often each token was seen), then the distribution of
+    /// `params` and a draw from the xoshiro generator whose state `rng` holds (`u32 [8]`: the
+    /// four state words, little-endian). `out` gets the token, `counts[token]` grows by one and
+    /// `rng` advances, so decoding can sample every step without the host. A backend may bound
+    /// `params.top_k` (CUDA: 1 to 64, or temperature 0).
+    Sample {
+        logits: Buf,
+        counts: Buf,
+        rng: Buf,
+        out: Buf,
+        cols: usize,
+        params: crate::sample::SamplingParams,
+    },
     /// The `k` largest logits of each row, descending (lower index first on ties).
     TopK {
         logits: Buf,
@@ -654,6 +668,13 @@ impl Op {
                 ..
             } => (vec![*q, *k, *v, *g, *beta, *state], vec![*state, *out]),
             Argmax { logits, out, .. } => (vec![*logits], vec![*out]),
+            Sample {
+                logits,
+                counts,
+                rng,
+                out,
+                ..
+            } => (vec![*logits, *counts, *rng], vec![*out, *counts, *rng]),
             TopK {
                 logits, ids, values, ..
             } => (vec![*logits], vec![*ids, *values]),
@@ -685,6 +706,7 @@ impl Op {
             DeltaGates { .. } => "delta_gates",
             DeltaRule { .. } => "delta_rule",
             Argmax { .. } => "argmax",
+            Sample { .. } => "sample",
             TopK { .. } => "top_k",
         }
     }

@@ -1,6 +1,6 @@
 //! Kestrel's device-independent core: element types, shapes, the one configuration struct,
-//! a stable random number generator, and the access-range dependency analysis that orders
-//! dispatches on every backend.
+//! a stable random number generator, the sampling algorithm every backend follows, and the
+//! access-range dependency analysis that orders dispatches on every backend.
 #![forbid(unsafe_code)]
 
 pub mod access;
@@ -14,6 +14,7 @@ pub mod planner;
 pub mod quant;
 pub mod rng;
 pub mod rope;
+pub mod sample;
 pub mod shape;
 
 pub use access::{Access, AccessMode, AllocId, DepGraph};

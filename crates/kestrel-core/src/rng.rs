@@ -37,6 +37,16 @@ impl Rng {
         (Rng::new(nanos), nanos)
     }
 
+    /// A generator at a given state (as [`Rng::state`] returned it; not all zeros).
+    pub fn from_state(s: [u64; 4]) -> Self {
+        Rng { s }
+    }
+
+    /// The state, so a generator can be stored (on a device, for example) and resumed.
+    pub fn state(&self) -> [u64; 4] {
+        self.s
+    }
+
     pub fn next_u64(&mut self) -> u64 {
         let result = self.s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
         let t = self.s[1] << 17;

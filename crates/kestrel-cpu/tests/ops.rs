@@ -70,3 +70,68 @@ fn chunked_delta_rule_equals_recurrent_steps() {
         }
     }
 }
+
+/// The `Sample` op, run step after step with fresh logits, picks what the host algorithm picks
+/// with the same seed, keeping the token counts (penalties) and the generator state between runs.
+#[test]
+fn sample_op_follows_the_host_algorithm() {
+    use kestrel_core::sample::{distribution, draw, penalize, rng_words, SamplingParams};
+    use kestrel_core::{Backend, DType, GraphBuilder};
+    let (mut rng, seed) = Rng::from_time();
+    for params in [
+        SamplingParams {
+            temperature: 0.8,
+            top_k: 40,
+            top_p: 0.9,
+            min_p: 0.02,
+            seed: 3,
+            ..Default::default()
+        },
+        SamplingParams {
+            temperature: 1.2,
+            top_k: 64,
+            repetition_penalty: 1.3,
+            presence_penalty: 0.4,
+            frequency_penalty: 0.2,
+            seed: 9,
+            ..Default::default()
+        },
+        SamplingParams {
+            temperature: 0.0,
+            repetition_penalty: 1.5,
+            ..Default::default()
+        },
+    ] {
+        let vocab = 3000;
+        let mut g = GraphBuilder::new();
+        let logits = g.logits_input("logits", 1, vocab);
+        let counts = g.state("counts", DType::U32, [vocab]);
+        let state = g.state("rng", DType::U32, [8]);
+        let token = g.sample("sample", logits, counts, state, params);
+        g.mark_output(token);
+        let graph = g.finish().unwrap();
+        let mut cpu = CpuBackend::new();
+        let mut p = cpu.prepare(&graph).unwrap();
+        let history: Vec<u32> = (0..20).map(|_| rng.range(0, vocab) as u32).collect();
+        let mut host_counts = kestrel_core::sample::counts_of(&history, vocab);
+        cpu.upload(&mut p, counts, &host_counts).unwrap();
+        let mut host_rng = Rng::new(params.seed);
+        cpu.upload(&mut p, state, &rng_words(host_rng.state())).unwrap();
+        for step in 0..30 {
+            let row: Vec<f32> = (0..vocab).map(|_| rng.symmetric() * 5.0).collect();
+            cpu.upload(&mut p, logits, &row).unwrap();
+            cpu.run(&mut p).unwrap();
+            let got = cpu.download::<u32>(&p, token).unwrap()[0];
+            let mut l = row.clone();
+            penalize(&mut l, &host_counts, &params);
+            let want = draw(&distribution(&l, &params), &mut host_rng);
+            assert_eq!(got, want, "seed {seed} step {step} {params:?}");
+            host_counts[want as usize] += 1;
+        }
+        assert_eq!(
+            cpu.download::<u32>(&p, counts).unwrap(),
+            host_counts,
+            "counts kept"
+        );
+    }
+}

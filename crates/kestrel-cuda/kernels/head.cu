@@ -1,5 +1,6 @@
 // Output-head selections on the GPU, so decode reads back a few bytes: argmax and top-k per row
-// (one block per row; the lower index wins ties). Top-k takes k rounds, each selecting the
+// (one block per row, or for argmax of long rows many blocks and a second pass; the lower index
+// wins ties). Top-k takes k rounds, each selecting the
 // largest element ordered after the previous pick in (value descending, index ascending).
 #include "kestrel.cuh"
 
@@ -37,6 +38,37 @@ extern "C" __global__ void argmax_f32(const float* logits, unsigned* out, unsign
     if (threadIdx.x == 0) out[blockIdx.x] = bi;
 }
 
+// Argmax of long rows in two launches: argmax_partial_f32 (grid (parts, rows)) leaves the best
+// (value, index) of each `chunk` columns of a row; argmax_final_f32 (one block per row) picks the
+// best of a row's parts. The order is the same total order, so the result is argmax_f32's.
+extern "C" __global__ void argmax_partial_f32(const float* logits, float* part_v, unsigned* part_i, unsigned cols,
+                                              unsigned chunk) {
+    pdl_begin();
+    const float* row = logits + (size_t)blockIdx.y * cols;
+    const unsigned c0 = blockIdx.x * chunk, c1 = min(cols, c0 + chunk);
+    float bv = -INFINITY;
+    unsigned bi = 0xffffffffu;
+    for (unsigned c = c0 + threadIdx.x; c < c1; c += blockDim.x)
+        if (before(row[c], c, bv, bi)) { bv = row[c]; bi = c; }
+    block_best(bv, bi);
+    if (threadIdx.x == 0) {
+        part_v[(size_t)blockIdx.y * gridDim.x + blockIdx.x] = bv;
+        part_i[(size_t)blockIdx.y * gridDim.x + blockIdx.x] = bi;
+    }
+}
+
+extern "C" __global__ void argmax_final_f32(const float* part_v, const unsigned* part_i, unsigned* out,
+                                            unsigned parts) {
+    pdl_begin();
+    const size_t base = (size_t)blockIdx.x * parts;
+    float bv = -INFINITY;
+    unsigned bi = 0xffffffffu;
+    for (unsigned p = threadIdx.x; p < parts; p += blockDim.x)
+        if (before(part_v[base + p], part_i[base + p], bv, bi)) { bv = part_v[base + p]; bi = part_i[base + p]; }
+    block_best(bv, bi);
+    if (threadIdx.x == 0) out[blockIdx.x] = bi;
+}
+
 extern "C" __global__ void top_k_f32(const float* logits, unsigned* ids, float* values, unsigned cols, unsigned k) {
     pdl_begin();
     const float* row = logits + (size_t)blockIdx.x * cols;
@@ -60,4 +92,117 @@ extern "C" __global__ void top_k_f32(const float* logits, unsigned* ids, float* 
         li = bi;
         first = false;
     }
+}
+
+// ---- sampling one token (see kestrel_core::sample; the same arithmetic, so the same token) ----
+// sample_partial_f32: grid (parts), a block takes `chunk` logits, applies the penalties (f32, as
+// the host does) and leaves its k best candidates in (value descending, index ascending) order.
+// sample_final_f32: one block picks the k best of all parts, then its first thread computes the
+// f64 weights, top-p and min-p in the host's order and draws with the xoshiro state in `rng`
+// (u32 [8]), which it advances; counts[token] += 1.
+#define SAMPLE_CHUNK 2048
+
+__device__ __forceinline__ float penalised(float l, unsigned n, float rep, float presence, float frequency) {
+    if (n == 0) return l;
+    if (rep != 1.0f) l = l > 0.0f ? l / rep : l * rep;
+    return l - (presence + frequency * (float)n);
+}
+
+// k rounds of block_best over vals[0..n) (index base + i), each pick marked NaN so it is not
+// picked again; the picks go to out_v / out_i (stride 1) from thread 0.
+__device__ void pick_best(float* vals, const unsigned* idx, unsigned base, unsigned n, unsigned k, float* out_v,
+                          unsigned* out_i) {
+    for (unsigned j = 0; j < k; j++) {
+        float bv = -INFINITY;
+        unsigned bi = 0xffffffffu, bp = 0xffffffffu;
+        for (unsigned i = threadIdx.x; i < n; i += blockDim.x) {
+            const unsigned id = idx ? idx[i] : base + i;
+            if (before(vals[i], id, bv, bi)) { bv = vals[i]; bi = id; bp = i; }
+        }
+        const unsigned pos = bp;
+        float v = bv;
+        unsigned id = bi;
+        block_best(v, id);
+        // The thread that held the winner marks it (NaN is never picked).
+        if (id != 0xffffffffu && bi == id) vals[pos] = __int_as_float(0x7fc00000);
+        if (threadIdx.x == 0) { out_v[j] = v; out_i[j] = id; }
+        __syncthreads();
+    }
+}
+
+extern "C" __global__ void sample_partial_f32(const float* logits, const unsigned* counts, float* part_v,
+                                              unsigned* part_i, unsigned cols, unsigned k, float rep,
+                                              float presence, float frequency) {
+    pdl_begin();
+    __shared__ float vals[SAMPLE_CHUNK];
+    const unsigned c0 = blockIdx.x * SAMPLE_CHUNK, n = min(cols - c0, (unsigned)SAMPLE_CHUNK);
+    for (unsigned i = threadIdx.x; i < n; i += blockDim.x)
+        vals[i] = penalised(logits[c0 + i], counts[c0 + i], rep, presence, frequency);
+    __syncthreads();
+    pick_best(vals, nullptr, c0, n, k, part_v + (size_t)blockIdx.x * k, part_i + (size_t)blockIdx.x * k);
+}
+
+__device__ __forceinline__ unsigned long long rotl64(unsigned long long x, int r) { return (x << r) | (x >> (64 - r)); }
+
+extern "C" __global__ void sample_final_f32(const float* part_v, const unsigned* part_i, unsigned* counts,
+                                            unsigned* rng, unsigned* out, unsigned n, unsigned k, float temperature,
+                                            float top_p, float min_p) {
+    pdl_begin();
+    extern __shared__ float cand[];  // n values, then n indices
+    unsigned* cand_i = reinterpret_cast<unsigned*>(cand + n);
+    __shared__ float top_v[64];
+    __shared__ unsigned top_i[64];
+    for (unsigned i = threadIdx.x; i < n; i += blockDim.x) { cand[i] = part_v[i]; cand_i[i] = part_i[i]; }
+    __syncthreads();
+    pick_best(cand, cand_i, 0, n, k, top_v, top_i);
+    if (threadIdx.x != 0) return;
+    unsigned m = 0;
+    while (m < k && top_i[m] != 0xffffffffu) m++;
+    unsigned token = top_i[0];
+    if (temperature != 0.0f && m > 1) {
+        double w[64];
+        const double t = (double)temperature, max = (double)top_v[0];
+        double total = 0.0;
+        for (unsigned j = 0; j < m; j++) { w[j] = exp(((double)top_v[j] - max) / t); total += w[j]; }
+        unsigned keep = m;
+        if (top_p < 1.0f) {
+            double acc = 0.0;
+            for (unsigned j = 0; j < m; j++) {
+                acc += w[j] / total;
+                if (acc >= (double)top_p) { keep = j + 1; break; }
+            }
+        }
+        if (min_p > 0.0f) {
+            const double floor = w[0] * (double)min_p;
+            unsigned kept = 0;
+            for (unsigned j = 0; j < keep; j++)
+                if (w[j] >= floor) { w[kept] = w[j]; top_i[kept] = top_i[j]; kept++; }
+            keep = kept;
+        }
+        double sum = 0.0;
+        for (unsigned j = 0; j < keep; j++) sum += w[j];
+        // Ascending token order, as the host draws.
+        for (unsigned a = 1; a < keep; a++)
+            for (unsigned b = a; b > 0 && top_i[b - 1] > top_i[b]; b--) {
+                const unsigned ti = top_i[b]; top_i[b] = top_i[b - 1]; top_i[b - 1] = ti;
+                const double tw = w[b]; w[b] = w[b - 1]; w[b - 1] = tw;
+            }
+        token = top_i[0];
+        if (keep > 1) {
+            unsigned long long s[4];
+            for (int i = 0; i < 4; i++) s[i] = (unsigned long long)rng[2 * i] | ((unsigned long long)rng[2 * i + 1] << 32);
+            const unsigned long long r = rotl64(s[1] * 5, 7) * 9, sh = s[1] << 17;
+            s[2] ^= s[0]; s[3] ^= s[1]; s[1] ^= s[2]; s[0] ^= s[3]; s[2] ^= sh; s[3] = rotl64(s[3], 45);
+            for (int i = 0; i < 4; i++) { rng[2 * i] = (unsigned)s[i]; rng[2 * i + 1] = (unsigned)(s[i] >> 32); }
+            const double u = (double)((float)(r >> 40) * (1.0f / 16777216.0f));
+            double acc = 0.0;
+            token = top_i[keep - 1];
+            for (unsigned j = 0; j < keep; j++) {
+                acc += w[j] / sum;
+                if (u < acc) { token = top_i[j]; break; }
+            }
+        }
+    }
+    counts[token] += 1;
+    out[0] = token;
 }

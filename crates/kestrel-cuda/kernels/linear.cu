@@ -151,6 +151,18 @@ extern "C" __global__ void __launch_bounds__(32 * VEC_WARPS, 8) matvec_bf16(cons
     matvec<16>(x, w, nullptr, nullptr, out, in_dim, out_dim, 1);
 }
 
+// Quantised weights on f32 activations (x not rounded): the exact one-token path, for the logits a
+// router picks experts from. Dynamic shared memory: 2 * padded_len(in_dim) floats.
+#define MATVEC_EXACT(BITS)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(32 * VEC_WARPS, 8) matvec_q##BITS##_exact(                 \
+        const float* x, const unsigned* w, const bf16* scales, const bf16* biases, float* out,             \
+        unsigned in_dim, unsigned out_dim, unsigned group) {                                                \
+        pdl_begin();                                                                                        \
+        matvec<BITS>(x, w, scales, biases, out, in_dim, out_dim, group);                                    \
+    }
+MATVEC_EXACT(4)
+MATVEC_EXACT(8)
+
 
 
 // ---- one-token quantised matvec on 8-bit integer dot products ----

@@ -150,3 +150,98 @@ fn long_prefill_attention_matches_the_cpu_backend() {
         );
     }
 }
+
+/// The backend's sampler: on the same logits, step after step, CUDA picks the tokens the CPU
+/// picks (the same algorithm, the same generator), with penalties from the counts both keep;
+/// vocabularies below one block's chunk and of real size, eagerly and as a graph.
+#[test]
+fn gpu_sampler_equals_the_cpu_sampler() {
+    use kestrel_core::sample::{rng_words, SamplingParams};
+    let Some(dev) = device_or_skip("gpu_sampler_equals_the_cpu_sampler") else {
+        return;
+    };
+    let (mut rng, seed) = Rng::from_time();
+    for (vocab, params) in [
+        (
+            1500,
+            SamplingParams {
+                temperature: 0.8,
+                top_k: 40,
+                top_p: 0.9,
+                min_p: 0.02,
+                seed: 3,
+                ..Default::default()
+            },
+        ),
+        (
+            151_936,
+            SamplingParams {
+                temperature: 0.7,
+                top_k: 20,
+                top_p: 0.95,
+                seed: 5,
+                ..Default::default()
+            },
+        ),
+        (
+            151_936,
+            SamplingParams {
+                temperature: 1.3,
+                top_k: 64,
+                repetition_penalty: 1.3,
+                presence_penalty: 0.4,
+                frequency_penalty: 0.2,
+                seed: 9,
+                ..Default::default()
+            },
+        ),
+        (
+            248_320,
+            SamplingParams {
+                temperature: 0.0,
+                repetition_penalty: 1.5,
+                ..Default::default()
+            },
+        ),
+    ] {
+        let mut g = GraphBuilder::new();
+        let logits = g.logits_input("logits", 1, vocab);
+        let counts = g.state("counts", DType::U32, [vocab]);
+        let state = g.state("rng", DType::U32, [8]);
+        let token = g.sample("sample", logits, counts, state, params);
+        g.mark_output(token);
+        let graph = g.finish().unwrap();
+        let history: Vec<u32> = (0..50).map(|_| rng.range(0, vocab) as u32).collect();
+        let start_counts = kestrel_core::sample::counts_of(&history, vocab);
+        let words = rng_words(Rng::new(params.seed).state());
+        for mode in [RunMode::Eager, RunMode::Graph] {
+            let mut cpu = CpuBackend::new();
+            let mut cuda = CudaBackend::new(dev.clone(), mode);
+            let mut pc = cpu.prepare(&graph).unwrap();
+            let mut pg = cuda.prepare(&graph).unwrap();
+            cpu.upload(&mut pc, counts, &start_counts).unwrap();
+            cuda.upload(&mut pg, counts, &start_counts).unwrap();
+            cpu.upload(&mut pc, state, &words).unwrap();
+            cuda.upload(&mut pg, state, &words).unwrap();
+            for step in 0..40 {
+                // Logits with ties now and then (a few values repeated).
+                let row: Vec<f32> = (0..vocab)
+                    .map(|_| (rng.symmetric() * 40.0).round() / 8.0)
+                    .collect();
+                cpu.upload(&mut pc, logits, &row).unwrap();
+                cuda.upload(&mut pg, logits, &row).unwrap();
+                cpu.run(&mut pc).unwrap();
+                cuda.run(&mut pg).unwrap();
+                let (a, b) = (
+                    cpu.download::<u32>(&pc, token).unwrap()[0],
+                    cuda.download::<u32>(&pg, token).unwrap()[0],
+                );
+                assert_eq!(b, a, "seed {seed} {mode:?} vocab {vocab} step {step} {params:?}");
+            }
+            assert_eq!(
+                cuda.download::<u32>(&pg, counts).unwrap(),
+                cpu.download::<u32>(&pc, counts).unwrap()
+            );
+        }
+    }
+}

@@ -15,6 +15,7 @@ use kestrel_core::ir::{
 };
 use kestrel_core::quant::{QuantFormat, QuantMatrix};
 use kestrel_core::rope::RopeTable;
+use kestrel_core::sample::SamplingParams;
 use kestrel_core::{Backend, DType, GraphBuilder};
 
 use crate::config::{LayerKind, MlpKind, ModelConfig};
@@ -23,7 +24,7 @@ use crate::experts::pack_experts;
 use crate::weights::Weights;
 
 /// What one forward graph covers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ForwardSpec {
     /// Tokens in this chunk, at positions `past..past + tokens`.
     pub tokens: usize,
@@ -38,6 +39,9 @@ pub struct ForwardSpec {
     /// and the shared-expert gate at 8 bits, as MLX does; matrices whose rows do not divide into
     /// groups stay dense). Already-quantised tensors keep their own format.
     pub quant: Option<QuantFormat>,
+    /// Also sample the next token on the backend with these settings (when the backend can:
+    /// see `SamplingParams::backend_candidates`; last-token logits only).
+    pub sampling: Option<SamplingParams>,
 }
 
 /// Where a weight buffer's bytes come from.
@@ -72,6 +76,16 @@ enum Held {
     OnLoad(QuantFormat),
 }
 
+/// The backend's sampler in a forward graph.
+#[derive(Debug, Clone, Copy)]
+pub struct Sampled {
+    pub token: BufId<TokenIds>,
+    /// How often each token was seen (`u32 [vocab]`).
+    pub counts: BufId<kestrel_core::ir::State>,
+    /// The xoshiro state (`u32 [8]`).
+    pub rng: BufId<kestrel_core::ir::State>,
+}
+
 /// A built forward graph and what it needs before it runs.
 pub struct Forward {
     pub graph: Graph,
@@ -81,6 +95,9 @@ pub struct Forward {
     /// The most likely next token of each logits row (lower id on ties), computed on the
     /// backend, so greedy decoding reads back one id instead of the vocabulary's logits.
     pub argmax: BufId<TokenIds>,
+    /// The sampled next token, with the token counts and generator state the sampler keeps
+    /// (states shared by every program of a session), when `spec.sampling` asked for it.
+    pub sampled: Option<Sampled>,
     pub spec: ForwardSpec,
     /// The recurrent and convolution states of the linear-attention layers (not the KV caches):
     /// what a new sequence must start from zero.
@@ -353,6 +370,16 @@ impl Forward {
         let argmax = b.g.argmax("argmax", logits);
         b.g.mark_output(logits);
         b.g.mark_output(argmax);
+        let sampled = match spec.sampling {
+            Some(p) if !spec.all_logits && p.backend_candidates().is_some() => {
+                let counts = b.g.state("sampler.counts", DType::U32, [c.vocab]);
+                let rng = b.g.state("sampler.rng", DType::U32, [8]);
+                let token = b.g.sample("sample", logits, counts, rng, p);
+                b.g.mark_output(token);
+                Some(Sampled { token, counts, rng })
+            }
+            _ => None,
+        };
         let graph = b.g.finish().map_err(|e| ModelError::Config {
             key: "graph".into(),
             reason: e.to_string(),
@@ -363,6 +390,7 @@ impl Forward {
             positions,
             logits,
             argmax,
+            sampled,
             spec,
             states: b.states,
             sources: b.sources,

@@ -8,12 +8,37 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use kestrel_core::quant::QuantFormat;
+use kestrel_core::rng::Rng;
+use kestrel_core::sample::{counts_of, rng_words, SamplingParams};
 use kestrel_core::{Backend, DType};
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::graph::{Forward, ForwardSpec};
 use crate::weights::Weights;
+
+/// What a program computes at its end: every token's logits, the last token's (and its
+/// argmax), or those and the backend's sample (which advances the sampler's state, so only the
+/// step that wants a sample runs it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Outputs {
+    All,
+    Last,
+    Sample,
+}
+
+impl Outputs {
+    fn of(all_logits: bool) -> Outputs {
+        if all_logits {
+            Outputs::All
+        } else {
+            Outputs::Last
+        }
+    }
+}
+
+/// A prepared program: (tokens, outputs).
+type Key = (usize, Outputs);
 
 pub struct Session<B: Backend> {
     pub config: ModelConfig,
@@ -25,10 +50,14 @@ pub struct Session<B: Backend> {
     /// Dense weights quantised on load to this format (see [`ForwardSpec::quant`]).
     quant: Option<QuantFormat>,
     uploaded: bool,
-    /// Prepared programs by (tokens, all_logits).
-    programs: HashMap<(usize, bool), (Forward, B::Program)>,
+    /// Prepared programs by (tokens, outputs).
+    programs: HashMap<Key, (Forward, B::Program)>,
     /// Told (bytes done, bytes in all) while the weights upload.
     progress: Option<Box<dyn FnMut(u64, u64)>>,
+    /// Sample on the backend with these settings (see [`Session::with_sampling`]).
+    sampling: Option<SamplingParams>,
+    /// The backend sampler's generator was seeded.
+    seeded: bool,
 }
 
 impl<B: Backend> Session<B> {
@@ -57,7 +86,58 @@ impl<B: Backend> Session<B> {
             uploaded: false,
             programs: HashMap::new(),
             progress: None,
+            sampling: None,
+            seeded: false,
         }
+    }
+
+    /// Samples the next token on the backend with `params` (`sample_next_token`), when the
+    /// backend's sampler can keep the candidates they need; check [`Session::samples_on_backend`].
+    pub fn with_sampling(mut self, params: SamplingParams) -> Session<B> {
+        self.sampling = Some(params);
+        self
+    }
+
+    /// Whether `sample_next_token` is available.
+    pub fn samples_on_backend(&self) -> bool {
+        self.sampling.is_some_and(|p| p.backend_candidates().is_some())
+    }
+
+    /// Tells the backend's sampler which tokens the sequence holds (for the penalties): call it
+    /// with the whole sequence before a turn's first sample.
+    pub fn set_sample_history(&mut self, history: &[u32]) -> Result<()> {
+        let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
+        let key = self.program(1, 0, Outputs::Sample)?;
+        let (f, p) = self.programs.get_mut(&key).expect("prepared above");
+        let Some(s) = f.sampled else {
+            return Err(ModelError::Config {
+                key: "sampling".into(),
+                reason: "the backend does not sample with these settings".into(),
+            });
+        };
+        let counts = counts_of(history, self.config.vocab);
+        self.backend.upload(p, s.counts, &counts).map_err(backend_err)
+    }
+
+    /// Runs `ids` at positions `past..` and samples the next token on the backend (only the id
+    /// is read back); the sampler's counts and generator advance.
+    pub fn sample_next_token(&mut self, ids: &[u32], past: usize) -> Result<u32> {
+        let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
+        let key = self.run(ids, past, Outputs::Sample)?;
+        let (f, p) = &self.programs[&key];
+        let Some(s) = f.sampled else {
+            return Err(ModelError::Config {
+                key: "sampling".into(),
+                reason: "the backend does not sample with these settings".into(),
+            });
+        };
+        Ok(self.backend.download::<u32>(p, s.token).map_err(backend_err)?[0])
+    }
+
+    /// The same after a prefill in chunks.
+    pub fn prefill_sample_next_token(&mut self, ids: &[u32], past: usize, chunk: usize) -> Result<u32> {
+        let (tail, at, _) = self.prefill_head(ids, past, chunk, false)?;
+        self.sample_next_token(tail, at)
     }
 
     /// Calls `f(bytes done, bytes in all)` as the weights go to the backend.
@@ -110,7 +190,7 @@ impl<B: Backend> Session<B> {
                 let logits = self.forward(part, past + i * chunk, true)?;
                 gathered.extend(logits);
             } else {
-                self.run(part, past + i * chunk, false)?;
+                self.run(part, past + i * chunk, Outputs::Last)?;
             }
         }
         Ok((&ids[heads * chunk..], past + heads * chunk, gathered))
@@ -120,7 +200,7 @@ impl<B: Backend> Session<B> {
     /// one, computed on the backend (only the id is read back).
     pub fn next_token(&mut self, ids: &[u32], past: usize) -> Result<u32> {
         let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
-        let key = self.run(ids, past, false)?;
+        let key = self.run(ids, past, Outputs::Last)?;
         let (f, p) = &self.programs[&key];
         let ids = self.backend.download::<u32>(p, f.argmax).map_err(backend_err)?;
         Ok(ids[0])
@@ -130,7 +210,7 @@ impl<B: Backend> Session<B> {
     /// vocab]` with `all_logits`, else those of the last token.
     pub fn forward(&mut self, ids: &[u32], past: usize, all_logits: bool) -> Result<Vec<f32>> {
         let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
-        let key = self.run(ids, past, all_logits)?;
+        let key = self.run(ids, past, Outputs::of(all_logits))?;
         let (f, p) = &self.programs[&key];
         self.backend.download::<f32>(p, f.logits).map_err(backend_err)
     }
@@ -160,13 +240,14 @@ impl<B: Backend> Session<B> {
                 reason: format!("{tokens} tokens do not fit a context of {}", self.ctx),
             });
         }
-        self.program(tokens, 0, all_logits).map(|_| ())
+        self.program(tokens, 0, Outputs::of(all_logits)).map(|_| ())
     }
 
     /// The program for `tokens` tokens, built, prepared and (the first time) given the weights.
-    fn program(&mut self, tokens: usize, past: usize, all_logits: bool) -> Result<(usize, bool)> {
+    fn program(&mut self, tokens: usize, past: usize, outputs: Outputs) -> Result<Key> {
         let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
-        let key = (tokens, all_logits);
+        let key = (tokens, outputs);
+        let all_logits = outputs == Outputs::All;
         if !self.programs.contains_key(&key) {
             let spec = ForwardSpec {
                 tokens,
@@ -175,6 +256,7 @@ impl<B: Backend> Session<B> {
                 cache_dtype: self.cache_dtype,
                 all_logits,
                 quant: self.quant,
+                sampling: self.sampling.filter(|_| outputs == Outputs::Sample),
             };
             let f = Forward::build(&self.config, &self.weights, spec)?;
             let mut p = self.backend.prepare(&f.graph).map_err(backend_err)?;
@@ -185,6 +267,12 @@ impl<B: Backend> Session<B> {
                 }
                 self.uploaded = true;
             }
+            // The sampler's generator starts from the seed, once per session.
+            if let (Some(s), Some(params), false) = (f.sampled, self.sampling, self.seeded) {
+                let words = rng_words(Rng::new(params.seed).state());
+                self.backend.upload(&mut p, s.rng, &words).map_err(backend_err)?;
+                self.seeded = true;
+            }
             self.programs.insert(key, (f, p));
         }
         Ok(key)
@@ -192,7 +280,7 @@ impl<B: Backend> Session<B> {
 
     /// Runs `ids` at positions `past..` through the program for their length (prepared on first
     /// use), leaving the outputs in its buffers; returns the program's key.
-    fn run(&mut self, ids: &[u32], past: usize, all_logits: bool) -> Result<(usize, bool)> {
+    fn run(&mut self, ids: &[u32], past: usize, outputs: Outputs) -> Result<Key> {
         if let Some(&bad) = ids.iter().find(|&&t| t as usize >= self.config.vocab) {
             return Err(ModelError::Config {
                 key: "vocab_size".into(),
@@ -210,7 +298,7 @@ impl<B: Backend> Session<B> {
             });
         }
         let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
-        let key = self.program(ids.len(), past, all_logits)?;
+        let key = self.program(ids.len(), past, outputs)?;
         let (f, p) = self.programs.get_mut(&key).expect("prepared above");
         let pos: Vec<u32> = (past..past + ids.len()).map(|p| p as u32).collect();
         self.backend.upload(p, f.tokens, ids).map_err(backend_err)?;

@@ -68,6 +68,7 @@ fn linear_labels(d: &std::path::Path) -> Vec<String> {
         cache_dtype: DType::F32,
         all_logits: true,
         quant: None,
+        sampling: None,
     };
     let f = Forward::build(&c, &w, spec).unwrap();
     f.graph

@@ -50,6 +50,7 @@ const SPEC: ForwardSpec = ForwardSpec {
     cache_dtype: DType::F32,
     all_logits: true,
     quant: None,
+    sampling: None,
 };
 
 #[test]

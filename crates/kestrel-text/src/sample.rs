@@ -1,82 +1,15 @@
-//! Choosing the next token from a row of logits, on the host: penalties (repetition, presence,
-//! frequency), then temperature, top-k, top-p and min-p in the order transformers applies them,
-//! then a draw from the remaining distribution with Kestrel's seeded generator (xoshiro256**),
-//! so a seed gives the same tokens on every machine. Temperature 0 is the argmax (after the
-//! penalties; the lower id wins ties).
+//! Choosing the next token from a row of logits on the host, with the algorithm of
+//! `kestrel_core::sample` (the one a backend's `Sample` op follows too): penalties (repetition,
+//! presence, frequency), then temperature, top-k, top-p and min-p in the order transformers
+//! applies them, then a draw from the remaining distribution with Kestrel's seeded generator
+//! (xoshiro256**), so a seed gives the same tokens on every machine. Temperature 0 is the argmax
+//! (after the penalties; the lower id wins ties).
 
 use kestrel_core::rng::Rng;
+pub use kestrel_core::sample::{argmax, SamplingParams};
+use kestrel_core::sample::{counts_of, distribution, draw, penalize};
 
 use crate::error::{Result, TextError};
-
-/// Sampling settings; the defaults change nothing (plain sampling at temperature 1).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct SamplingParams {
-    /// 0: greedy.
-    pub temperature: f32,
-    /// Keep the `top_k` most likely tokens (0: all).
-    pub top_k: usize,
-    /// Keep the most likely tokens whose probabilities add up to `top_p` (1: all).
-    pub top_p: f32,
-    /// Keep tokens at least `min_p` times as likely as the most likely one (0: all).
-    pub min_p: f32,
-    /// transformers' repetition penalty on tokens seen before (1: none): a positive logit is
-    /// divided by it, a negative one multiplied.
-    pub repetition_penalty: f32,
-    /// Subtracted once from the logit of every token seen before (0: none).
-    pub presence_penalty: f32,
-    /// Subtracted from a token's logit once per time it was seen (0: none).
-    pub frequency_penalty: f32,
-    pub seed: u64,
-}
-
-impl Default for SamplingParams {
-    fn default() -> Self {
-        SamplingParams {
-            temperature: 1.0,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            repetition_penalty: 1.0,
-            presence_penalty: 0.0,
-            frequency_penalty: 0.0,
-            seed: 0,
-        }
-    }
-}
-
-impl SamplingParams {
-    pub fn validate(&self) -> Result<()> {
-        let bad = |what: &str, v: f32| Err(TextError::Sampling(format!("{what} {v} is out of range")));
-        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return bad("temperature", self.temperature);
-        }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return bad("top-p", self.top_p);
-        }
-        if !(0.0..=1.0).contains(&self.min_p) {
-            return bad("min-p", self.min_p);
-        }
-        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
-            return bad("repetition penalty", self.repetition_penalty);
-        }
-        if !self.presence_penalty.is_finite() || !self.frequency_penalty.is_finite() {
-            return bad(
-                "presence/frequency penalty",
-                self.presence_penalty + self.frequency_penalty,
-            );
-        }
-        Ok(())
-    }
-
-    /// Whether `sample` can only return the argmax of the raw logits (no penalties, greedy), so
-    /// a backend may pick the token itself.
-    pub fn is_plain_greedy(&self) -> bool {
-        self.temperature == 0.0
-            && self.repetition_penalty == 1.0
-            && self.presence_penalty == 0.0
-            && self.frequency_penalty == 0.0
-    }
-}
 
 pub struct Sampler {
     pub params: SamplingParams,
@@ -85,7 +18,7 @@ pub struct Sampler {
 
 impl Sampler {
     pub fn new(params: SamplingParams) -> Result<Sampler> {
-        params.validate()?;
+        params.validate().map_err(TextError::Sampling)?;
         Ok(Sampler {
             params,
             rng: Rng::new(params.seed),
@@ -95,109 +28,22 @@ impl Sampler {
     /// Applies the penalties for `history` (the prompt and the tokens generated so far) to
     /// `logits` in place.
     pub fn penalize(&self, logits: &mut [f32], history: &[u32]) {
-        let p = &self.params;
-        if p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0 {
-            return;
-        }
-        let mut counts: Vec<(u32, u32)> = Vec::new();
-        let mut sorted: Vec<u32> = history
-            .iter()
-            .copied()
-            .filter(|&t| (t as usize) < logits.len())
-            .collect();
-        sorted.sort_unstable();
-        for t in sorted {
-            match counts.last_mut() {
-                Some((last, n)) if *last == t => *n += 1,
-                _ => counts.push((t, 1)),
-            }
-        }
-        for (t, n) in counts {
-            let l = &mut logits[t as usize];
-            if p.repetition_penalty != 1.0 {
-                *l = if *l > 0.0 {
-                    *l / p.repetition_penalty
-                } else {
-                    *l * p.repetition_penalty
-                };
-            }
-            *l -= p.presence_penalty + p.frequency_penalty * n as f32;
+        if self.params.has_penalties() {
+            penalize(logits, &counts_of(history, logits.len()), &self.params);
         }
     }
 
-    /// The distribution sampling draws from after temperature, top-k, top-p and min-p: (token,
-    /// probability) in ascending token order, probabilities summing to one. Logits must already
-    /// carry the penalties. At temperature 0 it is the argmax alone.
+    /// The distribution sampling draws from (see `kestrel_core::sample::distribution`).
     pub fn distribution(&self, logits: &[f32]) -> Vec<(u32, f64)> {
-        let p = &self.params;
-        let best = argmax(logits);
-        if p.temperature == 0.0 || logits.is_empty() {
-            return vec![(best, 1.0)];
-        }
-        let t = p.temperature as f64;
-        let max = logits[best as usize] as f64;
-        // Candidates most likely first (ties: lower id first), as f64 softmax weights.
-        let mut cand: Vec<(u32, f64)> = logits
-            .iter()
-            .enumerate()
-            .filter(|(_, &l)| !l.is_nan())
-            .map(|(i, &l)| (i as u32, ((l as f64 - max) / t).exp()))
-            .collect();
-        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        if p.top_k > 0 {
-            cand.truncate(p.top_k);
-        }
-        let total: f64 = cand.iter().map(|c| c.1).sum();
-        if p.top_p < 1.0 {
-            // The smallest head whose mass reaches top_p (the token crossing it included).
-            let mut acc = 0.0;
-            let keep = cand
-                .iter()
-                .position(|c| {
-                    acc += c.1 / total;
-                    acc >= p.top_p as f64
-                })
-                .map_or(cand.len(), |i| i + 1);
-            cand.truncate(keep.max(1));
-        }
-        if p.min_p > 0.0 {
-            let floor = cand[0].1 * p.min_p as f64;
-            cand.retain(|c| c.1 >= floor);
-        }
-        let total: f64 = cand.iter().map(|c| c.1).sum();
-        let mut out: Vec<(u32, f64)> = cand.into_iter().map(|(i, w)| (i, w / total)).collect();
-        out.sort_by_key(|c| c.0);
-        out
+        distribution(logits, &self.params)
     }
 
     /// The next token: penalties for `history`, then a draw from [`Self::distribution`].
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
         self.penalize(logits, history);
         let dist = self.distribution(logits);
-        if dist.len() == 1 {
-            return dist[0].0;
-        }
-        let u = self.rng.next_f32() as f64;
-        let mut acc = 0.0;
-        for &(t, p) in &dist {
-            acc += p;
-            if u < acc {
-                return t;
-            }
-        }
-        dist.last().expect("a non-empty distribution").0
+        draw(&dist, &mut self.rng)
     }
-}
-
-/// The index of the largest value (the lower index wins ties; NaN never wins).
-pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in logits.iter().enumerate() {
-        if v > logits[best] || logits[best].is_nan() && !v.is_nan() {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 #[cfg(test)]

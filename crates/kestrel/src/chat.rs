@@ -80,7 +80,8 @@ fn converse<B: Backend>(a: &ChatArgs, dir: &std::path::Path, backend: B, cache: 
     let mut s = Session::open(dir, backend, a.ctx, cache)
         .with_context(|| format!("opening {}", dir.display()))?
         .with_quant(a.quant.format()?)
-        .with_progress(crate::progress::loading(&dir.display().to_string()));
+        .with_progress(crate::progress::loading(&dir.display().to_string()))
+        .with_sampling(sampler.params);
     s.prepare(1, false)?;
     eprintln!(
         "loaded {} in {:.2} s; /help for commands",

@@ -3,7 +3,9 @@
 //! the longest common prefix with them. Attention-only models rewind by overwriting cache rows;
 //! hybrids, whose recurrent states cannot rewind, start over when a turn does not extend what is
 //! held. Each turn streams its text (whole characters, stop strings held back) to stdout or keeps
-//! it.
+//! it. The next token comes from the backend's argmax (greedy), the backend's sampler (which
+//! draws as the host sampler does), or the host sampler on the logits (settings the backend's
+//! sampler cannot take).
 
 use std::io::Write as _;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -14,12 +16,23 @@ use kestrel_core::Backend;
 use kestrel_model::Session;
 use kestrel_text::{Sampler, StopStrings, Tokenizer};
 
+/// Where the next token is chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pick {
+    /// Greedy without penalties: the backend's argmax.
+    Argmax,
+    /// The backend's sampler (the session samples with the same settings).
+    BackendSampler,
+    /// The logits come back and the host samples (settings the backend cannot take).
+    HostSampler,
+}
+
 pub struct Generator<'t, B: Backend> {
     pub session: Session<B>,
     tokenizer: Option<&'t Tokenizer>,
     sampler: Sampler,
-    /// No penalties and greedy: the backend picks the token.
-    greedy: bool,
+    /// How the next token is chosen.
+    pick: Pick,
     eos: Vec<u32>,
     /// Prefill in chunks of at most this many tokens.
     chunk: Option<usize>,
@@ -63,8 +76,15 @@ impl<'t, B: Backend> Generator<'t, B> {
         eos: Vec<u32>,
         chunk: Option<usize>,
     ) -> Generator<'t, B> {
+        let pick = if sampler.params.is_plain_greedy() {
+            Pick::Argmax
+        } else if session.samples_on_backend() {
+            Pick::BackendSampler
+        } else {
+            Pick::HostSampler
+        };
         Generator {
-            greedy: sampler.params.is_plain_greedy(),
+            pick,
             session,
             tokenizer,
             sampler,
@@ -128,11 +148,16 @@ impl<'t, B: Backend> Generator<'t, B> {
             return Ok(turn);
         }
         let mut history = ids.to_vec();
-        let mut id = if self.greedy {
-            self.session.prefill_next_token(new, keep, chunk)?
-        } else {
-            let mut logits = self.session.prefill(new, keep, chunk, false)?;
-            self.sampler.sample(&mut logits, &history)
+        if self.pick == Pick::BackendSampler {
+            self.session.set_sample_history(&history)?;
+        }
+        let mut id = match self.pick {
+            Pick::Argmax => self.session.prefill_next_token(new, keep, chunk)?,
+            Pick::BackendSampler => self.session.prefill_sample_next_token(new, keep, chunk)?,
+            Pick::HostSampler => {
+                let mut logits = self.session.prefill(new, keep, chunk, false)?;
+                self.sampler.sample(&mut logits, &history)
+            }
         };
         self.held.extend_from_slice(new);
         turn.prefill_s = start.elapsed().as_secs_f64();
@@ -174,11 +199,13 @@ impl<'t, B: Backend> Generator<'t, B> {
                 break;
             }
             let at = self.held.len();
-            id = if self.greedy {
-                self.session.next_token(&[id], at)?
-            } else {
-                let mut logits = self.session.forward(&[id], at, false)?;
-                self.sampler.sample(&mut logits, &history)
+            id = match self.pick {
+                Pick::Argmax => self.session.next_token(&[id], at)?,
+                Pick::BackendSampler => self.session.sample_next_token(&[id], at)?,
+                Pick::HostSampler => {
+                    let mut logits = self.session.forward(&[id], at, false)?;
+                    self.sampler.sample(&mut logits, &history)
+                }
             };
             self.held.push(history[history.len() - 1]);
         }

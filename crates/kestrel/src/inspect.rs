@@ -31,6 +31,7 @@ fn run_memory(
         cache_dtype: cache,
         all_logits: false,
         quant: a.quant.format()?,
+        sampling: None,
     };
     let f = Forward::build(c, w, spec)?;
     let of = |kind: BufKind| -> u64 {

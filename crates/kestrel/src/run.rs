@@ -246,7 +246,8 @@ fn generate<B: Backend>(a: &RunArgs, dir: &std::path::Path, backend: B, cache: D
     let mut s = Session::open(dir, backend, ctx, cache)
         .with_context(|| format!("opening {}", dir.display()))?
         .with_quant(a.quant.format()?)
-        .with_progress(crate::progress::loading(&dir.display().to_string()));
+        .with_progress(crate::progress::loading(&dir.display().to_string()))
+        .with_sampling(sampler.params);
     // The weights go to the backend with the first program.
     let chunk = a.prefill_chunk.unwrap_or(prompt.len()).max(1);
     s.prepare(chunk.min(prompt.len()), false)?;

@@ -1,6 +1,9 @@
-//! The output head's selections: argmax and top-k per row (the lower index wins ties).
+//! The output head's selections: argmax and top-k per row (the lower index wins ties), and
+//! sampling one token with `kestrel_core::sample`'s algorithm.
 
 use kestrel_core::ir::Op;
+use kestrel_core::rng::Rng;
+use kestrel_core::sample::{distribution, draw, penalize, rng_state, rng_words};
 
 use super::OpResult;
 use crate::views::Views;
@@ -15,6 +18,24 @@ pub fn top_k(row: &[f32], k: usize) -> Vec<usize> {
 
 pub fn exec(op: &Op, v: &mut Views) -> OpResult {
     match *op {
+        Op::Sample {
+            logits,
+            counts,
+            rng,
+            out,
+            cols,
+            params,
+        } => {
+            let mut row = v.read::<f32>(logits)?[..cols].to_vec();
+            let counts = v.write::<u32>(counts)?;
+            let words = v.write::<u32>(rng)?;
+            penalize(&mut row, counts, &params);
+            let mut r = Rng::from_state(rng_state(words));
+            let t = draw(&distribution(&row, &params), &mut r);
+            words.copy_from_slice(&rng_words(r.state()));
+            counts[t as usize] += 1;
+            v.write::<u32>(out)?[0] = t;
+        }
         Op::Argmax {
             logits, out, cols, ..
         } => {

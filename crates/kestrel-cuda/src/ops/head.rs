@@ -1,10 +1,18 @@
-//! Argmax and top-k over logits: `kernels/head.cu`.
+//! Argmax, top-k and sampling over logits: `kernels/head.cu`.
 
 use kestrel_core::ir::Op;
+use kestrel_core::DType;
 
-use super::u32_arg;
+use super::{u32_arg, unsupported};
 use crate::backend::Encoder;
 use crate::error::Result;
+
+/// Rows up to this long take one block for their argmax.
+const ARGMAX_ONE_BLOCK: usize = 8192;
+/// Columns per block of the two-pass argmax (8 per thread of 256).
+const ARGMAX_CHUNK: usize = 2048;
+/// Logits per block of `sample_partial_f32` (`SAMPLE_CHUNK` in head.cu).
+const SAMPLE_CHUNK: usize = 2048;
 
 pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
     match *op {
@@ -14,14 +22,96 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             rows,
             cols,
         } => {
-            let kern = enc.device.kernel("head", "argmax_f32")?;
             let (l, o) = (enc.buf(logits)?.clone(), enc.buf(out)?.clone());
-            enc.dispatch(&kern)
-                .grid(u32_arg(rows)?)
+            if cols <= ARGMAX_ONE_BLOCK {
+                let kern = enc.device.kernel("head", "argmax_f32")?;
+                enc.dispatch(&kern)
+                    .grid(u32_arg(rows)?)
+                    .block(256)
+                    .read(&l)
+                    .write(&o)
+                    .arg(u32_arg(cols)?)
+                    .record();
+                return Ok(());
+            }
+            // A vocabulary's row: spread over the GPU, then the parts' best.
+            let parts = cols.div_ceil(ARGMAX_CHUNK);
+            let part_v = enc.workspace(DType::F32, [rows, parts])?;
+            let part_i = enc.workspace(DType::U32, [rows, parts])?;
+            let partial = enc.device.kernel("head", "argmax_partial_f32")?;
+            enc.dispatch(&partial)
+                .grid((u32_arg(parts)?, u32_arg(rows)?))
                 .block(256)
                 .read(&l)
-                .write(&o)
+                .write(&part_v)
+                .write(&part_i)
                 .arg(u32_arg(cols)?)
+                .arg(u32_arg(ARGMAX_CHUNK)?)
+                .record();
+            let last = enc.device.kernel("head", "argmax_final_f32")?;
+            enc.dispatch(&last)
+                .grid(u32_arg(rows)?)
+                .block(128)
+                .read(&part_v)
+                .read(&part_i)
+                .write(&o)
+                .arg(u32_arg(parts)?)
+                .record();
+        }
+        Op::Sample {
+            logits,
+            counts,
+            rng,
+            out,
+            cols,
+            params,
+        } => {
+            let Some(k) = params.backend_candidates() else {
+                return Err(unsupported(format!(
+                    "sampling with top-k {} at temperature {} keeps more than {} candidates",
+                    params.top_k,
+                    params.temperature,
+                    kestrel_core::sample::BACKEND_MAX_TOP_K
+                )));
+            };
+            let parts = cols.div_ceil(SAMPLE_CHUNK);
+            let (l, c, r, o) = (
+                enc.buf(logits)?.clone(),
+                enc.buf(counts)?.clone(),
+                enc.buf(rng)?.clone(),
+                enc.buf(out)?.clone(),
+            );
+            let part_v = enc.workspace(DType::F32, [parts * k])?;
+            let part_i = enc.workspace(DType::U32, [parts * k])?;
+            let partial = enc.device.kernel("head", "sample_partial_f32")?;
+            enc.dispatch(&partial)
+                .grid(u32_arg(parts)?)
+                .block(256)
+                .read(&l)
+                .read(&c)
+                .write(&part_v)
+                .write(&part_i)
+                .arg(u32_arg(cols)?)
+                .arg(u32_arg(k)?)
+                .arg(params.repetition_penalty)
+                .arg(params.presence_penalty)
+                .arg(params.frequency_penalty)
+                .record();
+            let last = enc.device.kernel("head", "sample_final_f32")?;
+            enc.dispatch(&last)
+                .grid(1u32)
+                .block(256)
+                .shared_mem(u32_arg(parts * k * 8)?)
+                .read(&part_v)
+                .read(&part_i)
+                .read_write(&c)
+                .read_write(&r)
+                .write(&o)
+                .arg(u32_arg(parts * k)?)
+                .arg(u32_arg(k)?)
+                .arg(params.temperature)
+                .arg(params.top_p)
+                .arg(params.min_p)
                 .record();
         }
         Op::TopK {

@@ -129,6 +129,59 @@ fn encode_matvec(
     Ok(true)
 }
 
+/// The one-token product of a quantised weight on f32 activations (nothing rounded beyond f32
+/// arithmetic), for the logits a router decides from. Returns false (and records nothing) when
+/// the format's 16-byte vectors do not tile the groups.
+fn encode_matvec_exact(
+    enc: &mut Encoder,
+    x: Buf,
+    w: &LinearWeight,
+    out: Buf,
+    in_dim: usize,
+    out_dim: usize,
+) -> Result<bool> {
+    let LinearWeight::Quant {
+        weight,
+        scales,
+        biases,
+        format,
+    } = w
+    else {
+        return Ok(false);
+    };
+    let vals = 128 / format.bits as usize;
+    let padded = in_dim + in_dim.div_ceil(32) * 4;
+    let smem = 2 * padded * 4;
+    if format.group_size % vals != 0 || in_dim % vals != 0 || smem > enc.device.info().max_shared_per_block {
+        return Ok(false);
+    }
+    let k = enc
+        .device
+        .kernel("linear", &format!("matvec_{}_exact", quant_name(format.bits)?))?;
+    let (x, out) = (enc.buf(x)?.clone(), enc.buf(out)?.clone());
+    let (qw, s, b) = (
+        enc.buf(weight.raw())?.clone(),
+        enc.buf(scales.raw())?.clone(),
+        enc.buf(biases.raw())?.clone(),
+    );
+    let sms = enc.device.info().sm_count as usize;
+    let blocks = out_dim.div_ceil(MATVEC_ROWS).min(MATVEC_BLOCKS_PER_SM * sms);
+    enc.dispatch(&k)
+        .grid(u32_arg(blocks)?)
+        .block(32 * MATVEC_WARPS)
+        .shared_mem(u32_arg(smem)?)
+        .read(&x)
+        .read(&qw)
+        .read(&s)
+        .read(&b)
+        .write(&out)
+        .arg(u32_arg(in_dim)?)
+        .arg(u32_arg(out_dim)?)
+        .arg(u32_arg(format.group_size)?)
+        .record();
+    Ok(true)
+}
+
 /// From this many tokens, bf16 projections run as cuBLAS products on bf16 activations.
 const GEMM_MIN_TOKENS: usize = 16;
 
@@ -176,7 +229,13 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             in_dim,
             out_dim,
         } => {
-            if *tokens == 1 && !enc.precise && encode_matvec(enc, *x, w, *out, *in_dim, *out_dim)? {
+            // The dense matvec keeps x in f32, so it is exact enough for router logits too.
+            let exact = matches!(w, LinearWeight::Dense(_));
+            if *tokens == 1 && (!enc.precise || exact) && encode_matvec(enc, *x, w, *out, *in_dim, *out_dim)?
+            {
+                return Ok(());
+            }
+            if *tokens == 1 && enc.precise && encode_matvec_exact(enc, *x, w, *out, *in_dim, *out_dim)? {
                 return Ok(());
             }
             if *tokens >= GEMM_MIN_TOKENS

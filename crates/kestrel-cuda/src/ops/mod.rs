@@ -25,7 +25,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
         KvAppend { .. } | AttentionInputs { .. } | Attention { .. } => attention::encode(op, enc),
         Router { .. } | MoeExperts { .. } => moe::encode(op, enc),
         CausalConv1d { .. } | DeltaGates { .. } | DeltaRule { .. } => deltanet::encode(op, enc),
-        Argmax { .. } | TopK { .. } => head::encode(op, enc),
+        Argmax { .. } | TopK { .. } | Sample { .. } => head::encode(op, enc),
     }
 }
 
