@@ -27,8 +27,9 @@ for line in sys.stdin:
   name=$(basename "$exe")
   name=${name%-*}
   # Only what touches the GPU travels (the device call carries at most 64 MiB): integration
-  # tests whose source names CUDA, and the CUDA crate's unit tests.
-  if [ "$name" = kestrel_cuda ] || grep -qi cuda crates/*/tests/"$name".rs 2>/dev/null; then
+  # tests whose source names CUDA, and the CUDA crate's unit tests; not the CLI tests, which
+  # run the binary at its path here.
+  if [ "$name" = kestrel_cuda ] || { [[ $name != cli_* ]] && grep -qi cuda crates/*/tests/"$name".rs 2>/dev/null; }; then
     cp "$exe" "$out/tests/$name"
   fi
 done

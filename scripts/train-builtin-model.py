@@ -15,8 +15,9 @@ loss is kept.
 
 OUT_DIR receives what every Kestrel path loads: config.json and model.safetensors written by
 `save_pretrained` (bf16), generation_config.json, the tokenizer files (from --tokenizer, default
-the one `scripts/train-tokenizer.py` wrote for the tests), and RECIPE.md with the settings, the
-data, the losses and sample answers.
+the one `scripts/train-tokenizer.py` wrote for the tests), RECIPE.md with the settings, the
+data, the losses and sample answers, and transformers-greedy.json with those answers' token ids
+(transformers' greedy decoding of three prompts), which Kestrel's tests reproduce.
 """
 import argparse
 import importlib.util
@@ -156,15 +157,21 @@ def main():
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(a.tokenizer, name), os.path.join(a.out, name))
 
-    # Sample answers, greedy, for the recipe.
+    # Greedy answers for the recipe, and their ids as the reference Kestrel's CI compares with
+    # (the bf16 weights as saved, computed in f32).
     model = model.float().eval()
-    samples = []
+    samples, reference = [], []
     for q in ["What does json.dumps do?", "What does os.path.join do?", "What does collections.Counter do?"]:
         prompt = f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
         x = torch.tensor([tok.encode(prompt).ids], device=device)
         with torch.no_grad():
             y = model.generate(x, max_new_tokens=60, do_sample=False, eos_token_id=generation["eos_token_id"])
-        samples.append((q, tok.decode(y[0, x.shape[1]:].tolist(), skip_special_tokens=True)))
+        ids = y[0, x.shape[1]:].tolist()
+        samples.append((q, tok.decode(ids, skip_special_tokens=True)))
+        reference.append({"prompt": q, "prompt_ids": x[0].tolist(), "generated_ids": ids})
+    with open(os.path.join(a.out, "transformers-greedy.json"), "w") as f:
+        json.dump(reference, f, indent=1)
+        f.write("\n")
 
     size = sum(os.path.getsize(os.path.join(a.out, f)) for f in os.listdir(a.out))
     with open(os.path.join(a.out, "RECIPE.md"), "w") as f:

@@ -895,6 +895,54 @@ pub fn random_experts(c: &mut CaseBuilder, layout: &ExpertLayout) -> (Vec<u8>, E
     (blob, values)
 }
 
+/// The expected choice of a router: per token, the top k of the softmax of its logits (the
+/// lower index first among equals) and their probabilities, renormalised when asked.
+fn expected_choice(logits: &[f64], experts: usize, k: usize, normalize: bool) -> (Vec<u32>, Vec<f64>) {
+    let (mut ids, mut weights) = (Vec::new(), Vec::new());
+    for l in logits.chunks(experts) {
+        let p = r::softmax(l);
+        let top = r::top_k(&p, k);
+        let total: f64 = top.iter().map(|&i| p[i]).sum();
+        for &e in &top {
+            ids.push(e as u32);
+            weights.push(if normalize { p[e] / total } else { p[e] });
+        }
+    }
+    (ids, weights)
+}
+
+/// A router as models build it: its product (bf16, f32 or 4-/8-bit weights; up to 512
+/// experts), then the choice. CUDA does a one-token pair in one kernel where it can.
+pub fn router(rng: Rng) -> Case {
+    let mut c = CaseBuilder::new(rng);
+    let (small, large) = (c.rng.range(2, 129), c.rng.range(129, 513));
+    let experts = pick(&mut c.rng, &[128, 512, small, large]);
+    let k = c.rng.range(1, experts.min(10) + 1);
+    let format = pick(
+        &mut c.rng,
+        &[None, None, Some(QuantFormat::Q4), Some(QuantFormat::Q8)],
+    );
+    let in_dim = match format {
+        Some(f) => f.group_size * c.rng.range(1, 40),
+        None => 8 * c.rng.range(1, 300),
+    };
+    let dtype = pick(&mut c.rng, &[DType::BF16, DType::BF16, DType::F32]);
+    let tokens = pick(&mut c.rng, &[1, 1, 1, 3]);
+    let normalize = c.rng.next_f32() < 0.5;
+    let (w, wf) = c.linear_weight("gate", experts, in_dim, format, dtype);
+    let (x, xf) = c.act("x", tokens, in_dim, 1.0);
+    let logits = c.g.linear("gate", x, &w);
+    let (ids, weights) = c.g.router("topk", logits, k, normalize);
+    let lf = r::linear(&xf, &wf, in_dim, experts);
+    let (exp_ids, exp_w) = expected_choice(&lf, experts, k, normalize);
+    c.check_floats(logits, lf);
+    c.check_ids(ids, exp_ids);
+    c.check_floats(weights, exp_w);
+    c.finish(format!(
+        "router {tokens}x{in_dim} -> top-{k} of {experts} {format:?} {dtype} normalize={normalize}"
+    ))
+}
+
 pub fn moe(rng: Rng) -> Case {
     let mut c = CaseBuilder::new(rng);
     let experts = c.rng.range(2, 17);
@@ -932,17 +980,11 @@ pub fn moe(rng: Rng) -> Case {
     // CUDA rounds activations to int8 for quantised experts on few tokens, and to bf16 for the
     // grouped tensor-core GEMMs of many tokens.
     c.rounded_activations = format != ExpertFormat::Bf16 || tokens >= 16;
-    let mut exp_ids = Vec::new();
-    let mut exp_w = Vec::new();
+    let (exp_ids, exp_w) = expected_choice(&lf, experts, k, normalize);
     let mut expect = vec![0f64; tokens * hidden];
     for t in 0..tokens {
-        let p = r::softmax(&lf[t * experts..(t + 1) * experts]);
-        let top = r::top_k(&p, k);
-        let total: f64 = top.iter().map(|&i| p[i]).sum();
-        for &e in &top {
-            let w = if normalize { p[e] / total } else { p[e] };
-            exp_ids.push(e as u32);
-            exp_w.push(w);
+        for j in 0..k {
+            let (e, w) = (exp_ids[t * k + j] as usize, exp_w[t * k + j]);
             let xt = &xf[t * hidden..(t + 1) * hidden];
             let (g, u, d) = &ev[e];
             let gx = r::linear(xt, g, hidden, inter);
@@ -1101,6 +1143,7 @@ pub fn all_cases(rng: &mut Rng) -> Vec<Case> {
         elementwise(seed()),
         attention(seed()),
         attention_inputs(seed()),
+        router(seed()),
         moe(seed()),
         deltanet(seed(), DeltaAlgo::Recurrent),
         deltanet(seed(), DeltaAlgo::Chunked { chunk: 16 }),

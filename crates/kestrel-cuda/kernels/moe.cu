@@ -1,6 +1,7 @@
 // Mixture of experts for few tokens.
 // router_f32_{4,8,16}: one warp per token holds up to 128, 256 or 512 experts in registers:
 // softmax, then k rounds of warp argmax (the lower index wins ties), optional renormalisation.
+// route_*: the same for one token, with the router's product in the same kernel.
 // Experts, with 16-byte weight loads: gate_up computes act[t * k + j] = silu(gate_e x_t) * (up_e x_t)
 // for every (token, slot); down computes out[t] = sum_j weights[t, j] * down_e act[t * k + j],
 // slots summed in order, so results do not depend on scheduling. Each expert is one contiguous
@@ -11,20 +12,16 @@
 
 // PER_LANE experts per lane: up to 32 * PER_LANE experts; fewer per lane means fewer compares in
 // each of the k rounds.
+// One warp: token t's choice from its logits, p[i] holding expert lane + 32 * i's (any value for
+// experts past the last).
 template <int PER_LANE>
-__device__ void router(const float* logits, unsigned* ids, float* weights, unsigned experts, unsigned k,
-                       int normalize) {
-    pdl_wait();
-    pdl_trigger();
-    const unsigned lane = threadIdx.x;
-    const size_t t = blockIdx.x;
-    const float* l = logits + t * experts;
-    float p[PER_LANE];
+__device__ __forceinline__ void choose(float p[PER_LANE], unsigned* ids, float* weights, size_t t, unsigned experts,
+                                       unsigned k, int normalize) {
+    const unsigned lane = threadIdx.x % 32;
     float m = -INFINITY;
 #pragma unroll
     for (int i = 0; i < PER_LANE; i++) {
-        const unsigned e = lane + 32 * i;
-        p[i] = e < experts ? l[e] : -INFINITY;
+        if (lane + 32 * i >= experts) p[i] = -INFINITY;
         m = fmaxf(m, p[i]);
     }
     m = warp_max(m);
@@ -66,6 +63,23 @@ __device__ void router(const float* logits, unsigned* ids, float* weights, unsig
     if (lane < k) weights[t * k + lane] = normalize ? chosen / total : chosen;
 }
 
+template <int PER_LANE>
+__device__ void router(const float* logits, unsigned* ids, float* weights, unsigned experts, unsigned k,
+                       int normalize) {
+    pdl_wait();
+    pdl_trigger();
+    const unsigned lane = threadIdx.x;
+    const size_t t = blockIdx.x;
+    const float* l = logits + t * experts;
+    float p[PER_LANE];
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i++) {
+        const unsigned e = lane + 32 * i;
+        p[i] = e < experts ? l[e] : 0.0f;
+    }
+    choose<PER_LANE>(p, ids, weights, t, experts, k, normalize);
+}
+
 #define ROUTER(PER_LANE)                                                                                   \
     extern "C" __global__ void router_f32_##PER_LANE(const float* logits, unsigned* ids, float* weights,  \
                                                      unsigned experts, unsigned k, int normalize) {       \
@@ -74,6 +88,80 @@ __device__ void router(const float* logits, unsigned* ids, float* weights, unsig
 ROUTER(4)
 ROUTER(8)
 ROUTER(16)
+
+// route_{q4,q8,bf16}_{4,8,16}: one token's router, product and choice in one kernel (sm_90). A
+// cluster of ROUTE_BLOCKS blocks computes the logits as matvec_*_exact does (x in f32; warp w of
+// block b takes rows b * ROUTE_WARPS + w, then every ROUTE_BLOCKS * ROUTE_WARPS rows on), writes
+// them out and into block 0's shared memory; after the cluster barrier one warp of block 0
+// chooses as router_f32 does. Dynamic shared memory: x staged, 2 * padded_len(in_dim) floats
+// (bf16: one).
+#define ROUTE_BLOCKS 8
+#define ROUTE_WARPS 16
+#if __CUDA_ARCH__ >= 900
+template <int BITS, int PER_LANE>
+__device__ void route_one(const float* x, const void* w, const bf16* scales, const bf16* biases, float* logits,
+                          unsigned* ids, float* weights, unsigned in_dim, unsigned experts, unsigned group,
+                          unsigned k, int normalize) {
+    extern __shared__ float xs[];
+    __shared__ float chosen_from[32 * PER_LANE];
+    const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32, rank = cluster_rank();
+    const size_t row_bytes = (size_t)in_dim * BITS / 8;
+    // The weights need nothing from earlier kernels: their rows are on their way to L2 while
+    // this waits for x.
+    for (unsigned r = rank * ROUTE_WARPS + warp; r < experts; r += ROUTE_BLOCKS * ROUTE_WARPS)
+        prefetch_l2_range(static_cast<const char*>(w) + r * row_bytes, row_bytes, lane, 32);
+    pdl_wait();
+    pdl_trigger();
+    float* xs_plain = xs + padded_len(in_dim);
+    if constexpr (BITS != 16)
+        for (unsigned i = threadIdx.x; i < in_dim; i += blockDim.x) xs_plain[padded(i)] = x[i];
+    stage_x<BITS>(x, xs, in_dim);
+    for (unsigned r = rank * ROUTE_WARPS + warp; r < experts; r += ROUTE_BLOCKS * ROUTE_WARPS) {
+        float acc[1] = {0.0f};
+        rows_dot<BITS, 1>(w, scales, biases, r, experts, xs, xs_plain, in_dim, group, acc);
+        const float s = warp_sum(acc[0]);
+        if (lane == 0) {
+            logits[r] = s;
+            store_cluster_f32(chosen_from + r, 0, s);
+        }
+    }
+    cluster_sync();
+    if (rank == 0 && warp == 0) {
+        float p[PER_LANE];
+#pragma unroll
+        for (int i = 0; i < PER_LANE; i++) {
+            const unsigned e = lane + 32 * i;
+            p[i] = e < experts ? chosen_from[e] : 0.0f;
+        }
+        choose<PER_LANE>(p, ids, weights, 0, experts, k, normalize);
+    }
+}
+
+#define ROUTE_Q(BITS, PER_LANE)                                                                              \
+    extern "C" __global__ void __cluster_dims__(ROUTE_BLOCKS, 1, 1) __launch_bounds__(32 * ROUTE_WARPS)      \
+        route_q##BITS##_##PER_LANE(const float* x, const unsigned* w, const bf16* scales, const bf16* biases, \
+                                   float* logits, unsigned* ids, float* weights, unsigned in_dim,           \
+                                   unsigned experts, unsigned group, unsigned k, int normalize) {           \
+        route_one<BITS, PER_LANE>(x, w, scales, biases, logits, ids, weights, in_dim, experts, group, k,    \
+                                  normalize);                                                               \
+    }
+#define ROUTE_BF16(PER_LANE)                                                                                 \
+    extern "C" __global__ void __cluster_dims__(ROUTE_BLOCKS, 1, 1) __launch_bounds__(32 * ROUTE_WARPS)      \
+        route_bf16_##PER_LANE(const float* x, const bf16* w, float* logits, unsigned* ids, float* weights,   \
+                              unsigned in_dim, unsigned experts, unsigned k, int normalize) {                \
+        route_one<16, PER_LANE>(x, w, nullptr, nullptr, logits, ids, weights, in_dim, experts, 1, k,         \
+                                normalize);                                                                  \
+    }
+ROUTE_Q(4, 4)
+ROUTE_Q(4, 8)
+ROUTE_Q(4, 16)
+ROUTE_Q(8, 4)
+ROUTE_Q(8, 8)
+ROUTE_Q(8, 16)
+ROUTE_BF16(4)
+ROUTE_BF16(8)
+ROUTE_BF16(16)
+#endif
 
 // Decode-sized expert kernels issue every warp's weight loads first, then stage x (or the
 // activations) in shared memory while those loads are in flight. A quantised value is turned into a float without an

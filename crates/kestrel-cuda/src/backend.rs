@@ -243,18 +243,30 @@ impl Backend for CudaBackend {
             precise: false,
         };
         let precise = decision_inputs(graph);
-        for (i, node) in graph.nodes.iter().enumerate() {
+        let mut i = 0;
+        while i < graph.nodes.len() {
+            let node = &graph.nodes[i];
             enc.precise = precise[i];
             enc.scratch.cursor = 0;
             let before = enc.list.len();
-            ops::encode(&node.op, &mut enc).map_err(|e| match e {
+            let named = |e| match e {
                 CudaError::Op { reason, .. } => CudaError::Op {
                     node: node.label.clone(),
                     reason,
                 },
                 other => other,
-            })?;
+            };
+            // Two nodes one kernel does together take the second's label.
+            if let Some(next) = graph.nodes.get(i + 1) {
+                if ops::encode_pair(&node.op, &next.op, &mut enc).map_err(named)? {
+                    enc.list.relabel_from(before, &next.label);
+                    i += 2;
+                    continue;
+                }
+            }
+            ops::encode(&node.op, &mut enc).map_err(named)?;
             enc.list.relabel_from(before, &node.label);
+            i += 1;
         }
         let exec = match self.mode {
             RunMode::Graph if !list.is_empty() => Some(self.device.capture(&list)?),

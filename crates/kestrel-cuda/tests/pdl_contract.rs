@@ -44,7 +44,7 @@ fn functions(src: &str) -> Vec<Func<'_>> {
                 let end = src[..p].trim_end().len();
                 let begin = src[..end].rfind(|c: char| !ident(c as u8)).map_or(0, |q| q + 1);
                 let name = &src[begin..end];
-                if name == "__launch_bounds__" {
+                if name == "__launch_bounds__" || name == "__cluster_dims__" {
                     i = matching(b, p, (b'(', b')')) + 1;
                     continue;
                 }
@@ -131,7 +131,7 @@ fn the_parser_sees_what_it_must() {
 __device__ void helper(float* x) { if (x) return; pdl_wait(); }
 __device__ void good(float* x) { pdl_wait(); pdl_trigger(); x[0] = 1; }
 extern "C" __global__ void __launch_bounds__(128, 2) a(float* x) { good(x); }
-extern "C" __global__ void b(float* x) { if (!x) return; pdl_begin(); }
+extern "C" __global__ void __cluster_dims__(8, 1, 1) b(float* x) { if (!x) return; pdl_begin(); }
 #define K(N) extern "C" __global__ void k_##N(float* x) { \
         helper(x);                                         \
     }

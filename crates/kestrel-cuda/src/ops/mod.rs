@@ -14,6 +14,12 @@ use kestrel_core::DType;
 use crate::backend::Encoder;
 use crate::error::{CudaError, Result};
 
+/// Encodes `op` together with `next` when one kernel does both (a one-token router's product
+/// and its choice of experts); false, and nothing recorded, otherwise.
+pub fn encode_pair(op: &Op, next: &Op, enc: &mut Encoder) -> Result<bool> {
+    moe::encode_route(op, next, enc)
+}
+
 pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
     use Op::*;
     match op {

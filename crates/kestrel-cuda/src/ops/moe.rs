@@ -4,7 +4,7 @@
 //! expert on the device, grouped tensor-core GEMMs over each expert's rows, then the same
 //! ordered combine.
 
-use kestrel_core::ir::{ExpertFormat, MatrixSpan, Op};
+use kestrel_core::ir::{ExpertFormat, LinearWeight, MatrixSpan, Op};
 use kestrel_core::DType;
 
 use super::{u32_arg, unsupported};
@@ -21,6 +21,10 @@ const DOWN_ROWS: usize = 4;
 /// `router_f32_*` holds up to 16 experts per lane of one warp, and slot j's weight in lane j.
 const ROUTER_MAX_EXPERTS: usize = 512;
 const ROUTER_MAX_K: usize = 32;
+
+/// `route_*` (moe.cu): blocks of the cluster and warps per block.
+const ROUTE_BLOCKS: u32 = 8;
+const ROUTE_WARPS: u32 = 16;
 
 /// From this many tokens on, experts run as grouped GEMMs (`moe_gemm.cu`).
 const GROUPED_MIN_TOKENS: usize = 16;
@@ -163,6 +167,112 @@ fn padded_len(n: usize) -> usize {
     n + n.div_ceil(32) * 4
 }
 
+/// `router_f32_*` / `route_*`: experts per lane for this many experts.
+fn router_per_lane(experts: usize) -> usize {
+    [4, 8, 16]
+        .into_iter()
+        .find(|&n| experts <= 32 * n)
+        .expect("experts checked against ROUTER_MAX_EXPERTS")
+}
+
+/// A one-token router's product (`linear`, writing the logits) and its choice (`router`) as one
+/// `route_*` kernel on a cluster of blocks (sm_90), which also writes the logits. The product
+/// is computed as the exact one-token matvec computes it. Returns false, recording nothing, for
+/// any other pair, weight format or device.
+pub fn encode_route(linear: &Op, router: &Op, enc: &mut Encoder) -> Result<bool> {
+    let (
+        &Op::Linear {
+            x,
+            ref w,
+            out,
+            tokens: 1,
+            in_dim,
+            out_dim,
+        },
+        &Op::Router {
+            logits,
+            ids,
+            weights,
+            tokens: 1,
+            experts,
+            k,
+            normalize,
+        },
+    ) = (linear, router)
+    else {
+        return Ok(false);
+    };
+    if logits != out
+        || experts != out_dim
+        || experts > ROUTER_MAX_EXPERTS
+        || k > ROUTER_MAX_K
+        || enc.device.info().compute_capability.0 < 9
+    {
+        return Ok(false);
+    }
+    let staged = (padded_len(in_dim) * 4) as u32;
+    let (name, smem, bufs, group) = match w {
+        LinearWeight::Quant {
+            weight,
+            scales,
+            biases,
+            format,
+        } if format.bits == 4 || format.bits == 8 => {
+            let vals = 128 / format.bits as usize;
+            if format.group_size % vals != 0 || in_dim % vals != 0 {
+                return Ok(false);
+            }
+            let bufs = vec![
+                enc.buf(weight.raw())?.clone(),
+                enc.buf(scales.raw())?.clone(),
+                enc.buf(biases.raw())?.clone(),
+            ];
+            (
+                format!("q{}", format.bits),
+                2 * staged,
+                bufs,
+                Some(format.group_size),
+            )
+        }
+        LinearWeight::Dense(d) if enc.dtype(d.raw()) == DType::BF16 && in_dim % 8 == 0 => {
+            ("bf16".to_string(), staged, vec![enc.buf(d.raw())?.clone()], None)
+        }
+        _ => return Ok(false),
+    };
+    if smem as usize > enc.device.info().max_shared_per_block {
+        return Ok(false);
+    }
+    let kern = enc
+        .device
+        .kernel("moe", &format!("route_{name}_{}", router_per_lane(experts)))?;
+    let (x, l, i, wt) = (
+        enc.buf(x)?.clone(),
+        enc.buf(logits)?.clone(),
+        enc.buf(ids)?.clone(),
+        enc.buf(weights)?.clone(),
+    );
+    let mut b = enc
+        .dispatch(&kern)
+        .grid(ROUTE_BLOCKS)
+        .block(32 * ROUTE_WARPS)
+        .shared_mem(smem)
+        .read(&x);
+    for buf in &bufs {
+        b = b.read(buf);
+    }
+    b = b
+        .write(&l)
+        .write(&i)
+        .write(&wt)
+        .arg(u32_arg(in_dim)?)
+        .arg(u32_arg(experts)?);
+    if let Some(g) = group {
+        b = b.arg(u32_arg(g)?);
+    }
+    b.arg(u32_arg(k)?).arg(normalize as i32).record();
+    Ok(true)
+}
+
 pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
     match *op {
         Op::Router {
@@ -177,10 +287,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             if experts > ROUTER_MAX_EXPERTS || k > ROUTER_MAX_K {
                 return Err(unsupported(format!("top-{k} of {experts} experts")));
             }
-            let per_lane = [4, 8, 16]
-                .into_iter()
-                .find(|&n| experts <= 32 * n)
-                .expect("experts checked against ROUTER_MAX_EXPERTS");
+            let per_lane = router_per_lane(experts);
             let kern = enc.device.kernel("moe", &format!("router_f32_{per_lane}"))?;
             let (l, i, w) = (
                 enc.buf(logits)?.clone(),

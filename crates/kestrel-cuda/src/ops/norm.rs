@@ -4,9 +4,25 @@ use kestrel_core::ir::{NormKind, Op};
 
 use super::{float_name, u32_arg};
 use crate::backend::Encoder;
+use crate::buffer::Buffer;
 use crate::error::Result;
 
 const THREADS: u32 = 256;
+/// `*_vec_*` kernels: float4s per thread at most (`VEC_NORM_MAX` in norm.cu).
+const VEC_NORM_MAX: usize = 8;
+
+/// The kernel for rows of `dim` over these buffers: the one-pass `*_vec_*` form when the rows
+/// are whole float4s that fit in a block's registers, else the looping one.
+fn norm_kernel(base: &str, dim: usize, w: &str, bufs: &[&Buffer]) -> String {
+    let vec = dim % 4 == 0
+        && dim / 4 <= VEC_NORM_MAX * THREADS as usize
+        && bufs.iter().all(|b| b.device_ptr() % 16 == 0);
+    if vec {
+        format!("{base}_vec_{w}")
+    } else {
+        format!("{base}_{w}")
+    }
+}
 
 pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
     match *op {
@@ -19,10 +35,11 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             kind,
         } => {
             let rows = enc.graph.decl(x).elem_count() / dim;
+            let wname = float_name(enc.dtype(w))?;
+            let (x, w, out) = (enc.buf(x)?.clone(), enc.buf(w)?.clone(), enc.buf(out)?.clone());
             let k = enc
                 .device
-                .kernel("norm", &format!("rms_norm_{}", float_name(enc.dtype(w))?))?;
-            let (x, w, out) = (enc.buf(x)?.clone(), enc.buf(w)?.clone(), enc.buf(out)?.clone());
+                .kernel("norm", &norm_kernel("rms_norm", dim, wname, &[&x, &out]))?;
             enc.dispatch(&k)
                 .grid(u32_arg(rows)?)
                 .block(THREADS)
@@ -44,15 +61,16 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             kind,
         } => {
             let rows = enc.graph.decl(x).elem_count() / dim;
-            let k = enc
-                .device
-                .kernel("norm", &format!("add_rms_norm_{}", float_name(enc.dtype(w))?))?;
+            let wname = float_name(enc.dtype(w))?;
             let (r, x, w, out) = (
                 enc.buf(residual)?.clone(),
                 enc.buf(x)?.clone(),
                 enc.buf(w)?.clone(),
                 enc.buf(out)?.clone(),
             );
+            let k = enc
+                .device
+                .kernel("norm", &norm_kernel("add_rms_norm", dim, wname, &[&r, &x, &out]))?;
             enc.dispatch(&k)
                 .grid(u32_arg(rows)?)
                 .block(THREADS)
