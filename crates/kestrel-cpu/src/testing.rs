@@ -591,8 +591,14 @@ pub fn linear(rng: Rng) -> Case {
         Some(f) => f.group_size.max(64) * c.rng.range(1, 12),
         None => c.rng.range(1, 700),
     };
-    // 1,100 tokens: a many-token product well past one tile in every dimension.
-    let (tokens, out_dim) = (pick(&mut c.rng, &[1, 1, 2, 5, 17, 1100]), c.rng.range(1, 600));
+    // 1,100 tokens: a many-token product well past one tile in every dimension. Quantised
+    // products of many tokens with whole 64-column tiles take CUDA's tensor-core path.
+    let tokens = pick(&mut c.rng, &[1, 1, 2, 5, 17, 1100]);
+    let out_dim = if format.is_some() && tokens > 16 && c.rng.range(0, 2) == 0 {
+        64 * c.rng.range(1, 10)
+    } else {
+        c.rng.range(1, 600)
+    };
     let in_dim = if tokens > 1000 && format.is_none() {
         8 * c.rng.range(1, 80)
     } else {

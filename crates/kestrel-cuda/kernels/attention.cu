@@ -347,15 +347,65 @@ __device__ void attention_split(const float* q, const T* k_cache, const T* v_cac
 }
 
 // out[t, h] = merge of the splits' partial results (max in natural-log units, sum, unnormalised
-// acc). One block of 256 threads per (token, head). Each thread owns 4 dims of up to
-// COMBINE_LOADS splits and issues all its loads before the maximum is known (latency, not
-// bandwidth, bounds this kernel); the splits' weights exp(m_s - max) go through shared memory
-// (at most MAX_SPLITS splits). head_dim is a multiple of 4 and at most 1024.
+// acc). One warp per (token, head) row, COMBINE_WARPS rows a block; a lane owns 4 dims (and every
+// 32nd float4 past them for head dims over 128). Latency bounds this kernel in decode, so the
+// first COMBINE_LOADS splits' accumulators are asked for before the maximum is known. head_dim is
+// a multiple of 4.
+#define COMBINE_WARPS 4
+#define COMBINE_LOADS 8
+extern "C" __global__ void __launch_bounds__(32 * COMBINE_WARPS)
+    attention_combine_f32(const float* part_m, const float* part_l, const float* part_acc, float* out,
+                          unsigned head_dim, unsigned splits, unsigned rows) {
+    pdl_begin();
+    const unsigned lane = threadIdx.x % 32;
+    const size_t row = (size_t)blockIdx.x * COMBINE_WARPS + threadIdx.x / 32;
+    if (row >= rows) return;
+    const float* pm = part_m + row * splits;
+    const float* pl = part_l + row * splits;
+    const unsigned vecs = head_dim / 4;
+    const float4* pa = reinterpret_cast<const float4*>(part_acc + row * splits * head_dim);
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float4 first[COMBINE_LOADS];
+#pragma unroll
+    for (int j = 0; j < COMBINE_LOADS; j++) first[j] = lane < vecs && j < splits ? pa[(size_t)j * vecs + lane] : zero;
+    float mm = -INFINITY;
+    for (unsigned s = lane; s < splits; s += 32) mm = fmaxf(mm, pm[s]);
+    mm = warp_max(mm);
+    // A split that saw no key has max -inf and contributes nothing.
+    auto weight = [&](unsigned s) { return pm[s] == -INFINITY ? 0.0f : expf(pm[s] - mm); };
+    float ll = 0.0f;
+    for (unsigned s = lane; s < splits; s += 32) ll += pl[s] * weight(s);
+    const float inv = 1.0f / warp_sum(ll);
+    for (unsigned v = lane; v < vecs; v += 32) {
+        float4 a = zero;
+        for (unsigned s0 = 0; s0 < splits; s0 += COMBINE_LOADS) {
+            float4 y[COMBINE_LOADS];
+#pragma unroll
+            for (int j = 0; j < COMBINE_LOADS; j++) {
+                const unsigned s = s0 + j;
+                y[j] = s0 == 0 && v == lane ? first[j] : s < splits ? pa[(size_t)s * vecs + v] : zero;
+            }
+#pragma unroll
+            for (int j = 0; j < COMBINE_LOADS; j++) {
+                const float w = s0 + j < splits ? weight(s0 + j) : 0.0f;
+                a.x += w * y[j].x;
+                a.y += w * y[j].y;
+                a.z += w * y[j].z;
+                a.w += w * y[j].w;
+            }
+        }
+        reinterpret_cast<float4*>(out + row * head_dim)[v] = make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
+    }
+}
+
+// The same merge for rows of many splits (decode over a long cache): one block of 256 threads
+// per (token, head). Each thread owns 4 dims of up to COMBINE_LOADS splits and issues all its
+// loads before the maximum is known; the splits' weights exp(m_s - max) go through shared
+// memory (at most MAX_SPLITS splits). head_dim is a multiple of 4 and at most 1024.
 #define MAX_SPLITS 1024
 #define COMBINE_THREADS 256
-#define COMBINE_LOADS 8
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
-    attention_combine_f32(const float* part_m, const float* part_l, const float* part_acc, float* out,
+    attention_combine_many_f32(const float* part_m, const float* part_l, const float* part_acc, float* out,
                           unsigned head_dim, unsigned splits) {
     pdl_begin();
     __shared__ float f[MAX_SPLITS];

@@ -42,7 +42,7 @@ pub const MODULES: &[ModuleSource] = &[
     module!("elementwise"),
     module!("attention"),
     module!("moe"),
-    module!("moe_gemm"),
+    module!("gemm"),
     module!("deltanet"),
     module!("head"),
 ];

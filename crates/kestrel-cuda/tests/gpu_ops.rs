@@ -84,30 +84,37 @@ fn every_op_matches_the_cpu_backend() {
     }
 }
 
-/// A prefill long enough that tensor-core attention needs no split over the cache (every block
-/// writes its rows' normalised output directly, the path the shared random cases, a few dozen
-/// tokens each, never reach): 2,200 tokens, 16 query / 2 KV heads, head dims 128 and 256, bf16
-/// and f16 caches, against the CPU backend. Queries and probabilities are rounded to the cache's
-/// type on CUDA, so the bound is the rounded-activation one.
+/// Long caches, against the CPU backend: a prefill long enough that tensor-core attention needs
+/// no split over the cache (every block writes its rows' normalised output directly, the path
+/// the shared random cases, a few dozen tokens each, never reach), and one token decoded at the
+/// end of the same cache (split into more parts than a warp merges, so a block per row merges
+/// them): 2,200 tokens, 16 query / 2 KV heads, head dims 128 and 256, bf16 and f16 caches.
+/// Queries and probabilities are rounded to the cache's type on CUDA, so the bound is the
+/// rounded-activation one.
 #[test]
 fn long_prefill_attention_matches_the_cpu_backend() {
     let Some(dev) = device_or_skip("long_prefill_attention_matches_the_cpu_backend") else {
         return;
     };
     let (mut rng, seed) = Rng::from_time();
-    let (tokens, heads, kv_heads) = (2200, 16, 2);
-    for (hd, dtype) in [(128, DType::BF16), (256, DType::F16)] {
+    let (ctx, heads, kv_heads) = (2200, 16, 2);
+    for (hd, dtype, tokens) in [
+        (128, DType::BF16, ctx),
+        (256, DType::F16, ctx),
+        (128, DType::BF16, 1),
+        (256, DType::F16, 1),
+    ] {
         let mut g = GraphBuilder::new();
         let q = g.act_input("q", tokens, heads * hd);
-        let kc = g.cache("k_cache", dtype, kv_heads, tokens, hd);
-        let vc = g.cache("v_cache", dtype, kv_heads, tokens, hd);
+        let kc = g.cache("k_cache", dtype, kv_heads, ctx, hd);
+        let vc = g.cache("v_cache", dtype, kv_heads, ctx, hd);
         let pos = g.positions_input("pos", tokens);
         let out = g.attention("attention", q, kc, vc, pos, heads, 1.0 / (hd as f32).sqrt());
         g.mark_output(out);
         let graph = g.finish().unwrap();
         let qv: Vec<f32> = (0..tokens * heads * hd).map(|_| rng.symmetric()).collect();
         let cache = |rng: &mut Rng| -> Vec<u8> {
-            let v: Vec<f32> = (0..kv_heads * tokens * hd).map(|_| rng.symmetric()).collect();
+            let v: Vec<f32> = (0..kv_heads * ctx * hd).map(|_| rng.symmetric()).collect();
             match dtype {
                 DType::BF16 => {
                     bytemuck::cast_slice(&v.iter().map(|&x| half::bf16::from_f32(x)).collect::<Vec<_>>())
@@ -118,7 +125,8 @@ fn long_prefill_attention_matches_the_cpu_backend() {
             }
         };
         let (kb, vb) = (cache(&mut rng), cache(&mut rng));
-        let positions: Vec<u32> = (0..tokens as u32).collect();
+        // A prefill from position 0, or the last position of the cache.
+        let positions: Vec<u32> = ((ctx - tokens) as u32..ctx as u32).collect();
         let mut results = Vec::new();
         let mut cpu = CpuBackend::new();
         let mut cuda = CudaBackend::new(dev.clone(), RunMode::Graph);
@@ -143,10 +151,10 @@ fn long_prefill_attention_matches_the_cpu_backend() {
         }
         let want: Vec<f64> = results[0].iter().map(|&v| v as f64).collect();
         let err = rel_l2(&results[1], &want);
-        println!("long prefill attention d{hd} {dtype}: relative L2 error {err:e}");
+        println!("attention over {ctx} cached, {tokens} tokens, d{hd} {dtype}: relative L2 error {err:e}");
         assert!(
             err <= TOL_INT8_L2,
-            "seed {seed} d{hd} {dtype}: relative L2 error {err:e}"
+            "seed {seed} {tokens} tokens d{hd} {dtype}: relative L2 error {err:e}"
         );
     }
 }

@@ -1,7 +1,8 @@
 //! The tokenizer of `tests/tokenizer/` (trained by `scripts/train-tokenizer.py`, the built-in
 //! model's recipe): ids equal what the Python `tokenizers` library gives for awkward strings,
-//! text round-trips, streaming never prints half a character and adds up to the whole decode,
-//! and the directory's config supplies the special tokens and the chat template.
+//! text round-trips (also through the copy the built-in model ships), streaming never prints half
+//! a character and adds up to the whole decode, and the directory's config supplies the special
+//! tokens and the chat template.
 
 use std::path::PathBuf;
 
@@ -49,9 +50,22 @@ fn random_text(rng: &mut Rng, n: usize) -> String {
     (0..n).map(|_| pool[rng.range(0, pool.len())]).collect()
 }
 
+/// The built-in model's directory, which ships this tokenizer.
+fn builtin() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/kestrel-tiny")
+}
+
 #[test]
 fn text_round_trips_and_streams_whole_characters() {
-    let t = tokenizer();
+    let shipped = Tokenizer::from_dir(&builtin())
+        .unwrap()
+        .expect("the built-in model's tokenizer");
+    for t in [tokenizer(), shipped] {
+        round_trips(&t);
+    }
+}
+
+fn round_trips(t: &Tokenizer) {
     let (mut rng, seed) = Rng::from_time();
     for _ in 0..50 {
         let text = random_text(&mut rng, 80);

@@ -17,9 +17,13 @@ const SPLIT_MAX_TOKENS: usize = 4;
 /// `attention_split_*`: query heads per block, warps per block, and keys per warp batch.
 const GROUP: usize = 8;
 const DEC_WARPS: usize = 4;
-/// `attention_combine_f32` keeps one weight per split in shared memory; its block size.
+/// The most splits of a cache range (`attention_combine_many_f32` keeps a weight per split in
+/// shared memory) and its block size; rows (one warp each) per block of `attention_combine_f32`
+/// and the most splits it takes (the splits a lane loads at once).
 const MAX_SPLITS: usize = 1024;
 const COMBINE_THREADS: u32 = 256;
+const COMBINE_WARPS: usize = 4;
+const COMBINE_LOADS: usize = 8;
 /// `flash_attention_*`: head dims it is built for, and query rows per warp row tile.
 const FLASH_HEAD_DIMS: [usize; 4] = [64, 96, 128, 256];
 const FA_WARPS: usize = 4;
@@ -203,7 +207,7 @@ fn partials(enc: &mut Encoder, rows: usize, head_dim: usize) -> Result<[Buffer; 
     ])
 }
 
-/// `attention_combine_f32`: out[row] = merge of the row's `splits` partial results.
+/// `attention_combine_*`: out[row] = merge of the row's `splits` partial results.
 fn record_combine(
     enc: &mut Encoder,
     [pm, pl, pacc]: &[Buffer; 3],
@@ -212,16 +216,33 @@ fn record_combine(
     head_dim: usize,
     splits: usize,
 ) -> Result<()> {
+    // Many splits (decode over a long cache): a block per row spreads them over its threads.
+    // Few: a warp per row, so prefill's many rows are not a block each.
+    if splits > COMBINE_LOADS {
+        let combine = enc.device.kernel("attention", "attention_combine_many_f32")?;
+        enc.dispatch(&combine)
+            .grid(u32_arg(rows)?)
+            .block(COMBINE_THREADS)
+            .read(pm)
+            .read(pl)
+            .read(pacc)
+            .write(out)
+            .arg(u32_arg(head_dim)?)
+            .arg(u32_arg(splits)?)
+            .record();
+        return Ok(());
+    }
     let combine = enc.device.kernel("attention", "attention_combine_f32")?;
     enc.dispatch(&combine)
-        .grid(u32_arg(rows)?)
-        .block(COMBINE_THREADS)
+        .grid(u32_arg(rows.div_ceil(COMBINE_WARPS))?)
+        .block(32 * COMBINE_WARPS as u32)
         .read(pm)
         .read(pl)
         .read(pacc)
         .write(out)
         .arg(u32_arg(head_dim)?)
         .arg(u32_arg(splits)?)
+        .arg(u32_arg(rows)?)
         .record();
     Ok(())
 }

@@ -1,8 +1,10 @@
-//! Linear layers and embeddings, dense and quantised: `kernels/linear.cu`.
+//! Linear layers and embeddings, dense and quantised: `kernels/linear.cu`; quantised products of
+//! many tokens through `kernels/gemm.cu`.
 
 use kestrel_core::ir::{Buf, LinearWeight, Op};
 use kestrel_core::DType;
 
+use super::moe::{GT_COLS, GT_K, GT_ROWS, GT_STRIDE};
 use super::{float_name, u32_arg, unsupported};
 use crate::backend::Encoder;
 use crate::buffer::Buffer;
@@ -182,7 +184,8 @@ fn encode_matvec_exact(
     Ok(true)
 }
 
-/// From this many tokens, bf16 projections run as cuBLAS products on bf16 activations.
+/// From this many tokens, bf16 projections run as cuBLAS products on bf16 activations, quantised
+/// ones as tensor-core tiles (`gemm.cu`).
 const GEMM_MIN_TOKENS: usize = 16;
 
 /// Many tokens, bf16 weights: x rounded to bf16, then a tensor-core product through cuBLAS.
@@ -219,6 +222,78 @@ fn encode_gemm(
     Ok(true)
 }
 
+/// Many tokens, 4-/8-bit weights: x rounded to bf16, then tensor-core tiles over the weights
+/// dequantised in shared memory (`linear_gemm_*` in `gemm.cu`). Returns false (and records
+/// nothing) for other weights and for shapes that are not whole tiles.
+fn encode_quant_gemm(
+    enc: &mut Encoder,
+    x: Buf,
+    w: &LinearWeight,
+    out: Buf,
+    tokens: usize,
+    in_dim: usize,
+    out_dim: usize,
+) -> Result<bool> {
+    let LinearWeight::Quant {
+        weight,
+        scales,
+        biases,
+        format,
+    } = w
+    else {
+        return Ok(false);
+    };
+    let (bits, group) = (format.bits, format.group_size);
+    let fits = (bits == 4 || bits == 8)
+        && in_dim % GT_K == 0
+        && out_dim % GT_COLS == 0
+        && group % 16 == 0
+        && in_dim % group == 0;
+    if !fits {
+        return Ok(false);
+    }
+    let (qw, s, b) = (
+        enc.buf(weight.raw())?.clone(),
+        enc.buf(scales.raw())?.clone(),
+        enc.buf(biases.raw())?.clone(),
+    );
+    // 16-byte loads of the weight rows; 2-byte ones of the scales and biases.
+    if qw.device_ptr() % 16 != 0 || s.device_ptr() % 2 != 0 || b.device_ptr() % 2 != 0 {
+        return Ok(false);
+    }
+    let xb = enc.workspace(DType::BF16, [tokens, in_dim])?;
+    let (x, out) = (enc.buf(x)?.clone(), enc.buf(out)?.clone());
+    let convert = enc.device.kernel("elementwise", "convert_f32_bf16")?;
+    enc.dispatch(&convert)
+        .cover(tokens * in_dim / 8, 256)
+        .read(&x)
+        .write(&xb)
+        .arg(u32_arg(tokens * in_dim)?)
+        .record();
+    // 128 output columns a block where they divide, so each A tile feeds twice the work.
+    let nb = if out_dim % (2 * GT_COLS) == 0 { 2 } else { 1 };
+    let smem = 2 * (GT_ROWS + nb * GT_COLS) * GT_STRIDE * 2;
+    let k = enc.device.kernel("gemm", &format!("linear_gemm_q{bits}_{nb}"))?;
+    enc.dispatch(&k)
+        .grid((
+            u32_arg(tokens.div_ceil(GT_ROWS))?,
+            u32_arg(out_dim / (nb * GT_COLS))?,
+        ))
+        .block(256)
+        .shared_mem(u32_arg(smem)?)
+        .read(&xb)
+        .read(&qw)
+        .read(&s)
+        .read(&b)
+        .write(&out)
+        .arg(u32_arg(tokens)?)
+        .arg(u32_arg(in_dim)?)
+        .arg(u32_arg(out_dim)?)
+        .arg(u32_arg(group)?)
+        .record();
+    Ok(true)
+}
+
 pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
     match op {
         Op::Linear {
@@ -240,7 +315,8 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             }
             if *tokens >= GEMM_MIN_TOKENS
                 && !enc.precise
-                && encode_gemm(enc, *x, w, *out, *tokens, *in_dim, *out_dim)?
+                && (encode_gemm(enc, *x, w, *out, *tokens, *in_dim, *out_dim)?
+                    || encode_quant_gemm(enc, *x, w, *out, *tokens, *in_dim, *out_dim)?)
             {
                 return Ok(());
             }

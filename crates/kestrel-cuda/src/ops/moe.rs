@@ -1,4 +1,4 @@
-//! Router and routed experts: `kernels/moe.cu` and `kernels/moe_gemm.cu`. Few tokens: gate/up
+//! Router and routed experts: `kernels/moe.cu` and `kernels/gemm.cu`. Few tokens: gate/up
 //! per (token, slot) into scratch activations `[tokens * k, inter]` (int8 for quantised
 //! experts), then down with the weighted, ordered combine. Many tokens: the slots sorted by
 //! expert on the device, grouped tensor-core GEMMs over each expert's rows, then the same
@@ -26,17 +26,17 @@ const ROUTER_MAX_K: usize = 32;
 const ROUTE_BLOCKS: u32 = 8;
 const ROUTE_WARPS: u32 = 16;
 
-/// From this many tokens on, experts run as grouped GEMMs (`moe_gemm.cu`).
+/// From this many tokens on, experts run as grouped GEMMs (`gemm.cu`).
 const GROUPED_MIN_TOKENS: usize = 16;
-/// `moe_gemm.cu`: rows and columns per tile, K step, threads, and the most experts `moe_sort`
+/// `gemm.cu`: rows and columns per tile, K step, threads, and the most experts `moe_sort`
 /// handles (one thread each).
-const GT_ROWS: usize = 128;
-const GT_COLS: usize = 64;
-const GT_K: usize = 64;
-const GT_STRIDE: usize = GT_K + 8;
+pub(super) const GT_ROWS: usize = 128;
+pub(super) const GT_COLS: usize = 64;
+pub(super) const GT_K: usize = 64;
+pub(super) const GT_STRIDE: usize = GT_K + 8;
 const SORT_MAX_EXPERTS: usize = 1024;
 
-/// Whether `moe_gemm.cu` handles these experts: dims in whole tiles, groups of whole 16-value
+/// Whether `gemm.cu` handles these experts: dims in whole tiles, groups of whole 16-value
 /// thread shares.
 fn grouped_fits(layout: &kestrel_core::ir::ExpertLayout) -> bool {
     let group_ok = match layout.format {
@@ -76,7 +76,7 @@ fn encode_grouped(
         .write(&xb)
         .arg(u32_arg(tokens * h)?)
         .record();
-    let sort = enc.device.kernel("moe_gemm", "moe_sort")?;
+    let sort = enc.device.kernel("gemm", "moe_sort")?;
     enc.dispatch(&sort)
         .grid(1)
         .block(SORT_MAX_EXPERTS as u32)
@@ -89,9 +89,7 @@ fn encode_grouped(
         .record();
     let span = layout.span_bytes() as u64;
     let (g, u, d) = (layout.gate(), layout.up(), layout.down());
-    let gate_up = enc
-        .device
-        .kernel("moe_gemm", &format!("moe_gemm_gate_up_{name}"))?;
+    let gate_up = enc.device.kernel("gemm", &format!("moe_gemm_gate_up_{name}"))?;
     let smem = |nb: usize| 2 * (GT_ROWS + nb * GT_COLS) * GT_STRIDE * 2;
     let b = enc
         .dispatch(&gate_up)
@@ -106,9 +104,7 @@ fn encode_grouped(
     expert_args(b, (h, i, k), span, &[g, u], group)?.record();
     // 128 output columns a block where hidden allows.
     let nb = if h % (2 * GT_COLS) == 0 { 2 } else { 1 };
-    let down = enc
-        .device
-        .kernel("moe_gemm", &format!("moe_gemm_down_{name}_{nb}"))?;
+    let down = enc.device.kernel("gemm", &format!("moe_gemm_down_{name}_{nb}"))?;
     enc.dispatch(&down)
         .grid((u32_arg(max_tiles)?, u32_arg(h / (nb * GT_COLS))?))
         .block(256)
@@ -127,7 +123,7 @@ fn encode_grouped(
         .arg(d.biases as u64)
         .arg(u32_arg(group)?)
         .record();
-    let combine = enc.device.kernel("moe_gemm", "moe_combine")?;
+    let combine = enc.device.kernel("gemm", "moe_combine")?;
     enc.dispatch(&combine)
         .cover(tokens * h / 8, 256)
         .read(&ys)

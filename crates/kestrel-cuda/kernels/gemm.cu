@@ -1,3 +1,6 @@
+// Tensor-core GEMMs over quantised (and bf16) weights: grouped by expert for routed experts,
+// plain for a quantised projection of many tokens (linear_gemm_*).
+//
 // Routed experts for many tokens: tokens grouped by expert and grouped tensor-core GEMMs.
 //
 // moe_sort (one block) counts the (token, slot) pairs per expert from the router's ids, orders
@@ -11,6 +14,8 @@
 // from the bf16 copy of the activations, act written as bf16 in sorted order.
 // moe_gemm_down_{1,2}: ys[slot] = weight[slot] * (down_e act[pos]), f32; 64 or 128 columns a block.
 // moe_combine: out[t] = sum over j in order of ys[t * k + j].
+// linear_gemm_{q4,q8}_{1,2}: out = x W^T for a quantised W, x from its bf16 copy, f32 out; a block
+// takes GT_ROWS tokens and 64 or 128 output columns.
 //
 // GEMM tiles: GT_ROWS rows x 64 columns of each B matrix (gate and up, or down), K in steps of 64.
 // Eight warps, 4 along rows (32 each, two m16 tiles) x 2 along columns (32 each, four n8 tiles).
@@ -400,6 +405,53 @@ extern "C" __global__ void moe_combine(const bf16* ys, const unsigned* ids, floa
     dst[0] = make_float4(a[0], a[1], a[2], a[3]);
     dst[1] = make_float4(a[4], a[5], a[6], a[7]);
 }
+
+// Grid (ceil(tokens / GT_ROWS), out_dim / (64 * NB)). xb: [tokens, in_dim] bf16; out: [tokens,
+// out_dim] f32; W: [out_dim][in_dim] quantised rows, group scales and biases.
+template <int BITS, int NB>
+__device__ void gemm_linear(const bf16* xb, const unsigned char* w, const bf16* scales, const bf16* biases,
+                            float* out, unsigned tokens, unsigned in_dim, unsigned out_dim, unsigned group) {
+    extern __shared__ __align__(16) unsigned char gt_smem[];
+    __shared__ const bf16* rows_src[GT_ROWS];
+    const unsigned m0 = blockIdx.x * GT_ROWS, rows = min(GT_ROWS, tokens - m0), n0 = blockIdx.y * GT_COLS * NB;
+    for (unsigned r = threadIdx.x; r < GT_ROWS; r += blockDim.x)
+        rows_src[r] = r < rows ? xb + (size_t)(m0 + r) * in_dim : nullptr;
+    __syncthreads();
+    const size_t row_bytes = (size_t)in_dim * BITS / 8, groups = in_dim / group;
+    BMat mats[NB];
+#pragma unroll
+    for (int b = 0; b < NB; b++)
+        mats[b] = BMat{w + b * GT_COLS * row_bytes, scales + b * GT_COLS * groups, biases + b * GT_COLS * groups};
+    float acc[2][NB][4][4];
+    tile_gemm<BITS, NB>(acc, rows_src, mats, n0, in_dim, group, rows, reinterpret_cast<bf16*>(gt_smem));
+    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, wm = warp / 2, wn = warp % 2;
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            const unsigned r = wm * 32 + mt * 16 + lane / 4 + 8 * hf;
+            if (r >= rows) continue;
+#pragma unroll
+            for (int b = 0; b < NB; b++) {
+                float* dst = out + (size_t)(m0 + r) * out_dim + n0 + b * GT_COLS + wn * 32 + 2 * (lane % 4);
+#pragma unroll
+                for (int nt = 0; nt < 4; nt++)
+                    *reinterpret_cast<float2*>(dst + nt * 8) = make_float2(acc[mt][b][nt][2 * hf], acc[mt][b][nt][2 * hf + 1]);
+            }
+        }
+}
+
+#define LINEAR_GEMM(BITS, NB)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(GT_THREADS) linear_gemm_q##BITS##_##NB(                      \
+        const bf16* xb, const unsigned char* w, const bf16* scales, const bf16* biases, float* out,          \
+        unsigned tokens, unsigned in_dim, unsigned out_dim, unsigned group) {                                \
+        pdl_begin();                                                                                          \
+        gemm_linear<BITS, NB>(xb, w, scales, biases, out, tokens, in_dim, out_dim, group);                    \
+    }
+LINEAR_GEMM(4, 1)
+LINEAR_GEMM(4, 2)
+LINEAR_GEMM(8, 1)
+LINEAR_GEMM(8, 2)
 
 #define DOWN(BITS, NAME, NB)                                                                                \
     extern "C" __global__ void __launch_bounds__(GT_THREADS) moe_gemm_down_##NAME##_##NB(                   \
