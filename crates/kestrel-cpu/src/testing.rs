@@ -928,12 +928,15 @@ pub fn router(rng: Rng) -> Case {
         &mut c.rng,
         &[None, None, Some(QuantFormat::Q4), Some(QuantFormat::Q8)],
     );
+    // Rows of any multiple of 8 values (dense) or of whole groups, or of whole 128-value steps.
     let in_dim = match format {
+        Some(_) | None if c.rng.range(0, 2) == 0 => 128 * c.rng.range(1, 20),
         Some(f) => f.group_size * c.rng.range(1, 40),
         None => 8 * c.rng.range(1, 300),
     };
     let dtype = pick(&mut c.rng, &[DType::BF16, DType::BF16, DType::F32]);
-    let tokens = pick(&mut c.rng, &[1, 1, 1, 3]);
+    // 40 tokens: more than one tile of tokens.
+    let tokens = pick(&mut c.rng, &[1, 1, 1, 3, 40]);
     let normalize = c.rng.next_f32() < 0.5;
     let (w, wf) = c.linear_weight("gate", experts, in_dim, format, dtype);
     let (x, xf) = c.act("x", tokens, in_dim, 1.0);
