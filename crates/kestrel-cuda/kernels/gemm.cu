@@ -143,31 +143,8 @@ struct BRegs {
 };
 
 // Thread layout for a quantised B step: 64 rows x (64 * BITS / 32) words; a thread takes WORDS
-// consecutive words of one row.
-template <int BITS>
-__device__ __forceinline__ void b_load(BRegs<BITS>& r, const BMat& m, unsigned n0, unsigned k0, unsigned K,
-                                       unsigned group) {
-    constexpr unsigned WPR = GT_K * BITS / 32, WORDS = BRegs<BITS>::WORDS;  // words per row of a step
-    const unsigned tid = threadIdx.x, row = tid / (WPR / WORDS), wi = (tid % (WPR / WORDS)) * WORDS;
-    const size_t words_per_row = (size_t)K * BITS / 32;
-    const unsigned* src = reinterpret_cast<const unsigned*>(m.w) + (n0 + row) * words_per_row + k0 * BITS / 32 + wi;
-    if constexpr (WORDS == 2) {
-        const uint2 v = *reinterpret_cast<const uint2*>(src);
-        r.w[0] = v.x;
-        r.w[1] = v.y;
-    } else {
-        const uint4 v = *reinterpret_cast<const uint4*>(src);
-        r.w[0] = v.x;
-        r.w[1] = v.y;
-        r.w[2] = v.z;
-        r.w[3] = v.w;
-    }
-    // One group covers this thread's 16 values (group sizes are multiples of 16).
-    const size_t gi = (n0 + row) * (size_t)(K / group) + (k0 + wi * 32 / BITS) / group;
-    r.s = to_f32(m.scales[gi]);
-    r.b = to_f32(m.biases[gi]);
-}
-
+// consecutive words of one row (b_cursor below), whose 16 values lie in one group (group sizes
+// are multiples of 16).
 template <int BITS>
 __device__ __forceinline__ void b_store(const BRegs<BITS>& r, bf16* bs) {
     constexpr unsigned WPR = GT_K * BITS / 32, WORDS = BRegs<BITS>::WORDS;
@@ -186,13 +163,75 @@ __device__ __forceinline__ void b_store(const BRegs<BITS>& r, bf16* bs) {
     }
 }
 
-// A step: GT_ROWS rows x 64 bf16 values, row r from `rows_src[r]` (null: zeros).
-__device__ __forceinline__ void a_load(bf16* as, const bf16* const* rows_src, unsigned k0) {
-    for (unsigned i = threadIdx.x; i < GT_ROWS * 8; i += GT_THREADS) {
-        const unsigned r = i / 8, c = (i % 8) * 8;
-        const bf16* src = rows_src[r];  // row 0 always exists: it addresses the zero fills
-        cp_async16(as + r * GT_STRIDE + c, (src ? src : rows_src[0]) + k0 + c, src != nullptr);
+// This thread's share of every quantised B step of one matrix, addressed once before the K loop
+// (the loop is issue-bound, so per-step address arithmetic and divisions cost time): its row's
+// words at its column, and its row's scale and bias at the group its 16 values fall in.
+template <int BITS>
+struct BCursor {
+    const unsigned* w;
+    const bf16* s;
+    const bf16* b;
+    unsigned rem;  // where the thread's first value lies in its group
+};
+
+template <int BITS>
+__device__ __forceinline__ BCursor<BITS> b_cursor(const BMat& m, unsigned n0, unsigned K, unsigned group) {
+    constexpr unsigned WPR = GT_K * BITS / 32, WORDS = BRegs<BITS>::WORDS;
+    const unsigned tid = threadIdx.x, row = tid / (WPR / WORDS), wi = (tid % (WPR / WORDS)) * WORDS;
+    const unsigned off = wi * 32 / BITS;  // the thread's first value within a step
+    const size_t g0 = (n0 + row) * (size_t)(K / group) + off / group;
+    return BCursor<BITS>{reinterpret_cast<const unsigned*>(m.w) + (n0 + row) * ((size_t)K * BITS / 32) + wi,
+                         m.scales + g0, m.biases + g0, off % group};
+}
+
+// The cursor's step into registers, then the cursor moves one step on.
+template <int BITS>
+__device__ __forceinline__ void b_fetch(BRegs<BITS>& r, BCursor<BITS>& c, unsigned group) {
+    if constexpr (BRegs<BITS>::WORDS == 2) {
+        const uint2 v = *reinterpret_cast<const uint2*>(c.w);
+        r.w[0] = v.x;
+        r.w[1] = v.y;
+    } else {
+        const uint4 v = *reinterpret_cast<const uint4*>(c.w);
+        r.w[0] = v.x;
+        r.w[1] = v.y;
+        r.w[2] = v.z;
+        r.w[3] = v.w;
     }
+    r.s = to_f32(*c.s);
+    r.b = to_f32(*c.b);
+    c.w += GT_K * BITS / 32;
+    for (c.rem += GT_K; c.rem >= group; c.rem -= group) {
+        c.s++;
+        c.b++;
+    }
+}
+
+// This thread's share of every A step: GT_ROWS rows x 64 bf16 values, row r from
+// `rows_src[r]` (null: zeros), addressed once.
+#define A_PIECES (GT_ROWS * 8 / GT_THREADS)
+struct ACursor {
+    const bf16* src[A_PIECES];
+    unsigned dst[A_PIECES];  // offsets into a shared A slot, in bf16 values
+    bool ok[A_PIECES];
+};
+
+__device__ __forceinline__ ACursor a_cursor(const bf16* const* rows_src) {
+    ACursor a;
+#pragma unroll
+    for (int j = 0; j < A_PIECES; j++) {
+        const unsigned i = threadIdx.x + j * GT_THREADS, r = i / 8, c = (i % 8) * 8;
+        const bf16* src = rows_src[r];  // row 0 always exists: it addresses the zero fills
+        a.src[j] = (src ? src : rows_src[0]) + c;
+        a.ok[j] = src != nullptr;
+        a.dst[j] = r * GT_STRIDE + c;
+    }
+    return a;
+}
+
+__device__ __forceinline__ void a_issue(const ACursor& a, bf16* as, unsigned k0) {
+#pragma unroll
+    for (int j = 0; j < A_PIECES; j++) cp_async16(as + a.dst[j], a.src[j] + k0, a.ok[j]);
 }
 
 // bf16 B step copied as is (rows of K bf16 values).
@@ -224,15 +263,21 @@ __device__ __forceinline__ void tile_gemm(float acc[2][NB][4][4], const bf16* co
             for (int nt = 0; nt < 4; nt++) acc[mt][b][nt][0] = acc[mt][b][nt][1] = acc[mt][b][nt][2] = acc[mt][b][nt][3] = 0.0f;
 
     const unsigned steps = K / GT_K;
+    const ACursor ac = a_cursor(rows_src);
+    BCursor<BITS> bc[NB];  // quantised B only
+    if constexpr (BITS != 16) {
+#pragma unroll
+        for (int b = 0; b < NB; b++) bc[b] = b_cursor<BITS>(mats[b], n0, K, group);
+    }
     // Step 0.
-    a_load(as, rows_src, 0);
+    a_issue(ac, as, 0);
     if constexpr (BITS == 16) {
 #pragma unroll
         for (int b = 0; b < NB; b++) b_copy(bs + b * GT_COLS * GT_STRIDE, mats[b], n0, 0, K);
     } else {
         BRegs<BITS> r[NB];
 #pragma unroll
-        for (int b = 0; b < NB; b++) b_load<BITS>(r[b], mats[b], n0, 0, K, group);
+        for (int b = 0; b < NB; b++) b_fetch<BITS>(r[b], bc[b], group);
 #pragma unroll
         for (int b = 0; b < NB; b++) b_store<BITS>(r[b], bs + b * GT_COLS * GT_STRIDE);
     }
@@ -244,13 +289,13 @@ __device__ __forceinline__ void tile_gemm(float acc[2][NB][4][4], const bf16* co
         const bool more = st + 1 < steps;
         BRegs<BITS> r[NB];
         if (more) {
-            a_load(as + nxt * GT_ROWS * GT_STRIDE, rows_src, (st + 1) * GT_K);
+            a_issue(ac, as + nxt * GT_ROWS * GT_STRIDE, (st + 1) * GT_K);
             if constexpr (BITS == 16) {
 #pragma unroll
                 for (int b = 0; b < NB; b++) b_copy(bs + nxt * BSTEP + b * GT_COLS * GT_STRIDE, mats[b], n0, (st + 1) * GT_K, K);
             } else {
 #pragma unroll
-                for (int b = 0; b < NB; b++) b_load<BITS>(r[b], mats[b], n0, (st + 1) * GT_K, K, group);
+                for (int b = 0; b < NB; b++) b_fetch<BITS>(r[b], bc[b], group);
             }
         }
         cp_async_commit();
