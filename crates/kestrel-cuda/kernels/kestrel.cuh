@@ -381,6 +381,13 @@ __device__ __forceinline__ unsigned cluster_rank() {
 __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
+// The two halves of a cluster barrier that orders nothing, only says every block is running:
+// arrive early, wait before the first access to another block's shared memory (a block's
+// shared memory may only be touched once that block has started).
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
 // Stores v at the place of p (this block's shared memory) in the shared memory of block `rank`.
 __device__ __forceinline__ void store_cluster_f32(const float* p, unsigned rank, float v) {
     unsigned a;

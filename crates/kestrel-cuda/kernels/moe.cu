@@ -92,8 +92,8 @@ ROUTER(16)
 // route_{q4,q8,bf16}_{4,8,16}: one token's router, product and choice in one kernel (sm_90). A
 // cluster of ROUTE_BLOCKS blocks computes the logits as matvec_*_exact does (x in f32; warp w of
 // block b takes rows b * ROUTE_WARPS + w, then every ROUTE_BLOCKS * ROUTE_WARPS rows on), writes
-// them out and into block 0's shared memory; after the cluster barrier one warp of block 0
-// chooses as router_f32 does. Dynamic shared memory: x staged, 2 * padded_len(in_dim) floats
+// them out and into block 0's shared memory (once a split cluster barrier says every block has
+// started); after a second cluster barrier one warp of block 0 chooses as router_f32 does. Dynamic shared memory: x staged, 2 * padded_len(in_dim) floats
 // (bf16: one).
 #define ROUTE_BLOCKS 8
 #define ROUTE_WARPS 16
@@ -110,12 +110,14 @@ __device__ void route_one(const float* x, const void* w, const bf16* scales, con
     // this waits for x.
     for (unsigned r = rank * ROUTE_WARPS + warp; r < experts; r += ROUTE_BLOCKS * ROUTE_WARPS)
         prefetch_l2_range(static_cast<const char*>(w) + r * row_bytes, row_bytes, lane, 32);
+    cluster_arrive_relaxed();  // waited for before the first store into block 0
     pdl_wait();
     pdl_trigger();
     float* xs_plain = xs + padded_len(in_dim);
     if constexpr (BITS != 16)
         for (unsigned i = threadIdx.x; i < in_dim; i += blockDim.x) xs_plain[padded(i)] = x[i];
     stage_x<BITS>(x, xs, in_dim);
+    cluster_wait();
     for (unsigned r = rank * ROUTE_WARPS + warp; r < experts; r += ROUTE_BLOCKS * ROUTE_WARPS) {
         float acc[1] = {0.0f};
         rows_dot<BITS, 1>(w, scales, biases, r, experts, xs, xs_plain, in_dim, group, acc);
