@@ -406,8 +406,9 @@ extern "C" __global__ void __launch_bounds__(32 * COMBINE_WARPS)
 #define COMBINE_THREADS 256
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
     attention_combine_many_f32(const float* part_m, const float* part_l, const float* part_acc, float* out,
-                          unsigned head_dim, unsigned splits) {
+                               unsigned head_dim, unsigned splits, unsigned rows) {
     pdl_begin();
+    (void)rows;  // one block per row: the grid is the rows (the same arguments as attention_combine_f32)
     __shared__ float f[MAX_SPLITS];
     __shared__ float scratch[32];
     __shared__ float4 red[COMBINE_THREADS];

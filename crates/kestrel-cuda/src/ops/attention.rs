@@ -218,24 +218,19 @@ fn record_combine(
 ) -> Result<()> {
     // Many splits (decode over a long cache): a block per row spreads them over its threads.
     // Few: a warp per row, so prefill's many rows are not a block each.
-    if splits > COMBINE_LOADS {
-        let combine = enc.device.kernel("attention", "attention_combine_many_f32")?;
-        enc.dispatch(&combine)
-            .grid(u32_arg(rows)?)
-            .block(COMBINE_THREADS)
-            .read(pm)
-            .read(pl)
-            .read(pacc)
-            .write(out)
-            .arg(u32_arg(head_dim)?)
-            .arg(u32_arg(splits)?)
-            .record();
-        return Ok(());
-    }
-    let combine = enc.device.kernel("attention", "attention_combine_f32")?;
+    let (name, grid, block) = if splits > COMBINE_LOADS {
+        ("attention_combine_many_f32", rows, COMBINE_THREADS)
+    } else {
+        (
+            "attention_combine_f32",
+            rows.div_ceil(COMBINE_WARPS),
+            32 * COMBINE_WARPS as u32,
+        )
+    };
+    let combine = enc.device.kernel("attention", name)?;
     enc.dispatch(&combine)
-        .grid(u32_arg(rows.div_ceil(COMBINE_WARPS))?)
-        .block(32 * COMBINE_WARPS as u32)
+        .grid(u32_arg(grid)?)
+        .block(block)
         .read(pm)
         .read(pl)
         .read(pacc)

@@ -5,7 +5,7 @@ use kestrel_core::ir::{Buf, LinearWeight, Op};
 use kestrel_core::DType;
 
 use super::moe::{GT_COLS, GT_K, GT_ROWS, GT_STRIDE};
-use super::{float_name, u32_arg, unsupported};
+use super::{float_name, padded_len, u32_arg, unsupported};
 use crate::backend::Encoder;
 use crate::buffer::Buffer;
 use crate::error::Result;
@@ -16,7 +16,10 @@ const TOKENS: usize = 8;
 
 /// A weight's kernel-name suffix (`bf16`, `q4`, ...), its buffers in kernel argument order
 /// (dense: the matrix; quantised: words, scales, biases) and its group size (quantised only).
-fn weight_parts(enc: &Encoder, w: &LinearWeight) -> Result<(&'static str, Vec<Buffer>, Option<usize>)> {
+pub(super) fn weight_parts(
+    enc: &Encoder,
+    w: &LinearWeight,
+) -> Result<(&'static str, Vec<Buffer>, Option<usize>)> {
     let parts = w
         .bufs()
         .into_iter()
@@ -74,7 +77,7 @@ fn encode_matvec(
             Some(ring) => ring + in_dim + (in_dim / 32 + in_dim / 16) * 4,
             None => return Ok(false),
         },
-        LinearWeight::Dense(_) => (in_dim + in_dim.div_ceil(32) * 4) * 4,
+        LinearWeight::Dense(_) => padded_len(in_dim) * 4,
     };
     if smem > enc.device.info().max_shared_per_block {
         return Ok(false);
@@ -97,29 +100,18 @@ fn encode_matvec(
                 .arg(u32_arg(out_dim)?)
                 .record();
         }
-        LinearWeight::Quant {
-            weight,
-            scales,
-            biases,
-            format,
-        } if in_dim % 64 == 0 && format.group_size % 32 == 0 => {
+        LinearWeight::Quant { format, .. } if in_dim % 64 == 0 && format.group_size % 32 == 0 => {
             // Each block rounds x to int8 in blocks of 32, then 8-bit integer dot products.
-            let k = enc
-                .device
-                .kernel("linear", &format!("matvec_{}_dp4a", quant_name(format.bits)?))?;
-            let (qw, s, b) = (
-                enc.buf(weight.raw())?.clone(),
-                enc.buf(scales.raw())?.clone(),
-                enc.buf(biases.raw())?.clone(),
-            );
+            let (name, parts, _) = weight_parts(enc, w)?;
+            let k = enc.device.kernel("linear", &format!("matvec_{name}_dp4a"))?;
             enc.dispatch(&k)
                 .grid(blocks(DP_BLOCKS_PER_SM)?)
                 .block(32 * MATVEC_WARPS)
                 .shared_mem(u32_arg(smem)?)
                 .read(&x)
-                .read(&qw)
-                .read(&s)
-                .read(&b)
+                .read(&parts[0])
+                .read(&parts[1])
+                .read(&parts[2])
                 .write(&out)
                 .arg(u32_arg(in_dim)?)
                 .arg(u32_arg(out_dim)?)
@@ -142,41 +134,29 @@ fn encode_matvec_exact(
     in_dim: usize,
     out_dim: usize,
 ) -> Result<bool> {
-    let LinearWeight::Quant {
-        weight,
-        scales,
-        biases,
-        format,
-    } = w
-    else {
+    let LinearWeight::Quant { format, .. } = w else {
         return Ok(false);
     };
     let vals = 128 / format.bits as usize;
-    let padded = in_dim + in_dim.div_ceil(32) * 4;
-    let smem = 2 * padded * 4;
+    let smem = 2 * padded_len(in_dim) * 4;
     if format.group_size % vals != 0 || in_dim % vals != 0 || smem > enc.device.info().max_shared_per_block {
         return Ok(false);
     }
-    let k = enc
-        .device
-        .kernel("linear", &format!("matvec_{}_exact", quant_name(format.bits)?))?;
+    let (name, parts, _) = weight_parts(enc, w)?;
+    let k = enc.device.kernel("linear", &format!("matvec_{name}_exact"))?;
     let (x, out) = (enc.buf(x)?.clone(), enc.buf(out)?.clone());
-    let (qw, s, b) = (
-        enc.buf(weight.raw())?.clone(),
-        enc.buf(scales.raw())?.clone(),
-        enc.buf(biases.raw())?.clone(),
-    );
     let sms = enc.device.info().sm_count as usize;
     let blocks = out_dim.div_ceil(MATVEC_ROWS).min(MATVEC_BLOCKS_PER_SM * sms);
-    enc.dispatch(&k)
+    let mut b = enc
+        .dispatch(&k)
         .grid(u32_arg(blocks)?)
         .block(32 * MATVEC_WARPS)
         .shared_mem(u32_arg(smem)?)
-        .read(&x)
-        .read(&qw)
-        .read(&s)
-        .read(&b)
-        .write(&out)
+        .read(&x);
+    for part in &parts {
+        b = b.read(part);
+    }
+    b.write(&out)
         .arg(u32_arg(in_dim)?)
         .arg(u32_arg(out_dim)?)
         .arg(u32_arg(format.group_size)?)
@@ -234,13 +214,7 @@ fn encode_quant_gemm(
     in_dim: usize,
     out_dim: usize,
 ) -> Result<bool> {
-    let LinearWeight::Quant {
-        weight,
-        scales,
-        biases,
-        format,
-    } = w
-    else {
+    let LinearWeight::Quant { format, .. } = w else {
         return Ok(false);
     };
     let (bits, group) = (format.bits, format.group_size);
@@ -252,13 +226,9 @@ fn encode_quant_gemm(
     if !fits {
         return Ok(false);
     }
-    let (qw, s, b) = (
-        enc.buf(weight.raw())?.clone(),
-        enc.buf(scales.raw())?.clone(),
-        enc.buf(biases.raw())?.clone(),
-    );
+    let (_, parts, _) = weight_parts(enc, w)?;
     // 16-byte loads of the weight rows; 2-byte ones of the scales and biases.
-    if qw.device_ptr() % 16 != 0 || s.device_ptr() % 2 != 0 || b.device_ptr() % 2 != 0 {
+    if parts[0].device_ptr() % 16 != 0 || parts[1].device_ptr() % 2 != 0 || parts[2].device_ptr() % 2 != 0 {
         return Ok(false);
     }
     let xb = enc.workspace(DType::BF16, [tokens, in_dim])?;
@@ -282,9 +252,9 @@ fn encode_quant_gemm(
         .block(256)
         .shared_mem(u32_arg(smem)?)
         .read(&xb)
-        .read(&qw)
-        .read(&s)
-        .read(&b)
+        .read(&parts[0])
+        .read(&parts[1])
+        .read(&parts[2])
         .write(&out)
         .arg(u32_arg(tokens)?)
         .arg(u32_arg(in_dim)?)

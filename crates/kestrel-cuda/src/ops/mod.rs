@@ -14,6 +14,11 @@ use kestrel_core::DType;
 use crate::backend::Encoder;
 use crate::error::{CudaError, Result};
 
+/// Floats of shared memory for `n` staged values (`padded_len` in kestrel.cuh).
+fn padded_len(n: usize) -> usize {
+    n + n.div_ceil(32) * 4
+}
+
 /// Encodes `op` together with `next` when one kernel does both (a one-token router's product
 /// and its choice of experts); false, and nothing recorded, otherwise.
 pub fn encode_pair(op: &Op, next: &Op, enc: &mut Encoder) -> Result<bool> {

@@ -7,7 +7,8 @@
 use kestrel_core::ir::{ExpertFormat, LinearWeight, MatrixSpan, Op};
 use kestrel_core::DType;
 
-use super::{u32_arg, unsupported};
+use super::linear::weight_parts;
+use super::{padded_len, u32_arg, unsupported};
 use crate::backend::Encoder;
 use crate::buffer::Buffer;
 use crate::command::DispatchBuilder;
@@ -158,11 +159,6 @@ fn expert_args<'a>(
     Ok(b.arg(u32_arg(group)?))
 }
 
-/// Floats of shared memory for `n` staged values (`padded_len` in kestrel.cuh).
-fn padded_len(n: usize) -> usize {
-    n + n.div_ceil(32) * 4
-}
-
 /// `router_f32_*` / `route_*`: experts per lane for this many experts.
 fn router_per_lane(experts: usize) -> usize {
     [4, 8, 16]
@@ -206,36 +202,21 @@ pub fn encode_route(linear: &Op, router: &Op, enc: &mut Encoder) -> Result<bool>
     {
         return Ok(false);
     }
-    let staged = (padded_len(in_dim) * 4) as u32;
-    let (name, smem, bufs, group) = match w {
-        LinearWeight::Quant {
-            weight,
-            scales,
-            biases,
-            format,
-        } if format.bits == 4 || format.bits == 8 => {
+    // Staged x: padded floats, twice for quantised weights (pre-scaled and plain).
+    let staged = padded_len(in_dim) * 4;
+    let smem = match w {
+        LinearWeight::Quant { format, .. } if format.bits == 4 || format.bits == 8 => {
             let vals = 128 / format.bits as usize;
             if format.group_size % vals != 0 || in_dim % vals != 0 {
                 return Ok(false);
             }
-            let bufs = vec![
-                enc.buf(weight.raw())?.clone(),
-                enc.buf(scales.raw())?.clone(),
-                enc.buf(biases.raw())?.clone(),
-            ];
-            (
-                format!("q{}", format.bits),
-                2 * staged,
-                bufs,
-                Some(format.group_size),
-            )
+            2 * staged
         }
-        LinearWeight::Dense(d) if enc.dtype(d.raw()) == DType::BF16 && in_dim % 8 == 0 => {
-            ("bf16".to_string(), staged, vec![enc.buf(d.raw())?.clone()], None)
-        }
+        LinearWeight::Dense(d) if enc.dtype(d.raw()) == DType::BF16 && in_dim % 8 == 0 => staged,
         _ => return Ok(false),
     };
-    if smem as usize > enc.device.info().max_shared_per_block {
+    let (name, bufs, group) = weight_parts(enc, w)?;
+    if smem > enc.device.info().max_shared_per_block {
         return Ok(false);
     }
     let kern = enc
@@ -251,7 +232,7 @@ pub fn encode_route(linear: &Op, router: &Op, enc: &mut Encoder) -> Result<bool>
         .dispatch(&kern)
         .grid(ROUTE_BLOCKS)
         .block(32 * ROUTE_WARPS)
-        .shared_mem(smem)
+        .shared_mem(u32_arg(smem)?)
         .read(&x);
     for buf in &bufs {
         b = b.read(buf);
