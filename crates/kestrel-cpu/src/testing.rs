@@ -952,6 +952,9 @@ pub fn router(rng: Rng) -> Case {
     ))
 }
 
+/// The routed experts of a MoE layer on random shapes: their router's choice from given logits
+/// or, for one token, sometimes with the router's product in front, as models build it (CUDA
+/// then does the product and the choice as one kernel where it can).
 pub fn moe(rng: Rng) -> Case {
     let mut c = CaseBuilder::new(rng);
     let experts = c.rng.range(2, 17);
@@ -968,20 +971,70 @@ pub fn moe(rng: Rng) -> Case {
         // Sometimes whole 64-wide tiles, so many-token bf16 experts take the grouped GEMMs.
         ExpertFormat::Bf16 if c.rng.range(0, 2) == 0 => (64 * c.rng.range(1, 4), 64 * c.rng.range(1, 3)),
         ExpertFormat::Bf16 => (8 * c.rng.range(1, 25), 8 * c.rng.range(1, 19)),
-        ExpertFormat::Quant(_) => (64 * c.rng.range(1, 4), 64 * c.rng.range(1, 3)),
+        // Odd and even numbers of groups a row, rows shorter and longer than 32 vectors.
+        ExpertFormat::Quant(_) => (64 * c.rng.range(1, 21), 64 * c.rng.range(1, 5)),
     };
     // 33 and 300 tokens take CUDA's grouped GEMMs (300: experts with more than one row tile).
     let tokens = pick(&mut c.rng, &[1, 1, 4, 33, 300]);
     let normalize = c.rng.next_f32() < 0.5;
+    let router = (tokens == 1 && c.rng.range(0, 2) == 0)
+        .then(|| pick(&mut c.rng, &[None, Some(QuantFormat::Q4), Some(QuantFormat::Q8)]));
     let layout = ExpertLayout {
         experts,
         hidden,
         inter,
         format,
     };
-    let (logits, lf) = c.act("router_logits", tokens, experts, 2.0);
-    let (ids, weights) = c.g.router("router", logits, k, normalize);
+    moe_case(c, layout, tokens, k, normalize, router)
+}
+
+/// One MoE layer's experts at the shape of Qwen3-30B-A3B (hidden 2048, expert width 768, top-8,
+/// 4-bit experts in groups of 64) for one token, the router's 8-bit product in front, with 32
+/// experts instead of 128 so the CPU reference stays quick.
+pub fn moe_decode_model_shape(rng: Rng) -> Case {
+    let layout = ExpertLayout {
+        experts: 32,
+        hidden: 2048,
+        inter: 768,
+        format: ExpertFormat::Quant(QuantFormat::Q4),
+    };
+    moe_case(
+        CaseBuilder::new(rng),
+        layout,
+        1,
+        8,
+        true,
+        Some(Some(QuantFormat::Q8)),
+    )
+}
+
+/// `router`: None takes random logits; Some(format) computes them from x with a router weight
+/// of that format (None: bf16).
+fn moe_case(
+    mut c: CaseBuilder,
+    layout: ExpertLayout,
+    tokens: usize,
+    k: usize,
+    normalize: bool,
+    router: Option<Option<QuantFormat>>,
+) -> Case {
+    let (experts, hidden, inter, format) = (layout.experts, layout.hidden, layout.inter, layout.format);
     let (x, xf) = c.act("x", tokens, hidden, 1.0);
+    let (ids, weights, lf) = match router {
+        None => {
+            let (logits, lf) = c.act("router_logits", tokens, experts, 2.0);
+            let (ids, weights) = c.g.router("router", logits, k, normalize);
+            (ids, weights, lf)
+        }
+        Some(rf) => {
+            let (w, wf) = c.linear_weight("gate", experts, hidden, rf, DType::BF16);
+            let logits = c.g.linear("gate", x, &w);
+            let (ids, weights) = c.g.router("router", logits, k, normalize);
+            let lf = r::linear(&xf, &wf, hidden, experts);
+            c.check_floats(logits, lf.clone());
+            (ids, weights, lf)
+        }
+    };
     let (blob, ev) = random_experts(&mut c, &layout);
     let eb = c.g.weight("experts", DType::U8, [layout.total_bytes()]);
     c.set(eb, blob);
@@ -1008,8 +1061,12 @@ pub fn moe(rng: Rng) -> Case {
     c.check_ids(ids, exp_ids);
     c.check_floats(weights, exp_w);
     c.check_floats(out, expect);
+    let product = match router {
+        None => String::new(),
+        Some(f) => format!(" router product {f:?}"),
+    };
     c.finish(format!(
-        "moe t{tokens} top{k}/{experts} {hidden}x{inter} {format:?} norm={normalize}"
+        "moe t{tokens} top{k}/{experts} {hidden}x{inter} {format:?} norm={normalize}{product}"
     ))
 }
 

@@ -234,6 +234,25 @@ pub fn run(dev: &Device, reps: usize, profile: bool) -> Result<Vec<OpRow>> {
         target: ">= 60% of 4.26 TB/s (selected experts' bytes)",
     });
 
+    // The same with the router's product in front (8-bit, as the models quantise routers), as a
+    // decode step runs it: x -> logits -> choice -> experts. Bytes: the experts' and the router's.
+    let q8 = QuantFormat::Q8;
+    let mut g = GraphBuilder::new();
+    let x = g.act_input("x", 1, hidden);
+    let rw = g.quant_weight("router", experts, hidden, q8);
+    let logits = g.linear("router", x, &rw);
+    let (ids, w) = g.router("router", logits, k, true);
+    let e = g.weight("experts", DType::U8, [layout.total_bytes()]);
+    let y = g.moe_experts("experts", x, ids, w, e, layout);
+    benches.push(Bench {
+        name: "moe decode + q8 router product",
+        graph: finish(g, y)?,
+        fixed: vec![],
+        bytes: bytes + q8.bytes(experts, hidden) as f64,
+        flops: None,
+        target: "none (the model's form of the row above)",
+    });
+
     // The same experts for a 4,096-token prefill: router, tokens grouped by expert, grouped
     // GEMMs, combine. FLOPs: 3 products of 2 * hidden * inter per (token, slot).
     let tokens = 4096;
