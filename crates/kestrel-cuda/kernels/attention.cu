@@ -1,8 +1,10 @@
 // Full attention with a KV cache. kv_append writes new keys/values at their positions
 // (attention_inputs does it together with the per-head norms and rotation of q and k); attention
-// is causal with grouped-query heads. Three kernels: flash_attention (tensor cores, bf16/f16
-// caches, head dims 64/96/128/256, any number of tokens, split over the cache when there are
-// few rows), attention_split + attention_combine (f32 caches, decode), and the plain kernel
+// is causal with grouped-query heads. Four kernels: decode_attention (tensor cores, bf16/f16
+// caches, up to 16 rows of one KV head's group: decode, sm_90, at the end of this file),
+// flash_attention (tensor cores, bf16/f16 caches, head dims 64/96/128/256, any number of tokens,
+// split over the cache when there are few rows), attention_split + attention_combine (f32
+// caches, decode), and the plain kernel
 // below for everything else: one block per (token, head), four warps splitting the cache rows,
 // each with an online softmax, merged at the end; a lane holds dims lane, lane + 32, ... of the
 // head (head_dim <= 256).
@@ -760,3 +762,370 @@ __device__ void flash_attention(const float* q, const T* k_cache, const T* v_cac
 
 FLASHES(bf16, bf16)
 FLASHES(f16, f16)
+
+// ---- decode attention on bf16/f16 caches (sm_90) ----
+// Up to DA_ROWS rows, a row being a (token, query head) pair of one KV head's group, numbered
+// token-major as in flash_attention (one decode token's whole group). Grid (splits, kv_heads) in
+// clusters of DA_CLUSTER consecutive splits; split s covers keys [s * chunk, (s + 1) * chunk) of
+// the rows' range, and a cluster whose first key is past every row's range returns at once.
+//
+// Each of the block's W warps (DaShape::NWARPS) streams its own batches of DA_KEYS keys (batch i
+// of warp w starts at s * chunk + (i * W + w) * DA_KEYS) through a ring of its own, STAGES
+// batches deep, with cp.async, rows past the range zero-filled and never read, so no warp waits
+// for another while the cache streams in. q and the positions are asked for before the cache,
+// so their loads do not queue behind it. Per batch: S = Q K^T and O += P V with m16n8k16 mma,
+// the online softmax in the exp2 domain, as in flash_attention. Then three merges of (max, sum,
+// acc):
+//   1. the block's warps, through shared memory;
+//   2. the cluster's blocks, through distributed shared memory, block rank r taking the r-th
+//      half of the head dims; with one cluster in the range this writes the output;
+//   3. across clusters: each block writes its half to `part`, and the last block of each rank
+//      to arrive (counted in counters[kv_head * DA_CLUSTER + rank], which it sets back to zero)
+//      merges the clusters' halves and writes the output: first every cluster's maxima and sums
+//      (a load per thread), then each thread's accumulator pieces, all asked for at once.
+// So decode needs one launch and no combine kernel. head_dim a multiple of 16 and of 4 *
+// DA_CLUSTER; `counters` zero at launch (it is again at exit).
+#define DA_CLUSTER 2
+#define DA_ROWS 16
+#define DA_KEYS 16
+
+template <int HD>
+struct DaShape {
+    static constexpr int NWARPS = HD > 128 ? 4 : 8;               // warps per block
+    static constexpr int STAGES = 2;                              // batches in flight per warp
+    static constexpr int STRIDE = HD + 8;                         // shared row, in 16-bit values
+    static constexpr int RING = STAGES * 2 * DA_KEYS * STRIDE;    // a warp's ring, in 16-bit values
+    static constexpr int VECS = HD / 4;                           // float4s of a row
+    static constexpr int VPR = VECS / DA_CLUSTER;                 // float4s of a row per block rank
+    static constexpr int REC = 4 * VPR + 4;                       // a part record: acc share, max, sum, 2 unused
+};
+
+#if __CUDA_ARCH__ >= 900
+template <typename T, int HD>
+__device__ void decode_attention(const float* q, const T* k_cache, const T* v_cache, const unsigned* positions,
+                                 float* out, float* part, unsigned* counters, unsigned tokens, unsigned heads,
+                                 unsigned kv_heads, unsigned max_ctx, float scale, unsigned chunk) {
+    using S = DaShape<HD>;
+    constexpr int NWARPS = S::NWARPS, STAGES = S::STAGES, STRIDE = S::STRIDE, VECS = S::VECS, VPR = S::VPR;
+    constexpr int REC = S::REC, KSTEPS = HD / 16, DT = HD / 8;
+    extern __shared__ __align__(16) unsigned char da_smem[];
+    float* bacc = reinterpret_cast<float*>(da_smem);  // [DA_ROWS][HD] the block's merged accumulators
+    float* bm = bacc + DA_ROWS * HD;                   // [DA_ROWS] its maxima (log2 units)
+    float* bl = bm + DA_ROWS;                          // [DA_ROWS] its sums
+    T* qs = reinterpret_cast<T*>(bl + DA_ROWS);        // [DA_ROWS][STRIDE]
+    T* rings = qs + DA_ROWS * STRIDE;                  // [NWARPS][RING]
+    __shared__ unsigned last;
+
+    const unsigned tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const unsigned group = heads / kv_heads, pairs = tokens * group;
+    const unsigned split = blockIdx.x, kvh = blockIdx.y, rank = cluster_rank();
+    const unsigned cluster = split / DA_CLUSTER, clusters_all = gridDim.x / DA_CLUSTER;
+    pdl_wait();
+    pdl_trigger();
+
+    // Keys a token sees, the furthest of them, and the clusters that hold any; this thread's
+    // pieces of q (8 values each) on their way meanwhile.
+    auto seen = [&](unsigned t) { return min(positions[t], max_ctx - 1) + 1; };
+    unsigned block_end = 0;
+    for (unsigned t = 0; t < tokens; t++) block_end = max(block_end, seen(t));
+    constexpr int QPIECES = (DA_ROWS * DT + 32 * NWARPS - 1) / (32 * NWARPS);
+    float qv[QPIECES][8];
+#pragma unroll
+    for (int j = 0; j < QPIECES; j++) {
+        const unsigned i = tid + j * 32 * NWARPS, r = i / DT, d = (i % DT) * 8;
+        if (r < pairs) load8(q + ((size_t)(r / group) * heads + kvh * group + r % group) * HD + d, qv[j]);
+    }
+    const unsigned clusters = (block_end + DA_CLUSTER * chunk - 1) / (DA_CLUSTER * chunk);
+    if (cluster >= clusters) return;  // every block of this cluster returns here
+    const unsigned start = split * chunk, end = min(start + chunk, block_end);
+
+    const T* kb = k_cache + (size_t)kvh * max_ctx * HD;
+    const T* vb = v_cache + (size_t)kvh * max_ctx * HD;
+    T* ring = rings + warp * S::RING;
+    auto first_key = [&](unsigned i) { return start + (i * NWARPS + warp) * DA_KEYS; };
+    // One commit group per batch (empty past the range), so waiting for all but the newest
+    // STAGES - 1 groups always means "batch i".
+    auto load = [&](unsigned i) {
+        const unsigned key0 = first_key(i);
+        if (key0 < end) {
+            T* kd = ring + (i % STAGES) * 2 * DA_KEYS * STRIDE;
+            T* vd = kd + DA_KEYS * STRIDE;
+            for (unsigned e = lane; e < DA_KEYS * DT; e += 32) {
+                const unsigned r = e / DT, d = (e % DT) * 8, key = key0 + r;
+                const bool valid = key < end;
+                const size_t src = (size_t)(valid ? key : 0) * HD + d;
+                cp_async16(kd + r * STRIDE + d, kb + src, valid);
+                cp_async16(vd + r * STRIDE + d, vb + src, valid);
+            }
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int i = 0; i < STAGES; i++) load(i);
+
+    // Q rows rounded to T while the first batches are in flight.
+#pragma unroll
+    for (int j = 0; j < QPIECES; j++) {
+        const unsigned i = tid + j * 32 * NWARPS, r = i / DT, d = (i % DT) * 8;
+        if (i >= DA_ROWS * DT) break;
+        const float* v = qv[j];
+        const uint4 packed = r < pairs ? make_uint4(pack2<T>(v[0], v[1]), pack2<T>(v[2], v[3]), pack2<T>(v[4], v[5]),
+                                                    pack2<T>(v[6], v[7]))
+                                       : make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(qs + r * STRIDE + d) = packed;
+    }
+    __syncthreads();
+
+    // This thread's rows g and g + 8, the keys each sees in this split (rows past the pairs see
+    // everything: they are never written), and the fewest any row of the warp sees.
+    const unsigned g = lane / 4, c = 2 * (lane % 4);
+    auto row_end = [&](unsigned p) { return p < pairs ? min(seen(p / group), end) : end; };
+    const unsigned lim0 = row_end(g), lim1 = row_end(g + 8);
+    unsigned warp_min = min(lim0, lim1);
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) warp_min = min(warp_min, __shfl_xor_sync(0xffffffffu, warp_min, o));
+
+    float acc[DT][4];
+#pragma unroll
+    for (int j = 0; j < DT; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+    const float sl2 = scale * 1.4426950408889634f;
+    for (unsigned i = 0; first_key(i) < end; i++) {
+        cp_async_wait<STAGES - 1>();
+        __syncwarp();
+        const T* kt = ring + (i % STAGES) * 2 * DA_KEYS * STRIDE;
+        const T* vt = kt + DA_KEYS * STRIDE;
+        const unsigned key0 = first_key(i);
+        float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS; kk++) {
+            unsigned a[4], b[4];
+            ldmatrix_x4(a, qs + (lane % 16) * STRIDE + kk * 16 + (lane / 16) * 8);
+            ldmatrix_x4(b, kt + (lane % 8 + (lane / 16) * 8) * STRIDE + kk * 16 + ((lane / 8) % 2) * 8);
+            mma_16816<T>(s[0], a, b[0], b[1]);
+            mma_16816<T>(s[1], a, b[2], b[3]);
+        }
+        // Scale, mask keys past each row's range, new maxima.
+        const bool full = key0 + DA_KEYS <= warp_min;
+        float mx0 = m0, mx1 = m1;
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const unsigned key = key0 + j * 8 + c + e;
+                float v0 = s[j][e] * sl2, v1 = s[j][2 + e] * sl2;
+                if (!full) {
+                    v0 = key < lim0 ? v0 : -INFINITY;
+                    v1 = key < lim1 ? v1 : -INFINITY;
+                }
+                s[j][e] = v0;
+                s[j][2 + e] = v1;
+                mx0 = fmaxf(mx0, v0);
+                mx1 = fmaxf(mx1, v1);
+            }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        // A row with nothing visible yet keeps -inf; its exponentials use base 0 (all zero).
+        const float base0 = mx0 == -INFINITY ? 0.0f : mx0, base1 = mx1 == -INFINITY ? 0.0f : mx1;
+        const float corr0 = exp2f(m0 - base0), corr1 = exp2f(m1 - base1);
+        m0 = mx0;
+        m1 = mx1;
+        float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            s[j][0] = exp2f(s[j][0] - base0);
+            s[j][1] = exp2f(s[j][1] - base0);
+            s[j][2] = exp2f(s[j][2] - base1);
+            s[j][3] = exp2f(s[j][3] - base1);
+            sum0 += s[j][0] + s[j][1];
+            sum1 += s[j][2] + s[j][3];
+        }
+        l0 = l0 * corr0 + sum0;  // the quad is summed at the end
+        l1 = l1 * corr1 + sum1;
+        // The accumulator layout of the 16 keys is the A layout of P for P V.
+        const unsigned pa[4] = {pack2<T>(s[0][0], s[0][1]), pack2<T>(s[0][2], s[0][3]), pack2<T>(s[1][0], s[1][1]),
+                                pack2<T>(s[1][2], s[1][3])};
+#pragma unroll
+        for (int j = 0; j < DT; j += 2) {
+            acc[j][0] *= corr0;
+            acc[j][1] *= corr0;
+            acc[j][2] *= corr1;
+            acc[j][3] *= corr1;
+            acc[j + 1][0] *= corr0;
+            acc[j + 1][1] *= corr0;
+            acc[j + 1][2] *= corr1;
+            acc[j + 1][3] *= corr1;
+            unsigned b[4];
+            ldmatrix_x4_trans(b, vt + (lane % 8 + ((lane / 8) % 2) * 8) * STRIDE + j * 8 + (lane / 16) * 8);
+            mma_16816<T>(acc[j], pa, b[0], b[1]);
+            mma_16816<T>(acc[j + 1], pa, b[2], b[3]);
+        }
+        __syncwarp();  // every lane is done with this stage before it is refilled
+        load(i + STAGES);
+    }
+    cp_async_wait<0>();
+    __syncwarp();
+
+    // 1. The warps' results, each written over its own ring, merged into the block's.
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    {
+        float* wacc = reinterpret_cast<float*>(ring);  // [DA_ROWS][HD], then max and sum per row
+#pragma unroll
+        for (int j = 0; j < DT; j++) {
+            *reinterpret_cast<float2*>(wacc + g * HD + j * 8 + c) = make_float2(acc[j][0], acc[j][1]);
+            *reinterpret_cast<float2*>(wacc + (g + 8) * HD + j * 8 + c) = make_float2(acc[j][2], acc[j][3]);
+        }
+        if (c == 0) {
+            float* wml = wacc + DA_ROWS * HD;
+            wml[g] = m0;
+            wml[g + 8] = m1;
+            wml[DA_ROWS + g] = l0;
+            wml[DA_ROWS + g + 8] = l1;
+        }
+    }
+    __syncthreads();
+    for (unsigned i = tid; i < pairs * VECS; i += blockDim.x) {
+        const unsigned r = i / VECS, v = i % VECS;
+        const float* w0 = reinterpret_cast<const float*>(rings);
+        constexpr int WSTRIDE = S::RING / 2;  // a warp's ring, in floats
+        float mx = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < NWARPS; w++) mx = fmaxf(mx, w0[w * WSTRIDE + DA_ROWS * HD + r]);
+        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        float sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < NWARPS; w++) {
+            const float* wacc = w0 + w * WSTRIDE;
+            const float mw = wacc[DA_ROWS * HD + r];
+            if (mw == -INFINITY) continue;  // this warp saw no key of the row
+            const float f = exp2f(mw - mx);
+            const float4 y = reinterpret_cast<const float4*>(wacc + r * HD)[v];
+            a.x += f * y.x;
+            a.y += f * y.y;
+            a.z += f * y.z;
+            a.w += f * y.w;
+            sum += f * wacc[DA_ROWS * HD + DA_ROWS + r];
+        }
+        reinterpret_cast<float4*>(bacc + r * HD)[v] = a;
+        if (v == 0) {
+            bm[r] = mx;
+            bl[r] = sum;
+        }
+    }
+    cluster_sync();  // every block's merged result is visible to the cluster
+
+    // 2. The cluster's blocks: this block takes float4s [rank * VPR, (rank + 1) * VPR) of each row.
+    float* rec = part + (((size_t)kvh * clusters_all + cluster) * DA_CLUSTER + rank) * DA_ROWS * REC;
+    for (unsigned i = tid; i < pairs * VPR; i += blockDim.x) {
+        const unsigned r = i / VPR, v = rank * VPR + i % VPR;
+        float mb[DA_CLUSTER], mx = -INFINITY;
+#pragma unroll
+        for (int b = 0; b < DA_CLUSTER; b++) {
+            mb[b] = load_cluster_f32(bm + r, b);
+            mx = fmaxf(mx, mb[b]);
+        }
+        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        float sum = 0.0f;
+#pragma unroll
+        for (int b = 0; b < DA_CLUSTER; b++) {
+            if (mb[b] == -INFINITY) continue;  // that block saw no key of the row
+            const float f = exp2f(mb[b] - mx);
+            const float4 y = load_cluster_f32x4(reinterpret_cast<const float4*>(bacc + r * HD) + v, b);
+            a.x += f * y.x;
+            a.y += f * y.y;
+            a.z += f * y.z;
+            a.w += f * y.w;
+            sum += f * load_cluster_f32(bl + r, b);
+        }
+        if (clusters == 1) {
+            const unsigned t = r / group, h = kvh * group + r % group;
+            const float inv = 1.0f / sum;
+            reinterpret_cast<float4*>(out + ((size_t)t * heads + h) * HD)[v] =
+                make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
+        } else {
+            reinterpret_cast<float4*>(rec + r * REC)[i % VPR] = a;
+            if (i % VPR == 0) {
+                rec[r * REC + 4 * VPR] = mx;
+                rec[r * REC + 4 * VPR + 1] = sum;
+            }
+        }
+    }
+    cluster_sync();  // no block leaves while another may still read its shared memory
+    if (clusters == 1) return;
+
+    // 3. Across clusters: the last block of this rank to arrive merges every cluster's records.
+    __threadfence();
+    __syncthreads();
+    unsigned* counter = counters + kvh * DA_CLUSTER + rank;
+    if (tid == 0) {
+        last = atomicAdd(counter, 1u) == clusters - 1;
+        if (last) *counter = 0;  // every block of this rank has arrived: ready for the next launch
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const float* recs = part + ((size_t)kvh * clusters_all * DA_CLUSTER + rank) * DA_ROWS * REC;
+    const size_t cstride = (size_t)DA_CLUSTER * DA_ROWS * REC;  // floats from one cluster's records to the next
+    // Every cluster's max and sum of each row, then per row (a warp each) their weights
+    // exp2(m_k - max) and the inverse of the weighted sum, in the rings' space (free now).
+    float* wk = reinterpret_cast<float*>(rings);  // [clusters][DA_ROWS]
+    float* lk = wk + clusters * DA_ROWS;          // [clusters][DA_ROWS]
+    float* inv = lk + clusters * DA_ROWS;         // [DA_ROWS]
+    for (unsigned i = tid; i < clusters * pairs; i += blockDim.x) {
+        const float* rk = recs + (i / pairs) * cstride + (i % pairs) * REC + 4 * VPR;
+        wk[(i / pairs) * DA_ROWS + i % pairs] = __ldcg(rk);
+        lk[(i / pairs) * DA_ROWS + i % pairs] = __ldcg(rk + 1);
+    }
+    __syncthreads();
+    for (unsigned r = warp; r < pairs; r += NWARPS) {
+        float mx = -INFINITY;
+        for (unsigned k = lane; k < clusters; k += 32) mx = fmaxf(mx, wk[k * DA_ROWS + r]);
+        mx = warp_max(mx);
+        float sum = 0.0f;
+        for (unsigned k = lane; k < clusters; k += 32) {
+            // A cluster that saw no key of the row weighs nothing (and its records are not read).
+            const float mk = wk[k * DA_ROWS + r], f = mk == -INFINITY ? 0.0f : exp2f(mk - mx);
+            wk[k * DA_ROWS + r] = f;
+            sum += f * lk[k * DA_ROWS + r];
+        }
+        sum = warp_sum(sum);
+        if (lane == 0) inv[r] = 1.0f / sum;
+    }
+    __syncthreads();
+    for (unsigned i = tid; i < pairs * VPR; i += blockDim.x) {
+        const unsigned r = i / VPR, v = i % VPR;
+        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 16
+        for (unsigned k = 0; k < clusters; k++) {
+            const float f = wk[k * DA_ROWS + r];
+            if (f == 0.0f) continue;
+            const float4 y = __ldcg(reinterpret_cast<const float4*>(recs + k * cstride + r * REC) + v);
+            a.x += f * y.x;
+            a.y += f * y.y;
+            a.z += f * y.z;
+            a.w += f * y.w;
+        }
+        const unsigned t = r / group, h = kvh * group + r % group;
+        reinterpret_cast<float4*>(out + ((size_t)t * heads + h) * HD)[rank * VPR + v] =
+            make_float4(a.x * inv[r], a.y * inv[r], a.z * inv[r], a.w * inv[r]);
+    }
+}
+
+#define DECODE(T, NAME, HD)                                                                                 \
+    extern "C" __global__ void __cluster_dims__(DA_CLUSTER, 1, 1) __launch_bounds__(32 * DaShape<HD>::NWARPS)           \
+        decode_attention_##NAME##_##HD(const float* q, const T* k_cache, const T* v_cache,                  \
+                                       const unsigned* positions, float* out, float* part, unsigned* counters, \
+                                       unsigned tokens, unsigned heads, unsigned kv_heads, unsigned max_ctx, \
+                                       float scale, unsigned chunk) {                                       \
+        decode_attention<T, HD>(q, k_cache, v_cache, positions, out, part, counters, tokens, heads, kv_heads, \
+                                max_ctx, scale, chunk);                                                     \
+    }
+#define DECODES(T, NAME) DECODE(T, NAME, 64) DECODE(T, NAME, 96) DECODE(T, NAME, 128) DECODE(T, NAME, 256)
+DECODES(bf16, bf16)
+DECODES(f16, f16)
+#endif

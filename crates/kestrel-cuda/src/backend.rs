@@ -37,11 +37,13 @@ pub struct CudaBackend {
     scratch: Scratch,
 }
 
-/// The scratch region and how much of it the node being encoded has taken.
+/// The scratch region and how much of it the node being encoded has taken, and the counters
+/// kernels that elect a last block share.
 #[derive(Default)]
 struct Scratch {
     region: Option<Buffer>,
     cursor: usize,
+    counters: Option<Buffer>,
 }
 
 /// Scratch requests start at multiples of this many bytes.
@@ -104,6 +106,18 @@ impl Encoder<'_> {
 
     pub fn dtype(&self, b: Buf) -> DType {
         self.graph.decl(b).dtype
+    }
+
+    /// `n` u32 counters that are zero whenever no kernel is running: a kernel that uses them (to
+    /// find the last of its blocks to finish) leaves them at zero again. Allocated (zeroed) per
+    /// backend, grown when a node asks for more, never aliased with anything else; dispatches
+    /// that use them declare them written, so no two of those run at the same time.
+    pub fn counters(&mut self, n: usize) -> Result<Buffer> {
+        let s = &mut *self.scratch;
+        match &s.counters {
+            Some(c) if c.elem_count() >= n => Ok(c.clone()),
+            _ => Ok(s.counters.insert(self.device.alloc(DType::U32, n)?).clone()),
+        }
     }
 
     /// Scratch memory for the node being encoded, valid until its last dispatch: the next node

@@ -179,6 +179,69 @@ fn long_prefill_attention_matches_the_cpu_backend() {
     }
 }
 
+/// One decode token over a long bf16 cache at the shapes of Qwen3-30B-A3B's attention (32 query
+/// / 4 KV heads, head dim 128, 8,192 cached rows), against the CPU backend, at positions that
+/// leave every split of the cache in use, some of them, or only the first: one prepared program
+/// run again and again (eagerly and as graph replays), with fresh queries and the output
+/// poisoned each time, so a run that leaves its merge counters anywhere but zero fails the next.
+#[test]
+fn decode_attention_over_a_long_cache_matches_the_cpu_backend_run_after_run() {
+    let Some(dev) =
+        device_or_skip("decode_attention_over_a_long_cache_matches_the_cpu_backend_run_after_run")
+    else {
+        return;
+    };
+    let (mut rng, seed) = Rng::from_time();
+    let (ctx, heads, kv_heads, hd) = (8192, 32, 4, 128);
+    let mut g = GraphBuilder::new();
+    let q = g.act_input("q", 1, heads * hd);
+    let kc = g.cache("k_cache", DType::BF16, kv_heads, ctx, hd);
+    let vc = g.cache("v_cache", DType::BF16, kv_heads, ctx, hd);
+    let pos = g.positions_input("pos", 1);
+    let out = g.attention("attention", q, kc, vc, pos, heads, 1.0 / (hd as f32).sqrt());
+    g.mark_output(out);
+    let graph = g.finish().unwrap();
+    let mut cache = || -> Vec<u8> {
+        let v: Vec<half::bf16> = (0..kv_heads * ctx * hd)
+            .map(|_| half::bf16::from_f32(2.0 * rng.symmetric()))
+            .collect();
+        bytemuck::cast_slice(&v).to_vec()
+    };
+    let (kb, vb) = (cache(), cache());
+    let mut cpu = CpuBackend::new();
+    let mut pc = cpu.prepare(&graph).unwrap();
+    cpu.write_bytes(&mut pc, kc.raw(), 0, &kb).unwrap();
+    cpu.write_bytes(&mut pc, vc.raw(), 0, &vb).unwrap();
+    for mode in [RunMode::Eager, RunMode::Graph] {
+        let mut cuda = CudaBackend::new(dev.clone(), mode);
+        let mut pg = cuda.prepare(&graph).unwrap();
+        cuda.write_bytes(&mut pg, kc.raw(), 0, &kb).unwrap();
+        cuda.write_bytes(&mut pg, vc.raw(), 0, &vb).unwrap();
+        for position in [ctx - 1, 5000, ctx - 1, 1500, 0, 700, ctx - 1] {
+            let qv: Vec<f32> = (0..heads * hd).map(|_| rng.symmetric()).collect();
+            cpu.upload(&mut pc, q, &qv).unwrap();
+            cpu.upload(&mut pc, pos, &[position as u32]).unwrap();
+            cpu.run(&mut pc).unwrap();
+            let want: Vec<f64> = cpu
+                .download::<f32>(&pc, out)
+                .unwrap()
+                .iter()
+                .map(|&v| v as f64)
+                .collect();
+            cuda.poison(&pg).unwrap();
+            cuda.upload(&mut pg, q, &qv).unwrap();
+            cuda.upload(&mut pg, pos, &[position as u32]).unwrap();
+            cuda.run(&mut pg).unwrap();
+            let err = rel_l2(&cuda.download::<f32>(&pg, out).unwrap(), &want);
+            println!("{mode:?} decode attention at position {position} of {ctx}: relative L2 error {err:e}");
+            assert!(
+                err <= TOL_INT8_L2,
+                "seed {seed} {mode:?} position {position}: relative L2 error {err:e}"
+            );
+        }
+    }
+}
+
 /// The backend's sampler: on the same logits, step after step, CUDA picks the tokens the CPU
 /// picks (the same algorithm, the same generator), with penalties from the counts both keep;
 /// vocabularies below one block's chunk and of real size, eagerly and as a graph.

@@ -53,6 +53,9 @@ pub enum BenchCommand {
         /// (to stderr).
         #[arg(long)]
         profile: bool,
+        /// Only the ops whose name contains this text (e.g. "attention").
+        #[arg(long)]
+        only: Option<String>,
         /// Device ordinal (default: the configured one).
         #[arg(long)]
         device: Option<usize>,
@@ -94,9 +97,10 @@ pub fn run(config: &Config, args: BenchArgs) -> Result<ExitCode> {
         BenchCommand::Ops {
             reps,
             profile,
+            only,
             device,
             json,
-        } => return ops(config, reps, profile, device, json),
+        } => return ops(config, reps, profile, only.as_deref(), device, json),
     };
     ensure!(
         reps >= 1 && chain >= 1 && copy_mib >= 1,
@@ -135,10 +139,18 @@ pub fn run(config: &Config, args: BenchArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn ops(config: &Config, reps: usize, profile: bool, device: Option<usize>, json: bool) -> Result<ExitCode> {
+fn ops(
+    config: &Config,
+    reps: usize,
+    profile: bool,
+    only: Option<&str>,
+    device: Option<usize>,
+    json: bool,
+) -> Result<ExitCode> {
     ensure!(reps >= 1, "--reps must be at least 1");
     let dev = open_device(config, device)?;
-    let rows = crate::bench_ops::run(&dev, reps, profile)?;
+    let rows = crate::bench_ops::run(&dev, reps, profile, only)?;
+    ensure!(!rows.is_empty(), "no op's name contains {:?}", only.unwrap_or(""));
     if json {
         let results: serde_json::Map<String, serde_json::Value> = rows
             .iter()

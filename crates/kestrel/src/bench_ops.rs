@@ -185,12 +185,58 @@ fn measure(dev: &Device, b: &Bench, reps: usize, profile: bool, rng: &mut Rng) -
     })
 }
 
+/// Reference rows: how long a plain streaming read of `bytes` takes when timed as the ops are (a
+/// one-kernel CUDA graph replayed from a cold L2, CUDA events around the launch). For ops of a
+/// few tens of MB this is well above bytes / 4.26 TB/s: launch, ramp-up and the last loads'
+/// latency are paid once per op, so it is the practical floor an op of that size is compared to.
+fn measure_read(dev: &Device, name: &str, bytes: usize, reps: usize) -> Result<OpRow> {
+    let data = dev.alloc(DType::U8, bytes)?;
+    let sink = dev.alloc(DType::U32, 1)?;
+    let kernel = dev.kernel("runtime", "read_all_u32")?;
+    let mut list = kestrel_cuda::CommandList::new("read");
+    list.dispatch(&kernel)
+        .grid(4 * dev.info().sm_count)
+        .block(512)
+        .read(&data)
+        .write(&sink)
+        .arg((bytes / 16) as u64)
+        .record();
+    let graph = dev.capture(&list)?;
+    let flush = L2Flush::new(dev)?;
+    let start = std::time::Instant::now();
+    while start.elapsed() < WARM_UP {
+        for _ in 0..50 {
+            graph.launch()?;
+        }
+        dev.synchronize()?;
+    }
+    let timer = dev.timer()?;
+    let mut samples = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        flush.run(dev)?;
+        timer.start(dev.compute())?;
+        graph.launch()?;
+        timer.stop(dev.compute())?;
+        samples.push(timer.elapsed_ms()? * 1e3);
+    }
+    let us = median(samples);
+    let gbs = bytes as f64 / (us * 1e-6) / 1e9;
+    Ok(OpRow {
+        name: name.to_string(),
+        median_us: us,
+        rate: gbs,
+        unit: "GB/s",
+        of_floor: Some(gbs * 1e9 / COPY_BYTES_PER_S),
+        target: "reference: the same bytes by a plain read",
+    })
+}
+
 fn finish<R: Role>(mut g: GraphBuilder, out: BufId<R>) -> Result<Graph> {
     g.mark_output(out);
     Ok(g.finish()?)
 }
 
-pub fn run(dev: &Device, reps: usize, profile: bool) -> Result<Vec<OpRow>> {
+pub fn run(dev: &Device, reps: usize, profile: bool, only: Option<&str>) -> Result<Vec<OpRow>> {
     let mut rng = Rng::new(0x5EED);
     let q4 = QuantFormat::Q4;
     let mut benches = Vec::new();
@@ -352,8 +398,23 @@ pub fn run(dev: &Device, reps: usize, profile: bool) -> Result<Vec<OpRow>> {
         });
     }
 
-    benches
-        .iter()
-        .map(|b| measure(dev, b, reps, profile, &mut rng))
-        .collect()
+    let mut rows = Vec::new();
+    for b in benches.iter().filter(|b| only.is_none_or(|s| b.name.contains(s))) {
+        rows.push(measure(dev, b, reps, profile, &mut rng)?);
+        // The bandwidth-bound ops of a few tens of MB, next to a plain read of their bytes.
+        if b.flops.is_none() && b.bytes < 64e6 {
+            let mb = b.bytes / 1e6;
+            rows.push(measure_read(
+                dev,
+                &format!("  plain read of {mb:.1} MB"),
+                b.bytes as usize,
+                reps,
+            )?);
+        }
+    }
+    // What timing costs by itself: a launch whose kernel reads next to nothing.
+    if !rows.is_empty() {
+        rows.push(measure_read(dev, "  plain read of 64 KB", 64 << 10, reps)?);
+    }
+    Ok(rows)
 }

@@ -28,6 +28,22 @@ const COMBINE_LOADS: usize = 8;
 const FLASH_HEAD_DIMS: [usize; 4] = [64, 96, 128, 256];
 const FA_WARPS: usize = 4;
 
+/// `decode_attention_*` (sm_90): rows (token, query head pairs of one KV head) it takes, blocks
+/// per cluster, keys per warp batch and batches in flight per warp.
+const DA_ROWS: usize = 16;
+const DA_CLUSTER: usize = 2;
+const DA_KEYS: usize = 16;
+const DA_STAGES: usize = 2;
+
+/// Warps per block of `decode_attention_*` (its `DaShape::NWARPS`).
+fn decode_warps(head_dim: usize) -> usize {
+    if head_dim > 128 {
+        4
+    } else {
+        8
+    }
+}
+
 /// Keys per tile of `flash_attention_*` (its `FaShape::BN`).
 fn flash_tile_keys(head_dim: usize) -> usize {
     if head_dim > 128 {
@@ -119,6 +135,77 @@ fn encode_flash(enc: &mut Encoder, op: &Op) -> Result<()> {
     if splits > 1 {
         record_combine(enc, &[pm, pl_buf, pacc], &o, tokens * heads, head_dim, splits)?;
     }
+    Ok(())
+}
+
+/// Decode on a bf16/f16 cache in one kernel: `decode_attention_*` splits the cache over one wave
+/// of blocks, in clusters that merge their blocks' results in distributed shared
+/// memory, and the last cluster to finish merges the clusters' (see `attention.cu`).
+fn encode_decode(enc: &mut Encoder, op: &Op) -> Result<()> {
+    let Op::Attention {
+        q,
+        k_cache,
+        v_cache,
+        positions,
+        out,
+        tokens,
+        heads,
+        kv_heads,
+        head_dim,
+        max_ctx,
+        scale,
+    } = *op
+    else {
+        unreachable!("called for attention")
+    };
+    let stride = head_dim + 8;
+    let smem = (DA_ROWS * head_dim + 2 * DA_ROWS) * 4
+        + DA_ROWS * stride * 2
+        + decode_warps(head_dim) * DA_STAGES * 2 * DA_KEYS * stride * 2;
+    if smem > enc.device.info().max_shared_per_block {
+        return Err(unsupported(format!("decode attention with head_dim {head_dim}")));
+    }
+    let name = format!("decode_attention_{}_{head_dim}", float_name(enc.dtype(k_cache))?);
+    let kern = enc.device.kernel("attention", &name)?;
+    // As many splits as one wave of clusters holds (a second wave would double the time), in
+    // whole clusters per KV head; each split a whole number of rounds of the warps' batches.
+    let block = 32 * decode_warps(head_dim) as u32;
+    let wave = enc
+        .device
+        .max_active_clusters(&kern, DA_CLUSTER as u32, block, u32_arg(smem)?)?;
+    let want = (wave / kv_heads).max(1) * DA_CLUSTER;
+    let round = decode_warps(head_dim) * DA_KEYS;
+    let chunk = max_ctx.div_ceil(want).div_ceil(round) * round;
+    let splits = max_ctx.div_ceil(chunk).next_multiple_of(DA_CLUSTER);
+    let (q, p, o) = (
+        enc.buf(q)?.clone(),
+        enc.buf(positions)?.clone(),
+        enc.buf(out)?.clone(),
+    );
+    let (kc, vc) = (enc.buf(k_cache)?.clone(), enc.buf(v_cache)?.clone());
+    // Per (KV head, split, row): the share of the accumulator split s merged (block rank
+    // s % DA_CLUSTER of its cluster), then max and sum and two unused floats.
+    let record = head_dim / DA_CLUSTER + 4;
+    let part = enc.workspace(DType::F32, kv_heads * splits * DA_ROWS * record)?;
+    let counters = enc.counters(kv_heads * DA_CLUSTER)?;
+    enc.dispatch(&kern)
+        .grid((u32_arg(splits)?, u32_arg(kv_heads)?))
+        .block(block)
+        .shared_mem(u32_arg(smem)?)
+        .read(&q)
+        .read(&kc)
+        .read(&vc)
+        .read(&p)
+        .write(&o)
+        .write(&part)
+        .read_write(&counters)
+        .arg(u32_arg(tokens)?)
+        .arg(u32_arg(heads)?)
+        .arg(u32_arg(kv_heads)?)
+        .arg(u32_arg(max_ctx)?)
+        .arg(scale)
+        .arg(u32_arg(chunk)?)
+        .record();
     Ok(())
 }
 
@@ -376,6 +463,11 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
         } => {
             let half = matches!(enc.dtype(k_cache), DType::BF16 | DType::F16);
             if half && FLASH_HEAD_DIMS.contains(&head_dim) {
+                // One decode token's group (or a few tokens of a small group) in one kernel.
+                let rows = tokens * (heads / kv_heads);
+                if rows <= DA_ROWS && enc.device.info().compute_capability.0 >= 9 {
+                    return encode_decode(enc, op);
+                }
                 return encode_flash(enc, op);
             }
             // The split kernel when its shared memory fits (f32 caches up to head dim 128).
