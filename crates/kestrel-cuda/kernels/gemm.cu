@@ -46,6 +46,16 @@ __device__ unsigned block_scan(unsigned v, unsigned* scratch) {
     return scratch[tid];
 }
 
+// Slots s0 + j * SORT_THREADS + threadIdx.x (j < 8) of the router's ids, NO_TILE past the
+// end: eight loads in flight per thread before their atomics.
+__device__ __forceinline__ void load_ids8(const unsigned* ids, unsigned s0, unsigned slots, unsigned e[8]) {
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        const unsigned s = s0 + j * SORT_THREADS + threadIdx.x;
+        e[j] = s < slots ? ids[s] : NO_TILE;
+    }
+}
+
 // tiles: [max_tiles][3] = (expert, first pos, rows). Ids >= experts are left out (never produced
 // by the router; moe_combine skips them too).
 extern "C" __global__ void __launch_bounds__(SORT_THREADS)
@@ -57,14 +67,9 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
     count[tid] = 0;
     cursor[tid] = 0;
     __syncthreads();
-    // Eight loads in flight per thread before their atomics, in both passes.
     for (unsigned s0 = 0; s0 < slots; s0 += 8 * SORT_THREADS) {
         unsigned e[8];
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            const unsigned s = s0 + j * SORT_THREADS + tid;
-            e[j] = s < slots ? ids[s] : NO_TILE;
-        }
+        load_ids8(ids, s0, slots, e);
 #pragma unroll
         for (int j = 0; j < 8; j++)
             if (e[j] < experts) atomicAdd(&count[e[j]], 1u);
@@ -84,11 +89,7 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
     for (unsigned i = total + tid; i < max_tiles; i += SORT_THREADS) tiles[3 * i] = NO_TILE;
     for (unsigned s0 = 0; s0 < slots; s0 += 8 * SORT_THREADS) {
         unsigned e[8];
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            const unsigned s = s0 + j * SORT_THREADS + tid;
-            e[j] = s < slots ? ids[s] : NO_TILE;
-        }
+        load_ids8(ids, s0, slots, e);
 #pragma unroll
         for (int j = 0; j < 8; j++)
             if (e[j] < experts) order[offset[e[j]] + atomicAdd(&cursor[e[j]], 1u)] = s0 + j * SORT_THREADS + tid;

@@ -5,7 +5,7 @@ use kestrel_core::ir::{Buf, LinearWeight, Op};
 use kestrel_core::DType;
 
 use super::moe::{GT_COLS, GT_K, GT_ROWS, GT_STRIDE};
-use super::{float_name, padded_len, u32_arg, unsupported};
+use super::{float_name, padded_len, round_bf16, u32_arg, unsupported};
 use crate::backend::Encoder;
 use crate::buffer::Buffer;
 use crate::error::Result;
@@ -185,19 +185,12 @@ fn encode_gemm(
     if enc.dtype(wb.raw()) != DType::BF16 || in_dim % 8 != 0 {
         return Ok(false);
     }
-    let xb = enc.workspace(DType::BF16, [tokens, in_dim])?;
     let (x, wb, out) = (
         enc.buf(x)?.clone(),
         enc.buf(wb.raw())?.clone(),
         enc.buf(out)?.clone(),
     );
-    let convert = enc.device.kernel("elementwise", "convert_f32_bf16")?;
-    enc.dispatch(&convert)
-        .cover(tokens * in_dim / 8, 256)
-        .read(&x)
-        .write(&xb)
-        .arg(u32_arg(tokens * in_dim)?)
-        .record();
+    let xb = round_bf16(enc, &x, tokens, in_dim)?;
     enc.list.gemm_bf16(&xb, &wb, &out, tokens, out_dim, in_dim);
     Ok(true)
 }
@@ -231,15 +224,8 @@ fn encode_quant_gemm(
     if parts[0].device_ptr() % 16 != 0 || parts[1].device_ptr() % 2 != 0 || parts[2].device_ptr() % 2 != 0 {
         return Ok(false);
     }
-    let xb = enc.workspace(DType::BF16, [tokens, in_dim])?;
     let (x, out) = (enc.buf(x)?.clone(), enc.buf(out)?.clone());
-    let convert = enc.device.kernel("elementwise", "convert_f32_bf16")?;
-    enc.dispatch(&convert)
-        .cover(tokens * in_dim / 8, 256)
-        .read(&x)
-        .write(&xb)
-        .arg(u32_arg(tokens * in_dim)?)
-        .record();
+    let xb = round_bf16(enc, &x, tokens, in_dim)?;
     // 128 output columns a block where they divide, so each A tile feeds twice the work.
     let nb = if out_dim % (2 * GT_COLS) == 0 { 2 } else { 1 };
     let smem = 2 * (GT_ROWS + nb * GT_COLS) * GT_STRIDE * 2;

@@ -12,11 +12,26 @@ use kestrel_core::ir::Op;
 use kestrel_core::DType;
 
 use crate::backend::Encoder;
+use crate::buffer::Buffer;
 use crate::error::{CudaError, Result};
 
 /// Floats of shared memory for `n` staged values (`padded_len` in kestrel.cuh).
 fn padded_len(n: usize) -> usize {
     n + n.div_ceil(32) * 4
+}
+
+/// `x` (f32 `[rows, cols]`, `rows * cols` a multiple of 8) rounded to bf16 into a workspace, as
+/// the tensor-core products read their activations (`convert_f32_bf16`).
+fn round_bf16(enc: &mut Encoder, x: &Buffer, rows: usize, cols: usize) -> Result<Buffer> {
+    let xb = enc.workspace(DType::BF16, [rows, cols])?;
+    let convert = enc.device.kernel("elementwise", "convert_f32_bf16")?;
+    enc.dispatch(&convert)
+        .cover(rows * cols / 8, 256)
+        .read(x)
+        .write(&xb)
+        .arg(u32_arg(rows * cols)?)
+        .record();
+    Ok(xb)
 }
 
 /// Encodes `op` together with `next` when one kernel does both (a one-token router's product

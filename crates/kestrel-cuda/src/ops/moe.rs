@@ -8,7 +8,7 @@ use kestrel_core::ir::{ExpertFormat, LinearWeight, MatrixSpan, Op};
 use kestrel_core::DType;
 
 use super::linear::weight_parts;
-use super::{padded_len, u32_arg, unsupported};
+use super::{padded_len, round_bf16, u32_arg, unsupported};
 use crate::backend::Encoder;
 use crate::buffer::Buffer;
 use crate::command::DispatchBuilder;
@@ -63,20 +63,13 @@ fn encode_grouped(
     let (h, i) = (layout.hidden, layout.inter);
     let slots = tokens * k;
     let max_tiles = slots.div_ceil(GT_ROWS) + layout.experts;
-    let (xb, order, tiles, act, ys) = (
-        enc.workspace(DType::BF16, [tokens, h])?,
+    let xb = round_bf16(enc, x, tokens, h)?;
+    let (order, tiles, act, ys) = (
         enc.workspace(DType::U32, slots)?,
         enc.workspace(DType::U32, 3 * max_tiles)?,
         enc.workspace(DType::BF16, [slots, i])?,
         enc.workspace(DType::BF16, [slots, h])?,
     );
-    let convert = enc.device.kernel("elementwise", "convert_f32_bf16")?;
-    enc.dispatch(&convert)
-        .cover(tokens * h / 8, 256)
-        .read(x)
-        .write(&xb)
-        .arg(u32_arg(tokens * h)?)
-        .record();
     let sort = enc.device.kernel("gemm", "moe_sort")?;
     enc.dispatch(&sort)
         .grid(1)
