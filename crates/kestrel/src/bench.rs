@@ -169,7 +169,7 @@ fn ops(
             dev.info().name
         );
         println!(
-            "{:<30} {:>10} {:>12} {:>8}  target",
+            "{:<36} {:>10} {:>12} {:>8}  target",
             "op", "median us", "rate", "floor"
         );
         for r in &rows {
@@ -178,7 +178,7 @@ fn ops(
                 .map(|f| format!("{:.1}%", 100.0 * f))
                 .unwrap_or_default();
             println!(
-                "{:<30} {:>10.2} {:>7.0} {:<4} {:>8}  {}",
+                "{:<36} {:>10.2} {:>7.0} {:<4} {:>8}  {}",
                 r.name, r.median_us, r.rate, r.unit, floor, r.target
             );
         }

@@ -125,6 +125,10 @@ struct Bench {
     name: &'static str,
     graph: Graph,
     fixed: Vec<(Buf, Vec<u32>)>,
+    /// Copies of the op the graph chains (each reading its own weights or cache, so each starts
+    /// from memory as a model's layers do); the figures are per op.
+    ops: usize,
+    /// Bytes one op must move.
     bytes: f64,
     /// Floating-point operations, for ops bound by arithmetic (rate in TFLOP/s against the
     /// measured bf16 rate); None for ops bound by bandwidth.
@@ -148,7 +152,7 @@ fn prepared(dev: &Device, b: &Bench, mode: RunMode, rng: &mut Rng) -> Result<(Cu
 
 fn measure(dev: &Device, b: &Bench, reps: usize, profile: bool, rng: &mut Rng) -> Result<OpRow> {
     let (mut cuda, mut p) = prepared(dev, b, RunMode::Graph, rng)?;
-    let us = time_program(dev, &mut cuda, &mut p, reps)?;
+    let us = time_program(dev, &mut cuda, &mut p, reps)? / b.ops as f64;
     if profile {
         // Eager, every dispatch between two CUDA events.
         let (mut cuda, mut p) = prepared(dev, b, RunMode::Eager, rng)?;
@@ -251,6 +255,7 @@ pub fn run(dev: &Device, reps: usize, profile: bool, only: Option<&str>) -> Resu
         name: "q4 matvec 2048->151936",
         graph: finish(g, y)?,
         fixed: vec![],
+        ops: 1,
         bytes: q4.bytes(out, inp) as f64,
         flops: None,
         target: ">= 80% of 4.26 TB/s",
@@ -275,6 +280,7 @@ pub fn run(dev: &Device, reps: usize, profile: bool, only: Option<&str>) -> Resu
         name: "moe decode top-8/128 q4",
         graph: finish(g, y)?,
         fixed: vec![],
+        ops: 1,
         bytes,
         flops: None,
         target: ">= 60% of 4.26 TB/s (selected experts' bytes)",
@@ -294,9 +300,32 @@ pub fn run(dev: &Device, reps: usize, profile: bool, only: Option<&str>) -> Resu
         name: "moe decode + q8 router product",
         graph: finish(g, y)?,
         fixed: vec![],
+        ops: 1,
         bytes: bytes + q8.bytes(experts, hidden) as f64,
         flops: None,
         target: "none (the model's form of the row above)",
+    });
+
+    // Four of the row above in a row, each layer with its own experts and router, as a decode
+    // step runs them: the launch of each hides behind the one before.
+    let layers = 4;
+    let mut g = GraphBuilder::new();
+    let mut x = g.act_input("x", 1, hidden);
+    for l in 0..layers {
+        let rw = g.quant_weight(&format!("router.{l}"), experts, hidden, q8);
+        let logits = g.linear(&format!("router.{l}"), x, &rw);
+        let (ids, w) = g.router(&format!("router.{l}"), logits, k, true);
+        let e = g.weight(&format!("experts.{l}"), DType::U8, [layout.total_bytes()]);
+        x = g.moe_experts(&format!("experts.{l}"), x, ids, w, e, layout);
+    }
+    benches.push(Bench {
+        name: "moe decode + q8 router, 4 layers",
+        graph: finish(g, x)?,
+        fixed: vec![],
+        ops: layers,
+        bytes: bytes + q8.bytes(experts, hidden) as f64,
+        flops: None,
+        target: "none (per layer: the op inside a graph)",
     });
 
     // The same experts for a 4,096-token prefill: router, tokens grouped by expert, grouped
@@ -312,6 +341,7 @@ pub fn run(dev: &Device, reps: usize, profile: bool, only: Option<&str>) -> Resu
         name: "moe prefill 4096 top-8/128 q4",
         graph: finish(g, y)?,
         fixed: vec![],
+        ops: 1,
         bytes: 0.0,
         flops: Some((tokens * k * 3 * 2 * hidden * inter) as f64),
         target: ">= 250 TFLOP/s",
@@ -330,9 +360,38 @@ pub fn run(dev: &Device, reps: usize, profile: bool, only: Option<&str>) -> Resu
         name: "attention decode ctx 8192",
         graph: finish(g, o)?,
         fixed: vec![(pos.raw(), vec![(ctx - 1) as u32])],
+        ops: 1,
         bytes,
         flops: None,
         target: ">= 60% of 4.26 TB/s (KV bytes read)",
+    });
+
+    // Four of them in a row over their own caches (the output of one is the next one's query),
+    // as a decode step's layers run them.
+    let mut g = GraphBuilder::new();
+    let mut q = g.act_input("q", 1, heads * hd);
+    let pos = g.positions_input("pos", 1);
+    for l in 0..layers {
+        let kc = g.cache(&format!("k_cache.{l}"), DType::BF16, kv_heads, ctx, hd);
+        let vc = g.cache(&format!("v_cache.{l}"), DType::BF16, kv_heads, ctx, hd);
+        q = g.attention(
+            &format!("attention.{l}"),
+            q,
+            kc,
+            vc,
+            pos,
+            heads,
+            1.0 / (hd as f32).sqrt(),
+        );
+    }
+    benches.push(Bench {
+        name: "attention decode ctx 8192, 4 layers",
+        graph: finish(g, q)?,
+        fixed: vec![(pos.raw(), vec![(ctx - 1) as u32])],
+        ops: layers,
+        bytes,
+        flops: None,
+        target: "none (per layer: the op inside a graph)",
     });
 
     // Causal prefill attention: 4,096 tokens from position 0, same heads, bf16 cache. FLOPs:
@@ -349,6 +408,7 @@ pub fn run(dev: &Device, reps: usize, profile: bool, only: Option<&str>) -> Resu
         name: "attention prefill 4096 causal",
         graph: finish(g, o)?,
         fixed: vec![(pos.raw(), (0..tokens as u32).collect())],
+        ops: 1,
         bytes: 0.0,
         flops: Some(4.0 * (hd * heads) as f64 * visible),
         target: ">= 250 TFLOP/s",
@@ -364,6 +424,7 @@ pub fn run(dev: &Device, reps: usize, profile: bool, only: Option<&str>) -> Resu
         name: "bf16 gemm 4096x2048x6144",
         graph: finish(g, y)?,
         fixed: vec![],
+        ops: 1,
         bytes: 0.0,
         flops: Some(2.0 * (m * n * k) as f64),
         target: ">= 600 TFLOP/s",
@@ -392,6 +453,7 @@ pub fn run(dev: &Device, reps: usize, profile: bool, only: Option<&str>) -> Resu
             name,
             graph: finish(g, o)?,
             fixed: vec![],
+            ops: 1,
             bytes: 0.0,
             flops: Some((tokens * v_heads * 6 * dk * dv) as f64),
             target: "none in the issue",
@@ -402,7 +464,7 @@ pub fn run(dev: &Device, reps: usize, profile: bool, only: Option<&str>) -> Resu
     for b in benches.iter().filter(|b| only.is_none_or(|s| b.name.contains(s))) {
         rows.push(measure(dev, b, reps, profile, &mut rng)?);
         // The bandwidth-bound ops of a few tens of MB, next to a plain read of their bytes.
-        if b.flops.is_none() && b.bytes < 64e6 {
+        if b.flops.is_none() && b.ops == 1 && b.bytes < 64e6 {
             let mb = b.bytes / 1e6;
             rows.push(measure_read(
                 dev,
