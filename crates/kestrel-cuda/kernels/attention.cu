@@ -1117,11 +1117,11 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
 }
 
 #define DECODE(T, NAME, HD)                                                                                 \
-    extern "C" __global__ void __cluster_dims__(DA_CLUSTER, 1, 1) __launch_bounds__(32 * DaShape<HD>::NWARPS)           \
-        decode_attention_##NAME##_##HD(const float* q, const T* k_cache, const T* v_cache,                  \
-                                       const unsigned* positions, float* out, float* part, unsigned* counters, \
-                                       unsigned tokens, unsigned heads, unsigned kv_heads, unsigned max_ctx, \
-                                       float scale, unsigned chunk) {                                       \
+    extern "C" __global__ void __cluster_dims__(DA_CLUSTER, 1, 1)                                           \
+        __launch_bounds__(32 * DaShape<HD>::NWARPS) decode_attention_##NAME##_##HD(                         \
+            const float* q, const T* k_cache, const T* v_cache, const unsigned* positions, float* out,      \
+            float* part, unsigned* counters, unsigned tokens, unsigned heads, unsigned kv_heads,            \
+            unsigned max_ctx, float scale, unsigned chunk) {                                                \
         decode_attention<T, HD>(q, k_cache, v_cache, positions, out, part, counters, tokens, heads, kv_heads, \
                                 max_ctx, scale, chunk);                                                     \
     }
