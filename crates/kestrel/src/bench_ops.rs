@@ -100,11 +100,17 @@ impl L2Flush {
 
 /// Median microseconds of one replay of `p`, each started with a cold L2.
 fn time_program(dev: &Device, cuda: &mut CudaBackend, p: &mut CudaProgram, reps: usize) -> Result<f64> {
+    time_cold(dev, reps, || Ok(cuda.run(p)?))
+}
+
+/// Median microseconds of `launch` (work enqueued on the compute stream), each run started with a
+/// cold L2, after `WARM_UP` of runs.
+fn time_cold(dev: &Device, reps: usize, mut launch: impl FnMut() -> Result<()>) -> Result<f64> {
     let flush = L2Flush::new(dev)?;
     let start = std::time::Instant::now();
     while start.elapsed() < WARM_UP {
         for _ in 0..50 {
-            cuda.run(p)?;
+            launch()?;
         }
         dev.synchronize()?;
     }
@@ -113,7 +119,7 @@ fn time_program(dev: &Device, cuda: &mut CudaBackend, p: &mut CudaProgram, reps:
     for _ in 0..reps {
         flush.run(dev)?;
         timer.start(dev.compute())?;
-        cuda.run(p)?;
+        launch()?;
         timer.stop(dev.compute())?;
         samples.push(timer.elapsed_ms()? * 1e3);
     }
@@ -206,24 +212,7 @@ fn measure_read(dev: &Device, name: &str, bytes: usize, reps: usize) -> Result<O
         .arg((bytes / 16) as u64)
         .record();
     let graph = dev.capture(&list)?;
-    let flush = L2Flush::new(dev)?;
-    let start = std::time::Instant::now();
-    while start.elapsed() < WARM_UP {
-        for _ in 0..50 {
-            graph.launch()?;
-        }
-        dev.synchronize()?;
-    }
-    let timer = dev.timer()?;
-    let mut samples = Vec::with_capacity(reps);
-    for _ in 0..reps {
-        flush.run(dev)?;
-        timer.start(dev.compute())?;
-        graph.launch()?;
-        timer.stop(dev.compute())?;
-        samples.push(timer.elapsed_ms()? * 1e3);
-    }
-    let us = median(samples);
+    let us = time_cold(dev, reps, || Ok(graph.launch()?))?;
     let gbs = bytes as f64 / (us * 1e-6) / 1e9;
     Ok(OpRow {
         name: name.to_string(),
