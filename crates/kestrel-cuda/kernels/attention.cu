@@ -513,6 +513,65 @@ struct FaShape {
     static constexpr int STRIDE = HD + 8;            // shared row, in 16-bit values (16 bytes padding)
 };
 
+// One online-softmax step of a 16-row tile, for the rows g and g + 8 a thread holds, over the NT
+// 8-key columns of S in the m16n8 accumulator layout (first key key0 + 8j + c): scores scaled to
+// log2 units by sl2, keys at or past each row's end (lim0, lim1) masked unless `full`, the
+// running maxima m0 / m1 raised (quad-reduced), S replaced by P = exp2(S - max) packed as the A
+// fragments of P V (16 keys each), and this thread's share of the sums l0 / l1 updated. Returns
+// the factors the rows' accumulators are scaled by.
+template <typename T, int NT>
+__device__ __forceinline__ float2 softmax_step(float s[NT][4], unsigned pa[NT / 2][4], unsigned key0, unsigned c,
+                                               bool full, unsigned lim0, unsigned lim1, float sl2, float& m0,
+                                               float& m1, float& l0, float& l1) {
+    float mx0 = m0, mx1 = m1;
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const unsigned key = key0 + j * 8 + c + e;
+            float v0 = s[j][e] * sl2, v1 = s[j][2 + e] * sl2;
+            if (!full) {
+                v0 = key < lim0 ? v0 : -INFINITY;
+                v1 = key < lim1 ? v1 : -INFINITY;
+            }
+            s[j][e] = v0;
+            s[j][2 + e] = v1;
+            mx0 = fmaxf(mx0, v0);
+            mx1 = fmaxf(mx1, v1);
+        }
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    // A row with nothing visible yet keeps -inf; its exponentials use base 0 (all zero).
+    const float base0 = mx0 == -INFINITY ? 0.0f : mx0, base1 = mx1 == -INFINITY ? 0.0f : mx1;
+    const float corr0 = exp2f(m0 - base0), corr1 = exp2f(m1 - base1);
+    m0 = mx0;
+    m1 = mx1;
+    float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+        s[j][0] = exp2f(s[j][0] - base0);
+        s[j][1] = exp2f(s[j][1] - base0);
+        s[j][2] = exp2f(s[j][2] - base1);
+        s[j][3] = exp2f(s[j][3] - base1);
+        sum0 += s[j][0] + s[j][1];
+        sum1 += s[j][2] + s[j][3];
+    }
+    l0 = l0 * corr0 + sum0;  // the quad is summed at the end
+    l1 = l1 * corr1 + sum1;
+    // The accumulator layout of 16 keys is the A layout of P for P V.
+#pragma unroll
+    for (int kk = 0; kk < NT / 2; kk++) {
+        pa[kk][0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+        pa[kk][1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+        pa[kk][2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        pa[kk][3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    }
+    return make_float2(corr0, corr1);
+}
+
 template <typename T, int HD, int MT>
 __device__ void flash_attention(const float* q, const T* k_cache, const T* v_cache, const unsigned* positions,
                                 float* out, float* part_m, float* part_l, float* part_acc, unsigned tokens,
@@ -638,59 +697,14 @@ __device__ void flash_attention(const float* q, const T* k_cache, const T* v_cac
             unsigned pa[MT][BN / 16][4];             // P as A fragments
 #pragma unroll
             for (int mt = 0; mt < MT; mt++) {
-                // Scale, mask, and the rows' new maxima.
-                float mx0 = m[mt][0], mx1 = m[mt][1];
-#pragma unroll
-                for (int j = 0; j < NT; j++) {
-#pragma unroll
-                    for (int e = 0; e < 2; e++) {
-                        const unsigned key = key0 + j * 8 + c + e;
-                        float v0 = s[mt][j][e] * sl2, v1 = s[mt][j][2 + e] * sl2;
-                        if (!full) {
-                            v0 = key < lims[mt][0] ? v0 : -INFINITY;
-                            v1 = key < lims[mt][1] ? v1 : -INFINITY;
-                        }
-                        s[mt][j][e] = v0;
-                        s[mt][j][2 + e] = v1;
-                        mx0 = fmaxf(mx0, v0);
-                        mx1 = fmaxf(mx1, v1);
-                    }
-                }
-                mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-                mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-                mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-                mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-                // A row with nothing visible yet keeps -inf; its exponentials use base 0 (all zero).
-                const float base0 = mx0 == -INFINITY ? 0.0f : mx0, base1 = mx1 == -INFINITY ? 0.0f : mx1;
-                const float corr0 = exp2f(m[mt][0] - base0), corr1 = exp2f(m[mt][1] - base1);
-                m[mt][0] = mx0;
-                m[mt][1] = mx1;
-                float sum0 = 0.0f, sum1 = 0.0f;
-#pragma unroll
-                for (int j = 0; j < NT; j++) {
-                    s[mt][j][0] = exp2f(s[mt][j][0] - base0);
-                    s[mt][j][1] = exp2f(s[mt][j][1] - base0);
-                    s[mt][j][2] = exp2f(s[mt][j][2] - base1);
-                    s[mt][j][3] = exp2f(s[mt][j][3] - base1);
-                    sum0 += s[mt][j][0] + s[mt][j][1];
-                    sum1 += s[mt][j][2] + s[mt][j][3];
-                }
-                l[mt][0] = l[mt][0] * corr0 + sum0;  // the quad is summed at the end
-                l[mt][1] = l[mt][1] * corr1 + sum1;
+                const float2 corr = softmax_step<T, NT>(s[mt], pa[mt], key0, c, full, lims[mt][0], lims[mt][1], sl2,
+                                                        m[mt][0], m[mt][1], l[mt][0], l[mt][1]);
 #pragma unroll
                 for (int j = 0; j < DT; j++) {
-                    acc[mt][j][0] *= corr0;
-                    acc[mt][j][1] *= corr0;
-                    acc[mt][j][2] *= corr1;
-                    acc[mt][j][3] *= corr1;
-                }
-                // The accumulator layout of 16 keys is the A layout of P for P V.
-#pragma unroll
-                for (int kk = 0; kk < BN / 16; kk++) {
-                    pa[mt][kk][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                    pa[mt][kk][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                    pa[mt][kk][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                    pa[mt][kk][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                    acc[mt][j][0] *= corr.x;
+                    acc[mt][j][1] *= corr.x;
+                    acc[mt][j][2] *= corr.y;
+                    acc[mt][j][3] *= corr.y;
                 }
             }
             // O += P V.
@@ -905,62 +919,23 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
             mma_16816<T>(s[0], a, b[0], b[1]);
             mma_16816<T>(s[1], a, b[2], b[3]);
         }
-        // Scale, mask keys past each row's range, new maxima.
-        const bool full = key0 + DA_KEYS <= warp_min;
-        float mx0 = m0, mx1 = m1;
-#pragma unroll
-        for (int j = 0; j < 2; j++)
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const unsigned key = key0 + j * 8 + c + e;
-                float v0 = s[j][e] * sl2, v1 = s[j][2 + e] * sl2;
-                if (!full) {
-                    v0 = key < lim0 ? v0 : -INFINITY;
-                    v1 = key < lim1 ? v1 : -INFINITY;
-                }
-                s[j][e] = v0;
-                s[j][2 + e] = v1;
-                mx0 = fmaxf(mx0, v0);
-                mx1 = fmaxf(mx1, v1);
-            }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        // A row with nothing visible yet keeps -inf; its exponentials use base 0 (all zero).
-        const float base0 = mx0 == -INFINITY ? 0.0f : mx0, base1 = mx1 == -INFINITY ? 0.0f : mx1;
-        const float corr0 = exp2f(m0 - base0), corr1 = exp2f(m1 - base1);
-        m0 = mx0;
-        m1 = mx1;
-        float sum0 = 0.0f, sum1 = 0.0f;
-#pragma unroll
-        for (int j = 0; j < 2; j++) {
-            s[j][0] = exp2f(s[j][0] - base0);
-            s[j][1] = exp2f(s[j][1] - base0);
-            s[j][2] = exp2f(s[j][2] - base1);
-            s[j][3] = exp2f(s[j][3] - base1);
-            sum0 += s[j][0] + s[j][1];
-            sum1 += s[j][2] + s[j][3];
-        }
-        l0 = l0 * corr0 + sum0;  // the quad is summed at the end
-        l1 = l1 * corr1 + sum1;
-        // The accumulator layout of the 16 keys is the A layout of P for P V.
-        const unsigned pa[4] = {pack2<T>(s[0][0], s[0][1]), pack2<T>(s[0][2], s[0][3]), pack2<T>(s[1][0], s[1][1]),
-                                pack2<T>(s[1][2], s[1][3])};
+        unsigned pa[1][4];
+        const float2 corr =
+            softmax_step<T, 2>(s, pa, key0, c, key0 + DA_KEYS <= warp_min, lim0, lim1, sl2, m0, m1, l0, l1);
 #pragma unroll
         for (int j = 0; j < DT; j += 2) {
-            acc[j][0] *= corr0;
-            acc[j][1] *= corr0;
-            acc[j][2] *= corr1;
-            acc[j][3] *= corr1;
-            acc[j + 1][0] *= corr0;
-            acc[j + 1][1] *= corr0;
-            acc[j + 1][2] *= corr1;
-            acc[j + 1][3] *= corr1;
+            acc[j][0] *= corr.x;
+            acc[j][1] *= corr.x;
+            acc[j][2] *= corr.y;
+            acc[j][3] *= corr.y;
+            acc[j + 1][0] *= corr.x;
+            acc[j + 1][1] *= corr.x;
+            acc[j + 1][2] *= corr.y;
+            acc[j + 1][3] *= corr.y;
             unsigned b[4];
             ldmatrix_x4_trans(b, vt + (lane % 8 + ((lane / 8) % 2) * 8) * STRIDE + j * 8 + (lane / 16) * 8);
-            mma_16816<T>(acc[j], pa, b[0], b[1]);
-            mma_16816<T>(acc[j + 1], pa, b[2], b[3]);
+            mma_16816<T>(acc[j], pa[0], b[0], b[1]);
+            mma_16816<T>(acc[j + 1], pa[0], b[2], b[3]);
         }
         __syncwarp();  // every lane is done with this stage before it is refilled
         load(i + STAGES);

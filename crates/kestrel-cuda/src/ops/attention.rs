@@ -28,6 +28,62 @@ const COMBINE_LOADS: usize = 8;
 const FLASH_HEAD_DIMS: [usize; 4] = [64, 96, 128, 256];
 const FA_WARPS: usize = 4;
 
+/// An `Op::Attention` as its encoders use it: the buffers resolved, the cache's dtype (k and v
+/// caches alike, checked here), and the shape.
+struct Attn {
+    q: Buffer,
+    kc: Buffer,
+    vc: Buffer,
+    positions: Buffer,
+    out: Buffer,
+    cache: DType,
+    tokens: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    max_ctx: usize,
+    scale: f32,
+}
+
+impl Attn {
+    fn new(enc: &Encoder, op: &Op) -> Result<Self> {
+        let Op::Attention {
+            q,
+            k_cache,
+            v_cache,
+            positions,
+            out,
+            tokens,
+            heads,
+            kv_heads,
+            head_dim,
+            max_ctx,
+            scale,
+        } = *op
+        else {
+            unreachable!("called for attention")
+        };
+        let cache = enc.dtype(k_cache);
+        if enc.dtype(v_cache) != cache {
+            return Err(unsupported("k and v caches of different dtypes".into()));
+        }
+        Ok(Attn {
+            q: enc.buf(q)?.clone(),
+            kc: enc.buf(k_cache)?.clone(),
+            vc: enc.buf(v_cache)?.clone(),
+            positions: enc.buf(positions)?.clone(),
+            out: enc.buf(out)?.clone(),
+            cache,
+            tokens,
+            heads,
+            kv_heads,
+            head_dim,
+            max_ctx,
+            scale,
+        })
+    }
+}
+
 /// `decode_attention_*` (sm_90): rows (token, query head pairs of one KV head) it takes, blocks
 /// per cluster, keys per warp batch and batches in flight per warp.
 const DA_ROWS: usize = 16;
@@ -56,23 +112,21 @@ fn flash_tile_keys(head_dim: usize) -> usize {
 /// Tensor-core attention on a bf16/f16 cache, for any number of tokens. With fewer blocks than
 /// two per multiprocessor (decode, short prefills), the cache range is split into chunks whose
 /// partial results `attention_combine_f32` merges.
-fn encode_flash(enc: &mut Encoder, op: &Op) -> Result<()> {
-    let Op::Attention {
-        q,
-        k_cache,
-        v_cache,
-        positions,
-        out,
+fn encode_flash(enc: &mut Encoder, a: &Attn) -> Result<()> {
+    let Attn {
+        ref q,
+        ref kc,
+        ref vc,
+        ref positions,
+        ref out,
+        cache,
         tokens,
         heads,
         kv_heads,
         head_dim,
         max_ctx,
         scale,
-    } = *op
-    else {
-        unreachable!("called for attention")
-    };
+    } = *a;
     let bn = flash_tile_keys(head_dim);
     let pairs = tokens * (heads / kv_heads);
     // Two row tiles per warp (each K/V fragment used twice) when there are rows for them and
@@ -96,32 +150,23 @@ fn encode_flash(enc: &mut Encoder, op: &Op) -> Result<()> {
             "attention with head_dim {head_dim} over {splits} splits"
         )));
     }
-    let name = format!(
-        "flash_attention_{}_{head_dim}_{mt}",
-        float_name(enc.dtype(k_cache))?
-    );
+    let name = format!("flash_attention_{}_{head_dim}_{mt}", float_name(cache)?);
     let kern = enc.device.kernel("attention", &name)?;
-    let (q, p, o) = (
-        enc.buf(q)?.clone(),
-        enc.buf(positions)?.clone(),
-        enc.buf(out)?.clone(),
-    );
-    let (kc, vc) = (enc.buf(k_cache)?.clone(), enc.buf(v_cache)?.clone());
     // With one split the partial-result arguments are unused; the output stands in for them.
     let [pm, pl_buf, pacc] = if splits > 1 {
         partials(enc, tokens * heads * splits, head_dim)?
     } else {
-        [o.clone(), o.clone(), o.clone()]
+        [out.clone(), out.clone(), out.clone()]
     };
     enc.dispatch(&kern)
         .grid((u32_arg(row_blocks)?, u32_arg(kv_heads)?, u32_arg(splits)?))
         .block(32 * FA_WARPS as u32)
         .shared_mem(u32_arg(smem)?)
-        .read(&q)
-        .read(&kc)
-        .read(&vc)
-        .read(&p)
-        .write(&o)
+        .read(q)
+        .read(kc)
+        .read(vc)
+        .read(positions)
+        .write(out)
         .write(&pm)
         .write(&pl_buf)
         .write(&pacc)
@@ -133,7 +178,7 @@ fn encode_flash(enc: &mut Encoder, op: &Op) -> Result<()> {
         .arg(u32_arg(chunk)?)
         .record();
     if splits > 1 {
-        record_combine(enc, &[pm, pl_buf, pacc], &o, tokens * heads, head_dim, splits)?;
+        record_combine(enc, &[pm, pl_buf, pacc], out, tokens * heads, head_dim, splits)?;
     }
     Ok(())
 }
@@ -141,23 +186,21 @@ fn encode_flash(enc: &mut Encoder, op: &Op) -> Result<()> {
 /// Decode on a bf16/f16 cache in one kernel: `decode_attention_*` splits the cache over one wave
 /// of blocks, in clusters that merge their blocks' results in distributed shared
 /// memory, and the last cluster to finish merges the clusters' (see `attention.cu`).
-fn encode_decode(enc: &mut Encoder, op: &Op) -> Result<()> {
-    let Op::Attention {
-        q,
-        k_cache,
-        v_cache,
-        positions,
-        out,
+fn encode_decode(enc: &mut Encoder, a: &Attn) -> Result<()> {
+    let Attn {
+        ref q,
+        ref kc,
+        ref vc,
+        ref positions,
+        ref out,
+        cache,
         tokens,
         heads,
         kv_heads,
         head_dim,
         max_ctx,
         scale,
-    } = *op
-    else {
-        unreachable!("called for attention")
-    };
+    } = *a;
     let stride = head_dim + 8;
     let smem = (DA_ROWS * head_dim + 2 * DA_ROWS) * 4
         + DA_ROWS * stride * 2
@@ -165,7 +208,7 @@ fn encode_decode(enc: &mut Encoder, op: &Op) -> Result<()> {
     if smem > enc.device.info().max_shared_per_block {
         return Err(unsupported(format!("decode attention with head_dim {head_dim}")));
     }
-    let name = format!("decode_attention_{}_{head_dim}", float_name(enc.dtype(k_cache))?);
+    let name = format!("decode_attention_{}_{head_dim}", float_name(cache)?);
     let kern = enc.device.kernel("attention", &name)?;
     // As many splits as one wave of clusters holds (a second wave would double the time), in
     // whole clusters per KV head; each split a whole number of rounds of the warps' batches.
@@ -177,12 +220,6 @@ fn encode_decode(enc: &mut Encoder, op: &Op) -> Result<()> {
     let round = decode_warps(head_dim) * DA_KEYS;
     let chunk = max_ctx.div_ceil(want).div_ceil(round) * round;
     let splits = max_ctx.div_ceil(chunk).next_multiple_of(DA_CLUSTER);
-    let (q, p, o) = (
-        enc.buf(q)?.clone(),
-        enc.buf(positions)?.clone(),
-        enc.buf(out)?.clone(),
-    );
-    let (kc, vc) = (enc.buf(k_cache)?.clone(), enc.buf(v_cache)?.clone());
     // Per (KV head, split, row): the share of the accumulator split s merged (block rank
     // s % DA_CLUSTER of its cluster), then max and sum and two unused floats.
     let record = head_dim / DA_CLUSTER + 4;
@@ -192,11 +229,11 @@ fn encode_decode(enc: &mut Encoder, op: &Op) -> Result<()> {
         .grid((u32_arg(splits)?, u32_arg(kv_heads)?))
         .block(block)
         .shared_mem(u32_arg(smem)?)
-        .read(&q)
-        .read(&kc)
-        .read(&vc)
-        .read(&p)
-        .write(&o)
+        .read(q)
+        .read(kc)
+        .read(vc)
+        .read(positions)
+        .write(out)
         .write(&part)
         .read_write(&counters)
         .arg(u32_arg(tokens)?)
@@ -217,23 +254,21 @@ fn split_smem(head_dim: usize, cache_bytes: usize) -> usize {
 }
 
 /// Decode attention: the cache split into chunks processed in parallel, then merged.
-fn encode_split(enc: &mut Encoder, op: &Op) -> Result<()> {
-    let Op::Attention {
-        q,
-        k_cache,
-        v_cache,
-        positions,
-        out,
+fn encode_split(enc: &mut Encoder, a: &Attn) -> Result<()> {
+    let Attn {
+        ref q,
+        ref kc,
+        ref vc,
+        ref positions,
+        ref out,
+        cache,
         tokens,
         heads,
         kv_heads,
         head_dim,
         max_ctx,
         scale,
-    } = *op
-    else {
-        unreachable!("called for attention")
-    };
+    } = *a;
     let pl = match head_dim.div_ceil(32) {
         0..=2 => 2,
         3 => 3,
@@ -249,28 +284,22 @@ fn encode_split(enc: &mut Encoder, op: &Op) -> Result<()> {
     let chunk = max_ctx.div_ceil(want).div_ceil(DEC_WARPS * 32) * DEC_WARPS * 32;
     let splits = max_ctx.div_ceil(chunk);
     let [pm, pl_buf, pacc] = partials(enc, tokens * heads * splits, head_dim)?;
-    let smem = split_smem(head_dim, enc.dtype(v_cache).size_in_bytes());
+    let smem = split_smem(head_dim, cache.size_in_bytes());
     if smem > enc.device.info().max_shared_per_block || splits > MAX_SPLITS {
         return Err(unsupported(format!(
             "decode attention with head_dim {head_dim} over {splits} splits"
         )));
     }
-    let name = format!("attention_split_{}_{pl}", float_name(enc.dtype(k_cache))?);
+    let name = format!("attention_split_{}_{pl}", float_name(cache)?);
     let kern = enc.device.kernel("attention", &name)?;
-    let (q, p, o) = (
-        enc.buf(q)?.clone(),
-        enc.buf(positions)?.clone(),
-        enc.buf(out)?.clone(),
-    );
-    let (kc, vc) = (enc.buf(k_cache)?.clone(), enc.buf(v_cache)?.clone());
     enc.dispatch(&kern)
         .grid((u32_arg(kv_heads * subgroups)?, u32_arg(splits)?, u32_arg(tokens)?))
         .block(32 * DEC_WARPS as u32)
         .shared_mem(u32_arg(smem)?)
-        .read(&q)
-        .read(&kc)
-        .read(&vc)
-        .read(&p)
+        .read(q)
+        .read(kc)
+        .read(vc)
+        .read(positions)
         .write(&pm)
         .write(&pl_buf)
         .write(&pacc)
@@ -281,7 +310,7 @@ fn encode_split(enc: &mut Encoder, op: &Op) -> Result<()> {
         .arg(scale)
         .arg(u32_arg(chunk)?)
         .record();
-    record_combine(enc, &[pm, pl_buf, pacc], &o, tokens * heads, head_dim, splits)
+    record_combine(enc, &[pm, pl_buf, pacc], out, tokens * heads, head_dim, splits)
 }
 
 /// Per (row, split) partial results of split attention: max, sum, and the unnormalised
@@ -448,55 +477,50 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 .arg(u32_arg(max_ctx)?)
                 .record();
         }
-        Op::Attention {
-            q,
-            k_cache,
-            v_cache,
-            positions,
-            out,
-            tokens,
-            heads,
-            kv_heads,
-            head_dim,
-            max_ctx,
-            scale,
-        } => {
-            let half = matches!(enc.dtype(k_cache), DType::BF16 | DType::F16);
-            if half && FLASH_HEAD_DIMS.contains(&head_dim) {
+        Op::Attention { .. } => {
+            let a = Attn::new(enc, op)?;
+            let Attn {
+                ref q,
+                ref kc,
+                ref vc,
+                ref positions,
+                ref out,
+                cache,
+                tokens,
+                heads,
+                kv_heads,
+                head_dim,
+                max_ctx,
+                scale,
+            } = a;
+            if matches!(cache, DType::BF16 | DType::F16) && FLASH_HEAD_DIMS.contains(&head_dim) {
                 // One decode token's group (or a few tokens of a small group) in one kernel.
                 let rows = tokens * (heads / kv_heads);
                 if rows <= DA_ROWS && enc.device.info().compute_capability.0 >= 9 {
-                    return encode_decode(enc, op);
+                    return encode_decode(enc, &a);
                 }
-                return encode_flash(enc, op);
+                return encode_flash(enc, &a);
             }
             // The split kernel when its shared memory fits (f32 caches up to head dim 128).
-            let split_fits = split_smem(head_dim, enc.dtype(v_cache).size_in_bytes())
-                <= enc.device.info().max_shared_per_block;
+            let split_fits =
+                split_smem(head_dim, cache.size_in_bytes()) <= enc.device.info().max_shared_per_block;
             if tokens <= SPLIT_MAX_TOKENS && head_dim % 8 == 0 && head_dim <= MAX_HEAD_DIM && split_fits {
-                return encode_split(enc, op);
+                return encode_split(enc, &a);
             }
             if head_dim > MAX_HEAD_DIM {
                 return Err(unsupported(format!("head_dim {head_dim} > {MAX_HEAD_DIM}")));
             }
-            let kern = enc.device.kernel(
-                "attention",
-                &format!("attention_{}", float_name(enc.dtype(k_cache))?),
-            )?;
-            let (q, p, o) = (
-                enc.buf(q)?.clone(),
-                enc.buf(positions)?.clone(),
-                enc.buf(out)?.clone(),
-            );
-            let (kc, vc) = (enc.buf(k_cache)?.clone(), enc.buf(v_cache)?.clone());
+            let kern = enc
+                .device
+                .kernel("attention", &format!("attention_{}", float_name(cache)?))?;
             enc.dispatch(&kern)
                 .grid(u32_arg(tokens * heads)?)
                 .block(128)
-                .read(&q)
-                .read(&kc)
-                .read(&vc)
-                .read(&p)
-                .write(&o)
+                .read(q)
+                .read(kc)
+                .read(vc)
+                .read(positions)
+                .write(out)
                 .arg(u32_arg(heads)?)
                 .arg(u32_arg(kv_heads)?)
                 .arg(u32_arg(head_dim)?)
