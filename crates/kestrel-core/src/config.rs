@@ -10,6 +10,7 @@
 //! | `KESTREL_CUDA_INCLUDE` | path | `$CUDA_HOME/include`, `$CUDA_PATH/include` or `/usr/local/cuda/include`, the first that exists | headers (`cuda_bf16.h`, `cuda_fp16.h`) given to NVRTC |
 //! | `KESTREL_PROFILE` | bool | `false` | time every dispatch with CUDA events |
 //! | `KESTREL_PDL` | bool | `true` | programmatic dependent launch in CUDA graphs (`off` links every kernel to its predecessors by completion, for debugging) |
+//! | `KESTREL_WGMMA` | bool | `true` | on sm_90 GPUs, grouped expert GEMMs and quantised products of many tokens on Hopper's warpgroup tensor-core instructions (`off` takes the `mma.sync` kernels other GPUs use) |
 //! | `KESTREL_REQUIRE_GPU` | bool | `false` | tests fail, instead of skipping, when no CUDA device is present |
 //!
 //! Booleans accept `1/0`, `true/false`, `yes/no`, `on/off`.
@@ -33,6 +34,8 @@ pub struct Config {
     pub require_gpu: bool,
     /// CUDA graphs link programmatic dispatches by programmatic edges (else by completion).
     pub pdl: bool,
+    /// Hopper (sm_90) runs its tensor-core GEMM tiles on `wgmma` (else on `mma.sync`).
+    pub wgmma: bool,
 }
 
 impl Default for Config {
@@ -99,6 +102,10 @@ impl Config {
                 None => true,
                 v => parse_bool(v, "KESTREL_PDL")?,
             },
+            wgmma: match get("KESTREL_WGMMA") {
+                None => true,
+                v => parse_bool(v, "KESTREL_WGMMA")?,
+            },
         })
     }
 }
@@ -136,6 +143,8 @@ mod tests {
         assert!(c.pdl);
         assert!(!Config::from_vars(&vars(&[("KESTREL_PDL", "off")])).unwrap().pdl);
         assert!(Config::from_vars(&vars(&[("KESTREL_PDL", "maybe")])).is_err());
+        assert!(c.wgmma);
+        assert!(!Config::from_vars(&vars(&[("KESTREL_WGMMA", "0")])).unwrap().wgmma);
         assert_eq!(c.kernel_cache_dir, None, "no HOME, no XDG_CACHE_HOME: no cache");
     }
 

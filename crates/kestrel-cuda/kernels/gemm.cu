@@ -143,25 +143,36 @@ struct BRegs {
     float s, b;
 };
 
+// Where the 16-byte piece c (8 values) of row r of an operand tile lies, in bf16 values from the
+// tile's start: rows of GT_STRIDE values (padded against bank conflicts) for the mma.sync
+// engine; for wgmma (SW), rows of 128 bytes with piece c stored at c ^ (r % 8), the 128-byte
+// swizzle its descriptors name (the tile starts 1024-byte aligned).
+template <bool SW>
+__device__ __forceinline__ unsigned tile_off(unsigned r, unsigned c) {
+    return SW ? r * GT_K + ((c ^ (r & 7)) << 3) : r * GT_STRIDE + c * 8;
+}
+
 // Thread layout for a quantised B step: 64 rows x (64 * BITS / 32) words; a thread takes WORDS
 // consecutive words of one row (b_cursor below), whose 16 values lie in one group (group sizes
-// are multiples of 16).
-template <int BITS>
+// are multiples of 16): two 16-byte pieces of the row in shared memory.
+template <int BITS, bool SW>
 __device__ __forceinline__ void b_store(const BRegs<BITS>& r, bf16* bs) {
     constexpr unsigned WPR = GT_K * BITS / 32, WORDS = BRegs<BITS>::WORDS;
-    const unsigned tid = threadIdx.x, row = tid / (WPR / WORDS), wi = (tid % (WPR / WORDS)) * WORDS;
-    bf16* dst = bs + row * GT_STRIDE + wi * 32 / BITS;
+    const unsigned tid = threadIdx.x, row = tid / (WPR / WORDS), c0 = (tid % (WPR / WORDS)) * 2;
+    uint4 v[2];
     if constexpr (BITS == 4) {
         const __nv_bfloat162 s = __floats2bfloat162_rn(r.s, r.s), b = __floats2bfloat162_rn(r.b, r.b);
 #pragma unroll
-        for (int i = 0; i < WORDS; i++) reinterpret_cast<uint4*>(dst)[i] = dequant_q4(r.w[i], s, b);
+        for (int i = 0; i < 2; i++) v[i] = dequant_q4(r.w[i], s, b);
     } else {
 #pragma unroll
-        for (int i = 0; i < WORDS; i += 2) {
-            const uint2 lo = dequant_q8(r.w[i], r.s, r.b), hi = dequant_q8(r.w[i + 1], r.s, r.b);
-            reinterpret_cast<uint4*>(dst)[i / 2] = make_uint4(lo.x, lo.y, hi.x, hi.y);
+        for (int i = 0; i < 2; i++) {
+            const uint2 lo = dequant_q8(r.w[2 * i], r.s, r.b), hi = dequant_q8(r.w[2 * i + 1], r.s, r.b);
+            v[i] = make_uint4(lo.x, lo.y, hi.x, hi.y);
         }
     }
+#pragma unroll
+    for (int i = 0; i < 2; i++) *reinterpret_cast<uint4*>(bs + tile_off<SW>(row, c0 + i)) = v[i];
 }
 
 // This thread's share of every quantised B step of one matrix, addressed once before the K loop
@@ -217,6 +228,7 @@ struct ACursor {
     bool ok[A_PIECES];
 };
 
+template <bool SW>
 __device__ __forceinline__ ACursor a_cursor(const bf16* const* rows_src) {
     ACursor a;
 #pragma unroll
@@ -225,7 +237,7 @@ __device__ __forceinline__ ACursor a_cursor(const bf16* const* rows_src) {
         const bf16* src = rows_src[r];  // row 0 always exists: it addresses the zero fills
         a.src[j] = (src ? src : rows_src[0]) + c;
         a.ok[j] = src != nullptr;
-        a.dst[j] = r * GT_STRIDE + c;
+        a.dst[j] = tile_off<SW>(r, c / 8);
     }
     return a;
 }
@@ -236,11 +248,12 @@ __device__ __forceinline__ void a_issue(const ACursor& a, bf16* as, unsigned k0)
 }
 
 // bf16 B step copied as is (rows of K bf16 values).
+template <bool SW>
 __device__ __forceinline__ void b_copy(bf16* bs, const BMat& m, unsigned n0, unsigned k0, unsigned K) {
     const bf16* w = reinterpret_cast<const bf16*>(m.w);
     for (unsigned i = threadIdx.x; i < GT_COLS * 8; i += GT_THREADS) {
-        const unsigned r = i / 8, c = (i % 8) * 8;
-        cp_async16(bs + r * GT_STRIDE + c, w + (size_t)(n0 + r) * K + k0 + c, true);
+        const unsigned r = i / 8, c = i % 8;
+        cp_async16(bs + tile_off<SW>(r, c), w + (size_t)(n0 + r) * K + k0 + c * 8, true);
     }
 }
 
@@ -264,7 +277,7 @@ __device__ __forceinline__ void tile_gemm(float acc[2][NB][4][4], const bf16* co
             for (int nt = 0; nt < 4; nt++) acc[mt][b][nt][0] = acc[mt][b][nt][1] = acc[mt][b][nt][2] = acc[mt][b][nt][3] = 0.0f;
 
     const unsigned steps = K / GT_K;
-    const ACursor ac = a_cursor(rows_src);
+    const ACursor ac = a_cursor<false>(rows_src);
     BCursor<BITS> bc[NB];  // quantised B only
     if constexpr (BITS != 16) {
 #pragma unroll
@@ -274,13 +287,13 @@ __device__ __forceinline__ void tile_gemm(float acc[2][NB][4][4], const bf16* co
     a_issue(ac, as, 0);
     if constexpr (BITS == 16) {
 #pragma unroll
-        for (int b = 0; b < NB; b++) b_copy(bs + b * GT_COLS * GT_STRIDE, mats[b], n0, 0, K);
+        for (int b = 0; b < NB; b++) b_copy<false>(bs + b * GT_COLS * GT_STRIDE, mats[b], n0, 0, K);
     } else {
         BRegs<BITS> r[NB];
 #pragma unroll
         for (int b = 0; b < NB; b++) b_fetch<BITS>(r[b], bc[b], group);
 #pragma unroll
-        for (int b = 0; b < NB; b++) b_store<BITS>(r[b], bs + b * GT_COLS * GT_STRIDE);
+        for (int b = 0; b < NB; b++) b_store<BITS, false>(r[b], bs + b * GT_COLS * GT_STRIDE);
     }
     cp_async_commit();
     for (unsigned st = 0; st < steps; st++) {
@@ -293,7 +306,7 @@ __device__ __forceinline__ void tile_gemm(float acc[2][NB][4][4], const bf16* co
             a_issue(ac, as + nxt * GT_ROWS * GT_STRIDE, (st + 1) * GT_K);
             if constexpr (BITS == 16) {
 #pragma unroll
-                for (int b = 0; b < NB; b++) b_copy(bs + nxt * BSTEP + b * GT_COLS * GT_STRIDE, mats[b], n0, (st + 1) * GT_K, K);
+                for (int b = 0; b < NB; b++) b_copy<false>(bs + nxt * BSTEP + b * GT_COLS * GT_STRIDE, mats[b], n0, (st + 1) * GT_K, K);
             } else {
 #pragma unroll
                 for (int b = 0; b < NB; b++) b_fetch<BITS>(r[b], bc[b], group);
@@ -326,24 +339,204 @@ __device__ __forceinline__ void tile_gemm(float acc[2][NB][4][4], const bf16* co
         if constexpr (BITS != 16) {
             if (more) {
 #pragma unroll
-                for (int b = 0; b < NB; b++) b_store<BITS>(r[b], bs + nxt * BSTEP + b * GT_COLS * GT_STRIDE);
+                for (int b = 0; b < NB; b++) b_store<BITS, false>(r[b], bs + nxt * BSTEP + b * GT_COLS * GT_STRIDE);
             }
         }
     }
 }
+
+// ---- tile engines ----
+// Both compute a GT_ROWS x (NB * 64) tile: rows from `rows_src`, columns n0 .. n0 + 63 of each of
+// the NB B matrices, over K. `each(f)` then hands this thread's results to f(row, col, v) in
+// pairs of adjacent columns: v[b][0..1] at (row, col .. col + 1) of matrix b.
+
+// mma.sync (sm_80 on): tile_gemm above, eight warps of 32 x 32 per matrix.
+template <int BITS, int NB_>
+struct MmaTile {
+    static constexpr int NB = NB_;
+    static constexpr unsigned SMEM = 2 * (GT_ROWS + NB * GT_COLS) * GT_STRIDE * 2;
+    float acc[2][NB][4][4];
+
+    __device__ __forceinline__ void run(const bf16* const* rows_src, const BMat* mats, unsigned n0, unsigned K,
+                                        unsigned group, unsigned rows, unsigned char* smem) {
+        tile_gemm<BITS, NB>(acc, rows_src, mats, n0, K, group, rows, reinterpret_cast<bf16*>(smem));
+    }
+
+    template <class F>
+    __device__ __forceinline__ void each(F f) const {
+        const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, wm = warp / 2, wn = warp % 2;
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++)
+#pragma unroll
+                for (int nt = 0; nt < 4; nt++) {
+                    float v[NB][2];
+#pragma unroll
+                    for (int b = 0; b < NB; b++) {
+                        v[b][0] = acc[mt][b][nt][2 * hf];
+                        v[b][1] = acc[mt][b][nt][2 * hf + 1];
+                    }
+                    f(wm * 32 + mt * 16 + lane / 4 + 8 * hf, wn * 32 + nt * 8 + 2 * (lane % 4), v);
+                }
+    }
+};
+
+template <int BITS>
+using Mma1 = MmaTile<BITS, 1>;
+template <int BITS>
+using Mma2 = MmaTile<BITS, 2>;
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// wgmma (sm_90a): two warpgroups of 64 rows each, one m64n128k16 product per 16 K values over
+// both B matrices at once (they are one 128-row B tile in shared memory). The products run
+// asynchronously while the threads bring the next step in: A by cp.async, quantised B through
+// registers, dequantised and stored; two steps of shared memory, one barrier a step.
+#define WG_TILE (GT_ROWS * GT_K)  // bf16 values of one 128 x 64 operand tile (16 KB)
+
+// Descriptor of a K-major operand tile in the 128-byte swizzle: start address, stride of 1024
+// bytes between groups of 8 rows; the leading offset is unused in this layout.
+__device__ __forceinline__ unsigned long long sw128_desc(const bf16* tile) {
+    return (unsigned long long)((smem_addr(tile) & 0x3FFFFu) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) | (1ull << 62);
+}
+// Ordinary and cp.async writes to shared memory become visible to wgmma (the async proxy).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+
+// d (64 x 128, this thread's 64 floats) += A (64 x 16) * B (128 x 16)^T, both from shared memory.
+__device__ __forceinline__ void wgmma_m64n128k16(float d[64], unsigned long long a, unsigned long long b) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+                   "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+                   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "l"(a), "l"(b), "r"(1));
+}
+
+template <int BITS>
+struct WgTile {
+    static constexpr int NB = 2;
+    // Two steps of A and B tiles, and room to align them to 1024 bytes.
+    static constexpr unsigned SMEM = 2 * 2 * WG_TILE * 2 + 1024;
+    float acc[64];
+
+    __device__ __forceinline__ void run(const bf16* const* rows_src, const BMat* mats, unsigned n0, unsigned K,
+                                        unsigned group, unsigned rows, unsigned char* smem_raw) {
+        bf16* smem = reinterpret_cast<bf16*>(smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u));
+        // Both warpgroups run every product, rows or not (rows past `rows` are zeros): a branch
+        // around wgmma makes ptxas serialise them.
+        const unsigned wg = threadIdx.x / 128;
+#pragma unroll
+        for (int i = 0; i < 64; i++) acc[i] = 0.0f;
+        const unsigned steps = K / GT_K;
+        const ACursor ac = a_cursor<true>(rows_src);
+        BCursor<BITS> bc[2];  // quantised B only
+        if constexpr (BITS != 16) {
+#pragma unroll
+            for (int b = 0; b < 2; b++) bc[b] = b_cursor<BITS>(mats[b], n0, K, group);
+        }
+        // Step s's A tile, then its B tile (matrix b's 64 rows at b * 64).
+        auto a_tile = [&](unsigned s) { return smem + (s & 1) * 2 * WG_TILE; };
+        auto b_tile = [&](unsigned s) { return smem + (s & 1) * 2 * WG_TILE + WG_TILE; };
+        a_issue(ac, a_tile(0), 0);
+        if constexpr (BITS == 16) {
+#pragma unroll
+            for (int b = 0; b < 2; b++) b_copy<true>(b_tile(0) + b * 64 * GT_K, mats[b], n0, 0, K);
+        } else {
+            BRegs<BITS> r[2];
+#pragma unroll
+            for (int b = 0; b < 2; b++) b_fetch<BITS>(r[b], bc[b], group);
+#pragma unroll
+            for (int b = 0; b < 2; b++) b_store<BITS, true>(r[b], b_tile(0) + b * 64 * GT_K);
+        }
+        cp_async_commit();
+        for (unsigned st = 0; st < steps; st++) {
+            // Step st is in shared memory, and every warpgroup's products of step st - 1 (which
+            // read the buffers step st + 1 fills) are done.
+            cp_async_wait<0>();
+            fence_proxy_async();
+            __syncthreads();
+            wgmma_fence();
+            const unsigned long long da = sw128_desc(a_tile(st) + wg * 64 * GT_K), db = sw128_desc(b_tile(st));
+#pragma unroll
+            for (int kk = 0; kk < GT_K / 16; kk++) wgmma_m64n128k16(acc, da + 2 * kk, db + 2 * kk);  // 32 bytes on
+            wgmma_commit();
+            const bool more = st + 1 < steps;
+            BRegs<BITS> r[2];
+            if (more) {
+                a_issue(ac, a_tile(st + 1), (st + 1) * GT_K);
+                if constexpr (BITS == 16) {
+#pragma unroll
+                    for (int b = 0; b < 2; b++) b_copy<true>(b_tile(st + 1) + b * 64 * GT_K, mats[b], n0, (st + 1) * GT_K, K);
+                } else {
+#pragma unroll
+                    for (int b = 0; b < 2; b++) b_fetch<BITS>(r[b], bc[b], group);
+                }
+            }
+            cp_async_commit();
+            if constexpr (BITS != 16) {
+                if (more) {
+#pragma unroll
+                    for (int b = 0; b < 2; b++) b_store<BITS, true>(r[b], b_tile(st + 1) + b * 64 * GT_K);
+                }
+            }
+            wgmma_wait_all();
+        }
+#pragma unroll
+        for (int i = 0; i < 64; i++) asm volatile("" : "+f"(acc[i])::"memory");
+    }
+
+    // Accumulator i of a thread: row 16 * warp + lane / 4 (+ 8 for i % 4 >= 2) of its warpgroup's
+    // 64, column 8 * (i / 4) + 2 * (lane % 4) + i % 2 of 128 (matrix 0, then matrix 1).
+    template <class F>
+    __device__ __forceinline__ void each(F f) const {
+        const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++)
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                float v[2][2];
+#pragma unroll
+                for (int b = 0; b < 2; b++) {
+                    v[b][0] = acc[4 * (j + 8 * b) + 2 * hf];
+                    v[b][1] = acc[4 * (j + 8 * b) + 2 * hf + 1];
+                }
+                f(warp * 16 + lane / 4 + 8 * hf, 8 * j + 2 * (lane % 4), v);
+            }
+    }
+};
+#endif
 
 __device__ __forceinline__ BMat bmat(const unsigned char* span, unsigned long long w, unsigned long long s,
                                      unsigned long long b) {
     return BMat{span + w, reinterpret_cast<const bf16*>(span + s), reinterpret_cast<const bf16*>(span + b)};
 }
 
+// NB matrices of 64 rows each, one after the other in m: rows b * 64 .. of the weight, its scales
+// and biases (`row_bytes` and `groups` per row).
+template <int NB>
+__device__ __forceinline__ void b_mats(BMat mats[NB], const BMat& m, size_t row_bytes, size_t groups) {
+#pragma unroll
+    for (int b = 0; b < NB; b++)
+        mats[b] = BMat{m.w + b * GT_COLS * row_bytes, m.scales + b * GT_COLS * groups, m.biases + b * GT_COLS * groups};
+}
+
 // Grid (max_tiles, inter / 64). xb: [tokens, hidden] bf16; act: [slots, inter] bf16, sorted order.
-template <int BITS>
+template <class Tile, int BITS>
 __device__ void gemm_gate_up(const bf16* xb, const unsigned* order, const unsigned* tiles,
                              const unsigned char* experts, bf16* act, unsigned hidden, unsigned inter, unsigned k,
                              unsigned long long span, unsigned long long gw, unsigned long long gs,
                              unsigned long long gb, unsigned long long uw, unsigned long long us,
                              unsigned long long ub, unsigned group) {
+    static_assert(Tile::NB == 2, "gate and up are the tile's two matrices");
     extern __shared__ __align__(16) unsigned char gt_smem[];
     __shared__ const bf16* rows_src[GT_ROWS];
     const unsigned* tile = tiles + 3 * blockIdx.x;
@@ -355,33 +548,24 @@ __device__ void gemm_gate_up(const bf16* xb, const unsigned* order, const unsign
     __syncthreads();
     const unsigned char* sp = experts + (size_t)e * span;
     const BMat mats[2] = {bmat(sp, gw, gs, gb), bmat(sp, uw, us, ub)};
-    float acc[2][2][4][4];
-    tile_gemm<BITS, 2>(acc, rows_src, mats, n0, hidden, group, rows, reinterpret_cast<bf16*>(gt_smem));
-    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, wm = warp / 2, wn = warp % 2;
-#pragma unroll
-    for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-        for (int hf = 0; hf < 2; hf++) {
-            const unsigned r = wm * 32 + mt * 16 + lane / 4 + 8 * hf;
-            if (r >= rows) continue;
-            bf16* dst = act + (size_t)(pos0 + r) * inter + n0 + wn * 32 + 2 * (lane % 4);
-#pragma unroll
-            for (int nt = 0; nt < 4; nt++) {
-                const float g0 = acc[mt][0][nt][2 * hf], g1 = acc[mt][0][nt][2 * hf + 1];
-                const float u0 = acc[mt][1][nt][2 * hf], u1 = acc[mt][1][nt][2 * hf + 1];
-                *reinterpret_cast<unsigned*>(dst + nt * 8) = pack2<bf16>(silu(g0) * u0, silu(g1) * u1);
-            }
-        }
+    Tile t;
+    t.run(rows_src, mats, n0, hidden, group, rows, gt_smem);
+    t.each([&](unsigned r, unsigned c, const float (&v)[2][2]) {
+        if (r >= rows) return;
+        *reinterpret_cast<unsigned*>(act + (size_t)(pos0 + r) * inter + n0 + c) =
+            pack2<bf16>(silu(v[0][0]) * v[1][0], silu(v[0][1]) * v[1][1]);
+    });
 }
 
 // Grid (max_tiles, hidden / (64 * NB)). act: [slots, inter] bf16 in sorted order; ys: [slots,
-// hidden] bf16 (weight times the f32 product, rounded once). NB = 2 takes 128 output columns per block as two 64-row halves of the down matrix, so
-// each A step feeds twice the tensor-core work.
-template <int BITS, int NB>
+// hidden] bf16 (weight times the f32 product, rounded once). NB = 2 takes 128 output columns per
+// block as two 64-row halves of the down matrix, so each A step feeds twice the tensor-core work.
+template <class Tile, int BITS>
 __device__ void gemm_down(const bf16* act, const unsigned* order, const unsigned* tiles, const float* weights,
                           const unsigned char* experts, bf16* ys, unsigned hidden, unsigned inter,
                           unsigned long long span, unsigned long long dw, unsigned long long ds,
                           unsigned long long db, unsigned group) {
+    constexpr int NB = Tile::NB;
     extern __shared__ __align__(16) unsigned char gt_smem[];
     __shared__ const bf16* rows_src[GT_ROWS];
     const unsigned* tile = tiles + 3 * blockIdx.x;
@@ -391,32 +575,20 @@ __device__ void gemm_down(const bf16* act, const unsigned* order, const unsigned
     for (unsigned r = threadIdx.x; r < GT_ROWS; r += blockDim.x)
         rows_src[r] = r < rows ? act + (size_t)(pos0 + r) * inter : nullptr;
     __syncthreads();
-    const BMat d = bmat(experts + (size_t)e * span, dw, ds, db);
     BMat mats[NB];
-    const size_t row_bytes = (size_t)inter * BITS / 8, groups = BITS == 16 ? 0 : inter / group;
+    b_mats<NB>(mats, bmat(experts + (size_t)e * span, dw, ds, db), (size_t)inter * BITS / 8,
+               BITS == 16 ? 0 : inter / group);
+    Tile t;
+    t.run(rows_src, mats, n0, inter, group, rows, gt_smem);
+    t.each([&](unsigned r, unsigned c, const float (&v)[NB][2]) {
+        if (r >= rows) return;
+        const unsigned slot = order[pos0 + r];
+        const float w = weights[slot];
 #pragma unroll
-    for (int b = 0; b < NB; b++)
-        mats[b] = BMat{d.w + b * GT_COLS * row_bytes, d.scales + b * GT_COLS * groups, d.biases + b * GT_COLS * groups};
-    float acc[2][NB][4][4];
-    tile_gemm<BITS, NB>(acc, rows_src, mats, n0, inter, group, rows, reinterpret_cast<bf16*>(gt_smem));
-    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, wm = warp / 2, wn = warp % 2;
-#pragma unroll
-    for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-        for (int hf = 0; hf < 2; hf++) {
-            const unsigned r = wm * 32 + mt * 16 + lane / 4 + 8 * hf;
-            if (r >= rows) continue;
-            const unsigned slot = order[pos0 + r];
-            const float w = weights[slot];
-#pragma unroll
-            for (int b = 0; b < NB; b++) {
-                bf16* dst = ys + (size_t)slot * hidden + n0 + b * GT_COLS + wn * 32 + 2 * (lane % 4);
-#pragma unroll
-                for (int nt = 0; nt < 4; nt++)
-                    *reinterpret_cast<unsigned*>(dst + nt * 8) =
-                        pack2<bf16>(w * acc[mt][b][nt][2 * hf], w * acc[mt][b][nt][2 * hf + 1]);
-            }
-        }
+        for (int b = 0; b < NB; b++)
+            *reinterpret_cast<unsigned*>(ys + (size_t)slot * hidden + n0 + b * GT_COLS + c) =
+                pack2<bf16>(w * v[b][0], w * v[b][1]);
+    });
 }
 
 // out[t, :] = sum over j = 0 .. k-1, in order, of ys[t * k + j, :] (bf16), in f32; slots with an
@@ -454,70 +626,71 @@ extern "C" __global__ void moe_combine(const bf16* ys, const unsigned* ids, floa
 
 // Grid (ceil(tokens / GT_ROWS), out_dim / (64 * NB)). xb: [tokens, in_dim] bf16; out: [tokens,
 // out_dim] f32; W: [out_dim][in_dim] quantised rows, group scales and biases.
-template <int BITS, int NB>
+template <class Tile, int BITS>
 __device__ void gemm_linear(const bf16* xb, const unsigned char* w, const bf16* scales, const bf16* biases,
                             float* out, unsigned tokens, unsigned in_dim, unsigned out_dim, unsigned group) {
+    constexpr int NB = Tile::NB;
     extern __shared__ __align__(16) unsigned char gt_smem[];
     __shared__ const bf16* rows_src[GT_ROWS];
     const unsigned m0 = blockIdx.x * GT_ROWS, rows = min(GT_ROWS, tokens - m0), n0 = blockIdx.y * GT_COLS * NB;
     for (unsigned r = threadIdx.x; r < GT_ROWS; r += blockDim.x)
         rows_src[r] = r < rows ? xb + (size_t)(m0 + r) * in_dim : nullptr;
     __syncthreads();
-    const size_t row_bytes = (size_t)in_dim * BITS / 8, groups = in_dim / group;
     BMat mats[NB];
+    b_mats<NB>(mats, BMat{w, scales, biases}, (size_t)in_dim * BITS / 8, in_dim / group);
+    Tile t;
+    t.run(rows_src, mats, n0, in_dim, group, rows, gt_smem);
+    t.each([&](unsigned r, unsigned c, const float (&v)[NB][2]) {
+        if (r >= rows) return;
 #pragma unroll
-    for (int b = 0; b < NB; b++)
-        mats[b] = BMat{w + b * GT_COLS * row_bytes, scales + b * GT_COLS * groups, biases + b * GT_COLS * groups};
-    float acc[2][NB][4][4];
-    tile_gemm<BITS, NB>(acc, rows_src, mats, n0, in_dim, group, rows, reinterpret_cast<bf16*>(gt_smem));
-    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, wm = warp / 2, wn = warp % 2;
-#pragma unroll
-    for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-        for (int hf = 0; hf < 2; hf++) {
-            const unsigned r = wm * 32 + mt * 16 + lane / 4 + 8 * hf;
-            if (r >= rows) continue;
-#pragma unroll
-            for (int b = 0; b < NB; b++) {
-                float* dst = out + (size_t)(m0 + r) * out_dim + n0 + b * GT_COLS + wn * 32 + 2 * (lane % 4);
-#pragma unroll
-                for (int nt = 0; nt < 4; nt++)
-                    *reinterpret_cast<float2*>(dst + nt * 8) = make_float2(acc[mt][b][nt][2 * hf], acc[mt][b][nt][2 * hf + 1]);
-            }
-        }
+        for (int b = 0; b < NB; b++)
+            *reinterpret_cast<float2*>(out + (size_t)(m0 + r) * out_dim + n0 + b * GT_COLS + c) = make_float2(v[b][0], v[b][1]);
+    });
 }
 
-#define LINEAR_GEMM(BITS, NB)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(GT_THREADS) linear_gemm_q##BITS##_##NB(                      \
+// Kernel names: linear_gemm_q{4,8}_{1,2}, moe_gemm_gate_up_{q4,q8,bf16}, moe_gemm_down_{..}_{1,2};
+// the wgmma engine's as `_wg` (sm_90a builds only, 128 columns a block).
+#define LINEAR_GEMM(BITS, SUFFIX, TILE)                                                                       \
+    extern "C" __global__ void __launch_bounds__(GT_THREADS) linear_gemm_q##BITS##_##SUFFIX(                  \
         const bf16* xb, const unsigned char* w, const bf16* scales, const bf16* biases, float* out,          \
         unsigned tokens, unsigned in_dim, unsigned out_dim, unsigned group) {                                \
         pdl_begin();                                                                                          \
-        gemm_linear<BITS, NB>(xb, w, scales, biases, out, tokens, in_dim, out_dim, group);                    \
+        gemm_linear<TILE, BITS>(xb, w, scales, biases, out, tokens, in_dim, out_dim, group);                  \
     }
-LINEAR_GEMM(4, 1)
-LINEAR_GEMM(4, 2)
-LINEAR_GEMM(8, 1)
-LINEAR_GEMM(8, 2)
-
-#define DOWN(BITS, NAME, NB)                                                                                \
-    extern "C" __global__ void __launch_bounds__(GT_THREADS) moe_gemm_down_##NAME##_##NB(                   \
+#define DOWN(BITS, NAME, SUFFIX, TILE)                                                                      \
+    extern "C" __global__ void __launch_bounds__(GT_THREADS) moe_gemm_down_##NAME##_##SUFFIX(               \
         const bf16* act, const unsigned* order, const unsigned* tiles, const float* weights,              \
         const unsigned char* experts, bf16* ys, unsigned hidden, unsigned inter, unsigned long long span,   \
         unsigned long long dw, unsigned long long ds, unsigned long long db, unsigned group) {             \
         pdl_begin();                                                                                          \
-        gemm_down<BITS, NB>(act, order, tiles, weights, experts, ys, hidden, inter, span, dw, ds, db, group); \
+        gemm_down<TILE, BITS>(act, order, tiles, weights, experts, ys, hidden, inter, span, dw, ds, db, group); \
     }
-#define GEMMS(BITS, NAME)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(GT_THREADS) moe_gemm_gate_up_##NAME(                       \
+#define GATE_UP(BITS, NAME, SUFFIX, TILE)                                                                   \
+    extern "C" __global__ void __launch_bounds__(GT_THREADS) moe_gemm_gate_up_##NAME##SUFFIX(               \
         const bf16* xb, const unsigned* order, const unsigned* tiles, const unsigned char* experts, bf16* act, \
         unsigned hidden, unsigned inter, unsigned k, unsigned long long span, unsigned long long gw,       \
         unsigned long long gs, unsigned long long gb, unsigned long long uw, unsigned long long us,        \
         unsigned long long ub, unsigned group) {                                                           \
         pdl_begin();                                                                                               \
-        gemm_gate_up<BITS>(xb, order, tiles, experts, act, hidden, inter, k, span, gw, gs, gb, uw, us, ub, group); \
-    }                                                                                                       \
-    DOWN(BITS, NAME, 1) DOWN(BITS, NAME, 2)
+        gemm_gate_up<TILE, BITS>(xb, order, tiles, experts, act, hidden, inter, k, span, gw, gs, gb, uw, us, ub, group); \
+    }
+#define GEMMS(BITS, NAME)                                                                                  \
+    GATE_UP(BITS, NAME, , Mma2<BITS>)                                                              \
+    DOWN(BITS, NAME, 1, Mma1<BITS>) DOWN(BITS, NAME, 2, Mma2<BITS>)
 
+LINEAR_GEMM(4, 1, Mma1<4>)
+LINEAR_GEMM(4, 2, Mma2<4>)
+LINEAR_GEMM(8, 1, Mma1<8>)
+LINEAR_GEMM(8, 2, Mma2<8>)
 GEMMS(4, q4)
 GEMMS(8, q8)
 GEMMS(16, bf16)
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define GEMMS_WG(BITS, NAME) GATE_UP(BITS, NAME, _wg, WgTile<BITS>) DOWN(BITS, NAME, wg, WgTile<BITS>)
+LINEAR_GEMM(4, wg, WgTile<4>)
+LINEAR_GEMM(8, wg, WgTile<8>)
+GEMMS_WG(4, q4)
+GEMMS_WG(8, q8)
+GEMMS_WG(16, bf16)
+#endif

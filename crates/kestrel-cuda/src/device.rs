@@ -63,6 +63,8 @@ struct DeviceInner {
     profiling: AtomicBool,
     /// Graphs use programmatic edges (`Config::pdl`).
     pdl: bool,
+    /// GEMM tiles on `wgmma` (`Config::wgmma` on an sm_90 device).
+    wgmma: bool,
     /// Event pairs around profiled dispatches, read back by `take_profile`.
     profile_events: Mutex<Vec<(String, String, CudaEvent, CudaEvent)>>,
     /// The cuBLAS handle, created on first use.
@@ -101,6 +103,7 @@ impl Device {
             max_shared_per_block: attr(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as usize,
             memory_bus_bits: attr(CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH)? as u32,
         };
+        let wgmma = config.wgmma && info.compute_capability == (9, 0);
         let counters = Arc::new(Counters::default());
         let registry = KernelRegistry::new(
             ctx.clone(),
@@ -120,6 +123,7 @@ impl Device {
                 counters,
                 profiling: AtomicBool::new(config.profile),
                 pdl: config.pdl,
+                wgmma,
                 profile_events: Mutex::new(Vec::new()),
                 blas: Mutex::new(None),
             }),
@@ -356,12 +360,18 @@ impl Device {
         Graph::build(self, list)
     }
 
-    /// Turns per-dispatch timing on or off (the configuration sets the initial state).
     /// Whether graphs link programmatic dispatches by programmatic edges.
     pub fn pdl(&self) -> bool {
         self.inner.pdl
     }
 
+    /// Whether tensor-core GEMM tiles run on Hopper's `wgmma` (the `_wg` kernels of `gemm.cu`,
+    /// built for sm_90a) rather than on `mma.sync`.
+    pub fn wgmma(&self) -> bool {
+        self.inner.wgmma
+    }
+
+    /// Turns per-dispatch timing on or off (the configuration sets the initial state).
     pub fn set_profiling(&self, on: bool) {
         self.inner.profiling.store(on, Ordering::Relaxed);
     }

@@ -139,6 +139,14 @@ impl Kernel {
     }
 }
 
+/// The NVRTC architecture for a compute capability: `sm_XY`, and for sm_90 the `sm_90a` target
+/// whose instructions (`wgmma`) only Hopper runs; modules are built for exactly the device.
+pub fn arch_name(compute_capability: (u32, u32)) -> String {
+    let (major, minor) = compute_capability;
+    let feature = if (major, minor) == (9, 0) { "a" } else { "" };
+    format!("sm_{major}{minor}{feature}")
+}
+
 pub struct KernelRegistry {
     ctx: Arc<CudaContext>,
     arch: String,
@@ -162,7 +170,7 @@ impl KernelRegistry {
     ) -> Self {
         KernelRegistry {
             ctx,
-            arch: format!("sm_{}{}", compute_capability.0, compute_capability.1),
+            arch: arch_name(compute_capability),
             cache_dir,
             include_dir,
             counters,
@@ -171,7 +179,7 @@ impl KernelRegistry {
         }
     }
 
-    /// The architecture kernels are compiled for, e.g. `sm_90`.
+    /// The architecture kernels are compiled for, e.g. `sm_90a`.
     pub fn arch(&self) -> &str {
         &self.arch
     }
@@ -432,6 +440,14 @@ mod tests {
         );
         assert_ne!(base, cache_key("a", &o, (13, 1)));
         assert_eq!(base.len(), 24);
+    }
+
+    #[test]
+    fn hopper_builds_for_its_feature_target_and_others_for_their_own() {
+        assert_eq!(arch_name((9, 0)), "sm_90a");
+        assert_eq!(arch_name((8, 6)), "sm_86");
+        assert_eq!(arch_name((10, 0)), "sm_100");
+        assert_eq!(arch_name((12, 0)), "sm_120");
     }
 
     #[test]

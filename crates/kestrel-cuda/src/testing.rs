@@ -37,3 +37,22 @@ pub fn device_or_skip(test: &str) -> Option<Device> {
         }
     }
 }
+
+/// `dev`, and where it runs GEMM tiles on `wgmma`, the same GPU opened again with `wgmma` off:
+/// the devices a test runs on so that both tensor-core engines of `gemm.cu` are checked.
+///
+/// # Panics
+/// When the second device cannot be opened (a test failure is the point).
+pub fn tensor_engines(dev: &Device) -> Vec<Device> {
+    let mut devices = vec![dev.clone()];
+    if dev.wgmma() {
+        let mut config = Config::from_env().expect("invalid Kestrel configuration in the environment");
+        config.wgmma = false;
+        let ordinal = dev.info().ordinal;
+        devices.push(
+            Device::open(ordinal, &config)
+                .unwrap_or_else(|e| panic!("opening device {ordinal} with wgmma off: {e}")),
+        );
+    }
+    devices
+}

@@ -4,7 +4,7 @@
 use kestrel_core::ir::{Buf, LinearWeight, Op};
 use kestrel_core::DType;
 
-use super::moe::{GT_COLS, GT_K, GT_ROWS, GT_STRIDE};
+use super::moe::{mma_smem, GT_COLS, GT_K, GT_ROWS, WG_SMEM};
 use super::{float_name, padded_len, round_bf16, u32_arg, unsupported};
 use crate::backend::Encoder;
 use crate::buffer::Buffer;
@@ -226,10 +226,14 @@ fn encode_quant_gemm(
     }
     let (x, out) = (enc.buf(x)?.clone(), enc.buf(out)?.clone());
     let xb = round_bf16(enc, &x, tokens, in_dim)?;
-    // 128 output columns a block where they divide, so each A tile feeds twice the work.
+    // 128 output columns a block where they divide, so each A tile feeds twice the work; on
+    // Hopper those run on wgmma.
     let nb = if out_dim % (2 * GT_COLS) == 0 { 2 } else { 1 };
-    let smem = 2 * (GT_ROWS + nb * GT_COLS) * GT_STRIDE * 2;
-    let k = enc.device.kernel("gemm", &format!("linear_gemm_q{bits}_{nb}"))?;
+    let (name, smem) = match (enc.device.wgmma(), nb) {
+        (true, 2) => (format!("linear_gemm_q{bits}_wg"), WG_SMEM),
+        _ => (format!("linear_gemm_q{bits}_{nb}"), mma_smem(nb)),
+    };
+    let k = enc.device.kernel("gemm", &name)?;
     enc.dispatch(&k)
         .grid((
             u32_arg(tokens.div_ceil(GT_ROWS))?,

@@ -34,7 +34,15 @@ const GROUPED_MIN_TOKENS: usize = 16;
 pub(super) const GT_ROWS: usize = 128;
 pub(super) const GT_COLS: usize = 64;
 pub(super) const GT_K: usize = 64;
-pub(super) const GT_STRIDE: usize = GT_K + 8;
+const GT_STRIDE: usize = GT_K + 8;
+/// Shared memory of an `mma.sync` tile with `nb` B matrices (`MmaTile::SMEM`): two steps of A
+/// and B in padded rows.
+pub(super) fn mma_smem(nb: usize) -> usize {
+    2 * (GT_ROWS + nb * GT_COLS) * GT_STRIDE * 2
+}
+/// Shared memory of a `wgmma` tile (`WgTile::SMEM`): two steps of 128 x 64 A and B tiles, plus
+/// room to align them to 1,024 bytes.
+pub(super) const WG_SMEM: usize = 2 * 2 * GT_ROWS * GT_K * 2 + 1024;
 const SORT_MAX_EXPERTS: usize = 1024;
 
 /// Whether `gemm.cu` handles these experts: dims in whole tiles, groups of whole 16-value
@@ -83,13 +91,19 @@ fn encode_grouped(
         .record();
     let span = layout.span_bytes() as u64;
     let (g, u, d) = (layout.gate(), layout.up(), layout.down());
-    let gate_up = enc.device.kernel("gemm", &format!("moe_gemm_gate_up_{name}"))?;
-    let smem = |nb: usize| 2 * (GT_ROWS + nb * GT_COLS) * GT_STRIDE * 2;
+    // Hopper: both products on wgmma tiles of 128 columns (down where hidden divides).
+    let wg = enc.device.wgmma();
+    let (gu_name, gu_smem) = if wg {
+        (format!("moe_gemm_gate_up_{name}_wg"), WG_SMEM)
+    } else {
+        (format!("moe_gemm_gate_up_{name}"), mma_smem(2))
+    };
+    let gate_up = enc.device.kernel("gemm", &gu_name)?;
     let b = enc
         .dispatch(&gate_up)
         .grid((u32_arg(max_tiles)?, u32_arg(i / GT_COLS)?))
         .block(256)
-        .shared_mem(u32_arg(smem(2))?)
+        .shared_mem(u32_arg(gu_smem)?)
         .read(&xb)
         .read(&order)
         .read(&tiles)
@@ -98,11 +112,15 @@ fn encode_grouped(
     expert_args(b, (h, i, k), span, &[g, u], group)?.record();
     // 128 output columns a block where hidden allows.
     let nb = if h % (2 * GT_COLS) == 0 { 2 } else { 1 };
-    let down = enc.device.kernel("gemm", &format!("moe_gemm_down_{name}_{nb}"))?;
+    let (down_name, down_smem) = match (wg, nb) {
+        (true, 2) => (format!("moe_gemm_down_{name}_wg"), WG_SMEM),
+        _ => (format!("moe_gemm_down_{name}_{nb}"), mma_smem(nb)),
+    };
+    let down = enc.device.kernel("gemm", &down_name)?;
     enc.dispatch(&down)
         .grid((u32_arg(max_tiles)?, u32_arg(h / (nb * GT_COLS))?))
         .block(256)
-        .shared_mem(u32_arg(smem(nb))?)
+        .shared_mem(u32_arg(down_smem)?)
         .read(&act)
         .read(&order)
         .read(&tiles)
