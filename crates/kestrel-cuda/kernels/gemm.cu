@@ -12,13 +12,21 @@
 //
 // moe_gemm_gate_up: act[pos] = silu(gate_e x_t) * (up_e x_t) for the rows of a tile, x gathered
 // from the bf16 copy of the activations, act written as bf16 in sorted order.
-// moe_gemm_down_{1,2}: ys[slot] = weight[slot] * (down_e act[pos]), f32; 64 or 128 columns a block.
+// moe_gemm_down_{1,2}: ys[slot] = weight[slot] * (down_e act[pos]), bf16; 64 or 128 columns a
+// block.
 // moe_combine: out[t] = sum over j in order of ys[t * k + j].
 // linear_gemm_{q4,q8}_{1,2}: out = x W^T for a quantised W, x from its bf16 copy, f32 out; a block
 // takes GT_ROWS tokens and 64 or 128 output columns.
+// The `_wg` forms of the GEMMs (moe_gemm_gate_up_*_wg, moe_gemm_down_*_wg, linear_gemm_q*_wg) run
+// the same blocks of 128 columns on wgmma.
 //
-// GEMM tiles: GT_ROWS rows x 64 columns of each B matrix (gate and up, or down), K in steps of 64.
-// Eight warps, 4 along rows (32 each, two m16 tiles) x 2 along columns (32 each, four n8 tiles).
+// GEMM tiles: GT_ROWS rows x 64 columns of each B matrix (gate and up, or down), K in steps of 64,
+// on one of two engines with the same contract (MmaTile, WgTile below):
+// - mma.sync (any sm_80 on): eight warps, 4 along rows (32 each, two m16 tiles) x 2 along columns
+//   (32 each, four n8 tiles), operands through ldmatrix from padded rows;
+// - wgmma (sm_90a, 128 columns: two B matrices): two warpgroups of 64 rows, each issuing
+//   m64n128k16 products on operands in the 128-byte swizzled layout, which run asynchronously
+//   while the threads bring the next step in.
 // A tiles stream through two shared buffers with cp.async; B tiles are loaded into registers one
 // step ahead, dequantised (w = q * scale + bias, rounded once to bf16) and stored into the other
 // shared buffer while the tensor cores work on the current one. bf16 experts copy B like A.
@@ -529,7 +537,8 @@ __device__ __forceinline__ void b_mats(BMat mats[NB], const BMat& m, size_t row_
         mats[b] = BMat{m.w + b * GT_COLS * row_bytes, m.scales + b * GT_COLS * groups, m.biases + b * GT_COLS * groups};
 }
 
-// Grid (max_tiles, inter / 64). xb: [tokens, hidden] bf16; act: [slots, inter] bf16, sorted order.
+// Grid (inter / 64, max_tiles): the column blocks of one row tile run together, so its gathered A
+// rows come from L2 after the first. xb: [tokens, hidden] bf16; act: [slots, inter] bf16, sorted order.
 template <class Tile, int BITS>
 __device__ void gemm_gate_up(const bf16* xb, const unsigned* order, const unsigned* tiles,
                              const unsigned char* experts, bf16* act, unsigned hidden, unsigned inter, unsigned k,
@@ -539,10 +548,10 @@ __device__ void gemm_gate_up(const bf16* xb, const unsigned* order, const unsign
     static_assert(Tile::NB == 2, "gate and up are the tile's two matrices");
     extern __shared__ __align__(16) unsigned char gt_smem[];
     __shared__ const bf16* rows_src[GT_ROWS];
-    const unsigned* tile = tiles + 3 * blockIdx.x;
+    const unsigned* tile = tiles + 3 * blockIdx.y;
     const unsigned e = tile[0];
     if (e == NO_TILE) return;
-    const unsigned pos0 = tile[1], rows = tile[2], n0 = blockIdx.y * GT_COLS;
+    const unsigned pos0 = tile[1], rows = tile[2], n0 = blockIdx.x * GT_COLS;
     for (unsigned r = threadIdx.x; r < GT_ROWS; r += blockDim.x)
         rows_src[r] = r < rows ? xb + (size_t)(order[pos0 + r] / k) * hidden : nullptr;
     __syncthreads();
@@ -557,7 +566,8 @@ __device__ void gemm_gate_up(const bf16* xb, const unsigned* order, const unsign
     });
 }
 
-// Grid (max_tiles, hidden / (64 * NB)). act: [slots, inter] bf16 in sorted order; ys: [slots,
+// Grid (hidden / (64 * NB), max_tiles), for the same reason (act is 50 MB at a 4,096-token
+// prefill, more than L2 holds). act: [slots, inter] bf16 in sorted order; ys: [slots,
 // hidden] bf16 (weight times the f32 product, rounded once). NB = 2 takes 128 output columns per
 // block as two 64-row halves of the down matrix, so each A step feeds twice the tensor-core work.
 template <class Tile, int BITS>
@@ -568,12 +578,19 @@ __device__ void gemm_down(const bf16* act, const unsigned* order, const unsigned
     constexpr int NB = Tile::NB;
     extern __shared__ __align__(16) unsigned char gt_smem[];
     __shared__ const bf16* rows_src[GT_ROWS];
-    const unsigned* tile = tiles + 3 * blockIdx.x;
+    __shared__ unsigned row_slot[GT_ROWS];  // each row's slot and routing weight, for the stores
+    __shared__ float row_weight[GT_ROWS];
+    const unsigned* tile = tiles + 3 * blockIdx.y;
     const unsigned e = tile[0];
     if (e == NO_TILE) return;
-    const unsigned pos0 = tile[1], rows = tile[2], n0 = blockIdx.y * GT_COLS * NB;
-    for (unsigned r = threadIdx.x; r < GT_ROWS; r += blockDim.x)
+    const unsigned pos0 = tile[1], rows = tile[2], n0 = blockIdx.x * GT_COLS * NB;
+    for (unsigned r = threadIdx.x; r < GT_ROWS; r += blockDim.x) {
         rows_src[r] = r < rows ? act + (size_t)(pos0 + r) * inter : nullptr;
+        if (r < rows) {
+            row_slot[r] = order[pos0 + r];
+            row_weight[r] = weights[row_slot[r]];
+        }
+    }
     __syncthreads();
     BMat mats[NB];
     b_mats<NB>(mats, bmat(experts + (size_t)e * span, dw, ds, db), (size_t)inter * BITS / 8,
@@ -582,8 +599,8 @@ __device__ void gemm_down(const bf16* act, const unsigned* order, const unsigned
     t.run(rows_src, mats, n0, inter, group, rows, gt_smem);
     t.each([&](unsigned r, unsigned c, const float (&v)[NB][2]) {
         if (r >= rows) return;
-        const unsigned slot = order[pos0 + r];
-        const float w = weights[slot];
+        const unsigned slot = row_slot[r];
+        const float w = row_weight[r];
 #pragma unroll
         for (int b = 0; b < NB; b++)
             *reinterpret_cast<unsigned*>(ys + (size_t)slot * hidden + n0 + b * GT_COLS + c) =

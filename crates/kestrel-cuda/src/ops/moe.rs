@@ -101,7 +101,7 @@ fn encode_grouped(
     let gate_up = enc.device.kernel("gemm", &gu_name)?;
     let b = enc
         .dispatch(&gate_up)
-        .grid((u32_arg(max_tiles)?, u32_arg(i / GT_COLS)?))
+        .grid((u32_arg(i / GT_COLS)?, u32_arg(max_tiles)?))
         .block(256)
         .shared_mem(u32_arg(gu_smem)?)
         .read(&xb)
@@ -118,7 +118,7 @@ fn encode_grouped(
     };
     let down = enc.device.kernel("gemm", &down_name)?;
     enc.dispatch(&down)
-        .grid((u32_arg(max_tiles)?, u32_arg(h / (nb * GT_COLS))?))
+        .grid((u32_arg(h / (nb * GT_COLS))?, u32_arg(max_tiles)?))
         .block(256)
         .shared_mem(u32_arg(down_smem)?)
         .read(&act)
