@@ -16,6 +16,14 @@ pub trait Backend {
 
     fn name(&self) -> &'static str;
 
+    /// The element type of the norm outputs that feed only projections, for a chunk of `tokens`
+    /// tokens: bf16 where the backend's products of that many tokens round their activations to
+    /// bf16 anyway (the norm then writes them rounded, and no conversion pass runs), else f32.
+    fn projection_input_dtype(&self, tokens: usize) -> crate::DType {
+        let _ = tokens;
+        crate::DType::F32
+    }
+
     /// Plans the graph's memory, allocates (zeroed) any weight or state not allocated by an
     /// earlier program, and prepares execution.
     fn prepare(&mut self, graph: &Graph) -> Result<Self::Program, Self::Error>;

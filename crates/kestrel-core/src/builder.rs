@@ -169,6 +169,12 @@ impl GraphBuilder {
         self.declare(label, DType::F32, vec![rows, cols], BufKind::Input)
     }
 
+    /// A norm's output supplied by the host, f32 or bf16 (tests and benchmarks of projections).
+    pub fn normed_input(&mut self, label: &str, rows: usize, cols: usize, dtype: DType) -> BufId<Normed> {
+        self.check_normed_dtype(label, dtype);
+        self.declare(label, dtype, vec![rows, cols], BufKind::Input)
+    }
+
     /// Logits supplied by the host (sampling on logits computed elsewhere, tests).
     pub fn logits_input(&mut self, label: &str, rows: usize, vocab: usize) -> BufId<Logits> {
         self.declare(label, DType::F32, vec![rows, vocab], BufKind::Input)
@@ -219,9 +225,24 @@ impl GraphBuilder {
         eps: f32,
         kind: NormKind,
     ) -> BufId<Normed> {
+        self.rms_norm_to(name, x, w, eps, kind, DType::F32)
+    }
+
+    /// `rms_norm` with its output stored as `dtype`: f32, or bf16 for projections that read
+    /// bf16 (see [`crate::Backend::projection_input_dtype`]).
+    pub fn rms_norm_to<R: NormInput>(
+        &mut self,
+        name: &str,
+        x: BufId<R>,
+        w: BufId<Weight>,
+        eps: f32,
+        kind: NormKind,
+        dtype: DType,
+    ) -> BufId<Normed> {
         let (rows, dim) = self.rows_cols(x);
         self.norm_weight(name, w, dim);
-        let out = self.transient(name, DType::F32, vec![rows, dim]);
+        self.check_normed_dtype(name, dtype);
+        let out = self.transient(name, dtype, vec![rows, dim]);
         self.push(
             name,
             Op::RmsNorm {
@@ -234,6 +255,12 @@ impl GraphBuilder {
             },
         );
         out
+    }
+
+    fn check_normed_dtype(&mut self, name: &str, dtype: DType) {
+        self.check(name, matches!(dtype, DType::F32 | DType::BF16), || {
+            format!("a norm writes f32 or bf16, not {dtype}")
+        });
     }
 
     /// Per-head norm: `x: [tokens, heads * head_dim]` normalised in rows of `head_dim`.
@@ -276,10 +303,26 @@ impl GraphBuilder {
         eps: f32,
         kind: NormKind,
     ) -> BufId<Normed> {
+        self.add_rms_norm_to(name, residual, x, w, eps, kind, DType::F32)
+    }
+
+    /// `add_rms_norm` with its output stored as `dtype` (f32 or bf16, as for `rms_norm_to`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_rms_norm_to(
+        &mut self,
+        name: &str,
+        residual: BufId<Residual>,
+        x: BufId<Act>,
+        w: BufId<Weight>,
+        eps: f32,
+        kind: NormKind,
+        dtype: DType,
+    ) -> BufId<Normed> {
         let (rows, dim) = self.rows_cols(residual);
         self.check_len(name, x, rows * dim);
         self.norm_weight(name, w, dim);
-        let out = self.transient(name, DType::F32, vec![rows, dim]);
+        self.check_normed_dtype(name, dtype);
+        let out = self.transient(name, dtype, vec![rows, dim]);
         self.push(
             name,
             Op::AddRmsNorm {
@@ -339,6 +382,7 @@ impl GraphBuilder {
         rot_dim: usize,
         scaling: f32,
     ) {
+        self.check_dtype(name, x, &[DType::F32]);
         let (tokens, cols) = self.rows_cols(x);
         self.check(name, cols == heads * head_dim, || {
             format!("{cols} columns, expected {heads} heads of {head_dim}")
@@ -391,6 +435,7 @@ impl GraphBuilder {
         w: &LinearWeight,
     ) -> BufId<O> {
         let (out_dim, in_dim) = self.linear_dims(name, w);
+        self.check_dtype(name, x, &[DType::F32, DType::BF16]);
         let (tokens, cols) = self.rows_cols(x);
         self.check(name, cols == in_dim, || {
             format!("input has {cols} columns, the weight takes {in_dim}")
@@ -535,6 +580,7 @@ impl GraphBuilder {
 
     /// The last row of `x` (the token whose logits decode needs).
     pub fn last_row<R: Activation>(&mut self, name: &str, x: BufId<R>) -> BufId<R> {
+        self.check_dtype(name, x, &[DType::F32]);
         let (rows, cols) = self.rows_cols(x);
         let out = self.transient(name, DType::F32, vec![1, cols]);
         self.push(
@@ -681,6 +727,7 @@ impl GraphBuilder {
         scale: f32,
     ) -> BufId<Act> {
         let (kv_heads, max_ctx, head_dim) = self.cache_dims(k_cache);
+        self.check_dtype(name, q, &[DType::F32]);
         let (tokens, _) = self.rows_cols(q);
         self.check_cols(name, q, heads * head_dim);
         self.check(name, kv_heads > 0 && heads % kv_heads == 0, || {
@@ -744,6 +791,7 @@ impl GraphBuilder {
         experts: BufId<Weight>,
         layout: ExpertLayout,
     ) -> BufId<Act> {
+        self.check_dtype(name, x, &[DType::F32]);
         let (tokens, hidden) = self.rows_cols(x);
         let (_, k) = self.rows_cols(ids);
         self.check(name, hidden == layout.hidden, || {

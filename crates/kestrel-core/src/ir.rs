@@ -63,7 +63,8 @@ macro_rules! roles {
 roles!(
     /// The residual stream `[tokens, hidden]`, f32.
     Residual,
-    /// The output of a norm, the input of projections.
+    /// The output of a norm, the input of projections: f32, or bf16 where only projections
+    /// read it.
     Normed,
     /// Any other f32 activation (projection outputs, attention outputs, gates).
     Act,
@@ -146,7 +147,8 @@ pub trait NormInput: Role {}
 impl NormInput for Residual {}
 impl NormInput for Act {}
 
-/// f32 activations of any role.
+/// Activations of any role (f32; a bf16 `Normed` only feeds projections, which the builder
+/// checks).
 pub trait Activation: Role {}
 impl Activation for Residual {}
 impl Activation for Normed {}
@@ -338,7 +340,8 @@ pub enum Op {
         out: Buf,
         hidden: usize,
     },
-    /// Rows of `dim`: `out = x / sqrt(mean(x²) + eps) * w` (or `* (1 + w)`).
+    /// Rows of `dim`: `out = x / sqrt(mean(x²) + eps) * w` (or `* (1 + w)`). `out` is f32, or
+    /// bf16 (the f32 result rounded to nearest even) for projections that read bf16.
     RmsNorm {
         x: Buf,
         w: Buf,
@@ -347,7 +350,7 @@ pub enum Op {
         eps: f32,
         kind: NormKind,
     },
-    /// `residual += x; out = rms_norm(residual)`.
+    /// `residual += x; out = rms_norm(residual)`; `out` f32 or bf16, as for `RmsNorm`.
     AddRmsNorm {
         residual: Buf,
         x: Buf,
@@ -377,7 +380,7 @@ pub enum Op {
         rot_dim: usize,
         scaling: f32,
     },
-    /// `out[t, :] = x[t, :] · Wᵀ`.
+    /// `out[t, :] = x[t, :] · Wᵀ`; `x` f32 or bf16, `out` f32.
     Linear {
         x: Buf,
         w: LinearWeight,

@@ -21,6 +21,8 @@ pub enum Expect {
     Ids(Vec<u32>),
     /// No reference: backends are compared with each other (whole layers).
     Backends,
+    /// Values stored as bf16: each within one bf16 step of the reference ([`bf16_err`]).
+    Bf16(Vec<f64>),
 }
 
 #[derive(Debug, Clone)]
@@ -85,6 +87,21 @@ pub fn rel_l2(got: &[f32], want: &[f64]) -> f64 {
     }
     (num / den.max(1e-300)).sqrt()
 }
+
+/// The largest `|got - want| / (|want| + 1e-6 · max |want|)`: for values stored as bf16, where
+/// one rounding is within 2^-9 of the value and two roundings of nearly equal values (two
+/// backends) within one step, 2^-7 ([`BF16_STEP`]).
+pub fn bf16_err(got: &[f64], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len(), "length mismatch");
+    let floor = 1e-6 * want.iter().fold(0.0f64, |m, v| m.max(v.abs())) + 1e-30;
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| (g - w).abs() / (w.abs() + floor))
+        .fold(0.0, f64::max)
+}
+
+/// One step of bf16's 8-bit significand, relative: the bound for [`Expect::Bf16`] checks.
+pub const BF16_STEP: f64 = 1.0 / 128.0;
 
 pub fn f32s(bytes: &[u8]) -> Vec<f32> {
     bytemuck::pod_collect_to_vec(bytes)
@@ -279,6 +296,27 @@ impl CaseBuilder {
         self.checks.push((id.raw(), Expect::Floats(expect)));
     }
 
+    /// Checks a bf16 output against reference values within one bf16 step.
+    pub fn check_bf16<R: Role>(&mut self, id: BufId<R>, expect: Vec<f64>) {
+        self.g.mark_output(id);
+        self.checks.push((id.raw(), Expect::Bf16(expect)));
+    }
+
+    /// A norm's output supplied as bf16 (the rounded values, as f64, are returned).
+    pub fn normed_bf16(
+        &mut self,
+        label: &str,
+        rows: usize,
+        cols: usize,
+        scale: f32,
+    ) -> (BufId<Normed>, Vec<f64>) {
+        let values = self.randn(rows * cols, scale);
+        let id = self.g.normed_input(label, rows, cols, DType::BF16);
+        let (bytes, f) = stored(&values, DType::BF16);
+        self.set(id, bytes);
+        (id, f)
+    }
+
     pub fn check_ids<R: Role>(&mut self, id: BufId<R>, expect: Vec<u32>) {
         self.g.mark_output(id);
         self.checks.push((id.raw(), Expect::Ids(expect)));
@@ -464,14 +502,17 @@ pub fn rms_norm(rng: Rng) -> Case {
     let (rows, dim) = (c.rng.range(1, 9), c.rng.range(1, 700));
     let kind = pick(&mut c.rng, &[NormKind::Standard, NormKind::ZeroCentered]);
     let dtype = pick(&mut c.rng, &[DType::BF16, DType::F32]);
+    // Sometimes written as bf16, for projections that read bf16.
+    let out_dtype = pick(&mut c.rng, &[DType::F32, DType::F32, DType::BF16]);
     let (x, xf) = c.residual("x", rows, dim);
     let (w, wf) = c.weight("w", dtype, &[dim], 0.5);
-    let out = c.g.rms_norm("norm", x, w, 1e-6, kind);
-    c.check_floats(
-        out,
-        r::rms_norm(&xf, &wf, dim, 1e-6, kind == NormKind::ZeroCentered),
-    );
-    c.finish(format!("rms_norm {rows}x{dim} {kind:?} {dtype}"))
+    let out = c.g.rms_norm_to("norm", x, w, 1e-6, kind, out_dtype);
+    let want = r::rms_norm(&xf, &wf, dim, 1e-6, kind == NormKind::ZeroCentered);
+    match out_dtype {
+        DType::BF16 => c.check_bf16(out, want),
+        _ => c.check_floats(out, want),
+    }
+    c.finish(format!("rms_norm {rows}x{dim} {kind:?} {dtype} -> {out_dtype}"))
 }
 
 pub fn head_norm(rng: Rng) -> Case {
@@ -494,12 +535,18 @@ pub fn add_rms_norm(rng: Rng) -> Case {
     let (res, rf) = c.residual("res", rows, dim);
     let (x, xf) = c.act("x", rows, dim, 1.0);
     let (w, wf) = c.weight("w", DType::BF16, &[dim], 0.5);
-    let out = c.g.add_rms_norm("add_norm", res, x, w, 1e-6, NormKind::Standard);
+    let out_dtype = pick(&mut c.rng, &[DType::F32, DType::F32, DType::BF16]);
+    let out =
+        c.g.add_rms_norm_to("add_norm", res, x, w, 1e-6, NormKind::Standard, out_dtype);
     let sum: Vec<f64> = rf.iter().zip(&xf).map(|(a, b)| a + b).collect();
-    c.check_floats(out, r::rms_norm(&sum, &wf, dim, 1e-6, false));
+    let want = r::rms_norm(&sum, &wf, dim, 1e-6, false);
+    match out_dtype {
+        DType::BF16 => c.check_bf16(out, want),
+        _ => c.check_floats(out, want),
+    }
     c.g.mark_output(res);
     c.checks.push((res.raw(), Expect::Floats(sum)));
-    c.finish(format!("add_rms_norm {rows}x{dim}"))
+    c.finish(format!("add_rms_norm {rows}x{dim} -> {out_dtype}"))
 }
 
 pub fn gated_rms_norm(rng: Rng) -> Case {
@@ -606,11 +653,21 @@ pub fn linear(rng: Rng) -> Case {
     };
     let dtype = pick(&mut c.rng, &[DType::BF16, DType::F16, DType::F32]);
     let (w, wf) = c.linear_weight("w", out_dim, in_dim, format, dtype);
-    let (x, xf) = c.act("x", tokens, in_dim, 1.0);
-    let y = c.g.linear("proj", x, &w);
+    // Sometimes x as a norm writes it for tensor-core products: bf16.
+    let x_bf16 = c.rng.range(0, 3) == 0;
+    let (y, xf) = if x_bf16 {
+        let (x, xf) = c.normed_bf16("x", tokens, in_dim, 1.0);
+        (c.g.linear("proj", x, &w), xf)
+    } else {
+        let (x, xf) = c.act("x", tokens, in_dim, 1.0);
+        (c.g.linear("proj", x, &w), xf)
+    };
     c.rounded_activations = format.is_some() || dtype == DType::BF16;
     c.check_floats(y, r::linear(&xf, &wf, in_dim, out_dim));
-    c.finish(format!("linear {tokens}x{in_dim}->{out_dim} {format:?} {dtype}"))
+    let xd = if x_bf16 { " x bf16" } else { "" };
+    c.finish(format!(
+        "linear {tokens}x{in_dim}->{out_dim} {format:?} {dtype}{xd}"
+    ))
 }
 
 pub fn elementwise(rng: Rng) -> Case {

@@ -2,7 +2,10 @@
 
 use kestrel_core::ir::DeltaAlgo;
 use kestrel_core::rng::Rng;
-use kestrel_cpu::testing::{self, all_cases, f32s, rel_err, run_case, u32s, Case, Expect};
+use kestrel_core::DType;
+use kestrel_cpu::testing::{
+    self, all_cases, as_f64, bf16_err, f32s, rel_err, run_case, u32s, Case, Expect, BF16_STEP,
+};
 use kestrel_cpu::CpuBackend;
 
 /// f32 arithmetic against f64: errors stay far under this.
@@ -18,6 +21,15 @@ fn check(case: &Case, seed: u64) {
                 assert!(
                     err <= TOL,
                     "seed {seed} {} / {}: relative error {err:e}",
+                    case.name,
+                    check.label
+                );
+            }
+            Expect::Bf16(want) => {
+                let err = bf16_err(&as_f64(&bytes, DType::BF16), want);
+                assert!(
+                    err <= BF16_STEP,
+                    "seed {seed} {} / {}: bf16 error {err:e}",
                     case.name,
                     check.label
                 );

@@ -51,6 +51,13 @@ extern "C" __global__ void copy_f32(const float* src, float* dst, unsigned n) {
     if (i < n) dst[i] = src[i];
 }
 
+// out[i] = float(x[i]) (exact): bf16 activations for a product that reads f32.
+extern "C" __global__ void convert_bf16_f32(const bf16* x, float* out, unsigned n) {
+    pdl_begin();
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = __bfloat162float(x[i]);
+}
+
 // out[i] = bf16(x[i]), round to nearest even: activations for a bf16 tensor-core product.
 // Eight values per thread (two 16-byte loads, one 16-byte store); n is a multiple of 8.
 extern "C" __global__ void convert_f32_bf16(const float* x, bf16* out, unsigned n) {

@@ -207,6 +207,15 @@ impl Backend for CudaBackend {
         "cuda"
     }
 
+    /// bf16 from the token count where products run on tensor cores over bf16 activations.
+    fn projection_input_dtype(&self, tokens: usize) -> DType {
+        if tokens >= crate::ops::GEMM_MIN_TOKENS {
+            DType::BF16
+        } else {
+            DType::F32
+        }
+    }
+
     fn prepare(&mut self, graph: &Graph) -> Result<CudaProgram> {
         let plan = Plan::new(graph);
         let arena = if plan.arena_bytes > 0 {

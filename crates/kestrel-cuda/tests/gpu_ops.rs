@@ -8,7 +8,9 @@
 
 use kestrel_core::rng::Rng;
 use kestrel_core::{Backend, DType, GraphBuilder};
-use kestrel_cpu::testing::{all_cases, f32s, rel_err, rel_l2, u32s, Case, Expect};
+use kestrel_cpu::testing::{
+    all_cases, as_f64, bf16_err, f32s, rel_err, rel_l2, u32s, Case, Expect, BF16_STEP,
+};
 use kestrel_cpu::CpuBackend;
 use kestrel_cuda::testing::{device_or_skip, tensor_engines};
 use kestrel_cuda::{CudaBackend, RunMode};
@@ -58,6 +60,16 @@ fn compare(dev: &kestrel_cuda::Device, case: &Case, seed: u64, round: usize) {
                     assert!(
                         err <= tol,
                         "seed {seed} round {round} {:?} {} / {}: relative error {err:e}",
+                        mode,
+                        case.name,
+                        check.label
+                    );
+                }
+                Expect::Bf16(_) => {
+                    let err = bf16_err(&as_f64(g, DType::BF16), &as_f64(c, DType::BF16));
+                    assert!(
+                        err <= BF16_STEP,
+                        "seed {seed} round {round} {:?} {} / {}: bf16 error {err:e}",
                         mode,
                         case.name,
                         check.label

@@ -33,6 +33,11 @@ pub struct ForwardSpec {
     pub ctx: usize,
     /// Element type of the KV caches (f32, bf16 or f16).
     pub cache_dtype: DType,
+    /// Element type of the norm outputs that only projections read (the token mixers' inputs,
+    /// dense MLPs' inputs): f32, or bf16 where the backend's products of this many tokens round
+    /// their activations to bf16 anyway (`Backend::projection_input_dtype`). MoE inputs stay
+    /// f32: the router's logits are computed exactly.
+    pub projection_inputs: DType,
     /// Logits for every token of the chunk, or only the last.
     pub all_logits: bool,
     /// Quantise the checkpoint's dense projections and experts to this format on load (routers
@@ -326,22 +331,27 @@ impl Forward {
             let in_ln = b.norm_weight(&format!("{l}.input_layernorm.weight"), c.hidden)?;
             let name = format!("{l}.input_layernorm");
             let eps = c.norm_eps as f32;
+            let pi = spec.projection_inputs;
             let h = match pending.take() {
-                Some(m) => b.g.add_rms_norm(&name, x, m, in_ln, eps, b.norm),
-                None => b.g.rms_norm(&name, x, in_ln, eps, b.norm),
+                Some(m) => b.g.add_rms_norm_to(&name, x, m, in_ln, eps, b.norm, pi),
+                None => b.g.rms_norm_to(&name, x, in_ln, eps, b.norm, pi),
             };
             let mixed = match c.layer_kinds[i] {
                 LayerKind::FullAttention => attention(&mut b, &l, h, positions, inv_freq, &table, spec)?,
                 LayerKind::LinearAttention => linear_attention(&mut b, &l, h)?,
             };
             let post_ln = b.norm_weight(&format!("{l}.post_attention_layernorm.weight"), c.hidden)?;
-            let h2 = b.g.add_rms_norm(
+            let h2 = b.g.add_rms_norm_to(
                 &format!("{l}.post_attention_layernorm"),
                 x,
                 mixed,
                 post_ln,
                 c.norm_eps as f32,
                 b.norm,
+                match c.mlp_kinds[i] {
+                    MlpKind::Dense => pi,
+                    MlpKind::Moe => DType::F32,
+                },
             );
             let m = match c.mlp_kinds[i] {
                 MlpKind::Dense => dense_mlp(&mut b, &format!("{l}.mlp"), h2, c.intermediate)?,

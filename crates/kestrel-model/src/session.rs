@@ -254,6 +254,7 @@ impl<B: Backend> Session<B> {
                 past,
                 ctx: self.ctx,
                 cache_dtype: self.cache_dtype,
+                projection_inputs: self.backend.projection_input_dtype(tokens),
                 all_logits,
                 quant: self.quant,
                 sampling: self.sampling.filter(|_| outputs == Outputs::Sample),

@@ -66,6 +66,7 @@ fn linear_labels(d: &std::path::Path) -> Vec<String> {
         past: 0,
         ctx: 8,
         cache_dtype: DType::F32,
+        projection_inputs: DType::F32,
         all_logits: true,
         quant: None,
         sampling: None,

@@ -48,6 +48,7 @@ const SPEC: ForwardSpec = ForwardSpec {
     past: 0,
     ctx: 8,
     cache_dtype: DType::F32,
+    projection_inputs: DType::F32,
     all_logits: true,
     quant: None,
     sampling: None,

@@ -403,10 +403,11 @@ pub fn run(dev: &Device, reps: usize, profile: bool, only: Option<&str>) -> Resu
         target: ">= 250 TFLOP/s",
     });
 
-    // bf16 GEMM 4096 x 2048 x 6144: a prefill projection (f32 activations rounded to bf16 first).
+    // bf16 GEMM 4096 x 2048 x 6144: a prefill projection over the bf16 activations a norm writes
+    // for it (`Backend::projection_input_dtype`).
     let (m, k, n) = (4096, 2048, 6144);
     let mut g = GraphBuilder::new();
-    let x = g.act_input("x", m, k);
+    let x = g.normed_input("x", m, k, DType::BF16);
     let w = g.dense_weight("w", DType::BF16, n, k);
     let y = g.linear("proj", x, &w);
     benches.push(Bench {

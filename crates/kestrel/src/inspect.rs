@@ -29,6 +29,7 @@ fn run_memory(
         past: 0,
         ctx: a.ctx,
         cache_dtype: cache,
+        projection_inputs: DType::F32,
         all_logits: false,
         quant: a.quant.format()?,
         sampling: None,

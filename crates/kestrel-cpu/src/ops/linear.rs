@@ -140,7 +140,12 @@ pub fn exec(op: &Op, v: &mut Views) -> OpResult {
             out_dim,
             ..
         } => {
-            let x = v.read::<f32>(*x)?;
+            // bf16 activations (a norm's rounded output) are read as the f32 values they hold.
+            let x = v.floats(*x)?;
+            let x = match x {
+                Floats::F32(x) => std::borrow::Cow::Borrowed(x),
+                _ => std::borrow::Cow::Owned(x.to_vec(0, x.len())),
+            };
             let m = Matrix::bind(w, v, *in_dim)?;
             let out = v.write::<f32>(*out)?;
             for (xr, or) in x.chunks(*in_dim).zip(out.chunks_mut(*out_dim)) {

@@ -1,7 +1,9 @@
 //! RMS norms: standard `w * x / rms(x)`, zero-centred `(1 + w) * x / rms(x)`, the fused
 //! residual-add form, and the gated form `w * x / rms(x) * silu(z)`.
 
-use kestrel_core::ir::{NormKind, Op};
+use half::bf16;
+use kestrel_core::ir::{Buf, NormKind, Op};
+use kestrel_core::DType;
 use rayon::prelude::*;
 
 use super::{silu, OpResult};
@@ -20,6 +22,24 @@ pub(super) fn norm_row(x: &[f32], w: Floats, out: &mut [f32], eps: f32, kind: No
     }
 }
 
+/// Runs `f` on f32 storage for `out`: the buffer itself, or for a bf16 buffer a scratch copy
+/// whose values are then stored rounded to nearest even.
+fn with_f32_rows(v: &mut Views, out: Buf, f: impl FnOnce(&mut [f32])) -> Result<(), String> {
+    match v.dtype(out) {
+        DType::F32 => f(v.write::<f32>(out)?),
+        DType::BF16 => {
+            let o = v.write::<bf16>(out)?;
+            let mut rows = vec![0.0f32; o.len()];
+            f(&mut rows);
+            o.par_iter_mut()
+                .zip(&rows)
+                .for_each(|(o, &r)| *o = bf16::from_f32(r));
+        }
+        other => return Err(format!("a norm cannot write {other}")),
+    }
+    Ok(())
+}
+
 pub fn exec(op: &Op, v: &mut Views) -> OpResult {
     match *op {
         // x, out: [rows, dim]
@@ -31,10 +51,12 @@ pub fn exec(op: &Op, v: &mut Views) -> OpResult {
             eps,
             kind,
         } => {
-            let (x, w, out) = (v.read::<f32>(x)?, v.floats(w)?, v.write::<f32>(out)?);
-            out.par_chunks_mut(dim)
-                .zip(x.par_chunks(dim))
-                .for_each(|(o, x)| norm_row(x, w, o, eps, kind));
+            let (x, w) = (v.read::<f32>(x)?, v.floats(w)?);
+            with_f32_rows(v, out, |out| {
+                out.par_chunks_mut(dim)
+                    .zip(x.par_chunks(dim))
+                    .for_each(|(o, x)| norm_row(x, w, o, eps, kind))
+            })?;
         }
         // residual, x, out: [rows, dim]; residual += x first.
         Op::AddRmsNorm {
@@ -47,16 +69,18 @@ pub fn exec(op: &Op, v: &mut Views) -> OpResult {
             kind,
         } => {
             let (x, w) = (v.read::<f32>(x)?, v.floats(w)?);
-            let (res, out) = (v.write::<f32>(residual)?, v.write::<f32>(out)?);
-            res.par_chunks_mut(dim)
-                .zip(x.par_chunks(dim))
-                .zip(out.par_chunks_mut(dim))
-                .for_each(|((r, x), o)| {
-                    for (r, x) in r.iter_mut().zip(x) {
-                        *r += x;
-                    }
-                    norm_row(r, w, o, eps, kind);
-                });
+            let res = v.write::<f32>(residual)?;
+            with_f32_rows(v, out, |out| {
+                res.par_chunks_mut(dim)
+                    .zip(x.par_chunks(dim))
+                    .zip(out.par_chunks_mut(dim))
+                    .for_each(|((r, x), o)| {
+                        for (r, x) in r.iter_mut().zip(x) {
+                            *r += x;
+                        }
+                        norm_row(r, w, o, eps, kind);
+                    })
+            })?;
         }
         // x, z, out: [rows, dim]
         Op::GatedRmsNorm {

@@ -64,7 +64,7 @@ fn dp_ring_bytes(in_dim: usize, bits: u32, group: usize) -> Option<usize> {
 /// nothing) when the weight's format or alignment needs the general kernel.
 fn encode_matvec(
     enc: &mut Encoder,
-    x: Buf,
+    x: &Buffer,
     w: &LinearWeight,
     out: Buf,
     in_dim: usize,
@@ -82,7 +82,7 @@ fn encode_matvec(
     if smem > enc.device.info().max_shared_per_block {
         return Ok(false);
     }
-    let (x, out) = (enc.buf(x)?.clone(), enc.buf(out)?.clone());
+    let out = enc.buf(out)?.clone();
     let sms = enc.device.info().sm_count as usize;
     let blocks = |per_sm: usize| u32_arg(out_dim.div_ceil(MATVEC_ROWS).min(per_sm * sms));
     match w {
@@ -93,7 +93,7 @@ fn encode_matvec(
                 .grid(blocks(MATVEC_BLOCKS_PER_SM)?)
                 .block(32 * MATVEC_WARPS)
                 .shared_mem(u32_arg(smem)?)
-                .read(&x)
+                .read(x)
                 .read(&wb)
                 .write(&out)
                 .arg(u32_arg(in_dim)?)
@@ -108,7 +108,7 @@ fn encode_matvec(
                 .grid(blocks(DP_BLOCKS_PER_SM)?)
                 .block(32 * MATVEC_WARPS)
                 .shared_mem(u32_arg(smem)?)
-                .read(&x)
+                .read(x)
                 .read(&parts[0])
                 .read(&parts[1])
                 .read(&parts[2])
@@ -128,7 +128,7 @@ fn encode_matvec(
 /// the format's 16-byte vectors do not tile the groups.
 fn encode_matvec_exact(
     enc: &mut Encoder,
-    x: Buf,
+    x: &Buffer,
     w: &LinearWeight,
     out: Buf,
     in_dim: usize,
@@ -144,7 +144,7 @@ fn encode_matvec_exact(
     }
     let (name, parts, _) = weight_parts(enc, w)?;
     let k = enc.device.kernel("linear", &format!("matvec_{name}_exact"))?;
-    let (x, out) = (enc.buf(x)?.clone(), enc.buf(out)?.clone());
+    let out = enc.buf(out)?.clone();
     let sms = enc.device.info().sm_count as usize;
     let blocks = out_dim.div_ceil(MATVEC_ROWS).min(MATVEC_BLOCKS_PER_SM * sms);
     let mut b = enc
@@ -152,7 +152,7 @@ fn encode_matvec_exact(
         .grid(u32_arg(blocks)?)
         .block(32 * MATVEC_WARPS)
         .shared_mem(u32_arg(smem)?)
-        .read(&x);
+        .read(x);
     for part in &parts {
         b = b.read(part);
     }
@@ -166,7 +166,36 @@ fn encode_matvec_exact(
 
 /// From this many tokens, bf16 projections run as cuBLAS products on bf16 activations, quantised
 /// ones as tensor-core tiles (`gemm.cu`).
-const GEMM_MIN_TOKENS: usize = 16;
+pub(crate) const GEMM_MIN_TOKENS: usize = 16;
+
+/// The activations `x` (`[tokens, in_dim]`) as bf16 for a tensor-core product: the buffer itself
+/// when it is bf16 (a norm wrote it rounded), else rounded into a workspace.
+fn bf16_activations(enc: &mut Encoder, x: Buf, tokens: usize, in_dim: usize) -> Result<Buffer> {
+    let xb = enc.buf(x)?.clone();
+    match enc.dtype(x) {
+        DType::BF16 => Ok(xb),
+        _ => round_bf16(enc, &xb, tokens, in_dim),
+    }
+}
+
+/// The activations `x` as f32, for the products on CUDA cores: the buffer itself, or a bf16 one
+/// widened into a workspace (exactly: every bf16 value is an f32).
+fn f32_activations(enc: &mut Encoder, x: Buf) -> Result<Buffer> {
+    let xb = enc.buf(x)?.clone();
+    if enc.dtype(x) != DType::BF16 {
+        return Ok(xb);
+    }
+    let n = enc.graph.decl(x).elem_count();
+    let xf = enc.workspace(DType::F32, n)?;
+    let widen = enc.device.kernel("elementwise", "convert_bf16_f32")?;
+    enc.dispatch(&widen)
+        .cover(n, 256)
+        .read(&xb)
+        .write(&xf)
+        .arg(u32_arg(n)?)
+        .record();
+    Ok(xf)
+}
 
 /// Many tokens, bf16 weights: x rounded to bf16, then a tensor-core product through cuBLAS.
 /// Returns false (and records nothing) for other weights.
@@ -185,12 +214,8 @@ fn encode_gemm(
     if enc.dtype(wb.raw()) != DType::BF16 || in_dim % 8 != 0 {
         return Ok(false);
     }
-    let (x, wb, out) = (
-        enc.buf(x)?.clone(),
-        enc.buf(wb.raw())?.clone(),
-        enc.buf(out)?.clone(),
-    );
-    let xb = round_bf16(enc, &x, tokens, in_dim)?;
+    let (wb, out) = (enc.buf(wb.raw())?.clone(), enc.buf(out)?.clone());
+    let xb = bf16_activations(enc, x, tokens, in_dim)?;
     enc.list.gemm_bf16(&xb, &wb, &out, tokens, out_dim, in_dim);
     Ok(true)
 }
@@ -224,8 +249,8 @@ fn encode_quant_gemm(
     if parts[0].device_ptr() % 16 != 0 || parts[1].device_ptr() % 2 != 0 || parts[2].device_ptr() % 2 != 0 {
         return Ok(false);
     }
-    let (x, out) = (enc.buf(x)?.clone(), enc.buf(out)?.clone());
-    let xb = round_bf16(enc, &x, tokens, in_dim)?;
+    let out = enc.buf(out)?.clone();
+    let xb = bf16_activations(enc, x, tokens, in_dim)?;
     // 128 output columns a block where they divide, so each A tile feeds twice the work; on
     // Hopper those run on wgmma.
     let nb = if out_dim % (2 * GT_COLS) == 0 { 2 } else { 1 };
@@ -264,15 +289,6 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             in_dim,
             out_dim,
         } => {
-            // The dense matvec keeps x in f32, so it is exact enough for router logits too.
-            let exact = matches!(w, LinearWeight::Dense(_));
-            if *tokens == 1 && (!enc.precise || exact) && encode_matvec(enc, *x, w, *out, *in_dim, *out_dim)?
-            {
-                return Ok(());
-            }
-            if *tokens == 1 && enc.precise && encode_matvec_exact(enc, *x, w, *out, *in_dim, *out_dim)? {
-                return Ok(());
-            }
             if *tokens >= GEMM_MIN_TOKENS
                 && !enc.precise
                 && (encode_gemm(enc, *x, w, *out, *tokens, *in_dim, *out_dim)?
@@ -280,11 +296,22 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             {
                 return Ok(());
             }
+            // Every other path reads f32 activations.
+            let x = f32_activations(enc, *x)?;
+            // The dense matvec keeps x in f32, so it is exact enough for router logits too.
+            let exact = matches!(w, LinearWeight::Dense(_));
+            if *tokens == 1 && (!enc.precise || exact) && encode_matvec(enc, &x, w, *out, *in_dim, *out_dim)?
+            {
+                return Ok(());
+            }
+            if *tokens == 1 && enc.precise && encode_matvec_exact(enc, &x, w, *out, *in_dim, *out_dim)? {
+                return Ok(());
+            }
             let grid = (
                 u32_arg(out_dim.div_ceil(ROWS))?,
                 u32_arg(tokens.div_ceil(TOKENS))?,
             );
-            let (x, out) = (enc.buf(*x)?.clone(), enc.buf(*out)?.clone());
+            let out = enc.buf(*out)?.clone();
             let (suffix, parts, group) = weight_parts(enc, w)?;
             let k = enc.device.kernel("linear", &format!("linear_{suffix}"))?;
             let mut b = enc.dispatch(&k).grid(grid).block(32 * ROWS as u32).read(&x);

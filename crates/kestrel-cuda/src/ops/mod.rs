@@ -8,6 +8,8 @@ mod linear;
 mod moe;
 mod norm;
 
+pub(crate) use linear::GEMM_MIN_TOKENS;
+
 use kestrel_core::ir::Op;
 use kestrel_core::DType;
 

@@ -1,8 +1,9 @@
 //! Norms and rotary embeddings: `kernels/norm.cu`, `kernels/rope.cu`.
 
 use kestrel_core::ir::{NormKind, Op};
+use kestrel_core::DType;
 
-use super::{float_name, u32_arg};
+use super::{float_name, u32_arg, unsupported};
 use crate::backend::Encoder;
 use crate::buffer::Buffer;
 use crate::error::Result;
@@ -12,16 +13,22 @@ const THREADS: u32 = 256;
 const VEC_NORM_MAX: usize = 8;
 
 /// The kernel for rows of `dim` over these buffers: the one-pass `*_vec_*` form when the rows
-/// are whole float4s that fit in a block's registers, else the looping one.
-fn norm_kernel(base: &str, dim: usize, w: &str, bufs: &[&Buffer]) -> String {
+/// are whole float4s that fit in a block's registers, else the looping one; `_to_bf16` when the
+/// output is bf16.
+fn norm_kernel(base: &str, dim: usize, w: &str, out: DType, bufs: &[&Buffer]) -> Result<String> {
     let vec = dim % 4 == 0
         && dim / 4 <= VEC_NORM_MAX * THREADS as usize
         && bufs.iter().all(|b| b.device_ptr() % 16 == 0);
-    if vec {
-        format!("{base}_vec_{w}")
+    let to = match out {
+        DType::F32 => "",
+        DType::BF16 => "_to_bf16",
+        other => return Err(unsupported(format!("a norm writing {other}"))),
+    };
+    Ok(if vec {
+        format!("{base}_vec_{w}{to}")
     } else {
-        format!("{base}_{w}")
-    }
+        format!("{base}_{w}{to}")
+    })
 }
 
 pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
@@ -35,11 +42,11 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             kind,
         } => {
             let rows = enc.graph.decl(x).elem_count() / dim;
-            let wname = float_name(enc.dtype(w))?;
+            let (wname, odt) = (float_name(enc.dtype(w))?, enc.dtype(out));
             let (x, w, out) = (enc.buf(x)?.clone(), enc.buf(w)?.clone(), enc.buf(out)?.clone());
             let k = enc
                 .device
-                .kernel("norm", &norm_kernel("rms_norm", dim, wname, &[&x, &out]))?;
+                .kernel("norm", &norm_kernel("rms_norm", dim, wname, odt, &[&x, &out])?)?;
             enc.dispatch(&k)
                 .grid(u32_arg(rows)?)
                 .block(THREADS)
@@ -61,16 +68,17 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             kind,
         } => {
             let rows = enc.graph.decl(x).elem_count() / dim;
-            let wname = float_name(enc.dtype(w))?;
+            let (wname, odt) = (float_name(enc.dtype(w))?, enc.dtype(out));
             let (r, x, w, out) = (
                 enc.buf(residual)?.clone(),
                 enc.buf(x)?.clone(),
                 enc.buf(w)?.clone(),
                 enc.buf(out)?.clone(),
             );
-            let k = enc
-                .device
-                .kernel("norm", &norm_kernel("add_rms_norm", dim, wname, &[&r, &x, &out]))?;
+            let k = enc.device.kernel(
+                "norm",
+                &norm_kernel("add_rms_norm", dim, wname, odt, &[&r, &x, &out])?,
+            )?;
             enc.dispatch(&k)
                 .grid(u32_arg(rows)?)
                 .block(THREADS)

@@ -81,6 +81,23 @@ pub fn top1_agreement(got: &[f32], want: &[f32]) -> f64 {
     same as f64 / rows as f64
 }
 
+/// Fraction of rows where `got`'s largest entry is `want`'s, or within `tol` of `want`'s range
+/// (max - min) of `want`'s largest: a near-tie, whose order any rounding may swap.
+pub fn top1_agreement_or_tie(got: &[f32], want: &[f32], tol: f32) -> f64 {
+    let rows = got.len() / VOCAB;
+    let ok = got
+        .chunks(VOCAB)
+        .zip(want.chunks(VOCAB))
+        .filter(|(g, w)| {
+            let (lo, hi) = w
+                .iter()
+                .fold((f32::MAX, f32::MIN), |(l, h), &v| (l.min(v), h.max(v)));
+            w[argmax(g) as usize] >= hi - tol * (hi - lo)
+        })
+        .count();
+    ok as f64 / rows as f64
+}
+
 pub fn argmax(row: &[f32]) -> u32 {
     let mut best = 0;
     for (i, v) in row.iter().enumerate() {
