@@ -197,9 +197,11 @@ fn f32_activations(enc: &mut Encoder, x: Buf) -> Result<Buffer> {
     Ok(xf)
 }
 
-/// Many tokens, bf16 weights: x rounded to bf16, then a tensor-core product through cuBLAS.
-/// Returns false (and records nothing) for other weights.
-fn encode_gemm(
+/// Many tokens on tensor cores, over x as bf16 (`bf16_activations`): bf16 weights through
+/// cuBLAS; 4-/8-bit weights as tiles over the weights dequantised in shared memory
+/// (`linear_gemm_*` in `gemm.cu`). Returns false (and records nothing) for other weights and
+/// for shapes that are not whole tiles.
+fn encode_tensor_core(
     enc: &mut Encoder,
     x: Buf,
     w: &LinearWeight,
@@ -208,32 +210,17 @@ fn encode_gemm(
     in_dim: usize,
     out_dim: usize,
 ) -> Result<bool> {
-    let LinearWeight::Dense(wb) = w else {
-        return Ok(false);
-    };
-    if enc.dtype(wb.raw()) != DType::BF16 || in_dim % 8 != 0 {
-        return Ok(false);
-    }
-    let (wb, out) = (enc.buf(wb.raw())?.clone(), enc.buf(out)?.clone());
-    let xb = bf16_activations(enc, x, tokens, in_dim)?;
-    enc.list.gemm_bf16(&xb, &wb, &out, tokens, out_dim, in_dim);
-    Ok(true)
-}
-
-/// Many tokens, 4-/8-bit weights: x rounded to bf16, then tensor-core tiles over the weights
-/// dequantised in shared memory (`linear_gemm_*` in `gemm.cu`). Returns false (and records
-/// nothing) for other weights and for shapes that are not whole tiles.
-fn encode_quant_gemm(
-    enc: &mut Encoder,
-    x: Buf,
-    w: &LinearWeight,
-    out: Buf,
-    tokens: usize,
-    in_dim: usize,
-    out_dim: usize,
-) -> Result<bool> {
-    let LinearWeight::Quant { format, .. } = w else {
-        return Ok(false);
+    let format = match w {
+        LinearWeight::Dense(wb) => {
+            if enc.dtype(wb.raw()) != DType::BF16 || in_dim % 8 != 0 {
+                return Ok(false);
+            }
+            let (wb, out) = (enc.buf(wb.raw())?.clone(), enc.buf(out)?.clone());
+            let xb = bf16_activations(enc, x, tokens, in_dim)?;
+            enc.list.gemm_bf16(&xb, &wb, &out, tokens, out_dim, in_dim);
+            return Ok(true);
+        }
+        LinearWeight::Quant { format, .. } => format,
     };
     let (bits, group) = (format.bits, format.group_size);
     let fits = (bits == 4 || bits == 8)
@@ -291,8 +278,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
         } => {
             if *tokens >= GEMM_MIN_TOKENS
                 && !enc.precise
-                && (encode_gemm(enc, *x, w, *out, *tokens, *in_dim, *out_dim)?
-                    || encode_quant_gemm(enc, *x, w, *out, *tokens, *in_dim, *out_dim)?)
+                && encode_tensor_core(enc, *x, w, *out, *tokens, *in_dim, *out_dim)?
             {
                 return Ok(());
             }
