@@ -29,6 +29,7 @@ fn run_memory(
         past: 0,
         ctx: a.ctx,
         cache_dtype: cache,
+        // f32 norm outputs: the larger plan (a CUDA prefill stores some of them as bf16).
         projection_inputs: DType::F32,
         all_logits: false,
         quant: a.quant.format()?,
