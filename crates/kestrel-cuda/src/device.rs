@@ -13,7 +13,7 @@ use crate::command::{Command, CommandList};
 use crate::counters::{CounterSnapshot, Counters, Profile};
 use crate::error::{CudaError, Result};
 use crate::graph::Graph;
-use crate::registry::{Kernel, KernelRegistry};
+use crate::registry::{arch_name, hopper_target, nvrtc_version, Kernel, KernelRegistry};
 use crate::stream::Stream;
 
 /// What a device is.
@@ -63,7 +63,7 @@ struct DeviceInner {
     profiling: AtomicBool,
     /// Graphs use programmatic edges (`Config::pdl`).
     pdl: bool,
-    /// GEMM tiles on `wgmma` (`Config::wgmma` on an sm_90 device).
+    /// GEMM tiles on `wgmma` (`Config::wgmma` on an sm_90 device with NVRTC 12 or newer).
     wgmma: bool,
     /// Event pairs around profiled dispatches, read back by `take_profile`.
     profile_events: Mutex<Vec<(String, String, CudaEvent, CudaEvent)>>,
@@ -103,11 +103,12 @@ impl Device {
             max_shared_per_block: attr(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as usize,
             memory_bus_bits: attr(CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH)? as u32,
         };
-        let wgmma = config.wgmma && info.compute_capability == (9, 0);
+        let hopper = hopper_target(info.compute_capability, nvrtc_version().ok());
+        let wgmma = config.wgmma && hopper;
         let counters = Arc::new(Counters::default());
         let registry = KernelRegistry::new(
             ctx.clone(),
-            info.compute_capability,
+            arch_name(info.compute_capability, hopper),
             config.kernel_cache_dir.clone(),
             config.cuda_include_dir.clone(),
             counters.clone(),
@@ -366,7 +367,7 @@ impl Device {
     }
 
     /// Whether tensor-core GEMM tiles run on Hopper's `wgmma` (the `_wg` kernels of `gemm.cu`,
-    /// built for sm_90a) rather than on `mma.sync`.
+    /// built for sm_90a, which needs NVRTC 12 or newer) rather than on `mma.sync`.
     pub fn wgmma(&self) -> bool {
         self.inner.wgmma
     }

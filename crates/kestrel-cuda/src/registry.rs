@@ -139,11 +139,18 @@ impl Kernel {
     }
 }
 
-/// The NVRTC architecture for a compute capability: `sm_XY`, and for sm_90 the `sm_90a` target
-/// whose instructions (`wgmma`) only Hopper runs; modules are built for exactly the device.
-pub fn arch_name(compute_capability: (u32, u32)) -> String {
+/// Whether modules for this device can be built for Hopper's own target, `sm_90a`, whose
+/// instructions (`wgmma`) only sm_90 runs: an sm_90 device and NVRTC 12 or newer (11.8 knows
+/// sm_90 but not sm_90a).
+pub fn hopper_target(compute_capability: (u32, u32), nvrtc: Option<(i32, i32)>) -> bool {
+    compute_capability == (9, 0) && nvrtc.is_some_and(|v| v >= (12, 0))
+}
+
+/// The NVRTC architecture for a compute capability: `sm_XY`, or `sm_90a` where `hopper_target`
+/// says so; modules are built for exactly the device.
+pub fn arch_name(compute_capability: (u32, u32), hopper: bool) -> String {
     let (major, minor) = compute_capability;
-    let feature = if (major, minor) == (9, 0) { "a" } else { "" };
+    let feature = if hopper { "a" } else { "" };
     format!("sm_{major}{minor}{feature}")
 }
 
@@ -163,14 +170,14 @@ pub struct KernelRegistry {
 impl KernelRegistry {
     pub(crate) fn new(
         ctx: Arc<CudaContext>,
-        compute_capability: (u32, u32),
+        arch: String,
         cache_dir: Option<PathBuf>,
         include_dir: Option<PathBuf>,
         counters: Arc<Counters>,
     ) -> Self {
         KernelRegistry {
             ctx,
-            arch: arch_name(compute_capability),
+            arch,
             cache_dir,
             include_dir,
             counters,
@@ -444,10 +451,15 @@ mod tests {
 
     #[test]
     fn hopper_builds_for_its_feature_target_and_others_for_their_own() {
-        assert_eq!(arch_name((9, 0)), "sm_90a");
-        assert_eq!(arch_name((8, 6)), "sm_86");
-        assert_eq!(arch_name((10, 0)), "sm_100");
-        assert_eq!(arch_name((12, 0)), "sm_120");
+        assert!(hopper_target((9, 0), Some((13, 0))));
+        assert!(hopper_target((9, 0), Some((12, 0))));
+        assert!(!hopper_target((9, 0), Some((11, 8))), "NVRTC 11.8 has no sm_90a");
+        assert!(!hopper_target((9, 0), None));
+        assert!(!hopper_target((10, 0), Some((13, 0))), "wgmma is sm_90 only");
+        assert_eq!(arch_name((9, 0), true), "sm_90a");
+        assert_eq!(arch_name((9, 0), false), "sm_90");
+        assert_eq!(arch_name((8, 6), false), "sm_86");
+        assert_eq!(arch_name((12, 0), false), "sm_120");
     }
 
     #[test]

@@ -37,7 +37,14 @@ fn device_reports_what_it_is() {
     assert!(info.compute_capability.0 >= 5, "{:?}", info.compute_capability);
     assert!(info.sm_count > 0 && info.total_memory > 0 && info.l2_bytes > 0);
     let arch = dev.registry().arch();
-    assert_eq!(arch, kestrel_cuda::registry::arch_name(info.compute_capability));
+    let hopper = kestrel_cuda::registry::hopper_target(
+        info.compute_capability,
+        kestrel_cuda::registry::nvrtc_version().ok(),
+    );
+    assert_eq!(
+        arch,
+        kestrel_cuda::registry::arch_name(info.compute_capability, hopper)
+    );
     let (free, total) = dev.memory_info().unwrap();
     assert!(free <= total && total == info.total_memory);
 }
