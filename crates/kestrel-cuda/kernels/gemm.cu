@@ -439,8 +439,8 @@ struct WgTile {
     __device__ __forceinline__ void run(const bf16* const* rows_src, const BMat* mats, unsigned n0, unsigned K,
                                         unsigned group, unsigned rows, unsigned char* smem_raw) {
         bf16* smem = reinterpret_cast<bf16*>(smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u));
-        // Both warpgroups run every product, rows or not (rows past `rows` are zeros): a branch
-        // around wgmma makes ptxas serialise them.
+        // Both warpgroups run every product whatever `rows` says (rows past it are zeros): a
+        // branch around wgmma makes ptxas serialise them.
         const unsigned wg = threadIdx.x / 128;
 #pragma unroll
         for (int i = 0; i < 64; i++) acc[i] = 0.0f;
@@ -502,8 +502,9 @@ struct WgTile {
         for (int i = 0; i < 64; i++) asm volatile("" : "+f"(acc[i])::"memory");
     }
 
-    // Accumulator i of a thread: row 16 * warp + lane / 4 (+ 8 for i % 4 >= 2) of its warpgroup's
-    // 64, column 8 * (i / 4) + 2 * (lane % 4) + i % 2 of 128 (matrix 0, then matrix 1).
+    // Accumulator i of a thread: row 16 * warp + lane / 4 (+ 8 for i % 4 >= 2) of the tile (warps
+    // 4 to 7 are the second warpgroup, rows 64 to 127), column 8 * (i / 4) + 2 * (lane % 4) + i % 2
+    // of 128 (matrix 0, then matrix 1).
     template <class F>
     __device__ __forceinline__ void each(F f) const {
         const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
