@@ -519,6 +519,22 @@ struct FaShape {
 // running maxima m0 / m1 raised (quad-reduced), S replaced by P = exp2(S - max) packed as the A
 // fragments of P V (16 keys each), and this thread's share of the sums l0 / l1 updated. Returns
 // the factors the rows' accumulators are scaled by.
+// Keys key0 .. key0 + n - 1 of one KV head's K and V rows (HD values each) into rows of STRIDE
+// values at kd and vd, by cp.async in 16-byte pieces dealt to threads t, t + nt, ...; keys at or
+// past `end` are zero-filled and nothing is read for them.
+template <typename T, int HD, int STRIDE>
+__device__ __forceinline__ void copy_kv_rows(T* kd, T* vd, const T* kb, const T* vb, unsigned key0, unsigned n,
+                                             unsigned end, unsigned t, unsigned nt) {
+    constexpr unsigned DT = HD / 8;
+    for (unsigned i = t; i < n * DT; i += nt) {
+        const unsigned r = i / DT, d = (i % DT) * 8, key = key0 + r;
+        const bool valid = key < end;
+        const size_t src = (size_t)(valid ? key : 0) * HD + d;
+        cp_async16(kd + r * STRIDE + d, kb + src, valid);
+        cp_async16(vd + r * STRIDE + d, vb + src, valid);
+    }
+}
+
 template <typename T, int NT>
 __device__ __forceinline__ float2 softmax_step(float s[NT][4], unsigned pa[NT / 2][4], unsigned key0, unsigned c,
                                                bool full, unsigned lim0, unsigned lim1, float sl2, float& m0,
@@ -606,15 +622,8 @@ __device__ void flash_attention(const float* q, const T* k_cache, const T* v_cac
     // group" always means "the current tile".
     auto load_tile = [&](unsigned key0, int buf) {
         if (key0 < end) {
-            T* kd = ks + buf * BN * STRIDE;
-            T* vd = vs + buf * BN * STRIDE;
-            for (unsigned i = tid; i < BN * DT; i += blockDim.x) {
-                const unsigned r = i / DT, d = (i % DT) * 8, key = key0 + r;
-                const bool valid = key < end;
-                const size_t src = (size_t)(valid ? key : 0) * HD + d;
-                cp_async16(kd + r * STRIDE + d, kb + src, valid);
-                cp_async16(vd + r * STRIDE + d, vb + src, valid);
-            }
+            copy_kv_rows<T, HD, STRIDE>(ks + buf * BN * STRIDE, vs + buf * BN * STRIDE, kb, vb, key0, BN, end, tid,
+                                        blockDim.x);
         }
         cp_async_commit();
     };
@@ -863,14 +872,7 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
         const unsigned key0 = first_key(i);
         if (key0 < end) {
             T* kd = ring + (i % STAGES) * 2 * DA_KEYS * STRIDE;
-            T* vd = kd + DA_KEYS * STRIDE;
-            for (unsigned e = lane; e < DA_KEYS * DT; e += 32) {
-                const unsigned r = e / DT, d = (e % DT) * 8, key = key0 + r;
-                const bool valid = key < end;
-                const size_t src = (size_t)(valid ? key : 0) * HD + d;
-                cp_async16(kd + r * STRIDE + d, kb + src, valid);
-                cp_async16(vd + r * STRIDE + d, vb + src, valid);
-            }
+            copy_kv_rows<T, HD, STRIDE>(kd, kd + DA_KEYS * STRIDE, kb, vb, key0, DA_KEYS, end, lane, 32);
         }
         cp_async_commit();
     };

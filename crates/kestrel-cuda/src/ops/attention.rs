@@ -1,13 +1,15 @@
 //! KV-cache append (alone or with the per-head norms and rotation of q and k) and causal GQA
 //! attention: `kernels/attention.cu`.
 
-use kestrel_core::ir::{NormKind, Op};
+use kestrel_core::ir::{Buf, NormKind, Op};
 use kestrel_core::DType;
 
 use super::{float_name, u32_arg, unsupported};
 use crate::backend::Encoder;
 use crate::buffer::Buffer;
+use crate::command::DispatchBuilder;
 use crate::error::Result;
+use crate::registry::Kernel;
 
 /// `attention.cu` holds up to 8 dims per lane of a warp.
 const MAX_HEAD_DIM: usize = 256;
@@ -28,6 +30,15 @@ const COMBINE_LOADS: usize = 8;
 const FLASH_HEAD_DIMS: [usize; 4] = [64, 96, 128, 256];
 const FA_WARPS: usize = 4;
 
+/// The element type of a K and a V cache, which must agree.
+fn cache_dtype(enc: &Encoder, k_cache: Buf, v_cache: Buf) -> Result<DType> {
+    let cache = enc.dtype(k_cache);
+    if enc.dtype(v_cache) != cache {
+        return Err(unsupported("k and v caches of different dtypes".into()));
+    }
+    Ok(cache)
+}
+
 /// An `Op::Attention` as its encoders use it: the buffers resolved, the cache's dtype (k and v
 /// caches alike, checked here), and the shape.
 struct Attn {
@@ -46,6 +57,16 @@ struct Attn {
 }
 
 impl Attn {
+    /// A dispatch of `kern` with the arguments every attention kernel starts with: q, the two
+    /// caches and the positions.
+    fn dispatch<'e>(&self, enc: &'e mut Encoder, kern: &Kernel) -> DispatchBuilder<'e> {
+        enc.dispatch(kern)
+            .read(&self.q)
+            .read(&self.kc)
+            .read(&self.vc)
+            .read(&self.positions)
+    }
+
     fn new(enc: &Encoder, op: &Op) -> Result<Self> {
         let Op::Attention {
             q,
@@ -63,10 +84,7 @@ impl Attn {
         else {
             unreachable!("called for attention")
         };
-        let cache = enc.dtype(k_cache);
-        if enc.dtype(v_cache) != cache {
-            return Err(unsupported("k and v caches of different dtypes".into()));
-        }
+        let cache = cache_dtype(enc, k_cache, v_cache)?;
         Ok(Attn {
             q: enc.buf(q)?.clone(),
             kc: enc.buf(k_cache)?.clone(),
@@ -113,20 +131,8 @@ fn flash_tile_keys(head_dim: usize) -> usize {
 /// two per multiprocessor (decode, short prefills), the cache range is split into chunks whose
 /// partial results `attention_combine_f32` merges.
 fn encode_flash(enc: &mut Encoder, a: &Attn) -> Result<()> {
-    let Attn {
-        ref q,
-        ref kc,
-        ref vc,
-        ref positions,
-        ref out,
-        cache,
-        tokens,
-        heads,
-        kv_heads,
-        head_dim,
-        max_ctx,
-        scale,
-    } = *a;
+    let (cache, tokens, heads, kv_heads, head_dim, max_ctx) =
+        (a.cache, a.tokens, a.heads, a.kv_heads, a.head_dim, a.max_ctx);
     let bn = flash_tile_keys(head_dim);
     let pairs = tokens * (heads / kv_heads);
     // Two row tiles per warp (each K/V fragment used twice) when there are rows for them and
@@ -156,17 +162,13 @@ fn encode_flash(enc: &mut Encoder, a: &Attn) -> Result<()> {
     let [pm, pl_buf, pacc] = if splits > 1 {
         partials(enc, tokens * heads * splits, head_dim)?
     } else {
-        [out.clone(), out.clone(), out.clone()]
+        [a.out.clone(), a.out.clone(), a.out.clone()]
     };
-    enc.dispatch(&kern)
+    a.dispatch(enc, &kern)
         .grid((u32_arg(row_blocks)?, u32_arg(kv_heads)?, u32_arg(splits)?))
         .block(32 * FA_WARPS as u32)
         .shared_mem(u32_arg(smem)?)
-        .read(q)
-        .read(kc)
-        .read(vc)
-        .read(positions)
-        .write(out)
+        .write(&a.out)
         .write(&pm)
         .write(&pl_buf)
         .write(&pacc)
@@ -174,11 +176,11 @@ fn encode_flash(enc: &mut Encoder, a: &Attn) -> Result<()> {
         .arg(u32_arg(heads)?)
         .arg(u32_arg(kv_heads)?)
         .arg(u32_arg(max_ctx)?)
-        .arg(scale)
+        .arg(a.scale)
         .arg(u32_arg(chunk)?)
         .record();
     if splits > 1 {
-        record_combine(enc, &[pm, pl_buf, pacc], out, tokens * heads, head_dim, splits)?;
+        record_combine(enc, &[pm, pl_buf, pacc], &a.out, tokens * heads, head_dim, splits)?;
     }
     Ok(())
 }
@@ -187,20 +189,8 @@ fn encode_flash(enc: &mut Encoder, a: &Attn) -> Result<()> {
 /// of blocks, in clusters that merge their blocks' results in distributed shared
 /// memory, and the last cluster to finish merges the clusters' (see `attention.cu`).
 fn encode_decode(enc: &mut Encoder, a: &Attn) -> Result<()> {
-    let Attn {
-        ref q,
-        ref kc,
-        ref vc,
-        ref positions,
-        ref out,
-        cache,
-        tokens,
-        heads,
-        kv_heads,
-        head_dim,
-        max_ctx,
-        scale,
-    } = *a;
+    let (cache, tokens, heads, kv_heads, head_dim, max_ctx) =
+        (a.cache, a.tokens, a.heads, a.kv_heads, a.head_dim, a.max_ctx);
     let stride = head_dim + 8;
     let smem = (DA_ROWS * head_dim + 2 * DA_ROWS) * 4
         + DA_ROWS * stride * 2
@@ -225,22 +215,18 @@ fn encode_decode(enc: &mut Encoder, a: &Attn) -> Result<()> {
     let record = head_dim / DA_CLUSTER + 4;
     let part = enc.workspace(DType::F32, kv_heads * splits * DA_ROWS * record)?;
     let counters = enc.counters(kv_heads * DA_CLUSTER)?;
-    enc.dispatch(&kern)
+    a.dispatch(enc, &kern)
         .grid((u32_arg(splits)?, u32_arg(kv_heads)?))
         .block(block)
         .shared_mem(u32_arg(smem)?)
-        .read(q)
-        .read(kc)
-        .read(vc)
-        .read(positions)
-        .write(out)
+        .write(&a.out)
         .write(&part)
         .read_write(&counters)
         .arg(u32_arg(tokens)?)
         .arg(u32_arg(heads)?)
         .arg(u32_arg(kv_heads)?)
         .arg(u32_arg(max_ctx)?)
-        .arg(scale)
+        .arg(a.scale)
         .arg(u32_arg(chunk)?)
         .record();
     Ok(())
@@ -255,20 +241,8 @@ fn split_smem(head_dim: usize, cache_bytes: usize) -> usize {
 
 /// Decode attention: the cache split into chunks processed in parallel, then merged.
 fn encode_split(enc: &mut Encoder, a: &Attn) -> Result<()> {
-    let Attn {
-        ref q,
-        ref kc,
-        ref vc,
-        ref positions,
-        ref out,
-        cache,
-        tokens,
-        heads,
-        kv_heads,
-        head_dim,
-        max_ctx,
-        scale,
-    } = *a;
+    let (cache, tokens, heads, kv_heads, head_dim, max_ctx) =
+        (a.cache, a.tokens, a.heads, a.kv_heads, a.head_dim, a.max_ctx);
     let pl = match head_dim.div_ceil(32) {
         0..=2 => 2,
         3 => 3,
@@ -292,14 +266,10 @@ fn encode_split(enc: &mut Encoder, a: &Attn) -> Result<()> {
     }
     let name = format!("attention_split_{}_{pl}", float_name(cache)?);
     let kern = enc.device.kernel("attention", &name)?;
-    enc.dispatch(&kern)
+    a.dispatch(enc, &kern)
         .grid((u32_arg(kv_heads * subgroups)?, u32_arg(splits)?, u32_arg(tokens)?))
         .block(32 * DEC_WARPS as u32)
         .shared_mem(u32_arg(smem)?)
-        .read(q)
-        .read(kc)
-        .read(vc)
-        .read(positions)
         .write(&pm)
         .write(&pl_buf)
         .write(&pacc)
@@ -307,10 +277,10 @@ fn encode_split(enc: &mut Encoder, a: &Attn) -> Result<()> {
         .arg(u32_arg(kv_heads)?)
         .arg(u32_arg(head_dim)?)
         .arg(u32_arg(max_ctx)?)
-        .arg(scale)
+        .arg(a.scale)
         .arg(u32_arg(chunk)?)
         .record();
-    record_combine(enc, &[pm, pl_buf, pacc], out, tokens * heads, head_dim, splits)
+    record_combine(enc, &[pm, pl_buf, pacc], &a.out, tokens * heads, head_dim, splits)
 }
 
 /// Per (row, split) partial results of split attention: max, sum, and the unnormalised
@@ -371,10 +341,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             head_dim,
             max_ctx,
         } => {
-            let name = float_name(enc.dtype(k_cache))?;
-            if enc.dtype(v_cache) != enc.dtype(k_cache) {
-                return Err(unsupported("k and v caches of different dtypes".into()));
-            }
+            let name = float_name(cache_dtype(enc, k_cache, v_cache)?)?;
             let kern = enc.device.kernel("attention", &format!("kv_append_{name}"))?;
             let (k, v, p) = (
                 enc.buf(k)?.clone(),
@@ -412,10 +379,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             scaling,
             max_ctx,
         } => {
-            let cache = float_name(enc.dtype(k_cache))?;
-            if enc.dtype(v_cache) != enc.dtype(k_cache) {
-                return Err(unsupported("k and v caches of different dtypes".into()));
-            }
+            let cache = float_name(cache_dtype(enc, k_cache, v_cache)?)?;
             if head_dim > MAX_HEAD_DIM {
                 return Err(unsupported(format!("head_dim {head_dim} > {MAX_HEAD_DIM}")));
             }
@@ -479,20 +443,8 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
         }
         Op::Attention { .. } => {
             let a = Attn::new(enc, op)?;
-            let Attn {
-                ref q,
-                ref kc,
-                ref vc,
-                ref positions,
-                ref out,
-                cache,
-                tokens,
-                heads,
-                kv_heads,
-                head_dim,
-                max_ctx,
-                scale,
-            } = a;
+            let (cache, tokens, heads, kv_heads, head_dim, max_ctx) =
+                (a.cache, a.tokens, a.heads, a.kv_heads, a.head_dim, a.max_ctx);
             if matches!(cache, DType::BF16 | DType::F16) && FLASH_HEAD_DIMS.contains(&head_dim) {
                 // One decode token's group (or a few tokens of a small group) in one kernel.
                 let rows = tokens * (heads / kv_heads);
@@ -513,19 +465,15 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             let kern = enc
                 .device
                 .kernel("attention", &format!("attention_{}", float_name(cache)?))?;
-            enc.dispatch(&kern)
+            a.dispatch(enc, &kern)
                 .grid(u32_arg(tokens * heads)?)
                 .block(128)
-                .read(q)
-                .read(kc)
-                .read(vc)
-                .read(positions)
-                .write(out)
+                .write(&a.out)
                 .arg(u32_arg(heads)?)
                 .arg(u32_arg(kv_heads)?)
                 .arg(u32_arg(head_dim)?)
                 .arg(u32_arg(max_ctx)?)
-                .arg(scale)
+                .arg(a.scale)
                 .record();
         }
         _ => unreachable!("dispatched by ops::encode"),
