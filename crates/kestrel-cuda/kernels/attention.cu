@@ -513,27 +513,30 @@ struct FaShape {
     static constexpr int STRIDE = HD + 8;            // shared row, in 16-bit values (16 bytes padding)
 };
 
+// Keys key0 .. key0 + n - 1 of one KV head's K and V rows (HD values each) into rows of STRIDE
+// values at kd and vd, by cp.async in 16-byte pieces dealt to threads t, t + nt, ...: keys in
+// [lo, hi) are copied, keys at or past `end` zero-filled (nothing is read for them), the others
+// left as they are. hi <= end.
+template <typename T, int HD, int STRIDE>
+__device__ __forceinline__ void copy_kv_rows(T* kd, T* vd, const T* kb, const T* vb, unsigned key0, unsigned n,
+                                             unsigned lo, unsigned hi, unsigned end, unsigned t, unsigned nt) {
+    constexpr unsigned DT = HD / 8;
+    for (unsigned i = t; i < n * DT; i += nt) {
+        const unsigned r = i / DT, d = (i % DT) * 8, key = key0 + r;
+        const bool valid = key >= lo && key < hi;
+        if (!valid && key < end) continue;
+        const size_t src = (size_t)(valid ? key : 0) * HD + d;
+        cp_async16(kd + r * STRIDE + d, kb + src, valid);
+        cp_async16(vd + r * STRIDE + d, vb + src, valid);
+    }
+}
+
 // One online-softmax step of a 16-row tile, for the rows g and g + 8 a thread holds, over the NT
 // 8-key columns of S in the m16n8 accumulator layout (first key key0 + 8j + c): scores scaled to
 // log2 units by sl2, keys at or past each row's end (lim0, lim1) masked unless `full`, the
 // running maxima m0 / m1 raised (quad-reduced), S replaced by P = exp2(S - max) packed as the A
 // fragments of P V (16 keys each), and this thread's share of the sums l0 / l1 updated. Returns
 // the factors the rows' accumulators are scaled by.
-// Keys key0 .. key0 + n - 1 of one KV head's K and V rows (HD values each) into rows of STRIDE
-// values at kd and vd, by cp.async in 16-byte pieces dealt to threads t, t + nt, ...; keys at or
-// past `end` are zero-filled and nothing is read for them.
-template <typename T, int HD, int STRIDE>
-__device__ __forceinline__ void copy_kv_rows(T* kd, T* vd, const T* kb, const T* vb, unsigned key0, unsigned n,
-                                             unsigned end, unsigned t, unsigned nt) {
-    constexpr unsigned DT = HD / 8;
-    for (unsigned i = t; i < n * DT; i += nt) {
-        const unsigned r = i / DT, d = (i % DT) * 8, key = key0 + r;
-        const bool valid = key < end;
-        const size_t src = (size_t)(valid ? key : 0) * HD + d;
-        cp_async16(kd + r * STRIDE + d, kb + src, valid);
-        cp_async16(vd + r * STRIDE + d, vb + src, valid);
-    }
-}
 
 template <typename T, int NT>
 __device__ __forceinline__ float2 softmax_step(float s[NT][4], unsigned pa[NT / 2][4], unsigned key0, unsigned c,
@@ -622,8 +625,8 @@ __device__ void flash_attention(const float* q, const T* k_cache, const T* v_cac
     // group" always means "the current tile".
     auto load_tile = [&](unsigned key0, int buf) {
         if (key0 < end) {
-            copy_kv_rows<T, HD, STRIDE>(ks + buf * BN * STRIDE, vs + buf * BN * STRIDE, kb, vb, key0, BN, end, tid,
-                                        blockDim.x);
+            copy_kv_rows<T, HD, STRIDE>(ks + buf * BN * STRIDE, vs + buf * BN * STRIDE, kb, vb, key0, BN, 0, end, end,
+                                        tid, blockDim.x);
         }
         cp_async_commit();
     };
@@ -788,39 +791,39 @@ FLASHES(f16, f16)
 
 // ---- decode attention on bf16/f16 caches (sm_90) ----
 // Up to DA_ROWS rows, a row being a (token, query head) pair of one KV head's group, numbered
-// token-major as in flash_attention (one decode token's whole group). Grid (splits, kv_heads) in
-// clusters of DA_CLUSTER consecutive splits; split s covers keys [s * chunk, (s + 1) * chunk) of
-// the rows' range, and a cluster whose first key is past every row's range returns at once.
+// token-major as in flash_attention (one decode token's whole group). Grid (splits, kv_heads),
+// one wave; split s covers keys [s * chunk, (s + 1) * chunk) of the rows' range, and a split
+// whose first key is past every row's range returns at once.
 //
 // Each of the block's W warps (DaShape::NWARPS) streams its own batches of DA_KEYS keys (batch i
 // of warp w starts at s * chunk + (i * W + w) * DA_KEYS) through a ring of its own, STAGES
 // batches deep, with cp.async, rows past the range zero-filled and never read, so no warp waits
-// for another while the cache streams in. q and the positions are asked for before the cache,
-// so their loads do not queue behind it. Per batch: S = Q K^T and O += P V with m16n8k16 mma,
-// the online softmax in the exp2 domain, as in flash_attention. Then three merges of (max, sum,
-// acc):
-//   1. the block's warps, through shared memory;
-//   2. the cluster's blocks, through distributed shared memory, block rank r taking the r-th
-//      half of the head dims; with one cluster in the range this writes the output;
-//   3. across clusters: each block writes its half to `part`, and the last block of each rank
-//      to arrive (counted in counters[kv_head * DA_CLUSTER + rank], which it sets back to zero)
-//      merges the clusters' halves and writes the output: first every cluster's maxima and sums
-//      (a load per thread), then each thread's accumulator pieces, all asked for at once.
-// So decode needs one launch and no combine kernel. head_dim a multiple of 16 and of 4 *
-// DA_CLUSTER; `counters` zero at launch (it is again at exit).
-#define DA_CLUSTER 2
+// for another while the cache streams in. The first STAGES batches are asked for before the
+// programmatic wait: rows before every token's position were written by earlier runs, never by
+// a kernel this one can overlap, so the cache streams in while the kernel before this one
+// finishes. The rows at the tokens' own positions, which that kernel writes, and q are read
+// after the wait. Per batch: S = Q K^T and O += P V with m16n8k16 mma, the online softmax in
+// the exp2 domain, as in flash_attention. Then two merges of (max, sum, acc):
+//   1. the block's warps, through shared memory, into the block's record in `part` (with one
+//      split in the range, into the output);
+//   2. across splits: every block of a KV head counts its record in counters[2 * kv_head] and
+//      waits for the others' (all are resident: the grid is one wave), then merges its share of
+//      the output's pieces, a warp a piece, each lane loading one split's piece, max and sum;
+//      the last to leave (counted in counters[2 * kv_head + 1]) sets both back to zero.
+// Spread so, the merge costs each block one round of loads (up to 32 splits) instead of one
+// block's many rounds.
+// head_dim a multiple of 16; `counters` zero at launch (it is again at exit).
 #define DA_ROWS 16
 #define DA_KEYS 16
 
 template <int HD>
 struct DaShape {
-    static constexpr int NWARPS = HD > 128 ? 4 : 8;               // warps per block
-    static constexpr int STAGES = 2;                              // batches in flight per warp
-    static constexpr int STRIDE = HD + 8;                         // shared row, in 16-bit values
-    static constexpr int RING = STAGES * 2 * DA_KEYS * STRIDE;    // a warp's ring, in 16-bit values
-    static constexpr int VECS = HD / 4;                           // float4s of a row
-    static constexpr int VPR = VECS / DA_CLUSTER;                 // float4s of a row per block rank
-    static constexpr int REC = 4 * VPR + 4;                       // a part record: acc share, max, sum, 2 unused
+    static constexpr int NWARPS = HD > 128 ? 4 : 8;             // warps per block
+    static constexpr int STAGES = 2;                            // batches in flight per warp
+    static constexpr int STRIDE = HD + 8;                       // shared row, in 16-bit values
+    static constexpr int RING = STAGES * 2 * DA_KEYS * STRIDE;  // a warp's ring, in 16-bit values
+    static constexpr int VECS = HD / 4;                         // float4s of a row
+    static constexpr int REC = HD + 4;                          // a part record: acc, max, sum, 2 unused
 };
 
 #if __CUDA_ARCH__ >= 900
@@ -829,28 +832,55 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
                                  float* out, float* part, unsigned* counters, unsigned tokens, unsigned heads,
                                  unsigned kv_heads, unsigned max_ctx, float scale, unsigned chunk) {
     using S = DaShape<HD>;
-    constexpr int NWARPS = S::NWARPS, STAGES = S::STAGES, STRIDE = S::STRIDE, VECS = S::VECS, VPR = S::VPR;
-    constexpr int REC = S::REC, KSTEPS = HD / 16, DT = HD / 8;
+    constexpr int NWARPS = S::NWARPS, STAGES = S::STAGES, STRIDE = S::STRIDE, VECS = S::VECS, REC = S::REC;
+    constexpr int KSTEPS = HD / 16, DT = HD / 8;
     extern __shared__ __align__(16) unsigned char da_smem[];
-    float* bacc = reinterpret_cast<float*>(da_smem);  // [DA_ROWS][HD] the block's merged accumulators
-    float* bm = bacc + DA_ROWS * HD;                   // [DA_ROWS] its maxima (log2 units)
-    float* bl = bm + DA_ROWS;                          // [DA_ROWS] its sums
-    T* qs = reinterpret_cast<T*>(bl + DA_ROWS);        // [DA_ROWS][STRIDE]
-    T* rings = qs + DA_ROWS * STRIDE;                  // [NWARPS][RING]
-    __shared__ unsigned last;
+    T* qs = reinterpret_cast<T*>(da_smem);  // [DA_ROWS][STRIDE]
+    T* rings = qs + DA_ROWS * STRIDE;        // [NWARPS][RING]
 
     const unsigned tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const unsigned group = heads / kv_heads, pairs = tokens * group;
-    const unsigned split = blockIdx.x, kvh = blockIdx.y, rank = cluster_rank();
-    const unsigned cluster = split / DA_CLUSTER, clusters_all = gridDim.x / DA_CLUSTER;
+    const unsigned split = blockIdx.x, kvh = blockIdx.y;
+
+    // Keys a token sees, the furthest of them (the splits that hold any), and the rows no kernel
+    // of this run writes: those before every token's position. The positions are an input of the
+    // run, uploaded before it.
+    unsigned block_end = 0, old = max_ctx;
+    for (unsigned t = 0; t < tokens; t++) {
+        block_end = max(block_end, min(positions[t], max_ctx - 1) + 1);
+        old = min(old, positions[t]);
+    }
+    const unsigned used = (block_end + chunk - 1) / chunk;
+    if (split >= used) {  // no key for this block; it still waits, as every block must
+        pdl_wait();
+        return;
+    }
+    const unsigned start = split * chunk, end = min(start + chunk, block_end);
+
+    const T* kb = k_cache + (size_t)kvh * max_ctx * HD;
+    const T* vb = v_cache + (size_t)kvh * max_ctx * HD;
+    T* ring = rings + warp * S::RING;
+    const unsigned warp_key = start + warp * DA_KEYS;  // batch i starts at warp_key + i * NWARPS * DA_KEYS
+    // Keys [lo, hi) of batch i, and the zeros past the range. One commit group per batch (empty
+    // past the range), so waiting for all but the newest STAGES - 1 groups always means "batch i".
+    auto copy = [&](unsigned i, unsigned lo, unsigned hi, unsigned zero_from) {
+        const unsigned key0 = warp_key + i * NWARPS * DA_KEYS;
+        if (key0 < end) {
+            T* kd = ring + (i % STAGES) * 2 * DA_KEYS * STRIDE;
+            copy_kv_rows<T, HD, STRIDE>(kd, kd + DA_KEYS * STRIDE, kb, vb, key0, DA_KEYS, lo, hi, zero_from, lane, 32);
+        }
+    };
+    const unsigned old_end = min(old, end);
+#pragma unroll
+    for (int i = 0; i < STAGES; i++) {
+        copy(i, 0, old_end, end);
+        cp_async_commit();
+    }
     pdl_wait();
     pdl_trigger();
 
-    // Keys a token sees, the furthest of them, and the clusters that hold any; this thread's
-    // pieces of q (8 values each) on their way meanwhile.
-    auto seen = [&](unsigned t) { return min(positions[t], max_ctx - 1) + 1; };
-    unsigned block_end = 0;
-    for (unsigned t = 0; t < tokens; t++) block_end = max(block_end, seen(t));
+    // This thread's pieces of q (8 values each), then the rows the kernels before wrote, which
+    // the first batches wait for as well.
     constexpr int QPIECES = (DA_ROWS * DT + 32 * NWARPS - 1) / (32 * NWARPS);
     float qv[QPIECES][8];
 #pragma unroll
@@ -858,28 +888,14 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
         const unsigned i = tid + j * 32 * NWARPS, r = i / DT, d = (i % DT) * 8;
         if (r < pairs) load8(q + ((size_t)(r / group) * heads + kvh * group + r % group) * HD + d, qv[j]);
     }
-    const unsigned clusters = (block_end + DA_CLUSTER * chunk - 1) / (DA_CLUSTER * chunk);
-    if (cluster >= clusters) return;  // every block of this cluster returns here
-    const unsigned start = split * chunk, end = min(start + chunk, block_end);
-
-    const T* kb = k_cache + (size_t)kvh * max_ctx * HD;
-    const T* vb = v_cache + (size_t)kvh * max_ctx * HD;
-    T* ring = rings + warp * S::RING;
-    auto first_key = [&](unsigned i) { return start + (i * NWARPS + warp) * DA_KEYS; };
-    // One commit group per batch (empty past the range), so waiting for all but the newest
-    // STAGES - 1 groups always means "batch i".
-    auto load = [&](unsigned i) {
-        const unsigned key0 = first_key(i);
-        if (key0 < end) {
-            T* kd = ring + (i % STAGES) * 2 * DA_KEYS * STRIDE;
-            copy_kv_rows<T, HD, STRIDE>(kd, kd + DA_KEYS * STRIDE, kb, vb, key0, DA_KEYS, end, lane, 32);
-        }
-        cp_async_commit();
-    };
+    if (old_end < end && warp_key + STAGES * NWARPS * DA_KEYS > old_end) {
 #pragma unroll
-    for (int i = 0; i < STAGES; i++) load(i);
+        for (int i = 0; i < STAGES; i++) copy(i, old_end, end, ~0u);
+        cp_async_commit();
+        cp_async_wait<0>();
+    }
 
-    // Q rows rounded to T while the first batches are in flight.
+    // Q rows rounded to T.
 #pragma unroll
     for (int j = 0; j < QPIECES; j++) {
         const unsigned i = tid + j * 32 * NWARPS, r = i / DT, d = (i % DT) * 8;
@@ -895,7 +911,7 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
     // This thread's rows g and g + 8, the keys each sees in this split (rows past the pairs see
     // everything: they are never written), and the fewest any row of the warp sees.
     const unsigned g = lane / 4, c = 2 * (lane % 4);
-    auto row_end = [&](unsigned p) { return p < pairs ? min(seen(p / group), end) : end; };
+    auto row_end = [&](unsigned p) { return p < pairs ? min(min(positions[p / group], max_ctx - 1) + 1, end) : end; };
     const unsigned lim0 = row_end(g), lim1 = row_end(g + 8);
     unsigned warp_min = min(lim0, lim1);
 #pragma unroll
@@ -906,12 +922,12 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
     for (int j = 0; j < DT; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
     const float sl2 = scale * 1.4426950408889634f;
-    for (unsigned i = 0; first_key(i) < end; i++) {
+    for (unsigned i = 0; warp_key + i * NWARPS * DA_KEYS < end; i++) {
         cp_async_wait<STAGES - 1>();
         __syncwarp();
         const T* kt = ring + (i % STAGES) * 2 * DA_KEYS * STRIDE;
         const T* vt = kt + DA_KEYS * STRIDE;
-        const unsigned key0 = first_key(i);
+        const unsigned key0 = warp_key + i * NWARPS * DA_KEYS;
         float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll
         for (int kk = 0; kk < KSTEPS; kk++) {
@@ -940,12 +956,14 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
             mma_16816<T>(acc[j + 1], pa[0], b[2], b[3]);
         }
         __syncwarp();  // every lane is done with this stage before it is refilled
-        load(i + STAGES);
+        copy(i + STAGES, 0, end, end);
+        cp_async_commit();
     }
     cp_async_wait<0>();
     __syncwarp();
 
-    // 1. The warps' results, each written over its own ring, merged into the block's.
+    // 1. The warps' results, each written over its own ring, merged into the block's record (or,
+    //    with one split, the output).
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
     l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
@@ -966,6 +984,7 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
         }
     }
     __syncthreads();
+    float* rec = part + ((size_t)kvh * gridDim.x + split) * DA_ROWS * REC;
     for (unsigned i = tid; i < pairs * VECS; i += blockDim.x) {
         const unsigned r = i / VECS, v = i % VECS;
         const float* w0 = reinterpret_cast<const float*>(rings);
@@ -988,117 +1007,72 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
             a.w += f * y.w;
             sum += f * wacc[DA_ROWS * HD + DA_ROWS + r];
         }
-        reinterpret_cast<float4*>(bacc + r * HD)[v] = a;
-        if (v == 0) {
-            bm[r] = mx;
-            bl[r] = sum;
-        }
-    }
-    cluster_sync();  // every block's merged result is visible to the cluster
-
-    // 2. The cluster's blocks: this block takes float4s [rank * VPR, (rank + 1) * VPR) of each row.
-    float* rec = part + (((size_t)kvh * clusters_all + cluster) * DA_CLUSTER + rank) * DA_ROWS * REC;
-    for (unsigned i = tid; i < pairs * VPR; i += blockDim.x) {
-        const unsigned r = i / VPR, v = rank * VPR + i % VPR;
-        float mb[DA_CLUSTER], mx = -INFINITY;
-#pragma unroll
-        for (int b = 0; b < DA_CLUSTER; b++) {
-            mb[b] = load_cluster_f32(bm + r, b);
-            mx = fmaxf(mx, mb[b]);
-        }
-        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        float sum = 0.0f;
-#pragma unroll
-        for (int b = 0; b < DA_CLUSTER; b++) {
-            if (mb[b] == -INFINITY) continue;  // that block saw no key of the row
-            const float f = exp2f(mb[b] - mx);
-            const float4 y = load_cluster_f32x4(reinterpret_cast<const float4*>(bacc + r * HD) + v, b);
-            a.x += f * y.x;
-            a.y += f * y.y;
-            a.z += f * y.z;
-            a.w += f * y.w;
-            sum += f * load_cluster_f32(bl + r, b);
-        }
-        if (clusters == 1) {
+        if (used == 1) {
             const unsigned t = r / group, h = kvh * group + r % group;
             const float inv = 1.0f / sum;
             reinterpret_cast<float4*>(out + ((size_t)t * heads + h) * HD)[v] =
                 make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
         } else {
-            reinterpret_cast<float4*>(rec + r * REC)[i % VPR] = a;
-            if (i % VPR == 0) {
-                rec[r * REC + 4 * VPR] = mx;
-                rec[r * REC + 4 * VPR + 1] = sum;
+            reinterpret_cast<float4*>(rec + r * REC)[v] = a;
+            if (v == 0) {
+                rec[r * REC + HD] = mx;
+                rec[r * REC + HD + 1] = sum;
             }
         }
     }
-    cluster_sync();  // no block leaves while another may still read its shared memory
-    if (clusters == 1) return;
+    if (used == 1) return;
 
-    // 3. Across clusters: the last block of this rank to arrive merges every cluster's records.
-    __threadfence();
+    // 2. Across splits: once every block of this KV head has written its record (counted in
+    //    counters[2 * kv_head]), each merges its share of the output's pieces.
     __syncthreads();
-    unsigned* counter = counters + kvh * DA_CLUSTER + rank;
+    unsigned* arrived = counters + 2 * kvh;
+    unsigned* left = arrived + 1;
     if (tid == 0) {
-        last = atomicAdd(counter, 1u) == clusters - 1;
-        if (last) *counter = 0;  // every block of this rank has arrived: ready for the next launch
+        __threadfence();  // the block's record, ordered by the barrier, before the count
+        atomicAdd(arrived, 1u);
+        while (*reinterpret_cast<volatile unsigned*>(arrived) < used) __nanosleep(32);
+        __threadfence();
     }
     __syncthreads();
-    if (!last) return;
-    __threadfence();
-    const float* recs = part + ((size_t)kvh * clusters_all * DA_CLUSTER + rank) * DA_ROWS * REC;
-    const size_t cstride = (size_t)DA_CLUSTER * DA_ROWS * REC;  // floats from one cluster's records to the next
-    // Every cluster's max and sum of each row, then per row (a warp each) their weights
-    // exp2(m_k - max) and the inverse of the weighted sum, in the rings' space (free now).
-    float* wk = reinterpret_cast<float*>(rings);  // [clusters][DA_ROWS]
-    float* lk = wk + clusters * DA_ROWS;          // [clusters][DA_ROWS]
-    float* inv = lk + clusters * DA_ROWS;         // [DA_ROWS]
-    for (unsigned i = tid; i < clusters * pairs; i += blockDim.x) {
-        const float* rk = recs + (i / pairs) * cstride + (i % pairs) * REC + 4 * VPR;
-        wk[(i / pairs) * DA_ROWS + i % pairs] = __ldcg(rk);
-        lk[(i / pairs) * DA_ROWS + i % pairs] = __ldcg(rk + 1);
-    }
-    __syncthreads();
-    for (unsigned r = warp; r < pairs; r += NWARPS) {
-        float mx = -INFINITY;
-        for (unsigned k = lane; k < clusters; k += 32) mx = fmaxf(mx, wk[k * DA_ROWS + r]);
-        mx = warp_max(mx);
-        float sum = 0.0f;
-        for (unsigned k = lane; k < clusters; k += 32) {
-            // A cluster that saw no key of the row weighs nothing (and its records are not read).
-            const float mk = wk[k * DA_ROWS + r], f = mk == -INFINITY ? 0.0f : exp2f(mk - mx);
-            wk[k * DA_ROWS + r] = f;
-            sum += f * lk[k * DA_ROWS + r];
-        }
-        sum = warp_sum(sum);
-        if (lane == 0) inv[r] = 1.0f / sum;
-    }
-    __syncthreads();
-    for (unsigned i = tid; i < pairs * VPR; i += blockDim.x) {
-        const unsigned r = i / VPR, v = i % VPR;
+    const float* recs = part + (size_t)kvh * gridDim.x * DA_ROWS * REC;
+    constexpr size_t SSTRIDE = (size_t)DA_ROWS * REC;  // floats from one split's records to the next
+    const unsigned items = pairs * VECS, share = (items + used - 1) / used;
+    for (unsigned i = split * share + warp; i < min((split + 1) * share, items); i += NWARPS) {
+        const unsigned r = i / VECS, v = i % VECS;
         float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll 16
-        for (unsigned k = 0; k < clusters; k++) {
-            const float f = wk[k * DA_ROWS + r];
-            if (f == 0.0f) continue;
-            const float4 y = __ldcg(reinterpret_cast<const float4*>(recs + k * cstride + r * REC) + v);
-            a.x += f * y.x;
-            a.y += f * y.y;
-            a.z += f * y.z;
-            a.w += f * y.w;
+        float mx = -INFINITY, sum = 0.0f;
+        for (unsigned k = lane; k < used; k += 32) {
+            const float* rk = recs + k * SSTRIDE + r * REC;
+            const float4 y = __ldcg(reinterpret_cast<const float4*>(rk) + v);
+            const float mk = __ldcg(rk + HD), lk = __ldcg(rk + HD + 1);
+            if (mk == -INFINITY) continue;  // that split saw no key of the row (its accumulator is zero)
+            const float m = fmaxf(mx, mk), c = exp2f(mx - m), f = exp2f(mk - m);
+            a = make_float4(a.x * c + f * y.x, a.y * c + f * y.y, a.z * c + f * y.z, a.w * c + f * y.w);
+            sum = sum * c + f * lk;
+            mx = m;
         }
-        const unsigned t = r / group, h = kvh * group + r % group;
-        reinterpret_cast<float4*>(out + ((size_t)t * heads + h) * HD)[rank * VPR + v] =
-            make_float4(a.x * inv[r], a.y * inv[r], a.z * inv[r], a.w * inv[r]);
+        const float m = warp_max(mx), c = mx == -INFINITY ? 0.0f : exp2f(mx - m);
+        a = make_float4(warp_sum(a.x * c), warp_sum(a.y * c), warp_sum(a.z * c), warp_sum(a.w * c));
+        sum = warp_sum(sum * c);
+        if (lane == 0) {
+            const unsigned t = r / group, h = kvh * group + r % group;
+            const float inv = 1.0f / sum;
+            reinterpret_cast<float4*>(out + ((size_t)t * heads + h) * HD)[v] =
+                make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
+        }
+    }
+    // The last block to leave sets both counters back to zero: every block is past its wait.
+    if (tid == 0 && atomicAdd(left, 1u) == used - 1) {
+        *arrived = 0;
+        *left = 0;
     }
 }
 
 #define DECODE(T, NAME, HD)                                                                                 \
-    extern "C" __global__ void __cluster_dims__(DA_CLUSTER, 1, 1)                                           \
-        __launch_bounds__(32 * DaShape<HD>::NWARPS) decode_attention_##NAME##_##HD(                         \
-            const float* q, const T* k_cache, const T* v_cache, const unsigned* positions, float* out,      \
-            float* part, unsigned* counters, unsigned tokens, unsigned heads, unsigned kv_heads,            \
-            unsigned max_ctx, float scale, unsigned chunk) {                                                \
+    extern "C" __global__ void __launch_bounds__(32 * DaShape<HD>::NWARPS) decode_attention_##NAME##_##HD(  \
+        const float* q, const T* k_cache, const T* v_cache, const unsigned* positions, float* out,          \
+        float* part, unsigned* counters, unsigned tokens, unsigned heads, unsigned kv_heads,                \
+        unsigned max_ctx, float scale, unsigned chunk) {                                                    \
         decode_attention<T, HD>(q, k_cache, v_cache, positions, out, part, counters, tokens, heads, kv_heads, \
                                 max_ctx, scale, chunk);                                                     \
     }

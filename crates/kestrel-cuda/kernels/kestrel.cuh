@@ -56,8 +56,10 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 // ---- programmatic dependent launch (sm_90) ----
 // A dispatch recorded as programmatic may be launched by a CUDA graph before the kernels it
 // depends on have finished. Its contract: every block calls pdl_wait() before it reads anything
-// an earlier kernel writes and before it writes anything (so only weights may be read before),
-// and calls pdl_trigger(), which lets the next kernel launch, only after its wait. Because each
+// an earlier kernel writes and before it writes anything, and calls pdl_trigger(), which lets the
+// next kernel launch, only after its wait. So before the wait a kernel may read only what no
+// kernel of the run writes: weights, the run's inputs (token ids and positions, uploaded before
+// it), and the rows of a KV cache before every token's position (written by earlier runs). Because each
 // wait follows the previous kernel's completion, the completion of a kernel still implies the
 // completion of everything before it. Without a pending programmatic launch both return at once.
 __device__ __forceinline__ void pdl_wait() {

@@ -176,36 +176,24 @@ impl Device {
         self.inner.registry.kernel(module, function)
     }
 
-    /// How many clusters of `kernel` (whose cluster size is fixed in its source, `cluster` blocks)
-    /// can run at once with `block` threads and `shared_mem` bytes of dynamic shared memory a
-    /// block: the clusters of one wave, which depend on how the multiprocessors are grouped.
-    pub fn max_active_clusters(
-        &self,
-        kernel: &Kernel,
-        cluster: u32,
-        block: u32,
-        shared_mem: u32,
-    ) -> Result<usize> {
+    /// How many blocks of `kernel` can run at once on the whole device with `block` threads and
+    /// `shared_mem` bytes of dynamic shared memory a block: the blocks of one wave.
+    pub fn max_active_blocks(&self, kernel: &Kernel, block: u32, shared_mem: u32) -> Result<usize> {
         self.bind()?;
         kernel.ensure_shared_mem(shared_mem)?;
-        let config = sys::CUlaunchConfig {
-            gridDimX: cluster,
-            gridDimY: 1,
-            gridDimZ: 1,
-            blockDimX: block,
-            blockDimY: 1,
-            blockDimZ: 1,
-            sharedMemBytes: shared_mem,
-            hStream: std::ptr::null_mut(),
-            attrs: std::ptr::null_mut(),
-            numAttrs: 0,
-        };
         let mut n = 0i32;
-        // SAFETY: a valid function handle of this context (bound above), a valid out-pointer and
-        // a configuration with no attributes.
-        unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, kernel.cu_function(), &config).result() }
-            .map_err(CudaError::driver("cuOccupancyMaxActiveClusters"))?;
-        Ok(n.max(0) as usize)
+        // SAFETY: a valid function handle of this context (bound above) and a valid out-pointer.
+        unsafe {
+            sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                &mut n,
+                kernel.cu_function(),
+                block as i32,
+                shared_mem as usize,
+            )
+            .result()
+        }
+        .map_err(CudaError::driver("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?;
+        Ok(n.max(0) as usize * self.info().sm_count as usize)
     }
 
     /// (free, total) device memory in bytes.

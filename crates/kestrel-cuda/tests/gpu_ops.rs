@@ -193,11 +193,15 @@ fn long_prefill_attention_matches_the_cpu_backend() {
     }
 }
 
-/// One decode token over a long bf16 cache at the shapes of Qwen3-30B-A3B's attention (32 query
-/// / 4 KV heads, head dim 128, 8,192 cached rows), against the CPU backend, at positions that
-/// leave every split of the cache in use, some of them, or only the first: one prepared program
-/// run again and again (eagerly and as graph replays), with fresh queries and the output
-/// poisoned each time, so a run that leaves its merge counters anywhere but zero fails the next.
+/// Decode over a long bf16 cache at the shapes of Qwen3-30B-A3B's attention (32 query / 4 KV
+/// heads, head dim 128, 8,192 cached rows), against the CPU backend: one token, and two (as a
+/// short chunk runs), whose keys and values a `KvAppend` writes just before the attention, at
+/// positions that leave every split of the cache in use, some of them, or only the first, and
+/// at the edges of a split's first batches. One prepared program run again and again (eagerly
+/// and as graph replays, where the attention launches while the append finishes and reads the
+/// older rows before it waits), with fresh queries, keys and values and the output poisoned
+/// each time, so reading a new row before the append wrote it, or leaving the merge counters
+/// anywhere but zero, fails.
 #[test]
 fn decode_attention_over_a_long_cache_matches_the_cpu_backend_run_after_run() {
     let Some(dev) =
@@ -207,51 +211,64 @@ fn decode_attention_over_a_long_cache_matches_the_cpu_backend_run_after_run() {
     };
     let (mut rng, seed) = Rng::from_time();
     let (ctx, heads, kv_heads, hd) = (8192, 32, 4, 128);
-    let mut g = GraphBuilder::new();
-    let q = g.act_input("q", 1, heads * hd);
-    let kc = g.cache("k_cache", DType::BF16, kv_heads, ctx, hd);
-    let vc = g.cache("v_cache", DType::BF16, kv_heads, ctx, hd);
-    let pos = g.positions_input("pos", 1);
-    let out = g.attention("attention", q, kc, vc, pos, heads, 1.0 / (hd as f32).sqrt());
-    g.mark_output(out);
-    let graph = g.finish().unwrap();
-    let mut cache = || -> Vec<u8> {
+    let cache = |rng: &mut Rng| -> Vec<u8> {
         let v: Vec<half::bf16> = (0..kv_heads * ctx * hd)
             .map(|_| half::bf16::from_f32(2.0 * rng.symmetric()))
             .collect();
         bytemuck::cast_slice(&v).to_vec()
     };
-    let (kb, vb) = (cache(), cache());
-    let mut cpu = CpuBackend::new();
-    let mut pc = cpu.prepare(&graph).unwrap();
-    cpu.write_bytes(&mut pc, kc.raw(), 0, &kb).unwrap();
-    cpu.write_bytes(&mut pc, vc.raw(), 0, &vb).unwrap();
-    for mode in [RunMode::Eager, RunMode::Graph] {
-        let mut cuda = CudaBackend::new(dev.clone(), mode);
-        let mut pg = cuda.prepare(&graph).unwrap();
-        cuda.write_bytes(&mut pg, kc.raw(), 0, &kb).unwrap();
-        cuda.write_bytes(&mut pg, vc.raw(), 0, &vb).unwrap();
-        for position in [ctx - 1, 5000, ctx - 1, 1500, 0, 700, ctx - 1] {
-            let qv: Vec<f32> = (0..heads * hd).map(|_| rng.symmetric()).collect();
-            cpu.upload(&mut pc, q, &qv).unwrap();
-            cpu.upload(&mut pc, pos, &[position as u32]).unwrap();
-            cpu.run(&mut pc).unwrap();
-            let want: Vec<f64> = cpu
-                .download::<f32>(&pc, out)
-                .unwrap()
-                .iter()
-                .map(|&v| v as f64)
-                .collect();
-            cuda.poison(&pg).unwrap();
-            cuda.upload(&mut pg, q, &qv).unwrap();
-            cuda.upload(&mut pg, pos, &[position as u32]).unwrap();
-            cuda.run(&mut pg).unwrap();
-            let err = rel_l2(&cuda.download::<f32>(&pg, out).unwrap(), &want);
-            println!("{mode:?} decode attention at position {position} of {ctx}: relative L2 error {err:e}");
-            assert!(
-                err <= TOL_INT8_L2,
-                "seed {seed} {mode:?} position {position}: relative L2 error {err:e}"
-            );
+    let (kb, vb) = (cache(&mut rng), cache(&mut rng));
+    for tokens in [1, 2] {
+        let mut g = GraphBuilder::new();
+        let q = g.act_input("q", tokens, heads * hd);
+        let k = g.act_input("k", tokens, kv_heads * hd);
+        let v = g.act_input("v", tokens, kv_heads * hd);
+        let kc = g.cache("k_cache", DType::BF16, kv_heads, ctx, hd);
+        let vc = g.cache("v_cache", DType::BF16, kv_heads, ctx, hd);
+        let pos = g.positions_input("pos", tokens);
+        g.kv_append("append", k, v, pos, kc, vc);
+        let out = g.attention("attention", q, kc, vc, pos, heads, 1.0 / (hd as f32).sqrt());
+        g.mark_output(out);
+        let graph = g.finish().unwrap();
+        for mode in [RunMode::Eager, RunMode::Graph] {
+            let mut cpu = CpuBackend::new();
+            let mut pc = cpu.prepare(&graph).unwrap();
+            cpu.write_bytes(&mut pc, kc.raw(), 0, &kb).unwrap();
+            cpu.write_bytes(&mut pc, vc.raw(), 0, &vb).unwrap();
+            let mut cuda = CudaBackend::new(dev.clone(), mode);
+            let mut pg = cuda.prepare(&graph).unwrap();
+            cuda.write_bytes(&mut pg, kc.raw(), 0, &kb).unwrap();
+            cuda.write_bytes(&mut pg, vc.raw(), 0, &vb).unwrap();
+            // The last positions: a split's first key, a warp's second batch, 511 + 1.
+            for position in [ctx - 2, 5000, ctx - 2, 1500, 0, 700, ctx - 2, 256, 272, 511] {
+                let qv: Vec<f32> = (0..tokens * heads * hd).map(|_| rng.symmetric()).collect();
+                let kv: Vec<f32> = (0..tokens * kv_heads * hd).map(|_| rng.symmetric()).collect();
+                let vv: Vec<f32> = (0..tokens * kv_heads * hd).map(|_| rng.symmetric()).collect();
+                let positions: Vec<u32> = (0..tokens as u32).map(|t| position as u32 + t).collect();
+                cuda.poison(&pg).unwrap();
+                for (b, d) in [(q, &qv), (k, &kv), (v, &vv)] {
+                    cpu.upload(&mut pc, b, d).unwrap();
+                    cuda.upload(&mut pg, b, d).unwrap();
+                }
+                cpu.upload(&mut pc, pos, &positions).unwrap();
+                cpu.run(&mut pc).unwrap();
+                let want: Vec<f64> = cpu
+                    .download::<f32>(&pc, out)
+                    .unwrap()
+                    .iter()
+                    .map(|&v| v as f64)
+                    .collect();
+                cuda.upload(&mut pg, pos, &positions).unwrap();
+                cuda.run(&mut pg).unwrap();
+                let err = rel_l2(&cuda.download::<f32>(&pg, out).unwrap(), &want);
+                println!(
+                    "{mode:?} decode attention, {tokens} tokens at position {position} of {ctx}: relative L2 error {err:e}"
+                );
+                assert!(
+                    err <= TOL_INT8_L2,
+                    "seed {seed} {mode:?} {tokens} tokens at position {position}: relative L2 error {err:e}"
+                );
+            }
         }
     }
 }

@@ -102,10 +102,9 @@ impl Attn {
     }
 }
 
-/// `decode_attention_*` (sm_90): rows (token, query head pairs of one KV head) it takes, blocks
-/// per cluster, keys per warp batch and batches in flight per warp.
+/// `decode_attention_*` (sm_90): rows (token, query head pairs of one KV head) it takes, keys
+/// per warp batch and batches in flight per warp.
 const DA_ROWS: usize = 16;
-const DA_CLUSTER: usize = 2;
 const DA_KEYS: usize = 16;
 const DA_STAGES: usize = 2;
 
@@ -186,35 +185,35 @@ fn encode_flash(enc: &mut Encoder, a: &Attn) -> Result<()> {
 }
 
 /// Decode on a bf16/f16 cache in one kernel: `decode_attention_*` splits the cache over one wave
-/// of blocks, in clusters that merge their blocks' results in distributed shared
-/// memory, and the last cluster to finish merges the clusters' (see `attention.cu`).
+/// of blocks, which start streaming their rows of past tokens before the kernel ahead of them
+/// finishes, then wait for each other and merge the blocks' results, each a share (see
+/// `attention.cu`).
 fn encode_decode(enc: &mut Encoder, a: &Attn) -> Result<()> {
     let (cache, tokens, heads, kv_heads, head_dim, max_ctx) =
         (a.cache, a.tokens, a.heads, a.kv_heads, a.head_dim, a.max_ctx);
     let stride = head_dim + 8;
-    let smem = (DA_ROWS * head_dim + 2 * DA_ROWS) * 4
-        + DA_ROWS * stride * 2
-        + decode_warps(head_dim) * DA_STAGES * 2 * DA_KEYS * stride * 2;
+    let smem = DA_ROWS * stride * 2 + decode_warps(head_dim) * DA_STAGES * 2 * DA_KEYS * stride * 2;
     if smem > enc.device.info().max_shared_per_block {
         return Err(unsupported(format!("decode attention with head_dim {head_dim}")));
     }
     let name = format!("decode_attention_{}_{head_dim}", float_name(cache)?);
     let kern = enc.device.kernel("attention", &name)?;
-    // As many splits as one wave of clusters holds (a second wave would double the time), in
-    // whole clusters per KV head; each split a whole number of rounds of the warps' batches.
+    // At most one block per multiprocessor, the same number of splits per KV head (each split a
+    // whole number of rounds of the warps' batches): the blocks of a KV head wait for each other,
+    // so all must be resident at once, and a second wave would double the time anyway.
     let block = 32 * decode_warps(head_dim) as u32;
     let wave = enc
         .device
-        .max_active_clusters(&kern, DA_CLUSTER as u32, block, u32_arg(smem)?)?;
-    let want = (wave / kv_heads).max(1) * DA_CLUSTER;
+        .max_active_blocks(&kern, block, u32_arg(smem)?)?
+        .min(enc.device.info().sm_count as usize);
+    let want = (wave / kv_heads).max(1);
     let round = decode_warps(head_dim) * DA_KEYS;
     let chunk = max_ctx.div_ceil(want).div_ceil(round) * round;
-    let splits = max_ctx.div_ceil(chunk).next_multiple_of(DA_CLUSTER);
-    // Per (KV head, split, row): the share of the accumulator split s merged (block rank
-    // s % DA_CLUSTER of its cluster), then max and sum and two unused floats.
-    let record = head_dim / DA_CLUSTER + 4;
+    let splits = max_ctx.div_ceil(chunk);
+    // Per (KV head, split, row): the split's accumulator, then max and sum and two unused floats.
+    let record = head_dim + 4;
     let part = enc.workspace(DType::F32, kv_heads * splits * DA_ROWS * record)?;
-    let counters = enc.counters(kv_heads * DA_CLUSTER)?;
+    let counters = enc.counters(2 * kv_heads)?;
     a.dispatch(enc, &kern)
         .grid((u32_arg(splits)?, u32_arg(kv_heads)?))
         .block(block)

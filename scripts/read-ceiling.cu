@@ -1,0 +1,268 @@
+// read-ceiling.cu: how fast one kernel can read a decode step's bytes (the 16.8 MB of an 8k KV
+// cache, the 21.2 MB of eight experts) on this GPU, by four ways of loading them, timed alone and
+// four to a graph with programmatic launches, each launch over its own copy of the bytes.
+//
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o read-ceiling scripts/read-ceiling.cu
+//   ./read-ceiling [MB ...]          (default 16.8 21.2)
+//
+// Ways (the grid is one wave; every block reads a contiguous share, half from the "K" half of the
+// bytes, half from the "V" half, as decode attention splits a cache):
+//   plain     4 blocks of 512 threads per SM, four 16-byte loads in flight per thread;
+//   cp.async  one block of 256 threads per SM, each warp's share copied with 16-byte cp.async;
+//   bulk      one block per SM whose first thread asks for its whole share with 8 bulk copies
+//             (the TMA unit) on 4 mbarriers; the 4 warps each wait for one and read it;
+//   bulk rows the same with one bulk copy per 256-byte row into rows padded to 272 bytes (what
+//             conflict-free tensor-core reads of a cache need), issued by every lane.
+// Each kernel sums what it read and stores one float per block, so nothing is optimised away.
+// "early" variants issue the reads before griddepcontrol.wait (as a kernel may for bytes no
+// earlier kernel of the graph writes); the others wait first. Timing: CUDA events around a graph
+// replay after 256 MB of other memory was read (L2 flushed), median of 50 replays.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#define CK(x)                                                                        \
+    do {                                                                             \
+        cudaError_t e = (x);                                                         \
+        if (e != cudaSuccess) {                                                      \
+            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
+            exit(1);                                                                 \
+        }                                                                            \
+    } while (0)
+
+__device__ __forceinline__ void wait_prev() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void let_next() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ unsigned saddr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ float sum4(uint4 v) {
+    return __uint_as_float(v.x & 0x3fffffffu) + __uint_as_float(v.y & 0x3fffffffu) +
+           __uint_as_float(v.z & 0x3fffffffu) + __uint_as_float(v.w & 0x3fffffffu);
+}
+
+// bytes: total; a block reads [b * share, (b + 1) * share) of each half.
+__global__ void __launch_bounds__(512) plain(const uint4* src, size_t n16, float* out, int early) {
+    if (!early) wait_prev();
+    let_next();
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    float s = 0.0f;
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    for (; i + 3 * stride < n16; i += 4 * stride) {
+        uint4 a = __ldcs(src + i), b = __ldcs(src + i + stride), c = __ldcs(src + i + 2 * stride),
+              d = __ldcs(src + i + 3 * stride);
+        s += sum4(a) + sum4(b) + sum4(c) + sum4(d);
+    }
+    for (; i < n16; i += stride) s += sum4(__ldcs(src + i));
+    if (early) wait_prev();
+    if (s == 1.2345f) out[blockIdx.x] = s;
+}
+
+__global__ void __launch_bounds__(256) cpasync(const uint4* src, size_t half16, unsigned share16, float* out,
+                                               int early) {
+    extern __shared__ uint4 sm[];
+    if (!early) wait_prev();
+    let_next();
+    const uint4* k = src + (size_t)blockIdx.x * share16;
+    const uint4* v = src + half16 + (size_t)blockIdx.x * share16;
+    for (unsigned i = threadIdx.x; i < share16; i += blockDim.x) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(saddr(sm + i)), "l"(k + i) : "memory");
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(saddr(sm + share16 + i)), "l"(v + i)
+                     : "memory");
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    if (early) wait_prev();
+    float s = 0.0f;
+    for (unsigned i = threadIdx.x; i < 2 * share16; i += blockDim.x) s += sum4(sm[i]);
+    if (s == 1.2345f) out[blockIdx.x] = s;
+}
+
+__device__ __forceinline__ void mbar_init(unsigned long long* bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(saddr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_expect(unsigned long long* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(saddr(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     saddr(dst)),
+                 "l"(src), "r"(bytes), "r"(saddr(bar))
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar) {
+    asm volatile(
+        "{\n\t.reg .pred done;\n"
+        "W_%=:\n\t"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n\t"
+        "@!done bra W_%=;\n}" ::"r"(saddr(bar))
+        : "memory");
+}
+
+// 128 threads; share16 a multiple of 4 * 16 (each of the 4 pieces of K and of V whole 256-byte rows).
+__global__ void __launch_bounds__(128) bulk_chunk(const uint4* src, size_t half16, unsigned share16, float* out,
+                                                  int early) {
+    extern __shared__ uint4 sm[];
+    __shared__ __align__(8) unsigned long long bars[4];
+    const unsigned piece = share16 / 4, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (!early) wait_prev();
+    let_next();
+    if (threadIdx.x == 0) {
+        for (int p = 0; p < 4; p++) mbar_init(&bars[p]);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        const uint4* k = src + (size_t)blockIdx.x * share16;
+        const uint4* v = src + half16 + (size_t)blockIdx.x * share16;
+        for (int p = 0; p < 4; p++) {
+            mbar_expect(&bars[p], 2 * piece * 16);
+            bulk(sm + 2 * p * piece, k + p * piece, piece * 16, &bars[p]);
+            bulk(sm + (2 * p + 1) * piece, v + p * piece, piece * 16, &bars[p]);
+        }
+    }
+    __syncthreads();
+    mbar_wait(&bars[warp]);
+    if (early) wait_prev();
+    float s = 0.0f;
+    for (unsigned i = lane; i < 2 * piece; i += 32) s += sum4(sm[2 * warp * piece + i]);
+    if (s == 1.2345f) out[blockIdx.x] = s;
+}
+
+// 128 threads; rows of 256 bytes (16 uint4) land 17 uint4 apart.
+__global__ void __launch_bounds__(128) bulk_rows(const uint4* src, size_t half16, unsigned share16, float* out,
+                                                 int early) {
+    extern __shared__ uint4 sm[];
+    __shared__ __align__(8) unsigned long long bars[4];
+    const unsigned rows = share16 / 16, prow = rows / 4, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (!early) wait_prev();
+    let_next();
+    if (threadIdx.x < 4) mbar_init(&bars[threadIdx.x]);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    __syncthreads();
+    // Warp w asks for rows [w * prow, (w + 1) * prow) of K and of V, on its own barrier.
+    if (lane == 0) mbar_expect(&bars[warp], 2 * prow * 256);
+    __syncwarp();
+    const uint4* k = src + (size_t)blockIdx.x * share16;
+    const uint4* v = src + half16 + (size_t)blockIdx.x * share16;
+    for (unsigned r = warp * prow + lane; r < (warp + 1) * prow; r += 32) {
+        bulk(sm + r * 17, k + r * 16, 256, &bars[warp]);
+        bulk(sm + (rows + r) * 17, v + r * 16, 256, &bars[warp]);
+    }
+    mbar_wait(&bars[warp]);
+    if (early) wait_prev();
+    float s = 0.0f;
+    for (unsigned i = lane; i < prow * 16; i += 32) {
+        const unsigned r = warp * prow + i / 16, c = i % 16;
+        s += sum4(sm[r * 17 + c]) + sum4(sm[(rows + r) * 17 + c]);
+    }
+    if (s == 1.2345f) out[blockIdx.x] = s;
+}
+
+__global__ void flush(const uint4* p, size_t n16, float* out) {
+    float s = 0.0f;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n16; i += (size_t)gridDim.x * blockDim.x)
+        s += sum4(p[i]);
+    if (s == 1.2345f) out[0] = s;
+}
+
+int main(int argc, char** argv) {
+    std::vector<double> sizes;
+    for (int i = 1; i < argc; i++) sizes.push_back(atof(argv[i]));
+    if (sizes.empty()) sizes = {16.8, 21.2};
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    const int sms = prop.multiProcessorCount;
+    printf("%s, %d SMs, L2 %d MB\n", prop.name, sms, prop.l2CacheSize >> 20);
+    const size_t flush_bytes = 256 << 20;
+    uint4 *fl, *bufs[4];
+    float* out;
+    CK(cudaMalloc(&fl, flush_bytes));
+    CK(cudaMemset(fl, 1, flush_bytes));
+    CK(cudaMalloc(&out, 1 << 20));
+    cudaStream_t st;
+    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    CK(cudaFuncSetAttribute(cpasync, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 << 10));
+    CK(cudaFuncSetAttribute(bulk_chunk, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 << 10));
+    CK(cudaFuncSetAttribute(bulk_rows, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 << 10));
+
+    for (double mb : sizes) {
+        // Blocks: one per SM for the shared-memory ways, rounded down to a multiple of 4 (as
+        // decode attention splits 4 KV heads); shares whole 16-row multiples.
+        const int blocks = sms / 4 * 4;
+        const size_t want = (size_t)(mb * 1e6);
+        const unsigned share16 = (unsigned)((want / 2 / 16 / blocks + 63) / 64 * 64);
+        const size_t half16 = (size_t)share16 * blocks, n16 = 2 * half16, bytes = n16 * 16;
+        for (auto& b : bufs) {
+            CK(cudaMalloc(&b, bytes));
+            CK(cudaMemset(b, 2, bytes));
+        }
+        printf("\n%.1f MB requested: %zu bytes, %d blocks, %u bytes per block (floor %.2f us at 4.26 TB/s)\n", mb,
+               bytes, blocks, share16 * 32, bytes / 4.26e6);
+        const unsigned smem = share16 * 32, smem_rows = (share16 / 16) * 2 * 17 * 16;
+        const char* names[] = {"plain", "cp.async", "bulk", "bulk rows"};
+        for (int way = 0; way < 4; way++) {
+            if ((way == 1 || way == 2) && smem > (200u << 10)) continue;
+            if (way == 3 && smem_rows > (200u << 10)) continue;
+            for (int early = 0; early < 2; early++) {
+                for (int chain : {1, 4}) {
+                    cudaGraph_t g;
+                    cudaGraphExec_t ge;
+                    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+                    for (int c = 0; c < chain; c++) {
+                        cudaLaunchConfig_t cfg = {};
+                        cudaLaunchAttribute at[1];
+                        at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+                        at[0].val.programmaticStreamSerializationAllowed = 1;
+                        cfg.attrs = at;
+                        cfg.numAttrs = c > 0 ? 1 : 0;
+                        cfg.stream = st;
+                        const uint4* src = bufs[c];
+                        if (way == 0) {
+                            cfg.gridDim = dim3(4 * sms);
+                            cfg.blockDim = dim3(512);
+                            CK(cudaLaunchKernelEx(&cfg, plain, src, n16, out, early));
+                        } else if (way == 1) {
+                            cfg.gridDim = dim3(blocks);
+                            cfg.blockDim = dim3(256);
+                            cfg.dynamicSmemBytes = smem;
+                            CK(cudaLaunchKernelEx(&cfg, cpasync, src, half16, share16, out, early));
+                        } else if (way == 2) {
+                            cfg.gridDim = dim3(blocks);
+                            cfg.blockDim = dim3(128);
+                            cfg.dynamicSmemBytes = smem;
+                            CK(cudaLaunchKernelEx(&cfg, bulk_chunk, src, half16, share16, out, early));
+                        } else {
+                            cfg.gridDim = dim3(blocks);
+                            cfg.blockDim = dim3(128);
+                            cfg.dynamicSmemBytes = smem_rows;
+                            CK(cudaLaunchKernelEx(&cfg, bulk_rows, src, half16, share16, out, early));
+                        }
+                    }
+                    CK(cudaStreamEndCapture(st, &g));
+                    CK(cudaGraphInstantiate(&ge, g, 0));
+                    std::vector<float> ts;
+                    for (int r = 0; r < 60; r++) {
+                        flush<<<4 * sms, 512, 0, st>>>(fl, flush_bytes / 16, out);
+                        CK(cudaEventRecord(e0, st));
+                        CK(cudaGraphLaunch(ge, st));
+                        CK(cudaEventRecord(e1, st));
+                        CK(cudaEventSynchronize(e1));
+                        float ms;
+                        CK(cudaEventElapsedTime(&ms, e0, e1));
+                        if (r >= 10) ts.push_back(ms * 1000.0f / chain);
+                    }
+                    std::sort(ts.begin(), ts.end());
+                    const double us = ts[ts.size() / 2];
+                    printf("%-10s %-5s %s: %7.2f us per read, %5.0f GB/s, %4.1f%% of 4.26 TB/s\n", names[way],
+                           early ? "early" : "wait", chain == 1 ? "alone  " : "4 chain", us, bytes / us / 1e3,
+                           bytes / us / 1e3 / 4260 * 100);
+                    CK(cudaGraphExecDestroy(ge));
+                    CK(cudaGraphDestroy(g));
+                }
+            }
+        }
+        for (auto& b : bufs) CK(cudaFree(b));
+    }
+    return 0;
+}
