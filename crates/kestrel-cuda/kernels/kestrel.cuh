@@ -59,7 +59,10 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 // an earlier kernel writes and before it writes anything, and calls pdl_trigger(), which lets the
 // next kernel launch, only after its wait. So before the wait a kernel may read only what no
 // kernel of the run writes: weights, the run's inputs (token ids and positions, uploaded before
-// it), and the rows of a KV cache before every token's position (written by earlier runs). Because each
+// it), and the rows of a KV cache before every token's position (written by earlier runs); or
+// what a kernel wrote that the kernels it follows depend on themselves (graphs are transitively
+// reduced, so that kernel is not among its predecessors: it finished before they passed their
+// waits and let this one launch). Because each
 // wait follows the previous kernel's completion, the completion of a kernel still implies the
 // completion of everything before it. Without a pending programmatic launch both return at once.
 __device__ __forceinline__ void pdl_wait() {

@@ -478,14 +478,16 @@ __device__ __forceinline__ void stage(void* dst, const void* src, unsigned bytes
 
 // The same as down_combine with the activations already quantised (aq, ad, as16 for every
 // (token, slot)). Dynamic shared memory: k * (inter bytes + (inter / 32 + inter / 16) floats).
+// The first experts' weights are asked for before the programmatic wait: the ids come from the
+// router, which finished before gate/up (the kernel this one follows, which reads them too)
+// passed its own wait and let this one launch, so the down matrices stream in while gate/up
+// runs. The activations, gate/up's output, are read after the wait.
 template <int BITS>
 __device__ void down_int8(const int* aq, const float* ad, const float* as16, const unsigned* ids,
                           const float* weights, const unsigned char* experts, float* out, unsigned hidden,
                           unsigned inter, unsigned k, unsigned long long span, unsigned long long dw,
                           unsigned long long ds, unsigned long long db, unsigned group) {
     extern __shared__ int sq[];
-    pdl_wait();
-    pdl_trigger();
     const unsigned qn = inter / 4, dn = inter / 32, sn = inter / 16;
     float* sd = reinterpret_cast<float*>(sq + k * qn);
     float* ss = sd + k * dn;
@@ -503,7 +505,7 @@ __device__ void down_int8(const int* aq, const float* ad, const float* as16, con
 #pragma unroll
         for (unsigned c = 0; c < DQ_CHUNK; c++) {
             active[c] = row_ok && j0 + c < k && lane < nvec;
-            sp[c] = experts + (size_t)(j0 + c < k ? ids[t * k + j0 + c] : 0) * span;
+            sp[c] = experts + (size_t)(j0 + c < k ? __ldcg(ids + t * k + j0 + c) : 0) * span;
         }
         const size_t wrow = (size_t)row * nvec, grow = row_ok ? (size_t)row * groups : 0;
         float acc[DQ_CHUNK], scale[DQ_CHUNK], bias[DQ_CHUNK];
@@ -524,6 +526,8 @@ __device__ void down_int8(const int* aq, const float* ad, const float* as16, con
         fetch(lane);
         if (j0 == 0) {
             // Stage every slot's activations while the first weight loads are in flight.
+            pdl_wait();
+            pdl_trigger();
             stage(sq, aq + t * k * qn, k * qn * 4);
             stage(sd, ad + t * k * dn, k * dn * 4);
             stage(ss, as16 + t * k * sn, k * sn * 4);
