@@ -808,7 +808,8 @@ FLASHES(f16, f16)
 //      split in the range, into the output);
 //   2. across splits: every block of a KV head counts its record in counters[2 * kv_head] and
 //      waits for the others' (all are resident: the grid is one wave), then merges its share of
-//      the output's pieces, a warp a piece, each lane loading one split's piece, max and sum;
+//      the output's pieces, a lane per split (a warp per piece with 32 splits, 16 pieces a
+//      warp with 2), each lane loading its split's piece, max and sum;
 //      the last to leave (counted in counters[2 * kv_head + 1]) sets both back to zero.
 // Spread so, the merge costs each block one round of loads (up to 32 splits) instead of one
 // block's many rounds.
@@ -1036,12 +1037,17 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
     __syncthreads();
     const float* recs = part + (size_t)kvh * gridDim.x * DA_ROWS * REC;
     constexpr size_t SSTRIDE = (size_t)DA_ROWS * REC;  // floats from one split's records to the next
+    // A group of `lanes` lanes per piece (the power of two at or above the splits, up to 32), a
+    // lane per split, so a warp merges 32 / lanes pieces at once.
     const unsigned items = pairs * VECS, share = (items + used - 1) / used;
-    for (unsigned i = split * share + warp; i < min((split + 1) * share, items); i += NWARPS) {
-        const unsigned r = i / VECS, v = i % VECS;
+    const unsigned lanes = min(32u, 1u << (32 - __clz(used - 1))), per_warp = 32 / lanes;
+    const unsigned first = split * share, last = min(first + share, items);
+    for (unsigned i0 = first + warp * per_warp; i0 < last; i0 += NWARPS * per_warp) {
+        const unsigned i = i0 + lane / lanes, r = i / VECS, v = i % VECS;
+        const bool valid = i < last;
         float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         float mx = -INFINITY, sum = 0.0f;
-        for (unsigned k = lane; k < used; k += 32) {
+        for (unsigned k = lane % lanes; valid && k < used; k += lanes) {
             const float* rk = recs + k * SSTRIDE + r * REC;
             const float4 y = __ldcg(reinterpret_cast<const float4*>(rk) + v);
             const float mk = __ldcg(rk + HD), lk = __ldcg(rk + HD + 1);
@@ -1051,14 +1057,23 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
             sum = sum * c + f * lk;
             mx = m;
         }
-        const float m = warp_max(mx), c = mx == -INFINITY ? 0.0f : exp2f(mx - m);
-        a = make_float4(warp_sum(a.x * c), warp_sum(a.y * c), warp_sum(a.z * c), warp_sum(a.w * c));
-        sum = warp_sum(sum * c);
-        if (lane == 0) {
+        float m = mx;
+        for (unsigned o = lanes / 2; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        const float c = mx == -INFINITY ? 0.0f : exp2f(mx - m);
+        float4 y = make_float4(a.x * c, a.y * c, a.z * c, a.w * c);
+        sum *= c;
+        for (unsigned o = lanes / 2; o > 0; o /= 2) {
+            y.x += __shfl_xor_sync(0xffffffffu, y.x, o);
+            y.y += __shfl_xor_sync(0xffffffffu, y.y, o);
+            y.z += __shfl_xor_sync(0xffffffffu, y.z, o);
+            y.w += __shfl_xor_sync(0xffffffffu, y.w, o);
+            sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        }
+        if (valid && lane % lanes == 0) {
             const unsigned t = r / group, h = kvh * group + r % group;
             const float inv = 1.0f / sum;
             reinterpret_cast<float4*>(out + ((size_t)t * heads + h) * HD)[v] =
-                make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
+                make_float4(y.x * inv, y.y * inv, y.z * inv, y.w * inv);
         }
     }
     // The last block to leave sets both counters back to zero: every block is past its wait.
