@@ -399,24 +399,6 @@ __device__ __forceinline__ void store_cluster_f32(const float* p, unsigned rank,
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(smem_addr(p)), "r"(rank));
     asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(a), "f"(v) : "memory");
 }
-// The value at the place of p (this block's shared memory) in the shared memory of block `rank`.
-__device__ __forceinline__ float load_cluster_f32(const float* p, unsigned rank) {
-    unsigned a;
-    float v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(smem_addr(p)), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(a) : "memory");
-    return v;
-}
-__device__ __forceinline__ float4 load_cluster_f32x4(const float4* p, unsigned rank) {
-    unsigned a;
-    float4 v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(smem_addr(p)), "r"(rank));
-    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                 : "r"(a)
-                 : "memory");
-    return v;
-}
 #endif
 
 // Four 8 x 8 matrices of 16-bit values; lanes 8i .. 8i + 7 give the row addresses of matrix i.
