@@ -239,8 +239,10 @@ fn decode_attention_over_a_long_cache_matches_the_cpu_backend_run_after_run() {
             let mut pg = cuda.prepare(&graph).unwrap();
             cuda.write_bytes(&mut pg, kc.raw(), 0, &kb).unwrap();
             cuda.write_bytes(&mut pg, vc.raw(), 0, &vb).unwrap();
-            // The last positions: a split's first key, a warp's second batch, 511 + 1.
-            for position in [ctx - 2, 5000, ctx - 2, 1500, 0, 700, ctx - 2, 256, 272, 511] {
+            // The last positions (splits of 256 keys, batches of 16 dealt to 8 warps): a split's
+            // first key, the second warp's first batch, the first warp's second batch, and a
+            // split's last key (with two tokens, the next split's first too).
+            for position in [ctx - 2, 5000, ctx - 2, 1500, 0, 700, ctx - 2, 256, 272, 384, 511] {
                 let qv: Vec<f32> = (0..tokens * heads * hd).map(|_| rng.symmetric()).collect();
                 let kv: Vec<f32> = (0..tokens * kv_heads * hd).map(|_| rng.symmetric()).collect();
                 let vv: Vec<f32> = (0..tokens * kv_heads * hd).map(|_| rng.symmetric()).collect();
