@@ -827,6 +827,11 @@ struct DaShape {
     static constexpr int REC = HD + 4;                          // a part record: acc, max, sum, 2 unused
 };
 
+// Keys a token at `position` sees in a cache of max_ctx rows.
+__device__ __forceinline__ unsigned keys_seen(unsigned position, unsigned max_ctx) {
+    return min(position, max_ctx - 1) + 1;
+}
+
 #if __CUDA_ARCH__ >= 900
 template <typename T, int HD>
 __device__ void decode_attention(const float* q, const T* k_cache, const T* v_cache, const unsigned* positions,
@@ -848,7 +853,7 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
     // run, uploaded before it.
     unsigned block_end = 0, old = max_ctx;
     for (unsigned t = 0; t < tokens; t++) {
-        block_end = max(block_end, min(positions[t], max_ctx - 1) + 1);
+        block_end = max(block_end, keys_seen(positions[t], max_ctx));
         old = min(old, positions[t]);
     }
     const unsigned used = (block_end + chunk - 1) / chunk;
@@ -889,7 +894,8 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
         const unsigned i = tid + j * 32 * NWARPS, r = i / DT, d = (i % DT) * 8;
         if (r < pairs) load8(q + ((size_t)(r / group) * heads + kvh * group + r % group) * HD + d, qv[j]);
     }
-    if (old_end < end && warp_key + STAGES * NWARPS * DA_KEYS > old_end) {
+    // Only a warp whose first STAGES batches reach past old_end has such rows, and waits for them.
+    if (old_end < end && warp_key + ((STAGES - 1) * NWARPS + 1) * DA_KEYS > old_end) {
 #pragma unroll
         for (int i = 0; i < STAGES; i++) copy(i, old_end, end, ~0u);
         cp_async_commit();
@@ -912,7 +918,7 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
     // This thread's rows g and g + 8, the keys each sees in this split (rows past the pairs see
     // everything: they are never written), and the fewest any row of the warp sees.
     const unsigned g = lane / 4, c = 2 * (lane % 4);
-    auto row_end = [&](unsigned p) { return p < pairs ? min(min(positions[p / group], max_ctx - 1) + 1, end) : end; };
+    auto row_end = [&](unsigned p) { return p < pairs ? min(keys_seen(positions[p / group], max_ctx), end) : end; };
     const unsigned lim0 = row_end(g), lim1 = row_end(g + 8);
     unsigned warp_min = min(lim0, lim1);
 #pragma unroll
