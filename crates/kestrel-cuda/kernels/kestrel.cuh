@@ -143,6 +143,58 @@ __device__ __forceinline__ void stage_x(const float* x, float* xs, unsigned n) {
     __syncthreads();
 }
 
+// One 16-byte vector `u` of a row (format BITS) times the staged x, added to acc; `scale` and
+// `bias` are the vector's group's (quantised formats only). `xs_plain`: x staged unscaled, whose
+// plain sum over the vector the bias multiplies.
+template <int BITS>
+__device__ __forceinline__ void vec_dot_exact(float& acc, uint4 v, const float* xs, const float* xs_plain,
+                                              unsigned u, float scale, float bias) {
+    constexpr unsigned VALS = VecFormat<BITS>::VALS;
+    // x is read from shared memory per word, so only 8 of its values are live at once.
+    const float4* xp = reinterpret_cast<const float4*>(xs + padded(u * VALS));
+    if constexpr (BITS == 16) {
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const float4 xq = xp[q / 2];
+            const float x0 = q % 2 ? xq.z : xq.x, x1 = q % 2 ? xq.w : xq.y;
+            const unsigned word = q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w;
+            acc += __uint_as_float(word << 16) * x0 + __uint_as_float(word & 0xffff0000u) * x1;
+        }
+    } else {
+        constexpr unsigned PER_HALF = VecFormat<BITS>::PER_HALF, PER_WORD = 2 * PER_HALF;
+        constexpr unsigned MASK = (1u << BITS) - 1u;
+        const float4* pp = reinterpret_cast<const float4*>(xs_plain + padded(u * VALS));
+        float sx = 0.0f;
+#pragma unroll
+        for (unsigned j = 0; j < VALS / 4; j++) {
+            const float4 f = pp[j];
+            sx += (f.x + f.y) + (f.z + f.w);
+        }
+        float qx = 0.0f;
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            float xq[PER_WORD];
+#pragma unroll
+            for (unsigned j = 0; j < PER_WORD / 4; j++) {
+                const float4 f = xp[q * PER_WORD / 4 + j];
+                xq[4 * j] = f.x;
+                xq[4 * j + 1] = f.y;
+                xq[4 * j + 2] = f.z;
+                xq[4 * j + 3] = f.w;
+            }
+            const unsigned word = q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w;
+            const unsigned hi = word >> 16;
+#pragma unroll
+            for (unsigned p = 0; p < PER_HALF; p++) {
+                const unsigned m = MASK << (BITS * p);
+                qx += masked_value(word, m) * xq[p];
+                qx += masked_value(hi, m) * xq[PER_HALF + p];
+            }
+        }
+        acc += scale * qx + bias * sx;
+    }
+}
+
 // Dot products of rows row0 .. row0 + R (those below `rows`) of one matrix with the staged x,
 // this lane's share: vectors lane, lane + 32, ... Reduce with warp_sum afterwards.
 // `w`: the matrix (16-byte aligned rows); `scales`, `biases`: per group (quantised only); `xsum`:
@@ -169,64 +221,16 @@ __device__ __forceinline__ void rows_dot(const void* w, const bf16* scales, cons
         for (unsigned i = 0; i < U; i++) {
             const unsigned u = u0 + 32 * i;
             if (u >= nvec) break;
-            // x is read from shared memory per word, so only 8 of its values are live at once.
-            const float4* xp = reinterpret_cast<const float4*>(xs + padded(u * VALS));
-            if constexpr (BITS == 16) {
 #pragma unroll
-                for (int q = 0; q < 4; q++) {
-                    const float4 xq = xp[q / 2];
-                    const float x0 = q % 2 ? xq.z : xq.x, x1 = q % 2 ? xq.w : xq.y;
-#pragma unroll
-                    for (int r = 0; r < R; r++) {
-                        if (row0 + r >= rows) continue;
-                        const unsigned word = q == 0 ? v[i][r].x : q == 1 ? v[i][r].y : q == 2 ? v[i][r].z : v[i][r].w;
-                        acc[r] += __uint_as_float(word << 16) * x0 + __uint_as_float(word & 0xffff0000u) * x1;
-                    }
+            for (int r = 0; r < R; r++) {
+                if (row0 + r >= rows) continue;
+                float scale = 0.0f, bias = 0.0f;
+                if constexpr (BITS != 16) {
+                    const size_t gi = (size_t)(row0 + r) * groups + (u * VALS) / group;
+                    scale = to_f32(scales[gi]);
+                    bias = to_f32(biases[gi]);
                 }
-            } else {
-                constexpr unsigned PER_HALF = VecFormat<BITS>::PER_HALF, PER_WORD = 2 * PER_HALF;
-                constexpr unsigned MASK = (1u << BITS) - 1u;
-                const float4* pp = reinterpret_cast<const float4*>(xs_plain + padded(u * VALS));
-                float sx = 0.0f;
-#pragma unroll
-                for (unsigned j = 0; j < VALS / 4; j++) {
-                    const float4 f = pp[j];
-                    sx += (f.x + f.y) + (f.z + f.w);
-                }
-                float qx[R];
-#pragma unroll
-                for (int r = 0; r < R; r++) qx[r] = 0.0f;
-#pragma unroll
-                for (int q = 0; q < 4; q++) {
-                    float xq[PER_WORD];
-#pragma unroll
-                    for (unsigned j = 0; j < PER_WORD / 4; j++) {
-                        const float4 f = xp[q * PER_WORD / 4 + j];
-                        xq[4 * j] = f.x;
-                        xq[4 * j + 1] = f.y;
-                        xq[4 * j + 2] = f.z;
-                        xq[4 * j + 3] = f.w;
-                    }
-#pragma unroll
-                    for (int r = 0; r < R; r++) {
-                        if (row0 + r >= rows) continue;
-                        const unsigned word = q == 0 ? v[i][r].x : q == 1 ? v[i][r].y : q == 2 ? v[i][r].z : v[i][r].w;
-                        const unsigned hi = word >> 16;
-#pragma unroll
-                        for (unsigned p = 0; p < PER_HALF; p++) {
-                            const unsigned m = MASK << (BITS * p);
-                            qx[r] += masked_value(word, m) * xq[p];
-                            qx[r] += masked_value(hi, m) * xq[PER_HALF + p];
-                        }
-                    }
-                }
-                const unsigned g = (u * VALS) / group;
-#pragma unroll
-                for (int r = 0; r < R; r++) {
-                    if (row0 + r >= rows) continue;
-                    const size_t gi = (size_t)(row0 + r) * groups + g;
-                    acc[r] += to_f32(scales[gi]) * qx[r] + to_f32(biases[gi]) * sx;
-                }
+                vec_dot_exact<BITS>(acc[r], v[i][r], xs, xs_plain, u, scale, bias);
             }
         }
     }

@@ -90,13 +90,15 @@ ROUTER(8)
 ROUTER(16)
 
 // route_{q4,q8,bf16}_{4,8,16}: one token's router, product and choice in one kernel (sm_90). A
-// cluster of ROUTE_BLOCKS blocks computes the logits as matvec_*_exact does (x in f32; warp w of
-// block b takes rows b * ROUTE_WARPS + w, then every ROUTE_BLOCKS * ROUTE_WARPS rows on), writes
-// them out and into block 0's shared memory (once a split cluster barrier says every block has
-// started); after a second cluster barrier one warp of block 0 chooses as router_f32 does. Dynamic shared memory: x staged, 2 * padded_len(in_dim) floats
-// (bf16: one).
+// cluster of ROUTE_BLOCKS blocks computes the logits with x in f32 as matvec_*_exact does, though
+// a warp's first row sums its lanes' vectors in a different order (warp w of block b takes rows
+// b * ROUTE_WARPS + w, then every ROUTE_BLOCKS * ROUTE_WARPS rows on), into block 0's shared
+// memory (once a split cluster barrier says every block has started); after a second cluster
+// barrier one warp of block 0 writes the logits out and chooses as router_f32 does.
+// Dynamic shared memory: x staged, 2 * padded_len(in_dim) floats (bf16: one).
 #define ROUTE_BLOCKS 8
 #define ROUTE_WARPS 16
+#define ROUTE_PRE 8  // vectors per lane of a warp's first row held in registers from before the wait
 #if __CUDA_ARCH__ >= 900
 template <int BITS, int PER_LANE>
 __device__ void route_one(const float* x, const void* w, const bf16* scales, const bf16* biases, float* logits,
@@ -104,11 +106,31 @@ __device__ void route_one(const float* x, const void* w, const bf16* scales, con
                           unsigned k, int normalize) {
     extern __shared__ float xs[];
     __shared__ float chosen_from[32 * PER_LANE];
+    constexpr unsigned VALS = VecFormat<BITS>::VALS;
     const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32, rank = cluster_rank();
+    const unsigned nvec = in_dim / VALS, groups = BITS == 16 ? 1 : in_dim / group;
+    const unsigned first = rank * ROUTE_WARPS + warp, stride = ROUTE_BLOCKS * ROUTE_WARPS;
     const size_t row_bytes = (size_t)in_dim * BITS / 8;
-    // The weights need nothing from earlier kernels: their rows are on their way to L2 while
-    // this waits for x.
-    for (unsigned r = rank * ROUTE_WARPS + warp; r < experts; r += ROUTE_BLOCKS * ROUTE_WARPS)
+    // The weights need nothing from earlier kernels. While this waits for x, the warp's first row
+    // (this lane's vectors, with their groups' scales and biases) is loaded into registers and
+    // the later rows' bytes are on their way to L2, so the products start as soon as x is staged.
+    const bool held = first < experts && nvec <= 32 * ROUTE_PRE;
+    uint4 v[ROUTE_PRE];
+    float sc[ROUTE_PRE], bs[ROUTE_PRE];
+#pragma unroll
+    for (unsigned i = 0; i < ROUTE_PRE; i++) {
+        const unsigned u = lane + 32 * i;
+        sc[i] = bs[i] = 0.0f;
+        if (held && u < nvec) {
+            v[i] = __ldcs(static_cast<const uint4*>(w) + (size_t)first * nvec + u);
+            if constexpr (BITS != 16) {
+                const size_t gi = (size_t)first * groups + (u * VALS) / group;
+                sc[i] = to_f32(scales[gi]);
+                bs[i] = to_f32(biases[gi]);
+            }
+        }
+    }
+    for (unsigned r = held ? first + stride : first; r < experts; r += stride)
         prefetch_l2_range(static_cast<const char*>(w) + r * row_bytes, row_bytes, lane, 32);
     cluster_arrive_relaxed();  // waited for before the first store into block 0
     pdl_wait();
@@ -118,15 +140,30 @@ __device__ void route_one(const float* x, const void* w, const bf16* scales, con
         for (unsigned i = threadIdx.x; i < in_dim; i += blockDim.x) xs_plain[padded(i)] = x[i];
     stage_x<BITS>(x, xs, in_dim);
     cluster_wait();
-    for (unsigned r = rank * ROUTE_WARPS + warp; r < experts; r += ROUTE_BLOCKS * ROUTE_WARPS) {
+    for (unsigned r = first; r < experts; r += stride) {
         float acc[1] = {0.0f};
-        rows_dot<BITS, 1>(w, scales, biases, r, experts, xs, xs_plain, in_dim, group, acc);
-        const float s = warp_sum(acc[0]);
-        if (lane == 0) {
-            logits[r] = s;
-            store_cluster_f32(chosen_from + r, 0, s);
+        if (held && r == first) {
+            // One partial sum per vector, added at the end: independent chains, not one long one.
+            // The block is bound by instruction issue here, so vectors past the row's end are
+            // skipped with a branch, not issued under a false predicate.
+            float part[ROUTE_PRE];
+#pragma unroll
+            for (unsigned i = 0; i < ROUTE_PRE; i++) part[i] = 0.0f;
+#pragma unroll
+            for (unsigned i = 0; i < ROUTE_PRE; i++) {
+                if (32 * i >= nvec) break;
+                if (lane + 32 * i < nvec) vec_dot_exact<BITS>(part[i], v[i], xs, xs_plain, lane + 32 * i, sc[i], bs[i]);
+            }
+#pragma unroll
+            for (unsigned i = 0; i < ROUTE_PRE; i++) acc[0] += part[i];
+        } else {
+            rows_dot<BITS, 1>(w, scales, biases, r, experts, xs, xs_plain, in_dim, group, acc);
         }
+        const float s = warp_sum(acc[0]);
+        if (lane == 0) store_cluster_f32(chosen_from + r, 0, s);
     }
+    // Only shared-memory stores are in flight here: a global store before a releasing barrier
+    // would make every thread wait for it to reach memory.
     cluster_sync();
     if (rank == 0 && warp == 0) {
         float p[PER_LANE];
@@ -134,6 +171,7 @@ __device__ void route_one(const float* x, const void* w, const bf16* scales, con
         for (int i = 0; i < PER_LANE; i++) {
             const unsigned e = lane + 32 * i;
             p[i] = e < experts ? chosen_from[e] : 0.0f;
+            if (e < experts) logits[e] = p[i];
         }
         choose<PER_LANE>(p, ids, weights, 0, experts, k, normalize);
     }
@@ -452,7 +490,7 @@ __device__ void gate_up_int8(const float* x, const unsigned* ids, const unsigned
     }
 }
 
-#define DQ_CHUNK 8  // experts whose loads a warp issues together
+#define DQ_PAIRS 6  // (slot, vector) pairs per lane of down whose loads are in flight together
 
 // Copies n values of type T into shared memory, each thread's four loads issued before its stores.
 template <typename T>
@@ -476,12 +514,16 @@ __device__ __forceinline__ void stage(void* dst, const void* src, unsigned bytes
         stage_n(static_cast<unsigned*>(dst), static_cast<const unsigned*>(src), bytes / 4);
 }
 
-// The same as down_combine with the activations already quantised (aq, ad, as16 for every
-// (token, slot)). Dynamic shared memory: k * (inter bytes + (inter / 32 + inter / 16) floats).
-// The first experts' weights are asked for before the programmatic wait: the ids come from the
-// router, which finished before gate/up (the kernel this one follows, which reads them too)
-// passed its own wait and let this one launch, so the down matrices stream in while gate/up
-// runs. The activations, gate/up's output, are read after the wait.
+// out[t, r] = sum_j weights[t, j] * (down_{e_j}[r] . act[t * k + j]) with the activations
+// already quantised (aq, ad, as16 for every (token, slot)). One warp per output row; its k * nvec
+// (slot, vector) pairs are spread over the lanes, DQ_PAIRS each at a time, so every lane has
+// work and a lane's registers hold only its own pairs. Each lane sums its pairs' weighted
+// products in pair order, then the warp sums the lanes: the order is fixed, so results do not
+// depend on scheduling. Dynamic shared memory: k * (inter bytes + (inter / 32 + inter / 16)
+// floats). The first pairs' weights, with the ids and routing weights that pick them, are read
+// before the programmatic wait: the router wrote them, and it finished before gate/up (the kernel
+// this one follows, which reads them too) passed its own wait and let this one launch, so the
+// down matrices stream in while gate/up runs. The activations, gate/up's output, are read after.
 template <int BITS>
 __device__ void down_int8(const int* aq, const float* ad, const float* as16, const unsigned* ids,
                           const float* weights, const unsigned char* experts, float* out, unsigned hidden,
@@ -495,36 +537,27 @@ __device__ void down_int8(const int* aq, const float* ad, const float* as16, con
     const unsigned lane = threadIdx.x % 32;
     const unsigned row = blockIdx.x * DOWN_WARPS + threadIdx.x / 32;
     const bool row_ok = row < hidden;
-    const unsigned nvec = inter / VecFormat<BITS>::VALS, groups = inter / group;
+    const unsigned nvec = inter / VecFormat<BITS>::VALS, groups = inter / group, pairs = k * nvec;
+    // Rows past the end read row 0 and drop the result.
+    const size_t wrow = (size_t)(row_ok ? row : 0) * nvec, grow = (size_t)(row_ok ? row : 0) * groups;
     float total = 0.0f;
-    for (unsigned j0 = 0; j0 < k; j0 += DQ_CHUNK) {
-        // Only each expert's span is kept; the matrices' addresses are formed where they are used.
-        const unsigned char* sp[DQ_CHUNK];
-        bool active[DQ_CHUNK];
-        uint4 v[DQ_CHUNK];
-#pragma unroll
-        for (unsigned c = 0; c < DQ_CHUNK; c++) {
-            active[c] = row_ok && j0 + c < k && lane < nvec;
-            sp[c] = experts + (size_t)(j0 + c < k ? __ldcg(ids + t * k + j0 + c) : 0) * span;
-        }
-        const size_t wrow = (size_t)row * nvec, grow = row_ok ? (size_t)row * groups : 0;
-        float acc[DQ_CHUNK], scale[DQ_CHUNK], bias[DQ_CHUNK];
-        // Every expert's vector and its group's scale and bias are loaded together, branch-free
-        // (inactive experts read row 0 of a real expert and their result is dropped): a load
+    for (unsigned p0 = 0; p0 < pairs; p0 += 32 * DQ_PAIRS) {
+        // Every pair's vector, its group's scale and bias and its slot's weight are loaded
+        // together, branch-free (pairs past the end read slot 0's vector 0 with weight 0): a load
         // issued only at compute time would queue behind everything in flight.
-        const auto fetch = [&](unsigned u) {
-            const unsigned uu = u < nvec ? u : 0, g = (uu * VecFormat<BITS>::VALS) / group;
+        uint4 v[DQ_PAIRS];
+        float scale[DQ_PAIRS], bias[DQ_PAIRS], gate[DQ_PAIRS];
 #pragma unroll
-            for (unsigned c = 0; c < DQ_CHUNK; c++) {
-                if (active[c]) v[c] = __ldcs(reinterpret_cast<const uint4*>(sp[c] + dw) + wrow + u);
-                scale[c] = to_f32(reinterpret_cast<const bf16*>(sp[c] + ds)[grow + g]);
-                bias[c] = to_f32(reinterpret_cast<const bf16*>(sp[c] + db)[grow + g]);
-            }
-        };
-#pragma unroll
-        for (unsigned c = 0; c < DQ_CHUNK; c++) acc[c] = 0.0f;
-        fetch(lane);
-        if (j0 == 0) {
+        for (unsigned i = 0; i < DQ_PAIRS; i++) {
+            const unsigned p = p0 + lane + 32 * i, pp = p < pairs ? p : 0, j = pp / nvec, u = pp % nvec;
+            const unsigned char* sp = experts + (size_t)__ldcg(ids + t * k + j) * span;
+            const unsigned g = (u * VecFormat<BITS>::VALS) / group;
+            v[i] = __ldcs(reinterpret_cast<const uint4*>(sp + dw) + wrow + u);
+            scale[i] = to_f32(reinterpret_cast<const bf16*>(sp + ds)[grow + g]);
+            bias[i] = to_f32(reinterpret_cast<const bf16*>(sp + db)[grow + g]);
+            gate[i] = p < pairs ? __ldcg(weights + t * k + j) : 0.0f;
+        }
+        if (p0 == 0) {
             // Stage every slot's activations while the first weight loads are in flight.
             pdl_wait();
             pdl_trigger();
@@ -533,25 +566,14 @@ __device__ void down_int8(const int* aq, const float* ad, const float* as16, con
             stage(ss, as16 + t * k * sn, k * sn * 4);
             __syncthreads();
         }
-        for (unsigned u = lane;;) {
-            const unsigned uu = u < nvec ? u : 0;
 #pragma unroll
-            for (unsigned c = 0; c < DQ_CHUNK; c++) {
-                const unsigned j = min(j0 + c, k - 1);  // a staged slot
-                const QuantX x{sq + j * qn, sd + j * dn, ss + j * sn};
-                const float d = dot_int8<BITS>(v[c], x_segment<BITS>(x, uu), scale[c], bias[c]);
-                if (active[c]) acc[c] += d;
-            }
-            u += 32;
-            if (u >= nvec) break;
-#pragma unroll
-            for (unsigned c = 0; c < DQ_CHUNK; c++) active[c] = active[c] && u < nvec;
-            fetch(u);
+        for (unsigned i = 0; i < DQ_PAIRS; i++) {
+            const unsigned p = p0 + lane + 32 * i, pp = p < pairs ? p : 0, j = pp / nvec, u = pp % nvec;
+            const QuantX x{sq + j * qn, sd + j * dn, ss + j * sn};
+            total += gate[i] * dot_int8<BITS>(v[i], x_segment<BITS>(x, u), scale[i], bias[i]);
         }
-#pragma unroll
-        for (unsigned c = 0; c < DQ_CHUNK; c++)
-            if (j0 + c < k) total += weights[t * k + j0 + c] * warp_sum(acc[c]);
     }
+    total = warp_sum(total);
     if (lane == 0 && row_ok) out[t * hidden + row] = total;
 }
 
@@ -564,7 +586,7 @@ __device__ void down_int8(const int* aq, const float* ad, const float* as16, con
         gate_up_int8<BITS>(x, ids, experts, aq, ad, as16, hidden, inter, k, span, gw, gs, gb, uw, us, ub,   \
                            group);                                                                           \
     }                                                                                                        \
-    extern "C" __global__ void __launch_bounds__(32 * DOWN_WARPS, 4) moe_down_##NAME(                        \
+    extern "C" __global__ void __launch_bounds__(32 * DOWN_WARPS, 5) moe_down_##NAME(                        \
         const int* aq, const float* ad, const float* as16, const unsigned* ids, const float* weights,        \
         const unsigned char* experts, float* out, unsigned hidden, unsigned inter, unsigned k,               \
         unsigned long long span, unsigned long long dw, unsigned long long ds, unsigned long long db,        \
