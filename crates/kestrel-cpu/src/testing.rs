@@ -1068,6 +1068,27 @@ pub fn moe_decode_model_shape(rng: Rng) -> Case {
     )
 }
 
+/// One MoE layer's experts as wide as Qwen3.5-397B-A17B's (expert width 1,024, top-10, 4-bit in
+/// groups of 64) for one token, the router's 8-bit product in front; hidden 1,024 and 24 experts
+/// so the CPU reference stays quick. A row of `down` has 10 x 32 (slot, vector) pairs: more than
+/// CUDA's one-token kernel loads in one round.
+pub fn moe_decode_wide_shape(rng: Rng) -> Case {
+    let layout = ExpertLayout {
+        experts: 24,
+        hidden: 1024,
+        inter: 1024,
+        format: ExpertFormat::Quant(QuantFormat::Q4),
+    };
+    moe_case(
+        CaseBuilder::new(rng),
+        layout,
+        1,
+        10,
+        true,
+        Some(Some(QuantFormat::Q8)),
+    )
+}
+
 /// `router`: None takes random logits; Some(format) computes them from x with a router weight
 /// of that format (None: bf16).
 fn moe_case(

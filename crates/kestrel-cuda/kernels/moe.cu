@@ -144,8 +144,8 @@ __device__ void route_one(const float* x, const void* w, const bf16* scales, con
         float acc[1] = {0.0f};
         if (held && r == first) {
             // One partial sum per vector, added at the end: independent chains, not one long one.
-            // The block is bound by instruction issue here, so vectors past the row's end are
-            // skipped with a branch, not issued under a false predicate.
+            // Vectors past the row's end are skipped with a branch, not issued under a false
+            // predicate.
             float part[ROUTE_PRE];
 #pragma unroll
             for (unsigned i = 0; i < ROUTE_PRE; i++) part[i] = 0.0f;

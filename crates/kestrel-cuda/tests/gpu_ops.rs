@@ -105,15 +105,22 @@ fn every_op_matches_the_cpu_backend() {
 
 /// One token of a MoE layer at Qwen3-30B-A3B's expert shapes (the random cases' layers are
 /// small): the router's 8-bit product and choice as one cluster kernel, then gate/up and down
-/// over rows of 2,048 and 768 values, as a decode step runs them.
+/// over rows of 2,048 and 768 values, as a decode step runs them; and, every other round,
+/// experts as wide as Qwen3.5-397B-A17B's at top-10, whose rows of `down` take more than one
+/// round of loads.
 #[test]
 fn moe_decode_at_model_shape_matches_the_cpu_backend() {
     let Some(dev) = device_or_skip("moe_decode_at_model_shape_matches_the_cpu_backend") else {
         return;
     };
     let (mut rng, seed) = Rng::from_time();
-    for round in 0..3 {
-        let case = kestrel_cpu::testing::moe_decode_model_shape(Rng::new(rng.next_u64()));
+    for round in 0..4 {
+        let case_rng = Rng::new(rng.next_u64());
+        let case = if round % 2 == 0 {
+            kestrel_cpu::testing::moe_decode_model_shape(case_rng)
+        } else {
+            kestrel_cpu::testing::moe_decode_wide_shape(case_rng)
+        };
         compare(&dev, &case, seed, round);
     }
 }
