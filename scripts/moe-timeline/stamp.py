@@ -10,7 +10,14 @@ out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(here, "build")
 os.makedirs(out, exist_ok=True)
 
 # The host pass of nvcc must see the sm_90 kernels' declarations too.
-cuh = open(os.path.join(kernels, "kestrel.cuh")).read().replace("\n#if __CUDA_ARCH__ >= 900\n// This block's rank", "\n#if 1\n// This block's rank")
+def replaced(text, name, old, new):
+    if text.count(old) != 1:
+        sys.exit(f"stamp.py: not found once in {name}:\n{old}")
+    return text.replace(old, new)
+
+
+cuh = open(os.path.join(kernels, "kestrel.cuh")).read()
+cuh = replaced(cuh, "kestrel.cuh", "\n#if __CUDA_ARCH__ >= 900\n// This block's rank", "\n#if 1\n// This block's rank")
 open(os.path.join(out, "kestrel.cuh"), "w").write(cuh)
 
 src = open(os.path.join(kernels, "moe.cu")).read()
@@ -18,9 +25,7 @@ src = open(os.path.join(kernels, "moe.cu")).read()
 
 def rep(old, new):
     global src
-    if src.count(old) != 1:
-        sys.exit(f"stamp.py: not found once in moe.cu:\n{old}")
-    src = src.replace(old, new)
+    src = replaced(src, "moe.cu", old, new)
 
 
 # route_*: 0 start, 1 after the wait, 2 x staged, 6 first row's product, 3 products done,
