@@ -144,11 +144,11 @@ __device__ __forceinline__ void stage_x(const float* x, float* xs, unsigned n) {
 }
 
 // One 16-byte vector `u` of a row (format BITS) times the staged x, added to acc; `scale` and
-// `bias` are the vector's group's (quantised formats only). `xs_plain`: x staged unscaled, whose
-// plain sum over the vector the bias multiplies.
+// `bias` are the vector's group's and `sx` the plain sum of x over the vector (quantised formats
+// only: the bias multiplies it).
 template <int BITS>
-__device__ __forceinline__ void vec_dot_exact(float& acc, uint4 v, const float* xs, const float* xs_plain,
-                                              unsigned u, float scale, float bias) {
+__device__ __forceinline__ void vec_dot_exact_sum(float& acc, uint4 v, const float* xs, unsigned u, float scale,
+                                                  float bias, float sx) {
     constexpr unsigned VALS = VecFormat<BITS>::VALS;
     // x is read from shared memory per word, so only 8 of its values are live at once.
     const float4* xp = reinterpret_cast<const float4*>(xs + padded(u * VALS));
@@ -163,13 +163,6 @@ __device__ __forceinline__ void vec_dot_exact(float& acc, uint4 v, const float* 
     } else {
         constexpr unsigned PER_HALF = VecFormat<BITS>::PER_HALF, PER_WORD = 2 * PER_HALF;
         constexpr unsigned MASK = (1u << BITS) - 1u;
-        const float4* pp = reinterpret_cast<const float4*>(xs_plain + padded(u * VALS));
-        float sx = 0.0f;
-#pragma unroll
-        for (unsigned j = 0; j < VALS / 4; j++) {
-            const float4 f = pp[j];
-            sx += (f.x + f.y) + (f.z + f.w);
-        }
         float qx = 0.0f;
 #pragma unroll
         for (int q = 0; q < 4; q++) {
@@ -195,12 +188,37 @@ __device__ __forceinline__ void vec_dot_exact(float& acc, uint4 v, const float* 
     }
 }
 
+// The plain sum of VALS values of x, four at a time in order: what vec_dot_exact's biases multiply.
+template <unsigned VALS>
+__device__ __forceinline__ float plain_sum(const float4* f) {
+    float sx = 0.0f;
+#pragma unroll
+    for (unsigned j = 0; j < VALS / 4; j++) sx += (f[j].x + f[j].y) + (f[j].z + f[j].w);
+    return sx;
+}
+
+// vec_dot_exact_sum with the sum taken from `xs_plain`, x staged unscaled.
+template <int BITS>
+__device__ __forceinline__ void vec_dot_exact(float& acc, uint4 v, const float* xs, const float* xs_plain,
+                                              unsigned u, float scale, float bias) {
+    constexpr unsigned VALS = VecFormat<BITS>::VALS;
+    float sx = 0.0f;
+    if constexpr (BITS != 16) {
+        const float4* pp = reinterpret_cast<const float4*>(xs_plain + padded(u * VALS));
+        float4 f[VALS / 4];
+#pragma unroll
+        for (unsigned j = 0; j < VALS / 4; j++) f[j] = pp[j];
+        sx = plain_sum<VALS>(f);
+    }
+    vec_dot_exact_sum<BITS>(acc, v, xs, u, scale, bias, sx);
+}
+
 // Dot products of rows row0 .. row0 + R (those below `rows`) of one matrix with the staged x,
 // this lane's share: vectors lane, lane + 32, ... Reduce with warp_sum afterwards.
-// `w`: the matrix (16-byte aligned rows); `scales`, `biases`: per group (quantised only); `xsum`:
-// the plain sum of x over each vector is needed for the biases, so quantised formats also take
-// `xs_plain`, x staged unscaled.
-template <int BITS, int R>
+// `w`: the matrix (16-byte aligned rows); `scales`, `biases`: per group (quantised only). The
+// biases multiply the plain sum of x over each vector, so quantised formats also take `xs_plain`:
+// x staged unscaled, or with SUMS those sums themselves (vector u's at [u]).
+template <int BITS, int R, bool SUMS = false>
 __device__ __forceinline__ void rows_dot(const void* w, const bf16* scales, const bf16* biases, unsigned row0,
                                          unsigned rows, const float* xs, const float* xs_plain, unsigned cols,
                                          unsigned group, float acc[R]) {
@@ -230,7 +248,10 @@ __device__ __forceinline__ void rows_dot(const void* w, const bf16* scales, cons
                     scale = to_f32(scales[gi]);
                     bias = to_f32(biases[gi]);
                 }
-                vec_dot_exact<BITS>(acc[r], v[i][r], xs, xs_plain, u, scale, bias);
+                if constexpr (SUMS)
+                    vec_dot_exact_sum<BITS>(acc[r], v[i][r], xs, u, scale, bias, BITS == 16 ? 0.0f : xs_plain[u]);
+                else
+                    vec_dot_exact<BITS>(acc[r], v[i][r], xs, xs_plain, u, scale, bias);
             }
         }
     }

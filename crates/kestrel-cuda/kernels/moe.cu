@@ -94,17 +94,113 @@ ROUTER(16)
 // a warp's first row sums its lanes' vectors in a different order (warp w of block b takes rows
 // b * ROUTE_WARPS + w, then every ROUTE_BLOCKS * ROUTE_WARPS rows on), into block 0's shared
 // memory (once a split cluster barrier says every block has started); after a second cluster
-// barrier one warp of block 0 writes the logits out and chooses as router_f32 does.
-// Dynamic shared memory: x staged, 2 * padded_len(in_dim) floats (bf16: one).
+// barrier block 0 writes the logits out and chooses (choose_block).
+// Dynamic shared memory: x staged (padded_len(in_dim) floats), then for quantised weights the
+// plain sum of x over each 16-byte vector's values (in_dim / VALS floats).
 #define ROUTE_BLOCKS 8
 #define ROUTE_WARPS 16
 #define ROUTE_PRE 8  // vectors per lane of a warp's first row held in registers from before the wait
 #if __CUDA_ARCH__ >= 900
+// Stages x[0..n) pre-scaled for format BITS (as stage_x) and, for quantised formats, the plain
+// sum of every vector's values (as vec_dot_exact sums them) into xsum. A thread per vector, its
+// loads issued together: one round trip to L2 instead of one per value a thread, and the
+// products read one sum per vector instead of its values a second time. Synchronises the block.
+template <int BITS>
+__device__ __forceinline__ void stage_x_sums(const float* x, float* xs, float* xsum, unsigned n) {
+    constexpr unsigned VALS = VecFormat<BITS>::VALS, F4 = VALS / 4;
+    const bool aligned = ((size_t)x & 15) == 0;
+    for (unsigned u = threadIdx.x; u < n / VALS; u += blockDim.x) {
+        float4 f[F4];
+        if (aligned) {
+#pragma unroll
+            for (unsigned j = 0; j < F4; j++) f[j] = reinterpret_cast<const float4*>(x)[u * F4 + j];
+        } else {
+            const float* xv = x + u * VALS;
+#pragma unroll
+            for (unsigned j = 0; j < F4; j++) f[j] = make_float4(xv[4 * j], xv[4 * j + 1], xv[4 * j + 2], xv[4 * j + 3]);
+        }
+#pragma unroll
+        for (unsigned j = 0; j < F4; j++) {
+            const unsigned i = u * VALS + 4 * j;  // four values of one padded run of 32
+            *reinterpret_cast<float4*>(xs + padded(i)) =
+                make_float4(f[j].x * VecFormat<BITS>::x_scale(i), f[j].y * VecFormat<BITS>::x_scale(i + 1),
+                            f[j].z * VecFormat<BITS>::x_scale(i + 2), f[j].w * VecFormat<BITS>::x_scale(i + 3));
+        }
+        if constexpr (BITS != 16) xsum[u] = plain_sum<VALS>(f);
+    }
+    __syncthreads();
+}
+
+// One token's choice, as choose() makes it, by a whole block from the logits `l` in shared memory
+// (experts <= 32 * PER_LANE <= blockDim.x, k <= 32), which it also writes out to `logits`. The
+// softmax takes two block reductions; then each expert's rank is counted instead of k rounds of
+// argmax. Experts are ordered by probability, the lower index first among equals, as choose()'s
+// rounds order them: one 64-bit key holds both, so no two keys are equal. Only candidates are
+// compared: the experts are cut into groups of 8, and an expert below the best of k groups has k
+// experts above it. So the count is short even when many probabilities are equal (a saturated
+// softmax rounds most of them to 0): at most (k - 1) * 8 + 1 candidates.
+template <int PER_LANE>
+__device__ void choose_block(const float* l, float* logits, unsigned* ids, float* weights, unsigned experts,
+                             unsigned k, int normalize) {
+    constexpr unsigned N = 32 * PER_LANE, LANES = 8, GROUPS = N / LANES;
+    __shared__ float red[32];
+    __shared__ unsigned long long group_best[GROUPS], cand[N];
+    __shared__ unsigned ncand;
+    __shared__ float top[32];
+    const unsigned e = threadIdx.x;
+    const bool present = e < experts;
+    const float x = present ? l[e] : -INFINITY;
+    if (present) logits[e] = x;
+    const float m = block_max(x, red);
+    float p = present ? expf(x - m) : -1.0f;
+    const float s = block_sum(fmaxf(p, 0.0f), red);
+    if (p >= 0.0f) p /= s;
+    // Non-negative floats order as their bits; plus one, so 0 marks an absent expert. The low
+    // half orders equal probabilities by index.
+    const unsigned key = p >= 0.0f ? __float_as_uint(p) + 1u : 0u;
+    const unsigned long long order = (unsigned long long)key << 32 | (0xffffffffu - e);
+    unsigned long long g = order;
+#pragma unroll
+    for (unsigned o = LANES / 2; o > 0; o >>= 1) {
+        const unsigned long long h = __shfl_xor_sync(0xffffffffu, g, o);
+        g = h > g ? h : g;
+    }
+    if (e < N && e % LANES == 0) group_best[e / LANES] = g;
+    if (e == 0) ncand = 0;
+    __syncthreads();
+    bool candidate = false;
+    if (present) {
+        unsigned above = 0;
+#pragma unroll
+        for (unsigned i = 0; i < GROUPS; i++) above += group_best[i] > order;
+        candidate = above < k;
+        if (candidate) cand[atomicAdd(&ncand, 1u)] = order;
+    }
+    __syncthreads();
+    if (candidate) {
+        const unsigned n = ncand;
+        unsigned rank = 0;
+#pragma unroll 4
+        for (unsigned i = 0; i < n; i++) rank += cand[i] > order;
+        if (rank < k) {
+            ids[rank] = e;
+            top[rank] = __uint_as_float(key - 1u);
+        }
+    }
+    __syncthreads();
+    if (e < k) {
+        float total = 0.0f;
+        for (unsigned j = 0; j < k; j++) total += top[j];
+        weights[e] = normalize ? top[e] / total : top[e];
+    }
+}
+
 template <int BITS, int PER_LANE>
 __device__ void route_one(const float* x, const void* w, const bf16* scales, const bf16* biases, float* logits,
                           unsigned* ids, float* weights, unsigned in_dim, unsigned experts, unsigned group,
                           unsigned k, int normalize) {
-    extern __shared__ float xs[];
+    static_assert(PER_LANE <= ROUTE_WARPS, "choose_block takes a thread per expert");
+    extern __shared__ __align__(16) float xs[];
     __shared__ float chosen_from[32 * PER_LANE];
     constexpr unsigned VALS = VecFormat<BITS>::VALS;
     const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32, rank = cluster_rank();
@@ -135,10 +231,8 @@ __device__ void route_one(const float* x, const void* w, const bf16* scales, con
     cluster_arrive_relaxed();  // waited for before the first store into block 0
     pdl_wait();
     pdl_trigger();
-    float* xs_plain = xs + padded_len(in_dim);
-    if constexpr (BITS != 16)
-        for (unsigned i = threadIdx.x; i < in_dim; i += blockDim.x) xs_plain[padded(i)] = x[i];
-    stage_x<BITS>(x, xs, in_dim);
+    float* xsum = xs + padded_len(in_dim);
+    stage_x_sums<BITS>(x, xs, xsum, in_dim);
     cluster_wait();
     for (unsigned r = first; r < experts; r += stride) {
         float acc[1] = {0.0f};
@@ -152,12 +246,13 @@ __device__ void route_one(const float* x, const void* w, const bf16* scales, con
 #pragma unroll
             for (unsigned i = 0; i < ROUTE_PRE; i++) {
                 if (32 * i >= nvec) break;
-                if (lane + 32 * i < nvec) vec_dot_exact<BITS>(part[i], v[i], xs, xs_plain, lane + 32 * i, sc[i], bs[i]);
+                const unsigned u = lane + 32 * i;
+                if (u < nvec) vec_dot_exact_sum<BITS>(part[i], v[i], xs, u, sc[i], bs[i], BITS == 16 ? 0.0f : xsum[u]);
             }
 #pragma unroll
             for (unsigned i = 0; i < ROUTE_PRE; i++) acc[0] += part[i];
         } else {
-            rows_dot<BITS, 1>(w, scales, biases, r, experts, xs, xs_plain, in_dim, group, acc);
+            rows_dot<BITS, 1, true>(w, scales, biases, r, experts, xs, xsum, in_dim, group, acc);
         }
         const float s = warp_sum(acc[0]);
         if (lane == 0) store_cluster_f32(chosen_from + r, 0, s);
@@ -165,16 +260,7 @@ __device__ void route_one(const float* x, const void* w, const bf16* scales, con
     // Only shared-memory stores are in flight here: a global store before a releasing barrier
     // would make every thread wait for it to reach memory.
     cluster_sync();
-    if (rank == 0 && warp == 0) {
-        float p[PER_LANE];
-#pragma unroll
-        for (int i = 0; i < PER_LANE; i++) {
-            const unsigned e = lane + 32 * i;
-            p[i] = e < experts ? chosen_from[e] : 0.0f;
-            if (e < experts) logits[e] = p[i];
-        }
-        choose<PER_LANE>(p, ids, weights, 0, experts, k, normalize);
-    }
+    if (rank == 0) choose_block<PER_LANE>(chosen_from, logits, ids, weights, experts, k, normalize);
 }
 
 #define ROUTE_Q(BITS, PER_LANE)                                                                              \

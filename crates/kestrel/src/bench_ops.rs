@@ -54,7 +54,24 @@ fn fill_random(cuda: &mut CudaBackend, p: &mut CudaProgram, rng: &mut Rng) -> Re
                 buf,
                 &(0..n).map(|_| rng.next_u64() as u32).collect::<Vec<u32>>(),
             )?,
-            DType::U8 => cuda.upload(p, buf, &(0..n).map(|_| rng.next_u64() as u8).collect::<Vec<u8>>())?,
+            // Byte blobs are quantised experts: random words, with every odd byte (the high
+            // byte of each bf16 scale and bias) drawn so that any two bytes read as a bf16 are
+            // finite, about ±0.008 to ±0.125. Fully random bytes make NaN and infinite scales,
+            // so a chain of MoE layers would route on NaN logits from its second layer on.
+            DType::U8 => cuda.upload(
+                p,
+                buf,
+                &(0..n)
+                    .map(|i| {
+                        let r = rng.next_u64() as u8;
+                        if i % 2 == 1 {
+                            0x3c | (r & 0x81)
+                        } else {
+                            r
+                        }
+                    })
+                    .collect::<Vec<u8>>(),
+            )?,
             _ => {}
         }
     }

@@ -213,7 +213,8 @@ pub fn encode_route(linear: &Op, router: &Op, enc: &mut Encoder) -> Result<bool>
     {
         return Ok(false);
     }
-    // Staged x: padded floats, twice for quantised weights (pre-scaled and plain).
+    // Staged x: padded floats; for quantised weights then the plain sum of x over each 16-byte
+    // vector's values.
     let staged = padded_len(in_dim) * 4;
     let smem = match w {
         LinearWeight::Quant { format, .. } if format.bits == 4 || format.bits == 8 => {
@@ -221,7 +222,7 @@ pub fn encode_route(linear: &Op, router: &Op, enc: &mut Encoder) -> Result<bool>
             if format.group_size % vals != 0 || in_dim % vals != 0 {
                 return Ok(false);
             }
-            2 * staged
+            staged + in_dim / vals * 4
         }
         LinearWeight::Dense(d) if enc.dtype(d.raw()) == DType::BF16 && in_dim % 8 == 0 => staged,
         _ => return Ok(false),
