@@ -32,11 +32,12 @@ def rep(old, new):
 # 4 after the cluster barrier, 5 choice written.
 rep("    const size_t row_bytes = (size_t)in_dim * BITS / 8;\n", "    const size_t row_bytes = (size_t)in_dim * BITS / 8;\n    TL_BEGIN(0);\n")
 rep("    cluster_arrive_relaxed();  // waited for before the first store into block 0\n    pdl_wait();\n", "    cluster_arrive_relaxed();  // waited for before the first store into block 0\n    pdl_wait();\n    STAMP(1);\n")
-rep("    stage_x_sums<BITS>(x, xs, xsum, in_dim);\n    cluster_wait();\n", "    stage_x_sums<BITS>(x, xs, xsum, in_dim);\n    cluster_wait();\n    STAMP(2);\n")
+rep("        stage_x_sums<BITS>(x, xs, xsum, in_dim);\n    }\n    cluster_wait();\n", "        stage_x_sums<BITS>(x, xs, xsum, in_dim);\n    }\n    cluster_wait();\n    STAMP(2);\n")
 rep("        const float s = warp_sum(acc[0]);\n        if (lane == 0) store_cluster_f32", "        if (r == first) STAMP(6);\n        const float s = warp_sum(acc[0]);\n        if (lane == 0) store_cluster_f32")
 rep("    // Only shared-memory stores are in flight here", "    STAMP(3);\n    // Only shared-memory stores are in flight here")
-rep("    cluster_sync();\n    if (rank == 0) choose_block<PER_LANE>(chosen_from, logits, ids, weights, experts, k, normalize);\n}\n",
-    "    cluster_sync();\n    if (rank == 0) {\n        STAMP(4);\n        choose_block<PER_LANE>(chosen_from, logits, ids, weights, experts, k, normalize);\n        STAMP(5);\n    }\n}\n")
+rep("    cluster_sync();\n    if (rank != 0) return;\n", "    cluster_sync();\n    if (rank != 0) return;\n    STAMP(4);\n")
+rep("    choose_block<PER_LANE>(chosen_from, scale, logits, ids, weights, experts, k, normalize);\n}\n",
+    "    choose_block<PER_LANE>(chosen_from, scale, logits, ids, weights, experts, k, normalize);\n    STAMP(5);\n}\n")
 # gate/up: 0 start, 1 after the wait, 2 weights asked for (the ids are back), 3 x rounded and
 # the scales in, 4 products done, 5 activations written.
 rep("    extern __shared__ __align__(16) float sact[];\n", "    extern __shared__ __align__(16) float sact[];\n    TL_BEGIN(1);\n")

@@ -996,8 +996,31 @@ pub fn router(rng: Rng) -> Case {
     let tokens = pick(&mut c.rng, &[1, 1, 1, 3, 40]);
     let normalize = c.rng.next_f32() < 0.5;
     let (w, wf) = c.linear_weight("gate", experts, in_dim, format, dtype);
-    let (x, xf) = c.act("x", tokens, in_dim, 1.0);
-    let logits = c.g.linear("gate", x, &w);
+    // Sometimes the residual add and norm in front, as a MoE layer has them (CUDA folds them
+    // into its one-token router kernel where they fit).
+    let norm = pick(
+        &mut c.rng,
+        &[None, Some(NormKind::Standard), Some(NormKind::ZeroCentered)],
+    );
+    let (logits, xf) = match norm {
+        None => {
+            let (x, xf) = c.act("x", tokens, in_dim, 1.0);
+            (c.g.linear("gate", x, &w), xf)
+        }
+        Some(kind) => {
+            let (res, rf) = c.residual("res", tokens, in_dim);
+            let (a, af) = c.act("attn", tokens, in_dim, 1.0);
+            let nw_dtype = pick(&mut c.rng, &[DType::BF16, DType::F32]);
+            let (nw, nwf) = c.weight("ln", nw_dtype, &[in_dim], 0.5);
+            let h = c.g.add_rms_norm_to("ln", res, a, nw, 1e-6, kind, DType::F32);
+            let sum: Vec<f64> = rf.iter().zip(&af).map(|(x, y)| x + y).collect();
+            let hf = r::rms_norm(&sum, &nwf, in_dim, 1e-6, kind == NormKind::ZeroCentered);
+            c.g.mark_output(res);
+            c.checks.push((res.raw(), Expect::Floats(sum)));
+            c.check_floats(h, hf.clone());
+            (c.g.linear("gate", h, &w), hf)
+        }
+    };
     let (ids, weights) = c.g.router("topk", logits, k, normalize);
     let lf = r::linear(&xf, &wf, in_dim, experts);
     let (exp_ids, exp_w) = expected_choice(&lf, experts, k, normalize);
@@ -1005,7 +1028,7 @@ pub fn router(rng: Rng) -> Case {
     c.check_ids(ids, exp_ids);
     c.check_floats(weights, exp_w);
     c.finish(format!(
-        "router {tokens}x{in_dim} -> top-{k} of {experts} {format:?} {dtype} normalize={normalize}"
+        "router {tokens}x{in_dim} -> top-{k} of {experts} {format:?} {dtype} normalize={normalize} norm={norm:?}"
     ))
 }
 

@@ -97,9 +97,16 @@ ROUTER(16)
 // barrier block 0 writes the logits out and chooses (choose_block).
 // Dynamic shared memory: x staged (padded_len(in_dim) floats), then for quantised weights the
 // plain sum of x over each 16-byte vector's values (in_dim / VALS floats).
+// route_norm_*: the same with the residual add and RMS norm in front (AddRmsNorm, one row), so
+// the norm costs no launch of its own: every block adds the row itself and multiplies it by the
+// norm's weight, the products run on that and block 0 scales the logits by 1 / rms; block 0
+// writes the new residual and the normalised row out once every block has read the residual
+// (after the cluster barrier). Dynamic shared memory: as route_* with the sums' part rounded up
+// to 4 floats, then the weighted row and the sum, in_dim floats each.
 #define ROUTE_BLOCKS 8
 #define ROUTE_WARPS 16
 #define ROUTE_PRE 8  // vectors per lane of a warp's first row held in registers from before the wait
+#define ROUTE_NORM_VEC 4  // route_norm_*: float4s of the row per thread (in_dim <= 16 * blockDim.x)
 #if __CUDA_ARCH__ >= 900
 // Stages x[0..n) pre-scaled for format BITS (as stage_x) and, for quantised formats, the plain
 // sum of every vector's values (as vec_dot_exact sums them) into xsum. A thread per vector, its
@@ -131,8 +138,96 @@ __device__ __forceinline__ void stage_x_sums(const float* x, float* xs, float* x
     __syncthreads();
 }
 
+// The residual add and RMS norm route_norm_* does in front of the product.
+struct RouteNorm {
+    float* residual;   // read, then (block 0, at the end) written: residual + add
+    const float* add;
+    const void* w;     // the norm's weight, f32 or bf16 (w_bf16)
+    float* out;        // the normalised row, written by block 0 at the end
+    float eps;
+    int zero_centered;
+    int w_bf16;
+};
+
+// The norm's weight for this thread's float4s (i = threadIdx.x + j * blockDim.x), as the
+// multiplier it is ((1 + w) when zero-centred); loaded before the programmatic wait.
+__device__ __forceinline__ void norm_weights(const RouteNorm& nm, unsigned n, float4 s[ROUTE_NORM_VEC]) {
+#pragma unroll
+    for (unsigned j = 0; j < ROUTE_NORM_VEC; j++) {
+        const unsigned i = threadIdx.x + j * blockDim.x;
+        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (i < n / 4) {
+            if (nm.w_bf16) {
+                const uint2 b = reinterpret_cast<const uint2*>(nm.w)[i];
+                v[0] = __uint_as_float(b.x << 16);
+                v[1] = __uint_as_float(b.x & 0xffff0000u);
+                v[2] = __uint_as_float(b.y << 16);
+                v[3] = __uint_as_float(b.y & 0xffff0000u);
+            } else {
+                const float4 f = reinterpret_cast<const float4*>(nm.w)[i];
+                v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+            }
+        }
+        const float o = nm.zero_centered ? 1.0f : 0.0f;
+        s[j] = make_float4(o + v[0], o + v[1], o + v[2], o + v[3]);
+    }
+}
+
+// route_norm_*'s staging: sum = residual + add and g = sum * s for the row (every thread's
+// float4s loaded together: one round trip), g staged as stage_x_sums stages x, and the sum kept
+// in shared memory for block 0 to write out. The product is linear, so it runs on g and its
+// results are scaled by 1 / rms(sum) at the end (choose_block): the sum of squares needs no block
+// reduction before the products, only each warp's share in red[warp]. Synchronises the block.
+template <int BITS>
+__device__ __forceinline__ void stage_norm_sums(const RouteNorm& nm, const float4 s[ROUTE_NORM_VEC], float* xs,
+                                                float* xsum, float* gs, float* sums, unsigned n, float* red) {
+    constexpr unsigned VALS = VecFormat<BITS>::VALS;
+    const unsigned n4 = n / 4;
+    float4 a[ROUTE_NORM_VEC], b[ROUTE_NORM_VEC];
+#pragma unroll
+    for (unsigned j = 0; j < ROUTE_NORM_VEC; j++) {
+        const unsigned i = threadIdx.x + j * blockDim.x;
+        if (i < n4) {
+            a[j] = reinterpret_cast<const float4*>(nm.residual)[i];
+            b[j] = reinterpret_cast<const float4*>(nm.add)[i];
+        }
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (unsigned j = 0; j < ROUTE_NORM_VEC; j++) {
+        const unsigned i = threadIdx.x + j * blockDim.x;
+        if (i < n4) {
+            const float4 v = make_float4(a[j].x + b[j].x, a[j].y + b[j].y, a[j].z + b[j].z, a[j].w + b[j].w);
+            reinterpret_cast<float4*>(sums)[i] = v;
+            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+            const float4 g = make_float4(v.x * s[j].x, v.y * s[j].y, v.z * s[j].z, v.w * s[j].w);
+            reinterpret_cast<float4*>(gs)[i] = g;
+            *reinterpret_cast<float4*>(xs + padded(4 * i)) =
+                make_float4(g.x * VecFormat<BITS>::x_scale(4 * i), g.y * VecFormat<BITS>::x_scale(4 * i + 1),
+                            g.z * VecFormat<BITS>::x_scale(4 * i + 2), g.w * VecFormat<BITS>::x_scale(4 * i + 3));
+        }
+    }
+    ss = warp_sum(ss);
+    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = ss;
+    if constexpr (BITS != 16) {
+        __syncthreads();
+        for (unsigned u = threadIdx.x; u < n / VALS; u += blockDim.x)
+            xsum[u] = plain_sum<VALS>(reinterpret_cast<const float4*>(gs) + u * (VALS / 4));
+    }
+    __syncthreads();
+}
+
+// 1 / rms of route_norm_*'s row from the warps' shares of its sum of squares (red), summed as
+// block_sum sums; every warp computes it itself.
+__device__ __forceinline__ float norm_inv(const float* red, unsigned n, float eps) {
+    const unsigned lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    const float ss = warp_sum(lane < warps ? red[lane] : 0.0f);
+    return 1.0f / sqrtf(ss / (float)n + eps);
+}
+
 // One token's choice, as choose() makes it, by a whole block from the logits `l` in shared memory
-// (experts <= 32 * PER_LANE <= blockDim.x, k <= 32), which it also writes out to `logits`. The
+// times `scale` (experts <= 32 * PER_LANE <= blockDim.x, k <= 32), which it also writes out to
+// `logits`. The
 // softmax takes two block reductions; then each expert's rank is counted instead of k rounds of
 // argmax. Experts are ordered by probability, the lower index first among equals, as choose()'s
 // rounds order them: one 64-bit key holds both, so no two keys are equal. Only candidates are
@@ -140,8 +235,8 @@ __device__ __forceinline__ void stage_x_sums(const float* x, float* xs, float* x
 // experts above it. So the count is short even when many probabilities are equal (a saturated
 // softmax rounds most of them to 0): at most (k - 1) * 8 + 1 candidates.
 template <int PER_LANE>
-__device__ void choose_block(const float* l, float* logits, unsigned* ids, float* weights, unsigned experts,
-                             unsigned k, int normalize) {
+__device__ void choose_block(const float* l, float scale, float* logits, unsigned* ids, float* weights,
+                             unsigned experts, unsigned k, int normalize) {
     constexpr unsigned N = 32 * PER_LANE, LANES = 8, GROUPS = N / LANES;
     __shared__ float red[32];
     __shared__ unsigned long long group_best[GROUPS], cand[N];
@@ -149,7 +244,7 @@ __device__ void choose_block(const float* l, float* logits, unsigned* ids, float
     __shared__ float top[32];
     const unsigned e = threadIdx.x;
     const bool present = e < experts;
-    const float x = present ? l[e] : -INFINITY;
+    const float x = present ? l[e] * scale : -INFINITY;
     if (present) logits[e] = x;
     const float m = block_max(x, red);
     float p = present ? expf(x - m) : -1.0f;
@@ -195,10 +290,11 @@ __device__ void choose_block(const float* l, float* logits, unsigned* ids, float
     }
 }
 
-template <int BITS, int PER_LANE>
+// NORM: x is the norm's output (nm), not an input.
+template <int BITS, int PER_LANE, bool NORM>
 __device__ void route_one(const float* x, const void* w, const bf16* scales, const bf16* biases, float* logits,
                           unsigned* ids, float* weights, unsigned in_dim, unsigned experts, unsigned group,
-                          unsigned k, int normalize) {
+                          unsigned k, int normalize, RouteNorm nm) {
     static_assert(PER_LANE <= ROUTE_WARPS, "choose_block takes a thread per expert");
     extern __shared__ __align__(16) float xs[];
     __shared__ float chosen_from[32 * PER_LANE];
@@ -228,11 +324,27 @@ __device__ void route_one(const float* x, const void* w, const bf16* scales, con
     }
     for (unsigned r = held ? first + stride : first; r < experts; r += stride)
         prefetch_l2_range(static_cast<const char*>(w) + r * row_bytes, row_bytes, lane, 32);
+    float4 norm_w[ROUTE_NORM_VEC];
+    if constexpr (NORM) norm_weights(nm, in_dim, norm_w);
     cluster_arrive_relaxed();  // waited for before the first store into block 0
     pdl_wait();
     pdl_trigger();
     float* xsum = xs + padded_len(in_dim);
-    stage_x_sums<BITS>(x, xs, xsum, in_dim);
+    float* gs = xsum + ((nvec + 3) & ~3u);
+    float* sums = gs + in_dim;
+    __shared__ float red[32];
+    if constexpr (NORM) {
+        stage_norm_sums<BITS>(nm, norm_w, xs, xsum, gs, sums, in_dim, red);
+        // The weighted row has been summed: its place keeps the norm's multipliers for the end,
+        // so no registers hold them through the products. A thread rereads only its own.
+#pragma unroll
+        for (unsigned j = 0; j < ROUTE_NORM_VEC; j++) {
+            const unsigned i = threadIdx.x + j * blockDim.x;
+            if (i < in_dim / 4) reinterpret_cast<float4*>(gs)[i] = norm_w[j];
+        }
+    } else {
+        stage_x_sums<BITS>(x, xs, xsum, in_dim);
+    }
     cluster_wait();
     for (unsigned r = first; r < experts; r += stride) {
         float acc[1] = {0.0f};
@@ -260,7 +372,25 @@ __device__ void route_one(const float* x, const void* w, const bf16* scales, con
     // Only shared-memory stores are in flight here: a global store before a releasing barrier
     // would make every thread wait for it to reach memory.
     cluster_sync();
-    if (rank == 0) choose_block<PER_LANE>(chosen_from, logits, ids, weights, experts, k, normalize);
+    if (rank != 0) return;
+    float scale = 1.0f;
+    if constexpr (NORM) {
+        // Every block has read the residual by now (they all passed the barrier). The
+        // normalised row is written as add_rms_norm computes it: sum * inv * s.
+        const float inv = norm_inv(red, in_dim, nm.eps);
+#pragma unroll
+        for (unsigned j = 0; j < ROUTE_NORM_VEC; j++) {
+            const unsigned i = threadIdx.x + j * blockDim.x;
+            if (i < in_dim / 4) {
+                const float4 v = reinterpret_cast<const float4*>(sums)[i], m = reinterpret_cast<const float4*>(gs)[i];
+                reinterpret_cast<float4*>(nm.residual)[i] = v;
+                reinterpret_cast<float4*>(nm.out)[i] =
+                    make_float4(v.x * inv * m.x, v.y * inv * m.y, v.z * inv * m.z, v.w * inv * m.w);
+            }
+        }
+        scale = inv;
+    }
+    choose_block<PER_LANE>(chosen_from, scale, logits, ids, weights, experts, k, normalize);
 }
 
 #define ROUTE_Q(BITS, PER_LANE)                                                                              \
@@ -268,15 +398,34 @@ __device__ void route_one(const float* x, const void* w, const bf16* scales, con
         route_q##BITS##_##PER_LANE(const float* x, const unsigned* w, const bf16* scales, const bf16* biases, \
                                    float* logits, unsigned* ids, float* weights, unsigned in_dim,           \
                                    unsigned experts, unsigned group, unsigned k, int normalize) {           \
-        route_one<BITS, PER_LANE>(x, w, scales, biases, logits, ids, weights, in_dim, experts, group, k,    \
-                                  normalize);                                                               \
+        route_one<BITS, PER_LANE, false>(x, w, scales, biases, logits, ids, weights, in_dim, experts, group, \
+                                         k, normalize, RouteNorm{});                                        \
+    }                                                                                                        \
+    extern "C" __global__ void __cluster_dims__(ROUTE_BLOCKS, 1, 1) __launch_bounds__(32 * ROUTE_WARPS)      \
+        route_norm_q##BITS##_##PER_LANE(float* residual, const float* add, const void* nw, float* h,         \
+                                        const unsigned* w, const bf16* scales, const bf16* biases,          \
+                                        float* logits, unsigned* ids, float* weights, unsigned in_dim,      \
+                                        unsigned experts, unsigned group, unsigned k, int normalize,        \
+                                        float eps, int zero_centered, int w_bf16) {                         \
+        route_one<BITS, PER_LANE, true>(nullptr, w, scales, biases, logits, ids, weights, in_dim, experts,  \
+                                        group, k, normalize,                                                \
+                                        RouteNorm{residual, add, nw, h, eps, zero_centered, w_bf16});       \
     }
 #define ROUTE_BF16(PER_LANE)                                                                                 \
     extern "C" __global__ void __cluster_dims__(ROUTE_BLOCKS, 1, 1) __launch_bounds__(32 * ROUTE_WARPS)      \
         route_bf16_##PER_LANE(const float* x, const bf16* w, float* logits, unsigned* ids, float* weights,   \
                               unsigned in_dim, unsigned experts, unsigned k, int normalize) {                \
-        route_one<16, PER_LANE>(x, w, nullptr, nullptr, logits, ids, weights, in_dim, experts, 1, k,         \
-                                normalize);                                                                  \
+        route_one<16, PER_LANE, false>(x, w, nullptr, nullptr, logits, ids, weights, in_dim, experts, 1, k,  \
+                                       normalize, RouteNorm{});                                             \
+    }                                                                                                        \
+    extern "C" __global__ void __cluster_dims__(ROUTE_BLOCKS, 1, 1) __launch_bounds__(32 * ROUTE_WARPS)      \
+        route_norm_bf16_##PER_LANE(float* residual, const float* add, const void* nw, float* h,              \
+                                   const bf16* w, float* logits, unsigned* ids, float* weights,             \
+                                   unsigned in_dim, unsigned experts, unsigned k, int normalize, float eps, \
+                                   int zero_centered, int w_bf16) {                                         \
+        route_one<16, PER_LANE, true>(nullptr, w, nullptr, nullptr, logits, ids, weights, in_dim, experts,  \
+                                      1, k, normalize, RouteNorm{residual, add, nw, h, eps, zero_centered,  \
+                                                                 w_bf16});                                  \
     }
 ROUTE_Q(4, 4)
 ROUTE_Q(4, 8)

@@ -279,13 +279,16 @@ impl Backend for CudaBackend {
                 },
                 other => other,
             };
-            // Two nodes one kernel does together take the second's label.
-            if let Some(next) = graph.nodes.get(i + 1) {
-                if ops::encode_pair(&node.op, &next.op, &mut enc).map_err(named)? {
-                    enc.list.relabel_from(before, &next.label);
-                    i += 2;
-                    continue;
-                }
+            // Nodes one kernel does together take the last one's label.
+            let window: Vec<&kestrel_core::ir::Op> = graph.nodes[i..graph.nodes.len().min(i + 3)]
+                .iter()
+                .map(|n| &n.op)
+                .collect();
+            let fused = ops::encode_fused(&window, &mut enc).map_err(named)?;
+            if fused > 0 {
+                enc.list.relabel_from(before, &graph.nodes[i + fused - 1].label);
+                i += fused;
+                continue;
             }
             ops::encode(&node.op, &mut enc).map_err(named)?;
             enc.list.relabel_from(before, &node.label);

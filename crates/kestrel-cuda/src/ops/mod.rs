@@ -36,10 +36,21 @@ fn round_bf16(enc: &mut Encoder, x: &Buffer, rows: usize, cols: usize) -> Result
     Ok(xb)
 }
 
-/// Encodes `op` together with `next` when one kernel does both (a one-token router's product
-/// and its choice of experts); false, and nothing recorded, otherwise.
-pub fn encode_pair(op: &Op, next: &Op, enc: &mut Encoder) -> Result<bool> {
-    moe::encode_route(op, next, enc)
+/// Encodes the first nodes of `ops` as one kernel when one kernel does them together: a
+/// one-token router's residual add and norm, product and choice of experts (three), or its
+/// product and choice (two). Returns how many it encoded; 0, and nothing recorded, otherwise.
+pub fn encode_fused(ops: &[&Op], enc: &mut Encoder) -> Result<usize> {
+    if let [norm, linear, router, ..] = ops {
+        if moe::encode_route(Some(norm), linear, router, enc)? {
+            return Ok(3);
+        }
+    }
+    if let [linear, router, ..] = ops {
+        if moe::encode_route(None, linear, router, enc)? {
+            return Ok(2);
+        }
+    }
+    Ok(0)
 }
 
 pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {

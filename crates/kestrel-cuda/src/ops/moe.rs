@@ -4,7 +4,7 @@
 //! expert on the device, grouped tensor-core GEMMs over each expert's rows, then the same
 //! ordered combine.
 
-use kestrel_core::ir::{ExpertFormat, LinearWeight, MatrixSpan, Op};
+use kestrel_core::ir::{ExpertFormat, LinearWeight, MatrixSpan, NormKind, Op};
 use kestrel_core::DType;
 
 use super::linear::weight_parts;
@@ -178,11 +178,76 @@ fn router_per_lane(experts: usize) -> usize {
         .expect("experts checked against ROUTER_MAX_EXPERTS")
 }
 
+/// `route_norm_*`: float4s of the normalised row a thread holds (`ROUTE_NORM_VEC` in moe.cu).
+const ROUTE_NORM_VEC: usize = 4;
+
+/// The residual add and norm `route_norm_*` can do in front of a router's product: a one-row
+/// `AddRmsNorm` writing f32 into the product's input, with f32 or bf16 weights and rows of whole,
+/// 16-byte aligned float4s that fit the kernel's registers.
+struct FusedNorm {
+    residual: Buffer,
+    add: Buffer,
+    w: Buffer,
+    out: Buffer,
+    eps: f32,
+    zero_centered: bool,
+    w_bf16: bool,
+}
+
+fn fused_norm(
+    norm: &Op,
+    x: kestrel_core::ir::Buf,
+    in_dim: usize,
+    enc: &Encoder,
+) -> Result<Option<FusedNorm>> {
+    let &Op::AddRmsNorm {
+        residual,
+        x: add,
+        w,
+        out,
+        dim,
+        eps,
+        kind,
+    } = norm
+    else {
+        return Ok(None);
+    };
+    let w_bf16 = match enc.dtype(w) {
+        DType::BF16 => true,
+        DType::F32 => false,
+        _ => return Ok(None),
+    };
+    if out != x
+        || dim != in_dim
+        || enc.graph.decl(add).elem_count() != dim
+        || dim % 4 != 0
+        || dim / 4 > ROUTE_NORM_VEC * (32 * ROUTE_WARPS) as usize
+        || [residual, add, out].iter().any(|&b| enc.dtype(b) != DType::F32)
+    {
+        return Ok(None);
+    }
+    let n = FusedNorm {
+        residual: enc.buf(residual)?.clone(),
+        add: enc.buf(add)?.clone(),
+        w: enc.buf(w)?.clone(),
+        out: enc.buf(out)?.clone(),
+        eps,
+        zero_centered: kind == NormKind::ZeroCentered,
+        w_bf16,
+    };
+    let aligned = [&n.residual, &n.add, &n.w, &n.out]
+        .iter()
+        .all(|b| b.device_ptr() % 16 == 0);
+    Ok(aligned.then_some(n))
+}
+
 /// A one-token router's product (`linear`, writing the logits) and its choice (`router`) as one
 /// `route_*` kernel on a cluster of blocks (sm_90), which also writes the logits. The product
-/// is computed as the exact one-token matvec computes it. Returns false, recording nothing, for
-/// any other pair, weight format or device.
-pub fn encode_route(linear: &Op, router: &Op, enc: &mut Encoder) -> Result<bool> {
+/// is computed as the exact one-token matvec computes it. With `norm`, the residual add and norm
+/// that write the product's input go in front (`route_norm_*`) when they fit
+/// (`fused_norm`). Returns false, recording nothing, for any other pair, weight format or device,
+/// or a norm that does not fit.
+pub fn encode_route(norm: Option<&Op>, linear: &Op, router: &Op, enc: &mut Encoder) -> Result<bool> {
     let (
         &Op::Linear {
             x,
@@ -213,39 +278,57 @@ pub fn encode_route(linear: &Op, router: &Op, enc: &mut Encoder) -> Result<bool>
     {
         return Ok(false);
     }
+    let fused = match norm {
+        Some(op) => match fused_norm(op, x, in_dim, enc)? {
+            Some(n) => Some(n),
+            None => return Ok(false),
+        },
+        None => None,
+    };
     // Staged x: padded floats; for quantised weights then the plain sum of x over each 16-byte
-    // vector's values.
-    let staged = padded_len(in_dim) * 4;
-    let smem = match w {
+    // vector's values; with the norm in front, that part rounded up to 4 floats, then the
+    // normalised row and the residual's new values.
+    let vals = match w {
         LinearWeight::Quant { format, .. } if format.bits == 4 || format.bits == 8 => {
             let vals = 128 / format.bits as usize;
             if format.group_size % vals != 0 || in_dim % vals != 0 {
                 return Ok(false);
             }
-            staged + in_dim / vals * 4
+            vals
         }
-        LinearWeight::Dense(d) if enc.dtype(d.raw()) == DType::BF16 && in_dim % 8 == 0 => staged,
+        LinearWeight::Dense(d) if enc.dtype(d.raw()) == DType::BF16 && in_dim % 8 == 0 => 8,
         _ => return Ok(false),
+    };
+    let quantised = matches!(w, LinearWeight::Quant { .. });
+    let staged = padded_len(in_dim) * 4;
+    let smem = match (&fused, quantised) {
+        (Some(_), _) => staged + (in_dim / vals).next_multiple_of(4) * 4 + 2 * in_dim * 4,
+        (None, true) => staged + in_dim / vals * 4,
+        (None, false) => staged,
     };
     let (name, bufs, group) = weight_parts(enc, w)?;
     if smem > enc.device.info().max_shared_per_block {
         return Ok(false);
     }
+    let prefix = if fused.is_some() { "route_norm" } else { "route" };
     let kern = enc
         .device
-        .kernel("moe", &format!("route_{name}_{}", router_per_lane(experts)))?;
-    let (x, l, i, wt) = (
-        enc.buf(x)?.clone(),
+        .kernel("moe", &format!("{prefix}_{name}_{}", router_per_lane(experts)))?;
+    let (l, i, wt) = (
         enc.buf(logits)?.clone(),
         enc.buf(ids)?.clone(),
         enc.buf(weights)?.clone(),
     );
+    let x = enc.buf(x)?.clone();
     let mut b = enc
         .dispatch(&kern)
         .grid(ROUTE_BLOCKS)
         .block(32 * ROUTE_WARPS)
-        .shared_mem(u32_arg(smem)?)
-        .read(&x);
+        .shared_mem(u32_arg(smem)?);
+    b = match &fused {
+        Some(n) => b.read_write(&n.residual).read(&n.add).read(&n.w).write(&n.out),
+        None => b.read(&x),
+    };
     for buf in &bufs {
         b = b.read(buf);
     }
@@ -258,7 +341,11 @@ pub fn encode_route(linear: &Op, router: &Op, enc: &mut Encoder) -> Result<bool>
     if let Some(g) = group {
         b = b.arg(u32_arg(g)?);
     }
-    b.arg(u32_arg(k)?).arg(normalize as i32).record();
+    b = b.arg(u32_arg(k)?).arg(normalize as i32);
+    if let Some(n) = &fused {
+        b = b.arg(n.eps).arg(n.zero_centered as i32).arg(n.w_bf16 as i32);
+    }
+    b.record();
     Ok(true)
 }
 
