@@ -112,20 +112,14 @@ ROUTER(16)
 // sum of every vector's values (as vec_dot_exact sums them) into xsum. A thread per vector, its
 // loads issued together: one round trip to L2 instead of one per value a thread, and the
 // products read one sum per vector instead of its values a second time. Synchronises the block.
+// x 16-byte aligned.
 template <int BITS>
 __device__ __forceinline__ void stage_x_sums(const float* x, float* xs, float* xsum, unsigned n) {
     constexpr unsigned VALS = VecFormat<BITS>::VALS, F4 = VALS / 4;
-    const bool aligned = ((size_t)x & 15) == 0;
     for (unsigned u = threadIdx.x; u < n / VALS; u += blockDim.x) {
         float4 f[F4];
-        if (aligned) {
 #pragma unroll
-            for (unsigned j = 0; j < F4; j++) f[j] = reinterpret_cast<const float4*>(x)[u * F4 + j];
-        } else {
-            const float* xv = x + u * VALS;
-#pragma unroll
-            for (unsigned j = 0; j < F4; j++) f[j] = make_float4(xv[4 * j], xv[4 * j + 1], xv[4 * j + 2], xv[4 * j + 3]);
-        }
+        for (unsigned j = 0; j < F4; j++) f[j] = reinterpret_cast<const float4*>(x)[u * F4 + j];
 #pragma unroll
         for (unsigned j = 0; j < F4; j++) {
             const unsigned i = u * VALS + 4 * j;  // four values of one padded run of 32
@@ -225,15 +219,14 @@ __device__ __forceinline__ float norm_inv(const float* red, unsigned n, float ep
     return 1.0f / sqrtf(ss / (float)n + eps);
 }
 
-// One token's choice, as choose() makes it, by a whole block from the logits `l` in shared memory
-// times `scale` (experts <= 32 * PER_LANE <= blockDim.x, k <= 32), which it also writes out to
-// `logits`. The
-// softmax takes two block reductions; then each expert's rank is counted instead of k rounds of
-// argmax. Experts are ordered by probability, the lower index first among equals, as choose()'s
-// rounds order them: one 64-bit key holds both, so no two keys are equal. Only candidates are
-// compared: the experts are cut into groups of 8, and an expert below the best of k groups has k
-// experts above it. So the count is short even when many probabilities are equal (a saturated
-// softmax rounds most of them to 0): at most (k - 1) * 8 + 1 candidates.
+// One token's choice by a whole block from the logits `l` in shared memory times `scale`
+// (experts <= 32 * PER_LANE <= blockDim.x, k <= 32), which it also writes out to `logits`. Each
+// expert's rank is counted instead of k rounds of argmax. Experts are ordered by probability (by
+// logit when the weights are renormalised), the lower index first among equals: one 64-bit key
+// holds both, so no two keys are equal. Only candidates are compared: the experts are cut into
+// groups of 8, and an expert below the best of k groups has k experts above it. So the count is
+// short even when many keys are equal (a saturated softmax rounds most probabilities to 0): at
+// most (k - 1) * 8 + 1 candidates.
 template <int PER_LANE>
 __device__ void choose_block(const float* l, float scale, float* logits, unsigned* ids, float* weights,
                              unsigned experts, unsigned k, int normalize) {
@@ -246,13 +239,23 @@ __device__ void choose_block(const float* l, float scale, float* logits, unsigne
     const bool present = e < experts;
     const float x = present ? l[e] * scale : -INFINITY;
     if (present) logits[e] = x;
-    const float m = block_max(x, red);
-    float p = present ? expf(x - m) : -1.0f;
-    const float s = block_sum(fmaxf(p, 0.0f), red);
-    if (p >= 0.0f) p /= s;
-    // Non-negative floats order as their bits; plus one, so 0 marks an absent expert. The low
-    // half orders equal probabilities by index.
-    const unsigned key = p >= 0.0f ? __float_as_uint(p) + 1u : 0u;
+    // The key orders experts, 0 for absent ones (and NaN). Weights renormalised over the chosen
+    // need no softmax over all: the logits order the experts as their probabilities do (the
+    // softmax is monotonic; only its rounding could make two of them equal), and the chosen
+    // weights are exp(l - max) over their own sum. Otherwise the probabilities are the key:
+    // non-negative floats order as their bits, plus one.
+    unsigned key;
+    if (normalize) {
+        const unsigned u = __float_as_uint(x);
+        key = present && !isnan(x) ? (u & 0x80000000u ? ~u : u | 0x80000000u) : 0u;
+    } else {
+        const float m = block_max(x, red);
+        float p = present ? expf(x - m) : -1.0f;
+        const float s = block_sum(fmaxf(p, 0.0f), red);
+        if (p >= 0.0f) p /= s;
+        key = p >= 0.0f ? __float_as_uint(p) + 1u : 0u;
+    }
+    // The low half orders equal keys by index, the lower first.
     const unsigned long long order = (unsigned long long)key << 32 | (0xffffffffu - e);
     unsigned long long g = order;
 #pragma unroll
@@ -279,14 +282,18 @@ __device__ void choose_block(const float* l, float scale, float* logits, unsigne
         for (unsigned i = 0; i < n; i++) rank += cand[i] > order;
         if (rank < k) {
             ids[rank] = e;
-            top[rank] = __uint_as_float(key - 1u);
+            top[rank] = normalize ? x : __uint_as_float(key - 1u);
         }
     }
     __syncthreads();
     if (e < k) {
-        float total = 0.0f;
-        for (unsigned j = 0; j < k; j++) total += top[j];
-        weights[e] = normalize ? top[e] / total : top[e];
+        if (normalize) {
+            float total = 0.0f;
+            for (unsigned j = 0; j < k; j++) total += expf(top[j] - top[0]);
+            weights[e] = expf(top[e] - top[0]) / total;
+        } else {
+            weights[e] = top[e];
+        }
     }
 }
 

@@ -283,6 +283,8 @@ pub fn encode_route(norm: Option<&Op>, linear: &Op, router: &Op, enc: &mut Encod
             Some(n) => Some(n),
             None => return Ok(false),
         },
+        // The kernel reads x as float4s.
+        None if enc.buf(x)?.device_ptr() % 16 != 0 => return Ok(false),
         None => None,
     };
     // Staged x: padded floats; for quantised weights then the plain sum of x over each 16-byte
