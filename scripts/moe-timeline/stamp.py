@@ -35,7 +35,7 @@ rep("    cluster_arrive_relaxed();  // waited for before the first store into bl
 rep("        stage_x_sums<BITS>(x, xs, xsum, in_dim);\n    }\n    cluster_wait();\n", "        stage_x_sums<BITS>(x, xs, xsum, in_dim);\n    }\n    cluster_wait();\n    STAMP(2);\n")
 rep("        const float s = warp_sum(acc[0]);\n        if (lane == 0) store_cluster_f32", "        if (r == first) STAMP(6);\n        const float s = warp_sum(acc[0]);\n        if (lane == 0) store_cluster_f32")
 rep("    // Only shared-memory stores are in flight here", "    STAMP(3);\n    // Only shared-memory stores are in flight here")
-rep("    cluster_sync();\n    if (rank != 0) return;\n", "    cluster_sync();\n    if (rank != 0) return;\n    STAMP(4);\n")
+rep("    if (rank != 0) return;\n    choose_block", "    if (rank != 0) return;\n    STAMP(4);\n    choose_block")
 rep("    choose_block<PER_LANE>(chosen_from, scale, logits, ids, weights, experts, k, normalize);\n}\n",
     "    choose_block<PER_LANE>(chosen_from, scale, logits, ids, weights, experts, k, normalize);\n    STAMP(5);\n}\n")
 # gate/up: 0 start, 1 after the wait, 2 weights asked for (the ids are back), 3 x rounded and

@@ -46,13 +46,26 @@ int main(int argc, char** argv) {
     unsigned long long* rec[3];
     for (int k = 0; k < 3; k++) { CK(cudaMalloc(&rec[k], (size_t)nb[k] * L * 64)); CK(cudaMemcpyToSymbol(g_rec, &rec[k], 8, k * 8)); }
     void* fl; CK(cudaMalloc(&fl, 256 << 20)); CK(cudaMemset(fl, 1, 256 << 20));
-    const unsigned rsm = 2 * padded_len(H) * 4, gsm = 32 * 4 + 16 * 4 * 2 * 2 * (H / G) + (H + (H / 32 + H / 16) * 4), dsm = K * (I + (I / 32 + I / 16) * 4);
+    // "norm" as the first argument: route_norm_q8_4, the residual add and norm folded in (each
+    // layer's x is then the added row, and a residual and bf16 norm weights come with it).
+    const bool norm = argc > 1 && std::string(argv[1]) == "norm";
+    float* res[L]; bf16* nw[L]; float* hn[L];
+    for (unsigned l = 0; l < L; l++) {
+        CK(cudaMalloc(&res[l], H * 4)); fillf<<<8, 256>>>(res[l], H, 11 + l);
+        CK(cudaMalloc(&nw[l], H * 2)); fill<<<8, 256>>>((unsigned*)nw[l], H / 2, 13 + l);
+        CK(cudaMalloc(&hn[l], H * 4));
+    }
+    const unsigned rsm = (2 * padded_len(H) + 2 * H) * 4, gsm = 32 * 4 + 16 * 4 * 2 * 2 * (H / G) + (H + (H / 32 + H / 16) * 4), dsm = K * (I + (I / 32 + I / 16) * 4);
     CK(cudaFuncSetAttribute(route_q8_4, cudaFuncAttributeMaxDynamicSharedMemorySize, rsm));
+    CK(cudaFuncSetAttribute(route_norm_q8_4, cudaFuncAttributeMaxDynamicSharedMemorySize, rsm));
     cudaStream_t s; CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     cudaGraph_t graph; cudaGraphExec_t exec;
     CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
     for (unsigned l = 0; l < L; l++) {
-        CK(launch(route_q8_4, dim3(8), dim3(512), rsm, s, (const float*)x[l], (const unsigned*)rw[l], (const bf16*)rs[l], (const bf16*)rb[l], logits, ids[l], wts, H, E, G, K, 1));
+        if (norm)
+            CK(launch(route_norm_q8_4, dim3(8), dim3(512), rsm, s, res[l], (const float*)x[l], (const void*)nw[l], hn[l], (const unsigned*)rw[l], (const bf16*)rs[l], (const bf16*)rb[l], logits, ids[l], wts, H, E, G, K, 1, 1e-6f, 1, 1));
+        else
+            CK(launch(route_q8_4, dim3(8), dim3(512), rsm, s, (const float*)x[l], (const unsigned*)rw[l], (const bf16*)rs[l], (const bf16*)rb[l], logits, ids[l], wts, H, E, G, K, 1));
         CK(launch(moe_gate_up_q4, dim3(I / 32, K), dim3(512), gsm, s, (const float*)x[l], (const unsigned*)ids[l], (const unsigned char*)ex[l], aq, ad, as16, H, I, K, span, gw, gs, gb, uw, us, ub, G));
         CK(launch(moe_down_q4, dim3(H / 4, 1), dim3(128), dsm, s, (const int*)aq, (const float*)ad, (const float*)as16, (const unsigned*)ids[l], (const float*)wts, (const unsigned char*)ex[l], out[l], H, I, K, span, dw, ds, db, G));
     }

@@ -99,9 +99,9 @@ ROUTER(16)
 // plain sum of x over each 16-byte vector's values (in_dim / VALS floats).
 // route_norm_*: the same with the residual add and RMS norm in front (AddRmsNorm, one row), so
 // the norm costs no launch of its own: every block adds the row itself and multiplies it by the
-// norm's weight, the products run on that and block 0 scales the logits by 1 / rms; block 0
-// writes the new residual and the normalised row out once every block has read the residual
-// (after the cluster barrier). Dynamic shared memory: as route_* with the sums' part rounded up
+// norm's weight, the products run on that and block 0 scales the logits by 1 / rms; the other
+// blocks write the new residual and the normalised row out once every block has read the
+// residual (after the cluster barrier). Dynamic shared memory: as route_* with the sums' part rounded up
 // to 4 floats, then the weighted row and the sum, in_dim floats each.
 #define ROUTE_BLOCKS 8
 #define ROUTE_WARPS 16
@@ -343,7 +343,7 @@ __device__ void route_one(const float* x, const void* w, const bf16* scales, con
     if constexpr (NORM) {
         stage_norm_sums<BITS>(nm, norm_w, xs, xsum, gs, sums, in_dim, red);
         // The weighted row has been summed: its place keeps the norm's multipliers for the end,
-        // so no registers hold them through the products. A thread rereads only its own.
+        // so no registers hold them through the products.
 #pragma unroll
         for (unsigned j = 0; j < ROUTE_NORM_VEC; j++) {
             const unsigned i = threadIdx.x + j * blockDim.x;
@@ -379,24 +379,23 @@ __device__ void route_one(const float* x, const void* w, const bf16* scales, con
     // Only shared-memory stores are in flight here: a global store before a releasing barrier
     // would make every thread wait for it to reach memory.
     cluster_sync();
-    if (rank != 0) return;
-    float scale = 1.0f;
+    // Every block has the whole row's sums, multipliers and sum of squares, and has passed the
+    // barrier, so every block has read the residual: the other blocks write the new residual and
+    // the normalised row (as add_rms_norm computes it: sum * inv * s) while block 0 chooses.
+    const float scale = NORM ? norm_inv(red, in_dim, nm.eps) : 1.0f;
     if constexpr (NORM) {
-        // Every block has read the residual by now (they all passed the barrier). The
-        // normalised row is written as add_rms_norm computes it: sum * inv * s.
-        const float inv = norm_inv(red, in_dim, nm.eps);
-#pragma unroll
-        for (unsigned j = 0; j < ROUTE_NORM_VEC; j++) {
-            const unsigned i = threadIdx.x + j * blockDim.x;
-            if (i < in_dim / 4) {
+        if (rank != 0) {
+            for (unsigned j = 0; j < ROUTE_NORM_VEC; j++) {
+                const unsigned i = (rank - 1) * blockDim.x + threadIdx.x + j * (ROUTE_BLOCKS - 1) * blockDim.x;
+                if (i >= in_dim / 4) break;
                 const float4 v = reinterpret_cast<const float4*>(sums)[i], m = reinterpret_cast<const float4*>(gs)[i];
                 reinterpret_cast<float4*>(nm.residual)[i] = v;
                 reinterpret_cast<float4*>(nm.out)[i] =
-                    make_float4(v.x * inv * m.x, v.y * inv * m.y, v.z * inv * m.z, v.w * inv * m.w);
+                    make_float4(v.x * scale * m.x, v.y * scale * m.y, v.z * scale * m.z, v.w * scale * m.w);
             }
         }
-        scale = inv;
     }
+    if (rank != 0) return;
     choose_block<PER_LANE>(chosen_from, scale, logits, ids, weights, experts, k, normalize);
 }
 
