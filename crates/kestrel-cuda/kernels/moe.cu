@@ -101,8 +101,8 @@ ROUTER(16)
 // the norm costs no launch of its own: every block adds the row itself and multiplies it by the
 // norm's weight, the products run on that and block 0 scales the logits by 1 / rms; the other
 // blocks write the new residual and the normalised row out once every block has read the
-// residual (after the cluster barrier). Dynamic shared memory: as route_* with the sums' part rounded up
-// to 4 floats, then the weighted row and the sum, in_dim floats each.
+// residual (after the cluster barrier). Dynamic shared memory: as route_* with the sums' part
+// rounded up to 4 floats, then the weighted row and the sum, in_dim floats each.
 #define ROUTE_BLOCKS 8
 #define ROUTE_WARPS 16
 #define ROUTE_PRE 8  // vectors per lane of a warp's first row held in registers from before the wait
@@ -134,10 +134,10 @@ __device__ __forceinline__ void stage_x_sums(const float* x, float* xs, float* x
 
 // The residual add and RMS norm route_norm_* does in front of the product.
 struct RouteNorm {
-    float* residual;   // read, then (block 0, at the end) written: residual + add
+    float* residual;   // read, then (blocks 1.., at the end) written: residual + add
     const float* add;
     const void* w;     // the norm's weight, f32 or bf16 (w_bf16)
-    float* out;        // the normalised row, written by block 0 at the end
+    float* out;        // the normalised row, written by blocks 1.. at the end
     float eps;
     int zero_centered;
     int w_bf16;
@@ -169,7 +169,7 @@ __device__ __forceinline__ void norm_weights(const RouteNorm& nm, unsigned n, fl
 
 // route_norm_*'s staging: sum = residual + add and g = sum * s for the row (every thread's
 // float4s loaded together: one round trip), g staged as stage_x_sums stages x, and the sum kept
-// in shared memory for block 0 to write out. The product is linear, so it runs on g and its
+// in shared memory to be written out at the end. The product is linear, so it runs on g and its
 // results are scaled by 1 / rms(sum) at the end (choose_block): the sum of squares needs no block
 // reduction before the products, only each warp's share in red[warp]. Synchronises the block.
 template <int BITS>
