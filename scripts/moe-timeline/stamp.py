@@ -67,5 +67,5 @@ rep("""        if (p0 == 0) {
             STAMP(2);""")
 rep("            stage(ss, as16 + t * k * sn, k * sn * 4);\n            __syncthreads();\n", "            stage(ss, as16 + t * k * sn, k * sn * 4);\n            __syncthreads();\n            STAMP(3);\n")
 rep("    total = warp_sum(total);\n    if (lane == 0 && row_ok) out[t * hidden + row] = total;\n}\n", "    STAMP(4);\n    total = warp_sum(total);\n    if (lane == 0 && row_ok) out[t * hidden + row] = total;\n    STAMP(5);\n}\n")
-rep("\n#if __CUDA_ARCH__ >= 900\n// Stages x[0..n) pre-scaled", "\n#if 1\n// Stages x[0..n) pre-scaled")
+rep("\n#if __CUDA_ARCH__ >= 900\n// The residual add and RMS norm", "\n#if 1\n// The residual add and RMS norm")
 open(os.path.join(out, "moe_stamped.cu"), "w").write(src)

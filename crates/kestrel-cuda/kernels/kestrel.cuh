@@ -136,18 +136,11 @@ struct VecFormat {
     }
 };
 
-// Copies x[0..n) into xs, padded and pre-scaled for format BITS. Synchronises the block.
-template <int BITS>
-__device__ __forceinline__ void stage_x(const float* x, float* xs, unsigned n) {
-    for (unsigned i = threadIdx.x; i < n; i += blockDim.x) xs[padded(i)] = x[i] * VecFormat<BITS>::x_scale(i);
-    __syncthreads();
-}
-
 // One 16-byte vector `u` of a row (format BITS) times the staged x, added to acc; `scale` and
 // `bias` are the vector's group's and `sx` the plain sum of x over the vector (quantised formats
 // only: the bias multiplies it).
 template <int BITS>
-__device__ __forceinline__ void vec_dot_exact_sum(float& acc, uint4 v, const float* xs, unsigned u, float scale,
+__device__ __forceinline__ void vec_dot_exact(float& acc, uint4 v, const float* xs, unsigned u, float scale,
                                                   float bias, float sx) {
     constexpr unsigned VALS = VecFormat<BITS>::VALS;
     // x is read from shared memory per word, so only 8 of its values are live at once.
@@ -188,7 +181,7 @@ __device__ __forceinline__ void vec_dot_exact_sum(float& acc, uint4 v, const flo
     }
 }
 
-// The plain sum of VALS values of x, four at a time in order: what vec_dot_exact's biases multiply.
+// The plain sum of VALS values of x, four at a time in order: what vec_dot_exact's bias multiplies.
 template <unsigned VALS>
 __device__ __forceinline__ float plain_sum(const float4* f) {
     float sx = 0.0f;
@@ -197,30 +190,37 @@ __device__ __forceinline__ float plain_sum(const float4* f) {
     return sx;
 }
 
-// vec_dot_exact_sum with the sum taken from `xs_plain`, x staged unscaled.
+// Stages x[0..n) (16-byte aligned) into xs, padded and pre-scaled for format BITS, and for
+// quantised formats the plain sum of every 16-byte vector's values (as plain_sum adds them) into
+// xsum[n / VALS]. A thread per vector, its loads issued together: one round trip to memory, and
+// the products read one sum per vector instead of its values a second time. Synchronises the
+// block.
 template <int BITS>
-__device__ __forceinline__ void vec_dot_exact(float& acc, uint4 v, const float* xs, const float* xs_plain,
-                                              unsigned u, float scale, float bias) {
-    constexpr unsigned VALS = VecFormat<BITS>::VALS;
-    float sx = 0.0f;
-    if constexpr (BITS != 16) {
-        const float4* pp = reinterpret_cast<const float4*>(xs_plain + padded(u * VALS));
-        float4 f[VALS / 4];
+__device__ __forceinline__ void stage_x_sums(const float* x, float* xs, float* xsum, unsigned n) {
+    constexpr unsigned VALS = VecFormat<BITS>::VALS, F4 = VALS / 4;
+    for (unsigned u = threadIdx.x; u < n / VALS; u += blockDim.x) {
+        float4 f[F4];
 #pragma unroll
-        for (unsigned j = 0; j < VALS / 4; j++) f[j] = pp[j];
-        sx = plain_sum<VALS>(f);
+        for (unsigned j = 0; j < F4; j++) f[j] = reinterpret_cast<const float4*>(x)[u * F4 + j];
+#pragma unroll
+        for (unsigned j = 0; j < F4; j++) {
+            const unsigned i = u * VALS + 4 * j;  // four values of one padded run of 32
+            *reinterpret_cast<float4*>(xs + padded(i)) =
+                make_float4(f[j].x * VecFormat<BITS>::x_scale(i), f[j].y * VecFormat<BITS>::x_scale(i + 1),
+                            f[j].z * VecFormat<BITS>::x_scale(i + 2), f[j].w * VecFormat<BITS>::x_scale(i + 3));
+        }
+        if constexpr (BITS != 16) xsum[u] = plain_sum<VALS>(f);
     }
-    vec_dot_exact_sum<BITS>(acc, v, xs, u, scale, bias, sx);
+    __syncthreads();
 }
 
 // Dot products of rows row0 .. row0 + R (those below `rows`) of one matrix with the staged x,
 // this lane's share: vectors lane, lane + 32, ... Reduce with warp_sum afterwards.
-// `w`: the matrix (16-byte aligned rows); `scales`, `biases`: per group (quantised only). The
-// biases multiply the plain sum of x over each vector, so quantised formats also take `xs_plain`:
-// x staged unscaled, or with SUMS those sums themselves (vector u's at [u]).
-template <int BITS, int R, bool SUMS = false>
+// `w`: the matrix (16-byte aligned rows); `scales`, `biases`: per group (quantised only); `xs`
+// and `xsum` as stage_x_sums leaves them (the biases multiply the vectors' plain sums).
+template <int BITS, int R>
 __device__ __forceinline__ void rows_dot(const void* w, const bf16* scales, const bf16* biases, unsigned row0,
-                                         unsigned rows, const float* xs, const float* xs_plain, unsigned cols,
+                                         unsigned rows, const float* xs, const float* xsum, unsigned cols,
                                          unsigned group, float acc[R]) {
     constexpr unsigned VALS = VecFormat<BITS>::VALS;
     // Vectors per lane loaded before any arithmetic: R rows x U of the lane's vectors in flight.
@@ -248,10 +248,7 @@ __device__ __forceinline__ void rows_dot(const void* w, const bf16* scales, cons
                     scale = to_f32(scales[gi]);
                     bias = to_f32(biases[gi]);
                 }
-                if constexpr (SUMS)
-                    vec_dot_exact_sum<BITS>(acc[r], v[i][r], xs, u, scale, bias, BITS == 16 ? 0.0f : xs_plain[u]);
-                else
-                    vec_dot_exact<BITS>(acc[r], v[i][r], xs, xs_plain, u, scale, bias);
+                vec_dot_exact<BITS>(acc[r], v[i][r], xs, u, scale, bias, BITS == 16 ? 0.0f : xsum[u]);
             }
         }
     }

@@ -116,20 +116,18 @@ QUANT(4)
 QUANT(8)
 
 // One-token matvec with 16-byte weight loads. Persistent blocks: each stages x in shared memory
-// once (padded, pre-scaled; quantised formats also a plain copy), then its warps walk tiles of
-// VEC_ROWS rows, VEC_WARPS * gridDim.x tiles apart. Requires in_dim to be a multiple of the
-// vector width and rows 16-byte aligned.
+// once (stage_x_sums: padded, pre-scaled; quantised formats also each vector's plain sum), then
+// its warps walk tiles of VEC_ROWS rows, VEC_WARPS * gridDim.x tiles apart. Requires in_dim to be
+// a multiple of the vector width, and x and the rows 16-byte aligned.
 #define VEC_WARPS 4
 #define VEC_ROWS 4
 
 template <int BITS>
 __device__ void matvec(const float* x, const void* w, const bf16* scales, const bf16* biases, float* out,
                        unsigned in_dim, unsigned out_dim, unsigned group) {
-    extern __shared__ float xs[];
-    float* xs_plain = xs + padded_len(in_dim);
-    if constexpr (BITS != 16)
-        for (unsigned i = threadIdx.x; i < in_dim; i += blockDim.x) xs_plain[padded(i)] = x[i];
-    stage_x<BITS>(x, xs, in_dim);
+    extern __shared__ __align__(16) float xs[];
+    float* xsum = xs + padded_len(in_dim);
+    stage_x_sums<BITS>(x, xs, xsum, in_dim);
     const unsigned lane = threadIdx.x % 32;
     const unsigned tiles = (out_dim + VEC_ROWS - 1) / VEC_ROWS;
     for (unsigned tile = blockIdx.x * VEC_WARPS + threadIdx.x / 32; tile < tiles; tile += gridDim.x * VEC_WARPS) {
@@ -137,7 +135,7 @@ __device__ void matvec(const float* x, const void* w, const bf16* scales, const 
         float acc[VEC_ROWS];
 #pragma unroll
         for (int r = 0; r < VEC_ROWS; r++) acc[r] = 0.0f;
-        rows_dot<BITS, VEC_ROWS>(w, scales, biases, row0, out_dim, xs, xs_plain, in_dim, group, acc);
+        rows_dot<BITS, VEC_ROWS>(w, scales, biases, row0, out_dim, xs, xsum, in_dim, group, acc);
 #pragma unroll
         for (int r = 0; r < VEC_ROWS; r++) {
             const float s = warp_sum(acc[r]);
@@ -152,7 +150,7 @@ extern "C" __global__ void __launch_bounds__(32 * VEC_WARPS, 8) matvec_bf16(cons
 }
 
 // Quantised weights on f32 activations (x not rounded): the exact one-token path, for the logits a
-// router picks experts from. Dynamic shared memory: 2 * padded_len(in_dim) floats.
+// router picks experts from. Dynamic shared memory: padded_len(in_dim) + in_dim / VALS floats.
 #define MATVEC_EXACT(BITS)                                                                                  \
     extern "C" __global__ void __launch_bounds__(32 * VEC_WARPS, 8) matvec_q##BITS##_exact(                 \
         const float* x, const unsigned* w, const bf16* scales, const bf16* biases, float* out,             \

@@ -1,6 +1,7 @@
 // Mixture of experts for few tokens.
-// router_f32_{4,8,16}: one warp per token holds up to 128, 256 or 512 experts in registers:
-// softmax, then k rounds of warp argmax (the lower index wins ties), optional renormalisation.
+// router_f32_{4,8,16}: one warp per token holds up to 128, 256 or 512 experts in registers and
+// chooses (choose(): k rounds of warp argmax, the lower index wins ties; a softmax over all only
+// when the weights are not renormalised).
 // route_*: the same for one token, with the router's product in the same kernel.
 // Experts, with 16-byte weight loads: gate_up computes act[t * k + j] = silu(gate_e x_t) * (up_e x_t)
 // for every (token, slot); down computes out[t] = sum_j weights[t, j] * down_e act[t * k + j],
@@ -10,6 +11,21 @@
 // BITS is 4 or 8 for MLX-quantised experts and 16 for bf16.
 #include "kestrel.cuh"
 
+// The choice's order. Weights renormalised over the chosen need no softmax over all experts:
+// the logits order the experts as their probabilities do (the softmax is monotonic; only its
+// rounding could make two probabilities equal), and the chosen weights are exp(l - l_first)
+// over their own sum. A logit's key is its bits made to order as unsigned integers do; a
+// probability's key is its bits plus one (non-negative floats order as their bits). 0 marks an
+// absent expert (and NaN). choose() and choose_block() both order so, the lower index first
+// among equal keys.
+__device__ __forceinline__ unsigned logit_key(float x, bool present) {
+    const unsigned u = __float_as_uint(x);
+    return present && !isnan(x) ? (u & 0x80000000u ? ~u : u | 0x80000000u) : 0u;
+}
+__device__ __forceinline__ float key_logit(unsigned key) {
+    return __uint_as_float(key & 0x80000000u ? key & 0x7fffffffu : ~key);
+}
+
 // PER_LANE experts per lane: up to 32 * PER_LANE experts; fewer per lane means fewer compares in
 // each of the k rounds.
 // One warp: token t's choice from its logits, p[i] holding expert lane + 32 * i's (any value for
@@ -18,30 +34,34 @@ template <int PER_LANE>
 __device__ __forceinline__ void choose(float p[PER_LANE], unsigned* ids, float* weights, size_t t, unsigned experts,
                                        unsigned k, int normalize) {
     const unsigned lane = threadIdx.x % 32;
-    float m = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < PER_LANE; i++) {
-        if (lane + 32 * i >= experts) p[i] = -INFINITY;
-        m = fmaxf(m, p[i]);
-    }
-    m = warp_max(m);
-    float s = 0.0f;
-#pragma unroll
-    for (int i = 0; i < PER_LANE; i++) {
-        p[i] = lane + 32 * i < experts ? expf(p[i] - m) : -1.0f;
-        s += fmaxf(p[i], 0.0f);
-    }
-    s = warp_sum(s);
-#pragma unroll
-    for (int i = 0; i < PER_LANE; i++)
-        if (p[i] >= 0.0f) p[i] /= s;
-    // Each round takes the largest remaining probability, the lowest index among equals. Keys
-    // are the probability's bits plus one (non-negative floats order as their bits), 0 for taken
-    // or absent experts, so two warp reductions decide a round.
     unsigned key[PER_LANE];
+    if (normalize) {
 #pragma unroll
-    for (int i = 0; i < PER_LANE; i++) key[i] = p[i] >= 0.0f ? __float_as_uint(p[i]) + 1u : 0u;
-    float total = 0.0f, chosen = 0.0f;
+        for (int i = 0; i < PER_LANE; i++) key[i] = logit_key(p[i], lane + 32 * i < experts);
+    } else {
+        float m = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; i++) {
+            if (lane + 32 * i >= experts) p[i] = -INFINITY;
+            m = fmaxf(m, p[i]);
+        }
+        m = warp_max(m);
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; i++) {
+            p[i] = lane + 32 * i < experts ? expf(p[i] - m) : -1.0f;
+            s += fmaxf(p[i], 0.0f);
+        }
+        s = warp_sum(s);
+#pragma unroll
+        for (int i = 0; i < PER_LANE; i++) {
+            if (p[i] >= 0.0f) p[i] /= s;
+            key[i] = p[i] >= 0.0f ? __float_as_uint(p[i]) + 1u : 0u;
+        }
+    }
+    // Each round takes the largest remaining key, the lowest index among equals (taken experts'
+    // keys become 0), so two warp reductions decide a round.
+    float total = 0.0f, chosen = 0.0f, first = 0.0f;
     for (unsigned j = 0; j < k; j++) {
         unsigned mine = 0;
 #pragma unroll
@@ -55,7 +75,14 @@ __device__ __forceinline__ void choose(float p[PER_LANE], unsigned* ids, float* 
 #pragma unroll
         for (int i = 0; i < PER_LANE; i++)
             if (lane + 32 * i == bi) key[i] = 0;  // taken
-        const float best = __uint_as_float(best_key - 1u);
+        float best;
+        if (normalize) {
+            const float l = key_logit(best_key);
+            if (j == 0) first = l;
+            best = expf(l - first);
+        } else {
+            best = __uint_as_float(best_key - 1u);
+        }
         if (lane == j) chosen = best;  // slot j's weight lives in lane j until written
         if (lane == 0) ids[t * k + j] = bi;
         total += best;
@@ -108,30 +135,6 @@ ROUTER(16)
 #define ROUTE_PRE 8  // vectors per lane of a warp's first row held in registers from before the wait
 #define ROUTE_NORM_VEC 4  // route_norm_*: float4s of the row per thread (in_dim <= 16 * blockDim.x)
 #if __CUDA_ARCH__ >= 900
-// Stages x[0..n) pre-scaled for format BITS (as stage_x) and, for quantised formats, the plain
-// sum of every vector's values (as vec_dot_exact sums them) into xsum. A thread per vector, its
-// loads issued together: one round trip to L2 instead of one per value a thread, and the
-// products read one sum per vector instead of its values a second time. Synchronises the block.
-// x 16-byte aligned.
-template <int BITS>
-__device__ __forceinline__ void stage_x_sums(const float* x, float* xs, float* xsum, unsigned n) {
-    constexpr unsigned VALS = VecFormat<BITS>::VALS, F4 = VALS / 4;
-    for (unsigned u = threadIdx.x; u < n / VALS; u += blockDim.x) {
-        float4 f[F4];
-#pragma unroll
-        for (unsigned j = 0; j < F4; j++) f[j] = reinterpret_cast<const float4*>(x)[u * F4 + j];
-#pragma unroll
-        for (unsigned j = 0; j < F4; j++) {
-            const unsigned i = u * VALS + 4 * j;  // four values of one padded run of 32
-            *reinterpret_cast<float4*>(xs + padded(i)) =
-                make_float4(f[j].x * VecFormat<BITS>::x_scale(i), f[j].y * VecFormat<BITS>::x_scale(i + 1),
-                            f[j].z * VecFormat<BITS>::x_scale(i + 2), f[j].w * VecFormat<BITS>::x_scale(i + 3));
-        }
-        if constexpr (BITS != 16) xsum[u] = plain_sum<VALS>(f);
-    }
-    __syncthreads();
-}
-
 // The residual add and RMS norm route_norm_* does in front of the product.
 struct RouteNorm {
     float* residual;   // read, then (blocks 1.., at the end) written: residual + add
@@ -220,10 +223,10 @@ __device__ __forceinline__ float norm_inv(const float* red, unsigned n, float ep
 }
 
 // One token's choice by a whole block from the logits `l` in shared memory times `scale`
-// (experts <= 32 * PER_LANE <= blockDim.x, k <= 32), which it also writes out to `logits`. Each
-// expert's rank is counted instead of k rounds of argmax. Experts are ordered by probability (by
-// logit when the weights are renormalised), the lower index first among equals: one 64-bit key
-// holds both, so no two keys are equal. Only candidates are compared: the experts are cut into
+// (experts <= 32 * PER_LANE <= blockDim.x, k <= 32), which it also writes out to `logits`: the
+// same choice as choose(), but each expert's rank is counted instead of k rounds of argmax. The
+// key and the index (the lower first among equal keys) make one 64-bit order, so no two are
+// equal. Only candidates are compared: the experts are cut into
 // groups of 8, and an expert below the best of k groups has k experts above it. So the count is
 // short even when many keys are equal (a saturated softmax rounds most probabilities to 0): at
 // most (k - 1) * 8 + 1 candidates.
@@ -239,15 +242,10 @@ __device__ void choose_block(const float* l, float scale, float* logits, unsigne
     const bool present = e < experts;
     const float x = present ? l[e] * scale : -INFINITY;
     if (present) logits[e] = x;
-    // The key orders experts, 0 for absent ones (and NaN). Weights renormalised over the chosen
-    // need no softmax over all: the logits order the experts as their probabilities do (the
-    // softmax is monotonic; only its rounding could make two of them equal), and the chosen
-    // weights are exp(l - max) over their own sum. Otherwise the probabilities are the key:
-    // non-negative floats order as their bits, plus one.
+    // The keys as choose() makes them (see logit_key).
     unsigned key;
     if (normalize) {
-        const unsigned u = __float_as_uint(x);
-        key = present && !isnan(x) ? (u & 0x80000000u ? ~u : u | 0x80000000u) : 0u;
+        key = logit_key(x, present);
     } else {
         const float m = block_max(x, red);
         float p = present ? expf(x - m) : -1.0f;
@@ -366,12 +364,12 @@ __device__ void route_one(const float* x, const void* w, const bf16* scales, con
             for (unsigned i = 0; i < ROUTE_PRE; i++) {
                 if (32 * i >= nvec) break;
                 const unsigned u = lane + 32 * i;
-                if (u < nvec) vec_dot_exact_sum<BITS>(part[i], v[i], xs, u, sc[i], bs[i], BITS == 16 ? 0.0f : xsum[u]);
+                if (u < nvec) vec_dot_exact<BITS>(part[i], v[i], xs, u, sc[i], bs[i], BITS == 16 ? 0.0f : xsum[u]);
             }
 #pragma unroll
             for (unsigned i = 0; i < ROUTE_PRE; i++) acc[0] += part[i];
         } else {
-            rows_dot<BITS, 1, true>(w, scales, biases, r, experts, xs, xsum, in_dim, group, acc);
+            rows_dot<BITS, 1>(w, scales, biases, r, experts, xs, xsum, in_dim, group, acc);
         }
         const float s = warp_sum(acc[0]);
         if (lane == 0) store_cluster_f32(chosen_from + r, 0, s);

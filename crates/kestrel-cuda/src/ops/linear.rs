@@ -77,7 +77,9 @@ fn encode_matvec(
             Some(ring) => ring + in_dim + (in_dim / 32 + in_dim / 16) * 4,
             None => return Ok(false),
         },
-        LinearWeight::Dense(_) => padded_len(in_dim) * 4,
+        // matvec_bf16 reads x as float4s.
+        LinearWeight::Dense(_) if x.device_ptr() % 16 == 0 => padded_len(in_dim) * 4,
+        LinearWeight::Dense(_) => return Ok(false),
     };
     if smem > enc.device.info().max_shared_per_block {
         return Ok(false);
@@ -137,9 +139,14 @@ fn encode_matvec_exact(
     let LinearWeight::Quant { format, .. } = w else {
         return Ok(false);
     };
+    // x staged, then each 16-byte vector's plain sum; x is read as float4s.
     let vals = 128 / format.bits as usize;
-    let smem = 2 * padded_len(in_dim) * 4;
-    if format.group_size % vals != 0 || in_dim % vals != 0 || smem > enc.device.info().max_shared_per_block {
+    let smem = (padded_len(in_dim) + in_dim / vals) * 4;
+    if format.group_size % vals != 0
+        || in_dim % vals != 0
+        || x.device_ptr() % 16 != 0
+        || smem > enc.device.info().max_shared_per_block
+    {
         return Ok(false);
     }
     let (name, parts, _) = weight_parts(enc, w)?;
