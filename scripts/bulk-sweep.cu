@@ -9,21 +9,7 @@
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o bulk-sweep scripts/bulk-sweep.cu
 //   ./bulk-sweep
-#include <cuda_runtime.h>
-
-#include <algorithm>
-#include <cstdio>
-#include <cstdlib>
-#include <vector>
-
-#define CK(x)                                                                                     \
-    do {                                                                                          \
-        cudaError_t e = (x);                                                                      \
-        if (e != cudaSuccess) {                                                                   \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e));   \
-            exit(1);                                                                              \
-        }                                                                                         \
-    } while (0)
+#include "cuda-bench.cuh"
 
 __device__ __forceinline__ unsigned saddr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 
@@ -84,48 +70,26 @@ __global__ void __launch_bounds__(512) plain(const uint4* src, size_t n16, float
     if (s == 12345u) out[blockIdx.x] = s;
 }
 
-__global__ void flush(const uint4* p, size_t n16, float* out) {
-    unsigned s = 0;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n16; i += (size_t)gridDim.x * blockDim.x)
-        s += p[i].x;
-    if (s == 12345u) out[0] = s;
-}
-
 int main() {
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
-    const int sms = prop.multiProcessorCount;
+    ColdTimer t;
+    const int sms = t.sms;
     printf("%s, %d SMs\n", prop.name, sms);
-    const size_t flush_bytes = 256 << 20, src_bytes = 512 << 20;
-    uint4* fl;
+    const size_t src_bytes = 512 << 20;
     unsigned char* src;
     float* out;
-    CK(cudaMalloc(&fl, flush_bytes));
-    CK(cudaMemset(fl, 1, flush_bytes));
     CK(cudaMalloc(&src, src_bytes));
     CK(cudaMemset(src, 2, src_bytes));
     CK(cudaMalloc(&out, 1 << 16));
     CK(cudaFuncSetAttribute(sweep, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 << 10));
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
     printf("%-11s %8s %7s %5s %10s %9s %8s %7s\n", "layout", "piece B", "copies", "bars", "per block", "total MB", "us", "TB/s");
     for (unsigned per_block : {48u << 10, 96u << 10, 160u << 10}) {
         {
             const size_t total = (size_t)per_block * sms;
-            std::vector<float> t;
-            for (int r = 0; r < 35; r++) {
-                flush<<<4 * sms, 512>>>(fl, flush_bytes / 16, out);
-                CK(cudaEventRecord(e0));
-                plain<<<4 * sms, 512>>>(reinterpret_cast<const uint4*>(src), total / 16, out);
-                CK(cudaEventRecord(e1));
-                CK(cudaEventSynchronize(e1));
-                float ms;
-                CK(cudaEventElapsedTime(&ms, e0, e1));
-                if (r >= 5) t.push_back(ms * 1000);
-            }
-            std::sort(t.begin(), t.end());
-            const double us = t[t.size() / 2];
+            const double us = t.median_us(
+                [&] { plain<<<4 * sms, 512, 0, t.st>>>(reinterpret_cast<const uint4*>(src), total / 16, out); }, 1, 5,
+                30);
             printf("%-11s %8s %7s %5s %10u %9.2f %8.2f %7.2f\n", "plain", "-", "-", "-", per_block, total / 1e6, us,
                    total / us / 1e6);
         }
@@ -136,20 +100,9 @@ int main() {
             for (int spread = 0; spread < 2; spread++) {
                 if ((spread && copies % 8) || nbar > copies || (spread && nbar != 8)) continue;
                 const size_t total = (size_t)per_block * sms, region = 64ull << 20;
-                std::vector<float> t;
-                for (int r = 0; r < 35; r++) {
-                    flush<<<4 * sms, 512>>>(fl, flush_bytes / 16, out);
-                    CK(cudaEventRecord(e0));
-                    sweep<<<sms, 128, per_block>>>(src, piece, copies, spread, region, nbar, out);
-                    CK(cudaEventRecord(e1));
-                    CK(cudaEventSynchronize(e1));
-                    float ms;
-                    CK(cudaEventElapsedTime(&ms, e0, e1));
-                    if (r >= 5) t.push_back(ms * 1000);
-                }
-                CK(cudaGetLastError());
-                std::sort(t.begin(), t.end());
-                const double us = t[t.size() / 2];
+                const double us = t.median_us(
+                    [&] { sweep<<<sms, 128, per_block, t.st>>>(src, piece, copies, spread, region, nbar, out); }, 1,
+                    5, 30);
                 printf("%-11s %8u %7u %5u %10u %9.2f %8.2f %7.2f\n", spread ? "spread" : "contiguous", piece, copies,
                        nbar, per_block, total / 1e6, us, total / us / 1e6);
             }

@@ -17,29 +17,9 @@
 // "early" variants issue the reads before griddepcontrol.wait (as a kernel may for bytes no
 // earlier kernel of the graph writes); the others wait first. Timing: CUDA events around a graph
 // replay after 256 MB of other memory was read (L2 flushed), median of 50 replays.
-#include <cuda_runtime.h>
+#include "cuda-bench.cuh"
 
-#include <algorithm>
-#include <cstdio>
-#include <cstdlib>
-#include <vector>
-
-#define CK(x)                                                                        \
-    do {                                                                             \
-        cudaError_t e = (x);                                                         \
-        if (e != cudaSuccess) {                                                      \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
-            exit(1);                                                                 \
-        }                                                                            \
-    } while (0)
-
-__device__ __forceinline__ void wait_prev() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void let_next() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ unsigned saddr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ float sum4(uint4 v) {
-    return __uint_as_float(v.x & 0x3fffffffu) + __uint_as_float(v.y & 0x3fffffffu) +
-           __uint_as_float(v.z & 0x3fffffffu) + __uint_as_float(v.w & 0x3fffffffu);
-}
 
 // bytes: total; a block reads [b * share, (b + 1) * share) of each half.
 __global__ void __launch_bounds__(512) plain(const uint4* src, size_t n16, float* out, int early) {
@@ -156,32 +136,18 @@ __global__ void __launch_bounds__(128) bulk_rows(const uint4* src, size_t half16
     if (s == 1.2345f) out[blockIdx.x] = s;
 }
 
-__global__ void flush(const uint4* p, size_t n16, float* out) {
-    float s = 0.0f;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n16; i += (size_t)gridDim.x * blockDim.x)
-        s += sum4(p[i]);
-    if (s == 1.2345f) out[0] = s;
-}
-
 int main(int argc, char** argv) {
     std::vector<double> sizes;
     for (int i = 1; i < argc; i++) sizes.push_back(atof(argv[i]));
     if (sizes.empty()) sizes = {16.8, 21.2};
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
-    const int sms = prop.multiProcessorCount;
+    ColdTimer t;
+    const int sms = t.sms;
     printf("%s, %d SMs, L2 %d MB\n", prop.name, sms, prop.l2CacheSize >> 20);
-    const size_t flush_bytes = 256 << 20;
-    uint4 *fl, *bufs[4];
+    uint4* bufs[4];
     float* out;
-    CK(cudaMalloc(&fl, flush_bytes));
-    CK(cudaMemset(fl, 1, flush_bytes));
     CK(cudaMalloc(&out, 1 << 20));
-    cudaStream_t st;
-    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
     CK(cudaFuncSetAttribute(cpasync, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 << 10));
     CK(cudaFuncSetAttribute(bulk_chunk, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 << 10));
     CK(cudaFuncSetAttribute(bulk_rows, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 << 10));
@@ -206,59 +172,27 @@ int main(int argc, char** argv) {
             if (way == 3 && smem_rows > (200u << 10)) continue;
             for (int early = 0; early < 2; early++) {
                 for (int chain : {1, 4}) {
-                    cudaGraph_t g;
-                    cudaGraphExec_t ge;
-                    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-                    for (int c = 0; c < chain; c++) {
-                        cudaLaunchConfig_t cfg = {};
-                        cudaLaunchAttribute at[1];
-                        at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-                        at[0].val.programmaticStreamSerializationAllowed = 1;
-                        cfg.attrs = at;
-                        cfg.numAttrs = c > 0 ? 1 : 0;
-                        cfg.stream = st;
-                        const uint4* src = bufs[c];
-                        if (way == 0) {
-                            cfg.gridDim = dim3(4 * sms);
-                            cfg.blockDim = dim3(512);
-                            CK(cudaLaunchKernelEx(&cfg, plain, src, n16, out, early));
-                        } else if (way == 1) {
-                            cfg.gridDim = dim3(blocks);
-                            cfg.blockDim = dim3(256);
-                            cfg.dynamicSmemBytes = smem;
-                            CK(cudaLaunchKernelEx(&cfg, cpasync, src, half16, share16, out, early));
-                        } else if (way == 2) {
-                            cfg.gridDim = dim3(blocks);
-                            cfg.blockDim = dim3(128);
-                            cfg.dynamicSmemBytes = smem;
-                            CK(cudaLaunchKernelEx(&cfg, bulk_chunk, src, half16, share16, out, early));
-                        } else {
-                            cfg.gridDim = dim3(blocks);
-                            cfg.blockDim = dim3(128);
-                            cfg.dynamicSmemBytes = smem_rows;
-                            CK(cudaLaunchKernelEx(&cfg, bulk_rows, src, half16, share16, out, early));
-                        }
-                    }
-                    CK(cudaStreamEndCapture(st, &g));
-                    CK(cudaGraphInstantiate(&ge, g, 0));
-                    std::vector<float> ts;
-                    for (int r = 0; r < 60; r++) {
-                        flush<<<4 * sms, 512, 0, st>>>(fl, flush_bytes / 16, out);
-                        CK(cudaEventRecord(e0, st));
-                        CK(cudaGraphLaunch(ge, st));
-                        CK(cudaEventRecord(e1, st));
-                        CK(cudaEventSynchronize(e1));
-                        float ms;
-                        CK(cudaEventElapsedTime(&ms, e0, e1));
-                        if (r >= 10) ts.push_back(ms * 1000.0f / chain);
-                    }
-                    std::sort(ts.begin(), ts.end());
-                    const double us = ts[ts.size() / 2];
+                    const double us = t.graph_median_us(
+                        [&] {
+                            for (int c = 0; c < chain; c++) {
+                                const uint4* src = bufs[c];
+                                if (way == 0)
+                                    launch_pdl(t.st, c > 0, dim3(4 * sms), dim3(512), 0, plain, src, n16, out, early);
+                                else if (way == 1)
+                                    launch_pdl(t.st, c > 0, dim3(blocks), dim3(256), smem, cpasync, src, half16,
+                                               share16, out, early);
+                                else if (way == 2)
+                                    launch_pdl(t.st, c > 0, dim3(blocks), dim3(128), smem, bulk_chunk, src, half16,
+                                               share16, out, early);
+                                else
+                                    launch_pdl(t.st, c > 0, dim3(blocks), dim3(128), smem_rows, bulk_rows, src,
+                                               half16, share16, out, early);
+                            }
+                        },
+                        chain);
                     printf("%-10s %-5s %s: %7.2f us per read, %5.0f GB/s, %4.1f%% of 4.26 TB/s\n", names[way],
                            early ? "early" : "wait", chain == 1 ? "alone  " : "4 chain", us, bytes / us / 1e3,
                            bytes / us / 1e3 / 4260 * 100);
-                    CK(cudaGraphExecDestroy(ge));
-                    CK(cudaGraphDestroy(g));
                 }
             }
         }
