@@ -11,9 +11,10 @@
 //! | `KESTREL_PROFILE` | bool | `false` | time every dispatch with CUDA events |
 //! | `KESTREL_PDL` | bool | `true` | programmatic dependent launch in CUDA graphs (`off` links every kernel to its predecessors by completion, for debugging) |
 //! | `KESTREL_WGMMA` | bool | `true` | on sm_90 GPUs, grouped expert GEMMs and quantised products of many tokens on Hopper's warpgroup tensor-core instructions (`off` takes the `mma.sync` kernels other GPUs use) |
-//! | `KESTREL_REQUIRE_GPU` | bool | `false` | tests fail, instead of skipping, when no CUDA device is present |
 //!
-//! Booleans accept `1/0`, `true/false`, `yes/no`, `on/off`.
+//! Booleans accept `1/0`, `true/false`, `yes/no`, `on/off`. The test suite has two switches of
+//! its own, read by the `kestrel-testing` crate only: `KESTREL_REQUIRE_GPU` and
+//! `KESTREL_TEST_ROOT`.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -30,8 +31,6 @@ pub struct Config {
     pub cuda_include_dir: Option<PathBuf>,
     /// Time each dispatch with CUDA events and aggregate by label and kernel.
     pub profile: bool,
-    /// A missing CUDA device fails GPU tests instead of skipping them.
-    pub require_gpu: bool,
     /// CUDA graphs link programmatic dispatches by programmatic edges (else by completion).
     pub pdl: bool,
     /// Hopper (sm_90) runs its tensor-core GEMM tiles on `wgmma` (else on `mma.sync`).
@@ -97,7 +96,6 @@ impl Config {
             kernel_cache_dir,
             cuda_include_dir,
             profile: parse_bool(get("KESTREL_PROFILE"), "KESTREL_PROFILE")?,
-            require_gpu: parse_bool(get("KESTREL_REQUIRE_GPU"), "KESTREL_REQUIRE_GPU")?,
             pdl: match get("KESTREL_PDL") {
                 None => true,
                 v => parse_bool(v, "KESTREL_PDL")?,
@@ -139,7 +137,6 @@ mod tests {
         let c = Config::from_vars(&vars(&[])).unwrap();
         assert_eq!(c.device, 0);
         assert!(!c.profile);
-        assert!(!c.require_gpu);
         assert!(c.pdl);
         assert!(!Config::from_vars(&vars(&[("KESTREL_PDL", "off")])).unwrap().pdl);
         assert!(Config::from_vars(&vars(&[("KESTREL_PDL", "maybe")])).is_err());
@@ -165,20 +162,11 @@ mod tests {
 
     #[test]
     fn booleans_and_device() {
-        let c = Config::from_vars(&vars(&[
-            ("KESTREL_PROFILE", "on"),
-            ("KESTREL_REQUIRE_GPU", "1"),
-            ("KESTREL_DEVICE", " 3 "),
-        ]))
-        .unwrap();
-        assert!(c.profile && c.require_gpu);
+        let c = Config::from_vars(&vars(&[("KESTREL_PROFILE", "on"), ("KESTREL_DEVICE", " 3 ")])).unwrap();
+        assert!(c.profile);
         assert_eq!(c.device, 3);
-        let c = Config::from_vars(&vars(&[
-            ("KESTREL_PROFILE", "False"),
-            ("KESTREL_REQUIRE_GPU", ""),
-        ]))
-        .unwrap();
-        assert!(!c.profile && !c.require_gpu);
+        let c = Config::from_vars(&vars(&[("KESTREL_PROFILE", "False")])).unwrap();
+        assert!(!c.profile);
     }
 
     #[test]

@@ -9,9 +9,7 @@
 // Index loops mirror the formulas they implement (`out[t * d + i]`); iterator chains would hide them.
 #![allow(clippy::needless_range_loop)]
 
-pub mod layers;
 pub mod ops;
-pub mod testing;
 mod views;
 
 use std::collections::HashMap;

@@ -4,12 +4,12 @@
 
 use kestrel_core::quant::QuantFormat;
 use kestrel_core::rng::Rng;
-use kestrel_cpu::layers::{layer_case, layer_sequence, Dims, LayerKind, OUTPUT};
-use kestrel_cpu::testing::{f32s, rel_err, run_case};
 use kestrel_cpu::CpuBackend;
+use kestrel_testing::cases::{f32s, rel_err, run_case};
+use kestrel_testing::layers::{layer_case, layer_sequence, Dims, LayerKind, OUTPUT};
 
 /// The layer's output among the checked buffers (the others are caches and states).
-fn output_index(case: &kestrel_cpu::testing::Case) -> usize {
+fn output_index(case: &kestrel_testing::cases::Case) -> usize {
     case.checks
         .iter()
         .position(|c| c.label == OUTPUT)

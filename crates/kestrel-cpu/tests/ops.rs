@@ -3,10 +3,10 @@
 use kestrel_core::ir::DeltaAlgo;
 use kestrel_core::rng::Rng;
 use kestrel_core::DType;
-use kestrel_cpu::testing::{
+use kestrel_cpu::CpuBackend;
+use kestrel_testing::cases::{
     self, all_cases, as_f64, bf16_err, f32s, rel_err, run_case, u32s, Case, Expect, BF16_STEP,
 };
-use kestrel_cpu::CpuBackend;
 
 /// f32 arithmetic against f64: errors stay far under this.
 const TOL: f64 = 2e-5;
@@ -58,8 +58,8 @@ fn chunked_delta_rule_equals_recurrent_steps() {
     let (mut rng, seed) = Rng::from_time();
     for _ in 0..3 {
         let s = rng.next_u64();
-        let rec = testing::deltanet(Rng::new(s), DeltaAlgo::Recurrent);
-        let chunk = testing::deltanet(
+        let rec = cases::deltanet(Rng::new(s), DeltaAlgo::Recurrent);
+        let chunk = cases::deltanet(
             Rng::new(s),
             DeltaAlgo::Chunked {
                 chunk: 1 + (s % 40) as usize,

@@ -17,7 +17,6 @@ pub mod graph;
 pub mod ops;
 pub mod registry;
 pub mod stream;
-pub mod testing;
 
 pub use backend::{CudaBackend, CudaProgram, Encoder, RunMode};
 pub use blas::Blas;

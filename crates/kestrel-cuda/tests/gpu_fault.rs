@@ -3,8 +3,8 @@
 //! process's CUDA context, so no other test may share the process.
 
 use kestrel_core::DType;
-use kestrel_cuda::testing::device_or_skip;
 use kestrel_cuda::{CommandList, CudaError};
+use kestrel_testing::gpu::device_or_skip;
 
 #[test]
 fn illegal_address_is_reported_with_the_submission_label() {

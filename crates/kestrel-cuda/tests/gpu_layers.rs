@@ -5,11 +5,11 @@
 use kestrel_core::quant::QuantFormat;
 use kestrel_core::rng::Rng;
 use kestrel_core::Backend;
-use kestrel_cpu::layers::{layer_sequence, Dims, LayerKind, OUTPUT, ROUTED};
-use kestrel_cpu::testing::{as_f64, rel_err, rel_l2, run_case, Case};
 use kestrel_cpu::CpuBackend;
-use kestrel_cuda::testing::device_or_skip;
 use kestrel_cuda::{CudaBackend, RunMode};
+use kestrel_testing::cases::{as_f64, rel_err, rel_l2, run_case, Case};
+use kestrel_testing::gpu::device_or_skip;
+use kestrel_testing::layers::{layer_sequence, Dims, LayerKind, OUTPUT, ROUTED};
 
 /// Whole layers chain a dozen ops in f32 on both sides.
 const TOL: f64 = 1e-3;

@@ -8,12 +8,12 @@
 
 use kestrel_core::rng::Rng;
 use kestrel_core::{Backend, DType, GraphBuilder};
-use kestrel_cpu::testing::{
+use kestrel_cpu::CpuBackend;
+use kestrel_cuda::{CudaBackend, RunMode};
+use kestrel_testing::cases::{
     all_cases, as_f64, bf16_err, f32s, rel_err, rel_l2, u32s, Case, Expect, BF16_STEP,
 };
-use kestrel_cpu::CpuBackend;
-use kestrel_cuda::testing::{device_or_skip, tensor_engines};
-use kestrel_cuda::{CudaBackend, RunMode};
+use kestrel_testing::gpu::{device_or_skip, tensor_engines};
 
 const TOL: f64 = 1e-4;
 /// Products on rounded activations (int8 per block of 32 for quantised one-token products,
@@ -44,7 +44,7 @@ fn run_cuda(cuda: &mut CudaBackend, case: &Case) -> Vec<Vec<u8>> {
 
 /// Runs `case` on the CPU and on CUDA (eagerly and as a graph) and compares every check.
 fn compare(dev: &kestrel_cuda::Device, case: &Case, seed: u64, round: usize) {
-    let cpu_out = kestrel_cpu::testing::run_case(&mut CpuBackend::new(), case).unwrap();
+    let cpu_out = kestrel_testing::cases::run_case(&mut CpuBackend::new(), case).unwrap();
     for mode in [RunMode::Eager, RunMode::Graph] {
         let mut cuda = CudaBackend::new(dev.clone(), mode);
         let gpu_out = run_cuda(&mut cuda, case);
@@ -117,9 +117,9 @@ fn moe_decode_at_model_shape_matches_the_cpu_backend() {
     for round in 0..4 {
         let case_rng = Rng::new(rng.next_u64());
         let case = if round % 2 == 0 {
-            kestrel_cpu::testing::moe_decode_model_shape(case_rng)
+            kestrel_testing::cases::moe_decode_model_shape(case_rng)
         } else {
-            kestrel_cpu::testing::moe_decode_wide_shape(case_rng)
+            kestrel_testing::cases::moe_decode_wide_shape(case_rng)
         };
         compare(&dev, &case, seed, round);
     }

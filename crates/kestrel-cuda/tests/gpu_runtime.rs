@@ -4,8 +4,8 @@
 //! under `KESTREL_REQUIRE_GPU=1`.
 
 use kestrel_core::{rng::Rng, Config, DType};
-use kestrel_cuda::testing::device_or_skip;
 use kestrel_cuda::{Buffer, CommandList, CudaError, Device, GraphUpdate, Kernel, LoadOrigin, StageFence};
+use kestrel_testing::gpu::device_or_skip;
 
 const POISON: f32 = f32::NAN;
 

@@ -22,6 +22,6 @@ pub use experts::{expert_source, pack_experts, ExpertSource};
 pub use footprint::{footprint, Footprint};
 pub use graph::{Forward, ForwardSpec};
 pub use quantize::{quantize_dir, QuantizeReport};
-pub use session::Session;
+pub use session::{Output, Session, Want};
 pub use synthetic::{synthetic_model, synthetic_weights, SYNTHETIC_MODELS};
 pub use weights::{OwnedTensor, Tensor, Weights};

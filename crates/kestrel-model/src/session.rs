@@ -17,6 +17,46 @@ use crate::error::{ModelError, Result};
 use crate::graph::{Forward, ForwardSpec};
 use crate::weights::Weights;
 
+/// What a caller wants from a [`Session::step`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Want {
+    /// Every token's logits, `[ids.len(), vocab]`.
+    AllLogits,
+    /// The last token's logits, `[vocab]`.
+    LastLogits,
+    /// The most likely next token, chosen on the backend (only its id is read back).
+    Argmax,
+    /// The next token drawn by the backend's sampler (see [`Session::with_sampling`]); the
+    /// sampler's counts and generator advance.
+    Sample,
+}
+
+/// What a [`Session::step`] hands back: logits for the `*Logits` wants, a token id for the
+/// others.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Output {
+    Logits(Vec<f32>),
+    Token(u32),
+}
+
+impl Output {
+    /// The token id, for [`Want::Argmax`] and [`Want::Sample`].
+    pub fn token(&self) -> Option<u32> {
+        match self {
+            Output::Token(t) => Some(*t),
+            Output::Logits(_) => None,
+        }
+    }
+
+    /// The logits, for [`Want::AllLogits`] and [`Want::LastLogits`].
+    pub fn into_logits(self) -> Option<Vec<f32>> {
+        match self {
+            Output::Logits(l) => Some(l),
+            Output::Token(_) => None,
+        }
+    }
+}
+
 /// What a program computes at its end: every token's logits, the last token's (and its
 /// argmax), or those and the backend's sample (which advances the sampler's state, so only the
 /// step that wants a sample runs it).
@@ -34,6 +74,21 @@ impl Outputs {
         } else {
             Outputs::Last
         }
+    }
+
+    fn for_want(want: Want) -> Outputs {
+        match want {
+            Want::AllLogits => Outputs::All,
+            Want::LastLogits | Want::Argmax => Outputs::Last,
+            Want::Sample => Outputs::Sample,
+        }
+    }
+}
+
+fn not_sampling() -> ModelError {
+    ModelError::Config {
+        key: "sampling".into(),
+        reason: "the backend does not sample with these settings".into(),
     }
 }
 
@@ -58,6 +113,8 @@ pub struct Session<B: Backend> {
     sampling: Option<SamplingParams>,
     /// The backend sampler's generator was seeded.
     seeded: bool,
+    /// Steps of more tokens run in chunks of at most this many (see [`Session::step`]).
+    chunk: Option<usize>,
 }
 
 impl<B: Backend> Session<B> {
@@ -88,6 +145,7 @@ impl<B: Backend> Session<B> {
             progress: None,
             sampling: None,
             seeded: false,
+            chunk: None,
         }
     }
 
@@ -110,34 +168,10 @@ impl<B: Backend> Session<B> {
         let key = self.program(1, 0, Outputs::Sample)?;
         let (f, p) = self.programs.get_mut(&key).expect("prepared above");
         let Some(s) = f.sampled else {
-            return Err(ModelError::Config {
-                key: "sampling".into(),
-                reason: "the backend does not sample with these settings".into(),
-            });
+            return Err(not_sampling());
         };
         let counts = counts_of(history, self.config.vocab);
         self.backend.upload(p, s.counts, &counts).map_err(backend_err)
-    }
-
-    /// Runs `ids` at positions `past..` and samples the next token on the backend (only the id
-    /// is read back); the sampler's counts and generator advance.
-    pub fn sample_next_token(&mut self, ids: &[u32], past: usize) -> Result<u32> {
-        let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
-        let key = self.run(ids, past, Outputs::Sample)?;
-        let (f, p) = &self.programs[&key];
-        let Some(s) = f.sampled else {
-            return Err(ModelError::Config {
-                key: "sampling".into(),
-                reason: "the backend does not sample with these settings".into(),
-            });
-        };
-        Ok(self.backend.download::<u32>(p, s.token).map_err(backend_err)?[0])
-    }
-
-    /// The same after a prefill in chunks.
-    pub fn prefill_sample_next_token(&mut self, ids: &[u32], past: usize, chunk: usize) -> Result<u32> {
-        let (tail, at, _) = self.prefill_head(ids, past, chunk, false)?;
-        self.sample_next_token(tail, at)
     }
 
     /// Calls `f(bytes done, bytes in all)` as the weights go to the backend.
@@ -146,73 +180,83 @@ impl<B: Backend> Session<B> {
         self
     }
 
+    /// Runs steps of more than `chunk` tokens in chunks of at most `chunk` (None: in one go).
+    pub fn with_prefill_chunk(mut self, chunk: Option<usize>) -> Result<Session<B>> {
+        if chunk == Some(0) {
+            return Err(ModelError::Config {
+                key: "prefill chunk".into(),
+                reason: "chunks must hold at least one token".into(),
+            });
+        }
+        self.chunk = chunk;
+        Ok(self)
+    }
+
     /// Quantises the checkpoint's dense projections and experts to `format` on load.
     pub fn with_quant(mut self, format: Option<QuantFormat>) -> Session<B> {
         self.quant = format;
         self
     }
 
-    /// Runs a prompt from position `past` in chunks of at most `chunk` tokens (one graph per
-    /// chunk length, the caches and states carrying over) and returns the last token's logits,
-    /// or with `all_logits` every token's, `[ids.len(), vocab]`.
-    pub fn prefill(&mut self, ids: &[u32], past: usize, chunk: usize, all_logits: bool) -> Result<Vec<f32>> {
-        let (tail, at, mut out) = self.prefill_head(ids, past, chunk, all_logits)?;
-        out.extend(self.forward(tail, at, all_logits)?);
-        Ok(out)
-    }
-
-    /// The same prefill, returning only the most likely next token (computed on the backend).
-    pub fn prefill_next_token(&mut self, ids: &[u32], past: usize, chunk: usize) -> Result<u32> {
-        let (tail, at, _) = self.prefill_head(ids, past, chunk, false)?;
-        self.next_token(tail, at)
-    }
-
-    /// Runs every chunk but the last and returns the last chunk, its position and (with
-    /// `all_logits`) the logits of the chunks run.
-    fn prefill_head<'a>(
-        &mut self,
-        ids: &'a [u32],
-        past: usize,
-        chunk: usize,
-        all_logits: bool,
-    ) -> Result<(&'a [u32], usize, Vec<f32>)> {
-        if chunk == 0 || ids.is_empty() {
+    /// Runs `ids` at positions `past..past + ids.len()` and hands back what `want` asks for.
+    /// Longer than the prefill chunk (see [`Session::with_prefill_chunk`]), they run in chunks
+    /// (one program per chunk length, caches and states carrying over); only the last chunk
+    /// computes what is wanted, except that [`Want::AllLogits`] gathers every chunk's rows.
+    pub fn step(&mut self, ids: &[u32], past: usize, want: Want) -> Result<Output> {
+        let chunk = self.chunk.unwrap_or(ids.len()).max(1);
+        if ids.is_empty() {
             return Err(ModelError::Config {
-                key: "prefill chunk".into(),
-                reason: format!("{} tokens in chunks of {chunk}: both must be positive", ids.len()),
+                key: "tokens".into(),
+                reason: "a step needs at least one token".into(),
             });
         }
         let mut gathered = Vec::new();
         let heads = (ids.len() - 1) / chunk;
         for i in 0..heads {
             let part = &ids[i * chunk..(i + 1) * chunk];
-            if all_logits {
-                let logits = self.forward(part, past + i * chunk, true)?;
-                gathered.extend(logits);
+            let outputs = if want == Want::AllLogits {
+                Outputs::All
             } else {
-                self.run(part, past + i * chunk, Outputs::Last)?;
+                Outputs::Last
+            };
+            let key = self.run(part, past + i * chunk, outputs)?;
+            if want == Want::AllLogits {
+                gathered.extend(self.logits_of(key)?);
             }
         }
-        Ok((&ids[heads * chunk..], past + heads * chunk, gathered))
+        let (tail, at) = (&ids[heads * chunk..], past + heads * chunk);
+        let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
+        match want {
+            Want::AllLogits | Want::LastLogits => {
+                let key = self.run(tail, at, Outputs::of(want == Want::AllLogits))?;
+                gathered.extend(self.logits_of(key)?);
+                Ok(Output::Logits(gathered))
+            }
+            Want::Argmax => {
+                let key = self.run(tail, at, Outputs::Last)?;
+                let (f, p) = &self.programs[&key];
+                let ids = self.backend.download::<u32>(p, f.argmax).map_err(backend_err)?;
+                Ok(Output::Token(ids[0]))
+            }
+            Want::Sample => {
+                let key = self.run(tail, at, Outputs::Sample)?;
+                let (f, p) = &self.programs[&key];
+                let Some(s) = f.sampled else {
+                    return Err(not_sampling());
+                };
+                Ok(Output::Token(
+                    self.backend.download::<u32>(p, s.token).map_err(backend_err)?[0],
+                ))
+            }
+        }
     }
 
-    /// Runs `ids` at positions `past..` and returns the most likely next token after the last
-    /// one, computed on the backend (only the id is read back).
-    pub fn next_token(&mut self, ids: &[u32], past: usize) -> Result<u32> {
-        let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
-        let key = self.run(ids, past, Outputs::Last)?;
+    /// The logits a program's last run left in its buffers.
+    fn logits_of(&mut self, key: Key) -> Result<Vec<f32>> {
         let (f, p) = &self.programs[&key];
-        let ids = self.backend.download::<u32>(p, f.argmax).map_err(backend_err)?;
-        Ok(ids[0])
-    }
-
-    /// Runs `ids` at positions `past..past + ids.len()` and returns the logits, `[ids.len(),
-    /// vocab]` with `all_logits`, else those of the last token.
-    pub fn forward(&mut self, ids: &[u32], past: usize, all_logits: bool) -> Result<Vec<f32>> {
-        let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
-        let key = self.run(ids, past, Outputs::of(all_logits))?;
-        let (f, p) = &self.programs[&key];
-        self.backend.download::<f32>(p, f.logits).map_err(backend_err)
+        self.backend
+            .download::<f32>(p, f.logits)
+            .map_err(|e| ModelError::Backend(Box::new(e)))
     }
 
     /// Starts a new sequence: the linear-attention layers' recurrent and convolution states go
@@ -231,16 +275,16 @@ impl<B: Backend> Session<B> {
         Ok(())
     }
 
-    /// Prepares the program for chunks of `tokens` (uploading the weights with the first one),
-    /// so that loading can be timed apart from running.
-    pub fn prepare(&mut self, tokens: usize, all_logits: bool) -> Result<()> {
+    /// Prepares the program for chunks of `tokens` with `want`'s outputs (uploading the weights
+    /// with the first one), so that loading can be timed apart from running.
+    pub fn prepare(&mut self, tokens: usize, want: Want) -> Result<()> {
         if tokens == 0 || tokens > self.ctx {
             return Err(ModelError::Config {
                 key: "ctx".into(),
                 reason: format!("{tokens} tokens do not fit a context of {}", self.ctx),
             });
         }
-        self.program(tokens, 0, Outputs::of(all_logits)).map(|_| ())
+        self.program(tokens, 0, Outputs::for_want(want)).map(|_| ())
     }
 
     /// The program for `tokens` tokens, built, prepared and (the first time) given the weights.

@@ -121,10 +121,15 @@ impl Shard {
         // not modified while a model is loaded, which is the usual contract of mapping weights
         // (the same one transformers and llama.cpp rely on).
         let map = unsafe { Mmap::map(&file) }.map_err(io(&path))?;
+        Shard::of(path, Storage::Mapped(map))
+    }
+
+    /// A safetensors file's bytes held in `map`, under `path` in messages.
+    fn of(path: PathBuf, map: Storage) -> Result<Shard> {
         let (header_len, _) = SafeTensors::read_metadata(&map).map_err(|e| bad_file(&path, e.to_string()))?;
         Ok(Shard {
             path,
-            map: Storage::Mapped(map),
+            map,
             data_start: 8 + header_len,
         })
     }
@@ -182,6 +187,23 @@ impl Weights {
         Ok(Weights {
             dir: dir.to_path_buf(),
             shards,
+            by_name,
+        })
+    }
+
+    /// The tensors of one safetensors file held in memory (the built-in model, embedded in the
+    /// binary), under `label` in messages.
+    pub fn from_safetensors_bytes(label: &str, bytes: Vec<u8>) -> Result<Weights> {
+        let dir = PathBuf::from(label);
+        let shard = Shard::of(dir.clone(), Storage::Owned(bytes))?;
+        let by_name = shard
+            .tensors()?
+            .into_iter()
+            .map(|(n, info)| (n, (0, info)))
+            .collect();
+        Ok(Weights {
+            dir,
+            shards: vec![shard],
             by_name,
         })
     }

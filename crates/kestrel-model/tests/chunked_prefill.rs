@@ -7,25 +7,39 @@ mod common;
 use common::{dir, reference, rel_max_err, FIXTURES};
 use kestrel_core::DType;
 use kestrel_cpu::CpuBackend;
-use kestrel_model::Session;
+use kestrel_model::{Session, Want};
 
 #[test]
 fn chunked_prefill_equals_one_prefill() {
     for name in FIXTURES {
         let (tokens, want, _) = reference(name);
         for chunk in [1, 5, 12] {
-            let mut s = Session::open(&dir(name), CpuBackend::new(), 64, DType::F32).unwrap();
-            let got = s.prefill(&tokens, 0, chunk, true).unwrap();
+            let open = || {
+                Session::open(&dir(name), CpuBackend::new(), 64, DType::F32)
+                    .unwrap()
+                    .with_prefill_chunk(Some(chunk))
+                    .unwrap()
+            };
+            let mut s = open();
+            let got = s
+                .step(&tokens, 0, Want::AllLogits)
+                .unwrap()
+                .into_logits()
+                .unwrap();
             let err = rel_max_err(&got, &want);
             assert!(err <= 1e-5, "{name} in chunks of {chunk}: {err:e}");
             // Only the last token's logits without all_logits.
-            let mut s = Session::open(&dir(name), CpuBackend::new(), 64, DType::F32).unwrap();
-            let last = s.prefill(&tokens, 0, chunk, false).unwrap();
+            let mut s = open();
+            let last = s
+                .step(&tokens, 0, Want::LastLogits)
+                .unwrap()
+                .into_logits()
+                .unwrap();
             assert_eq!(last.len(), 256);
             assert!(rel_max_err(&last, &want[want.len() - 256..]) <= 1e-5, "{name}");
             // The argmax taken on the backend is the host's.
-            let mut s = Session::open(&dir(name), CpuBackend::new(), 64, DType::F32).unwrap();
-            let id = s.prefill_next_token(&tokens, 0, chunk).unwrap();
+            let mut s = open();
+            let id = s.step(&tokens, 0, Want::Argmax).unwrap().token().unwrap();
             assert_eq!(id, common::argmax(&want[want.len() - 256..]), "{name}");
         }
     }
@@ -39,10 +53,18 @@ fn a_reset_session_starts_a_new_sequence() {
         let (tokens, want, _) = reference(name);
         let mut s = Session::open(&dir(name), CpuBackend::new(), 64, DType::F32).unwrap();
         let other: Vec<u32> = tokens.iter().rev().copied().collect();
-        s.forward(&other, 0, true).unwrap();
-        let stale = s.forward(&tokens, 0, true).unwrap();
+        s.step(&other, 0, Want::AllLogits).unwrap().into_logits().unwrap();
+        let stale = s
+            .step(&tokens, 0, Want::AllLogits)
+            .unwrap()
+            .into_logits()
+            .unwrap();
         s.reset_states().unwrap();
-        let fresh = s.forward(&tokens, 0, true).unwrap();
+        let fresh = s
+            .step(&tokens, 0, Want::AllLogits)
+            .unwrap()
+            .into_logits()
+            .unwrap();
         assert!(rel_max_err(&fresh, &want) <= 1e-5, "{name}");
         let hybrid = name.contains("next") || name.contains("3_5");
         assert_eq!(

@@ -1,8 +1,6 @@
 //! `ModelConfig` against the config.json files of the supported architectures, in both
-//! generations (`tests/configs/`, written by `scripts/make-config-fixtures.py` and by hand), and
+//! generations (`tests/configs/`, written by `scripts/fixtures/make-config-fixtures.py` and by hand), and
 //! against malformed ones.
-
-use std::path::PathBuf;
 
 use kestrel_core::quant::QuantFormat;
 use kestrel_core::rope::RopeScaling;
@@ -10,9 +8,7 @@ use kestrel_core::DType;
 use kestrel_model::{Arch, LayerKind, MlpKind, ModelConfig, ModelError};
 
 fn load(name: &str) -> ModelConfig {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/configs")
-        .join(name);
+    let path = kestrel_testing::fixtures::path("crates/kestrel-model/tests/configs").join(name);
     let text = std::fs::read_to_string(&path).unwrap();
     ModelConfig::from_json(&text).unwrap_or_else(|e| panic!("{name}: {e}"))
 }
@@ -148,9 +144,7 @@ fn mlx_quantisation_with_router_overrides() {
 }
 
 fn edit(name: &str, f: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>)) -> String {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/configs")
-        .join(name);
+    let path = kestrel_testing::fixtures::path("crates/kestrel-model/tests/configs").join(name);
     let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     f(v.as_object_mut().unwrap());
     v.to_string()

@@ -10,7 +10,7 @@ use common::{dir, reference, rel_max_err};
 use half::{bf16, f16};
 use kestrel_core::DType;
 use kestrel_cpu::CpuBackend;
-use kestrel_model::{Session, Weights};
+use kestrel_model::{Session, Want, Weights};
 use safetensors::tensor::{serialize_to_file, Dtype, TensorView};
 
 struct TempDir(PathBuf);
@@ -61,7 +61,9 @@ fn f32_and_f16_checkpoints() {
     let logits = |d: &std::path::Path| {
         Session::open(d, CpuBackend::new(), 64, DType::F32)
             .unwrap()
-            .forward(&tokens, 0, true)
+            .step(&tokens, 0, Want::AllLogits)
+            .unwrap()
+            .into_logits()
             .unwrap()
     };
     let base = logits(&dir("qwen3_moe"));
@@ -77,8 +79,8 @@ fn f32_and_f16_checkpoints() {
 /// bounds. Skips without a device (fails under `KESTREL_REQUIRE_GPU=1`).
 #[test]
 fn f32_and_f16_checkpoints_on_cuda() {
-    use kestrel_cuda::testing::device_or_skip;
     use kestrel_cuda::{CudaBackend, RunMode};
+    use kestrel_testing::gpu::device_or_skip;
     let Some(dev) = device_or_skip("f32_and_f16_checkpoints_on_cuda") else {
         return;
     };
@@ -92,7 +94,11 @@ fn f32_and_f16_checkpoints_on_cuda() {
             DType::BF16,
         )
         .unwrap();
-        let got = s.forward(&tokens, 0, true).unwrap();
+        let got = s
+            .step(&tokens, 0, Want::AllLogits)
+            .unwrap()
+            .into_logits()
+            .unwrap();
         let (cos, top1) = (
             common::min_cosine(&got, &want),
             common::top1_agreement(&got, &want),

@@ -11,7 +11,7 @@ use common::{dir, reference, rel_max_err};
 use half::bf16;
 use kestrel_core::DType;
 use kestrel_cpu::CpuBackend;
-use kestrel_model::{Forward, ForwardSpec, ModelConfig, Session, Weights};
+use kestrel_model::{Forward, ForwardSpec, ModelConfig, Session, Want, Weights};
 use safetensors::tensor::{serialize_to_file, Dtype, TensorView};
 
 struct TempDir(PathBuf);
@@ -100,6 +100,12 @@ fn stacked_when_alike_one_by_one_when_not() {
     assert!(labels.contains(&"model.layers.0.self_attn.qkv_proj".to_string()));
     let (tokens, want, _) = reference("qwen3");
     let mut s = Session::open(&copy.0, CpuBackend::new(), 64, DType::F32).unwrap();
-    let err = rel_max_err(&s.forward(&tokens, 0, true).unwrap(), &want);
+    let err = rel_max_err(
+        &s.step(&tokens, 0, Want::AllLogits)
+            .unwrap()
+            .into_logits()
+            .unwrap(),
+        &want,
+    );
     assert!(err <= 1e-3, "{err:e}");
 }

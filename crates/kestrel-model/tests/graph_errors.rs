@@ -9,9 +9,7 @@ use safetensors::tensor::{serialize_to_file, TensorView};
 use safetensors::SafeTensors;
 
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/parity")
-        .join(name)
+    kestrel_testing::fixtures::path("crates/kestrel-model/tests/parity").join(name)
 }
 
 /// A copy of the llama fixture with `edit` applied to its tensor list.

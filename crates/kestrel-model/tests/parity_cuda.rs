@@ -9,9 +9,9 @@ mod common;
 use common::{dir, min_cosine, reference, run, top1_agreement, top1_agreement_or_tie, FIXTURES};
 use kestrel_core::{Backend, DType};
 use kestrel_cpu::CpuBackend;
-use kestrel_cuda::testing::device_or_skip;
 use kestrel_cuda::{CudaBackend, RunMode};
 use kestrel_model::{Forward, ForwardSpec, ModelConfig, Weights};
+use kestrel_testing::gpu::device_or_skip;
 
 #[test]
 fn every_fixture_matches_transformers_on_cuda() {

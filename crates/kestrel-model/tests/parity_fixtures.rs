@@ -1,5 +1,5 @@
 //! The transformers-written checkpoints in `tests/parity/` (made by
-//! `scripts/make-parity-fixtures.py` on a machine with torch) load: every config parses to the
+//! `scripts/fixtures/make-parity-fixtures.py` on a machine with torch) load: every config parses to the
 //! sizes the script set, the weights open, every MoE layer's experts pack (bf16 from the
 //! transformers files, 4-bit as stored from the MLX one), and the references have the expected
 //! shapes. The logit comparisons themselves come with the model graphs.
@@ -14,9 +14,7 @@ use kestrel_model::{
 };
 
 fn dir(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/parity")
-        .join(name)
+    kestrel_testing::fixtures::path("crates/kestrel-model/tests/parity").join(name)
 }
 
 const FIXTURES: [(&str, Arch); 6] = [

@@ -9,7 +9,7 @@ use common::{dir, reference, rel_max_err};
 use kestrel_core::quant::QuantFormat;
 use kestrel_core::DType;
 use kestrel_cpu::CpuBackend;
-use kestrel_model::Session;
+use kestrel_model::{Session, Want};
 
 #[test]
 fn bf16_checkpoint_quantised_on_load_matches_the_mlx_reference() {
@@ -21,7 +21,11 @@ fn bf16_checkpoint_quantised_on_load_matches_the_mlx_reference() {
     let mut s = Session::open(&dir("qwen3_moe"), CpuBackend::new(), 64, DType::F32)
         .unwrap()
         .with_quant(Some(q4g32));
-    let got = s.forward(&tokens, 0, true).unwrap();
+    let got = s
+        .step(&tokens, 0, Want::AllLogits)
+        .unwrap()
+        .into_logits()
+        .unwrap();
     let err = rel_max_err(&got, &want);
     println!("on-load q4 vs MLX reference: {err:.2e}");
     assert!(err <= 1e-3, "{err:e}");

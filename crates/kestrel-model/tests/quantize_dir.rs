@@ -8,7 +8,7 @@ use common::{dir, reference, rel_max_err};
 use kestrel_core::quant::QuantFormat;
 use kestrel_core::DType;
 use kestrel_cpu::CpuBackend;
-use kestrel_model::{quantize_dir, ModelConfig, Session, Weights};
+use kestrel_model::{quantize_dir, ModelConfig, Session, Want, Weights};
 
 const Q4G32: QuantFormat = QuantFormat {
     bits: 4,
@@ -48,7 +48,13 @@ fn quantised_directory_equals_the_mlx_fixture() {
     // And it runs to the MLX fixture's reference.
     let (tokens, want, _) = reference("qwen3_moe_mlx_q4");
     let mut s = Session::open(&out, CpuBackend::new(), 64, DType::F32).unwrap();
-    let err = rel_max_err(&s.forward(&tokens, 0, true).unwrap(), &want);
+    let err = rel_max_err(
+        &s.step(&tokens, 0, Want::AllLogits)
+            .unwrap()
+            .into_logits()
+            .unwrap(),
+        &want,
+    );
     assert!(err <= 1e-3, "{err:e}");
     std::fs::remove_dir_all(&out).unwrap();
 }
@@ -152,7 +158,9 @@ fn hybrid_models_quantise_and_compute_as_their_dequantised_weights() {
         let run = |p: &std::path::Path| {
             Session::open(p, CpuBackend::new(), 64, DType::F32)
                 .unwrap()
-                .forward(&tokens, 0, true)
+                .step(&tokens, 0, Want::AllLogits)
+                .unwrap()
+                .into_logits()
                 .unwrap()
         };
         let (got, want) = (run(&q), run(&d));
@@ -209,7 +217,9 @@ fn sharded_output_equals_one_file() {
     let logits = |d: &std::path::Path| {
         Session::open(d, CpuBackend::new(), 64, DType::F32)
             .unwrap()
-            .forward(&tokens, 0, true)
+            .step(&tokens, 0, Want::AllLogits)
+            .unwrap()
+            .into_logits()
             .unwrap()
     };
     assert_eq!(logits(&one), logits(&many));

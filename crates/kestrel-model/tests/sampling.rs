@@ -9,7 +9,7 @@ use kestrel_core::rng::Rng;
 use kestrel_core::sample::{counts_of, distribution, draw, penalize, SamplingParams};
 use kestrel_core::DType;
 use kestrel_cpu::CpuBackend;
-use kestrel_model::Session;
+use kestrel_model::{Session, Want};
 
 #[test]
 fn backend_sampling_equals_host_sampling() {
@@ -27,19 +27,31 @@ fn backend_sampling_equals_host_sampling() {
         // On the backend.
         let mut s = Session::open(&dir(name), CpuBackend::new(), 64, DType::F32)
             .unwrap()
-            .with_sampling(params);
+            .with_sampling(params)
+            .with_prefill_chunk(Some(5))
+            .unwrap();
         assert!(s.samples_on_backend());
         s.set_sample_history(&prompt).unwrap();
-        let mut got = vec![s.prefill_sample_next_token(&prompt, 0, 5).unwrap()];
+        let sample = |s: &mut Session<CpuBackend>, ids: &[u32], at| {
+            s.step(ids, at, Want::Sample).unwrap().token().unwrap()
+        };
+        let mut got = vec![sample(&mut s, &prompt, 0)];
         for i in 0..15 {
             let at = prompt.len() + i;
-            got.push(s.sample_next_token(&[got[i]], at).unwrap());
+            got.push(sample(&mut s, &[got[i]], at));
         }
         // On the host, from the logits.
-        let mut h = Session::open(&dir(name), CpuBackend::new(), 64, DType::F32).unwrap();
+        let mut h = Session::open(&dir(name), CpuBackend::new(), 64, DType::F32)
+            .unwrap()
+            .with_prefill_chunk(Some(5))
+            .unwrap();
         let mut rng = Rng::new(params.seed);
         let mut history = prompt.clone();
-        let mut logits = h.prefill(&prompt, 0, 5, false).unwrap();
+        let mut logits = h
+            .step(&prompt, 0, Want::LastLogits)
+            .unwrap()
+            .into_logits()
+            .unwrap();
         let mut want = Vec::new();
         for i in 0..16 {
             let counts = counts_of(&history, logits.len());
@@ -48,7 +60,11 @@ fn backend_sampling_equals_host_sampling() {
             want.push(t);
             history.push(t);
             if i < 15 {
-                logits = h.forward(&[t], prompt.len() + i, false).unwrap();
+                logits = h
+                    .step(&[t], prompt.len() + i, Want::LastLogits)
+                    .unwrap()
+                    .into_logits()
+                    .unwrap();
             }
         }
         assert_eq!(got, want, "{name}");

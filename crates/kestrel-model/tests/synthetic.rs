@@ -12,7 +12,7 @@ use common::dir;
 use kestrel_core::quant::QuantFormat;
 use kestrel_core::DType;
 use kestrel_cpu::CpuBackend;
-use kestrel_model::{quantize_dir, synthetic_model, synthetic_weights, ModelConfig, Session, Weights};
+use kestrel_model::{quantize_dir, synthetic_model, synthetic_weights, ModelConfig, Session, Want, Weights};
 
 fn out_dir(tag: &str) -> std::path::PathBuf {
     let p = std::env::temp_dir().join(format!("kestrel-synthetic-{tag}-{}", std::process::id()));
@@ -117,7 +117,11 @@ fn a_real_configuration_runs_on_the_cpu() {
         assert!(config.quant.is_some(), "{name}: quantised config");
         let vocab = config.vocab;
         let mut s = Session::new(config, weights, CpuBackend::new(), 8, DType::F32);
-        let logits = s.forward(&[17, 4242, 99], 0, true).unwrap();
+        let logits = s
+            .step(&[17, 4242, 99], 0, Want::AllLogits)
+            .unwrap()
+            .into_logits()
+            .unwrap();
         assert_eq!(logits.len(), 3 * vocab);
         for row in logits.chunks(vocab) {
             let mean = row.iter().sum::<f32>() / vocab as f32;

@@ -48,18 +48,39 @@ impl Tokenizer {
         if !path.exists() {
             return Ok(None);
         }
-        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| bad(&path, e.to_string()))?;
+        let json = std::fs::read(&path).map_err(io(&path))?;
+        let config_path = dir.join("tokenizer_config.json");
+        let config = if config_path.exists() {
+            Some(std::fs::read_to_string(&config_path).map_err(io(&config_path))?)
+        } else {
+            None
+        };
+        let mut t = Tokenizer::from_bytes(&json, config.as_deref(), &path, &config_path)?;
+        let jinja: PathBuf = dir.join("chat_template.jinja");
+        if jinja.exists() {
+            t.chat_template = Some(std::fs::read_to_string(&jinja).map_err(io(&jinja))?);
+        }
+        Ok(Some(t))
+    }
+
+    /// A tokenizer from the contents of `tokenizer.json` and (if any) `tokenizer_config.json`;
+    /// `json_path` and `config_path` name them in errors.
+    pub fn from_bytes(
+        json: &[u8],
+        config: Option<&str>,
+        json_path: &Path,
+        config_path: &Path,
+    ) -> Result<Tokenizer> {
+        let inner = tokenizers::Tokenizer::from_bytes(json).map_err(|e| bad(json_path, e.to_string()))?;
         let mut t = Tokenizer {
             inner,
             bos_token: None,
             eos_token: None,
             chat_template: None,
         };
-        let config_path = dir.join("tokenizer_config.json");
-        if config_path.exists() {
-            let text = std::fs::read_to_string(&config_path).map_err(io(&config_path))?;
+        if let Some(text) = config {
             let config: Value =
-                serde_json::from_str(&text).map_err(|e| bad(&config_path, format!("not valid JSON: {e}")))?;
+                serde_json::from_str(text).map_err(|e| bad(config_path, format!("not valid JSON: {e}")))?;
             t.bos_token = token_text(config.get("bos_token"));
             t.eos_token = token_text(config.get("eos_token"));
             t.chat_template = match config.get("chat_template") {
@@ -73,11 +94,7 @@ impl Tokenizer {
                 _ => None,
             };
         }
-        let jinja: PathBuf = dir.join("chat_template.jinja");
-        if jinja.exists() {
-            t.chat_template = Some(std::fs::read_to_string(&jinja).map_err(io(&jinja))?);
-        }
-        Ok(Some(t))
+        Ok(t)
     }
 
     /// The compiled chat template, if the model has one.

@@ -9,7 +9,7 @@ use kestrel_text::{ChatInput, ChatTemplate};
 use serde_json::Value;
 
 fn dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/templates")
+    kestrel_testing::fixtures::path("crates/kestrel-text/tests/templates")
 }
 
 #[test]

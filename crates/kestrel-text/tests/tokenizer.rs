@@ -1,4 +1,4 @@
-//! The tokenizer of `tests/tokenizer/` (trained by `scripts/train-tokenizer.py`, the built-in
+//! The tokenizer of `tests/tokenizer/` (trained by `scripts/fixtures/train-tokenizer.py`, the built-in
 //! model's recipe): ids equal what the Python `tokenizers` library gives for awkward strings,
 //! text round-trips (also through the copy the built-in model ships), streaming never prints half
 //! a character and adds up to the whole decode, and the directory's config supplies the special
@@ -11,7 +11,7 @@ use kestrel_text::{ChatInput, Tokenizer};
 use serde_json::Value;
 
 fn dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/tokenizer")
+    kestrel_testing::fixtures::path("crates/kestrel-text/tests/tokenizer")
 }
 
 fn tokenizer() -> Tokenizer {
@@ -52,7 +52,7 @@ fn random_text(rng: &mut Rng, n: usize) -> String {
 
 /// The built-in model's directory, which ships this tokenizer.
 fn builtin() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/kestrel-tiny")
+    kestrel_testing::fixtures::path("models/kestrel-tiny")
 }
 
 #[test]

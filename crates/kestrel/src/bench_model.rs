@@ -14,13 +14,13 @@ use anyhow::{bail, ensure, Context, Result};
 use clap::Args;
 use kestrel_core::quant::QuantFormat;
 use kestrel_core::rng::Rng;
-use kestrel_core::{Backend, Config, DType};
-use kestrel_cpu::CpuBackend;
-use kestrel_cuda::{CudaBackend, Device, RunMode};
-use kestrel_model::{footprint, synthetic_model, ModelConfig, Session, Weights, SYNTHETIC_MODELS};
+use kestrel_core::Config;
+use kestrel_cuda::RunMode;
+use kestrel_engine::{BackendChoice, Engine, EngineOptions, Model, ModelSource, Want};
+use kestrel_model::{footprint, SYNTHETIC_MODELS};
 
+use crate::args::{BackendArgs, QuantArgs};
 use crate::bench::median;
-use crate::logits::{default_backend, BackendChoice, QuantArgs};
 
 /// Device copy bandwidth of the H200 (see `kestrel bench runtime`): the floor of a decode step
 /// is the bytes it reads over this.
@@ -53,9 +53,8 @@ pub struct ModelBenchArgs {
     /// Prefill in chunks of at most this many tokens (default: the whole prompt at once).
     #[arg(long)]
     prefill_chunk: Option<usize>,
-    /// Backend; default CUDA when a device is present, else the CPU.
-    #[arg(long, value_enum)]
-    backend: Option<BackendChoice>,
+    #[command(flatten)]
+    backend: BackendArgs,
     #[command(flatten)]
     quant: QuantArgs,
     /// Seed of the synthetic weights and of the benchmark's token ids.
@@ -94,30 +93,32 @@ fn ids(rng: &mut Rng, vocab: usize, n: usize) -> Vec<u32> {
 }
 
 /// Decodes `n` tokens from an empty context starting with `first`; returns the last id.
-fn generate<B: Backend>(s: &mut Session<B>, first: u32, n: usize) -> Result<u32> {
+fn generate(e: &mut Engine, first: u32, n: usize) -> Result<u32> {
     let mut t = first;
     for at in 0..n {
-        t = s.next_token(&[t], at)?;
+        t = e
+            .step(&[t], at, Want::Argmax)?
+            .token()
+            .context("the step returned no token")?;
     }
     Ok(t)
 }
 
-/// Runs every test on `s`. With a CUDA device, also the per-token counters and the profile.
-fn run_tests<B: Backend>(s: &mut Session<B>, a: &ModelBenchArgs, rng: &mut Rng) -> Result<Vec<TestRow>> {
-    let vocab = s.config.vocab;
+/// Runs every test on `e`.
+fn run_tests(e: &mut Engine, a: &ModelBenchArgs, rng: &mut Rng) -> Result<Vec<TestRow>> {
+    let vocab = e.config().vocab;
     let mut rows = Vec::new();
     for &pp in a.n_prompt.iter().filter(|&&n| n > 0) {
-        let chunk = a.prefill_chunk.unwrap_or(pp);
         let prompt = ids(rng, vocab, pp);
         // Warm-up: uploads the weights on the first test and prepares the programs.
-        s.prefill_next_token(&prompt, 0, chunk)?;
+        e.step(&prompt, 0, Want::Argmax)?;
         let mut samples = Vec::with_capacity(a.reps);
         for _ in 0..a.reps {
             let prompt = ids(rng, vocab, pp);
             // Each run is a new sequence (the hybrids' states start from zero).
-            s.reset_states()?;
+            e.reset()?;
             let start = Instant::now();
-            s.prefill_next_token(&prompt, 0, chunk)?;
+            e.step(&prompt, 0, Want::Argmax)?;
             samples.push(start.elapsed().as_secs_f64());
         }
         rows.push(TestRow {
@@ -128,13 +129,13 @@ fn run_tests<B: Backend>(s: &mut Session<B>, a: &ModelBenchArgs, rng: &mut Rng) 
         });
     }
     for &tg in a.n_gen.iter().filter(|&&n| n > 0) {
-        generate(s, ids(rng, vocab, 1)[0], tg.min(4))?;
+        generate(e, ids(rng, vocab, 1)[0], tg.min(4))?;
         let mut samples = Vec::with_capacity(a.reps);
         for _ in 0..a.reps {
             let first = ids(rng, vocab, 1)[0];
-            s.reset_states()?;
+            e.reset()?;
             let start = Instant::now();
-            generate(s, first, tg)?;
+            generate(e, first, tg)?;
             samples.push(start.elapsed().as_secs_f64());
         }
         rows.push(TestRow {
@@ -147,19 +148,17 @@ fn run_tests<B: Backend>(s: &mut Session<B>, a: &ModelBenchArgs, rng: &mut Rng) 
     Ok(rows)
 }
 
-/// Host synchronisations, graph launches and bytes read back per generated token, counted over
-/// one more generation run; and with `profile`, the per-kernel table of an eager run.
-fn cuda_extras(
-    s: &mut Session<CudaBackend>,
-    dev: &Device,
-    tg: usize,
-    profile: bool,
-    rng: &mut Rng,
-) -> Result<serde_json::Value> {
-    let first = ids(rng, s.config.vocab, 1)[0];
+/// On CUDA: host synchronisations, graph launches and bytes read back per generated token,
+/// counted over one more generation run; and with `profile`, the per-kernel table of an eager
+/// run. Null on the CPU.
+fn cuda_extras(e: &mut Engine, tg: usize, profile: bool, rng: &mut Rng) -> Result<serde_json::Value> {
+    let Some(dev) = e.device().cloned() else {
+        return Ok(serde_json::Value::Null);
+    };
+    let first = ids(rng, e.config().vocab, 1)[0];
     dev.synchronize()?;
     let before = dev.counters();
-    generate(s, first, tg)?;
+    generate(e, first, tg)?;
     let d = dev.counters() - before;
     let per = |n: u64| n as f64 / tg as f64;
     let counters = serde_json::json!({
@@ -169,14 +168,19 @@ fn cuda_extras(
         "bytes_d2h_per_token": per(d.bytes_d2h),
     });
     if profile {
-        s.backend.set_mode(RunMode::Eager);
-        generate(s, first, tg.min(4))?;
+        let set_mode = |e: &mut Engine, mode| {
+            if let Some(s) = e.cuda_session() {
+                s.backend.set_mode(mode);
+            }
+        };
+        set_mode(e, RunMode::Eager);
+        generate(e, first, tg.min(4))?;
         dev.take_profile()?;
         dev.set_profiling(true);
         let start = Instant::now();
-        let outcome = generate(s, first, tg);
+        let outcome = generate(e, first, tg);
         dev.set_profiling(false);
-        s.backend.set_mode(RunMode::Graph);
+        set_mode(e, RunMode::Graph);
         outcome?;
         let secs = start.elapsed().as_secs_f64();
         eprintln!(
@@ -189,34 +193,25 @@ fn cuda_extras(
     Ok(counters)
 }
 
-/// The model to measure: its config, weights and a one-line description.
-fn load(a: &ModelBenchArgs) -> Result<(ModelConfig, Weights, String)> {
+/// The model to measure.
+fn source(a: &ModelBenchArgs) -> Result<ModelSource> {
     match (&a.model, &a.synthetic) {
-        (Some(dir), None) => {
-            let c = ModelConfig::from_dir(dir).with_context(|| format!("reading {}", dir.display()))?;
-            let w = Weights::open(dir).with_context(|| format!("opening {}", dir.display()))?;
-            Ok((c, w, dir.display().to_string()))
-        }
+        (Some(dir), None) => Ok(ModelSource::Dir(dir.clone())),
         (None, Some(name)) => {
             ensure!(
                 a.quant.format()?.is_none(),
                 "--quant applies to checkpoints; a synthetic model's format is --bits"
             );
             ensure!(matches!(a.bits, 4 | 8), "--bits {}: 4 or 8", a.bits);
-            let format = QuantFormat {
-                bits: a.bits,
-                group_size: 64,
-            };
-            let start = Instant::now();
-            let (c, w) = synthetic_model(name, a.layers, format, a.seed)?;
-            eprintln!(
-                "built {name} ({} layers, {}-bit) in memory in {:.1} s",
-                c.layers,
-                a.bits,
-                start.elapsed().as_secs_f64()
-            );
-            let label = format!("{name} (synthetic, {} layers, {}-bit)", c.layers, a.bits);
-            Ok((c, w, label))
+            Ok(ModelSource::Synthetic {
+                name: name.clone(),
+                layers: a.layers,
+                format: QuantFormat {
+                    bits: a.bits,
+                    group_size: 64,
+                },
+                seed: a.seed,
+            })
         }
         _ => bail!(
             "give a model: --model DIR or --synthetic NAME ({})",
@@ -228,8 +223,19 @@ fn load(a: &ModelBenchArgs) -> Result<(ModelConfig, Weights, String)> {
 pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode> {
     ensure!(a.reps >= 1, "-r must be at least 1");
     ensure!(a.prefill_chunk != Some(0), "--prefill-chunk must be at least 1");
-    let (c, w, label) = load(&a)?;
-    let fp = footprint(&c, &w)?;
+    let source = source(&a)?;
+    let start = Instant::now();
+    let model = Model::open(&source).context("opening the model")?;
+    if let ModelSource::Synthetic { name, .. } = &source {
+        eprintln!(
+            "built {name} ({} layers, {}-bit) in memory in {:.1} s",
+            model.config.layers,
+            a.bits,
+            start.elapsed().as_secs_f64()
+        );
+    }
+    let label = model.label.clone();
+    let fp = footprint(&model.config, &model.weights)?;
     let ctx = a
         .n_prompt
         .iter()
@@ -238,36 +244,25 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
         .max()
         .unwrap_or(0)
         .max(1);
-    let backend = a.backend.unwrap_or_else(default_backend);
     let mut rng = Rng::new(a.seed ^ 0xBE7C);
-    let quant = a.quant.format()?;
+    let mut opts = EngineOptions::with_ctx(ctx);
+    opts.backend = a.backend.choice();
+    opts.quant = a.quant.format()?;
+    opts.prefill_chunk = a.prefill_chunk;
+    opts.progress = Some(Box::new(crate::progress::loading(&label)));
     let start = Instant::now();
-    let (rows, counters) = match backend {
-        BackendChoice::Cpu => {
-            let mut s = Session::new(c, w, CpuBackend::new(), ctx, DType::F32)
-                .with_quant(quant)
-                .with_progress(crate::progress::loading(&label));
-            (run_tests(&mut s, &a, &mut rng)?, serde_json::Value::Null)
-        }
-        BackendChoice::Cuda => {
-            let dev = Device::open(config.device, config)?;
-            let cuda = CudaBackend::new(dev.clone(), RunMode::Graph);
-            let mut s = Session::new(c, w, cuda, ctx, DType::BF16)
-                .with_quant(quant)
-                .with_progress(crate::progress::loading(&label));
-            let rows = run_tests(&mut s, &a, &mut rng)?;
-            let tg = a.n_gen.iter().copied().max().unwrap_or(0);
-            let counters = if tg > 0 {
-                cuda_extras(&mut s, &dev, tg, a.profile, &mut rng)?
-            } else {
-                serde_json::Value::Null
-            };
-            (rows, counters)
-        }
+    let mut engine = Engine::new(model, config, opts).with_context(|| format!("opening {label}"))?;
+    let backend = engine.backend();
+    let rows = run_tests(&mut engine, &a, &mut rng)?;
+    let tg = a.n_gen.iter().copied().max().unwrap_or(0);
+    let counters = if tg > 0 {
+        cuda_extras(&mut engine, tg, a.profile, &mut rng)?
+    } else {
+        serde_json::Value::Null
     };
     let total_s = start.elapsed().as_secs_f64();
     let floor_tps = H200_BYTES_PER_S / fp.active_bytes.max(1) as f64;
-    let backend_name = format!("{backend:?}").to_lowercase();
+    let backend_name = backend.name();
     // The floor is the H200's: set beside CUDA figures only.
     let on_gpu = backend == BackendChoice::Cuda;
     if a.json {

@@ -5,31 +5,24 @@
 //! `/exit`. Ctrl-C stops the current answer, not the program (at the prompt it clears the line;
 //! Ctrl-D or `/exit` leaves).
 
-use std::path::PathBuf;
+use std::io::Write as _;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::Args;
-use kestrel_core::{Backend, Config, DType};
-use kestrel_cpu::CpuBackend;
-use kestrel_cuda::{CudaBackend, Device, RunMode};
-use kestrel_model::Session;
-use kestrel_text::{ChatInput, GenerationConfig, Sampler, Tokenizer};
+use kestrel_core::Config;
+use kestrel_engine::{Engine, EngineOptions, Model, Want};
 use rustyline::error::ReadlineError;
 use serde_json::{json, Value};
 
-use crate::generate::Generator;
-use crate::logits::{default_backend, BackendChoice, QuantArgs};
-use crate::run::{eos_ids, SamplingArgs, TemplateArgs};
+use crate::args::{BackendArgs, ModelArgs, QuantArgs, SamplingArgs, TemplateArgs};
 
 #[derive(Args)]
 pub struct ChatArgs {
-    /// Model directory (config.json, safetensors weights, tokenizer with a chat template);
-    /// default the built-in model.
-    #[arg(short = 'm', long)]
-    model: Option<PathBuf>,
+    #[command(flatten)]
+    model: ModelArgs,
     /// Tokens an answer may have at most.
     #[arg(short = 'n', long = "n-predict", default_value_t = 512)]
     n_predict: usize,
@@ -46,9 +39,8 @@ pub struct ChatArgs {
     sampling: SamplingArgs,
     #[command(flatten)]
     template: TemplateArgs,
-    /// Backend; default CUDA when a device is present, else the CPU.
-    #[arg(long, value_enum)]
-    backend: Option<BackendChoice>,
+    #[command(flatten)]
+    backend: BackendArgs,
     #[command(flatten)]
     quant: QuantArgs,
 }
@@ -65,35 +57,26 @@ fn start(system: &Option<String>) -> Vec<Value> {
         .collect()
 }
 
-fn converse<B: Backend>(a: &ChatArgs, dir: &std::path::Path, backend: B, cache: DType) -> Result<()> {
-    let tokenizer = Tokenizer::from_dir(dir)?
-        .with_context(|| format!("{} has no tokenizer.json: chat needs text", dir.display()))?;
-    let Some(template) = tokenizer.template()? else {
-        bail!(
-            "{} has no chat template (tokenizer_config.json or chat_template.jinja)",
-            dir.display()
-        );
-    };
-    let generation = GenerationConfig::from_dir(dir)?;
-    let sampler = Sampler::new(a.sampling.params(&generation))?;
+pub fn run(config: &Config, a: ChatArgs) -> Result<std::process::ExitCode> {
+    let model = Model::open(&a.model.source())?;
+    let label = model.label.clone();
+    if model.text.tokenizer.is_none() {
+        anyhow::bail!("{label} has no tokenizer.json: chat needs text");
+    }
+    if model.text.template.is_none() {
+        anyhow::bail!("{label} has no chat template (tokenizer_config.json or chat_template.jinja)");
+    }
+    let mut opts = EngineOptions::with_ctx(a.ctx);
+    opts.backend = a.backend.choice();
+    opts.quant = a.quant.format()?;
+    opts.sampling = Some(a.sampling.params(&model.text.generation));
+    opts.progress = Some(Box::new(crate::progress::loading(&label)));
     let load = Instant::now();
-    let mut s = Session::open(dir, backend, a.ctx, cache)
-        .with_context(|| format!("opening {}", dir.display()))?
-        .with_quant(a.quant.format()?)
-        .with_progress(crate::progress::loading(&dir.display().to_string()))
-        .with_sampling(sampler.params);
-    s.prepare(1, false)?;
+    let mut engine = Engine::new(model, config, opts).with_context(|| format!("opening {label}"))?;
+    engine.prepare(1, Want::LastLogits)?;
     eprintln!(
-        "loaded {} in {:.2} s; /help for commands",
-        dir.display(),
+        "loaded {label} in {:.2} s; /help for commands",
         load.elapsed().as_secs_f64()
-    );
-    let mut g = Generator::new(
-        s,
-        Some(&tokenizer),
-        sampler,
-        eos_ids(&generation, Some(&tokenizer)),
-        None,
     );
     // Ctrl-C while an answer streams stops it; the flag is read after each token.
     let cancel = Arc::new(AtomicBool::new(false));
@@ -106,6 +89,11 @@ fn converse<B: Backend>(a: &ChatArgs, dir: &std::path::Path, backend: B, cache: 
     let mut editor = rustyline::DefaultEditor::new().context("opening the line editor")?;
     let mut system = a.system.clone();
     let mut messages = start(&system);
+    let mut stdout = |s: &str| -> std::io::Result<()> {
+        let mut out = std::io::stdout().lock();
+        out.write_all(s.as_bytes())?;
+        out.flush()
+    };
     loop {
         let line = match editor.readline("> ") {
             Ok(line) => line,
@@ -125,13 +113,13 @@ fn converse<B: Backend>(a: &ChatArgs, dir: &std::path::Path, backend: B, cache: 
                 "help" => eprintln!("{HELP}"),
                 "clear" => {
                     messages = start(&system);
-                    g.clear()?;
+                    engine.reset()?;
                     eprintln!("(conversation cleared)");
                 }
                 "system" => {
                     system = (!rest.trim().is_empty()).then(|| rest.trim().to_string());
                     messages = start(&system);
-                    g.clear()?;
+                    engine.reset()?;
                     eprintln!("(system message set; conversation cleared)");
                 }
                 other => eprintln!("unknown command /{other}; /help lists them"),
@@ -139,23 +127,10 @@ fn converse<B: Backend>(a: &ChatArgs, dir: &std::path::Path, backend: B, cache: 
             continue;
         }
         messages.push(json!({"role": "user", "content": line}));
-        let rendered = template.render(&ChatInput {
-            messages: &messages,
-            add_generation_prompt: true,
-            bos_token: tokenizer.bos_token.as_deref(),
-            eos_token: tokenizer.eos_token.as_deref(),
-            extra: extra.clone(),
-            ..Default::default()
-        })?;
-        let ids = tokenizer.encode(&rendered, false)?;
+        let ids = engine.text().encode_chat(&messages, &extra)?;
         cancel.store(false, Ordering::Relaxed);
-        let turn = match g.turn(
-            &ids,
-            a.n_predict.min(a.ctx.saturating_sub(ids.len())),
-            &a.stop,
-            true,
-            &cancel,
-        ) {
+        let n = a.n_predict.min(a.ctx.saturating_sub(ids.len()));
+        let turn = match engine.generate(&ids, n, &a.stop, &mut stdout, &cancel) {
             Ok(t) => t,
             Err(e) => {
                 // The conversation outgrew the context (or the turn failed): say so and go on.
@@ -171,21 +146,9 @@ fn converse<B: Backend>(a: &ChatArgs, dir: &std::path::Path, backend: B, cache: 
             turn.prefilled,
             turn.tokens.len(),
             turn.decode_tps(),
-            turn.stop_reason
+            turn.stop_reason.as_str()
         );
         messages.push(json!({"role": "assistant", "content": turn.text.unwrap_or_default()}));
-    }
-    Ok(())
-}
-
-pub fn run(config: &Config, a: ChatArgs) -> Result<std::process::ExitCode> {
-    let dir = crate::run::model_dir(&a.model)?;
-    match a.backend.unwrap_or_else(default_backend) {
-        BackendChoice::Cpu => converse(&a, &dir, CpuBackend::new(), DType::F32)?,
-        BackendChoice::Cuda => {
-            let dev = Device::open(config.device, config)?;
-            converse(&a, &dir, CudaBackend::new(dev, RunMode::Graph), DType::BF16)?
-        }
     }
     Ok(std::process::ExitCode::SUCCESS)
 }

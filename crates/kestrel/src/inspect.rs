@@ -13,7 +13,7 @@ use kestrel_core::planner::Plan;
 use kestrel_core::DType;
 use kestrel_model::{footprint, Forward, ForwardSpec, LayerKind, MlpKind, ModelConfig, Weights};
 
-use crate::logits::QuantArgs;
+use crate::args::QuantArgs;
 
 /// Bytes of what a run of `tokens` tokens holds on the backend, from its graph: weights as
 /// loaded (in `quant`'s format when given), KV caches and states, and the activations' arena.

@@ -3,12 +3,12 @@
 //! `run` generates from a prompt, `chat` holds a conversation, `inspect` describes a model
 //! directory, `quantize` rewrites one at 4 or 8 bits.
 
+mod args;
 mod bench;
 mod bench_model;
 mod bench_ops;
 mod chat;
 mod doctor;
-mod generate;
 mod inspect;
 mod logits;
 mod progress;

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use crate::logits::QuantArgs;
+use crate::args::QuantArgs;
 
 #[derive(Args)]
 pub struct QuantizeArgs {

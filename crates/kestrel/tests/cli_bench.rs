@@ -2,7 +2,6 @@
 //! one layer, and a fixture directory; the JSON carries every test with positive rates and the
 //! parameter count worked out by hand from the published sizes.
 
-use std::path::PathBuf;
 use std::process::Command;
 
 fn bench(args: &[&str]) -> serde_json::Value {
@@ -64,7 +63,7 @@ fn synthetic_qwen3_30b_a3b_one_layer() {
 
 #[test]
 fn model_directory_and_bad_arguments() {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../kestrel-model/tests/parity/qwen3_next");
+    let dir = kestrel_testing::fixtures::path("crates/kestrel-model/tests/parity/qwen3_next");
     let v = bench(&[
         "-m",
         dir.to_str().unwrap(),

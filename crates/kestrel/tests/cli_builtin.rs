@@ -9,7 +9,7 @@ use std::process::Command;
 use serde_json::Value;
 
 fn builtin() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/kestrel-tiny")
+    kestrel_testing::fixtures::path("models/kestrel-tiny")
 }
 
 /// `kestrel run` with `args` on the CPU: (stdout, stderr), after checking it succeeded.
@@ -92,4 +92,51 @@ fn greedy_answers_match_transformers() {
         assert_eq!(v["stop_reason"].as_str(), Some(stop), "{question}");
         assert!(!v["text"].as_str().unwrap().is_empty());
     }
+}
+
+/// A copy of the binary in a folder of its own, started from another directory with an empty
+/// environment, runs the README's main command: the built-in model comes from the binary, and
+/// no path into the checkout's `models/` folder is compiled into it (so deleting the checkout
+/// cannot break it; `scripts/check-copied-binary.sh` does exactly that with a fresh clone).
+#[test]
+fn a_copied_binary_runs_from_anywhere() {
+    let tmp = std::env::temp_dir().join(format!("kestrel-copied-{}", std::process::id()));
+    let (bin, work) = (tmp.join("bin"), tmp.join("work"));
+    std::fs::create_dir_all(&bin).unwrap();
+    std::fs::create_dir_all(&work).unwrap();
+    let copy = bin.join("kestrel");
+    std::fs::copy(env!("CARGO_BIN_EXE_kestrel"), &copy).unwrap();
+    let o = Command::new(&copy)
+        .env_clear()
+        .env("HOME", &work)
+        .current_dir(&work)
+        .args([
+            "run",
+            "--backend",
+            "cpu",
+            "-p",
+            "What does os.path.join do?",
+            "-n",
+            "24",
+        ])
+        .args(["--seed", "1"])
+        .output()
+        .unwrap();
+    let (out, err) = (
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+    );
+    assert!(o.status.success(), "{err}");
+    assert!(out.chars().filter(|c| c.is_alphabetic()).count() >= 8, "{out:?}");
+    // The folder as a path relative to this crate would be compiled in, and as it resolves.
+    let relative = format!("{}/../../models", env!("CARGO_MANIFEST_DIR"));
+    let resolved = std::path::Path::new(&relative).canonicalize().unwrap();
+    let bytes = std::fs::read(&copy).unwrap();
+    for needle in [relative, resolved.to_string_lossy().into_owned()] {
+        assert!(
+            !bytes.windows(needle.len()).any(|w| w == needle.as_bytes()),
+            "the binary holds the path {needle}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&tmp);
 }

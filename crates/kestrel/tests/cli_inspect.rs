@@ -1,8 +1,7 @@
 //! `kestrel inspect --json` on the fixtures: parameter counts worked out by hand from the sizes
-//! `scripts/make-parity-fixtures.py` sets, the same count for a model and its MLX 4-bit copy, the
+//! `scripts/fixtures/make-parity-fixtures.py` sets, the same count for a model and its MLX 4-bit copy, the
 //! vision tower of the multimodal checkpoint left out, and the memory of caches and states.
 
-use std::path::PathBuf;
 use std::process::Command;
 
 fn inspect(name: &str) -> serde_json::Value {
@@ -10,9 +9,7 @@ fn inspect(name: &str) -> serde_json::Value {
 }
 
 fn inspect_with(name: &str, extra: &[&str]) -> serde_json::Value {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../kestrel-model/tests/parity")
-        .join(name);
+    let dir = kestrel_testing::fixtures::path("crates/kestrel-model/tests/parity").join(name);
     let o = Command::new(env!("CARGO_BIN_EXE_kestrel"))
         .args([
             "inspect",

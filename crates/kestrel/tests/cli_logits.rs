@@ -8,9 +8,7 @@ use std::process::Command;
 use safetensors::SafeTensors;
 
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../kestrel-model/tests/parity")
-        .join(name)
+    kestrel_testing::fixtures::path("crates/kestrel-model/tests/parity").join(name)
 }
 
 fn f32s(bytes: &[u8]) -> Vec<f32> {
@@ -111,7 +109,8 @@ fn bad_input_is_an_error_naming_the_cause() {
         o_,
     ]);
     assert!(!o.status.success());
-    assert!(String::from_utf8_lossy(&o.stderr).contains("/nonexistent/model/config.json"));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("/nonexistent/model does not exist"), "{err}");
     let o = kestrel(&[
         "logits",
         "--model",

@@ -6,9 +6,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../kestrel-model/tests/parity")
-        .join(name)
+    kestrel_testing::fixtures::path("crates/kestrel-model/tests/parity").join(name)
 }
 
 const FIXTURES: [&str; 6] = [

@@ -6,14 +6,12 @@
 use std::path::PathBuf;
 
 use kestrel_core::{Backend, DType};
-use kestrel_model::{Session, Weights};
+use kestrel_model::{Session, Want, Weights};
 
 pub const VOCAB: usize = 256;
 
 pub fn dir(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/parity")
-        .join(name)
+    kestrel_testing::fixtures::path("crates/kestrel-model/tests/parity").join(name)
 }
 
 /// A fixture's model on one backend, caches of 64 positions.
@@ -116,27 +114,36 @@ pub fn run<B: Backend>(
     cache: DType,
 ) -> (Vec<f32>, Vec<f32>, Vec<u32>) {
     let (tokens, _, cont) = reference(name);
-    let prefill = open(name, new(), cache).forward(&tokens, 0, true).unwrap();
+    let prefill = open(name, new(), cache)
+        .step(&tokens, 0, Want::AllLogits)
+        .unwrap()
+        .into_logits()
+        .unwrap();
     let mut m = open(name, new(), cache);
     let mut rows = Vec::new();
     for (t, &id) in tokens.iter().enumerate() {
-        rows.extend(m.forward(&[id], t, false).unwrap());
+        rows.extend(m.step(&[id], t, Want::LastLogits).unwrap().into_logits().unwrap());
     }
     let mut next = argmax(&rows[(tokens.len() - 1) * VOCAB..]);
     let mut generated = vec![next];
     for t in tokens.len()..tokens.len() + cont.len() - 1 {
-        next = argmax(&m.forward(&[next], t, false).unwrap());
+        next = argmax(
+            &m.step(&[next], t, Want::LastLogits)
+                .unwrap()
+                .into_logits()
+                .unwrap(),
+        );
         generated.push(next);
     }
     // The same steps with the argmax taken on the backend pick the same tokens.
     let mut m = open(name, new(), cache);
     let mut on_backend = Vec::new();
     for (t, &id) in tokens.iter().enumerate() {
-        next = m.next_token(&[id], t).unwrap();
+        next = m.step(&[id], t, Want::Argmax).unwrap().token().unwrap();
     }
     on_backend.push(next);
     for t in tokens.len()..tokens.len() + cont.len() - 1 {
-        next = m.next_token(&[next], t).unwrap();
+        next = m.step(&[next], t, Want::Argmax).unwrap().token().unwrap();
         on_backend.push(next);
     }
     assert_eq!(on_backend, generated, "{name}: argmax on the backend");

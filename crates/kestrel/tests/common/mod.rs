@@ -17,7 +17,7 @@ impl Drop for TempDir {
 }
 
 pub fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+    kestrel_testing::fixtures::path("crates")
 }
 
 /// The qwen3 fixture at the tokenizer's vocabulary, with the tokenizer and `eos_token_id`.

@@ -2,7 +2,13 @@
 // cache, the 21.2 MB of eight experts) on this GPU, by four ways of loading them, timed alone and
 // four to a graph with programmatic launches, each launch over its own copy of the bytes.
 //
-//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o read-ceiling scripts/read-ceiling.cu
+// Measured on one NVIDIA H200 on 2026-11-21 at commit 92687df, re-run on 2026-11-22 at 7d21c14
+// (which moved its timing into cuda-bench.cuh) with the same figures. Results: docs/perf-log.md,
+// "Decode attention: the cache streams before the wait, the merge spread over the blocks" (the
+// table "What one kernel can reach at these sizes"), and the re-run in "What the decode ops'
+// dependencies cost before any arithmetic".
+//
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o read-ceiling scripts/experiments/read-ceiling.cu
 //   ./read-ceiling [MB ...]          (default 16.8 21.2)
 //
 // Ways (the grid is one wave; every block reads a contiguous share, half from the "K" half of the

@@ -4,7 +4,11 @@
 // others) and the real byte counts, with the least arithmetic that still uses every byte. A
 // kernel with that structure and real arithmetic can only take longer than its skeleton.
 //
-//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o decode-ceiling scripts/decode-ceiling.cu
+// Measured on NVIDIA H200s on 2026-11-22 at commit 7d21c14 (four runs on three machines; the
+// real kernels it is compared with were measured at 404de41). Results: docs/perf-log.md, "What
+// the decode ops' dependencies cost before any arithmetic (2026-11-22)".
+//
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o decode-ceiling scripts/experiments/decode-ceiling.cu
 //   ./decode-ceiling
 //
 // Decode attention, 8,192 cached tokens, 4 KV heads of 8 query heads each, head dim 128, bf16
@@ -35,10 +39,10 @@
 // Timing as `kestrel bench ops` times an op: CUDA events around one graph replay after 256 MB of
 // other memory was read (L2 flushed), median of 50 replays after 10. "alone": one op in the
 // graph; "4 layers": four chained (each over its own bytes, the output of one the input of the
-// next, programmatic launches), per layer. Results: BENCHMARKS.md.
-// The host half is left out when NVRTC compiles the file, so `scripts/nvrtc-check.py --include
-// scripts` checks the kernels without a GPU (with CCCL's include folder too, for
-// cooperative_groups' nv/target).
+// next, programmatic launches), per layer. Results: docs/perf-log.md (above).
+// The host half is left out when NVRTC compiles the file, so `scripts/gpu/nvrtc-check.py
+// --include scripts/experiments` checks the kernels without a GPU (with CCCL's include folder
+// too, for cooperative_groups' nv/target).
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 

@@ -1,11 +1,24 @@
 //! Helpers for GPU tests: open the configured device or skip with a printed notice, and fail
-//! instead of skipping when the configuration requires a GPU.
+//! instead of skipping when `KESTREL_REQUIRE_GPU` is set.
 
 use std::io::Write;
 
 use kestrel_core::Config;
+use kestrel_cuda::{device_count, Device};
 
-use crate::device::{device_count, Device};
+/// Whether `KESTREL_REQUIRE_GPU` asks for a missing device to fail GPU tests (`1`, `true`,
+/// `yes`, `on`; `0`, `false`, `no`, `off` or empty for not).
+///
+/// # Panics
+/// On any other value (the run is misconfigured).
+pub fn require_gpu() -> bool {
+    let value = std::env::var("KESTREL_REQUIRE_GPU").unwrap_or_default();
+    match value.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => true,
+        "" | "0" | "false" | "no" | "off" => false,
+        other => panic!("KESTREL_REQUIRE_GPU={other:?}: use 1 or 0"),
+    }
+}
 
 /// The configured device, or `None` after printing why the test is skipped.
 ///
@@ -24,7 +37,7 @@ pub fn device_or_skip(test: &str) -> Option<Device> {
                 Ok(n) => format!("{n} CUDA device(s), none with ordinal {}", config.device),
                 Err(e) => e.to_string(),
             };
-            if config.require_gpu {
+            if require_gpu() {
                 panic!("{test}: KESTREL_REQUIRE_GPU is set but no usable CUDA device: {why}");
             }
             // Written to the process's stderr directly: the test harness captures `println!`

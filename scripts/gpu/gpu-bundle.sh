@@ -2,11 +2,11 @@
 # Builds Kestrel's test binaries and CLI here (a machine with Rust) and collects them into
 # gpu-bundle/ (the GPU tests alone), which a GPU host with no Rust toolchain runs with `bash gpu-bundle/run.sh`.
 #
-#   scripts/gpu-bundle.sh            # build and collect
+#   scripts/gpu/gpu-bundle.sh        # build and collect
 #   bash gpu-bundle/run.sh [LOGDIR]  # on the GPU host: every test with KESTREL_REQUIRE_GPU=1,
 #                                    # then `kestrel doctor`; logs go to LOGDIR if given
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 out=gpu-bundle
 rm -rf "$out"
 mkdir -p "$out/tests"

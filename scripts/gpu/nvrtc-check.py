@@ -2,8 +2,8 @@
 """Compiles every embedded kernel module with NVRTC, without a GPU, to catch compile errors
 before a run on the device machine. Uses the same options as the kernel registry.
 
-    python3 scripts/nvrtc-check.py [--nvrtc PATH/libnvrtc.so.13] [--include DIR] [--arch sm_90]
-                                   [--verbose] [--cubin DIR] [FILE.cu ...]
+    python3 scripts/gpu/nvrtc-check.py [--nvrtc PATH/libnvrtc.so.13] [--include DIR] [--arch sm_90]
+                                       [--verbose] [--cubin DIR] [FILE.cu ...]
 
 --cubin writes each module's cubin to DIR, for `cuobjdump -sass` or `nvdisasm` (the
 `nvidia-cuda-cuobjdump` / `nvidia-cuda-nvdisasm` wheels).
@@ -27,7 +27,7 @@ ap.add_argument("files", nargs="*")
 args = ap.parse_args()
 
 lib = ctypes.CDLL(args.nvrtc)
-root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 files = args.files or sorted(glob.glob(os.path.join(root, "crates/kestrel-cuda/kernels/*.cu")))
 opts = [f"--gpu-architecture={args.arch}", "--std=c++17"]
 if args.verbose:

@@ -4,8 +4,8 @@
 # Qwen3-30B-A3B weights with its per-kernel profile, and with --train the built-in model's
 # training. Everything lands in $OUT (logs.tgz, and kestrel-tiny.tgz once trained).
 #
-#   scripts/gpu-bundle.sh                                   # here: build the bundle
-#   device run (carry gpu-bundle):  bash scripts/device-session.sh [--train]
+#   scripts/gpu/gpu-bundle.sh                               # here: build the bundle
+#   device run (carry gpu-bundle):  bash scripts/gpu/device-session.sh [--train]
 #
 # The training runs in its own process session (it outlives a call that ends before it does)
 # beside the tests; the benchmark waits for it so it has the GPU alone. When the call ends
@@ -13,7 +13,7 @@
 # runs the benchmark.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
-B=$here/../gpu-bundle
+B=$here/../../gpu-bundle
 OUT=${OUT:?set by the device machine}
 L=$OUT/logs
 T=/tmp/kestrel-train
@@ -46,7 +46,7 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$L/smi.txt" 2>&1
 if [ "${1:-}" = "--train" ]; then
   mkdir -p "$T"
-  setsid nohup python3 "$here/train-builtin-model.py" "$T/kestrel-tiny" > "$T/train.log" 2>&1 < /dev/null &
+  setsid nohup python3 "$here/../fixtures/train-builtin-model.py" "$T/kestrel-tiny" > "$T/train.log" 2>&1 < /dev/null &
 fi
 for f in "$B"/tests/*; do
   t=$(basename "$f")

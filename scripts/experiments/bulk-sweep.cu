@@ -5,9 +5,15 @@
 // block's copies come from 8 regions 64 MB apart (as one-token MoE down reads 16 rows of each
 // of 8 experts); "contiguous": from one range. "plain": the same bytes by 16-byte loads.
 // Timing: CUDA events around one launch after 256 MB of other memory was read (L2 flushed),
-// median of 30 launches. Results: BENCHMARKS.md (MoE decode, bulk copies, tried and not kept).
+// median of 30 launches.
 //
-//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o bulk-sweep scripts/bulk-sweep.cu
+// Measured on one NVIDIA H200 and recorded at commit 404de41 (2026-11-22; the section is dated
+// 2026-11-21), re-run on 2026-11-22 at 7d21c14 with the same figures. Results:
+// docs/perf-log.md, "Tried and not kept: MoE decode's experts copied into shared memory by the
+// bulk copy engine" (and the re-run in "What the decode ops' dependencies cost before any
+// arithmetic").
+//
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o bulk-sweep scripts/experiments/bulk-sweep.cu
 //   ./bulk-sweep
 #include "cuda-bench.cuh"
 

@@ -8,7 +8,7 @@ use kestrel_core::rng::Rng;
 use kestrel_core::rope::{RopeScaling, RopeTable};
 use kestrel_core::DType;
 
-use crate::testing::{random_experts, Case, CaseBuilder};
+use crate::cases::{random_experts, Case, CaseBuilder};
 
 /// Label of a layer case's output buffer.
 pub const OUTPUT: &str = "layer_out";

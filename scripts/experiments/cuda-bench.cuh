@@ -2,7 +2,12 @@
 // decode-ceiling.cu) share: error checks, and timing as `kestrel bench ops` times an op (CUDA
 // events around the work on a stream after 256 MB of other memory was read, so L2 holds none of
 // the work's bytes; the median of the runs after a warm-up). The host half is left out under
-// NVRTC, so `scripts/nvrtc-check.py --include scripts` can check a script's kernels without a GPU.
+// NVRTC, so `scripts/gpu/nvrtc-check.py --include scripts/experiments` can check a script's
+// kernels without a GPU.
+//
+// Written on 2026-11-22 at commit 7d21c14, when the three scripts were re-run on one NVIDIA H200
+// with it. It measures nothing itself; the scripts' results are in docs/perf-log.md ("What the
+// decode ops' dependencies cost before any arithmetic" and the sections each script names).
 #pragma once
 
 // Programmatic dependent launch: wait for the kernel before (its writes visible), let the next

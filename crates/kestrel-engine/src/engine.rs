@@ -1,0 +1,276 @@
+//! `Engine`: a model on the backend chosen for it, with the settings every step shares (context,
+//! quantisation on load, prefill chunk, sampling, end-of-sequence ids). The backend's type is
+//! decided here, once; callers see one type whatever it is.
+
+use std::fmt;
+use std::str::FromStr;
+
+use kestrel_core::quant::QuantFormat;
+use kestrel_core::{Config, DType};
+use kestrel_cpu::CpuBackend;
+use kestrel_cuda::{CudaBackend, Device, RunMode};
+use kestrel_model::{ModelConfig, Output, Session, Want, Weights};
+use kestrel_text::{Sampler, SamplingParams};
+
+use crate::error::Result;
+use crate::model::{Model, ModelText};
+
+/// Which backend runs the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendChoice {
+    /// The reference backend (f32, f32 KV caches).
+    Cpu,
+    /// The CUDA backend (CUDA graphs, bf16 KV caches).
+    Cuda,
+}
+
+impl BackendChoice {
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendChoice::Cpu => "cpu",
+            BackendChoice::Cuda => "cuda",
+        }
+    }
+}
+
+impl fmt::Display for BackendChoice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for BackendChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cpu" => Ok(BackendChoice::Cpu),
+            "cuda" => Ok(BackendChoice::Cuda),
+            other => Err(format!("unknown backend {other:?}: cpu or cuda")),
+        }
+    }
+}
+
+/// CUDA when a device is present, else the CPU.
+pub fn default_backend() -> BackendChoice {
+    match kestrel_cuda::device_count() {
+        Ok(n) if n > 0 => BackendChoice::Cuda,
+        _ => BackendChoice::Cpu,
+    }
+}
+
+/// The KV caches' element type on a backend: f32 on the reference, bf16 on CUDA.
+pub fn cache_dtype(backend: BackendChoice) -> DType {
+    match backend {
+        BackendChoice::Cpu => DType::F32,
+        BackendChoice::Cuda => DType::BF16,
+    }
+}
+
+/// How an [`Engine`] runs its model.
+pub struct EngineOptions {
+    /// None: CUDA when a device is present, else the CPU.
+    pub backend: Option<BackendChoice>,
+    /// Positions the KV caches hold.
+    pub ctx: usize,
+    /// Dense weights quantised on load to this format.
+    pub quant: Option<QuantFormat>,
+    /// Steps of more tokens run in chunks of at most this many (None: in one go).
+    pub prefill_chunk: Option<usize>,
+    /// How [`Engine::generate`] picks tokens: greedy when None.
+    pub sampling: Option<SamplingParams>,
+    /// Generation does not stop at the model's end-of-sequence tokens.
+    pub ignore_eos: bool,
+    /// Told (bytes done, bytes in all) as the weights go to the backend.
+    pub progress: Option<Box<dyn FnMut(u64, u64)>>,
+}
+
+impl EngineOptions {
+    /// Caches of `ctx` positions, everything else by default.
+    pub fn with_ctx(ctx: usize) -> EngineOptions {
+        EngineOptions {
+            backend: None,
+            ctx,
+            quant: None,
+            prefill_chunk: None,
+            sampling: None,
+            ignore_eos: false,
+            progress: None,
+        }
+    }
+}
+
+/// The model's session on whichever backend was chosen.
+pub(crate) enum AnySession {
+    Cpu(Session<CpuBackend>),
+    Cuda(Session<CudaBackend>),
+}
+
+/// Calls the same method on the session whatever its backend.
+macro_rules! on_session {
+    ($s:expr, $v:ident => $e:expr) => {
+        match $s {
+            $crate::engine::AnySession::Cpu($v) => $e,
+            $crate::engine::AnySession::Cuda($v) => $e,
+        }
+    };
+}
+pub(crate) use on_session;
+
+/// Where the next token of a generation is chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Pick {
+    /// Greedy without penalties: the backend's argmax.
+    Argmax,
+    /// The backend's sampler (the session samples with the same settings).
+    BackendSampler,
+    /// The logits come back and the host samples (settings the backend's sampler cannot take).
+    HostSampler,
+}
+
+/// A model opened on a backend: one [`Engine::step`] for running tokens, one
+/// [`Engine::generate`] for generating text.
+pub struct Engine {
+    pub(crate) label: String,
+    pub(crate) text: ModelText,
+    pub(crate) session: AnySession,
+    backend: BackendChoice,
+    device: Option<Device>,
+    pub(crate) sampler: Sampler,
+    pub(crate) pick: Pick,
+    pub(crate) eos: Vec<u32>,
+    /// The ids the caches and states hold, from position 0.
+    pub(crate) held: Vec<u32>,
+}
+
+impl Engine {
+    /// Puts `model` on its backend (see [`EngineOptions`]); the weights are uploaded with the
+    /// first program (see [`Engine::prepare`]).
+    pub fn new(model: Model, config: &Config, opts: EngineOptions) -> Result<Engine> {
+        let backend = opts.backend.unwrap_or_else(default_backend);
+        let eos = if opts.ignore_eos {
+            Vec::new()
+        } else {
+            model.text.eos_ids()
+        };
+        let sampler = Sampler::new(opts.sampling.unwrap_or(SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        }))?;
+        let cache = cache_dtype(backend);
+        let Model {
+            label,
+            config: model_config,
+            weights,
+            text,
+        } = model;
+        /// The same settings on a session of either backend.
+        fn configure<B: kestrel_core::Backend>(s: Session<B>, opts: EngineOptions) -> Result<Session<B>> {
+            let mut s = s.with_quant(opts.quant);
+            if let Some(params) = opts.sampling {
+                s = s.with_sampling(params);
+            }
+            if let Some(p) = opts.progress {
+                s = s.with_progress(p);
+            }
+            Ok(s.with_prefill_chunk(opts.prefill_chunk)?)
+        }
+        let sampling = sampler.params;
+        let ctx = opts.ctx;
+        let (session, device) = match backend {
+            BackendChoice::Cpu => {
+                let s = Session::new(model_config, weights, CpuBackend::new(), ctx, cache);
+                (AnySession::Cpu(configure(s, opts)?), None)
+            }
+            BackendChoice::Cuda => {
+                let dev = Device::open(config.device, config)?;
+                let cuda = CudaBackend::new(dev.clone(), RunMode::Graph);
+                let s = Session::new(model_config, weights, cuda, ctx, cache);
+                (AnySession::Cuda(configure(s, opts)?), Some(dev))
+            }
+        };
+        let pick = if sampling.is_plain_greedy() {
+            Pick::Argmax
+        } else if on_session!(&session, s => s.samples_on_backend()) {
+            Pick::BackendSampler
+        } else {
+            Pick::HostSampler
+        };
+        Ok(Engine {
+            label,
+            text,
+            session,
+            backend,
+            device,
+            sampler,
+            pick,
+            eos,
+            held: Vec::new(),
+        })
+    }
+
+    /// How messages name the model (its directory, or a description).
+    pub fn label(&self) -> &str {
+        &self.label
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        on_session!(&self.session, s => &s.config)
+    }
+
+    pub fn weights(&self) -> &Weights {
+        on_session!(&self.session, s => &s.weights)
+    }
+
+    /// The tokenizer, chat template and generation config.
+    pub fn text(&self) -> &ModelText {
+        &self.text
+    }
+
+    pub fn backend(&self) -> BackendChoice {
+        self.backend
+    }
+
+    /// The CUDA device, on the CUDA backend.
+    pub fn device(&self) -> Option<&Device> {
+        self.device.as_ref()
+    }
+
+    /// Positions the KV caches hold.
+    pub fn ctx(&self) -> usize {
+        on_session!(&self.session, s => s.ctx)
+    }
+
+    /// The sampling settings generation uses.
+    pub fn sampling(&self) -> SamplingParams {
+        self.sampler.params
+    }
+
+    /// The session on the CUDA backend (for run-mode switches and counters), if that is where
+    /// the model runs.
+    pub fn cuda_session(&mut self) -> Option<&mut Session<CudaBackend>> {
+        match &mut self.session {
+            AnySession::Cuda(s) => Some(s),
+            AnySession::Cpu(_) => None,
+        }
+    }
+
+    /// Runs `ids` at positions `past..` (in chunks of the prefill chunk) and hands back what
+    /// `want` asks for. Generation's record of what the caches hold is not kept up to date by
+    /// this: call [`Engine::reset`] before generating after stepping by hand.
+    pub fn step(&mut self, ids: &[u32], past: usize, want: Want) -> Result<Output> {
+        Ok(on_session!(&mut self.session, s => s.step(ids, past, want))?)
+    }
+
+    /// Prepares the program for `tokens` tokens with `want`'s outputs, uploading the weights
+    /// with the first one, so loading can be timed apart from running.
+    pub fn prepare(&mut self, tokens: usize, want: Want) -> Result<()> {
+        Ok(on_session!(&mut self.session, s => s.prepare(tokens, want))?)
+    }
+
+    /// Starts a new sequence: generation forgets what the caches hold, and the linear-attention
+    /// states go back to zero.
+    pub fn reset(&mut self) -> Result<()> {
+        self.held.clear();
+        Ok(on_session!(&mut self.session, s => s.reset_states())?)
+    }
+}

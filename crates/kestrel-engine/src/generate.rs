@@ -1,0 +1,201 @@
+//! The generation loop every front end shares. A turn runs a sequence of token ids, reusing
+//! what the caches hold of it (the longest common prefix with the ids they hold from position
+//! 0, so a conversation's next turn prefills only what is new; attention-only models rewind by
+//! overwriting cache rows, hybrids, whose recurrent states cannot rewind, start over unless
+//! the turn extends what is held), then generates until an end-of-sequence id, a stop string,
+//! the token limit or a cancel. Text streams to a callback in whole characters, with stop
+//! strings held back until they cannot match. The next token comes from the backend's argmax
+//! (greedy), the backend's sampler (which draws as the host sampler does), or the host sampler
+//! on the logits (settings the backend's sampler cannot take).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use kestrel_model::Want;
+use kestrel_text::StopStrings;
+
+use crate::engine::{on_session, Engine, Pick};
+use crate::error::{EngineError, Result};
+
+/// Why a turn ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    /// The token limit.
+    Length,
+    /// An end-of-sequence id.
+    Eos,
+    /// A stop string.
+    Stop,
+    /// The caller's cancel flag.
+    Interrupted,
+}
+
+impl StopReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StopReason::Length => "length",
+            StopReason::Eos => "eos",
+            StopReason::Stop => "stop",
+            StopReason::Interrupted => "interrupted",
+        }
+    }
+}
+
+/// One turn's result.
+#[derive(Debug, Clone)]
+pub struct Turn {
+    /// Prompt tokens prefilled this turn (those after the reused prefix).
+    pub prefilled: usize,
+    /// Prompt tokens whose caches were reused.
+    pub reused: usize,
+    /// The generated ids (without the end-of-sequence id).
+    pub tokens: Vec<u32>,
+    /// The generated text, when the model has a tokenizer.
+    pub text: Option<String>,
+    pub stop_reason: StopReason,
+    /// Time to the first generated token, and for the tokens after it.
+    pub prefill_s: f64,
+    pub decode_s: f64,
+}
+
+impl Turn {
+    /// Tokens per second after the first token (the first comes with the prefill).
+    pub fn decode_tps(&self) -> f64 {
+        let n = self.tokens.len().saturating_sub(1);
+        if self.decode_s > 0.0 {
+            n as f64 / self.decode_s
+        } else {
+            0.0
+        }
+    }
+}
+
+impl Engine {
+    /// Runs the sequence `ids` (reusing what the caches hold of it), then generates up to
+    /// `max_tokens` tokens. Text goes to `on_text` as it completes; `stops` end the turn (the
+    /// stop string is not passed on); setting `cancel` ends it after the current token.
+    pub fn generate(
+        &mut self,
+        ids: &[u32],
+        max_tokens: usize,
+        stops: &[String],
+        on_text: &mut dyn FnMut(&str) -> std::io::Result<()>,
+        cancel: &AtomicBool,
+    ) -> Result<Turn> {
+        if ids.is_empty() {
+            return Err(EngineError::Invalid("the prompt is empty".into()));
+        }
+        let ctx = self.ctx();
+        if ids.len() + max_tokens > ctx {
+            return Err(EngineError::Invalid(format!(
+                "{} prompt tokens and {max_tokens} new ones do not fit a context of {ctx} (-c / --ctx)",
+                ids.len()
+            )));
+        }
+        let hybrid = self.config().arch.is_hybrid();
+        let mut keep = self.held.iter().zip(ids).take_while(|(a, b)| a == b).count();
+        if hybrid && (keep < self.held.len() || keep == ids.len()) {
+            // Recurrent states hold everything they saw: only an extension can reuse them.
+            on_session!(&mut self.session, s => s.reset_states())?;
+            keep = 0;
+        }
+        // At least one token must run to produce the next one.
+        keep = keep.min(ids.len() - 1);
+        self.held.truncate(keep);
+        let start = Instant::now();
+        let new = &ids[keep..];
+        let mut turn = Turn {
+            prefilled: new.len(),
+            reused: keep,
+            tokens: Vec::new(),
+            text: None,
+            stop_reason: StopReason::Length,
+            prefill_s: 0.0,
+            decode_s: 0.0,
+        };
+        if max_tokens == 0 {
+            return Ok(turn);
+        }
+        let mut history = ids.to_vec();
+        if self.pick == Pick::BackendSampler {
+            on_session!(&mut self.session, s => s.set_sample_history(&history))?;
+        }
+        let mut id = self.next(new, keep, &history)?;
+        self.held.extend_from_slice(new);
+        turn.prefill_s = start.elapsed().as_secs_f64();
+        let decode = Instant::now();
+        // The tokenizer is taken out for the turn, so that stepping can borrow the engine.
+        let tokenizer = self.text.tokenizer.take();
+        let mut stream = tokenizer.as_ref().map(|t| t.stream());
+        let mut stopper = StopStrings::new(stops.iter().cloned());
+        let mut text = String::new();
+        let mut emit = |s: &str, text: &mut String| -> Result<()> {
+            if !s.is_empty() {
+                text.push_str(s);
+                on_text(s).map_err(EngineError::Output)?;
+            }
+            Ok(())
+        };
+        let outcome = (|| -> Result<()> {
+            loop {
+                if self.eos.contains(&id) {
+                    turn.stop_reason = StopReason::Eos;
+                    break;
+                }
+                turn.tokens.push(id);
+                history.push(id);
+                if let Some(stream) = &mut stream {
+                    let released = stopper.push(&stream.push(id)?);
+                    emit(&released.text, &mut text)?;
+                    if released.stopped {
+                        turn.stop_reason = StopReason::Stop;
+                        break;
+                    }
+                }
+                if turn.tokens.len() == max_tokens {
+                    break;
+                }
+                if cancel.swap(false, Ordering::Relaxed) {
+                    turn.stop_reason = StopReason::Interrupted;
+                    break;
+                }
+                let at = self.held.len();
+                id = self.next(&[id], at, &history)?;
+                self.held.push(history[history.len() - 1]);
+            }
+            turn.decode_s = decode.elapsed().as_secs_f64();
+            if let Some(stream) = &mut stream {
+                if turn.stop_reason != StopReason::Stop {
+                    let released = stopper.push(&stream.finish()?);
+                    emit(&released.text, &mut text)?;
+                    if !released.stopped {
+                        emit(&stopper.finish(), &mut text)?;
+                    }
+                }
+            }
+            Ok(())
+        })();
+        drop(stream);
+        self.text.tokenizer = tokenizer;
+        outcome?;
+        if self.text.tokenizer.is_some() {
+            turn.text = Some(text);
+        }
+        Ok(turn)
+    }
+
+    /// Runs `ids` at `past` and picks the token after them; `history` is the whole sequence
+    /// (for the host sampler's penalties).
+    fn next(&mut self, ids: &[u32], past: usize, history: &[u32]) -> Result<u32> {
+        let want = match self.pick {
+            Pick::Argmax => Want::Argmax,
+            Pick::BackendSampler => Want::Sample,
+            Pick::HostSampler => Want::LastLogits,
+        };
+        let out = on_session!(&mut self.session, s => s.step(ids, past, want))?;
+        match out {
+            kestrel_model::Output::Token(t) => Ok(t),
+            kestrel_model::Output::Logits(mut logits) => Ok(self.sampler.sample(&mut logits, history)),
+        }
+    }
+}

@@ -1,0 +1,22 @@
+//! Kestrel's engine, the library under every front end (the CLI today, a server next).
+//!
+//! [`Model::open`] reads what a model needs once: config, weights, tokenizer, generation
+//! config, from a directory, from the model built into the binary, or built in memory at a
+//! real configuration's shapes. [`Engine::new`] picks the backend (CUDA when a device is
+//! present, else the CPU, unless the caller says) and the KV-cache type in one place and holds
+//! the model's [`Session`](kestrel_model::Session) on it. [`Engine::step`] runs tokens and
+//! hands back what the caller asked for ([`Want`]); [`Engine::generate`] is the generation
+//! loop: reuse of what the caches hold, prefill, sampling, end-of-sequence and stop strings,
+//! text streamed to a callback, timings.
+
+mod builtin;
+mod engine;
+mod error;
+mod generate;
+mod model;
+
+pub use engine::{cache_dtype, default_backend, BackendChoice, Engine, EngineOptions};
+pub use error::{EngineError, Result};
+pub use generate::{StopReason, Turn};
+pub use kestrel_model::{Output, Want};
+pub use model::{Model, ModelSource, ModelText, SamplingOverrides};

@@ -1,0 +1,168 @@
+//! The flags several commands share, defined once: the model, the backend, quantisation on
+//! load, sampling and chat-template variables.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Result};
+use clap::{Args, ValueEnum};
+use kestrel_core::quant::QuantFormat;
+use kestrel_engine::{BackendChoice, ModelSource, SamplingOverrides};
+use kestrel_text::{GenerationConfig, SamplingParams};
+
+/// `-m DIR`: a model directory, else the built-in model.
+#[derive(Args, Clone)]
+pub struct ModelArgs {
+    /// Model directory (config.json, safetensors weights, tokenizer files); default the built-in
+    /// model.
+    #[arg(short = 'm', long)]
+    pub model: Option<PathBuf>,
+}
+
+impl ModelArgs {
+    pub fn source(&self) -> ModelSource {
+        ModelSource::dir_or_builtin(self.model.clone())
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Backend {
+    Cpu,
+    Cuda,
+}
+
+/// `--backend cpu|cuda`.
+#[derive(Args, Clone, Copy)]
+pub struct BackendArgs {
+    /// Backend; default CUDA when a device is present, else the CPU.
+    #[arg(long, value_enum)]
+    pub backend: Option<Backend>,
+}
+
+impl BackendArgs {
+    /// The choice, None for the engine's default.
+    pub fn choice(&self) -> Option<BackendChoice> {
+        self.backend.map(|b| match b {
+            Backend::Cpu => BackendChoice::Cpu,
+            Backend::Cuda => BackendChoice::Cuda,
+        })
+    }
+}
+
+/// Quantisation on load of a dense checkpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Quant {
+    None,
+    Q4,
+    Q8,
+}
+
+/// `--quant` and `--group-size`.
+#[derive(Args, Clone, Copy)]
+pub struct QuantArgs {
+    /// Quantise dense weights on load (4 or 8 bits; routers at 8); quantised checkpoints keep
+    /// their own format.
+    #[arg(long, value_enum, default_value = "none")]
+    pub quant: Quant,
+    /// Values per quantisation group.
+    #[arg(long, default_value_t = 64)]
+    pub group_size: usize,
+}
+
+impl QuantArgs {
+    pub fn format(&self) -> Result<Option<QuantFormat>> {
+        let bits = match self.quant {
+            Quant::None => return Ok(None),
+            Quant::Q4 => 4,
+            Quant::Q8 => 8,
+        };
+        if self.group_size == 0 || self.group_size % 32 != 0 {
+            bail!("--group-size {} is not a multiple of 32", self.group_size);
+        }
+        Ok(Some(QuantFormat {
+            bits,
+            group_size: self.group_size,
+        }))
+    }
+}
+
+/// The sampling flags, as llama.cpp names them.
+#[derive(Args, Clone)]
+pub struct SamplingArgs {
+    /// Temperature; 0 picks the most likely token (default: the model's generation config,
+    /// else 0).
+    #[arg(long = "temp", alias = "temperature")]
+    temperature: Option<f32>,
+    /// Keep the k most likely tokens (0: all; default: the model's generation config, else 50
+    /// as in transformers).
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Keep the most likely tokens up to this probability mass (1: all).
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// Keep tokens at least this fraction as likely as the most likely one (0: all).
+    #[arg(long)]
+    min_p: Option<f32>,
+    /// Repetition penalty on tokens seen before (1: none).
+    #[arg(long)]
+    repeat_penalty: Option<f32>,
+    /// Presence penalty (0: none).
+    #[arg(long)]
+    presence_penalty: Option<f32>,
+    /// Frequency penalty (0: none).
+    #[arg(long)]
+    frequency_penalty: Option<f32>,
+    /// Seed of the sampler (default: drawn from the clock and printed).
+    #[arg(long)]
+    seed: Option<u64>,
+}
+
+impl SamplingArgs {
+    /// The model's defaults, then the flags. A seed drawn from the clock is printed when it
+    /// matters (a temperature above 0), so the run can be repeated.
+    pub fn params(&self, generation: &GenerationConfig) -> SamplingParams {
+        let params = SamplingOverrides {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repeat_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            seed: self.seed,
+        }
+        .resolve(generation);
+        if self.seed.is_none() && params.temperature > 0.0 {
+            eprintln!("seed {}", params.seed);
+        }
+        params
+    }
+}
+
+/// Chat-template variables.
+#[derive(Args, Clone)]
+pub struct TemplateArgs {
+    /// Ask a model with a thinking switch (Qwen3) to answer without thinking
+    /// (`enable_thinking: false`).
+    #[arg(long)]
+    no_think: bool,
+    /// More template variables, as a JSON object (`{"enable_thinking": false}`).
+    #[arg(long)]
+    chat_template_kwargs: Option<String>,
+}
+
+impl TemplateArgs {
+    /// The variables to render the template with.
+    pub fn extra(&self) -> Result<serde_json::Map<String, serde_json::Value>> {
+        let mut extra = match &self.chat_template_kwargs {
+            Some(text) => match serde_json::from_str(text) {
+                Ok(serde_json::Value::Object(m)) => m,
+                _ => bail!("--chat-template-kwargs {text:?} is not a JSON object"),
+            },
+            None => serde_json::Map::new(),
+        };
+        if self.no_think {
+            extra.insert("enable_thinking".into(), false.into());
+        }
+        Ok(extra)
+    }
+}
