@@ -3,7 +3,10 @@
 before a run on the device machine. Uses the same options as the kernel registry.
 
     python3 scripts/gpu/nvrtc-check.py [--nvrtc PATH/libnvrtc.so.13] [--include DIR] [--arch sm_90]
-                                       [--verbose] [--cubin DIR] [FILE.cu ...]
+                                       [--kestrel BIN] [--verbose] [--cubin DIR] [FILE.cu ...]
+
+Each module gets the `-D` definitions the backend compiles it with, as `BIN doctor
+--kernel-options` prints them (BIN: target/release/kestrel unless given; build it first).
 
 --cubin writes each module's cubin to DIR, for `cuobjdump -sass` or `nvdisasm` (the
 `nvidia-cuda-cuobjdump` / `nvidia-cuda-nvdisasm` wheels).
@@ -14,7 +17,9 @@ libnvrtc comes with the CUDA toolkit or the `nvidia-cuda-nvrtc` wheel; the heade
 import argparse
 import ctypes
 import glob
+import json
 import os
+import subprocess
 import sys
 
 ap = argparse.ArgumentParser()
@@ -23,21 +28,28 @@ ap.add_argument("--include", action="append", default=[])
 ap.add_argument("--arch", default="sm_90")
 ap.add_argument("--verbose", action="store_true", help="print ptxas resource usage (registers, spills)")
 ap.add_argument("--cubin", help="write each module's cubin into this folder")
+ap.add_argument("--kestrel", help="the kestrel binary whose module definitions to use")
 ap.add_argument("files", nargs="*")
 args = ap.parse_args()
 
 lib = ctypes.CDLL(args.nvrtc)
 root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
-files = args.files or sorted(glob.glob(os.path.join(root, "crates/kestrel-cuda/kernels/*.cu")))
-opts = [f"--gpu-architecture={args.arch}", "--std=c++17"]
+kernel_dirs = [os.path.join(root, "crates/kestrel-cuda/kernels"), os.path.join(root, "crates/kestrel-cuda-rt/kernels")]
+files = args.files or sorted(f for d in kernel_dirs for f in glob.glob(os.path.join(d, "*.cu")))
+kestrel = args.kestrel or os.path.join(root, "target/release/kestrel")
+listing = json.loads(subprocess.run([kestrel, "doctor", "--kernel-options"], check=True, capture_output=True, text=True).stdout)
+defines = {m["name"]: m["defines"] for m in listing["modules"]}
+base = [f"--gpu-architecture={args.arch}", "--std=c++17"]
 if args.verbose:
-    opts.append("--ptxas-options=-v")
-# The registry hands kernels/kestrel.cuh to NVRTC in memory; here the folder stands in for it.
-for inc in args.include + [os.path.join(root, "crates/kestrel-cuda/kernels")]:
-    opts.append(f"--include-path={inc}")
-copts = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+    base.append("--ptxas-options=-v")
+# The registry hands the headers (kestrel.cuh, pdl.cuh) to NVRTC in memory; here their folders
+# stand in for them.
+for inc in args.include + kernel_dirs:
+    base.append(f"--include-path={inc}")
 failed = 0
 for path in files:
+    opts = base + defines.get(os.path.basename(path)[:-3], [])
+    copts = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
     src = open(path, "rb").read()
     prog = ctypes.c_void_p()
     name = os.path.basename(path).encode()

@@ -1,9 +1,8 @@
 //! Kestrel's device-independent core: element types, shapes, the one configuration struct,
-//! a stable random number generator, the sampling algorithm every backend follows, and the
-//! access-range dependency analysis that orders dispatches on every backend.
+//! a stable random number generator, the sampling algorithm every backend follows, the op
+//! graph, its builder and memory planner, and the `Backend` trait.
 #![forbid(unsafe_code)]
 
-pub mod access;
 pub mod backend;
 pub mod builder;
 pub mod config;
@@ -17,7 +16,6 @@ pub mod rope;
 pub mod sample;
 pub mod shape;
 
-pub use access::{Access, AccessMode, AllocId, DepGraph};
 pub use backend::Backend;
 pub use builder::GraphBuilder;
 pub use config::Config;

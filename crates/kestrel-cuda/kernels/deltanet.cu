@@ -7,7 +7,12 @@
 // form of the CPU reference, at the end.
 #include "kestrel.cuh"
 
-#define KERNEL_MAX 8
+// KERNEL_MAX (the longest convolution window), DC (tokens per chunk of delta_chunked_*) and
+// the chunked kernels' shared-memory sizes (DELTA_CHUNK_SMEM_<DK>) come from the host
+// (`ops/deltanet.rs`) as -D definitions.
+#if !defined(KERNEL_MAX) || !defined(DC)
+#error "deltanet.cu is compiled with KERNEL_MAX and DC from ops/deltanet.rs"
+#endif
 
 template <typename W>
 __device__ void conv1d(const float* x, const W* w, float* state, float* out, unsigned tokens, unsigned channels,
@@ -240,7 +245,6 @@ DELTA_REGS(64)
 // normalised q and k, W, the two triangular matrices and the block's 32 columns of V live in
 // shared memory (rows padded by 4 floats, so 16-byte row reads of different rows do not collide).
 // Every step is parallel across threads; only the triangular solves walk the chunk's rows.
-#define DC 64
 #define CP 8  // threads to a state column
 
 template <int DK>
@@ -431,3 +435,5 @@ __device__ void delta_chunked(const float* q, const float* k, const float* v, co
     }
 DELTA_CHUNKED(64)
 DELTA_CHUNKED(128)
+static_assert(sizeof(ChunkSmem<64>) == DELTA_CHUNK_SMEM_64, "ops/deltanet.rs chunk_smem disagrees");
+static_assert(sizeof(ChunkSmem<128>) == DELTA_CHUNK_SMEM_128, "ops/deltanet.rs chunk_smem disagrees");

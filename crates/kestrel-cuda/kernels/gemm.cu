@@ -32,13 +32,16 @@
 // shared buffer while the tensor cores work on the current one. bf16 experts copy B like A.
 #include "kestrel.cuh"
 
-#define GT_ROWS 128
-#define GT_COLS 64
-#define GT_K 64
-#define GT_THREADS 256
+// The tile geometry comes from the host (`ops/gemm.rs`) as -D definitions: GT_ROWS, GT_COLS,
+// GT_K, GT_THREADS, SORT_THREADS, and the shared-memory sizes the host launches with
+// (GT_MMA_SMEM_1, GT_MMA_SMEM_2, GT_WG_SMEM), which the tile structs below must match.
+#if !defined(GT_ROWS) || !defined(GT_COLS) || !defined(GT_K) || !defined(GT_THREADS) || !defined(SORT_THREADS)
+#error "gemm.cu is compiled with the tile geometry of ops/gemm.rs as -D definitions"
+#endif
+static_assert(GT_ROWS == 128 && GT_COLS == 64 && GT_K == 64 && GT_THREADS == 256,
+              "the warp layouts below are written for 128 x 64 tiles, 64-value steps and 256 threads");
 #define GT_STRIDE (GT_K + 8)  // shared row in bf16 values: 16 bytes of padding against conflicts
 #define NO_TILE 0xffffffffu
-#define SORT_THREADS 1024
 
 // Inclusive prefix sum of v over the block (blockDim.x == SORT_THREADS), through `scratch`.
 __device__ unsigned block_scan(unsigned v, unsigned* scratch) {
@@ -363,6 +366,7 @@ template <int BITS, int NB_>
 struct MmaTile {
     static constexpr int NB = NB_;
     static constexpr unsigned SMEM = 2 * (GT_ROWS + NB * GT_COLS) * GT_STRIDE * 2;
+    static_assert(SMEM == (NB == 1 ? GT_MMA_SMEM_1 : GT_MMA_SMEM_2), "ops/gemm.rs mma_smem disagrees");
     float acc[2][NB][4][4];
 
     __device__ __forceinline__ void run(const bf16* const* rows_src, const BMat* mats, unsigned n0, unsigned K,
@@ -434,6 +438,7 @@ struct WgTile {
     static constexpr int NB = 2;
     // Two steps of A and B tiles, and room to align them to 1024 bytes.
     static constexpr unsigned SMEM = 2 * 2 * WG_TILE * 2 + 1024;
+    static_assert(SMEM == GT_WG_SMEM, "ops/gemm.rs WG_SMEM disagrees");
     float acc[64];
 
     __device__ __forceinline__ void run(const bf16* const* rows_src, const BMat* mats, unsigned n0, unsigned K,

@@ -100,7 +100,11 @@ extern "C" __global__ void top_k_f32(const float* logits, unsigned* ids, float* 
 // sample_final_f32: one block picks the k best of all parts, then its first thread computes the
 // f64 weights, top-p and min-p in the host's order and draws with the xoshiro state in `rng`
 // (u32 [8]), which it advances; counts[token] += 1.
-#define SAMPLE_CHUNK 2048
+// SAMPLE_CHUNK, the logits a block of sample_partial_f32 takes, comes from the host (`ops/head.rs`)
+// as a -D definition.
+#ifndef SAMPLE_CHUNK
+#error "head.cu is compiled with SAMPLE_CHUNK from ops/head.rs"
+#endif
 
 __device__ __forceinline__ float penalised(float l, unsigned n, float rep, float presence, float frequency) {
     if (n == 0) return l;

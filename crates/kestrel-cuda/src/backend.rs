@@ -12,13 +12,11 @@ use std::collections::HashMap;
 
 use kestrel_core::ir::{Buf, BufKind, Graph};
 use kestrel_core::planner::{Plan, Slot};
-use kestrel_core::{Backend, CoreError, DType, Shape};
+use kestrel_core::{Backend, CoreError, DType};
 
-use crate::buffer::Buffer;
-use crate::command::CommandList;
-use crate::device::Device;
-use crate::error::{CudaError, Result};
-use crate::graph::Graph as CudaGraph;
+use kestrel_cuda_rt::{Buffer, CommandList, CudaError, Device, Graph as CudaGraph, Result};
+
+use crate::encoder::{Encoder, Scratch};
 use crate::ops;
 
 /// How programs run.
@@ -36,20 +34,6 @@ pub struct CudaBackend {
     persistent: HashMap<String, (String, Buffer)>,
     scratch: Scratch,
 }
-
-/// The scratch region and how much of it the node being encoded has taken, and the counters
-/// kernels that elect a last block share.
-#[derive(Default)]
-struct Scratch {
-    region: Option<Buffer>,
-    cursor: usize,
-    counters: Option<Buffer>,
-}
-
-/// Scratch requests start at multiples of this many bytes.
-const SCRATCH_ALIGN: usize = 256;
-/// A new scratch region is rounded up to a multiple of this many bytes.
-const SCRATCH_GRANULE: usize = 1 << 20;
 
 /// A graph prepared for CUDA.
 pub struct CudaProgram {
@@ -74,72 +58,6 @@ impl CudaProgram {
     /// The device buffer behind a graph buffer.
     pub fn buffer(&self, b: impl Into<Buf>) -> Option<&Buffer> {
         self.views[b.into().index()].as_ref()
-    }
-}
-
-/// What op encoders see: the program's buffers, the device, the list being recorded.
-pub struct Encoder<'a> {
-    pub device: &'a Device,
-    pub graph: &'a Graph,
-    views: &'a [Option<Buffer>],
-    pub list: &'a mut CommandList,
-    scratch: &'a mut Scratch,
-    /// The node being encoded feeds a discrete choice (router logits): no approximate fast paths,
-    /// so a near tie is decided as the CPU decides it.
-    pub precise: bool,
-}
-
-impl Encoder<'_> {
-    /// Records a dispatch of `kernel`, marked programmatic: every kernel of the op modules keeps
-    /// the programmatic-launch contract of `kestrel.cuh` (`tests/pdl_contract.rs` checks the
-    /// sources), so in a CUDA graph each one launches while its predecessors finish.
-    pub fn dispatch(&mut self, kernel: &crate::Kernel) -> crate::command::DispatchBuilder<'_> {
-        self.list.dispatch(kernel).programmatic()
-    }
-
-    pub fn buf(&self, b: Buf) -> Result<&Buffer> {
-        self.views[b.index()].as_ref().ok_or_else(|| CudaError::Op {
-            node: String::new(),
-            reason: format!("buffer {} has no storage", self.graph.decl(b).label),
-        })
-    }
-
-    pub fn dtype(&self, b: Buf) -> DType {
-        self.graph.decl(b).dtype
-    }
-
-    /// `n` u32 counters that are zero whenever no kernel is running: a kernel that uses them (to
-    /// find the last of its blocks to finish) leaves them at zero again. Allocated (zeroed) per
-    /// backend, grown when a node asks for more, never aliased with anything else; dispatches
-    /// that use them declare them written, so no two of those run at the same time.
-    pub fn counters(&mut self, n: usize) -> Result<Buffer> {
-        let s = &mut *self.scratch;
-        match &s.counters {
-            Some(c) if c.elem_count() >= n => Ok(c.clone()),
-            _ => Ok(s.counters.insert(self.device.alloc(DType::U32, n)?).clone()),
-        }
-    }
-
-    /// Scratch memory for the node being encoded, valid until its last dispatch: the next node
-    /// reuses the same bytes. A request that does not fit starts a larger region (the old one
-    /// stays alive as long as the dispatches that use it).
-    pub fn workspace(&mut self, dtype: DType, shape: impl Into<Shape>) -> Result<Buffer> {
-        let shape = shape.into();
-        let bytes = (shape.elem_count() * dtype.size_in_bytes()).max(1);
-        let s = &mut *self.scratch;
-        let start = s.cursor.next_multiple_of(SCRATCH_ALIGN);
-        let fits = s.region.as_ref().is_some_and(|r| start + bytes <= r.byte_len());
-        let (region, offset) = if fits {
-            (s.region.as_ref().expect("checked above"), start)
-        } else {
-            // Large enough for everything this node has asked for, so the next node like it fits.
-            let size = (start + bytes).next_multiple_of(SCRATCH_GRANULE);
-            s.cursor = 0;
-            (&*s.region.insert(self.device.alloc(DType::U8, size)?), 0)
-        };
-        let view = region.view(offset, dtype, shape)?;
-        s.cursor = offset + bytes;
-        Ok(view)
     }
 }
 
@@ -209,7 +127,7 @@ impl Backend for CudaBackend {
 
     /// bf16 from the token count where products run on tensor cores over bf16 activations.
     fn projection_input_dtype(&self, tokens: usize) -> DType {
-        if tokens >= crate::ops::GEMM_MIN_TOKENS {
+        if tokens >= ops::GEMM_MIN_TOKENS {
             DType::BF16
         } else {
             DType::F32
@@ -257,20 +175,12 @@ impl Backend for CudaBackend {
             views.push(view);
         }
         let mut list = CommandList::new("forward");
-        let mut enc = Encoder {
-            device: &self.device,
-            graph,
-            views: &views,
-            list: &mut list,
-            scratch: &mut self.scratch,
-            precise: false,
-        };
+        let mut enc = Encoder::new(&self.device, graph, &views, &mut list, &mut self.scratch);
         let precise = decision_inputs(graph);
         let mut i = 0;
         while i < graph.nodes.len() {
             let node = &graph.nodes[i];
-            enc.precise = precise[i];
-            enc.scratch.cursor = 0;
+            enc.start_node(precise[i]);
             let before = enc.list.len();
             let named = |e| match e {
                 CudaError::Op { reason, .. } => CudaError::Op {

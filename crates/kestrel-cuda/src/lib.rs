@@ -1,31 +1,22 @@
-//! Kestrel's CUDA runtime: open a device, allocate typed buffers and views, compile kernels with
-//! NVRTC (cached on disk), record command lists, run them eagerly or as CUDA graphs with edges
-//! inferred from buffer accesses, order streams with stage fences, and count and time it all.
+//! Kestrel's CUDA backend: [`CudaBackend`] prepares an op graph on a [`Device`] (one arena laid
+//! out by the shared plan, weights and states by label), encodes every node into dispatches of
+//! the embedded kernels (`ops/<family>.rs` beside `kernels/<family>.cu`, through the
+//! [`Encoder`]), and runs the program eagerly or replays it as one CUDA graph.
 //!
-//! The driver, NVRTC and cuBLAS are loaded at run time, so this crate builds and its CPU-side
-//! tests run on machines without CUDA; [`device_count`] reports a missing driver as an error.
+//! Imports go one way: `backend.rs` → `encoder.rs` and `ops/`; `ops/*` → `encoder.rs`; all of it
+//! on the runtime crate `kestrel-cuda-rt`, whose public types are re-exported here so callers
+//! need one crate.
 
 pub mod backend;
-pub mod blas;
-pub mod buffer;
-pub mod command;
-pub mod counters;
-pub mod device;
-pub mod error;
-pub mod fence;
-pub mod graph;
+pub mod encoder;
 pub mod ops;
-pub mod registry;
-pub mod stream;
 
-pub use backend::{CudaBackend, CudaProgram, Encoder, RunMode};
-pub use blas::Blas;
-pub use buffer::{Buffer, PinnedBuffer};
-pub use command::{Arg, CommandList, Dim3, Dispatch, DispatchBuilder, Scalar};
-pub use counters::{CounterSnapshot, Profile, TimingStat};
-pub use device::{device_count, driver_present, Device, DeviceInfo, Timer};
-pub use error::{CudaError, Result};
-pub use fence::StageFence;
-pub use graph::{Graph, GraphUpdate};
-pub use registry::{Kernel, KernelRegistry, LoadOrigin, ModuleSource, MODULES};
-pub use stream::Stream;
+pub use backend::{CudaBackend, CudaProgram, RunMode};
+pub use encoder::Encoder;
+pub use kestrel_cuda_rt::{
+    ceilings, device_count, driver_present, Arg, Buffer, Ceilings, CommandList, CounterSnapshot, CudaError,
+    Device, DeviceInfo, Dim3, Dispatch, DispatchBuilder, Graph, GraphUpdate, Kernel, KernelRegistry,
+    LoadOrigin, ModuleSource, PinnedBuffer, Profile, Result, Scalar, StageFence, Stream, Timer, TimingStat,
+    PDL_HEADER, RUNTIME_MODULE,
+};
+pub use ops::MODULES;

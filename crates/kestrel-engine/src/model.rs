@@ -2,12 +2,12 @@
 //! its files read once ([`Model`]), and the sampling settings it defaults to with the caller's
 //! overrides ([`SamplingOverrides`]).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use kestrel_core::quant::QuantFormat;
 use kestrel_core::rng::Rng;
 use kestrel_model::{synthetic_model, ModelConfig, Weights};
-use kestrel_text::{ChatInput, ChatTemplate, GenerationConfig, SamplingParams, Tokenizer};
+use kestrel_text::{ChatInput, ChatTemplate, GenerationConfig, SamplingParams, TextError, Tokenizer};
 use serde_json::{Map, Value};
 
 use crate::builtin;
@@ -85,7 +85,7 @@ impl Model {
                     label,
                 })
             }
-            ModelSource::Builtin => builtin::open(),
+            ModelSource::Builtin => open_builtin(),
             ModelSource::Synthetic {
                 name,
                 layers,
@@ -106,6 +106,27 @@ impl Model {
             }
         }
     }
+}
+
+/// The built-in model's files, read from the binary.
+fn open_builtin() -> Result<Model> {
+    let at = |file: &str| Path::new(builtin::LABEL).join(file);
+    let generation = GenerationConfig::from_json(builtin::GENERATION).map_err(|reason| TextError::File {
+        path: at("generation_config.json"),
+        reason,
+    })?;
+    let tokenizer = Tokenizer::from_bytes(
+        builtin::TOKENIZER,
+        Some(builtin::TOKENIZER_CONFIG),
+        &at("tokenizer.json"),
+        &at("tokenizer_config.json"),
+    )?;
+    Ok(Model {
+        label: builtin::LABEL.to_string(),
+        config: ModelConfig::from_json(builtin::CONFIG)?,
+        weights: Weights::from_safetensors_bytes(builtin::LABEL, builtin::WEIGHTS.to_vec())?,
+        text: ModelText::new(builtin::LABEL, Some(tokenizer), generation)?,
+    })
 }
 
 impl ModelText {

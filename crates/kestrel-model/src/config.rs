@@ -262,6 +262,7 @@ impl ModelConfig {
             .ok_or_else(|| Obj::bad("model_type", "missing"))?;
         let arch = Arch::from_model_type(model_type).ok_or_else(|| ModelError::UnknownArch {
             model_type: model_type.to_string(),
+            supported: Arch::ALL.map(|a| a.model_type()).join(", "),
         })?;
         // Multimodal files keep the language model's settings under `text_config`.
         let text_config = top.opt_obj("text_config")?;

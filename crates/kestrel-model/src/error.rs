@@ -2,8 +2,6 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::config::Arch;
-
 /// Each message carries its cause in full (no separate `source`, so chains do not repeat it).
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
@@ -13,8 +11,8 @@ pub enum ModelError {
     Json(String),
     #[error("config key `{key}`: {reason}")]
     Config { key: String, reason: String },
-    #[error("unknown model_type {model_type:?}; supported: {}", supported())]
-    UnknownArch { model_type: String },
+    #[error("unknown model_type {model_type:?}; supported: {supported}")]
+    UnknownArch { model_type: String, supported: String },
     #[error("tensor {name} not found in the weights of {}", dir.display())]
     MissingTensor { name: String, dir: PathBuf },
     #[error("{}: {reason}", path.display())]
@@ -25,10 +23,6 @@ pub enum ModelError {
     Backend(Box<dyn std::error::Error + Send + Sync>),
     #[error("{}: {inner}", path.display())]
     InFile { path: PathBuf, inner: Box<ModelError> },
-}
-
-fn supported() -> String {
-    Arch::ALL.map(|a| a.model_type()).join(", ")
 }
 
 impl ModelError {

@@ -4,7 +4,7 @@
 use std::io::Write;
 
 use kestrel_core::Config;
-use kestrel_cuda::{device_count, Device};
+use kestrel_cuda_rt::{device_count, Device};
 
 /// Whether `KESTREL_REQUIRE_GPU` asks for a missing device to fail GPU tests (`1`, `true`,
 /// `yes`, `on`; `0`, `false`, `no`, `off` or empty for not).

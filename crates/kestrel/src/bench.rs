@@ -8,11 +8,9 @@ use std::process::ExitCode;
 use anyhow::{ensure, Context, Result};
 use clap::{Args, Subcommand};
 use kestrel_core::{Config, DType};
-use kestrel_cuda::{device_count, CommandList, Device, Stream};
+use kestrel_cuda::{device_count, CommandList, Device, Stream, RUNTIME_MODULE};
 
-/// Device-to-device copy bandwidth measured on the H200 this project targets (bytes read plus
-/// written); the floor every bandwidth figure is compared with.
-const H200_COPY_BYTES_PER_S: f64 = 4.26e12;
+use crate::stats::median;
 
 /// `kestrel bench`: a model (the default, see `bench_model`) or one of the subcommands.
 #[derive(Args)]
@@ -186,16 +184,6 @@ fn ops(
     Ok(ExitCode::SUCCESS)
 }
 
-pub(crate) fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
-}
-
 /// Median GPU time in ms of `f` on `stream`, after one warm-up call.
 fn time_median(dev: &Device, stream: &Stream, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     f()?;
@@ -217,7 +205,7 @@ fn runtime(dev: &Device, reps: usize, chain: usize, copy_bytes: usize) -> Result
 
     // Launch cost: a chain of dependent one-thread increments, so each waits for the last.
     let counter = dev.alloc(DType::U32, 1)?;
-    let inc = dev.kernel("runtime", "increment_u32")?;
+    let inc = dev.kernel(&RUNTIME_MODULE, "increment_u32")?;
     let mut list = CommandList::new("launch-chain");
     for _ in 0..chain {
         list.dispatch(&inc).read_write(&counter).arg(1u32).record();
@@ -250,10 +238,15 @@ fn runtime(dev: &Device, reps: usize, chain: usize, copy_bytes: usize) -> Result
         name: "copy d2d",
         value: d2d / 1e9,
         unit: "GB/s",
-        note: format!(
-            "{:.1}% of 4.26 TB/s; target >= 90%",
-            100.0 * d2d / H200_COPY_BYTES_PER_S
-        ),
+        note: {
+            let c = dev.ceilings()?;
+            format!(
+                "{:.1}% of the {} ceiling, {:.2} TB/s; target >= 90%",
+                100.0 * d2d / c.copy_bytes_per_s,
+                c.source,
+                c.copy_bytes_per_s / 1e12
+            )
+        },
     });
 
     // Host to device, pinned, on the copy stream.

@@ -4,8 +4,8 @@
 //! read-back of the chosen token id), in tokens per second, median of `-r` runs after a warm-up.
 //! The model is a directory, or a named real configuration with random weights built in memory
 //! (`--synthetic NAME [--layers N]`). Times are wall-clock around each whole test, as a user
-//! sees them; the generation figure is set beside its floor, the bytes a decode step reads over
-//! the H200's 4.26 TB/s.
+//! sees them; on CUDA the generation figure is set beside its floor, the bytes a decode step
+//! reads over the device's copy bandwidth (`Device::ceilings`).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -16,15 +16,11 @@ use kestrel_core::quant::QuantFormat;
 use kestrel_core::rng::Rng;
 use kestrel_core::Config;
 use kestrel_cuda::RunMode;
-use kestrel_engine::{BackendChoice, Engine, EngineOptions, Model, ModelSource, Want};
+use kestrel_engine::{Engine, EngineOptions, Model, ModelSource, Want};
 use kestrel_model::{footprint, SYNTHETIC_MODELS};
 
 use crate::args::{BackendArgs, QuantArgs};
-use crate::bench::median;
-
-/// Device copy bandwidth of the H200 (see `kestrel bench runtime`): the floor of a decode step
-/// is the bytes it reads over this.
-const H200_BYTES_PER_S: f64 = 4.26e12;
+use crate::stats::median;
 
 #[derive(Args)]
 pub struct ModelBenchArgs {
@@ -261,10 +257,10 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
         serde_json::Value::Null
     };
     let total_s = start.elapsed().as_secs_f64();
-    let floor_tps = H200_BYTES_PER_S / fp.active_bytes.max(1) as f64;
+    // The floor of a decode step, on CUDA: the bytes it reads over the device's copy bandwidth.
+    let ceilings = engine.device().map(|d| d.ceilings()).transpose()?;
+    let floor_tps = ceilings.map(|c| c.copy_bytes_per_s / fp.active_bytes.max(1) as f64);
     let backend_name = backend.name();
-    // The floor is the H200's: set beside CUDA figures only.
-    let on_gpu = backend == BackendChoice::Cuda;
     if a.json {
         let tests: Vec<serde_json::Value> = rows
             .iter()
@@ -277,8 +273,8 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
                     "tokens_per_s": r.median_tps(),
                     "samples_tokens_per_s": tps,
                 });
-                if r.n_gen > 0 && on_gpu {
-                    v["of_floor"] = (r.median_tps() / floor_tps).into();
+                if let (true, Some(floor)) = (r.n_gen > 0, floor_tps) {
+                    v["of_floor"] = (r.median_tps() / floor).into();
                 }
                 v
             })
@@ -306,10 +302,14 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
         fp.active_params as f64 / 1e9,
         a.reps
     );
-    println!(
-        "decode floor: {:.1} MiB read per token / 4.26 TB/s = {floor_tps:.0} tokens/s",
-        fp.active_bytes as f64 / (1u64 << 20) as f64
-    );
+    if let (Some(c), Some(floor)) = (ceilings, floor_tps) {
+        println!(
+            "decode floor: {:.1} MiB read per token / {:.2} TB/s ({}) = {floor:.0} tokens/s",
+            fp.active_bytes as f64 / (1u64 << 20) as f64,
+            c.copy_bytes_per_s / 1e12,
+            c.source
+        );
+    }
     println!(
         "{:<10} {:>12} {:>12} {:>12} {:>9}",
         "test", "t/s", "min t/s", "max t/s", "floor"
@@ -319,8 +319,8 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
         let (lo, hi) = tps
             .iter()
             .fold((f64::MAX, f64::MIN), |(lo, hi), &v| (lo.min(v), hi.max(v)));
-        let floor = if r.n_gen > 0 && on_gpu {
-            format!("{:.1}%", 100.0 * r.median_tps() / floor_tps)
+        let floor = if let (true, Some(floor)) = (r.n_gen > 0, floor_tps) {
+            format!("{:.1}%", 100.0 * r.median_tps() / floor)
         } else {
             String::new()
         };

@@ -1,7 +1,7 @@
 //! `kestrel bench ops`: the hot ops of MoE inference at real model shapes, each prepared as a
 //! one-op graph on the CUDA backend, replayed as a CUDA graph and timed with CUDA events (median
-//! of repeated runs after a warm-up), next to its floor: bytes over the measured 4.26 TB/s, or
-//! FLOPs over the bf16 tensor-core rate. Before every timed replay the L2 cache is flushed, so an
+//! of repeated runs after a warm-up), next to its floor: bytes over the device's copy bandwidth,
+//! or FLOPs over its bf16 tensor-core rate (`Device::ceilings`). Before every timed replay the L2 cache is flushed, so an
 //! op whose bytes would fit in L2 (the eight experts of one MoE decode, an 8k KV cache) reads
 //! them from memory as it would inside a model, where the other layers' weights pass through L2
 //! between two visits.
@@ -12,12 +12,9 @@ use kestrel_core::ir::{Buf, BufId, DeltaAlgo, ExpertFormat, ExpertLayout, Graph,
 use kestrel_core::quant::QuantFormat;
 use kestrel_core::rng::Rng;
 use kestrel_core::{Backend, DType, GraphBuilder};
-use kestrel_cuda::{CudaBackend, CudaProgram, Device, RunMode};
+use kestrel_cuda::{CudaBackend, CudaProgram, Device, RunMode, RUNTIME_MODULE};
 
-use crate::bench::median;
-
-/// Device-to-device copy bandwidth measured on the H200 (bytes read plus written).
-pub const COPY_BYTES_PER_S: f64 = 4.26e12;
+use crate::stats::median;
 
 pub struct OpRow {
     pub name: String,
@@ -98,7 +95,7 @@ impl L2Flush {
         Ok(L2Flush {
             data: dev.alloc(DType::U8, L2_FLUSH_BYTES)?,
             sink: dev.alloc(DType::U32, 1)?,
-            kernel: dev.kernel("runtime", "read_all_u32")?,
+            kernel: dev.kernel(&RUNTIME_MODULE, "read_all_u32")?,
         })
     }
 
@@ -159,9 +156,6 @@ struct Bench {
     target: &'static str,
 }
 
-/// Dense bf16 matrix rate measured on the H200 through PyTorch (random data).
-const BF16_FLOPS_PER_S: f64 = 790e12;
-
 /// A program of `graph` with random contents and the fixed inputs written.
 fn prepared(dev: &Device, b: &Bench, mode: RunMode, rng: &mut Rng) -> Result<(CudaBackend, CudaProgram)> {
     let mut cuda = CudaBackend::new(dev.clone(), mode);
@@ -197,7 +191,7 @@ fn measure(dev: &Device, b: &Bench, reps: usize, profile: bool, rng: &mut Rng) -
             median_us: us,
             rate: tflops,
             unit: "TFLOP/s",
-            of_floor: Some(tflops * 1e12 / BF16_FLOPS_PER_S),
+            of_floor: Some(tflops * 1e12 / dev.ceilings()?.bf16_flops_per_s),
             target: b.target,
         });
     }
@@ -207,19 +201,19 @@ fn measure(dev: &Device, b: &Bench, reps: usize, profile: bool, rng: &mut Rng) -
         median_us: us,
         rate: gbs,
         unit: "GB/s",
-        of_floor: Some(gbs * 1e9 / COPY_BYTES_PER_S),
+        of_floor: Some(gbs * 1e9 / dev.ceilings()?.copy_bytes_per_s),
         target: b.target,
     })
 }
 
 /// Reference rows: how long a plain streaming read of `bytes` takes when timed as the ops are (a
 /// one-kernel CUDA graph replayed from a cold L2, CUDA events around the launch). For ops of a
-/// few tens of MB this is well above bytes / 4.26 TB/s: launch, ramp-up and the last loads'
+/// few tens of MB this is well above bytes over the copy bandwidth: launch, ramp-up and the last loads'
 /// latency are paid once per op, so it is the practical floor an op of that size is compared to.
 fn measure_read(dev: &Device, name: &str, bytes: usize, reps: usize) -> Result<OpRow> {
     let data = dev.alloc(DType::U8, bytes)?;
     let sink = dev.alloc(DType::U32, 1)?;
-    let kernel = dev.kernel("runtime", "read_all_u32")?;
+    let kernel = dev.kernel(&RUNTIME_MODULE, "read_all_u32")?;
     let mut list = kestrel_cuda::CommandList::new("read");
     list.dispatch(&kernel)
         .grid(4 * dev.info().sm_count)
@@ -236,7 +230,7 @@ fn measure_read(dev: &Device, name: &str, bytes: usize, reps: usize) -> Result<O
         median_us: us,
         rate: gbs,
         unit: "GB/s",
-        of_floor: Some(gbs * 1e9 / COPY_BYTES_PER_S),
+        of_floor: Some(gbs * 1e9 / dev.ceilings()?.copy_bytes_per_s),
         target: "reference: the same bytes by a plain read",
     })
 }
@@ -264,7 +258,7 @@ pub fn run(dev: &Device, reps: usize, profile: bool, only: Option<&str>) -> Resu
         ops: 1,
         bytes: q4.bytes(out, inp) as f64,
         flops: None,
-        target: ">= 80% of 4.26 TB/s",
+        target: ">= 80% of copy bandwidth",
     });
 
     // MoE decode: one token, router over 128 experts, top-8, hidden 2048, expert width 768, 4-bit.
@@ -289,7 +283,7 @@ pub fn run(dev: &Device, reps: usize, profile: bool, only: Option<&str>) -> Resu
         ops: 1,
         bytes,
         flops: None,
-        target: ">= 60% of 4.26 TB/s (selected experts' bytes)",
+        target: ">= 60% of copy bandwidth (selected experts' bytes)",
     });
 
     // The same with the router's product in front (8-bit, as the models quantise routers), as a
@@ -369,7 +363,7 @@ pub fn run(dev: &Device, reps: usize, profile: bool, only: Option<&str>) -> Resu
         ops: 1,
         bytes,
         flops: None,
-        target: ">= 60% of 4.26 TB/s (KV bytes read)",
+        target: ">= 60% of copy bandwidth (KV bytes read)",
     });
 
     // Four of them in a row over their own caches (the output of one is the next one's query),

@@ -6,7 +6,22 @@ use std::time::Instant;
 
 use anyhow::{ensure, Context, Result};
 use kestrel_core::{rng::Rng, Config, DType};
-use kestrel_cuda::{device_count, Blas, CommandList, CudaError, Device, LoadOrigin};
+use kestrel_cuda::{device_count, CommandList, CudaError, Device, LoadOrigin, MODULES, RUNTIME_MODULE};
+
+/// Every kernel module as NVRTC is given it: name, `-D` definitions and in-memory headers, one
+/// JSON object (for `scripts/gpu/nvrtc-check.py`, which compiles them without a GPU).
+pub fn kernel_options() -> Result<ExitCode> {
+    let modules: Vec<serde_json::Value> = std::iter::once(&RUNTIME_MODULE)
+        .chain(MODULES)
+        .map(|m| {
+            let defines: Vec<String> = m.defines.iter().map(|(n, v)| format!("-D{n}={v}")).collect();
+            let headers: Vec<&str> = m.headers.iter().map(|(n, _)| *n).collect();
+            serde_json::json!({"name": m.name, "defines": defines, "headers": headers})
+        })
+        .collect();
+    println!("{}", serde_json::json!({ "modules": modules }));
+    Ok(ExitCode::SUCCESS)
+}
 
 pub fn run(config: &Config, only: Option<usize>) -> Result<ExitCode> {
     println!("kestrel {}", env!("CARGO_PKG_VERSION"));
@@ -65,20 +80,19 @@ fn check_device(config: &Config, ordinal: usize) -> Result<()> {
         info.l2_bytes >> 20,
     );
 
+    // Every module, with the options the backend compiles it with.
     let t = Instant::now();
-    let runtime = kestrel_cuda::MODULES
-        .iter()
-        .find(|m| m.name == "runtime")
-        .expect("shipped");
-    let origin = dev.registry().load(runtime.name, runtime.source)?;
-    let how = match origin {
-        LoadOrigin::Compiled => "compiled by NVRTC",
-        LoadOrigin::DiskCache => "loaded from the kernel cache",
-        LoadOrigin::AlreadyLoaded => "already loaded",
-    };
+    let (mut compiled, mut cached) = (0, 0);
+    for module in std::iter::once(&RUNTIME_MODULE).chain(MODULES) {
+        match dev.registry().load_module(module)? {
+            LoadOrigin::Compiled => compiled += 1,
+            LoadOrigin::DiskCache | LoadOrigin::AlreadyLoaded => cached += 1,
+        }
+    }
     println!(
-        "  kernels for {}: {how} in {:.0} ms",
+        "  kernels for {}: {} modules, {compiled} compiled by NVRTC, {cached} from the kernel cache, in {:.0} ms",
         dev.registry().arch(),
+        compiled + cached,
         t.elapsed().as_secs_f64() * 1e3
     );
 
@@ -91,14 +105,14 @@ fn check_device(config: &Config, ordinal: usize) -> Result<()> {
     let (xb, yb) = (dev.alloc_from(&x, n)?, dev.alloc_from(&y, n)?);
     let bf = dev.alloc_from(&vec![f32::NAN; n], n)?;
     let mut list = CommandList::new("doctor");
-    list.dispatch(&dev.kernel("runtime", "axpy_f32")?)
+    list.dispatch(&dev.kernel(&RUNTIME_MODULE, "axpy_f32")?)
         .cover(n, 256)
         .read(&xb)
         .read_write(&yb)
         .arg(a)
         .arg(n as u32)
         .record();
-    list.dispatch(&dev.kernel("runtime", "round_bf16_f32")?)
+    list.dispatch(&dev.kernel(&RUNTIME_MODULE, "round_bf16_f32")?)
         .cover(n, 256)
         .read(&xb)
         .write(&bf)
@@ -123,7 +137,7 @@ fn check_device(config: &Config, ordinal: usize) -> Result<()> {
     let b: Vec<f32> = (0..k * nn).map(|_| rng.symmetric()).collect();
     let (ab, bb) = (dev.alloc_from(&a, m * k)?, dev.alloc_from(&b, k * nn)?);
     let cb = dev.alloc(DType::F32, m * nn)?;
-    Blas::new(&dev)?.matmul_f32(&dev, &ab, &bb, &cb, (m, nn, k))?;
+    dev.matmul_f32(&ab, &bb, &cb, (m, nn, k))?;
     let c = dev.download::<f32>(&cb)?;
     let mut worst = 0f64;
     for i in 0..m {

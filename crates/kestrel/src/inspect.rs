@@ -154,10 +154,12 @@ pub fn run(a: InspectArgs) -> Result<std::process::ExitCode> {
         );
     }
     println!("parameters        {total} total, {active} active per token");
+    let h200 = kestrel_cuda::ceilings::h200();
     println!(
-        "bytes per token   {} read by a decode step (floor {:.0} tokens/s at 4.26 TB/s)",
+        "bytes per token   {} read by a decode step (floor {:.0} tokens/s on an H200, {:.2} TB/s)",
         size(fp.active_bytes),
-        4.26e12 / fp.active_bytes.max(1) as f64
+        h200.copy_bytes_per_s / fp.active_bytes.max(1) as f64,
+        h200.copy_bytes_per_s / 1e12
     );
     let fmts: Vec<String> = formats.iter().map(|(f, n)| format!("{f}: {n}")).collect();
     println!("formats           {}", fmts.join(", "));

@@ -14,6 +14,7 @@ mod logits;
 mod progress;
 mod quantize;
 mod run;
+mod stats;
 
 use clap::{Parser, Subcommand};
 use kestrel_core::Config;
@@ -36,6 +37,10 @@ enum Command {
         /// Check only this device ordinal.
         #[arg(long)]
         device: Option<usize>,
+        /// Print every kernel module's NVRTC definitions and headers as JSON and exit (no GPU
+        /// needed).
+        #[arg(long)]
+        kernel_options: bool,
     },
     /// Benchmarks: a model's prompt processing and generation in tokens/s (`--model DIR` or
     /// `--synthetic NAME`), or the runtime and the hot ops (`runtime`, `ops`); medians of
@@ -63,7 +68,10 @@ fn main() -> std::process::ExitCode {
         }
     };
     let outcome = match cli.command {
-        Command::Doctor { device } => doctor::run(&config, device),
+        Command::Doctor {
+            kernel_options: true, ..
+        } => doctor::kernel_options(),
+        Command::Doctor { device, .. } => doctor::run(&config, device),
         Command::Bench(args) => bench::run(&config, args),
         Command::Logits(args) => logits::run(&config, args),
         Command::Run(args) => run::run(&config, args),

@@ -4,12 +4,13 @@
 use kestrel_core::ir::{Buf, NormKind, Op};
 use kestrel_core::DType;
 
-use super::{float_name, u32_arg, unsupported};
-use crate::backend::Encoder;
-use crate::buffer::Buffer;
-use crate::command::DispatchBuilder;
-use crate::error::Result;
-use crate::registry::Kernel;
+use super::common::{float_name, op_module, u32_arg, unsupported};
+use kestrel_cuda_rt::{Buffer, DispatchBuilder, Kernel, ModuleSource, Result};
+
+use crate::encoder::Encoder;
+
+pub(crate) const MODULE: ModuleSource =
+    op_module("attention", include_str!("../../kernels/attention.cu"), &[]);
 
 /// `attention.cu` holds up to 8 dims per lane of a warp.
 const MAX_HEAD_DIM: usize = 256;
@@ -156,7 +157,7 @@ fn encode_flash(enc: &mut Encoder, a: &Attn) -> Result<()> {
         )));
     }
     let name = format!("flash_attention_{}_{head_dim}_{mt}", float_name(cache)?);
-    let kern = enc.device.kernel("attention", &name)?;
+    let kern = enc.kernel(&MODULE, &name)?;
     // With one split the partial-result arguments are unused; the output stands in for them.
     let [pm, pl_buf, pacc] = if splits > 1 {
         partials(enc, tokens * heads * splits, head_dim)?
@@ -197,7 +198,7 @@ fn encode_decode(enc: &mut Encoder, a: &Attn) -> Result<()> {
         return Err(unsupported(format!("decode attention with head_dim {head_dim}")));
     }
     let name = format!("decode_attention_{}_{head_dim}", float_name(cache)?);
-    let kern = enc.device.kernel("attention", &name)?;
+    let kern = enc.kernel(&MODULE, &name)?;
     // At most one block per multiprocessor, the same number of splits per KV head (each split a
     // whole number of rounds of the warps' batches): the blocks of a KV head wait for each other,
     // so all must be resident at once, and a second wave would double the time anyway.
@@ -264,7 +265,7 @@ fn encode_split(enc: &mut Encoder, a: &Attn) -> Result<()> {
         )));
     }
     let name = format!("attention_split_{}_{pl}", float_name(cache)?);
-    let kern = enc.device.kernel("attention", &name)?;
+    let kern = enc.kernel(&MODULE, &name)?;
     a.dispatch(enc, &kern)
         .grid((u32_arg(kv_heads * subgroups)?, u32_arg(splits)?, u32_arg(tokens)?))
         .block(32 * DEC_WARPS as u32)
@@ -312,7 +313,7 @@ fn record_combine(
             32 * COMBINE_WARPS as u32,
         )
     };
-    let combine = enc.device.kernel("attention", name)?;
+    let combine = enc.kernel(&MODULE, name)?;
     enc.dispatch(&combine)
         .grid(u32_arg(grid)?)
         .block(block)
@@ -341,7 +342,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             max_ctx,
         } => {
             let name = float_name(cache_dtype(enc, k_cache, v_cache)?)?;
-            let kern = enc.device.kernel("attention", &format!("kv_append_{name}"))?;
+            let kern = enc.kernel(&MODULE, &format!("kv_append_{name}"))?;
             let (k, v, p) = (
                 enc.buf(k)?.clone(),
                 enc.buf(v)?.clone(),
@@ -389,9 +390,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 Some(n) => float_name(enc.dtype(n.q))?,
                 None => "f32",
             };
-            let kern = enc
-                .device
-                .kernel("attention", &format!("attention_inputs_{cache}_{weights}"))?;
+            let kern = enc.kernel(&MODULE, &format!("attention_inputs_{cache}_{weights}"))?;
             let (x, q_out, p, f) = (
                 enc.buf(qkv)?.clone(),
                 enc.buf(q)?.clone(),
@@ -461,9 +460,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             if head_dim > MAX_HEAD_DIM {
                 return Err(unsupported(format!("head_dim {head_dim} > {MAX_HEAD_DIM}")));
             }
-            let kern = enc
-                .device
-                .kernel("attention", &format!("attention_{}", float_name(cache)?))?;
+            let kern = enc.kernel(&MODULE, &format!("attention_{}", float_name(cache)?))?;
             a.dispatch(enc, &kern)
                 .grid(u32_arg(tokens * heads)?)
                 .block(128)

@@ -7,9 +7,10 @@
 
 use kestrel_core::ir::{DeltaAlgo, Op};
 
-use super::{float_name, u32_arg, unsupported};
-use crate::backend::Encoder;
-use crate::error::Result;
+use super::common::{float_name, op_module, u32_arg, unsupported};
+use kestrel_cuda_rt::{ModuleSource, Result};
+
+use crate::encoder::Encoder;
 
 /// `deltanet.cu`'s window limit.
 const KERNEL_MAX: usize = 8;
@@ -19,10 +20,21 @@ const DELTA_CHUNK: usize = 64;
 
 /// Bytes of `ChunkSmem<dk>` (deltanet.cu): q, k and W rows padded by 4 floats, the two
 /// triangular matrices, 32 padded columns of V, and four per-token vectors.
-fn chunk_smem(dk: usize) -> usize {
+const fn chunk_smem(dk: usize) -> usize {
     let c = DELTA_CHUNK;
     4 * (3 * c * (dk + 4) + 2 * c * c + c * 33 + 4 * c)
 }
+
+pub(crate) const MODULE: ModuleSource = op_module(
+    "deltanet",
+    include_str!("../../kernels/deltanet.cu"),
+    &[
+        ("KERNEL_MAX", KERNEL_MAX as i64),
+        ("DC", DELTA_CHUNK as i64),
+        ("DELTA_CHUNK_SMEM_64", chunk_smem(64) as i64),
+        ("DELTA_CHUNK_SMEM_128", chunk_smem(128) as i64),
+    ],
+);
 
 pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
     match *op {
@@ -38,10 +50,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             if kernel > KERNEL_MAX {
                 return Err(unsupported(format!("conv kernel {kernel} > {KERNEL_MAX}")));
             }
-            let kern = enc.device.kernel(
-                "deltanet",
-                &format!("causal_conv1d_{}", float_name(enc.dtype(w))?),
-            )?;
+            let kern = enc.kernel(&MODULE, &format!("causal_conv1d_{}", float_name(enc.dtype(w))?))?;
             let (x, w, s, o) = (
                 enc.buf(x)?.clone(),
                 enc.buf(w)?.clone(),
@@ -74,7 +83,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 float_name(enc.dtype(a_log))?,
                 float_name(enc.dtype(dt_bias))?
             );
-            let kern = enc.device.kernel("deltanet", &name)?;
+            let kern = enc.kernel(&MODULE, &name)?;
             let (a, b, al, dt) = (
                 enc.buf(a)?.clone(),
                 enc.buf(b)?.clone(),
@@ -128,7 +137,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 } else {
                     (format!("delta_rule_regs_{}", k_dim / 4), 0)
                 };
-                let kern = enc.device.kernel("deltanet", &name)?;
+                let kern = enc.kernel(&MODULE, &name)?;
                 enc.dispatch(&kern)
                     .grid((u32_arg(v_heads)?, u32_arg(v_dim.div_ceil(32))?))
                     .block(if chunked { 256 } else { 128 })
@@ -153,7 +162,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                     "state {k_dim}x{v_dim} exceeds shared memory"
                 )));
             }
-            let kern = enc.device.kernel("deltanet", "delta_rule_f32")?;
+            let kern = enc.kernel(&MODULE, "delta_rule_f32")?;
             enc.dispatch(&kern)
                 .grid(u32_arg(v_heads)?)
                 .block(128)

@@ -2,10 +2,15 @@
 //! from `kernels/runtime.cu`).
 
 use kestrel_core::ir::Op;
+use kestrel_core::DType;
 
-use super::u32_arg;
-use crate::backend::Encoder;
-use crate::error::Result;
+use super::common::{op_module, u32_arg};
+use kestrel_cuda_rt::{Buffer, ModuleSource, Result};
+
+use crate::encoder::Encoder;
+
+pub(crate) const MODULE: ModuleSource =
+    op_module("elementwise", include_str!("../../kernels/elementwise.cu"), &[]);
 
 const THREADS: u32 = 256;
 
@@ -17,7 +22,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             rows,
             groups,
         } => {
-            let k = enc.device.kernel("elementwise", "split_f32")?;
+            let k = enc.kernel(&MODULE, "split_f32")?;
             let total: usize = parts.iter().map(|p| p.1).sum();
             let x = enc.buf(*x)?.clone();
             let mut offset = 0;
@@ -37,7 +42,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             }
         }
         Op::Concat { parts, out, rows } => {
-            let k = enc.device.kernel("elementwise", "place_f32")?;
+            let k = enc.kernel(&MODULE, "place_f32")?;
             let total: usize = parts.iter().map(|p| p.1).sum();
             let o = enc.buf(*out)?.clone();
             let mut offset = 0;
@@ -56,7 +61,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             }
         }
         Op::SwiGlu { gate, up, out, len } => {
-            let k = enc.device.kernel("elementwise", "swiglu_f32")?;
+            let k = enc.kernel(&MODULE, "swiglu_f32")?;
             let (g, u, o) = (
                 enc.buf(*gate)?.clone(),
                 enc.buf(*up)?.clone(),
@@ -78,7 +83,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             cols,
             gate_cols,
         } => {
-            let k = enc.device.kernel("elementwise", "sigmoid_gate_f32")?;
+            let k = enc.kernel(&MODULE, "sigmoid_gate_f32")?;
             let (x, g, o) = (
                 enc.buf(*x)?.clone(),
                 enc.buf(*gate)?.clone(),
@@ -95,7 +100,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 .record();
         }
         Op::Add { a, b, out, len } => {
-            let k = enc.device.kernel("elementwise", "add_f32")?;
+            let k = enc.kernel(&MODULE, "add_f32")?;
             let (a, b, o) = (enc.buf(*a)?.clone(), enc.buf(*b)?.clone(), enc.buf(*out)?.clone());
             enc.dispatch(&k)
                 .cover(*len, THREADS)
@@ -112,7 +117,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             rows,
             cols,
         } => {
-            let k = enc.device.kernel("elementwise", "copy_f32")?;
+            let k = enc.kernel(&MODULE, "copy_f32")?;
             let src = enc.buf(*x)?.slice(start * cols, rows * cols)?;
             let o = enc.buf(*out)?.clone();
             enc.dispatch(&k)
@@ -125,4 +130,18 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
         _ => unreachable!("dispatched by ops::encode"),
     }
     Ok(())
+}
+
+/// `x` (f32 `[rows, cols]`, `rows * cols` a multiple of 8) rounded to bf16 into a workspace, as
+/// the tensor-core products read their activations (`convert_f32_bf16`).
+pub(crate) fn round_bf16(enc: &mut Encoder, x: &Buffer, rows: usize, cols: usize) -> Result<Buffer> {
+    let xb = enc.workspace(DType::BF16, [rows, cols])?;
+    let convert = enc.kernel(&MODULE, "convert_f32_bf16")?;
+    enc.dispatch(&convert)
+        .cover(rows * cols / 8, 256)
+        .read(x)
+        .write(&xb)
+        .arg(u32_arg(rows * cols)?)
+        .record();
+    Ok(xb)
 }

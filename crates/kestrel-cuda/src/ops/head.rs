@@ -3,9 +3,10 @@
 use kestrel_core::ir::Op;
 use kestrel_core::DType;
 
-use super::{u32_arg, unsupported};
-use crate::backend::Encoder;
-use crate::error::Result;
+use super::common::{op_module, u32_arg, unsupported};
+use kestrel_cuda_rt::{ModuleSource, Result};
+
+use crate::encoder::Encoder;
 
 /// Rows up to this long take one block for their argmax.
 const ARGMAX_ONE_BLOCK: usize = 8192;
@@ -13,6 +14,12 @@ const ARGMAX_ONE_BLOCK: usize = 8192;
 const ARGMAX_CHUNK: usize = 2048;
 /// Logits per block of `sample_partial_f32` (`SAMPLE_CHUNK` in head.cu).
 const SAMPLE_CHUNK: usize = 2048;
+
+pub(crate) const MODULE: ModuleSource = op_module(
+    "head",
+    include_str!("../../kernels/head.cu"),
+    &[("SAMPLE_CHUNK", SAMPLE_CHUNK as i64)],
+);
 
 pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
     match *op {
@@ -24,7 +31,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
         } => {
             let (l, o) = (enc.buf(logits)?.clone(), enc.buf(out)?.clone());
             if cols <= ARGMAX_ONE_BLOCK {
-                let kern = enc.device.kernel("head", "argmax_f32")?;
+                let kern = enc.kernel(&MODULE, "argmax_f32")?;
                 enc.dispatch(&kern)
                     .grid(u32_arg(rows)?)
                     .block(256)
@@ -38,7 +45,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             let parts = cols.div_ceil(ARGMAX_CHUNK);
             let part_v = enc.workspace(DType::F32, [rows, parts])?;
             let part_i = enc.workspace(DType::U32, [rows, parts])?;
-            let partial = enc.device.kernel("head", "argmax_partial_f32")?;
+            let partial = enc.kernel(&MODULE, "argmax_partial_f32")?;
             enc.dispatch(&partial)
                 .grid((u32_arg(parts)?, u32_arg(rows)?))
                 .block(256)
@@ -48,7 +55,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 .arg(u32_arg(cols)?)
                 .arg(u32_arg(ARGMAX_CHUNK)?)
                 .record();
-            let last = enc.device.kernel("head", "argmax_final_f32")?;
+            let last = enc.kernel(&MODULE, "argmax_final_f32")?;
             enc.dispatch(&last)
                 .grid(u32_arg(rows)?)
                 .block(128)
@@ -83,7 +90,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             );
             let part_v = enc.workspace(DType::F32, [parts * k])?;
             let part_i = enc.workspace(DType::U32, [parts * k])?;
-            let partial = enc.device.kernel("head", "sample_partial_f32")?;
+            let partial = enc.kernel(&MODULE, "sample_partial_f32")?;
             enc.dispatch(&partial)
                 .grid(u32_arg(parts)?)
                 .block(256)
@@ -97,7 +104,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 .arg(params.presence_penalty)
                 .arg(params.frequency_penalty)
                 .record();
-            let last = enc.device.kernel("head", "sample_final_f32")?;
+            let last = enc.kernel(&MODULE, "sample_final_f32")?;
             enc.dispatch(&last)
                 .grid(1u32)
                 .block(256)
@@ -122,7 +129,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             cols,
             k,
         } => {
-            let kern = enc.device.kernel("head", "top_k_f32")?;
+            let kern = enc.kernel(&MODULE, "top_k_f32")?;
             let (l, i, v) = (
                 enc.buf(logits)?.clone(),
                 enc.buf(ids)?.clone(),

@@ -4,11 +4,14 @@
 use kestrel_core::ir::{Buf, LinearWeight, Op};
 use kestrel_core::DType;
 
-use super::moe::{mma_smem, GT_COLS, GT_K, GT_ROWS, WG_SMEM};
-use super::{float_name, padded_len, round_bf16, u32_arg, unsupported};
-use crate::backend::Encoder;
-use crate::buffer::Buffer;
-use crate::error::Result;
+use kestrel_cuda_rt::{Buffer, ModuleSource, Result};
+
+use super::common::{float_name, op_module, padded_len, u32_arg, unsupported};
+use super::elementwise::{self, round_bf16};
+use super::gemm::{self, mma_smem, GT_COLS, GT_K, GT_ROWS, GT_THREADS, WG_SMEM};
+use crate::encoder::Encoder;
+
+pub(crate) const MODULE: ModuleSource = op_module("linear", include_str!("../../kernels/linear.cu"), &[]);
 
 /// Output rows per block (one warp each) and tokens per block, as in `linear.cu`.
 const ROWS: usize = 8;
@@ -89,7 +92,7 @@ fn encode_matvec(
     let blocks = |per_sm: usize| u32_arg(out_dim.div_ceil(MATVEC_ROWS).min(per_sm * sms));
     match w {
         LinearWeight::Dense(wb) if enc.dtype(wb.raw()) == DType::BF16 && in_dim % 8 == 0 => {
-            let k = enc.device.kernel("linear", "matvec_bf16")?;
+            let k = enc.kernel(&MODULE, "matvec_bf16")?;
             let wb = enc.buf(wb.raw())?.clone();
             enc.dispatch(&k)
                 .grid(blocks(MATVEC_BLOCKS_PER_SM)?)
@@ -105,7 +108,7 @@ fn encode_matvec(
         LinearWeight::Quant { format, .. } if in_dim % 64 == 0 && format.group_size % 32 == 0 => {
             // Each block rounds x to int8 in blocks of 32, then 8-bit integer dot products.
             let (name, parts, _) = weight_parts(enc, w)?;
-            let k = enc.device.kernel("linear", &format!("matvec_{name}_dp4a"))?;
+            let k = enc.kernel(&MODULE, &format!("matvec_{name}_dp4a"))?;
             enc.dispatch(&k)
                 .grid(blocks(DP_BLOCKS_PER_SM)?)
                 .block(32 * MATVEC_WARPS)
@@ -150,7 +153,7 @@ fn encode_matvec_exact(
         return Ok(false);
     }
     let (name, parts, _) = weight_parts(enc, w)?;
-    let k = enc.device.kernel("linear", &format!("matvec_{name}_exact"))?;
+    let k = enc.kernel(&MODULE, &format!("matvec_{name}_exact"))?;
     let out = enc.buf(out)?.clone();
     let sms = enc.device.info().sm_count as usize;
     let blocks = out_dim.div_ceil(MATVEC_ROWS).min(MATVEC_BLOCKS_PER_SM * sms);
@@ -194,7 +197,7 @@ fn f32_activations(enc: &mut Encoder, x: Buf) -> Result<Buffer> {
     }
     let n = enc.graph.decl(x).elem_count();
     let xf = enc.workspace(DType::F32, n)?;
-    let widen = enc.device.kernel("elementwise", "convert_bf16_f32")?;
+    let widen = enc.kernel(&elementwise::MODULE, "convert_bf16_f32")?;
     enc.dispatch(&widen)
         .cover(n, 256)
         .read(&xb)
@@ -252,13 +255,13 @@ fn encode_tensor_core(
         (true, 2) => (format!("linear_gemm_q{bits}_wg"), WG_SMEM),
         _ => (format!("linear_gemm_q{bits}_{nb}"), mma_smem(nb)),
     };
-    let k = enc.device.kernel("gemm", &name)?;
+    let k = enc.kernel(&gemm::MODULE, &name)?;
     enc.dispatch(&k)
         .grid((
             u32_arg(tokens.div_ceil(GT_ROWS))?,
             u32_arg(out_dim / (nb * GT_COLS))?,
         ))
-        .block(256)
+        .block(GT_THREADS)
         .shared_mem(u32_arg(smem)?)
         .read(&xb)
         .read(&parts[0])
@@ -306,7 +309,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             );
             let out = enc.buf(*out)?.clone();
             let (suffix, parts, group) = weight_parts(enc, w)?;
-            let k = enc.device.kernel("linear", &format!("linear_{suffix}"))?;
+            let k = enc.kernel(&MODULE, &format!("linear_{suffix}"))?;
             let mut b = enc.dispatch(&k).grid(grid).block(32 * ROWS as u32).read(&x);
             for part in &parts {
                 b = b.read(part);
@@ -332,7 +335,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             let vocab = enc.graph.decl(table.bufs()[0]).shape[0];
             let (ids, out) = (enc.buf(*ids)?.clone(), enc.buf(*out)?.clone());
             let (suffix, parts, group) = weight_parts(enc, table)?;
-            let k = enc.device.kernel("linear", &format!("embed_{suffix}"))?;
+            let k = enc.kernel(&MODULE, &format!("embed_{suffix}"))?;
             let mut b = enc.dispatch(&k).grid(u32_arg(tokens)?).block(256);
             for part in &parts {
                 b = b.read(part);

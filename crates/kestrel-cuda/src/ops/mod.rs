@@ -1,8 +1,12 @@
-//! One module per op family, each encoding its ops into dispatches of its `kernels/<family>.cu`.
+//! One module per op family, each encoding its ops into dispatches of its `kernels/<family>.cu`
+//! (`gemm.rs` owns the tile geometry the tensor-core products share); `common.rs` holds what
+//! they all use. The table in ARCHITECTURE.md maps each op to its file and kernels.
 
 mod attention;
+mod common;
 mod deltanet;
 mod elementwise;
+mod gemm;
 mod head;
 mod linear;
 mod moe;
@@ -11,30 +15,23 @@ mod norm;
 pub(crate) use linear::GEMM_MIN_TOKENS;
 
 use kestrel_core::ir::Op;
-use kestrel_core::DType;
+use kestrel_cuda_rt::{ModuleSource, Result};
 
-use crate::backend::Encoder;
-use crate::buffer::Buffer;
-use crate::error::{CudaError, Result};
+use crate::encoder::Encoder;
 
-/// Floats of shared memory for `n` staged values (`padded_len` in kestrel.cuh).
-fn padded_len(n: usize) -> usize {
-    n + n.div_ceil(32) * 4
-}
-
-/// `x` (f32 `[rows, cols]`, `rows * cols` a multiple of 8) rounded to bf16 into a workspace, as
-/// the tensor-core products read their activations (`convert_f32_bf16`).
-fn round_bf16(enc: &mut Encoder, x: &Buffer, rows: usize, cols: usize) -> Result<Buffer> {
-    let xb = enc.workspace(DType::BF16, [rows, cols])?;
-    let convert = enc.device.kernel("elementwise", "convert_f32_bf16")?;
-    enc.dispatch(&convert)
-        .cover(rows * cols / 8, 256)
-        .read(x)
-        .write(&xb)
-        .arg(u32_arg(rows * cols)?)
-        .record();
-    Ok(xb)
-}
+/// Every kernel module the backend ships, one per op family (`kernels/<name>.cu`), with the
+/// headers and definitions each is compiled with.
+pub const MODULES: &[ModuleSource] = &[
+    norm::MODULE,
+    norm::ROPE_MODULE,
+    linear::MODULE,
+    elementwise::MODULE,
+    attention::MODULE,
+    moe::MODULE,
+    gemm::MODULE,
+    deltanet::MODULE,
+    head::MODULE,
+];
 
 /// Encodes the first nodes of `ops` as one kernel when one kernel does them together: a
 /// one-token router's residual add and norm, product and choice of experts (three), or its
@@ -66,23 +63,4 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
         CausalConv1d { .. } | DeltaGates { .. } | DeltaRule { .. } => deltanet::encode(op, enc),
         Argmax { .. } | TopK { .. } | Sample { .. } => head::encode(op, enc),
     }
-}
-
-/// The kernel-name suffix of a float dtype.
-fn float_name(dtype: DType) -> Result<&'static str> {
-    match dtype {
-        DType::F32 | DType::BF16 | DType::F16 => Ok(dtype.name()),
-        other => Err(unsupported(format!("{other} is not a float dtype"))),
-    }
-}
-
-fn unsupported(reason: String) -> CudaError {
-    CudaError::Op {
-        node: String::new(),
-        reason,
-    }
-}
-
-fn u32_arg(n: usize) -> Result<u32> {
-    u32::try_from(n).map_err(|_| unsupported(format!("{n} does not fit a 32-bit kernel argument")))
 }

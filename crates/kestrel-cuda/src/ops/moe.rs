@@ -7,12 +7,15 @@
 use kestrel_core::ir::{ExpertFormat, LinearWeight, MatrixSpan, NormKind, Op};
 use kestrel_core::DType;
 
+use kestrel_cuda_rt::{Buffer, DispatchBuilder, ModuleSource, Result};
+
+use super::common::{op_module, padded_len, u32_arg, unsupported};
+use super::elementwise::round_bf16;
+use super::gemm::{self, mma_smem, GT_COLS, GT_K, GT_ROWS, GT_THREADS, SORT_MAX_EXPERTS, WG_SMEM};
 use super::linear::weight_parts;
-use super::{padded_len, round_bf16, u32_arg, unsupported};
-use crate::backend::Encoder;
-use crate::buffer::Buffer;
-use crate::command::DispatchBuilder;
-use crate::error::Result;
+use crate::encoder::Encoder;
+
+pub(crate) const MODULE: ModuleSource = op_module("moe", include_str!("../../kernels/moe.cu"), &[]);
 
 /// Rows per block of `moe_gate_up_bf16` (4 warps x 2 rows) and `moe_down_*` (4 warps x 1 row);
 /// threads of the quantised `moe_gate_up_*` (16 warps x 2 rows: one int8 block of 32).
@@ -29,22 +32,6 @@ const ROUTE_WARPS: u32 = 16;
 
 /// From this many tokens on, experts run as grouped GEMMs (`gemm.cu`).
 const GROUPED_MIN_TOKENS: usize = 16;
-/// `gemm.cu`: rows and columns per tile, K step, threads, and the most experts `moe_sort`
-/// handles (one thread each).
-pub(super) const GT_ROWS: usize = 128;
-pub(super) const GT_COLS: usize = 64;
-pub(super) const GT_K: usize = 64;
-const GT_STRIDE: usize = GT_K + 8;
-/// Shared memory of an `mma.sync` tile with `nb` B matrices (`MmaTile::SMEM`): two steps of A
-/// and B in padded rows.
-pub(super) fn mma_smem(nb: usize) -> usize {
-    2 * (GT_ROWS + nb * GT_COLS) * GT_STRIDE * 2
-}
-/// Shared memory of a `wgmma` tile (`WgTile::SMEM`): two steps of 128 x 64 A and B tiles, plus
-/// room to align them to 1,024 bytes.
-pub(super) const WG_SMEM: usize = 2 * 2 * GT_ROWS * GT_K * 2 + 1024;
-const SORT_MAX_EXPERTS: usize = 1024;
-
 /// Whether `gemm.cu` handles these experts: dims in whole tiles, groups of whole 16-value
 /// thread shares.
 fn grouped_fits(layout: &kestrel_core::ir::ExpertLayout) -> bool {
@@ -78,7 +65,7 @@ fn encode_grouped(
         enc.workspace(DType::BF16, [slots, i])?,
         enc.workspace(DType::BF16, [slots, h])?,
     );
-    let sort = enc.device.kernel("gemm", "moe_sort")?;
+    let sort = enc.kernel(&gemm::MODULE, "moe_sort")?;
     enc.dispatch(&sort)
         .grid(1)
         .block(SORT_MAX_EXPERTS as u32)
@@ -98,11 +85,11 @@ fn encode_grouped(
     } else {
         (format!("moe_gemm_gate_up_{name}"), mma_smem(2))
     };
-    let gate_up = enc.device.kernel("gemm", &gu_name)?;
+    let gate_up = enc.kernel(&gemm::MODULE, &gu_name)?;
     let b = enc
         .dispatch(&gate_up)
         .grid((u32_arg(i / GT_COLS)?, u32_arg(max_tiles)?))
-        .block(256)
+        .block(GT_THREADS)
         .shared_mem(u32_arg(gu_smem)?)
         .read(&xb)
         .read(&order)
@@ -116,10 +103,10 @@ fn encode_grouped(
         (true, 2) => (format!("moe_gemm_down_{name}_wg"), WG_SMEM),
         _ => (format!("moe_gemm_down_{name}_{nb}"), mma_smem(nb)),
     };
-    let down = enc.device.kernel("gemm", &down_name)?;
+    let down = enc.kernel(&gemm::MODULE, &down_name)?;
     enc.dispatch(&down)
         .grid((u32_arg(h / (nb * GT_COLS))?, u32_arg(max_tiles)?))
-        .block(256)
+        .block(GT_THREADS)
         .shared_mem(u32_arg(down_smem)?)
         .read(&act)
         .read(&order)
@@ -135,7 +122,7 @@ fn encode_grouped(
         .arg(d.biases as u64)
         .arg(u32_arg(group)?)
         .record();
-    let combine = enc.device.kernel("gemm", "moe_combine")?;
+    let combine = enc.kernel(&gemm::MODULE, "moe_combine")?;
     enc.dispatch(&combine)
         .cover(tokens * h / 8, 256)
         .read(&ys)
@@ -313,9 +300,7 @@ pub fn encode_route(norm: Option<&Op>, linear: &Op, router: &Op, enc: &mut Encod
         return Ok(false);
     }
     let prefix = if fused.is_some() { "route_norm" } else { "route" };
-    let kern = enc
-        .device
-        .kernel("moe", &format!("{prefix}_{name}_{}", router_per_lane(experts)))?;
+    let kern = enc.kernel(&MODULE, &format!("{prefix}_{name}_{}", router_per_lane(experts)))?;
     let (l, i, wt) = (
         enc.buf(logits)?.clone(),
         enc.buf(ids)?.clone(),
@@ -366,7 +351,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 return Err(unsupported(format!("top-{k} of {experts} experts")));
             }
             let per_lane = router_per_lane(experts);
-            let kern = enc.device.kernel("moe", &format!("router_f32_{per_lane}"))?;
+            let kern = enc.kernel(&MODULE, &format!("router_f32_{per_lane}"))?;
             let (l, i, w) = (
                 enc.buf(logits)?.clone(),
                 enc.buf(ids)?.clone(),
@@ -456,8 +441,8 @@ fn encode_int8(
     );
     let (g, u, d) = (layout.gate(), layout.up(), layout.down());
     let span = layout.span_bytes() as u64;
-    let gate_up = enc.device.kernel("moe", &format!("moe_gate_up_{name}"))?;
-    let down = enc.device.kernel("moe", &format!("moe_down_{name}"))?;
+    let gate_up = enc.kernel(&MODULE, &format!("moe_gate_up_{name}"))?;
+    let down = enc.kernel(&MODULE, &format!("moe_down_{name}"))?;
     let b = enc
         .dispatch(&gate_up)
         .grid((u32_arg(i / 32)?, u32_arg(tokens * k)?))
@@ -511,8 +496,8 @@ fn encode_bf16(
     let act = enc.workspace(DType::F32, [tokens * k, i])?;
     let (g, u, d) = (layout.gate(), layout.up(), layout.down());
     let span = layout.span_bytes() as u64;
-    let gate_up = enc.device.kernel("moe", "moe_gate_up_bf16")?;
-    let down = enc.device.kernel("moe", "moe_down_bf16")?;
+    let gate_up = enc.kernel(&MODULE, "moe_gate_up_bf16")?;
+    let down = enc.kernel(&MODULE, "moe_down_bf16")?;
     let b = enc
         .dispatch(&gate_up)
         .grid((u32_arg(i.div_ceil(GU_ROWS))?, u32_arg(tokens * k)?))

@@ -3,10 +3,14 @@
 use kestrel_core::ir::{NormKind, Op};
 use kestrel_core::DType;
 
-use super::{float_name, u32_arg, unsupported};
-use crate::backend::Encoder;
-use crate::buffer::Buffer;
-use crate::error::Result;
+use super::common::{float_name, op_module, u32_arg, unsupported};
+use kestrel_cuda_rt::{Buffer, ModuleSource, Result};
+
+use crate::encoder::Encoder;
+
+pub(crate) const MODULE: ModuleSource = op_module("norm", include_str!("../../kernels/norm.cu"), &[]);
+/// Rotary embeddings (`kernels/rope.cu`), which `Rope` ops launch from here.
+pub(crate) const ROPE_MODULE: ModuleSource = op_module("rope", include_str!("../../kernels/rope.cu"), &[]);
 
 const THREADS: u32 = 256;
 /// `*_vec_*` kernels: float4s per thread at most (`VEC_NORM_MAX` in norm.cu).
@@ -44,9 +48,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             let rows = enc.graph.decl(x).elem_count() / dim;
             let (wname, odt) = (float_name(enc.dtype(w))?, enc.dtype(out));
             let (x, w, out) = (enc.buf(x)?.clone(), enc.buf(w)?.clone(), enc.buf(out)?.clone());
-            let k = enc
-                .device
-                .kernel("norm", &norm_kernel("rms_norm", dim, wname, odt, &[&x, &out])?)?;
+            let k = enc.kernel(&MODULE, &norm_kernel("rms_norm", dim, wname, odt, &[&x, &out])?)?;
             enc.dispatch(&k)
                 .grid(u32_arg(rows)?)
                 .block(THREADS)
@@ -75,8 +77,8 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 enc.buf(w)?.clone(),
                 enc.buf(out)?.clone(),
             );
-            let k = enc.device.kernel(
-                "norm",
+            let k = enc.kernel(
+                &MODULE,
                 &norm_kernel("add_rms_norm", dim, wname, odt, &[&r, &x, &out])?,
             )?;
             enc.dispatch(&k)
@@ -100,9 +102,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             eps,
         } => {
             let rows = enc.graph.decl(x).elem_count() / dim;
-            let k = enc
-                .device
-                .kernel("norm", &format!("gated_rms_norm_{}", float_name(enc.dtype(w))?))?;
+            let k = enc.kernel(&MODULE, &format!("gated_rms_norm_{}", float_name(enc.dtype(w))?))?;
             let (x, z, w, out) = (
                 enc.buf(x)?.clone(),
                 enc.buf(z)?.clone(),
@@ -130,7 +130,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             scaling,
         } => {
             let tokens = enc.graph.decl(x).elem_count() / (heads * head_dim);
-            let k = enc.device.kernel("rope", "rope_f32")?;
+            let k = enc.kernel(&ROPE_MODULE, "rope_f32")?;
             let block = ((rot_dim / 2).div_ceil(32) * 32).clamp(32, 256) as u32;
             let (x, p, f) = (
                 enc.buf(x)?.clone(),

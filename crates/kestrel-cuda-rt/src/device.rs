@@ -2,18 +2,18 @@
 //! the profiler, and the operations that allocate memory and run command lists.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{result, sys, CudaContext, CudaEvent};
 use kestrel_core::{Config, DType, HostType, Shape};
 
 use crate::blas::Blas;
 use crate::buffer::{Allocation, Buffer, PinnedBuffer};
+use crate::ceilings::{self, Ceilings};
 use crate::command::{Command, CommandList};
 use crate::counters::{CounterSnapshot, Counters, Profile};
 use crate::error::{CudaError, Result};
-use crate::graph::Graph;
-use crate::registry::{arch_name, hopper_target, nvrtc_version, Kernel, KernelRegistry};
+use crate::registry::{arch_name, hopper_target, nvrtc_version, Kernel, KernelRegistry, ModuleSource};
 use crate::stream::Stream;
 
 /// What a device is.
@@ -71,6 +71,8 @@ struct DeviceInner {
     blas: Mutex<Option<Blas>>,
     /// A stream that only ever captures cuBLAS calls into child graphs.
     capture: Stream,
+    /// Copy bandwidth and bf16 GEMM rate, from the table or measured on first use.
+    ceilings: OnceLock<Ceilings>,
 }
 
 impl Device {
@@ -127,6 +129,7 @@ impl Device {
                 wgmma,
                 profile_events: Mutex::new(Vec::new()),
                 blas: Mutex::new(None),
+                ceilings: OnceLock::new(),
             }),
         })
     }
@@ -162,17 +165,24 @@ impl Device {
     pub(crate) fn with_blas<R>(&self, f: impl FnOnce(&Blas) -> Result<R>) -> Result<R> {
         let mut guard = self.inner.blas.lock().unwrap_or_else(|p| p.into_inner());
         if guard.is_none() {
-            *guard = Some(Blas::new(self)?);
+            let alloc = |bytes| self.alloc(DType::U8, bytes);
+            *guard = Some(Blas::new(&self.inner.ctx, &self.inner.counters, alloc)?);
         }
         f(guard.as_ref().expect("created above"))
+    }
+
+    /// `c[m, n] = a[m, k] · b[k, n]`, row-major f32, through cuBLAS on the compute stream
+    /// (asynchronous).
+    pub fn matmul_f32(&self, a: &Buffer, b: &Buffer, c: &Buffer, mnk: (usize, usize, usize)) -> Result<()> {
+        self.with_blas(|blas| blas.matmul_f32(self.compute(), a, b, c, mnk))
     }
 
     pub(crate) fn capture_stream(&self) -> &Stream {
         &self.inner.capture
     }
 
-    /// A kernel of a shipped module.
-    pub fn kernel(&self, module: &str, function: &str) -> Result<Kernel> {
+    /// Function `function` of `module`, compiled or loaded on first use.
+    pub fn kernel(&self, module: &ModuleSource, function: &str) -> Result<Kernel> {
         self.inner.registry.kernel(module, function)
     }
 
@@ -343,12 +353,6 @@ impl Device {
         })
     }
 
-    /// Captures `list` into a CUDA graph whose edges are inferred from the dispatches' buffer
-    /// accesses. See [`Graph`].
-    pub fn capture(&self, list: &CommandList) -> Result<Graph> {
-        Graph::build(self, list)
-    }
-
     /// Whether graphs link programmatic dispatches by programmatic edges.
     pub fn pdl(&self) -> bool {
         self.inner.pdl
@@ -401,6 +405,55 @@ impl Device {
 
     pub fn counters(&self) -> CounterSnapshot {
         self.inner.counters.snapshot()
+    }
+
+    /// What this device can do at best (copy bandwidth, bf16 GEMM rate), the denominators of
+    /// every floor: from the table of devices measured by the project, else measured now (a
+    /// fraction of a second) and kept.
+    pub fn ceilings(&self) -> Result<Ceilings> {
+        if let Some(c) = self.inner.ceilings.get() {
+            return Ok(*c);
+        }
+        let c = match ceilings::known(&self.inner.info.name) {
+            Some(c) => c,
+            None => self.measure_ceilings()?,
+        };
+        Ok(*self.inner.ceilings.get_or_init(|| c))
+    }
+
+    /// Measures the ceilings: a 256 MiB copy and a 4096³ bf16 GEMM through cuBLAS, medians of
+    /// five after a warm-up, timed with CUDA events.
+    fn measure_ceilings(&self) -> Result<Ceilings> {
+        let s = self.compute();
+        let median_ms = |f: &dyn Fn() -> Result<()>| -> Result<f64> {
+            f()?;
+            s.synchronize()?;
+            let timer = self.timer()?;
+            let mut samples = Vec::with_capacity(5);
+            for _ in 0..5 {
+                timer.start(s)?;
+                f()?;
+                timer.stop(s)?;
+                samples.push(timer.elapsed_ms()?);
+            }
+            samples.sort_by(f64::total_cmp);
+            Ok(samples[samples.len() / 2])
+        };
+        let bytes = 256 << 20;
+        let (src, dst) = (self.alloc(DType::U8, bytes)?, self.alloc(DType::U8, bytes)?);
+        let copy_ms = median_ms(&|| s.copy(&dst, &src))?;
+        let n = 4096;
+        let a = self.alloc(DType::BF16, [n, n])?;
+        let b = self.alloc(DType::BF16, [n, n])?;
+        let c = self.alloc(DType::F32, [n, n])?;
+        let mut list = CommandList::new("ceilings");
+        list.gemm_bf16(&a, &b, &c, n, n, n);
+        let gemm_ms = median_ms(&|| self.run(&list))?;
+        Ok(Ceilings {
+            copy_bytes_per_s: 2.0 * bytes as f64 / (copy_ms * 1e-3),
+            bf16_flops_per_s: 2.0 * (n * n * n) as f64 / (gemm_ms * 1e-3),
+            source: "measured",
+        })
     }
 
     pub fn reset_counters(&self) {

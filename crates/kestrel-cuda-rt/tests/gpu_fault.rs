@@ -3,7 +3,7 @@
 //! process's CUDA context, so no other test may share the process.
 
 use kestrel_core::DType;
-use kestrel_cuda::{CommandList, CudaError};
+use kestrel_cuda_rt::{CommandList, CudaError, RUNTIME_MODULE};
 use kestrel_testing::gpu::device_or_skip;
 
 #[test]
@@ -11,8 +11,8 @@ fn illegal_address_is_reported_with_the_submission_label() {
     let Some(dev) = device_or_skip("illegal_address_is_reported_with_the_submission_label") else {
         return;
     };
-    let fill = dev.kernel("runtime", "fill_f32").unwrap();
-    let poke = dev.kernel("runtime", "poke_u32").unwrap();
+    let fill = dev.kernel(&RUNTIME_MODULE, "fill_f32").unwrap();
+    let poke = dev.kernel(&RUNTIME_MODULE, "poke_u32").unwrap();
     let buf = dev.alloc(DType::F32, 1024).unwrap();
 
     let mut good = CommandList::new("warm-up");

@@ -1,7 +1,9 @@
 // Runtime kernels: small element-wise kernels used by `kestrel doctor`, the runtime tests and the
 // runtime benchmark. Every kernel takes its element count last and guards its tail, so sizes
 // need not be multiples of the block.
-#include "kestrel.cuh"
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include "pdl.cuh"
 
 extern "C" __global__ void fill_f32(float* out, float value, unsigned int n) {
     unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;

@@ -1,8 +1,10 @@
-//! The kernel registry: CUDA C sources embedded in the binary, compiled by NVRTC for the
-//! device's architecture, and cached on disk so a second start compiles nothing.
+//! The kernel registry: CUDA C modules (sources the caller embeds in its binary, with the
+//! headers they include and the preprocessor definitions they share with host code), compiled
+//! by NVRTC for the device's architecture and cached on disk so a second start compiles nothing.
 //!
-//! The cache key hashes the source, the NVRTC options (which name the architecture and include
-//! directory) and the NVRTC version; a module is stored as `<cache>/<module>-<key>.cubin`.
+//! The cache key hashes the source, its headers, the NVRTC options (which name the
+//! architecture, the include directory and every `-D` definition) and the NVRTC version; a
+//! module is stored as `<cache>/<module>-<key>.cubin`.
 
 use std::collections::HashMap;
 use std::ffi::{c_char, CStr, CString};
@@ -17,38 +19,30 @@ use sha2::{Digest, Sha256};
 use crate::counters::Counters;
 use crate::error::{CudaError, Result};
 
-/// One `.cu` file embedded in the binary.
+/// One CUDA C module: its source, the headers it includes (handed to NVRTC in memory) and
+/// the numbers host code shares with it, passed as `-DNAME=VALUE` so each is written once.
 #[derive(Debug, Clone, Copy)]
 pub struct ModuleSource {
     pub name: &'static str,
     pub source: &'static str,
+    /// (include name, contents).
+    pub headers: &'static [(&'static str, &'static str)],
+    /// (macro name, value).
+    pub defines: &'static [(&'static str, i64)],
 }
 
-macro_rules! module {
-    ($name:literal) => {
-        ModuleSource {
-            name: $name,
-            source: include_str!(concat!("../kernels/", $name, ".cu")),
-        }
-    };
-}
+/// The programmatic-dependent-launch primitives (`pdl_wait`, `pdl_trigger`, `pdl_begin`) and
+/// their contract, for modules whose dispatches are recorded as programmatic.
+pub const PDL_HEADER: (&str, &str) = ("pdl.cuh", include_str!("../kernels/pdl.cuh"));
 
-/// Every module Kestrel ships; one line per op family.
-pub const MODULES: &[ModuleSource] = &[
-    module!("runtime"),
-    module!("norm"),
-    module!("rope"),
-    module!("linear"),
-    module!("elementwise"),
-    module!("attention"),
-    module!("moe"),
-    module!("gemm"),
-    module!("deltanet"),
-    module!("head"),
-];
-
-/// Headers every module may include, handed to NVRTC in memory: (include name, contents).
-pub const HEADERS: &[(&str, &str)] = &[("kestrel.cuh", include_str!("../kernels/kestrel.cuh"))];
+/// The runtime's own kernels: small element-wise ones for `kestrel doctor`, the runtime tests
+/// and the runtime benchmark.
+pub const RUNTIME_MODULE: ModuleSource = ModuleSource {
+    name: "runtime",
+    source: include_str!("../kernels/runtime.cu"),
+    headers: &[PDL_HEADER],
+    defines: &[],
+};
 
 /// Where a module came from when it was loaded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -195,17 +189,18 @@ impl KernelRegistry {
         self.cache_dir.as_deref()
     }
 
-    /// Function `function` of the shipped module `module`, compiling or loading it on first use.
-    pub fn kernel(&self, module: &str, function: &str) -> Result<Kernel> {
-        let src = MODULES
-            .iter()
-            .find(|m| m.name == module)
-            .ok_or_else(|| CudaError::NoSuchModule(module.to_string()))?;
-        self.load(src.name, src.source)?;
-        self.function(module, function)
+    /// Function `function` of `module`, compiling or loading the module on first use.
+    pub fn kernel(&self, module: &ModuleSource, function: &str) -> Result<Kernel> {
+        self.load_module(module)?;
+        self.function(module.name, function)
     }
 
-    /// Function `function` of a module loaded earlier (shipped or through [`Self::load`]).
+    /// Loads `module` (see [`Self::load`]).
+    pub fn load_module(&self, module: &ModuleSource) -> Result<LoadOrigin> {
+        self.load_with(module.name, module.source, module.headers, module.defines)
+    }
+
+    /// Function `function` of a module loaded earlier.
     pub fn function(&self, module: &str, function: &str) -> Result<Kernel> {
         let key = (module.to_string(), function.to_string());
         if let Some(k) = self.functions.lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
@@ -237,15 +232,25 @@ impl KernelRegistry {
         Ok(k)
     }
 
-    /// Loads module `name` from `source`: from memory if already loaded, else from the disk
-    /// cache, else by compiling it.
+    /// Loads module `name` from `source`, which includes no headers: from memory if already
+    /// loaded, else from the disk cache, else by compiling it.
     pub fn load(&self, name: &str, source: &str) -> Result<LoadOrigin> {
+        self.load_with(name, source, &[], &[])
+    }
+
+    fn load_with(
+        &self,
+        name: &str,
+        source: &str,
+        headers: &[(&str, &str)],
+        defines: &[(&str, i64)],
+    ) -> Result<LoadOrigin> {
         let mut modules = self.modules.lock().unwrap_or_else(|p| p.into_inner());
         if modules.contains_key(name) {
             return Ok(LoadOrigin::AlreadyLoaded);
         }
-        let options = self.options();
-        let key = cache_key(source, &options, nvrtc_version()?);
+        let options = self.options(defines);
+        let key = cache_key(source, headers, &options, nvrtc_version()?);
         let path = self
             .cache_dir
             .as_ref()
@@ -262,7 +267,7 @@ impl KernelRegistry {
             }
         }
 
-        let cubin = compile(name, source, &options)?;
+        let cubin = compile(name, source, headers, &options)?;
         self.counters.add_kernel_compiles(1);
         let module = self
             .ctx
@@ -278,7 +283,7 @@ impl KernelRegistry {
         Ok(LoadOrigin::Compiled)
     }
 
-    fn options(&self) -> Vec<String> {
+    fn options(&self, defines: &[(&str, i64)]) -> Vec<String> {
         let mut o = vec![
             format!("--gpu-architecture={}", self.arch),
             "--std=c++17".to_string(),
@@ -286,6 +291,7 @@ impl KernelRegistry {
         if let Some(inc) = &self.include_dir {
             o.push(format!("--include-path={}", inc.display()));
         }
+        o.extend(defines.iter().map(|(name, value)| format!("-D{name}={value}")));
         o
     }
 }
@@ -313,10 +319,10 @@ fn ensure_nvrtc() -> Result<()> {
     }
 }
 
-fn cache_key(source: &str, options: &[String], version: (i32, i32)) -> String {
+fn cache_key(source: &str, headers: &[(&str, &str)], options: &[String], version: (i32, i32)) -> String {
     let mut h = Sha256::new();
     h.update(source.as_bytes());
-    for (name, text) in HEADERS {
+    for (name, text) in headers {
         h.update([0u8]);
         h.update(name.as_bytes());
         h.update(text.as_bytes());
@@ -330,7 +336,7 @@ fn cache_key(source: &str, options: &[String], version: (i32, i32)) -> String {
 }
 
 /// Compiles `source` to a cubin; a failure carries NVRTC's log and names the module.
-fn compile(module: &str, source: &str, options: &[String]) -> Result<Vec<u8>> {
+fn compile(module: &str, source: &str, headers: &[(&str, &str)], options: &[String]) -> Result<Vec<u8>> {
     ensure_nvrtc()?;
     let nvrtc_err = |what: &str, e: nvrtc_result::NvrtcError| CudaError::Nvrtc {
         module: module.to_string(),
@@ -341,11 +347,11 @@ fn compile(module: &str, source: &str, options: &[String]) -> Result<Vec<u8>> {
         message: "source contains a NUL byte".into(),
     })?;
     let file = CString::new(format!("{module}.cu")).expect("module names have no NUL");
-    let header_texts: Vec<CString> = HEADERS
+    let header_texts: Vec<CString> = headers
         .iter()
         .map(|h| CString::new(h.1).expect("headers have no NUL"))
         .collect();
-    let header_names: Vec<CString> = HEADERS
+    let header_names: Vec<CString> = headers
         .iter()
         .map(|h| CString::new(h.0).expect("header names have no NUL"))
         .collect();
@@ -359,7 +365,7 @@ fn compile(module: &str, source: &str, options: &[String]) -> Result<Vec<u8>> {
             &mut prog,
             src.as_ptr(),
             file.as_ptr(),
-            HEADERS.len() as i32,
+            headers.len() as i32,
             texts.as_ptr(),
             names.as_ptr(),
         )
@@ -436,16 +442,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn cache_key_changes_with_source_options_and_version() {
+    fn cache_key_changes_with_source_headers_options_and_version() {
         let o = vec!["--gpu-architecture=sm_90".to_string()];
-        let base = cache_key("a", &o, (13, 0));
-        assert_eq!(base, cache_key("a", &o, (13, 0)));
-        assert_ne!(base, cache_key("b", &o, (13, 0)));
+        let h = [("h.cuh", "int x;")];
+        let base = cache_key("a", &h, &o, (13, 0));
+        assert_eq!(base, cache_key("a", &h, &o, (13, 0)));
+        assert_ne!(base, cache_key("b", &h, &o, (13, 0)));
+        assert_ne!(base, cache_key("a", &[("h.cuh", "int y;")], &o, (13, 0)));
+        assert_ne!(base, cache_key("a", &[], &o, (13, 0)));
         assert_ne!(
             base,
-            cache_key("a", &["--gpu-architecture=sm_80".to_string()], (13, 0))
+            cache_key("a", &h, &["--gpu-architecture=sm_80".to_string()], (13, 0))
         );
-        assert_ne!(base, cache_key("a", &o, (13, 1)));
+        let mut defined = o.clone();
+        defined.push("-DTILE=64".to_string());
+        assert_ne!(base, cache_key("a", &h, &defined, (13, 0)));
+        assert_ne!(base, cache_key("a", &h, &o, (13, 1)));
         assert_eq!(base.len(), 24);
     }
 
@@ -469,13 +481,5 @@ mod tests {
         write_atomically(&path, b"abc").unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), b"abc");
         std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    #[test]
-    fn every_shipped_module_has_a_distinct_name() {
-        let mut names: Vec<_> = MODULES.iter().map(|m| m.name).collect();
-        names.sort();
-        names.dedup();
-        assert_eq!(names.len(), MODULES.len());
     }
 }

@@ -199,7 +199,7 @@ impl Stream {
         }
         .map_err(self.map_err("cuMemcpyHtoDAsync"))?;
         self.counters.add_bytes_h2d(bytes as u64);
-        src.track_use(self)
+        src.track_use(self.record_event(None)?)
     }
 
     /// Asynchronous copy into pinned memory; read it after [`PinnedBuffer::as_slice`] (which
@@ -222,7 +222,7 @@ impl Stream {
         }
         .map_err(self.map_err("cuMemcpyDtoHAsync"))?;
         self.counters.add_bytes_d2h(bytes as u64);
-        dst.track_use(self)
+        dst.track_use(self.record_event(None)?)
     }
 
     /// Device-to-device copy of `src` into the start of `dst` (asynchronous).

@@ -12,8 +12,8 @@
 //! whose kernels and edges are unchanged update the instantiated graph in place
 //! (`cuGraphExecKernelNodeSetParams`) instead of instantiating it again.
 
+use crate::access::DepGraph;
 use cudarc::driver::sys;
-use kestrel_core::DepGraph;
 
 use crate::command::{Command, CommandList, Dispatch, Gemm};
 use crate::device::Device;
@@ -140,6 +140,14 @@ fn capture_gemm(
     unsafe { sys::cuGraphAddEmptyNode(&mut node, graph, after.as_ptr(), after.len()).result() }
         .map_err(CudaError::driver("cuGraphAddEmptyNode"))?;
     Ok(node)
+}
+
+impl Device {
+    /// Captures `list` into a CUDA graph whose edges are inferred from the dispatches' buffer
+    /// accesses. See [`Graph`].
+    pub fn capture(&self, list: &CommandList) -> Result<Graph> {
+        Graph::build(self, list)
+    }
 }
 
 impl Graph {

@@ -8,7 +8,7 @@
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use kestrel_core::{Access, AccessMode};
+use crate::access::{Access, AccessMode};
 
 use crate::buffer::Buffer;
 use crate::registry::Kernel;

@@ -9,10 +9,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{result, sys, CudaContext, CudaEvent};
-use kestrel_core::{Access, AccessMode, AllocId, DType, HostType, Shape};
+use kestrel_core::{DType, HostType, Shape};
+
+use crate::access::{Access, AccessMode, AllocId};
 
 use crate::error::{CudaError, Result};
-use crate::stream::Stream;
 
 static NEXT_ALLOC_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -275,9 +276,8 @@ impl<T: HostType> PinnedBuffer<T> {
         self.ptr
     }
 
-    /// Records that the last operation on `stream` uses this buffer.
-    pub(crate) fn track_use(&self, stream: &Stream) -> Result<()> {
-        let event = stream.record_event(None)?;
+    /// Records that the operation before `event` (recorded on its stream) uses this buffer.
+    pub(crate) fn track_use(&self, event: CudaEvent) -> Result<()> {
         let mut events = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
         events.retain(|e| !e.is_complete());
         events.push(event);

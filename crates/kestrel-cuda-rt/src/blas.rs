@@ -10,8 +10,8 @@ use kestrel_core::DType;
 use crate::buffer::Buffer;
 use crate::command::Gemm;
 use crate::counters::Counters;
-use crate::device::Device;
 use crate::error::{CudaError, Result};
+use crate::stream::Stream;
 
 /// Bytes of the workspace cuBLAS gets; with it, it never allocates while a graph is captured.
 const WORKSPACE_BYTES: usize = 32 << 20;
@@ -36,20 +36,25 @@ fn blas_err(call: &'static str) -> impl FnOnce(cublas::CublasError) -> CudaError
 }
 
 impl Blas {
-    pub fn new(device: &Device) -> Result<Blas> {
+    /// A handle on context `ctx` with a workspace that `alloc` makes (the device calls this
+    /// once, see `Device::matmul_f32`).
+    pub(crate) fn new(
+        ctx: &Arc<CudaContext>,
+        counters: &Arc<Counters>,
+        alloc: impl FnOnce(usize) -> Result<Buffer>,
+    ) -> Result<Blas> {
         // SAFETY: only probes whether the shared library can be opened.
         if !unsafe { cublas_sys::is_culib_present() } {
             return Err(CudaError::NoCublas);
         }
-        let ctx = device.context().clone();
         ctx.bind_to_thread()
             .map_err(CudaError::driver("cuCtxSetCurrent"))?;
-        let workspace = device.alloc(DType::U8, WORKSPACE_BYTES)?;
+        let workspace = alloc(WORKSPACE_BYTES)?;
         let handle = cublas::create_handle().map_err(blas_err("cublasCreate"))?;
         let blas = Blas {
             handle,
-            ctx,
-            counters: device.counters_ref().clone(),
+            ctx: ctx.clone(),
+            counters: counters.clone(),
             _workspace: workspace.clone(),
         };
         // SAFETY: a live handle; the workspace stays allocated as long as the handle.
@@ -106,10 +111,10 @@ impl Blas {
         .map_err(blas_err("cublasGemmEx"))
     }
 
-    /// `c[m, n] = a[m, k] · b[k, n]`, row-major f32, on the device's compute stream (asynchronous).
-    pub fn matmul_f32(
+    /// `c[m, n] = a[m, k] · b[k, n]`, row-major f32, enqueued on `stream`.
+    pub(crate) fn matmul_f32(
         &self,
-        device: &Device,
+        stream: &Stream,
         a: &Buffer,
         b: &Buffer,
         c: &Buffer,
@@ -131,7 +136,7 @@ impl Blas {
                 .into());
             }
         }
-        self.on(device.compute().cu())?;
+        self.on(stream.cu())?;
         let (alpha, beta) = (1.0f32, 0.0f32);
         let op = cublas_sys::cublasOperation_t::CUBLAS_OP_N;
         // Row-major C = A·B is column-major Cᵀ = Bᵀ·Aᵀ: swap the operands and m with n.

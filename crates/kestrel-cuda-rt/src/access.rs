@@ -225,7 +225,7 @@ impl DepGraph {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rng::Rng;
+    use kestrel_core::rng::Rng;
     use AccessMode::*;
 
     fn acc(alloc: u64, start: u64, len: u64, mode: AccessMode) -> Access {

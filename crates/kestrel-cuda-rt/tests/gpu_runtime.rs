@@ -4,7 +4,9 @@
 //! under `KESTREL_REQUIRE_GPU=1`.
 
 use kestrel_core::{rng::Rng, Config, DType};
-use kestrel_cuda::{Buffer, CommandList, CudaError, Device, GraphUpdate, Kernel, LoadOrigin, StageFence};
+use kestrel_cuda_rt::{
+    Buffer, CommandList, CudaError, Device, GraphUpdate, Kernel, LoadOrigin, StageFence, RUNTIME_MODULE,
+};
 use kestrel_testing::gpu::device_or_skip;
 
 const POISON: f32 = f32::NAN;
@@ -14,7 +16,7 @@ fn random_vec(rng: &mut Rng, n: usize) -> Vec<f32> {
 }
 
 fn k(dev: &Device, name: &str) -> Kernel {
-    dev.kernel("runtime", name)
+    dev.kernel(&RUNTIME_MODULE, name)
         .unwrap_or_else(|e| panic!("kernel {name}: {e}"))
 }
 
@@ -37,13 +39,13 @@ fn device_reports_what_it_is() {
     assert!(info.compute_capability.0 >= 5, "{:?}", info.compute_capability);
     assert!(info.sm_count > 0 && info.total_memory > 0 && info.l2_bytes > 0);
     let arch = dev.registry().arch();
-    let hopper = kestrel_cuda::registry::hopper_target(
+    let hopper = kestrel_cuda_rt::registry::hopper_target(
         info.compute_capability,
-        kestrel_cuda::registry::nvrtc_version().ok(),
+        kestrel_cuda_rt::registry::nvrtc_version().ok(),
     );
     assert_eq!(
         arch,
-        kestrel_cuda::registry::arch_name(info.compute_capability, hopper)
+        kestrel_cuda_rt::registry::arch_name(info.compute_capability, hopper)
     );
     let (free, total) = dev.memory_info().unwrap();
     assert!(free <= total && total == info.total_memory);
@@ -702,11 +704,11 @@ fn compile_errors_name_the_module_and_show_the_log() {
         "{msg}"
     );
     assert!(matches!(
-        dev.kernel("runtime", "no_such_kernel"),
+        dev.kernel(&RUNTIME_MODULE, "no_such_kernel"),
         Err(CudaError::NoSuchKernel { .. })
     ));
     assert!(matches!(
-        dev.kernel("no_such_module", "f"),
+        dev.registry().function("no_such_module", "f"),
         Err(CudaError::NoSuchModule(_))
     ));
 }
@@ -821,8 +823,7 @@ fn cublas_matmul_matches_the_cpu() {
         dev.alloc_from(&b, kk * n).unwrap(),
         poisoned(&dev, m * n),
     );
-    let blas = kestrel_cuda::Blas::new(&dev).unwrap();
-    blas.matmul_f32(&dev, &ab, &bb, &cb, (m, n, kk)).unwrap();
+    dev.matmul_f32(&ab, &bb, &cb, (m, n, kk)).unwrap();
     let c = dev.download::<f32>(&cb).unwrap();
     for i in 0..m {
         for j in 0..n {

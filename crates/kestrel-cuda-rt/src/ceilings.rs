@@ -1,0 +1,52 @@
+//! What a device can do at best, the denominators of every floor Kestrel reports: the
+//! device-to-device copy bandwidth (bytes read plus bytes written per second) and the bf16
+//! tensor-core GEMM rate. Devices measured by this project come from the table here, keyed by
+//! name; any other device is measured once, on first use (`Device::ceilings`), and the result
+//! kept with the device.
+
+/// A device's ceilings.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Ceilings {
+    /// Device-to-device copy: bytes read plus bytes written, per second.
+    pub copy_bytes_per_s: f64,
+    /// A large bf16 GEMM through cuBLAS: 2·m·n·k per second.
+    pub bf16_flops_per_s: f64,
+    /// Where the figures come from: `table` (measured by this project on that device) or
+    /// `measured` (on this device, by this process).
+    pub source: &'static str,
+}
+
+/// Devices whose ceilings were measured here: (a name the driver's device name contains, copy
+/// bandwidth, bf16 GEMM rate). The H200: `kestrel bench runtime` (a 1 GiB copy, 4,250 GB/s) and
+/// cuBLAS bf16 GEMMs of 4096-8192 a side (about 790 TFLOP/s).
+const TABLE: &[(&str, f64, f64)] = &[("H200", 4.26e12, 790e12)];
+
+/// The ceilings of a device called `name`, if the table has it.
+pub fn known(name: &str) -> Option<Ceilings> {
+    TABLE
+        .iter()
+        .find(|(key, ..)| name.contains(key))
+        .map(|&(_, copy, flops)| Ceilings {
+            copy_bytes_per_s: copy,
+            bf16_flops_per_s: flops,
+            source: "table",
+        })
+}
+
+/// The H200's ceilings, for figures computed without a device (`kestrel inspect`).
+pub fn h200() -> Ceilings {
+    known("H200").expect("the table has the H200")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_table_is_keyed_by_the_driver_name() {
+        let c = known("NVIDIA H200").unwrap();
+        assert_eq!((c.copy_bytes_per_s, c.bf16_flops_per_s), (4.26e12, 790e12));
+        assert_eq!(c.source, "table");
+        assert!(known("NVIDIA GeForce RTX 4090").is_none());
+    }
+}

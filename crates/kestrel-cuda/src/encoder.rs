@@ -1,0 +1,119 @@
+//! `Encoder`, what an op's encoder sees while the backend records a program: the program's
+//! buffers, the device, the command list, scratch memory that every node reuses from its first
+//! byte, and zeroed counters for kernels whose blocks count their arrivals. The backend
+//! (`backend.rs`) makes one per program; the op families (`ops/*`) use it; it imports neither.
+
+use kestrel_core::ir::{Buf, Graph};
+use kestrel_core::{DType, Shape};
+use kestrel_cuda_rt::{
+    Buffer, CommandList, CudaError, Device, DispatchBuilder, Kernel, ModuleSource, Result,
+};
+
+/// The scratch region and how much of it the node being encoded has taken, and the counters
+/// kernels that elect a last block share.
+#[derive(Default)]
+pub(crate) struct Scratch {
+    region: Option<Buffer>,
+    cursor: usize,
+    counters: Option<Buffer>,
+}
+
+/// Scratch requests start at multiples of this many bytes.
+const SCRATCH_ALIGN: usize = 256;
+/// A new scratch region is rounded up to a multiple of this many bytes.
+const SCRATCH_GRANULE: usize = 1 << 20;
+
+/// What op encoders see: the program's buffers, the device, the list being recorded.
+pub struct Encoder<'a> {
+    pub device: &'a Device,
+    pub graph: &'a Graph,
+    views: &'a [Option<Buffer>],
+    pub list: &'a mut CommandList,
+    scratch: &'a mut Scratch,
+    /// The node being encoded feeds a discrete choice (router logits): no approximate fast paths,
+    /// so a near tie is decided as the CPU decides it.
+    pub precise: bool,
+}
+
+impl<'a> Encoder<'a> {
+    pub(crate) fn new(
+        device: &'a Device,
+        graph: &'a Graph,
+        views: &'a [Option<Buffer>],
+        list: &'a mut CommandList,
+        scratch: &'a mut Scratch,
+    ) -> Encoder<'a> {
+        Encoder {
+            device,
+            graph,
+            views,
+            list,
+            scratch,
+            precise: false,
+        }
+    }
+
+    /// A new node is being encoded: its scratch starts again at the region's first byte, and
+    /// `precise` says whether it feeds a discrete choice.
+    pub(crate) fn start_node(&mut self, precise: bool) {
+        self.precise = precise;
+        self.scratch.cursor = 0;
+    }
+
+    /// Function `function` of `module` (an op family's `MODULE`), compiled or loaded on first use.
+    pub fn kernel(&self, module: &ModuleSource, function: &str) -> Result<Kernel> {
+        self.device.kernel(module, function)
+    }
+
+    /// Records a dispatch of `kernel`, marked programmatic: every kernel of the op modules keeps
+    /// the programmatic-launch contract of `kestrel.cuh` (`tests/pdl_contract.rs` checks the
+    /// sources), so in a CUDA graph each one launches while its predecessors finish.
+    pub fn dispatch(&mut self, kernel: &Kernel) -> DispatchBuilder<'_> {
+        self.list.dispatch(kernel).programmatic()
+    }
+
+    pub fn buf(&self, b: Buf) -> Result<&Buffer> {
+        self.views[b.index()].as_ref().ok_or_else(|| CudaError::Op {
+            node: String::new(),
+            reason: format!("buffer {} has no storage", self.graph.decl(b).label),
+        })
+    }
+
+    pub fn dtype(&self, b: Buf) -> DType {
+        self.graph.decl(b).dtype
+    }
+
+    /// `n` u32 counters that are zero whenever no kernel is running: a kernel that uses them (to
+    /// find the last of its blocks to finish) leaves them at zero again. Allocated (zeroed) per
+    /// backend, grown when a node asks for more, never aliased with anything else; dispatches
+    /// that use them declare them written, so no two of those run at the same time.
+    pub fn counters(&mut self, n: usize) -> Result<Buffer> {
+        let s = &mut *self.scratch;
+        match &s.counters {
+            Some(c) if c.elem_count() >= n => Ok(c.clone()),
+            _ => Ok(s.counters.insert(self.device.alloc(DType::U32, n)?).clone()),
+        }
+    }
+
+    /// Scratch memory for the node being encoded, valid until its last dispatch: the next node
+    /// reuses the same bytes. A request that does not fit starts a larger region (the old one
+    /// stays alive as long as the dispatches that use it).
+    pub fn workspace(&mut self, dtype: DType, shape: impl Into<Shape>) -> Result<Buffer> {
+        let shape = shape.into();
+        let bytes = (shape.elem_count() * dtype.size_in_bytes()).max(1);
+        let s = &mut *self.scratch;
+        let start = s.cursor.next_multiple_of(SCRATCH_ALIGN);
+        let fits = s.region.as_ref().is_some_and(|r| start + bytes <= r.byte_len());
+        let (region, offset) = if fits {
+            (s.region.as_ref().expect("checked above"), start)
+        } else {
+            // Large enough for everything this node has asked for, so the next node like it fits.
+            let size = (start + bytes).next_multiple_of(SCRATCH_GRANULE);
+            s.cursor = 0;
+            (&*s.region.insert(self.device.alloc(DType::U8, size)?), 0)
+        };
+        let view = region.view(offset, dtype, shape)?;
+        s.cursor = offset + bytes;
+        Ok(view)
+    }
+}

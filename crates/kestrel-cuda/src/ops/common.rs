@@ -1,0 +1,50 @@
+//! What every op family's encoder shares: the headers its kernels include, the description of
+//! a family's module, staged-vector sizes, kernel-name suffixes, argument conversion and the
+//! error an unsupported shape gives.
+
+use kestrel_core::DType;
+use kestrel_cuda_rt::{CudaError, ModuleSource, Result, PDL_HEADER};
+
+/// Headers every op module may include, handed to NVRTC in memory.
+const HEADERS: &[(&str, &str)] = &[
+    PDL_HEADER,
+    ("kestrel.cuh", include_str!("../../kernels/kestrel.cuh")),
+];
+
+/// The module `kernels/<name>.cu` (its `source`), with the shared headers and `defines`.
+pub(crate) const fn op_module(
+    name: &'static str,
+    source: &'static str,
+    defines: &'static [(&'static str, i64)],
+) -> ModuleSource {
+    ModuleSource {
+        name,
+        source,
+        headers: HEADERS,
+        defines,
+    }
+}
+
+/// Floats of shared memory for `n` staged values (`padded_len` in kestrel.cuh).
+pub(crate) fn padded_len(n: usize) -> usize {
+    n + n.div_ceil(32) * 4
+}
+
+/// The kernel-name suffix of a float dtype.
+pub(crate) fn float_name(dtype: DType) -> Result<&'static str> {
+    match dtype {
+        DType::F32 | DType::BF16 | DType::F16 => Ok(dtype.name()),
+        other => Err(unsupported(format!("{other} is not a float dtype"))),
+    }
+}
+
+pub(crate) fn unsupported(reason: String) -> CudaError {
+    CudaError::Op {
+        node: String::new(),
+        reason,
+    }
+}
+
+pub(crate) fn u32_arg(n: usize) -> Result<u32> {
+    u32::try_from(n).map_err(|_| unsupported(format!("{n} does not fit a 32-bit kernel argument")))
+}
