@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds Kestrel's test binaries and CLI here (a machine with Rust) and collects them into
-# gpu-bundle/ (the GPU tests alone), which a GPU host with no Rust toolchain runs with `bash gpu-bundle/run.sh`.
+# gpu-bundle/ (the GPU tests alone, with the fixtures they read under gpu-bundle/root/), which
+# a GPU host with no Rust toolchain runs from any directory with `bash gpu-bundle/run.sh`.
 #
 #   scripts/gpu/gpu-bundle.sh        # build and collect
 #   bash gpu-bundle/run.sh [LOGDIR]  # on the GPU host: every test with KESTREL_REQUIRE_GPU=1,
@@ -9,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=gpu-bundle
 rm -rf "$out"
-mkdir -p "$out/tests"
+mkdir -p "$out/tests" "$out/root"
 
 cargo build --release --workspace
 # One JSON line per artifact; keep the test executables.
@@ -29,9 +30,20 @@ for line in sys.stdin:
   # Only what touches the GPU travels (the device call carries at most 64 MiB): integration
   # tests whose source names CUDA, and the CUDA crate's unit tests; not the CLI tests, which
   # run the binary at its path here.
-  if [ "$name" = kestrel_cuda ] || { [[ $name != cli_* ]] && grep -qi cuda crates/*/tests/"$name".rs 2>/dev/null; }; then
+  if [ "$name" = kestrel_cuda ] || [ "$name" = kestrel_cuda_rt ] ||
+    { [[ $name != cli_* ]] && grep -qi cuda crates/*/tests/"$name".rs 2>/dev/null; }; then
     cp "$exe" "$out/tests/$name"
+    # The fixtures the test reads (kestrel_testing::fixtures::path("...") in it or the
+    # crate's tests/common), copied under root/ at the same relative paths.
+    for src in crates/*/tests/"$name".rs; do
+      [ -f "$src" ] || continue
+      { grep -ho 'fixtures::path("[^"]*")' "$src" "$(dirname "$src")"/common/*.rs 2>/dev/null || true; } |
+        sed 's/.*("\(.*\)")/\1/'
+    done
   fi
+done | sort -u | while read -r fixture; do
+  mkdir -p "$out/root/$(dirname "$fixture")"
+  cp -r "$fixture" "$out/root/$fixture"
 done
 cp target/release/kestrel "$out/kestrel"
 strip "$out/kestrel" "$out"/tests/* 2>/dev/null || true
@@ -42,7 +54,8 @@ cat > "$out/run.sh" <<'RUN'
 # not share the GPU with other tests), then `kestrel doctor`. Exit status: failed binaries.
 here=$(cd "$(dirname "$0")" && pwd)
 logs=${1:-}
-export KESTREL_REQUIRE_GPU=1
+# Fixtures are read relative to the bundle, wherever it was copied.
+export KESTREL_REQUIRE_GPU=1 KESTREL_TEST_ROOT="$here/root"
 failed=0
 for t in "$here"/tests/*; do
   name=$(basename "$t")

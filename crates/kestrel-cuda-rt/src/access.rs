@@ -5,7 +5,7 @@
 //! of them writes (read-after-write, write-after-read, write-after-write). [`DepGraph::infer`]
 //! turns a recorded sequence into the smallest set of edges that orders every conflicting pair
 //! as recorded; dispatches with no path between them may run concurrently. The CUDA graph
-//! builder and, later, the op-graph planner both use this one analysis.
+//! builder uses this analysis.
 
 use std::collections::HashMap;
 use std::fmt;

@@ -1,13 +1,25 @@
 // Full attention with a KV cache. kv_append writes new keys/values at their positions
 // (attention_inputs does it together with the per-head norms and rotation of q and k); attention
-// is causal with grouped-query heads. Four kernels: decode_attention (tensor cores, bf16/f16
-// caches, up to 16 rows of one KV head's group: decode, sm_90, at the end of this file),
-// flash_attention (tensor cores, bf16/f16 caches, head dims 64/96/128/256, any number of tokens,
-// split over the cache when there are few rows), attention_split + attention_combine (f32
-// caches, decode), and the plain kernel
-// below for everything else: one block per (token, head), four warps splitting the cache rows,
-// each with an online softmax, merged at the end; a lane holds dims lane, lane + 32, ... of the
-// head (head_dim <= 256).
+// is causal with grouped-query heads. The attention kernels, the most specialised first:
+// - decode_attention_* (sm_90, at the end of this file; tensor cores, bf16/f16 caches, head dims
+//   64/96/128/256, up to 16 rows of one KV head's group: decode): the cache range is split over
+//   one wave of blocks, at most one per SM. Each warp streams its own batches of keys through a
+//   cp.async ring, the first batches' rows of past tokens requested before the programmatic wait.
+//   The warps' results merge in shared memory into a record per block; the blocks of a KV head
+//   count their records and wait for each other (a counter per KV head; all are resident), then
+//   each merges a share of the output, a warp per piece and a lane per split (fewer splits: more
+//   pieces a warp). No combine launch.
+// - flash_attention_* (tensor cores, bf16/f16 caches, the same head dims, any number of tokens):
+//   a block takes one KV head and 64 or 128 rows of its group, K/V tiles streaming through shared
+//   memory with cp.async. With fewer blocks than two per SM the cache range is split, and
+//   attention_combine merges the parts.
+// - attention_split (decode, up to 4 tokens: f32 caches, and bf16/f16 caches of other head dims):
+//   the cache range split over blocks, the parts merged by attention_combine.
+// - attention_combine: merges split parts (max, sum, acc) of either kernel; a warp per row up to
+//   8 splits (attention_combine_f32), a block per row beyond (attention_combine_many_f32).
+// - the plain kernel below for everything else: one block per (token, head), four warps splitting
+//   the cache rows, each with an online softmax, merged at the end; a lane holds dims lane,
+//   lane + 32, ... of the head (head_dim <= 256).
 #include "kestrel.cuh"
 
 #define WARPS 4
@@ -494,7 +506,7 @@ SPLITS(f16, f16)
 // heads of the group, and the causal limits of a block's rows differ by a few keys).
 // Grid (row blocks, kv_heads, splits): split s covers keys [s * chunk, (s + 1) * chunk) of the
 // block's range; with one split the block writes the normalised output, with several it writes
-// (max, sum, acc) per (row, split) for attention_combine_f32.
+// (max, sum, acc) per (row, split) for attention_combine_*.
 //
 // Four warps, 16 * MT rows each (m16n8k16 with bf16/f16 operands, f32 accumulators; MT = 2
 // reuses every K/V fragment for two row tiles). Q is rounded to the cache's type once into

@@ -1,5 +1,6 @@
-// Element-wise ops: a column part of a split or of a concatenation, the residual add, SwiGLU, the sigmoid gate,
-// row copies. One thread per output element. Every kernel starts with pdl_begin() (see kestrel.cuh).
+// Element-wise ops: a column part of a split or of a concatenation, the residual add, SwiGLU, the
+// sigmoid gate, row copies, conversions between f32 and bf16. One thread per output element
+// (convert_f32_bf16: eight). Every kernel starts with pdl_begin() (see pdl.cuh).
 #include "kestrel.cuh"
 
 // out[rg, c] = x[rg, offset + c] for rg < rows_groups, c < width; x rows hold `total` columns.

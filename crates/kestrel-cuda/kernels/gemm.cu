@@ -30,6 +30,10 @@
 // A tiles stream through two shared buffers with cp.async; B tiles are loaded into registers one
 // step ahead, dequantised (w = q * scale + bias, rounded once to bf16) and stored into the other
 // shared buffer while the tensor cores work on the current one. bf16 experts copy B like A.
+// The K loop is issue-bound, so each thread works out its A and quantised B addresses once
+// before it (ACursor, BCursor) and only steps them on. moe_gemm_*: the column blocks of a row
+// tile are next to each other in the grid (x), so the tile's A rows (x gathered by token, or act)
+// are read from memory once and from L2 by the later column blocks.
 #include "kestrel.cuh"
 
 // The tile geometry comes from the host (`ops/gemm.rs`) as -D definitions: GT_ROWS, GT_COLS,

@@ -1,5 +1,16 @@
 // Shared device helpers, given to every module as the in-memory header "kestrel.cuh":
-// conversions, warp and block reductions, activations, and MLX dequantisation.
+// conversions, warp and block reductions, activations, L2 prefetches, and
+// - 16-byte-vector dot products for matrix-vector work over bf16 rows and MLX-quantised ones
+//   (w = q * scale + bias per group): x staged in shared memory (padded, pre-scaled so quantised
+//   values become floats without int-to-float conversions, with each vector's plain sum for the
+//   biases), rows_dot;
+// - int8 activations for quantised products: x rounded per block of 32 (quantize_x8), then
+//   dp4a against the weight words (dot_int8);
+// - tensor-core helpers: mma.sync m16n8k16 (bf16/f16, f32 accumulators), ldmatrix, cp.async;
+// - thread-block cluster helpers (sm_90): rank, barriers, stores into another block's shared
+//   memory.
+// It includes pdl.cuh (kestrel-cuda-rt's kernels/pdl.cuh): the programmatic-launch primitives
+// (pdl_wait, pdl_trigger, pdl_begin) and the contract every op kernel keeps.
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -228,10 +239,10 @@ __device__ __forceinline__ void rows_dot(const void* w, const bf16* scales, cons
 
 // ---- int8 activations for quantised products ----
 // x is quantised per block of 32 values (d = max|x| / 127, xq = round(x / d)), with the sum of
-// every 16 rounded values (d * sum xq) kept for the group biases. For 4-bit weights each 8 values are stored as
-// [x0 x2 x4 x6][x1 x3 x5 x7], matching the low and high nibbles of a weight word; for 8-bit
-// weights in order. A 16-byte weight vector covers one block (4-bit, 32 values) or half a block
-// (8-bit, 16 values).
+// every 16 rounded values (d * sum xq) kept for the group biases. For 4-bit weights each 8 values
+// are stored as [x0 x2 x4 x6][x1 x3 x5 x7], matching the low and high nibbles of a weight word;
+// for 8-bit weights in order. A 16-byte weight vector covers one block (4-bit, 32 values) or half
+// a block (8-bit, 16 values).
 
 __device__ __forceinline__ int dp4a_us(unsigned a, int b, int c) {
     int d;

@@ -1,7 +1,16 @@
 // Linear layers out[t, o] = x[t, :] . W[o, :] over dense (f32, bf16, f16) and MLX-quantised
 // (4- and 8-bit) weights, and the embedding gather from either kind of table.
-// Linear: one warp per output row, blocks of 8 warps; grid.y covers tokens TOKENS at a time,
+// linear_*: one warp per output row, blocks of 8 warps; grid.y covers tokens TOKENS at a time,
 // each weight row is streamed once per block and reused for those tokens.
+// One token, with 16-byte weight loads and persistent blocks (a few per SM), each of which stages
+// x itself in shared memory:
+// - matvec_bf16 and matvec_q{4,8}_exact: x in f32 (padded, pre-scaled, and for quantised weights
+//   each 16-byte vector's plain sum), warps taking tiles of 4 rows. Nothing is rounded beyond f32
+//   arithmetic, so _exact serves the logits a router chooses from (matvec_bf16 serves them too).
+// - matvec_q{4,8}_dp4a: x rounded to int8 per block of 32 inside every block, products by dp4a.
+//   Each warp streams its items (4 rows x 64 vectors) with their group scales and biases through
+//   a 4-slot cp.async ring in shared memory, the first items started before the programmatic
+//   wait, so no load is issued at compute time.
 #include "kestrel.cuh"
 
 #define TOKENS 8

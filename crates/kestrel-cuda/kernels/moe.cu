@@ -2,13 +2,27 @@
 // router_f32_{4,8,16}: one warp per token holds up to 128, 256 or 512 experts in registers and
 // chooses (choose(): k rounds of warp argmax, the lower index wins ties; a softmax over all only
 // when the weights are not renormalised).
-// route_*: the same for one token, with the router's product in the same kernel.
+// route_{q4,q8,bf16}_*: the same choice for one token, with the router's product in the same
+// kernel (sm_90). A cluster of 8 blocks computes the logits on x in f32 as the exact matvecs
+// (matvec_bf16, matvec_q*_exact) do; each warp's first router row is held in registers from
+// before the programmatic wait (its later rows prefetched into L2), and x is staged with each
+// 16-byte vector's plain sum in one round trip. Every block stores its logits into block 0's
+// shared memory, and block 0 chooses by counting each expert's rank among a few candidates
+// instead of k rounds of argmax (choose_block). route_norm_*: the residual add and RMS norm in
+// front, done by every block, so the norm costs no launch: the products run on the weighted row,
+// block 0 scales the logits by 1 / rms at the end, and the other blocks write the new residual
+// and the normalised row while block 0 chooses.
 // Experts, with 16-byte weight loads: gate_up computes act[t * k + j] = silu(gate_e x_t) * (up_e x_t)
 // for every (token, slot); down computes out[t] = sum_j weights[t, j] * down_e act[t * k + j],
 // slots summed in order, so results do not depend on scheduling. Each expert is one contiguous
 // span of `span` bytes; each matrix sits at the given byte offsets (weight, scales, biases; bf16
 // experts use only the weight offset).
-// BITS is 4 or 8 for MLX-quantised experts and 16 for bf16.
+// BITS is 4 or 8 for MLX-quantised experts and 16 for bf16. Quantised experts run on int8
+// activations: gate_up rounds x_t to int8 in every block and writes act already as int8 (a block
+// of 32 per block of the grid); down gives each output row a warp, spreads its (slot, vector)
+// pairs over the lanes and requests the first pairs' weights before the programmatic wait. bf16
+// experts issue every warp's weight loads, then stage x (down: the activations) in f32 while they
+// are in flight.
 #include "kestrel.cuh"
 
 // The choice's order. Weights renormalised over the chosen need no softmax over all experts:
@@ -443,8 +457,9 @@ ROUTE_BF16(16)
 #endif
 
 // Decode-sized expert kernels issue every warp's weight loads first, then stage x (or the
-// activations) in shared memory while those loads are in flight. A quantised value is turned into a float without an
-// int-to-float conversion: ((word >> shift) & mask) OR-ed into the mantissa of 2^23, minus 2^23.
+// activations) in shared memory while those loads are in flight. A quantised value is turned into
+// a float without an int-to-float conversion: ((word >> shift) & mask) OR-ed into the mantissa of
+// 2^23, minus 2^23.
 
 // One 16-byte weight vector times its x segment: `v` holds VALS values of format BITS from row
 // `row` (group scales and biases per row for quantised formats), `x` the matching VALS floats.
@@ -632,7 +647,7 @@ __device__ void down_combine(const float* act, const unsigned* ids, const float*
 // Two launches: gate_up rounds x_t to int8 in every block (it is small and read from L2, and the
 // block's first weight loads are already in flight), and writes the activations already rounded
 // to int8, one block of 32 per block of the grid, so down reads them as they are. Both keep the
-// programmatic-launch contract (kestrel.cuh). (gate_up prefetching the down matrices into L2
+// programmatic-launch contract (pdl.cuh). (gate_up prefetching the down matrices into L2
 // measured no difference: the op is bound by latency, not by its memory traffic.)
 
 #define GQ_WARPS 16

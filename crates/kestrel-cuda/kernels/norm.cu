@@ -1,7 +1,8 @@
 // RMS norms: standard (w), zero-centred (1 + w), fused residual add, gated (silu(z)).
 // One block per row; kernels are named by the weight dtype, and `_to_bf16` for outputs stored as
 // bf16 (rounded to nearest even) for projections that read bf16. `*_vec_*`: rows of a multiple
-// of 4 values that fit in registers, in one pass.
+// of 4 values that fit in a block's registers, in one pass: the weights are loaded before the
+// programmatic wait, and the row (with the residual) in one round trip to memory.
 #include "kestrel.cuh"
 
 template <typename W, typename O>

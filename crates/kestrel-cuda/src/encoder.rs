@@ -66,7 +66,7 @@ impl<'a> Encoder<'a> {
     }
 
     /// Records a dispatch of `kernel`, marked programmatic: every kernel of the op modules keeps
-    /// the programmatic-launch contract of `kestrel.cuh` (`tests/pdl_contract.rs` checks the
+    /// the programmatic-launch contract of `pdl.cuh` (`tests/pdl_contract.rs` checks the
     /// sources), so in a CUDA graph each one launches while its predecessors finish.
     pub fn dispatch(&mut self, kernel: &Kernel) -> DispatchBuilder<'_> {
         self.list.dispatch(kernel).programmatic()

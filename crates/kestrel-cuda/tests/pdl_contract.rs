@@ -1,8 +1,9 @@
-//! Every kernel of the op modules keeps the programmatic-launch contract of `kestrel.cuh`, since
-//! the encoder marks all their dispatches programmatic: each `extern "C" __global__` function
-//! waits (`pdl_wait()` or `pdl_begin()`, directly or through a device function that does)
-//! before any `return`. Read from the sources, so it runs without a GPU. (`runtime.cu` holds
-//! the runtime's own test kernels, some of which break the contract on purpose.)
+//! Every kernel of the op modules keeps the programmatic-launch contract of `pdl.cuh` (in
+//! kestrel-cuda-rt), since the encoder marks all their dispatches programmatic: each
+//! `extern "C" __global__` function waits (`pdl_wait()` or `pdl_begin()`, directly or through a
+//! device function that does) before any `return`. Read from the sources, so it runs without a
+//! GPU. (`runtime.cu` holds the runtime's own test kernels, some of which break the contract on
+//! purpose.)
 
 struct Func<'a> {
     kernel: bool,

@@ -1,5 +1,5 @@
-//! Splits, concatenations, SwiGLU, gates, additions and row copies: `kernels/elementwise.cu` (and `add_f32`
-//! from `kernels/runtime.cu`).
+//! Splits, concatenations, SwiGLU, gates, additions, row copies and rounding to bf16:
+//! `kernels/elementwise.cu`.
 
 use kestrel_core::ir::Op;
 use kestrel_core::DType;

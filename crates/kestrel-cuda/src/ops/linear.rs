@@ -1,5 +1,13 @@
 //! Linear layers and embeddings, dense and quantised: `kernels/linear.cu`; quantised products of
 //! many tokens through `kernels/gemm.cu`.
+//!
+//! A product takes the first path that fits:
+//! - from `GEMM_MIN_TOKENS` (16) tokens, outside router logits (`Encoder::precise`): bf16 weights
+//!   through cuBLAS on x rounded to bf16, quantised weights in whole tiles (64 columns, K in steps
+//!   of 64) through `gemm.cu`'s `linear_gemm_*`;
+//! - one token: the matvecs (`matvec_bf16`, `matvec_q*_dp4a`; router logits from quantised
+//!   weights through `matvec_q*_exact`, on x in f32);
+//! - every other shape: `linear_*`.
 
 use kestrel_core::ir::{Buf, LinearWeight, Op};
 use kestrel_core::DType;
