@@ -22,8 +22,17 @@
 //   lane + 32, ... of the head (head_dim <= 256).
 #include "kestrel.cuh"
 
-#define WARPS 4
-#define MAX_PER_LANE 8
+// The launch geometry comes from the host (`ops/attention.rs`) as -D definitions: WARPS and
+// MAX_PER_LANE (attention_*), GROUP and DEC_WARPS (attention_split_*), COMBINE_WARPS,
+// COMBINE_LOADS, COMBINE_THREADS and MAX_SPLITS (attention_combine_*), FA_WARPS, FA_KEYS and
+// FA_KEYS_WIDE (flash_attention_*), DA_ROWS, DA_KEYS, DA_STAGES, DA_WARPS and DA_WARPS_WIDE
+// (decode_attention_*), and WIDE_HEAD_DIM, over which heads take the wide shapes.
+#if !defined(WARPS) || !defined(MAX_PER_LANE) || !defined(GROUP) || !defined(DEC_WARPS) ||                 \
+    !defined(COMBINE_WARPS) || !defined(COMBINE_LOADS) || !defined(COMBINE_THREADS) || !defined(MAX_SPLITS) || \
+    !defined(FA_WARPS) || !defined(FA_KEYS) || !defined(FA_KEYS_WIDE) || !defined(WIDE_HEAD_DIM) ||         \
+    !defined(DA_ROWS) || !defined(DA_KEYS) || !defined(DA_STAGES) || !defined(DA_WARPS) || !defined(DA_WARPS_WIDE)
+#error "attention.cu is compiled with the launch geometry of ops/attention.rs as -D definitions"
+#endif
 
 template <typename T>
 __device__ void kv_append(const float* k, const float* v, const unsigned* positions, T* k_cache, T* v_cache,
@@ -208,8 +217,6 @@ INPUTS_ALL(f16, f16)
 // and P.V accumulates with lane d owning dims d, d + 32, ... (PL of them). The warps' partial
 // results are merged and written as (max, sum, acc) per (token, head, split) for
 // attention_combine. head_dim is a multiple of 8.
-#define GROUP 8
-#define DEC_WARPS 4
 
 __device__ __forceinline__ void copy16_async(void* dst, const void* src) {
     const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
@@ -365,8 +372,6 @@ __device__ void attention_split(const float* q, const T* k_cache, const T* v_cac
 // 32nd float4 past them for head dims over 128). Latency bounds this kernel in decode, so the
 // first COMBINE_LOADS splits' accumulators are asked for before the maximum is known. head_dim is
 // a multiple of 4.
-#define COMBINE_WARPS 4
-#define COMBINE_LOADS 8
 extern "C" __global__ void __launch_bounds__(32 * COMBINE_WARPS)
     attention_combine_f32(const float* part_m, const float* part_l, const float* part_acc, float* out,
                           unsigned head_dim, unsigned splits, unsigned rows) {
@@ -416,8 +421,6 @@ extern "C" __global__ void __launch_bounds__(32 * COMBINE_WARPS)
 // per (token, head). Each thread owns 4 dims of up to COMBINE_LOADS splits and issues all its
 // loads before the maximum is known; the splits' weights exp(m_s - max) go through shared
 // memory (at most MAX_SPLITS splits). head_dim is a multiple of 4 and at most 1024.
-#define MAX_SPLITS 1024
-#define COMBINE_THREADS 256
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
     attention_combine_many_f32(const float* part_m, const float* part_l, const float* part_acc, float* out,
                                unsigned head_dim, unsigned splits, unsigned rows) {
@@ -516,12 +519,11 @@ SPLITS(f16, f16)
 // masks keys past each row's limit, runs the online softmax in the exp2 domain on its two rows
 // per row tile and thread, rounds P to the cache's type and accumulates P V with V fragments
 // from ldmatrix.trans. A warp whose rows all end before a tile skips its arithmetic.
-#define FA_WARPS 4
 
 template <int HD, int MT>
 struct FaShape {
     static constexpr int ROWS = 16 * MT * FA_WARPS;  // query rows per block
-    static constexpr int BN = HD > 128 ? 32 : 64;    // keys per tile
+    static constexpr int BN = HD > WIDE_HEAD_DIM ? FA_KEYS_WIDE : FA_KEYS;  // keys per tile
     static constexpr int STRIDE = HD + 8;            // shared row, in 16-bit values (16 bytes padding)
 };
 
@@ -826,13 +828,11 @@ FLASHES(f16, f16)
 // Spread so, the merge costs each block one round of loads (up to 32 splits) instead of one
 // block's many rounds.
 // head_dim a multiple of 16; `counters` zero at launch (it is again at exit).
-#define DA_ROWS 16
-#define DA_KEYS 16
 
 template <int HD>
 struct DaShape {
-    static constexpr int NWARPS = HD > 128 ? 4 : 8;             // warps per block
-    static constexpr int STAGES = 2;                            // batches in flight per warp
+    static constexpr int NWARPS = HD > WIDE_HEAD_DIM ? DA_WARPS_WIDE : DA_WARPS;  // warps per block
+    static constexpr int STAGES = DA_STAGES;                    // batches in flight per warp
     static constexpr int STRIDE = HD + 8;                       // shared row, in 16-bit values
     static constexpr int RING = STAGES * 2 * DA_KEYS * STRIDE;  // a warp's ring, in 16-bit values
     static constexpr int VECS = HD / 4;                         // float4s of a row

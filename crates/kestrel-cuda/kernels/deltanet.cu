@@ -7,11 +7,12 @@
 // form of the CPU reference, at the end.
 #include "kestrel.cuh"
 
-// KERNEL_MAX (the longest convolution window), DC (tokens per chunk of delta_chunked_*) and
-// the chunked kernels' shared-memory sizes (DELTA_CHUNK_SMEM_<DK>) come from the host
+// KERNEL_MAX (the longest convolution window), DC (tokens per chunk of delta_chunked_*), CP
+// (its threads to a state column), DELTA_REGS_THREADS (a delta_rule_regs_* block) and the
+// chunked kernels' shared-memory sizes (DELTA_CHUNK_SMEM_<DK>) come from the host
 // (`ops/deltanet.rs`) as -D definitions.
-#if !defined(KERNEL_MAX) || !defined(DC)
-#error "deltanet.cu is compiled with KERNEL_MAX and DC from ops/deltanet.rs"
+#if !defined(KERNEL_MAX) || !defined(DC) || !defined(CP) || !defined(DELTA_REGS_THREADS)
+#error "deltanet.cu is compiled with KERNEL_MAX, DC, CP and DELTA_REGS_THREADS from ops/deltanet.rs"
 #endif
 
 template <typename W>
@@ -222,8 +223,9 @@ __device__ void delta_rule_regs(const float* q, const float* k, const float* v, 
     }
 }
 
+static_assert(DELTA_REGS_THREADS == 128, "delta_rule_regs: four threads to each of a block's 32 state columns");
 #define DELTA_REGS(R)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(128) delta_rule_regs_##R(                                \
+    extern "C" __global__ void __launch_bounds__(DELTA_REGS_THREADS) delta_rule_regs_##R(                 \
         const float* q, const float* k, const float* v, const float* g, const float* beta, float* state,  \
         float* out, unsigned tokens, unsigned k_heads, unsigned v_heads, unsigned dv) {                    \
         pdl_begin();                                                                                       \
@@ -245,7 +247,7 @@ DELTA_REGS(64)
 // normalised q and k, W, the two triangular matrices and the block's 32 columns of V live in
 // shared memory (rows padded by 4 floats, so 16-byte row reads of different rows do not collide).
 // Every step is parallel across threads; only the triangular solves walk the chunk's rows.
-#define CP 8  // threads to a state column
+// CP, threads to a state column, comes from the host (`ops/deltanet.rs`) with DC.
 
 template <int DK>
 struct ChunkSmem {

@@ -13,7 +13,13 @@
 //   wait, so no load is issued at compute time.
 #include "kestrel.cuh"
 
-#define TOKENS 8
+// The launch geometry comes from the host (`ops/linear.rs`) as -D definitions: TOKENS (linear_*),
+// VEC_WARPS, VEC_ROWS, VEC_BLOCKS_PER_SM (matvec_bf16, _exact), DP_WARPS, DP_ROWS, DP_STAGES,
+// DP_BLOCKS_PER_SM (_dp4a).
+#if !defined(TOKENS) || !defined(VEC_WARPS) || !defined(VEC_ROWS) || !defined(VEC_BLOCKS_PER_SM) || \
+    !defined(DP_WARPS) || !defined(DP_ROWS) || !defined(DP_STAGES) || !defined(DP_BLOCKS_PER_SM)
+#error "linear.cu is compiled with the launch geometry of ops/linear.rs as -D definitions"
+#endif
 
 template <typename W>
 __device__ void linear_dense(const float* x, const W* w, float* out, unsigned tokens, unsigned in_dim,
@@ -128,8 +134,6 @@ QUANT(8)
 // once (stage_x_sums: padded, pre-scaled; quantised formats also each vector's plain sum), then
 // its warps walk tiles of VEC_ROWS rows, VEC_WARPS * gridDim.x tiles apart. Requires in_dim to be
 // a multiple of the vector width, and x and the rows 16-byte aligned.
-#define VEC_WARPS 4
-#define VEC_ROWS 4
 
 template <int BITS>
 __device__ void matvec(const float* x, const void* w, const bf16* scales, const bf16* biases, float* out,
@@ -153,7 +157,8 @@ __device__ void matvec(const float* x, const void* w, const bf16* scales, const 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(32 * VEC_WARPS, 8) matvec_bf16(const float* x, const bf16* w, float* out, unsigned in_dim, unsigned out_dim) {
+extern "C" __global__ void __launch_bounds__(32 * VEC_WARPS, VEC_BLOCKS_PER_SM)
+matvec_bf16(const float* x, const bf16* w, float* out, unsigned in_dim, unsigned out_dim) {
     pdl_begin();
     matvec<16>(x, w, nullptr, nullptr, out, in_dim, out_dim, 1);
 }
@@ -161,7 +166,8 @@ extern "C" __global__ void __launch_bounds__(32 * VEC_WARPS, 8) matvec_bf16(cons
 // Quantised weights on f32 activations (x not rounded): the exact one-token path, for the logits a
 // router picks experts from. Dynamic shared memory: padded_len(in_dim) + in_dim / VALS floats.
 #define MATVEC_EXACT(BITS)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(32 * VEC_WARPS, 8) matvec_q##BITS##_exact(                 \
+    extern "C" __global__ void __launch_bounds__(32 * VEC_WARPS, VEC_BLOCKS_PER_SM)                        \
+        matvec_q##BITS##_exact(                                                                             \
         const float* x, const unsigned* w, const bf16* scales, const bf16* biases, float* out,             \
         unsigned in_dim, unsigned out_dim, unsigned group) {                                                \
         pdl_begin();                                                                                        \
@@ -177,10 +183,8 @@ MATVEC_EXACT(8)
 // for its 8 values (against three float instructions per value), at the price of x's 8-bit
 // rounding.
 
-#define DP_WARPS 4
-#define DP_ROWS 4
-#define DP_STAGES 4         // items in flight per warp, through shared memory
-#define DP_BLOCKS_PER_SM 3  // 4 warps x 4 stages x 4.5 KB a block (4-bit, group 64)
+// DP_STAGES: items in flight per warp, through shared memory; DP_BLOCKS_PER_SM 3 fits
+// 4 warps x 4 stages x 4.5 KB a block (4-bit, group 64).
 
 // A warp's work is a sequence of items: tile t (DP_ROWS rows) x chunk c (64 16-byte vectors of
 // each row, lane l taking vectors c * 64 + l and c * 64 + 32 + l). Items stream through a ring

@@ -144,10 +144,15 @@ ROUTER(16)
 // blocks write the new residual and the normalised row out once every block has read the
 // residual (after the cluster barrier). Dynamic shared memory: as route_* with the sums' part
 // rounded up to 4 floats, then the weighted row and the sum, in_dim floats each.
-#define ROUTE_BLOCKS 8
-#define ROUTE_WARPS 16
 #define ROUTE_PRE 8  // vectors per lane of a warp's first row held in registers from before the wait
-#define ROUTE_NORM_VEC 4  // route_norm_*: float4s of the row per thread (in_dim <= 16 * blockDim.x)
+// ROUTE_BLOCKS (blocks of the cluster), ROUTE_WARPS (warps per block) and ROUTE_NORM_VEC
+// (route_norm_*: float4s of the row per thread, in_dim <= 4 * ROUTE_NORM_VEC * blockDim.x) come
+// from the host (`ops/moe.rs`) as -D definitions, as do the few-token expert kernels' GU_WARPS,
+// GU_ROWS, DOWN_WARPS, GQ_WARPS and GQ_ROWS.
+#if !defined(ROUTE_BLOCKS) || !defined(ROUTE_WARPS) || !defined(ROUTE_NORM_VEC) || !defined(GU_WARPS) || \
+    !defined(GU_ROWS) || !defined(DOWN_WARPS) || !defined(GQ_WARPS) || !defined(GQ_ROWS)
+#error "moe.cu is compiled with the launch geometry of ops/moe.rs as -D definitions"
+#endif
 #if __CUDA_ARCH__ >= 900
 // The residual add and RMS norm route_norm_* does in front of the product.
 struct RouteNorm {
@@ -541,9 +546,6 @@ __device__ __forceinline__ void consume(const uint4 v[U][M], const Mat* mats, un
     }
 }
 
-#define GU_WARPS 4
-#define GU_ROWS 2      // rows of gate and of up per warp
-#define DOWN_WARPS 4
 #define DOWN_CHUNK 4   // experts whose loads a warp issues together
 #define UNROLL 2       // gate/up: vectors per lane and matrix in flight
 
@@ -650,8 +652,8 @@ __device__ void down_combine(const float* act, const unsigned* ids, const float*
 // programmatic-launch contract (pdl.cuh). (gate_up prefetching the down matrices into L2
 // measured no difference: the op is bound by latency, not by its memory traffic.)
 
-#define GQ_WARPS 16
-#define GQ_ROWS 2  // rows of gate and of up per warp: GQ_WARPS * GQ_ROWS = 32, one int8 block of act
+// GQ_ROWS: rows of gate and of up per warp; GQ_WARPS * GQ_ROWS = 32, one int8 block of act.
+static_assert(GQ_WARPS * GQ_ROWS == 32, "a block of moe_gate_up_q* writes one int8 block of 32 activations");
 
 // act[tk, r] = silu(gate_e[r] . x_t) * (up_e[r] . x_t) for 32 rows of one (token, slot), written
 // as int8 (aq bytes, ad scale, as16 sums; inter a multiple of 32). Grid (inter / 32, tokens * k),

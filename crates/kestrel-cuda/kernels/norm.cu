@@ -21,8 +21,11 @@ __device__ void norm_row(const float* x, const W* w, O* out, unsigned dim, float
 // The one-pass forms for rows of dim = 4 * n, n <= VEC_NORM_MAX * blockDim.x: each thread holds
 // its float4s in registers, loaded together (the weights before the programmatic-launch wait),
 // so a row costs one round trip to memory instead of one per loop step. With `residual`, the
-// row is residual + x, written back to `residual` first.
-#define VEC_NORM_MAX 8
+// row is residual + x, written back to `residual` first. VEC_NORM_MAX comes from the host
+// (`ops/norm.rs`) as a -D definition.
+#ifndef VEC_NORM_MAX
+#error "norm.cu is compiled with VEC_NORM_MAX from ops/norm.rs"
+#endif
 template <typename W, typename O>
 __device__ void norm_row_vec(float* residual, const float* x, const W* w, O* out, unsigned dim, float eps,
                              int zero_centered, float* scratch) {

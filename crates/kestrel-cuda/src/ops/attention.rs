@@ -9,11 +9,38 @@ use kestrel_cuda_rt::{Buffer, DispatchBuilder, Kernel, ModuleSource, Result};
 
 use crate::encoder::Encoder;
 
-pub(crate) const MODULE: ModuleSource =
-    op_module("attention", include_str!("../../kernels/attention.cu"), &[]);
+pub(crate) const MODULE: ModuleSource = op_module(
+    "attention",
+    include_str!("../../kernels/attention.cu"),
+    &[
+        ("WARPS", WARPS as i64),
+        ("MAX_PER_LANE", MAX_PER_LANE as i64),
+        ("GROUP", GROUP as i64),
+        ("DEC_WARPS", DEC_WARPS as i64),
+        ("MAX_SPLITS", MAX_SPLITS as i64),
+        ("COMBINE_THREADS", COMBINE_THREADS as i64),
+        ("COMBINE_WARPS", COMBINE_WARPS as i64),
+        ("COMBINE_LOADS", COMBINE_LOADS as i64),
+        ("FA_WARPS", FA_WARPS as i64),
+        ("FA_KEYS", FA_KEYS as i64),
+        ("FA_KEYS_WIDE", FA_KEYS_WIDE as i64),
+        ("WIDE_HEAD_DIM", WIDE_HEAD_DIM as i64),
+        ("DA_ROWS", DA_ROWS as i64),
+        ("DA_KEYS", DA_KEYS as i64),
+        ("DA_STAGES", DA_STAGES as i64),
+        ("DA_WARPS", DA_WARPS as i64),
+        ("DA_WARPS_WIDE", DA_WARPS_WIDE as i64),
+    ],
+);
 
-/// `attention.cu` holds up to 8 dims per lane of a warp.
-const MAX_HEAD_DIM: usize = 256;
+/// `attention_*` (the plain kernel): warps per block, and dims a lane holds (so head dims up to
+/// 32 of them).
+const WARPS: usize = 4;
+const MAX_PER_LANE: usize = 8;
+const MAX_HEAD_DIM: usize = 32 * MAX_PER_LANE;
+/// Head dims over this take the wide-head shapes of `flash_attention_*` and
+/// `decode_attention_*`.
+const WIDE_HEAD_DIM: usize = 128;
 
 /// f32 caches: decode-sized batches take the split-over-context path.
 const SPLIT_MAX_TOKENS: usize = 4;
@@ -24,12 +51,15 @@ const DEC_WARPS: usize = 4;
 /// shared memory) and its block size; rows (one warp each) per block of `attention_combine_f32`
 /// and the most splits it takes (the splits a lane loads at once).
 const MAX_SPLITS: usize = 1024;
-const COMBINE_THREADS: u32 = 256;
+const COMBINE_THREADS: usize = 256;
 const COMBINE_WARPS: usize = 4;
 const COMBINE_LOADS: usize = 8;
-/// `flash_attention_*`: head dims it is built for, and query rows per warp row tile.
+/// `flash_attention_*`: head dims it is built for, warps per block, and keys per tile for
+/// narrow and wide heads (its `FaShape::BN`).
 const FLASH_HEAD_DIMS: [usize; 4] = [64, 96, 128, 256];
 const FA_WARPS: usize = 4;
+const FA_KEYS: usize = 64;
+const FA_KEYS_WIDE: usize = 32;
 
 /// The element type of a K and a V cache, which must agree.
 fn cache_dtype(enc: &Encoder, k_cache: Buf, v_cache: Buf) -> Result<DType> {
@@ -104,26 +134,28 @@ impl Attn {
 }
 
 /// `decode_attention_*` (sm_90): rows (token, query head pairs of one KV head) it takes, keys
-/// per warp batch and batches in flight per warp.
+/// per warp batch, batches in flight per warp, and warps per block for narrow and wide heads.
 const DA_ROWS: usize = 16;
 const DA_KEYS: usize = 16;
 const DA_STAGES: usize = 2;
+const DA_WARPS: usize = 8;
+const DA_WARPS_WIDE: usize = 4;
 
 /// Warps per block of `decode_attention_*` (its `DaShape::NWARPS`).
 fn decode_warps(head_dim: usize) -> usize {
-    if head_dim > 128 {
-        4
+    if head_dim > WIDE_HEAD_DIM {
+        DA_WARPS_WIDE
     } else {
-        8
+        DA_WARPS
     }
 }
 
 /// Keys per tile of `flash_attention_*` (its `FaShape::BN`).
 fn flash_tile_keys(head_dim: usize) -> usize {
-    if head_dim > 128 {
-        32
+    if head_dim > WIDE_HEAD_DIM {
+        FA_KEYS_WIDE
     } else {
-        64
+        FA_KEYS
     }
 }
 
@@ -166,7 +198,7 @@ fn encode_flash(enc: &mut Encoder, a: &Attn) -> Result<()> {
     };
     a.dispatch(enc, &kern)
         .grid((u32_arg(row_blocks)?, u32_arg(kv_heads)?, u32_arg(splits)?))
-        .block(32 * FA_WARPS as u32)
+        .block(u32_arg(32 * FA_WARPS)?)
         .shared_mem(u32_arg(smem)?)
         .write(&a.out)
         .write(&pm)
@@ -268,7 +300,7 @@ fn encode_split(enc: &mut Encoder, a: &Attn) -> Result<()> {
     let kern = enc.kernel(&MODULE, &name)?;
     a.dispatch(enc, &kern)
         .grid((u32_arg(kv_heads * subgroups)?, u32_arg(splits)?, u32_arg(tokens)?))
-        .block(32 * DEC_WARPS as u32)
+        .block(u32_arg(32 * DEC_WARPS)?)
         .shared_mem(u32_arg(smem)?)
         .write(&pm)
         .write(&pl_buf)
@@ -305,12 +337,12 @@ fn record_combine(
     // Many splits (decode over a long cache): a block per row spreads them over its threads.
     // Few: a warp per row, so prefill's many rows are not a block each.
     let (name, grid, block) = if splits > COMBINE_LOADS {
-        ("attention_combine_many_f32", rows, COMBINE_THREADS)
+        ("attention_combine_many_f32", rows, u32_arg(COMBINE_THREADS)?)
     } else {
         (
             "attention_combine_f32",
             rows.div_ceil(COMBINE_WARPS),
-            32 * COMBINE_WARPS as u32,
+            u32_arg(32 * COMBINE_WARPS)?,
         )
     };
     let combine = enc.kernel(&MODULE, name)?;
@@ -463,7 +495,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             let kern = enc.kernel(&MODULE, &format!("attention_{}", float_name(cache)?))?;
             a.dispatch(enc, &kern)
                 .grid(u32_arg(tokens * heads)?)
-                .block(128)
+                .block(u32_arg(32 * WARPS)?)
                 .write(&a.out)
                 .arg(u32_arg(heads)?)
                 .arg(u32_arg(kv_heads)?)

@@ -17,6 +17,11 @@ const KERNEL_MAX: usize = 8;
 
 /// Tokens per chunk of `delta_chunked_*` (`DC` in deltanet.cu).
 const DELTA_CHUNK: usize = 64;
+/// State columns a block of `delta_rule_regs_*` or `delta_chunked_*` takes; threads to a column
+/// of `delta_chunked_*` (`CP`); threads of a `delta_rule_regs_*` block (four to a column).
+const BLOCK_COLUMNS: usize = 32;
+const CHUNK_THREADS_PER_COLUMN: usize = 8;
+const REGS_THREADS: usize = 4 * BLOCK_COLUMNS;
 
 /// Bytes of `ChunkSmem<dk>` (deltanet.cu): q, k and W rows padded by 4 floats, the two
 /// triangular matrices, 32 padded columns of V, and four per-token vectors.
@@ -31,6 +36,8 @@ pub(crate) const MODULE: ModuleSource = op_module(
     &[
         ("KERNEL_MAX", KERNEL_MAX as i64),
         ("DC", DELTA_CHUNK as i64),
+        ("CP", CHUNK_THREADS_PER_COLUMN as i64),
+        ("DELTA_REGS_THREADS", REGS_THREADS as i64),
         ("DELTA_CHUNK_SMEM_64", chunk_smem(64) as i64),
         ("DELTA_CHUNK_SMEM_128", chunk_smem(128) as i64),
     ],
@@ -139,8 +146,12 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 };
                 let kern = enc.kernel(&MODULE, &name)?;
                 enc.dispatch(&kern)
-                    .grid((u32_arg(v_heads)?, u32_arg(v_dim.div_ceil(32))?))
-                    .block(if chunked { 256 } else { 128 })
+                    .grid((u32_arg(v_heads)?, u32_arg(v_dim.div_ceil(BLOCK_COLUMNS))?))
+                    .block(u32_arg(if chunked {
+                        CHUNK_THREADS_PER_COLUMN * BLOCK_COLUMNS
+                    } else {
+                        REGS_THREADS
+                    })?)
                     .shared_mem(u32_arg(smem)?)
                     .read(&q)
                     .read(&k)

@@ -19,9 +19,23 @@ use super::elementwise::{self, round_bf16};
 use super::gemm::{self, mma_smem, GT_COLS, GT_K, GT_ROWS, GT_THREADS, WG_SMEM};
 use crate::encoder::Encoder;
 
-pub(crate) const MODULE: ModuleSource = op_module("linear", include_str!("../../kernels/linear.cu"), &[]);
+pub(crate) const MODULE: ModuleSource = op_module(
+    "linear",
+    include_str!("../../kernels/linear.cu"),
+    &[
+        ("TOKENS", TOKENS as i64),
+        ("VEC_WARPS", VEC_WARPS as i64),
+        ("VEC_ROWS", VEC_ROWS as i64),
+        ("VEC_BLOCKS_PER_SM", VEC_BLOCKS_PER_SM as i64),
+        ("DP_WARPS", DP_WARPS as i64),
+        ("DP_ROWS", DP_ROWS as i64),
+        ("DP_STAGES", DP_STAGES as i64),
+        ("DP_BLOCKS_PER_SM", DP_BLOCKS_PER_SM as i64),
+    ],
+);
 
-/// Output rows per block (one warp each) and tokens per block, as in `linear.cu`.
+/// `linear_*`: output rows per block (one warp each; the kernel reads the block size) and
+/// tokens per block (`TOKENS` in linear.cu).
 const ROWS: usize = 8;
 const TOKENS: usize = 8;
 
@@ -50,17 +64,22 @@ fn quant_name(bits: u32) -> Result<&'static str> {
     }
 }
 
-/// The one-token `matvec_*` kernels: 4 warps per block, each taking tiles of 4 rows; blocks are
-/// persistent, a few per multiprocessor.
-const MATVEC_WARPS: u32 = 4;
-const MATVEC_ROWS: usize = 16;
-const MATVEC_BLOCKS_PER_SM: usize = 8;
-/// `matvec_*_dp4a` blocks resident per SM (`DP_BLOCKS_PER_SM` in linear.cu).
+/// The one-token `matvec_bf16` / `matvec_*_exact` kernels: warps per block, rows of a warp's
+/// tile, persistent blocks per multiprocessor.
+const VEC_WARPS: usize = 4;
+const VEC_ROWS: usize = 4;
+const VEC_BLOCKS_PER_SM: usize = 8;
+/// `matvec_*_dp4a`: warps per block, rows of a warp's item, ring slots per warp, persistent
+/// blocks per multiprocessor.
+const DP_WARPS: usize = 4;
+const DP_ROWS: usize = 4;
+const DP_STAGES: usize = 4;
 const DP_BLOCKS_PER_SM: usize = 3;
 
-/// Bytes of a `matvec_*_dp4a` block's rings (linear.cu: 4 warps x 4 stages, a slot holding
-/// 2 x 4 rows x 32 lanes of 16-byte vectors and the 4 rows' scales and biases for 64 vectors),
-/// or None when the group scales cannot be copied in 16-byte pieces.
+/// Bytes of a `matvec_*_dp4a` block's rings (`DP_WARPS` x `DP_STAGES` slots, a slot holding
+/// 2 x `DP_ROWS` rows x 32 lanes of 16-byte vectors and the rows' scales and biases for 64
+/// vectors: `dp_slot_vecs` in linear.cu), or None when the group scales cannot be copied in
+/// 16-byte pieces.
 fn dp_ring_bytes(in_dim: usize, bits: u32, group: usize) -> Option<usize> {
     if bits != 4 && bits != 8 {
         return None;
@@ -68,7 +87,7 @@ fn dp_ring_bytes(in_dim: usize, bits: u32, group: usize) -> Option<usize> {
     let vals = 128 / bits as usize;
     let seg = 64 * vals / group;
     let aligned = group > 0 && in_dim % group == 0 && (in_dim / group) % 8 == 0 && seg % 8 == 0;
-    aligned.then(|| 4 * 4 * (2 * 4 * 32 + 4 * seg / 4) * 16)
+    aligned.then(|| DP_WARPS * DP_STAGES * (2 * DP_ROWS * 32 + DP_ROWS * seg / 4) * 16)
 }
 
 /// The one-token path: 16-byte loads, x staged in shared memory. Returns false (and records
@@ -97,14 +116,14 @@ fn encode_matvec(
     }
     let out = enc.buf(out)?.clone();
     let sms = enc.device.info().sm_count as usize;
-    let blocks = |per_sm: usize| u32_arg(out_dim.div_ceil(MATVEC_ROWS).min(per_sm * sms));
+    let blocks = |rows: usize, per_sm: usize| u32_arg(out_dim.div_ceil(rows).min(per_sm * sms));
     match w {
         LinearWeight::Dense(wb) if enc.dtype(wb.raw()) == DType::BF16 && in_dim % 8 == 0 => {
             let k = enc.kernel(&MODULE, "matvec_bf16")?;
             let wb = enc.buf(wb.raw())?.clone();
             enc.dispatch(&k)
-                .grid(blocks(MATVEC_BLOCKS_PER_SM)?)
-                .block(32 * MATVEC_WARPS)
+                .grid(blocks(VEC_WARPS * VEC_ROWS, VEC_BLOCKS_PER_SM)?)
+                .block(u32_arg(32 * VEC_WARPS)?)
                 .shared_mem(u32_arg(smem)?)
                 .read(x)
                 .read(&wb)
@@ -118,8 +137,8 @@ fn encode_matvec(
             let (name, parts, _) = weight_parts(enc, w)?;
             let k = enc.kernel(&MODULE, &format!("matvec_{name}_dp4a"))?;
             enc.dispatch(&k)
-                .grid(blocks(DP_BLOCKS_PER_SM)?)
-                .block(32 * MATVEC_WARPS)
+                .grid(blocks(DP_WARPS * DP_ROWS, DP_BLOCKS_PER_SM)?)
+                .block(u32_arg(32 * DP_WARPS)?)
                 .shared_mem(u32_arg(smem)?)
                 .read(x)
                 .read(&parts[0])
@@ -164,11 +183,13 @@ fn encode_matvec_exact(
     let k = enc.kernel(&MODULE, &format!("matvec_{name}_exact"))?;
     let out = enc.buf(out)?.clone();
     let sms = enc.device.info().sm_count as usize;
-    let blocks = out_dim.div_ceil(MATVEC_ROWS).min(MATVEC_BLOCKS_PER_SM * sms);
+    let blocks = out_dim
+        .div_ceil(VEC_WARPS * VEC_ROWS)
+        .min(VEC_BLOCKS_PER_SM * sms);
     let mut b = enc
         .dispatch(&k)
         .grid(u32_arg(blocks)?)
-        .block(32 * MATVEC_WARPS)
+        .block(u32_arg(32 * VEC_WARPS)?)
         .shared_mem(u32_arg(smem)?)
         .read(x);
     for part in &parts {

@@ -15,20 +15,36 @@ use super::gemm::{self, mma_smem, GT_COLS, GT_K, GT_ROWS, GT_THREADS, SORT_MAX_E
 use super::linear::weight_parts;
 use crate::encoder::Encoder;
 
-pub(crate) const MODULE: ModuleSource = op_module("moe", include_str!("../../kernels/moe.cu"), &[]);
+pub(crate) const MODULE: ModuleSource = op_module(
+    "moe",
+    include_str!("../../kernels/moe.cu"),
+    &[
+        ("ROUTE_BLOCKS", ROUTE_BLOCKS as i64),
+        ("ROUTE_WARPS", ROUTE_WARPS as i64),
+        ("ROUTE_NORM_VEC", ROUTE_NORM_VEC as i64),
+        ("GU_WARPS", GU_WARPS as i64),
+        ("GU_ROWS", GU_ROWS as i64),
+        ("DOWN_WARPS", DOWN_WARPS as i64),
+        ("GQ_WARPS", GQ_WARPS as i64),
+        ("GQ_ROWS", GQ_ROWS as i64),
+    ],
+);
 
-/// Rows per block of `moe_gate_up_bf16` (4 warps x 2 rows) and `moe_down_*` (4 warps x 1 row);
-/// threads of the quantised `moe_gate_up_*` (16 warps x 2 rows: one int8 block of 32).
-const GU_ROWS: usize = 8;
-const GQ_THREADS: u32 = 512;
-const DOWN_ROWS: usize = 4;
+/// `moe_gate_up_bf16`: warps per block and rows of gate and of up per warp; `moe_down_*`: warps
+/// per block, one output row each; the quantised `moe_gate_up_*`: warps per block and rows per
+/// warp, together one int8 block of 32 activations.
+const GU_WARPS: usize = 4;
+const GU_ROWS: usize = 2;
+const DOWN_WARPS: usize = 4;
+const GQ_WARPS: usize = 16;
+const GQ_ROWS: usize = 2;
 /// `router_f32_*` holds up to 16 experts per lane of one warp, and slot j's weight in lane j.
 const ROUTER_MAX_EXPERTS: usize = 512;
 const ROUTER_MAX_K: usize = 32;
 
 /// `route_*` (moe.cu): blocks of the cluster and warps per block.
-const ROUTE_BLOCKS: u32 = 8;
-const ROUTE_WARPS: u32 = 16;
+const ROUTE_BLOCKS: usize = 8;
+const ROUTE_WARPS: usize = 16;
 
 /// From this many tokens on, experts run as grouped GEMMs (`gemm.cu`).
 const GROUPED_MIN_TOKENS: usize = 16;
@@ -208,7 +224,7 @@ fn fused_norm(
         || dim != in_dim
         || enc.graph.decl(add).elem_count() != dim
         || dim % 4 != 0
-        || dim / 4 > ROUTE_NORM_VEC * (32 * ROUTE_WARPS) as usize
+        || dim / 4 > ROUTE_NORM_VEC * 32 * ROUTE_WARPS
         || [residual, add, out].iter().any(|&b| enc.dtype(b) != DType::F32)
     {
         return Ok(None);
@@ -309,8 +325,8 @@ pub fn encode_route(norm: Option<&Op>, linear: &Op, router: &Op, enc: &mut Encod
     let x = enc.buf(x)?.clone();
     let mut b = enc
         .dispatch(&kern)
-        .grid(ROUTE_BLOCKS)
-        .block(32 * ROUTE_WARPS)
+        .grid(u32_arg(ROUTE_BLOCKS)?)
+        .block(u32_arg(32 * ROUTE_WARPS)?)
         .shared_mem(u32_arg(smem)?);
     b = match &fused {
         Some(n) => b.read_write(&n.residual).read(&n.add).read(&n.w).write(&n.out),
@@ -425,9 +441,9 @@ fn encode_int8(
         )));
     }
     let max_smem = enc.device.info().max_shared_per_block;
-    // gate/up: 32 activations, each warp's rows' group scales and biases (16 warps x 4 rows x 2
-    // bf16 per group), then x as int8.
-    let gu_smem = 32 * 4 + 16 * 4 * 2 * 2 * (h / group) + int8_smem(h);
+    // gate/up: 32 activations, each warp's rows' group scales and biases (GQ_WARPS x 2 GQ_ROWS
+    // rows x 2 bf16 per group), then x as int8.
+    let gu_smem = 32 * 4 + GQ_WARPS * 2 * GQ_ROWS * 2 * 2 * (h / group) + int8_smem(h);
     if gu_smem > max_smem || k * int8_smem(i) > max_smem {
         return Err(unsupported(format!(
             "top-{k} experts of {h}x{i} exceed shared memory"
@@ -445,8 +461,8 @@ fn encode_int8(
     let down = enc.kernel(&MODULE, &format!("moe_down_{name}"))?;
     let b = enc
         .dispatch(&gate_up)
-        .grid((u32_arg(i / 32)?, u32_arg(tokens * k)?))
-        .block(GQ_THREADS)
+        .grid((u32_arg(i / (GQ_WARPS * GQ_ROWS))?, u32_arg(tokens * k)?))
+        .block(u32_arg(32 * GQ_WARPS)?)
         .shared_mem(u32_arg(gu_smem)?)
         .read(x)
         .read(ids)
@@ -457,8 +473,8 @@ fn encode_int8(
     expert_args(b, (h, i, k), span, &[g, u], group)?.record();
     let b = enc
         .dispatch(&down)
-        .grid((u32_arg(h.div_ceil(DOWN_ROWS))?, u32_arg(tokens)?))
-        .block(128)
+        .grid((u32_arg(h.div_ceil(DOWN_WARPS))?, u32_arg(tokens)?))
+        .block(u32_arg(32 * DOWN_WARPS)?)
         .shared_mem(u32_arg(k * int8_smem(i))?)
         .read(&aq)
         .read(&ad)
@@ -500,8 +516,8 @@ fn encode_bf16(
     let down = enc.kernel(&MODULE, "moe_down_bf16")?;
     let b = enc
         .dispatch(&gate_up)
-        .grid((u32_arg(i.div_ceil(GU_ROWS))?, u32_arg(tokens * k)?))
-        .block(128)
+        .grid((u32_arg(i.div_ceil(GU_WARPS * GU_ROWS))?, u32_arg(tokens * k)?))
+        .block(u32_arg(32 * GU_WARPS)?)
         .shared_mem(u32_arg(padded_len(h) * 4)?)
         .read(x)
         .read(ids)
@@ -510,8 +526,8 @@ fn encode_bf16(
     expert_args(b, (h, i, k), span, &[g, u], 0)?.record();
     let b = enc
         .dispatch(&down)
-        .grid((u32_arg(h.div_ceil(DOWN_ROWS))?, u32_arg(tokens)?))
-        .block(128)
+        .grid((u32_arg(h.div_ceil(DOWN_WARPS))?, u32_arg(tokens)?))
+        .block(u32_arg(32 * DOWN_WARPS)?)
         .shared_mem(u32_arg(k * padded_len(i) * 4)?)
         .read(&act)
         .read(ids)

@@ -8,7 +8,11 @@ use kestrel_cuda_rt::{Buffer, ModuleSource, Result};
 
 use crate::encoder::Encoder;
 
-pub(crate) const MODULE: ModuleSource = op_module("norm", include_str!("../../kernels/norm.cu"), &[]);
+pub(crate) const MODULE: ModuleSource = op_module(
+    "norm",
+    include_str!("../../kernels/norm.cu"),
+    &[("VEC_NORM_MAX", VEC_NORM_MAX as i64)],
+);
 /// Rotary embeddings (`kernels/rope.cu`), which `Rope` ops launch from here.
 pub(crate) const ROPE_MODULE: ModuleSource = op_module("rope", include_str!("../../kernels/rope.cu"), &[]);
 
