@@ -154,7 +154,7 @@ pub fn run(a: InspectArgs) -> Result<std::process::ExitCode> {
         );
     }
     println!("parameters        {total} total, {active} active per token");
-    let h200 = kestrel_cuda::ceilings::h200();
+    let h200 = kestrel_cuda::ceilings::H200;
     println!(
         "bytes per token   {} read by a decode step (floor {:.0} tokens/s on an H200, {:.2} TB/s)",
         size(fp.active_bytes),
