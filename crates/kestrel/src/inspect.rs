@@ -4,16 +4,15 @@
 //! KV caches of the full-attention layers, recurrent states of the linear-attention ones, the
 //! activations of a decode step and of a prefill chunk, from the graphs the run would build).
 
-use std::path::PathBuf;
-
-use anyhow::{ensure, Context, Result};
+use anyhow::{ensure, Result};
 use clap::Args;
 use kestrel_core::ir::BufKind;
 use kestrel_core::planner::Plan;
 use kestrel_core::DType;
+use kestrel_engine::Model;
 use kestrel_model::{footprint, Forward, ForwardSpec, LayerKind, MlpKind, ModelConfig, Weights};
 
-use crate::args::QuantArgs;
+use crate::args::{ModelArgs, QuantArgs};
 
 /// Bytes of what a run of `tokens` tokens holds on the backend, from its graph: weights as
 /// loaded (in `quant`'s format when given), KV caches and states, and the activations' arena.
@@ -53,9 +52,8 @@ fn run_memory(
 
 #[derive(Args)]
 pub struct InspectArgs {
-    /// Model directory (config.json and safetensors weights).
-    #[arg(long)]
-    model: PathBuf,
+    #[command(flatten)]
+    model: ModelArgs,
     /// Context the memory estimate is for.
     #[arg(long, default_value_t = 4096)]
     ctx: usize,
@@ -73,8 +71,11 @@ pub struct InspectArgs {
 }
 
 pub fn run(a: InspectArgs) -> Result<std::process::ExitCode> {
-    let c = ModelConfig::from_dir(&a.model).with_context(|| format!("reading {}", a.model.display()))?;
-    let w = Weights::open(&a.model).with_context(|| format!("opening {}", a.model.display()))?;
+    let Model {
+        config: c,
+        weights: w,
+        ..
+    } = Model::open(&a.model.source())?;
     let cache = match a.cache.as_str() {
         "bf16" => DType::BF16,
         "f16" => DType::F16,
