@@ -7,16 +7,21 @@
 //! the model's [`Session`](kestrel_model::Session) on it. [`Engine::step`] runs tokens and
 //! hands back what the caller asked for ([`Want`]); [`Engine::generate`] is the generation
 //! loop: reuse of what the caches hold, prefill, sampling, end-of-sequence and stop strings,
-//! text streamed to a callback, timings.
+//! text streamed to a callback, timings. For models larger than the GPU, [`Placement`] says
+//! where the bytes go (resident weights, a GPU cache of experts, host memory, disk) and
+//! [`expert_cache`] keeps the cache's books.
 
 mod builtin;
 mod engine;
 mod error;
+pub mod expert_cache;
 mod generate;
 mod model;
+pub mod placement;
 
 pub use engine::{cache_dtype, default_backend, BackendChoice, Engine, EngineOptions};
 pub use error::{EngineError, Result};
 pub use generate::{StopReason, Turn};
 pub use kestrel_model::{Output, Want};
 pub use model::{Model, ModelSource, ModelText, SamplingOverrides};
+pub use placement::{ByteSize, Placement, RunShape};

@@ -9,7 +9,7 @@ use clap::Args;
 use kestrel_core::ir::BufKind;
 use kestrel_core::planner::Plan;
 use kestrel_core::DType;
-use kestrel_engine::Model;
+use kestrel_engine::{ByteSize, Model, Placement, RunShape};
 use kestrel_model::{footprint, Forward, ForwardSpec, LayerKind, MlpKind, ModelConfig, Weights};
 
 use crate::args::{ModelArgs, QuantArgs};
@@ -65,6 +65,14 @@ pub struct InspectArgs {
     prefill_chunk: usize,
     #[command(flatten)]
     quant: QuantArgs,
+    /// Also plan where the bytes go on a GPU with this much memory (e.g. 16GiB): resident
+    /// weights, a cache of experts, the rest streamed.
+    #[arg(long)]
+    gpu_mem: Option<ByteSize>,
+    /// Host memory for the experts the GPU does not hold (e.g. 64GiB; default: no limit); the
+    /// rest would stream from disk.
+    #[arg(long, requires = "gpu_mem")]
+    host_mem: Option<ByteSize>,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -105,6 +113,18 @@ pub fn run(a: InspectArgs) -> Result<std::process::ExitCode> {
     let chunk = a.prefill_chunk.min(a.ctx);
     let (_, _, prefill_arena) = run_memory(&c, &w, &a, cache, chunk)?;
     let moe_layers = c.mlp_kinds.iter().filter(|&&k| k == MlpKind::Moe).count();
+    let placement = match a.gpu_mem {
+        Some(gpu) => {
+            let shape = RunShape {
+                ctx: a.ctx,
+                cache_dtype: cache,
+                quant: a.quant.format()?,
+                prefill_chunk: chunk,
+            };
+            Some(Placement::plan(&c, &w, shape, gpu.0, a.host_mem.map(|h| h.0))?)
+        }
+        None => None,
+    };
     let size = |b: u64| match b {
         b if b >= 1 << 30 => format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64),
         b if b >= 1 << 20 => format!("{:.2} MiB", b as f64 / (1u64 << 20) as f64),
@@ -131,6 +151,19 @@ pub fn run(a: InspectArgs) -> Result<std::process::ExitCode> {
             "decode_activation_bytes": decode_arena,
             "prefill_chunk": chunk,
             "prefill_activation_bytes": prefill_arena,
+            "placement": placement.as_ref().map(|p| serde_json::json!({
+                "gpu_bytes": a.gpu_mem.map(|g| g.0),
+                "host_bytes": a.host_mem.map(|h| h.0),
+                "resident_bytes": p.resident_bytes,
+                "expert_bytes": p.expert_bytes,
+                "expert_span_bytes": p.expert_span,
+                "gpu_experts": p.gpu_experts,
+                "host_experts": p.host_experts,
+                "disk_experts": p.disk_experts,
+                "streams": !p.resident(),
+                "min_gpu_bytes": p.min_gpu_bytes(),
+                "uniform_bytes_per_token": p.uniform_bytes_per_token,
+            })),
         });
         println!("{v}");
         return Ok(std::process::ExitCode::SUCCESS);
@@ -180,5 +213,33 @@ pub fn run(a: InspectArgs) -> Result<std::process::ExitCode> {
         size(decode_arena),
         size(prefill_arena)
     );
+    if let (Some(p), Some(gpu)) = (&placement, a.gpu_mem) {
+        let total = p.moe_layers * p.experts_per_layer;
+        if p.resident() {
+            println!(
+                "placement         everything fits in {gpu}: {} resident, {} of experts",
+                size(p.resident_bytes),
+                size(p.expert_bytes)
+            );
+        } else {
+            println!(
+                "placement         {gpu} of GPU: {} resident (weights {}, caches, activations), a cache of {} of the {total} experts ({:.0}%, {} each); {} experts in host memory, {} on disk",
+                size(p.resident_bytes),
+                size(p.resident_weight_bytes),
+                p.gpu_experts,
+                100.0 * p.gpu_experts as f64 / total as f64,
+                size(p.expert_span),
+                p.host_experts,
+                p.disk_experts
+            );
+            let routed = p.moe_layers * p.top_k;
+            let missed = routed as f64 * (1.0 - p.gpu_experts as f64 / total as f64);
+            println!(
+                "streamed          {} a decode token if routing were uniform ({missed:.1} of {routed} routed experts miss); the smallest GPU budget is {}",
+                size(p.uniform_bytes_per_token as u64),
+                ByteSize(p.min_gpu_bytes())
+            );
+        }
+    }
     Ok(std::process::ExitCode::SUCCESS)
 }

@@ -87,3 +87,36 @@ fn quantised_on_load_weighs_what_the_quantised_checkpoint_does() {
     // Activations: a prefill chunk needs more than a decode step.
     assert!(dense["prefill_activation_bytes"].as_u64() > dense["decode_activation_bytes"].as_u64());
 }
+
+#[test]
+fn a_gpu_budget_gives_a_placement_or_names_the_minimum() {
+    // Roomy: every expert resident, nothing streams.
+    let v = inspect_with("qwen3_moe", &["--gpu-mem", "1GiB"]);
+    let p = &v["placement"];
+    assert_eq!(p["streams"], false);
+    assert_eq!(p["gpu_experts"], 16, "two MoE layers of 8 experts");
+    // Just over the minimum: one layer's experts on the GPU, the rest in host memory.
+    let min = p["min_gpu_bytes"].as_u64().unwrap();
+    let v = inspect_with("qwen3_moe", &["--gpu-mem", &min.to_string()]);
+    let p = &v["placement"];
+    assert_eq!(
+        (p["streams"].as_bool(), p["gpu_experts"].as_u64()),
+        (Some(true), Some(8))
+    );
+    assert_eq!(
+        (p["host_experts"].as_u64(), p["disk_experts"].as_u64()),
+        (Some(8), Some(0))
+    );
+    // Below it: an error with the minimum.
+    let dir = kestrel_testing::fixtures::path("crates/kestrel-model/tests/parity/qwen3_moe");
+    let o = Command::new(env!("CARGO_BIN_EXE_kestrel"))
+        .args(["inspect", "-m", dir.to_str().unwrap(), "--ctx", "64"])
+        .args(["--gpu-mem", &(min - 1).to_string()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains(&format!("({min} bytes)")),
+        "{err}"
+    );
+}

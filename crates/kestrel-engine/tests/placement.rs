@@ -1,0 +1,78 @@
+//! Placements of the qwen3_moe parity fixture under GPU budgets from roomy to too small: every
+//! expert resident, a cache of expert slots with the rest in host memory or on disk, and the
+//! error that names the smallest budget.
+
+use kestrel_core::DType;
+use kestrel_engine::{Model, ModelSource, Placement, RunShape};
+
+fn model() -> Model {
+    let dir = kestrel_testing::fixtures::path("crates/kestrel-model/tests/parity/qwen3_moe");
+    Model::open(&ModelSource::Dir(dir)).unwrap()
+}
+
+const SHAPE: RunShape = RunShape {
+    ctx: 64,
+    cache_dtype: DType::F32,
+    quant: None,
+    prefill_chunk: 16,
+};
+
+#[test]
+fn a_roomy_budget_keeps_every_expert_resident() {
+    let m = model();
+    let p = Placement::plan(&m.config, &m.weights, SHAPE, u64::MAX / 2, None).unwrap();
+    assert!(p.resident());
+    let moe = m.config.moe.as_ref().unwrap();
+    assert_eq!(p.experts_per_layer, moe.experts);
+    assert_eq!(p.top_k, moe.experts_per_token);
+    assert_eq!(p.moe_layers, m.config.moe_layers());
+    assert_eq!(
+        p.expert_bytes,
+        (p.moe_layers * p.experts_per_layer) as u64 * p.expert_span
+    );
+    assert_eq!(p.uniform_bytes_per_token, 0.0);
+    // Exactly enough for everything is still resident.
+    let exact = p.resident_bytes + p.expert_bytes;
+    assert!(Placement::plan(&m.config, &m.weights, SHAPE, exact, None)
+        .unwrap()
+        .resident());
+}
+
+#[test]
+fn a_smaller_budget_caches_what_fits_and_streams_the_rest() {
+    let m = model();
+    let full = Placement::plan(&m.config, &m.weights, SHAPE, u64::MAX / 2, None).unwrap();
+    let total = full.moe_layers * full.experts_per_layer;
+    let slots = total / 2 + 1;
+    let budget = full.resident_bytes + slots as u64 * full.expert_span + full.expert_span / 2;
+    let p = Placement::plan(&m.config, &m.weights, SHAPE, budget, None).unwrap();
+    assert!(!p.resident());
+    assert_eq!(p.gpu_experts, slots);
+    assert_eq!((p.host_experts, p.disk_experts), (total - slots, 0));
+    let miss = 1.0 - slots as f64 / total as f64;
+    let want = (p.moe_layers * p.top_k) as f64 * miss * p.expert_span as f64;
+    assert!((p.uniform_bytes_per_token - want).abs() < 1e-6);
+    // A host budget of three experts puts the others on disk.
+    let h = Placement::plan(&m.config, &m.weights, SHAPE, budget, Some(3 * p.expert_span + 1)).unwrap();
+    assert_eq!((h.host_experts, h.disk_experts), (3, total - slots - 3));
+}
+
+#[test]
+fn a_budget_below_one_layers_experts_names_the_minimum() {
+    let m = model();
+    let full = Placement::plan(&m.config, &m.weights, SHAPE, u64::MAX / 2, None).unwrap();
+    let min = full.min_gpu_bytes();
+    let p = Placement::plan(&m.config, &m.weights, SHAPE, min, None).unwrap();
+    assert_eq!(p.gpu_experts, full.experts_per_layer);
+    let err = Placement::plan(&m.config, &m.weights, SHAPE, min - 1, None)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(&min.to_string()) && err.contains("one layer's"),
+        "{err}"
+    );
+    let err = Placement::plan(&m.config, &m.weights, SHAPE, 1000, None)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("give at least"), "{err}");
+}
