@@ -738,6 +738,60 @@ impl Graph {
     pub fn io(&self) -> Vec<(Vec<Buf>, Vec<Buf>)> {
         self.nodes.iter().map(|n| n.op.io()).collect()
     }
+
+    /// The graph cut before each node index of `cuts` into segments that run one after
+    /// another, as separate programs, with the host free to act between them (read a router's
+    /// choice, bring experts in). Every segment declares every buffer, so buffer ids stay
+    /// valid in all of them. A transient that more than one segment touches is carried between
+    /// them as a state labelled by its label, dtype and shape (`carry:` prefix; the segments of
+    /// every program of the same shapes share it, which is sound because they run in order);
+    /// inputs and outputs a segment does not touch become unused transients there, so it
+    /// holds no memory for them. Cuts out of range, repeated or unsorted are ignored.
+    pub fn split(&self, cuts: &[usize]) -> Vec<Graph> {
+        let mut bounds = vec![0];
+        for &c in cuts {
+            if c > *bounds.last().expect("starts with 0") && c < self.nodes.len() {
+                bounds.push(c);
+            }
+        }
+        bounds.push(self.nodes.len());
+        let io = self.io();
+        // The segments that touch each buffer.
+        let mut touched: Vec<Vec<usize>> = vec![Vec::new(); self.bufs.len()];
+        for (seg, w) in bounds.windows(2).enumerate() {
+            for (reads, writes) in &io[w[0]..w[1]] {
+                for b in reads.iter().chain(writes) {
+                    let t = &mut touched[b.index()];
+                    if t.last() != Some(&seg) {
+                        t.push(seg);
+                    }
+                }
+            }
+        }
+        let mut carried = self.bufs.clone();
+        for (d, t) in carried.iter_mut().zip(&touched) {
+            if d.kind == BufKind::Transient && t.len() > 1 {
+                d.label = format!("carry:{}:{}{:?}", d.label, d.dtype, d.shape);
+                d.kind = BufKind::State;
+            }
+        }
+        bounds
+            .windows(2)
+            .enumerate()
+            .map(|(seg, w)| {
+                let mut bufs = carried.clone();
+                for (d, t) in bufs.iter_mut().zip(&touched) {
+                    if matches!(d.kind, BufKind::Input | BufKind::Output) && !t.contains(&seg) {
+                        d.kind = BufKind::Transient;
+                    }
+                }
+                Graph {
+                    bufs,
+                    nodes: self.nodes[w[0]..w[1]].to_vec(),
+                }
+            })
+            .collect()
+    }
 }
 
 /// A graph that failed validation: which node, and why.
