@@ -131,6 +131,13 @@ impl GraphBuilder {
         }
     }
 
+    /// A buffer of `bytes` of expert spans that the host fills while a run goes on (a cache of
+    /// experts streamed in): `moe_experts` reads it as its experts, but it is a state, shared by
+    /// label and never uploaded as a weight.
+    pub fn expert_cache(&mut self, label: &str, bytes: usize) -> BufId<Weight> {
+        self.declare(label, DType::U8, vec![bytes], BufKind::State)
+    }
+
     pub fn state(&mut self, label: &str, dtype: DType, shape: impl Into<Vec<usize>>) -> BufId<State> {
         self.declare(label, dtype, shape.into(), BufKind::State)
     }

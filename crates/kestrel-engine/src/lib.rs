@@ -14,7 +14,6 @@
 mod builtin;
 mod engine;
 mod error;
-pub mod expert_cache;
 mod generate;
 mod model;
 pub mod placement;
@@ -22,6 +21,6 @@ pub mod placement;
 pub use engine::{cache_dtype, default_backend, BackendChoice, Engine, EngineOptions};
 pub use error::{EngineError, Result};
 pub use generate::{StopReason, Turn};
-pub use kestrel_model::{Output, Want};
+pub use kestrel_model::{expert_cache, Output, Want};
 pub use model::{Model, ModelSource, ModelText, SamplingOverrides};
 pub use placement::{ByteSize, Placement, RunShape};

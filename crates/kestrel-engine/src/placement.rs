@@ -140,6 +140,7 @@ impl Placement {
                 all_logits: false,
                 quant: shape.quant,
                 sampling: None,
+                expert_slots: None,
             };
             Forward::build(config, weights, spec)
         };

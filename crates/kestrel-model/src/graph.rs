@@ -10,7 +10,7 @@
 //! ([`ForwardSpec::quant`]) are derived on the host.
 
 use kestrel_core::ir::{
-    Buf, BufId, ExpertFormat, ExpertLayout, Graph, LinearWeight, Logits, NormKind, Normed, Positions,
+    Buf, BufId, ExpertFormat, ExpertLayout, Graph, LinearWeight, Logits, NormKind, Normed, Op, Positions,
     Residual, TokenIds, Tokens, Weight,
 };
 use kestrel_core::quant::{QuantFormat, QuantMatrix};
@@ -47,6 +47,24 @@ pub struct ForwardSpec {
     /// Also sample the next token on the backend with these settings (when the backend can:
     /// see `SamplingParams::backend_candidates`; last-token logits only).
     pub sampling: Option<SamplingParams>,
+    /// Routed experts read from a cache of this many expert-sized slots (`experts.cache`,
+    /// shared by every MoE layer) that the host fills between segments, instead of every
+    /// layer's experts resident; see [`Forward::moe_steps`].
+    pub expert_slots: Option<usize>,
+}
+
+/// One MoE layer of a graph whose experts stream (`ForwardSpec::expert_slots`): the host cuts
+/// the graph before `node`, reads the router's expert ids from `ids`, brings the missing
+/// experts into cache slots and writes the slots into `ids` in their place.
+#[derive(Debug, Clone)]
+pub struct MoeStep {
+    /// Index of the layer's `MoeExperts` node in the graph.
+    pub node: usize,
+    /// The router's choice, `[tokens, k]` u32: expert ids, replaced by slots before `node`.
+    pub ids: Buf,
+    /// The checkpoint's MLP prefix and the layer's experts as stored (all of them).
+    pub mlp: String,
+    pub layout: ExpertLayout,
 }
 
 /// Where a weight buffer's bytes come from.
@@ -107,6 +125,10 @@ pub struct Forward {
     /// The recurrent and convolution states of the linear-attention layers (not the KV caches):
     /// what a new sequence must start from zero.
     pub states: Vec<Buf>,
+    /// With `spec.expert_slots`: the MoE layers in order, and the cache their experts are read
+    /// from (a slot is one expert's span, `MoeStep::layout.span_bytes()`).
+    pub moe_steps: Vec<MoeStep>,
+    pub expert_cache: Option<Buf>,
     sources: Vec<(Buf, Source)>,
 }
 
@@ -120,6 +142,10 @@ struct Build<'a> {
     prefix: &'static str,
     norm: NormKind,
     quant: Option<QuantFormat>,
+    expert_slots: Option<usize>,
+    /// The expert cache and the span of its slots, once a MoE layer made it.
+    cache: Option<(BufId<Weight>, usize)>,
+    moe_steps: Vec<MoeStep>,
 }
 
 impl Build<'_> {
@@ -300,6 +326,9 @@ impl Forward {
                 "model"
             },
             quant: spec.quant,
+            expert_slots: spec.expert_slots,
+            cache: None,
+            moe_steps: Vec::new(),
             norm: if c.arch.is_hybrid() {
                 NormKind::ZeroCentered
             } else {
@@ -394,6 +423,13 @@ impl Forward {
             key: "graph".into(),
             reason: e.to_string(),
         })?;
+        // The MoE layers' experts nodes, in the order the layers were built.
+        let mut moe_steps = b.moe_steps;
+        let nodes = graph.nodes.iter().enumerate();
+        let experts_nodes = nodes.filter(|(_, n)| matches!(n.op, Op::MoeExperts { .. }));
+        for (step, (i, _)) in moe_steps.iter_mut().zip(experts_nodes) {
+            step.node = i;
+        }
         Ok(Forward {
             graph,
             tokens,
@@ -403,6 +439,8 @@ impl Forward {
             sampled,
             spec,
             states: b.states,
+            moe_steps,
+            expert_cache: b.cache.map(|(c, _)| c.raw()),
             sources: b.sources,
         })
     }
@@ -674,15 +712,44 @@ fn moe(b: &mut Build, m: &str, h: BufId<Normed>) -> Result<BufId<kestrel_core::i
         inter: moe.expert_intermediate,
         format,
     };
-    let eb =
-        b.g.weight(&format!("{m}.experts.packed"), DType::U8, [layout.total_bytes()]);
-    b.sources.push((
-        eb.raw(),
-        Source::Experts {
-            mlp: m.to_string(),
-            layout,
-        },
-    ));
+    let (eb, read_as) = match b.expert_slots {
+        // Streamed: every layer reads the one cache of slots, which holds no layer's experts
+        // whole, so the layout the op sees has as many experts as slots.
+        Some(slots) => {
+            let span = layout.span_bytes();
+            let (cache, cache_span) = match b.cache {
+                Some(c) => c,
+                None => *b
+                    .cache
+                    .insert((b.g.expert_cache("experts.cache", slots * span), span)),
+            };
+            if span != cache_span {
+                return Err(b.err(
+                    &format!("{m}.experts"),
+                    format!("expert span {span} differs from the cache's {cache_span}"),
+                ));
+            }
+            (
+                cache,
+                ExpertLayout {
+                    experts: slots,
+                    ..layout
+                },
+            )
+        }
+        None => {
+            let eb =
+                b.g.weight(&format!("{m}.experts.packed"), DType::U8, [layout.total_bytes()]);
+            b.sources.push((
+                eb.raw(),
+                Source::Experts {
+                    mlp: m.to_string(),
+                    layout,
+                },
+            ));
+            (eb, layout)
+        }
+    };
     let logits = b.g.linear(&format!("{m}.gate"), h, &router);
     let (ids, weights) = b.g.router(
         &format!("{m}.topk"),
@@ -690,8 +757,16 @@ fn moe(b: &mut Build, m: &str, h: BufId<Normed>) -> Result<BufId<kestrel_core::i
         moe.experts_per_token,
         moe.norm_topk_prob,
     );
+    if b.expert_slots.is_some() {
+        b.moe_steps.push(MoeStep {
+            node: 0,
+            ids: ids.raw(),
+            mlp: m.to_string(),
+            layout,
+        });
+    }
     let out =
-        b.g.moe_experts(&format!("{m}.experts"), h, ids, weights, eb, layout);
+        b.g.moe_experts(&format!("{m}.experts"), h, ids, weights, eb, read_as);
     let Some(si) = moe.shared_intermediate else {
         return Ok(out);
     };

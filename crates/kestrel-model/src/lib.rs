@@ -6,6 +6,7 @@
 
 pub mod config;
 pub mod error;
+pub mod expert_cache;
 pub mod experts;
 pub mod footprint;
 pub mod graph;
@@ -18,9 +19,10 @@ pub use config::{
     Arch, LayerKind, LinearAttnConfig, MlpKind, ModelConfig, MoeConfig, QuantConfig, RopeConfig,
 };
 pub use error::{ModelError, Result};
+pub use expert_cache::{CacheStats, Eviction, ExpertCache};
 pub use experts::{expert_source, pack_experts, ExpertSource};
 pub use footprint::{footprint, Footprint};
-pub use graph::{Forward, ForwardSpec};
+pub use graph::{Forward, ForwardSpec, MoeStep};
 pub use quantize::{quantize_dir, QuantizeReport};
 pub use session::{Output, Session, Want};
 pub use synthetic::{synthetic_model, synthetic_weights, SYNTHETIC_MODELS};

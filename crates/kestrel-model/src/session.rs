@@ -7,6 +7,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
+use kestrel_core::ir::BufKind;
 use kestrel_core::quant::QuantFormat;
 use kestrel_core::rng::Rng;
 use kestrel_core::sample::{counts_of, rng_words, SamplingParams};
@@ -14,6 +15,8 @@ use kestrel_core::{Backend, DType};
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
+use crate::expert_cache::{CacheStats, Eviction, ExpertCache};
+use crate::experts::pack_experts;
 use crate::graph::{Forward, ForwardSpec};
 use crate::weights::Weights;
 
@@ -95,6 +98,27 @@ fn not_sampling() -> ModelError {
 /// A prepared program: (tokens, outputs).
 type Key = (usize, Outputs);
 
+/// A prepared program: the forward graph and its segments on the backend, which run in order
+/// (one segment, unless experts stream: then the graph is cut before each MoE layer's experts).
+struct Prog<B: Backend> {
+    f: Forward,
+    segments: Vec<B::Program>,
+}
+
+impl<B: Backend> Prog<B> {
+    /// The segment holding the outputs (and, like every segment, the states).
+    fn last(&mut self) -> &mut B::Program {
+        self.segments.last_mut().expect("a program has a segment")
+    }
+}
+
+/// Experts streamed through a cache of slots: the cache's books and the experts as packed for
+/// it, per MoE layer (packed from the checkpoint when a layer first misses).
+struct Streaming {
+    cache: ExpertCache,
+    store: Vec<Option<Vec<u8>>>,
+}
+
 pub struct Session<B: Backend> {
     pub config: ModelConfig,
     pub weights: Weights,
@@ -106,7 +130,9 @@ pub struct Session<B: Backend> {
     quant: Option<QuantFormat>,
     uploaded: bool,
     /// Prepared programs by (tokens, outputs).
-    programs: HashMap<Key, (Forward, B::Program)>,
+    programs: HashMap<Key, Prog<B>>,
+    /// Routed experts read through a cache of slots instead of all resident.
+    streaming: Option<Streaming>,
     /// Told (bytes done, bytes in all) while the weights upload.
     progress: Option<Box<dyn FnMut(u64, u64)>>,
     /// Sample on the backend with these settings (see [`Session::with_sampling`]).
@@ -142,6 +168,7 @@ impl<B: Backend> Session<B> {
             quant: None,
             uploaded: false,
             programs: HashMap::new(),
+            streaming: None,
             progress: None,
             sampling: None,
             seeded: false,
@@ -166,18 +193,51 @@ impl<B: Backend> Session<B> {
     pub fn set_sample_history(&mut self, history: &[u32]) -> Result<()> {
         let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
         let key = self.program(1, 0, Outputs::Sample)?;
-        let (f, p) = self.programs.get_mut(&key).expect("prepared above");
-        let Some(s) = f.sampled else {
+        let prog = self.programs.get_mut(&key).expect("prepared above");
+        let Some(s) = prog.f.sampled else {
             return Err(not_sampling());
         };
         let counts = counts_of(history, self.config.vocab);
-        self.backend.upload(p, s.counts, &counts).map_err(backend_err)
+        self.backend
+            .upload(prog.last(), s.counts, &counts)
+            .map_err(backend_err)
     }
 
     /// Calls `f(bytes done, bytes in all)` as the weights go to the backend.
     pub fn with_progress(mut self, f: impl FnMut(u64, u64) + 'static) -> Session<B> {
         self.progress = Some(Box::new(f));
         self
+    }
+
+    /// Streams the routed experts through a cache of `slots` expert-sized slots instead of
+    /// holding them all: each MoE layer's experts run once its router has chosen and the chosen
+    /// experts are in the cache (misses copied in from the checkpoint, evictions by `policy`).
+    /// `slots` must hold one layer's experts (a long prefill chunk uses them all). Call before
+    /// the first step.
+    pub fn with_expert_cache(mut self, slots: usize, policy: Eviction) -> Result<Session<B>> {
+        let layers = self.config.moe_layers();
+        let Some(moe) = self.config.moe.as_ref().filter(|_| layers > 0) else {
+            return Err(ModelError::Config {
+                key: "expert cache".into(),
+                reason: "the model has no routed experts to stream".into(),
+            });
+        };
+        if slots < moe.experts {
+            return Err(ModelError::Config {
+                key: "expert cache".into(),
+                reason: format!("{slots} slots do not hold one layer's {} experts", moe.experts),
+            });
+        }
+        self.streaming = Some(Streaming {
+            cache: ExpertCache::new(slots, 0, policy),
+            store: vec![None; layers],
+        });
+        Ok(self)
+    }
+
+    /// What the expert cache did so far (None unless experts stream).
+    pub fn expert_stats(&self) -> Option<CacheStats> {
+        self.streaming.as_ref().map(|s| s.cache.stats())
     }
 
     /// Runs steps of more than `chunk` tokens in chunks of at most `chunk` (None: in one go).
@@ -234,28 +294,35 @@ impl<B: Backend> Session<B> {
             }
             Want::Argmax => {
                 let key = self.run(tail, at, Outputs::Last)?;
-                let (f, p) = &self.programs[&key];
-                let ids = self.backend.download::<u32>(p, f.argmax).map_err(backend_err)?;
+                let prog = self.programs.get_mut(&key).expect("run above");
+                let argmax = prog.f.argmax;
+                let ids = self
+                    .backend
+                    .download::<u32>(prog.last(), argmax)
+                    .map_err(backend_err)?;
                 Ok(Output::Token(ids[0]))
             }
             Want::Sample => {
                 let key = self.run(tail, at, Outputs::Sample)?;
-                let (f, p) = &self.programs[&key];
-                let Some(s) = f.sampled else {
+                let prog = self.programs.get_mut(&key).expect("run above");
+                let Some(s) = prog.f.sampled else {
                     return Err(not_sampling());
                 };
-                Ok(Output::Token(
-                    self.backend.download::<u32>(p, s.token).map_err(backend_err)?[0],
-                ))
+                let token = self
+                    .backend
+                    .download::<u32>(prog.last(), s.token)
+                    .map_err(backend_err)?;
+                Ok(Output::Token(token[0]))
             }
         }
     }
 
     /// The logits a program's last run left in its buffers.
     fn logits_of(&mut self, key: Key) -> Result<Vec<f32>> {
-        let (f, p) = &self.programs[&key];
+        let prog = self.programs.get_mut(&key).expect("run before");
+        let logits = prog.f.logits;
         self.backend
-            .download::<f32>(p, f.logits)
+            .download::<f32>(prog.last(), logits)
             .map_err(|e| ModelError::Backend(Box::new(e)))
     }
 
@@ -265,11 +332,12 @@ impl<B: Backend> Session<B> {
     pub fn reset_states(&mut self) -> Result<()> {
         let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
         // States are shared by label: zeroing them through one program zeroes them for all.
-        let Some((f, p)) = self.programs.values_mut().next() else {
+        let Some(prog) = self.programs.values_mut().next() else {
             return Ok(());
         };
-        for &b in &f.states {
-            let zeros = vec![0u8; f.graph.decl(b).byte_len()];
+        for &b in &prog.f.states {
+            let zeros = vec![0u8; prog.f.graph.decl(b).byte_len()];
+            let p = prog.segments.last_mut().expect("a program has a segment");
             self.backend.write_bytes(p, b, 0, &zeros).map_err(backend_err)?;
         }
         Ok(())
@@ -302,23 +370,41 @@ impl<B: Backend> Session<B> {
                 all_logits,
                 quant: self.quant,
                 sampling: self.sampling.filter(|_| outputs == Outputs::Sample),
+                expert_slots: self.streaming.as_ref().map(|s| s.cache.slots()),
             };
             let f = Forward::build(&self.config, &self.weights, spec)?;
-            let mut p = self.backend.prepare(&f.graph).map_err(backend_err)?;
+            let segments = if f.moe_steps.is_empty() {
+                vec![self.backend.prepare(&f.graph).map_err(backend_err)?]
+            } else {
+                let cuts: Vec<usize> = f.moe_steps.iter().map(|s| s.node).collect();
+                let mut segments = Vec::with_capacity(cuts.len() + 1);
+                for g in &f.graph.split(&cuts) {
+                    segments.push(self.backend.prepare(g).map_err(backend_err)?);
+                }
+                segments
+            };
+            if let (Some(st), Some(step)) = (&mut self.streaming, f.moe_steps.first()) {
+                st.cache.set_span_bytes(step.layout.span_bytes() as u64);
+            }
+            let mut prog = Prog { f, segments };
+            // Weights and states are shared by label: every segment declares them all.
             if !self.uploaded {
+                let (f, p) = (&prog.f, &mut prog.segments[0]);
                 match &mut self.progress {
-                    Some(cb) => f.upload_with(&self.weights, &mut self.backend, &mut p, cb.as_mut())?,
-                    None => f.upload(&self.weights, &mut self.backend, &mut p)?,
+                    Some(cb) => f.upload_with(&self.weights, &mut self.backend, p, cb.as_mut())?,
+                    None => f.upload(&self.weights, &mut self.backend, p)?,
                 }
                 self.uploaded = true;
             }
             // The sampler's generator starts from the seed, once per session.
-            if let (Some(s), Some(params), false) = (f.sampled, self.sampling, self.seeded) {
+            if let (Some(s), Some(params), false) = (prog.f.sampled, self.sampling, self.seeded) {
                 let words = rng_words(Rng::new(params.seed).state());
-                self.backend.upload(&mut p, s.rng, &words).map_err(backend_err)?;
+                self.backend
+                    .upload(prog.last(), s.rng, &words)
+                    .map_err(backend_err)?;
                 self.seeded = true;
             }
-            self.programs.insert(key, (f, p));
+            self.programs.insert(key, prog);
         }
         Ok(key)
     }
@@ -344,11 +430,60 @@ impl<B: Backend> Session<B> {
         }
         let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
         let key = self.program(ids.len(), past, outputs)?;
-        let (f, p) = self.programs.get_mut(&key).expect("prepared above");
+        let prog = self.programs.get_mut(&key).expect("prepared above");
+        let f = &prog.f;
         let pos: Vec<u32> = (past..past + ids.len()).map(|p| p as u32).collect();
-        self.backend.upload(p, f.tokens, ids).map_err(backend_err)?;
-        self.backend.upload(p, f.positions, &pos).map_err(backend_err)?;
-        self.backend.run(p).map_err(backend_err)?;
+        let last = prog.segments.len() - 1;
+        for (i, p) in prog.segments.iter_mut().enumerate() {
+            // Each segment gets the inputs it reads.
+            if B::graph(p).decl(f.tokens).kind == BufKind::Input {
+                self.backend.upload(p, f.tokens, ids).map_err(backend_err)?;
+            }
+            if B::graph(p).decl(f.positions).kind == BufKind::Input {
+                self.backend.upload(p, f.positions, &pos).map_err(backend_err)?;
+            }
+            self.backend.run(p).map_err(backend_err)?;
+            if i < last {
+                let streaming = self.streaming.as_mut().expect("segments only when streaming");
+                bring_experts(&mut self.backend, p, f, i, streaming, &self.weights)?;
+            }
+        }
         Ok(key)
     }
+}
+
+/// Between segment `i` and the next, which starts with MoE step `i`'s experts: reads the
+/// router's expert ids, gives them cache slots, copies the missing experts in and writes the
+/// slots where the ids were.
+fn bring_experts<B: Backend>(
+    backend: &mut B,
+    p: &mut B::Program,
+    f: &Forward,
+    i: usize,
+    streaming: &mut Streaming,
+    weights: &Weights,
+) -> Result<()> {
+    let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
+    let step = &f.moe_steps[i];
+    let cache = f.expert_cache.expect("streamed graphs have an expert cache");
+    let span = step.layout.span_bytes();
+    let ids = backend.download::<u32>(p, step.ids).map_err(backend_err)?;
+    let resolved = streaming.cache.resolve(i, &ids).map_err(|e| ModelError::Config {
+        key: "expert cache".into(),
+        reason: e.to_string(),
+    })?;
+    if !resolved.misses.is_empty() {
+        let store = match &mut streaming.store[i] {
+            Some(s) => s,
+            none => none.insert(pack_experts(weights, &step.mlp, &step.layout)?),
+        };
+        for m in &resolved.misses {
+            let e = m.expert as usize;
+            let bytes = &store[e * span..(e + 1) * span];
+            backend
+                .write_bytes(p, cache, m.slot as usize * span, bytes)
+                .map_err(backend_err)?;
+        }
+    }
+    backend.upload(p, step.ids, &resolved.slots).map_err(backend_err)
 }

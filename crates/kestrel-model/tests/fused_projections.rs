@@ -70,6 +70,7 @@ fn linear_labels(d: &std::path::Path) -> Vec<String> {
         all_logits: true,
         quant: None,
         sampling: None,
+        expert_slots: None,
     };
     let f = Forward::build(&c, &w, spec).unwrap();
     f.graph

@@ -50,6 +50,7 @@ const SPEC: ForwardSpec = ForwardSpec {
     all_logits: true,
     quant: None,
     sampling: None,
+    expert_slots: None,
 };
 
 #[test]

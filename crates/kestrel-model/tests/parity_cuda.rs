@@ -71,6 +71,7 @@ fn prefill_logits<B: Backend>(
         all_logits: true,
         quant: None,
         sampling: None,
+        expert_slots: None,
     };
     let f = Forward::build(&c, &w, spec).unwrap();
     let mut p = backend.prepare(&f.graph).unwrap();

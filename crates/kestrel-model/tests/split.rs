@@ -22,6 +22,7 @@ fn spec(tokens: usize, past: usize) -> ForwardSpec {
         all_logits: true,
         quant: None,
         sampling: None,
+        expert_slots: None,
     }
 }
 

@@ -33,6 +33,7 @@ fn run_memory(
         all_logits: false,
         quant: a.quant.format()?,
         sampling: None,
+        expert_slots: None,
     };
     let f = Forward::build(c, w, spec)?;
     let of = |kind: BufKind| -> u64 {

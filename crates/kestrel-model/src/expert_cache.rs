@@ -109,6 +109,11 @@ impl ExpertCache {
         }
     }
 
+    /// Sets the bytes a miss copies (when the span is known only once the graph is built).
+    pub fn set_span_bytes(&mut self, span_bytes: u64) {
+        self.span_bytes = span_bytes;
+    }
+
     pub fn slots(&self) -> usize {
         self.slots.len()
     }

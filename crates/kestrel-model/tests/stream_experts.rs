@@ -1,0 +1,111 @@
+//! A session that streams its routed experts through a small cache of slots (the graph cut
+//! before each MoE layer's experts, the router's choice read back, misses copied in, the
+//! slots written where the ids were) computes exactly what the resident session computes: the
+//! same logits bit for bit on the CPU backend, for every fixture with experts, over a chunked
+//! prefill and greedy decode steps, with a cache so small that every step evicts; on CUDA
+//! (graph replay of each segment, bf16 caches) the same within float summation order.
+
+mod common;
+
+use common::{argmax, dir, reference, rel_max_err, FIXTURES};
+use kestrel_core::{Backend, DType};
+use kestrel_cpu::CpuBackend;
+use kestrel_cuda::{CudaBackend, RunMode};
+use kestrel_model::{Eviction, ModelConfig, Session, Want};
+use kestrel_testing::gpu::device_or_skip;
+
+/// A prompt prefilled in chunks of 5, then 6 greedy decode steps; every logit of the way.
+fn logits<B: Backend>(s: &mut Session<B>, prompt: &[u32]) -> Vec<f32> {
+    let mut out = s.step(prompt, 0, Want::AllLogits).unwrap().into_logits().unwrap();
+    let vocab = out.len() / prompt.len();
+    let mut next = argmax(&out[out.len() - vocab..]);
+    for i in 0..6 {
+        let l = s
+            .step(&[next], prompt.len() + i, Want::LastLogits)
+            .unwrap()
+            .into_logits()
+            .unwrap();
+        next = argmax(&l);
+        out.extend(l);
+    }
+    out
+}
+
+fn session(name: &str) -> Session<CpuBackend> {
+    Session::open(&dir(name), CpuBackend::new(), 64, DType::F32)
+        .unwrap()
+        .with_prefill_chunk(Some(5))
+        .unwrap()
+}
+
+#[test]
+fn streamed_experts_compute_the_resident_logits() {
+    let mut checked = 0;
+    for name in FIXTURES {
+        let c = ModelConfig::from_dir(&dir(name)).unwrap();
+        let Some(moe) = c.moe.as_ref().filter(|_| c.moe_layers() > 0) else {
+            continue;
+        };
+        let (prompt, _, _) = reference(name);
+        let want = logits(&mut session(name), &prompt);
+        for (slots, policy) in [
+            (moe.experts, Eviction::Lru),
+            (moe.experts + 3, Eviction::FrequencyLru { half_life: 4.0 }),
+        ] {
+            let mut s = session(name).with_expert_cache(slots, policy).unwrap();
+            let got = logits(&mut s, &prompt);
+            assert!(got == want, "{name}, {slots} slots, {policy:?}: logits differ");
+            let stats = s.expert_stats().unwrap();
+            assert!(stats.misses > 0 && stats.evictions > 0, "{name}: {stats:?}");
+            assert_eq!(stats.hits + stats.misses, stats.lookups);
+        }
+        checked += 1;
+    }
+    assert!(checked >= 3, "fixtures with experts: {checked}");
+}
+
+#[test]
+fn a_cache_smaller_than_a_layer_or_a_dense_model_is_refused() {
+    let c = ModelConfig::from_dir(&dir("qwen3_moe")).unwrap();
+    let experts = c.moe.as_ref().unwrap().experts;
+    let err = session("qwen3_moe")
+        .with_expert_cache(experts - 1, Eviction::Lru)
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("one layer's"), "{err}");
+    let err = session("qwen3")
+        .with_expert_cache(64, Eviction::Lru)
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("no routed experts"), "{err}");
+}
+
+#[test]
+fn streamed_experts_compute_the_resident_logits_on_cuda() {
+    let Some(dev) = device_or_skip("streamed_experts_compute_the_resident_logits_on_cuda") else {
+        return;
+    };
+    let open = |name: &str| {
+        let cuda = CudaBackend::new(dev.clone(), RunMode::Graph);
+        Session::open(&dir(name), cuda, 64, DType::BF16)
+            .unwrap()
+            .with_prefill_chunk(Some(5))
+            .unwrap()
+    };
+    for name in FIXTURES {
+        let c = ModelConfig::from_dir(&dir(name)).unwrap();
+        let Some(moe) = c.moe.as_ref().filter(|_| c.moe_layers() > 0) else {
+            continue;
+        };
+        let (prompt, _, _) = reference(name);
+        let want = logits(&mut open(name), &prompt);
+        let mut s = open(name).with_expert_cache(moe.experts, Eviction::Lru).unwrap();
+        let got = logits(&mut s, &prompt);
+        let err = rel_max_err(&got, &want);
+        assert!(
+            err <= 1e-5,
+            "{name}: streamed logits differ from resident ones by {err:e}"
+        );
+        assert!(s.expert_stats().unwrap().evictions > 0, "{name}");
+    }
+}
