@@ -9,11 +9,16 @@ use kestrel_core::quant::QuantFormat;
 use kestrel_core::{Config, DType};
 use kestrel_cpu::CpuBackend;
 use kestrel_cuda::{CudaBackend, Device, RunMode};
-use kestrel_model::{ModelConfig, Output, Session, Want, Weights};
+use kestrel_model::{CacheStats, Eviction, ModelConfig, Output, Session, Want, Weights};
 use kestrel_text::{Sampler, SamplingParams};
 
 use crate::error::Result;
 use crate::model::{Model, ModelText};
+use crate::placement::{Placement, RunShape};
+
+/// GPU memory left out of the default budget, at least (or a twentieth of what is free):
+/// the CUDA context, cuBLAS's workspace, kernel modules and allocator slack.
+const GPU_MARGIN: u64 = 1 << 30;
 
 /// Which backend runs the model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,6 +87,13 @@ pub struct EngineOptions {
     pub ignore_eos: bool,
     /// Told (bytes done, bytes in all) as the weights go to the backend.
     pub progress: Option<Box<dyn FnMut(u64, u64)>>,
+    /// Memory the backend may hold (None: on CUDA what the device has free, less a margin; on
+    /// the CPU no limit). A model larger than this streams its routed experts through a cache.
+    pub gpu_mem: Option<u64>,
+    /// Host memory for the experts the GPU does not hold (None: no limit).
+    pub host_mem: Option<u64>,
+    /// Which cached expert leaves when a streamed one needs its slot.
+    pub eviction: Eviction,
 }
 
 impl EngineOptions {
@@ -95,6 +107,9 @@ impl EngineOptions {
             sampling: None,
             ignore_eos: false,
             progress: None,
+            gpu_mem: None,
+            host_mem: None,
+            eviction: Eviction::Lru,
         }
     }
 }
@@ -135,6 +150,8 @@ pub struct Engine {
     pub(crate) session: AnySession,
     backend: BackendChoice,
     device: Option<Device>,
+    /// Where the bytes went, when the model streams its experts.
+    placement: Option<Placement>,
     pub(crate) sampler: Sampler,
     pub(crate) pick: Pick,
     pub(crate) eos: Vec<u32>,
@@ -157,6 +174,33 @@ impl Engine {
             ..Default::default()
         }))?;
         let cache = cache_dtype(backend);
+        let device = match backend {
+            BackendChoice::Cuda => Some(Device::open(config.device, config)?),
+            BackendChoice::Cpu => None,
+        };
+        // What the backend may hold: the caller's budget, else the device's free memory less a
+        // margin for the CUDA context, cuBLAS and the kernels (the CPU has no limit of its own).
+        let budget = match (opts.gpu_mem, &device) {
+            (Some(b), _) => Some(b),
+            (None, Some(dev)) => {
+                let free = dev.memory_info()?.0 as u64;
+                Some(free.saturating_sub(GPU_MARGIN.max(free / 20)))
+            }
+            (None, None) => None,
+        };
+        let placement = match budget {
+            Some(gpu) => {
+                let shape = RunShape {
+                    ctx: opts.ctx,
+                    cache_dtype: cache,
+                    quant: opts.quant,
+                    prefill_chunk: opts.prefill_chunk.unwrap_or(opts.ctx),
+                };
+                let p = Placement::plan(&model.config, &model.weights, shape, gpu, opts.host_mem)?;
+                (!p.resident()).then_some(p)
+            }
+            None => None,
+        };
         let Model {
             label,
             config: model_config,
@@ -164,8 +208,15 @@ impl Engine {
             text,
         } = model;
         /// The same settings on a session of either backend.
-        fn configure<B: kestrel_core::Backend>(s: Session<B>, opts: EngineOptions) -> Result<Session<B>> {
+        fn configure<B: kestrel_core::Backend>(
+            s: Session<B>,
+            opts: EngineOptions,
+            placement: Option<&Placement>,
+        ) -> Result<Session<B>> {
             let mut s = s.with_quant(opts.quant);
+            if let Some(p) = placement {
+                s = s.with_expert_cache(p.gpu_experts, opts.eviction)?;
+            }
             if let Some(params) = opts.sampling {
                 s = s.with_sampling(params);
             }
@@ -176,16 +227,15 @@ impl Engine {
         }
         let sampling = sampler.params;
         let ctx = opts.ctx;
-        let (session, device) = match backend {
-            BackendChoice::Cpu => {
+        let session = match &device {
+            None => {
                 let s = Session::new(model_config, weights, CpuBackend::new(), ctx, cache);
-                (AnySession::Cpu(configure(s, opts)?), None)
+                AnySession::Cpu(configure(s, opts, placement.as_ref())?)
             }
-            BackendChoice::Cuda => {
-                let dev = Device::open(config.device, config)?;
+            Some(dev) => {
                 let cuda = CudaBackend::new(dev.clone(), RunMode::Graph);
                 let s = Session::new(model_config, weights, cuda, ctx, cache);
-                (AnySession::Cuda(configure(s, opts)?), Some(dev))
+                AnySession::Cuda(configure(s, opts, placement.as_ref())?)
             }
         };
         let pick = if sampling.is_plain_greedy() {
@@ -201,6 +251,7 @@ impl Engine {
             session,
             backend,
             device,
+            placement,
             sampler,
             pick,
             eos,
@@ -228,6 +279,16 @@ impl Engine {
 
     pub fn backend(&self) -> BackendChoice {
         self.backend
+    }
+
+    /// Where the model's bytes went, when its routed experts stream (None: all resident).
+    pub fn placement(&self) -> Option<&Placement> {
+        self.placement.as_ref()
+    }
+
+    /// What the expert cache did so far, when experts stream.
+    pub fn expert_stats(&self) -> Option<CacheStats> {
+        on_session!(&self.session, s => s.expert_stats())
     }
 
     /// The CUDA device, on the CUDA backend.

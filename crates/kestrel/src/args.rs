@@ -1,12 +1,13 @@
 //! The flags several commands share, defined once: the model, the backend, quantisation on
-//! load, sampling and chat-template variables.
+//! load, memory budgets, sampling and chat-template variables.
 
 use std::path::PathBuf;
 
 use anyhow::{bail, Result};
 use clap::{Args, ValueEnum};
 use kestrel_core::quant::QuantFormat;
-use kestrel_engine::{BackendChoice, ModelSource, SamplingOverrides};
+use kestrel_engine::expert_cache::Eviction;
+use kestrel_engine::{BackendChoice, ByteSize, EngineOptions, ModelSource, SamplingOverrides};
 use kestrel_text::{GenerationConfig, SamplingParams};
 
 /// `-m DIR`: a model directory, else the built-in model.
@@ -82,6 +83,42 @@ impl QuantArgs {
             bits,
             group_size: self.group_size,
         }))
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum EvictionFlag {
+    /// The least recently used expert leaves.
+    Lru,
+    /// The least often used leaves, uses halving every 64 steps; ties by recency.
+    Freq,
+}
+
+/// `--gpu-mem`, `--host-mem`, `--expert-eviction`: memory budgets, and how experts stream when
+/// the model does not fit.
+#[derive(Args, Clone, Copy)]
+pub struct MemoryArgs {
+    /// Memory the backend may hold, e.g. 16GiB (default: on CUDA what the device has free, less
+    /// a margin; on the CPU no limit). A model larger than this streams its routed experts.
+    #[arg(long)]
+    pub gpu_mem: Option<ByteSize>,
+    /// Host memory for the experts the GPU does not hold, e.g. 64GiB (default: no limit).
+    #[arg(long)]
+    pub host_mem: Option<ByteSize>,
+    /// Which cached expert leaves when a streamed one needs its slot.
+    #[arg(long, value_enum, default_value = "lru")]
+    pub expert_eviction: EvictionFlag,
+}
+
+impl MemoryArgs {
+    /// The budgets and policy into `opts`.
+    pub fn apply(&self, opts: &mut EngineOptions) {
+        opts.gpu_mem = self.gpu_mem.map(|b| b.0);
+        opts.host_mem = self.host_mem.map(|b| b.0);
+        opts.eviction = match self.expert_eviction {
+            EvictionFlag::Lru => Eviction::Lru,
+            EvictionFlag::Freq => Eviction::FrequencyLru { half_life: 64.0 },
+        };
     }
 }
 

@@ -19,7 +19,7 @@ use kestrel_cuda::RunMode;
 use kestrel_engine::{Engine, EngineOptions, Model, ModelSource, Want};
 use kestrel_model::{footprint, SYNTHETIC_MODELS};
 
-use crate::args::{BackendArgs, QuantArgs};
+use crate::args::{BackendArgs, MemoryArgs, QuantArgs};
 use crate::stats::median;
 
 #[derive(Args)]
@@ -53,6 +53,8 @@ pub struct ModelBenchArgs {
     backend: BackendArgs,
     #[command(flatten)]
     quant: QuantArgs,
+    #[command(flatten)]
+    memory: MemoryArgs,
     /// Seed of the synthetic weights and of the benchmark's token ids.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -142,6 +144,26 @@ fn run_tests(e: &mut Engine, a: &ModelBenchArgs, rng: &mut Rng) -> Result<Vec<Te
         });
     }
     Ok(rows)
+}
+
+/// When experts stream: what the cache did over one more generation run from an empty
+/// context (hit rate, misses and bytes copied per token); null otherwise.
+fn expert_extras(e: &mut Engine, tg: usize, rng: &mut Rng) -> Result<serde_json::Value> {
+    let Some(before) = e.expert_stats() else {
+        return Ok(serde_json::Value::Null);
+    };
+    let first = ids(rng, e.config().vocab, 1)[0];
+    e.reset()?;
+    generate(e, first, tg)?;
+    let after = e.expert_stats().context("the cache went away")?;
+    let (lookups, hits) = (after.lookups - before.lookups, after.hits - before.hits);
+    let per = |n: u64| n as f64 / tg as f64;
+    Ok(serde_json::json!({
+        "slots": e.placement().map(|p| p.gpu_experts),
+        "hit_rate": hits as f64 / lookups.max(1) as f64,
+        "misses_per_token": per(after.misses - before.misses),
+        "bytes_copied_per_token": per(after.bytes_copied - before.bytes_copied),
+    }))
 }
 
 /// On CUDA: host synchronisations, graph launches and bytes read back per generated token,
@@ -247,10 +269,17 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
     opts.prefill_chunk = a.prefill_chunk;
     opts.progress = Some(Box::new(crate::progress::loading(&label)));
     let start = Instant::now();
+    a.memory.apply(&mut opts);
     let mut engine = Engine::new(model, config, opts).with_context(|| format!("opening {label}"))?;
+    crate::progress::placement(&engine);
     let backend = engine.backend();
     let rows = run_tests(&mut engine, &a, &mut rng)?;
     let tg = a.n_gen.iter().copied().max().unwrap_or(0);
+    let experts = if tg > 0 {
+        expert_extras(&mut engine, tg, &mut rng)?
+    } else {
+        serde_json::Value::Null
+    };
     let counters = if tg > 0 {
         cuda_extras(&mut engine, tg, a.profile, &mut rng)?
     } else {
@@ -290,6 +319,7 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
             "floor_tokens_per_s": floor_tps,
             "results": tests,
             "cuda_counters": counters,
+            "expert_cache": experts,
             "wall_s": total_s,
         });
         println!("{v}");
@@ -335,6 +365,9 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
     }
     if !counters.is_null() {
         println!("per generated token: {counters}");
+    }
+    if !experts.is_null() {
+        println!("expert cache, one tg{tg} run: {experts}");
     }
     Ok(std::process::ExitCode::SUCCESS)
 }

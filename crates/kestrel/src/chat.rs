@@ -17,7 +17,7 @@ use kestrel_engine::{Engine, EngineOptions, Model, Want};
 use rustyline::error::ReadlineError;
 use serde_json::{json, Value};
 
-use crate::args::{BackendArgs, ModelArgs, QuantArgs, SamplingArgs, TemplateArgs};
+use crate::args::{BackendArgs, MemoryArgs, ModelArgs, QuantArgs, SamplingArgs, TemplateArgs};
 
 #[derive(Args)]
 pub struct ChatArgs {
@@ -43,6 +43,8 @@ pub struct ChatArgs {
     backend: BackendArgs,
     #[command(flatten)]
     quant: QuantArgs,
+    #[command(flatten)]
+    memory: MemoryArgs,
 }
 
 const HELP: &str = "/help            this list
@@ -72,7 +74,9 @@ pub fn run(config: &Config, a: ChatArgs) -> Result<std::process::ExitCode> {
     opts.sampling = Some(a.sampling.params(&model.text.generation));
     opts.progress = Some(Box::new(crate::progress::loading(&label)));
     let load = Instant::now();
+    a.memory.apply(&mut opts);
     let mut engine = Engine::new(model, config, opts).with_context(|| format!("opening {label}"))?;
+    crate::progress::placement(&engine);
     engine.prepare(1, Want::LastLogits)?;
     eprintln!(
         "loaded {label} in {:.2} s; /help for commands",

@@ -11,7 +11,7 @@ use kestrel_core::Config;
 use kestrel_engine::{Engine, EngineOptions, Model, Output, Want};
 use safetensors::tensor::{serialize_to_file, Dtype, TensorView};
 
-use crate::args::{BackendArgs, ModelArgs, QuantArgs};
+use crate::args::{BackendArgs, MemoryArgs, ModelArgs, QuantArgs};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Mode {
@@ -38,6 +38,8 @@ pub struct LogitsArgs {
     prefill_chunk: Option<usize>,
     #[command(flatten)]
     quant: QuantArgs,
+    #[command(flatten)]
+    memory: MemoryArgs,
     /// Output file.
     #[arg(long)]
     out: PathBuf,
@@ -64,7 +66,9 @@ pub fn run(config: &Config, a: LogitsArgs) -> Result<std::process::ExitCode> {
     if a.mode == Mode::Prefill {
         opts.prefill_chunk = a.prefill_chunk;
     }
+    a.memory.apply(&mut opts);
     let mut engine = Engine::new(model, config, opts).with_context(|| format!("opening {label}"))?;
+    crate::progress::placement(&engine);
     let logits = |o: Output| o.into_logits().context("the step returned no logits");
     let rows = match a.mode {
         Mode::Prefill => logits(engine.step(&a.tokens, 0, Want::AllLogits)?)?,

@@ -1,9 +1,10 @@
-//! Loading progress on stderr: a progress bar on a terminal, a plain line at each quarter
-//! otherwise (logs and pipes stay readable).
+//! Loading on stderr: progress as a bar on a terminal, a plain line at each quarter otherwise
+//! (logs and pipes stay readable), and where the model's bytes went when it streams.
 
 use std::io::IsTerminal;
 
 use indicatif::{ProgressBar, ProgressStyle};
+use kestrel_engine::ByteSize;
 
 /// A callback for `Session::with_progress`: (bytes done, bytes in all).
 pub fn loading(what: &str) -> impl FnMut(u64, u64) + 'static {
@@ -39,4 +40,21 @@ pub fn loading(what: &str) -> impl FnMut(u64, u64) + 'static {
             }
         }
     }
+}
+
+/// Says on stderr that `engine`'s experts stream, and where its bytes went.
+pub fn placement(engine: &kestrel_engine::Engine) {
+    let Some(p) = engine.placement() else { return };
+    let total = p.moe_layers * p.experts_per_layer;
+    eprintln!(
+        "streaming experts: the model does not fit, so {} of its {total} routed experts ({:.0}%) \
+         are cached on the {} beside {} of resident weights, caches and activations; {} in host \
+         memory, {} on disk (--gpu-mem, --host-mem)",
+        p.gpu_experts,
+        100.0 * p.gpu_experts as f64 / total as f64,
+        engine.backend(),
+        ByteSize(p.resident_bytes),
+        p.host_experts,
+        p.disk_experts
+    );
 }

@@ -18,7 +18,7 @@ use clap::Args;
 use kestrel_core::Config;
 use kestrel_engine::{Engine, EngineOptions, Model, Want};
 
-use crate::args::{BackendArgs, ModelArgs, QuantArgs, SamplingArgs, TemplateArgs};
+use crate::args::{BackendArgs, MemoryArgs, ModelArgs, QuantArgs, SamplingArgs, TemplateArgs};
 
 #[derive(Args)]
 pub struct RunArgs {
@@ -67,6 +67,8 @@ pub struct RunArgs {
     prefill_chunk: Option<usize>,
     #[command(flatten)]
     quant: QuantArgs,
+    #[command(flatten)]
+    memory: MemoryArgs,
     /// Print one JSON object (tokens, text, timings) as the last stdout line, instead of
     /// streaming the text.
     #[arg(long)]
@@ -113,7 +115,9 @@ pub fn run(config: &Config, a: RunArgs) -> Result<std::process::ExitCode> {
     opts.sampling = Some(a.sampling.params(&model.text.generation));
     opts.ignore_eos = a.ignore_eos;
     opts.progress = Some(Box::new(crate::progress::loading(&label)));
+    a.memory.apply(&mut opts);
     let mut engine = Engine::new(model, config, opts).with_context(|| format!("opening {label}"))?;
+    crate::progress::placement(&engine);
     // The weights go to the backend with the first program.
     let chunk = a.prefill_chunk.unwrap_or(prompt.len()).max(1);
     engine.prepare(chunk.min(prompt.len()), Want::LastLogits)?;

@@ -140,3 +140,37 @@ fn a_copied_binary_runs_from_anywhere() {
     }
     let _ = std::fs::remove_dir_all(&tmp);
 }
+
+/// With a memory budget too small for every expert, `run` says it streams them and generates
+/// exactly the tokens of the resident run (CPU, greedy): the smallest budget `inspect` names,
+/// one layer's experts beside the rest, so experts are evicted every token.
+#[test]
+fn streamed_experts_generate_the_resident_tokens() {
+    let o = Command::new(env!("CARGO_BIN_EXE_kestrel"))
+        // As the CPU run holds it: f32 caches, the whole context as one prefill chunk.
+        .args(["inspect", "--ctx", "64", "--cache", "f32", "--prefill-chunk", "64"])
+        .args(["--gpu-mem", "1TiB", "--json"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let min = v["placement"]["min_gpu_bytes"].as_u64().unwrap().to_string();
+    let question = [
+        "-p",
+        "What does os.path.join do?",
+        "-n",
+        "20",
+        "--temp",
+        "0",
+        "-c",
+        "64",
+    ];
+    let (resident, _) = run(&[&question[..], &["--json"]].concat());
+    let (streamed, err) = run(&[&question[..], &["--json", "--gpu-mem", &min]].concat());
+    assert!(err.contains("streaming experts"), "{err}");
+    let tokens = |out: &str| -> Value {
+        let v: Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+        v["tokens"].clone()
+    };
+    assert_eq!(tokens(&streamed), tokens(&resident));
+}
