@@ -148,7 +148,15 @@ fn a_copied_binary_runs_from_anywhere() {
 fn streamed_experts_generate_the_resident_tokens() {
     let o = Command::new(env!("CARGO_BIN_EXE_kestrel"))
         // As the CPU run holds it: f32 caches, the whole context as one prefill chunk.
-        .args(["inspect", "--ctx", "64", "--cache", "f32", "--prefill-chunk", "64"])
+        .args([
+            "inspect",
+            "--ctx",
+            "64",
+            "--cache",
+            "f32",
+            "--prefill-chunk",
+            "64",
+        ])
         .args(["--gpu-mem", "1TiB", "--json"])
         .output()
         .unwrap();
