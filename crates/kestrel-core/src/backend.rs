@@ -13,6 +13,9 @@ pub trait Backend {
     /// A graph prepared for this backend.
     type Program;
     type Error: std::error::Error + From<CoreError> + Send + Sync + 'static;
+    /// Host memory the backend copies from fastest (page-locked on CUDA), for bytes the host
+    /// keeps and writes into buffers again and again (streamed experts).
+    type HostBuffer;
 
     fn name(&self) -> &'static str;
 
@@ -45,6 +48,22 @@ pub trait Backend {
 
     /// Runs every node in order. Inputs must have been written.
     fn run(&mut self, program: &mut Self::Program) -> Result<(), Self::Error>;
+
+    /// `bytes` of zeroed host memory of the kind [`Backend::write_from_host`] copies from fastest.
+    fn alloc_host(&mut self, bytes: usize) -> Result<Self::HostBuffer, Self::Error>;
+
+    /// The host buffer's bytes, to fill (after any copy still reading them has finished).
+    fn host_bytes_mut(host: &mut Self::HostBuffer) -> Result<&mut [u8], Self::Error>;
+
+    /// Writes `src[range]` at byte `offset` of `buf`, ordered with the runs as `write_bytes` is.
+    fn write_from_host(
+        &mut self,
+        program: &mut Self::Program,
+        buf: Buf,
+        offset: usize,
+        src: &Self::HostBuffer,
+        range: std::ops::Range<usize>,
+    ) -> Result<(), Self::Error>;
 
     /// Writes `data` at the start of `buf`: a shorter slice fills a prefix, a longer one is an
     /// error, and so is a dtype other than the buffer's.

@@ -99,6 +99,7 @@ impl CpuBackend {
 impl Backend for CpuBackend {
     type Program = CpuProgram;
     type Error = CpuError;
+    type HostBuffer = Vec<u8>;
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -142,6 +143,31 @@ impl Backend for CpuBackend {
 
     fn graph(program: &CpuProgram) -> &Graph {
         &program.graph
+    }
+
+    fn alloc_host(&mut self, bytes: usize) -> Result<Vec<u8>> {
+        Ok(vec![0; bytes])
+    }
+
+    fn host_bytes_mut(host: &mut Vec<u8>) -> Result<&mut [u8]> {
+        Ok(host)
+    }
+
+    fn write_from_host(
+        &mut self,
+        p: &mut CpuProgram,
+        buf: Buf,
+        offset: usize,
+        src: &Vec<u8>,
+        range: std::ops::Range<usize>,
+    ) -> Result<()> {
+        let bytes = src.get(range.clone()).ok_or_else(|| CoreError::OutOfBounds {
+            label: "host buffer".into(),
+            offset: range.start,
+            len: range.len(),
+            capacity: src.len(),
+        })?;
+        self.write_bytes(p, buf, offset, bytes)
     }
 
     fn write_bytes(&mut self, p: &mut CpuProgram, buf: Buf, offset: usize, bytes: &[u8]) -> Result<()> {

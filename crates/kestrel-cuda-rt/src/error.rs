@@ -60,6 +60,12 @@ pub enum CudaError {
     NoSuchModule(String),
     #[error("host data of {host_bytes} bytes does not fit in a buffer of {buffer_bytes} bytes")]
     CopyTooLong { host_bytes: usize, buffer_bytes: usize },
+    #[error("host range [{offset}, {offset}+{len}) is outside pinned memory of {host_bytes} bytes")]
+    HostRangeOutside {
+        offset: usize,
+        len: usize,
+        host_bytes: usize,
+    },
     #[error("element type mismatch: buffer holds {buffer}, host data is {host}")]
     DTypeMismatch {
         buffer: kestrel_core::DType,

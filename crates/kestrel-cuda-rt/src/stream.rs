@@ -202,6 +202,37 @@ impl Stream {
         src.track_use(self.record_event(None)?)
     }
 
+    /// Asynchronous copy of `dst.byte_len()` bytes of `src` from byte `offset` into `dst`, on
+    /// the copy engine (page-locked source).
+    pub fn upload_pinned_range(&self, dst: &Buffer, src: &PinnedBuffer<u8>, offset: usize) -> Result<()> {
+        let bytes = dst.byte_len();
+        if offset.checked_add(bytes).is_none_or(|end| end > src.len()) {
+            return Err(CudaError::HostRangeOutside {
+                offset,
+                len: bytes,
+                host_bytes: src.len(),
+            });
+        }
+        self.context()
+            .bind_to_thread()
+            .map_err(CudaError::driver("cuCtxSetCurrent"))?;
+        // SAFETY: `src` is page-locked and holds `offset + bytes` bytes (checked above); it stays
+        // allocated until the event recorded below completes (its Drop and mutable accessors
+        // wait for it); `dst` is live and `bytes` long.
+        unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                dst.device_ptr(),
+                src.as_ptr_unchecked().add(offset).cast(),
+                bytes,
+                self.cu(),
+            )
+            .result()
+        }
+        .map_err(self.map_err("cuMemcpyHtoDAsync"))?;
+        self.counters.add_bytes_h2d(bytes as u64);
+        src.track_use(self.record_event(None)?)
+    }
+
     /// Asynchronous copy into pinned memory; read it after [`PinnedBuffer::as_slice`] (which
     /// waits for the copy).
     pub fn download_pinned<T: HostType>(&self, src: &Buffer, dst: &mut PinnedBuffer<T>) -> Result<()> {

@@ -14,7 +14,7 @@ use kestrel_core::ir::{Buf, BufKind, Graph};
 use kestrel_core::planner::{Plan, Slot};
 use kestrel_core::{Backend, CoreError, DType};
 
-use kestrel_cuda_rt::{Buffer, CommandList, CudaError, Device, Graph as CudaGraph, Result};
+use kestrel_cuda_rt::{Buffer, CommandList, CudaError, Device, Graph as CudaGraph, PinnedBuffer, Result};
 
 use crate::encoder::{Encoder, Scratch};
 use crate::ops;
@@ -74,6 +74,20 @@ fn decision_inputs(graph: &Graph) -> Vec<bool> {
     precise
 }
 
+/// `len` bytes of `buf`'s storage from byte `offset` (None: the buffer has none here).
+fn byte_view(p: &CudaProgram, buf: Buf, offset: usize, len: usize) -> Result<Option<Buffer>> {
+    let Some(b) = p.buffer(buf) else { return Ok(None) };
+    let view = b.bytes().view(offset, DType::U8, len).map_err(|_| {
+        CudaError::Config(CoreError::OutOfBounds {
+            label: p.graph.decl(buf).label.clone(),
+            offset,
+            len,
+            capacity: b.byte_len(),
+        })
+    })?;
+    Ok(Some(view))
+}
+
 fn signature(d: &kestrel_core::ir::BufDecl) -> String {
     format!("{} {:?}", d.dtype, d.shape)
 }
@@ -120,6 +134,7 @@ impl CudaBackend {
 impl Backend for CudaBackend {
     type Program = CudaProgram;
     type Error = CudaError;
+    type HostBuffer = PinnedBuffer<u8>;
 
     fn name(&self) -> &'static str {
         "cuda"
@@ -223,16 +238,33 @@ impl Backend for CudaBackend {
     }
 
     fn write_bytes(&mut self, p: &mut CudaProgram, buf: Buf, offset: usize, bytes: &[u8]) -> Result<()> {
-        let Some(b) = p.buffer(buf) else { return Ok(()) };
-        let view = b.bytes().view(offset, DType::U8, bytes.len()).map_err(|_| {
-            CudaError::Config(CoreError::OutOfBounds {
-                label: p.graph.decl(buf).label.clone(),
-                offset,
-                len: bytes.len(),
-                capacity: b.byte_len(),
-            })
-        })?;
+        let Some(view) = byte_view(p, buf, offset, bytes.len())? else {
+            return Ok(());
+        };
         self.device.compute().upload(&view, bytes)
+    }
+
+    /// Page-locked, so copies from it run on the copy engine at the link's speed.
+    fn alloc_host(&mut self, bytes: usize) -> Result<PinnedBuffer<u8>> {
+        self.device.pinned::<u8>(bytes)
+    }
+
+    fn host_bytes_mut(host: &mut PinnedBuffer<u8>) -> Result<&mut [u8]> {
+        host.as_mut_slice()
+    }
+
+    fn write_from_host(
+        &mut self,
+        p: &mut CudaProgram,
+        buf: Buf,
+        offset: usize,
+        src: &PinnedBuffer<u8>,
+        range: std::ops::Range<usize>,
+    ) -> Result<()> {
+        let Some(view) = byte_view(p, buf, offset, range.len())? else {
+            return Ok(());
+        };
+        self.device.compute().upload_pinned_range(&view, src, range.start)
     }
 
     fn read_bytes(&mut self, p: &CudaProgram, buf: Buf, out: &mut [u8]) -> Result<()> {

@@ -113,10 +113,11 @@ impl<B: Backend> Prog<B> {
 }
 
 /// Experts streamed through a cache of slots: the cache's books and the experts as packed for
-/// it, per MoE layer (packed from the checkpoint when a layer first misses).
-struct Streaming {
+/// it, per MoE layer, in the host memory the backend copies from fastest (page-locked on CUDA;
+/// packed from the checkpoint when a layer first misses).
+struct Streaming<H> {
     cache: ExpertCache,
-    store: Vec<Option<Vec<u8>>>,
+    store: Vec<Option<H>>,
 }
 
 pub struct Session<B: Backend> {
@@ -132,7 +133,7 @@ pub struct Session<B: Backend> {
     /// Prepared programs by (tokens, outputs).
     programs: HashMap<Key, Prog<B>>,
     /// Routed experts read through a cache of slots instead of all resident.
-    streaming: Option<Streaming>,
+    streaming: Option<Streaming<B::HostBuffer>>,
     /// Told (bytes done, bytes in all) while the weights upload.
     progress: Option<Box<dyn FnMut(u64, u64)>>,
     /// Sample on the backend with these settings (see [`Session::with_sampling`]).
@@ -230,7 +231,7 @@ impl<B: Backend> Session<B> {
         }
         self.streaming = Some(Streaming {
             cache: ExpertCache::new(slots, 0, policy),
-            store: vec![None; layers],
+            store: (0..layers).map(|_| None).collect(),
         });
         Ok(self)
     }
@@ -460,7 +461,7 @@ fn bring_experts<B: Backend>(
     p: &mut B::Program,
     f: &Forward,
     i: usize,
-    streaming: &mut Streaming,
+    streaming: &mut Streaming<B::HostBuffer>,
     weights: &Weights,
 ) -> Result<()> {
     let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
@@ -475,13 +476,19 @@ fn bring_experts<B: Backend>(
     if !resolved.misses.is_empty() {
         let store = match &mut streaming.store[i] {
             Some(s) => s,
-            none => none.insert(pack_experts(weights, &step.mlp, &step.layout)?),
+            none => {
+                let packed = pack_experts(weights, &step.mlp, &step.layout)?;
+                let mut host = backend.alloc_host(packed.len()).map_err(backend_err)?;
+                B::host_bytes_mut(&mut host)
+                    .map_err(backend_err)?
+                    .copy_from_slice(&packed);
+                none.insert(host)
+            }
         };
         for m in &resolved.misses {
             let e = m.expert as usize;
-            let bytes = &store[e * span..(e + 1) * span];
             backend
-                .write_bytes(p, cache, m.slot as usize * span, bytes)
+                .write_from_host(p, cache, m.slot as usize * span, store, e * span..(e + 1) * span)
                 .map_err(backend_err)?;
         }
     }
