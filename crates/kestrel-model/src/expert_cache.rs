@@ -68,16 +68,21 @@ pub enum CacheError {
     TooFewSlots { needed: usize, slots: usize },
 }
 
-/// A use count that fades: `count` at step `at`.
+/// A use count that fades: `count` at step `at`, and the same as a score that compares alike
+/// at every later step: `log2(count) + at / half_life` (the fading `- now / half_life` is
+/// common to all), so finding a victim needs no exponentials.
 #[derive(Debug, Clone, Copy)]
 struct Uses {
     count: f64,
     at: u64,
+    score: f64,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
 struct Slot {
     holds: Option<(usize, u32)>,
+    /// Its expert's `Uses::score` (frequency-weighted LRU).
+    score: f64,
     last_use: u64,
     /// The step that pinned it last (it may not be evicted in that step).
     pinned_at: u64,
@@ -151,10 +156,8 @@ impl ExpertCache {
             .filter(|(_, s)| s.pinned_at != self.step);
         let chosen = match self.policy {
             Eviction::Lru => candidates.min_by_key(|(_, s)| s.last_use),
-            Eviction::FrequencyLru { .. } => candidates.min_by(|(_, a), (_, b)| {
-                let (wa, wb) = (self.weight(a.holds.unwrap()), self.weight(b.holds.unwrap()));
-                wa.total_cmp(&wb).then(a.last_use.cmp(&b.last_use))
-            }),
+            Eviction::FrequencyLru { .. } => candidates
+                .min_by(|(_, a), (_, b)| a.score.total_cmp(&b.score).then(a.last_use.cmp(&b.last_use))),
         };
         chosen
             .map(|(i, _)| i)
@@ -183,7 +186,20 @@ impl ExpertCache {
         for &e in &distinct {
             let key = (layer, e);
             let count = self.weight(key) + 1.0;
-            self.uses.insert(key, Uses { count, at: step });
+            let score = match self.policy {
+                Eviction::FrequencyLru { half_life } => {
+                    count.log2() + step as f64 / half_life.max(f64::MIN_POSITIVE)
+                }
+                Eviction::Lru => 0.0,
+            };
+            self.uses.insert(
+                key,
+                Uses {
+                    count,
+                    at: step,
+                    score,
+                },
+            );
             self.stats.lookups += 1;
             match self.map.get(&key) {
                 Some(&slot) => {
@@ -191,6 +207,7 @@ impl ExpertCache {
                     let s = &mut self.slots[slot as usize];
                     s.last_use = step;
                     s.pinned_at = step;
+                    s.score = score;
                 }
                 None => missed.push(e),
             }
@@ -205,6 +222,7 @@ impl ExpertCache {
             }
             self.slots[i] = Slot {
                 holds: Some((layer, e)),
+                score: self.uses[&(layer, e)].score,
                 last_use: step,
                 pinned_at: step,
             };
