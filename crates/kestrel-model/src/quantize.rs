@@ -311,6 +311,67 @@ fn quantize_group(
     Ok(out.into_iter().collect())
 }
 
+/// Refuses a destination that holds anything: writing a model never overwrites a file the
+/// program did not create. A missing folder is fine (it is created when writing starts).
+pub fn check_empty_dst(dst: &Path) -> Result<()> {
+    let refuse = |reason: &str| ModelError::Weights {
+        path: dst.to_path_buf(),
+        reason: reason.into(),
+    };
+    match std::fs::read_dir(dst) {
+        Ok(mut entries) => match entries.next() {
+            None => Ok(()),
+            Some(_) => Err(refuse("is not empty; not writing a model into it")),
+        },
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(_) if dst.exists() => Err(refuse("is not a folder we can read")),
+        Err(error) => Err(ModelError::Io {
+            path: dst.to_path_buf(),
+            error,
+        }),
+    }
+}
+
+/// Writes `weights` and `config` (the `config.json` object) as the model directory `dst`:
+/// safetensors shards of about `shard_bytes` each, a layer's tensors together, their index when
+/// there are several, and `config.json`. `dst` must be missing or empty ([`check_empty_dst`]).
+/// Returns the bytes of tensor data written.
+pub fn write_model_dir(dst: &Path, config: &Value, weights: &Weights, shard_bytes: usize) -> Result<usize> {
+    check_empty_dst(dst)?;
+    std::fs::create_dir_all(dst).map_err(|error| ModelError::Io {
+        path: dst.to_path_buf(),
+        error,
+    })?;
+    let mut groups: BTreeMap<Option<usize>, Vec<&str>> = BTreeMap::new();
+    for name in weights.names() {
+        groups.entry(layer_of(name)).or_default().push(name);
+    }
+    let mut order: Vec<Option<usize>> = groups.keys().copied().filter(Option::is_some).collect();
+    order.extend(groups.contains_key(&None).then_some(None));
+    let mut shards = Shards::new(dst, shard_bytes);
+    for key in order {
+        let mut group = Vec::with_capacity(groups[&key].len());
+        for &name in &groups[&key] {
+            let t = weights.get(name)?;
+            let out = Out {
+                dtype: st_dtype(t.dtype),
+                shape: t.shape.to_vec(),
+                data: t.bytes.to_vec(),
+            };
+            group.push((name.to_string(), out));
+        }
+        shards.add(group)?;
+    }
+    let bytes = shards.bytes;
+    shards.finish()?;
+    let pretty = serde_json::to_string_pretty(config).map_err(|e| ModelError::Json(e.to_string()))?;
+    std::fs::write(dst.join("config.json"), pretty).map_err(|error| ModelError::Io {
+        path: dst.join("config.json"),
+        error,
+    })?;
+    Ok(bytes)
+}
+
 /// Output files being written: tensors gather until the next group would pass the limit.
 struct Shards<'a> {
     dst: &'a Path,

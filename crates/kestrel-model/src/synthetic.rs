@@ -395,11 +395,23 @@ pub fn synthetic_model(
     format: QuantFormat,
     seed: u64,
 ) -> Result<(ModelConfig, Weights)> {
+    let (_, config, weights) = synthetic_model_json(name, layers, format, seed)?;
+    Ok((config, weights))
+}
+
+/// The same, with the `config.json` object a directory of it holds (see `write_model_dir`).
+pub fn synthetic_model_json(
+    name: &str,
+    layers: Option<usize>,
+    format: QuantFormat,
+    seed: u64,
+) -> Result<(Value, ModelConfig, Weights)> {
     let mut json = synthetic_config_json(name, layers)?;
     let dense = ModelConfig::from_json(&json.to_string())?;
     let (weights, quant) = synthetic_weights(&dense, format, seed)?;
     let obj = json.as_object_mut().expect("published configs are objects");
     obj.insert("quantization".into(), quant.clone());
     obj.insert("quantization_config".into(), quant);
-    Ok((ModelConfig::from_json(&json.to_string())?, weights))
+    let config = ModelConfig::from_json(&json.to_string())?;
+    Ok((json, config, weights))
 }

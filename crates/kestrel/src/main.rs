@@ -1,7 +1,7 @@
 //! The `kestrel` command line: `doctor` checks the CUDA set-up, `bench` measures (a model's
 //! tokens/s, the runtime, the hot ops), `logits` runs a model directory over a token sequence,
 //! `run` generates from a prompt, `chat` holds a conversation, `inspect` describes a model
-//! directory, `quantize` rewrites one at 4 or 8 bits.
+//! directory, `quantize` rewrites one at 4 or 8 bits, `synth` writes a random one at real shapes.
 
 mod args;
 mod bench;
@@ -15,6 +15,7 @@ mod progress;
 mod quantize;
 mod run;
 mod stats;
+mod synth;
 
 use clap::{Parser, Subcommand};
 use kestrel_core::Config;
@@ -56,6 +57,8 @@ enum Command {
     Inspect(inspect::InspectArgs),
     /// Rewrite a dense model directory as an MLX-format quantised one.
     Quantize(quantize::QuantizeArgs),
+    /// Write a named real configuration with random weights as an MLX-format model directory.
+    Synth(synth::SynthArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -78,6 +81,7 @@ fn main() -> std::process::ExitCode {
         Command::Chat(args) => chat::run(&config, args),
         Command::Inspect(args) => inspect::run(args),
         Command::Quantize(args) => quantize::run(args),
+        Command::Synth(args) => synth::run(args),
     };
     match outcome {
         Ok(code) => code,
