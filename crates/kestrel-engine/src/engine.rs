@@ -215,7 +215,9 @@ impl Engine {
         ) -> Result<Session<B>> {
             let mut s = s.with_quant(opts.quant);
             if let Some(p) = placement {
-                s = s.with_expert_cache(p.gpu_experts, opts.eviction)?;
+                s = s
+                    .with_expert_cache(p.gpu_experts, opts.eviction)?
+                    .with_host_layers(p.host_layers(opts.host_mem));
             }
             if let Some(params) = opts.sampling {
                 s = s.with_sampling(params);

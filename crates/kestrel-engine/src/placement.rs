@@ -99,7 +99,8 @@ pub struct Placement {
     pub top_k: usize,
     /// Experts the GPU holds: all of them when the model fits, else the cache's slots.
     pub gpu_experts: usize,
-    /// Experts outside the GPU, in host memory and on disk.
+    /// Where the streamed experts are copied from: host memory, whole layers up to the host
+    /// budget (the first layers to miss), and the checkpoint on disk for the other layers.
     pub host_experts: usize,
     pub disk_experts: usize,
     /// Bytes a decode token copies to the GPU if routing were uniform (each routed expert hits
@@ -111,6 +112,12 @@ impl Placement {
     /// Every expert on the GPU: nothing streams.
     pub fn resident(&self) -> bool {
         self.gpu_experts == self.moe_layers * self.experts_per_layer
+    }
+
+    /// MoE layers whose experts `host_bytes` of host memory holds (None: all).
+    pub fn host_layers(&self, host_bytes: Option<u64>) -> usize {
+        let layer = (self.experts_per_layer as u64 * self.expert_span).max(1);
+        host_bytes.map_or(self.moe_layers, |h| ((h / layer) as usize).min(self.moe_layers))
     }
 
     /// The smallest GPU budget that streams: the resident bytes and one layer's experts (a
@@ -198,12 +205,8 @@ impl Placement {
             ));
         }
         p.gpu_experts = (((gpu_bytes - resident_bytes) / span) as usize).min(total);
-        let outside = total - p.gpu_experts;
-        p.host_experts = match host_bytes {
-            Some(h) => ((h / span) as usize).min(outside),
-            None => outside,
-        };
-        p.disk_experts = outside - p.host_experts;
+        p.host_experts = p.host_layers(host_bytes) * per_layer;
+        p.disk_experts = total - p.host_experts;
         let miss = 1.0 - p.gpu_experts as f64 / total as f64;
         p.uniform_bytes_per_token = (layers * top_k) as f64 * miss * span as f64;
         Ok(p)

@@ -48,13 +48,22 @@ fn a_smaller_budget_caches_what_fits_and_streams_the_rest() {
     let p = Placement::plan(&m.config, &m.weights, SHAPE, budget, None).unwrap();
     assert!(!p.resident());
     assert_eq!(p.gpu_experts, slots);
-    assert_eq!((p.host_experts, p.disk_experts), (total - slots, 0));
+    assert_eq!(
+        (p.host_experts, p.disk_experts),
+        (total, 0),
+        "every layer in host memory"
+    );
     let miss = 1.0 - slots as f64 / total as f64;
     let want = (p.moe_layers * p.top_k) as f64 * miss * p.expert_span as f64;
     assert!((p.uniform_bytes_per_token - want).abs() < 1e-6);
-    // A host budget of three experts puts the others on disk.
-    let h = Placement::plan(&m.config, &m.weights, SHAPE, budget, Some(3 * p.expert_span + 1)).unwrap();
-    assert_eq!((h.host_experts, h.disk_experts), (3, total - slots - 3));
+    // Host memory for one layer and a bit: one layer there, the others read from disk.
+    let layer = p.experts_per_layer as u64 * p.expert_span;
+    let h = Placement::plan(&m.config, &m.weights, SHAPE, budget, Some(layer + layer / 2)).unwrap();
+    assert_eq!(h.host_layers(Some(layer + layer / 2)), 1);
+    assert_eq!(
+        (h.host_experts, h.disk_experts),
+        (p.experts_per_layer, total - p.experts_per_layer)
+    );
 }
 
 #[test]

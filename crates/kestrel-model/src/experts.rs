@@ -245,9 +245,8 @@ fn put_bf16(span: &mut [u8], at: MatrixSpan, v: &[f32]) {
     }
 }
 
-/// The experts of the MoE block at `mlp` (`model.layers.3.mlp`), packed as `layout` lays them
-/// out: `layout.total_bytes()` bytes, expert `e`'s span at `e * layout.span_bytes()`.
-pub fn pack_experts(w: &Weights, mlp: &str, layout: &ExpertLayout) -> Result<Vec<u8>> {
+/// Where the experts of `mlp` come from, once their format is known to fit `layout`.
+fn checked_source(w: &Weights, mlp: &str, layout: &ExpertLayout) -> Result<ExpertSource> {
     let src = expert_source(w, mlp)?;
     if let ExpertFormat::Quant(q) = layout.format {
         for m in Which::ALL {
@@ -260,36 +259,62 @@ pub fn pack_experts(w: &Weights, mlp: &str, layout: &ExpertLayout) -> Result<Vec
             }
         }
     }
+    Ok(src)
+}
+
+/// Expert `e` of `mlp` packed into its span `dst` (`layout.span_bytes()` bytes).
+fn pack_into(
+    w: &Weights,
+    mlp: &str,
+    layout: &ExpertLayout,
+    src: ExpertSource,
+    e: usize,
+    dst: &mut [u8],
+) -> Result<()> {
+    for m in Which::ALL {
+        let at = m.span(layout);
+        let (rows, cols) = m.dims(layout);
+        match (src, layout.format) {
+            (ExpertSource::MlxSwitch, ExpertFormat::Quant(want)) => {
+                let q = mlx_matrix(w, mlp, layout, e, m)?;
+                if q.format != want {
+                    return Err(ModelError::Tensor {
+                        name: format!("{mlp}.switch_mlp.{}.weight", m.name()),
+                        reason: format!("stored as {:?}, the layout wants {want:?}", q.format),
+                    });
+                }
+                put_quant(dst, at, &q);
+            }
+            (ExpertSource::MlxSwitch, ExpertFormat::Bf16) => {
+                put_bf16(dst, at, &mlx_matrix(w, mlp, layout, e, m)?.dequantize());
+            }
+            (_, ExpertFormat::Bf16) => put_bf16(dst, at, &dense_matrix(w, mlp, src, layout, e, m)?),
+            (_, ExpertFormat::Quant(q)) => {
+                let v = dense_matrix(w, mlp, src, layout, e, m)?;
+                put_quant(dst, at, &QuantMatrix::quantize(&v, rows, cols, q));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Expert `e` of `mlp` alone, packed as in [`pack_experts`]: `layout.span_bytes()` bytes,
+/// read from the checkpoint (what a streamed expert outside the host tier costs).
+pub fn pack_expert(w: &Weights, mlp: &str, layout: &ExpertLayout, e: usize) -> Result<Vec<u8>> {
+    let src = checked_source(w, mlp, layout)?;
+    let mut out = vec![0u8; layout.span_bytes()];
+    pack_into(w, mlp, layout, src, e, &mut out)?;
+    Ok(out)
+}
+
+/// The experts of the MoE block at `mlp` (`model.layers.3.mlp`), packed as `layout` lays them
+/// out: `layout.total_bytes()` bytes, expert `e`'s span at `e * layout.span_bytes()`.
+pub fn pack_experts(w: &Weights, mlp: &str, layout: &ExpertLayout) -> Result<Vec<u8>> {
+    let src = checked_source(w, mlp, layout)?;
     let span = layout.span_bytes();
     let mut out = vec![0u8; layout.total_bytes()];
     out.par_chunks_mut(span)
         .enumerate()
-        .try_for_each(|(e, dst)| -> Result<()> {
-            for m in Which::ALL {
-                let at = m.span(layout);
-                let (rows, cols) = m.dims(layout);
-                match (src, layout.format) {
-                    (ExpertSource::MlxSwitch, ExpertFormat::Quant(want)) => {
-                        let q = mlx_matrix(w, mlp, layout, e, m)?;
-                        if q.format != want {
-                            return Err(ModelError::Tensor {
-                                name: format!("{mlp}.switch_mlp.{}.weight", m.name()),
-                                reason: format!("stored as {:?}, the layout wants {want:?}", q.format),
-                            });
-                        }
-                        put_quant(dst, at, &q);
-                    }
-                    (ExpertSource::MlxSwitch, ExpertFormat::Bf16) => {
-                        put_bf16(dst, at, &mlx_matrix(w, mlp, layout, e, m)?.dequantize());
-                    }
-                    (_, ExpertFormat::Bf16) => put_bf16(dst, at, &dense_matrix(w, mlp, src, layout, e, m)?),
-                    (_, ExpertFormat::Quant(q)) => {
-                        let v = dense_matrix(w, mlp, src, layout, e, m)?;
-                        put_quant(dst, at, &QuantMatrix::quantize(&v, rows, cols, q));
-                    }
-                }
-            }
-            Ok(())
-        })?;
+        .try_for_each(|(e, dst)| pack_into(w, mlp, layout, src, e, dst))?;
     Ok(out)
 }

@@ -16,7 +16,7 @@ use kestrel_core::{Backend, DType};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::expert_cache::{CacheStats, Eviction, ExpertCache};
-use crate::experts::pack_experts;
+use crate::experts::{pack_expert, pack_experts};
 use crate::graph::{Forward, ForwardSpec};
 use crate::weights::Weights;
 
@@ -112,12 +112,17 @@ impl<B: Backend> Prog<B> {
     }
 }
 
-/// Experts streamed through a cache of slots: the cache's books and the experts as packed for
-/// it, per MoE layer, in the host memory the backend copies from fastest (page-locked on CUDA;
-/// packed from the checkpoint when a layer first misses).
+/// Experts streamed through a cache of slots: the cache's books and the host tier, each MoE
+/// layer's experts as packed for the cache in the host memory the backend copies from fastest
+/// (page-locked on CUDA; packed from the checkpoint when a layer first misses), for as many
+/// layers as the host budget allows. The other layers' missed experts are packed one by one
+/// from the checkpoint (its files, through the page cache) on every miss.
 struct Streaming<H> {
     cache: ExpertCache,
     store: Vec<Option<H>>,
+    /// Layers the host tier may hold, and holds.
+    host_layers: usize,
+    held: usize,
 }
 
 pub struct Session<B: Backend> {
@@ -232,8 +237,19 @@ impl<B: Backend> Session<B> {
         self.streaming = Some(Streaming {
             cache: ExpertCache::new(slots, 0, policy),
             store: (0..layers).map(|_| None).collect(),
+            host_layers: layers,
+            held: 0,
         });
         Ok(self)
+    }
+
+    /// With streamed experts: hold at most `layers` MoE layers' experts in host memory (the
+    /// first ones to miss); the others' misses are read from the checkpoint each time.
+    pub fn with_host_layers(mut self, layers: usize) -> Session<B> {
+        if let Some(st) = &mut self.streaming {
+            st.host_layers = layers;
+        }
+        self
     }
 
     /// What the expert cache did so far (None unless experts stream).
@@ -473,24 +489,25 @@ fn bring_experts<B: Backend>(
         key: "expert cache".into(),
         reason: e.to_string(),
     })?;
-    if !resolved.misses.is_empty() {
-        let store = match &mut streaming.store[i] {
-            Some(s) => s,
-            none => {
-                let packed = pack_experts(weights, &step.mlp, &step.layout)?;
-                let mut host = backend.alloc_host(packed.len()).map_err(backend_err)?;
-                B::host_bytes_mut(&mut host)
-                    .map_err(backend_err)?
-                    .copy_from_slice(&packed);
-                none.insert(host)
-            }
-        };
-        for m in &resolved.misses {
-            let e = m.expert as usize;
-            backend
-                .write_from_host(p, cache, m.slot as usize * span, store, e * span..(e + 1) * span)
-                .map_err(backend_err)?;
+    if resolved.misses.is_empty() {
+        return backend.upload(p, step.ids, &resolved.slots).map_err(backend_err);
+    }
+    if streaming.store[i].is_none() && streaming.held < streaming.host_layers {
+        let packed = pack_experts(weights, &step.mlp, &step.layout)?;
+        let mut host = backend.alloc_host(packed.len()).map_err(backend_err)?;
+        B::host_bytes_mut(&mut host)
+            .map_err(backend_err)?
+            .copy_from_slice(&packed);
+        streaming.store[i] = Some(host);
+        streaming.held += 1;
+    }
+    for m in &resolved.misses {
+        let (e, at) = (m.expert as usize, m.slot as usize * span);
+        match &streaming.store[i] {
+            Some(store) => backend.write_from_host(p, cache, at, store, e * span..(e + 1) * span),
+            None => backend.write_bytes(p, cache, at, &pack_expert(weights, &step.mlp, &step.layout, e)?),
         }
+        .map_err(backend_err)?;
     }
     backend.upload(p, step.ids, &resolved.slots).map_err(backend_err)
 }

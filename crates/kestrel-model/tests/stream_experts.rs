@@ -2,7 +2,8 @@
 //! before each MoE layer's experts, the router's choice read back, misses copied in, the
 //! slots written where the ids were) computes exactly what the resident session computes: the
 //! same logits bit for bit on the CPU backend, for every fixture with experts, over a chunked
-//! prefill and greedy decode steps, with a cache so small that every step evicts; on CUDA
+//! prefill and greedy decode steps, with a cache so small that every step evicts and with the
+//! experts in host memory or read from the checkpoint on each miss; on CUDA
 //! (graph replay of each segment, bf16 caches) the same within float summation order.
 
 mod common;
@@ -48,13 +49,22 @@ fn streamed_experts_compute_the_resident_logits() {
         };
         let (prompt, _, _) = reference(name);
         let want = logits(&mut session(name), &prompt);
-        for (slots, policy) in [
-            (moe.experts, Eviction::Lru),
-            (moe.experts + 3, Eviction::FrequencyLru { half_life: 4.0 }),
+        // Host tiers of every layer, one layer (the rest read from the checkpoint on each miss)
+        // and none.
+        for (slots, policy, host_layers) in [
+            (moe.experts, Eviction::Lru, usize::MAX),
+            (moe.experts + 3, Eviction::FrequencyLru { half_life: 4.0 }, 1),
+            (moe.experts, Eviction::Lru, 0),
         ] {
-            let mut s = session(name).with_expert_cache(slots, policy).unwrap();
+            let mut s = session(name)
+                .with_expert_cache(slots, policy)
+                .unwrap()
+                .with_host_layers(host_layers);
             let got = logits(&mut s, &prompt);
-            assert!(got == want, "{name}, {slots} slots, {policy:?}: logits differ");
+            assert!(
+                got == want,
+                "{name}, {slots} slots, {policy:?}, {host_layers} host layers: logits differ"
+            );
             let stats = s.expert_stats().unwrap();
             assert!(stats.misses > 0 && stats.evictions > 0, "{name}: {stats:?}");
             assert_eq!(stats.hits + stats.misses, stats.lookups);

@@ -224,7 +224,7 @@ pub fn run(a: InspectArgs) -> Result<std::process::ExitCode> {
             );
         } else {
             println!(
-                "placement         {gpu} of GPU: {} resident (weights {}, caches, activations), a cache of {} of the {total} experts ({:.0}%, {} each); {} experts in host memory, {} on disk",
+                "placement         {gpu} of GPU: {} resident (weights {}, caches, activations), a cache of {} of the {total} experts ({:.0}%, {} each); streamed from host memory for {} experts, from disk for {}",
                 size(p.resident_bytes),
                 size(p.resident_weight_bytes),
                 p.gpu_experts,

@@ -48,8 +48,8 @@ pub fn placement(engine: &kestrel_engine::Engine) {
     let total = p.moe_layers * p.experts_per_layer;
     eprintln!(
         "streaming experts: the model does not fit, so {} of its {total} routed experts ({:.0}%) \
-         are cached on the {} beside {} of resident weights, caches and activations; {} in host \
-         memory, {} on disk (--gpu-mem, --host-mem)",
+         are cached on the {} beside {} of resident weights, caches and activations; the others \
+         come from host memory ({} experts) or the checkpoint on disk ({}) (--gpu-mem, --host-mem)",
         p.gpu_experts,
         100.0 * p.gpu_experts as f64 / total as f64,
         engine.backend(),
