@@ -293,6 +293,12 @@ impl Engine {
         on_session!(&self.session, s => s.expert_stats())
     }
 
+    /// Why streamed experts come from slower memory than planned (page-locked host memory ran
+    /// out), if they do: for the front end to show as a warning.
+    pub fn host_tier_note(&self) -> Option<String> {
+        on_session!(&self.session, s => s.host_tier_note().map(str::to_string))
+    }
+
     /// The CUDA device, on the CUDA backend.
     pub fn device(&self) -> Option<&Device> {
         self.device.as_ref()

@@ -123,6 +123,8 @@ struct Streaming<H> {
     /// Layers the host tier may hold, and holds.
     host_layers: usize,
     held: usize,
+    /// Why the host tier holds fewer layers than it was given, if it does.
+    note: Option<String>,
 }
 
 pub struct Session<B: Backend> {
@@ -239,6 +241,7 @@ impl<B: Backend> Session<B> {
             store: (0..layers).map(|_| None).collect(),
             host_layers: layers,
             held: 0,
+            note: None,
         });
         Ok(self)
     }
@@ -250,6 +253,12 @@ impl<B: Backend> Session<B> {
             st.host_layers = layers;
         }
         self
+    }
+
+    /// Why the host tier of streamed experts holds fewer layers than it was given (its memory
+    /// ran out), if it does.
+    pub fn host_tier_note(&self) -> Option<&str> {
+        self.streaming.as_ref()?.note.as_deref()
     }
 
     /// What the expert cache did so far (None unless experts stream).
@@ -494,12 +503,25 @@ fn bring_experts<B: Backend>(
     }
     if streaming.store[i].is_none() && streaming.held < streaming.host_layers {
         let packed = pack_experts(weights, &step.mlp, &step.layout)?;
-        let mut host = backend.alloc_host(packed.len()).map_err(backend_err)?;
-        B::host_bytes_mut(&mut host)
-            .map_err(backend_err)?
-            .copy_from_slice(&packed);
-        streaming.store[i] = Some(host);
-        streaming.held += 1;
+        match backend.alloc_host(packed.len()) {
+            Ok(mut host) => {
+                B::host_bytes_mut(&mut host)
+                    .map_err(backend_err)?
+                    .copy_from_slice(&packed);
+                streaming.store[i] = Some(host);
+                streaming.held += 1;
+            }
+            // Out of (page-locked) host memory: this layer and the ones not yet held are read
+            // from the checkpoint on each miss instead, and the session says so.
+            Err(e) => {
+                streaming.note = Some(format!(
+                    "host memory for experts ran out after {} of {} layers ({e}); the other layers' \
+                     experts are read from the checkpoint on each miss",
+                    streaming.held, streaming.host_layers
+                ));
+                streaming.host_layers = streaming.held;
+            }
+        }
     }
     for m in &resolved.misses {
         let (e, at) = (m.expert as usize, m.slot as usize * span);

@@ -119,3 +119,105 @@ fn streamed_experts_compute_the_resident_logits_on_cuda() {
         assert!(s.expert_stats().unwrap().evictions > 0, "{name}");
     }
 }
+
+/// The CPU backend whose host memory runs out after `host_allocs` allocations.
+struct ScarceHost {
+    cpu: CpuBackend,
+    host_allocs: usize,
+}
+
+impl Backend for ScarceHost {
+    type Program = <CpuBackend as Backend>::Program;
+    type Error = <CpuBackend as Backend>::Error;
+    type HostBuffer = <CpuBackend as Backend>::HostBuffer;
+
+    fn name(&self) -> &'static str {
+        "scarce-host cpu"
+    }
+
+    fn prepare(&mut self, graph: &kestrel_core::ir::Graph) -> Result<Self::Program, Self::Error> {
+        self.cpu.prepare(graph)
+    }
+
+    fn graph(program: &Self::Program) -> &kestrel_core::ir::Graph {
+        CpuBackend::graph(program)
+    }
+
+    fn write_bytes(
+        &mut self,
+        p: &mut Self::Program,
+        buf: kestrel_core::ir::Buf,
+        offset: usize,
+        bytes: &[u8],
+    ) -> Result<(), Self::Error> {
+        self.cpu.write_bytes(p, buf, offset, bytes)
+    }
+
+    fn read_bytes(
+        &mut self,
+        p: &Self::Program,
+        buf: kestrel_core::ir::Buf,
+        out: &mut [u8],
+    ) -> Result<(), Self::Error> {
+        self.cpu.read_bytes(p, buf, out)
+    }
+
+    fn run(&mut self, p: &mut Self::Program) -> Result<(), Self::Error> {
+        self.cpu.run(p)
+    }
+
+    fn alloc_host(&mut self, bytes: usize) -> Result<Self::HostBuffer, Self::Error> {
+        if self.host_allocs == 0 {
+            return Err(kestrel_core::CoreError::OutOfBounds {
+                label: "host memory (this test's limit)".into(),
+                offset: 0,
+                len: bytes,
+                capacity: 0,
+            }
+            .into());
+        }
+        self.host_allocs -= 1;
+        self.cpu.alloc_host(bytes)
+    }
+
+    fn host_bytes_mut(host: &mut Self::HostBuffer) -> Result<&mut [u8], Self::Error> {
+        CpuBackend::host_bytes_mut(host)
+    }
+
+    fn write_from_host(
+        &mut self,
+        p: &mut Self::Program,
+        buf: kestrel_core::ir::Buf,
+        offset: usize,
+        src: &Self::HostBuffer,
+        range: std::ops::Range<usize>,
+    ) -> Result<(), Self::Error> {
+        self.cpu.write_from_host(p, buf, offset, src, range)
+    }
+}
+
+#[test]
+fn host_memory_running_out_falls_back_to_the_checkpoint_and_says_so() {
+    let name = "qwen3_next";
+    let c = ModelConfig::from_dir(&dir(name)).unwrap();
+    let experts = c.moe.as_ref().unwrap().experts;
+    let (prompt, _, _) = reference(name);
+    let want = logits(&mut session(name), &prompt);
+    let scarce = ScarceHost {
+        cpu: CpuBackend::new(),
+        host_allocs: 1,
+    };
+    let mut s = Session::open(&dir(name), scarce, 64, DType::F32)
+        .unwrap()
+        .with_prefill_chunk(Some(5))
+        .unwrap()
+        .with_expert_cache(experts, Eviction::Lru)
+        .unwrap();
+    assert!(s.host_tier_note().is_none());
+    assert!(logits(&mut s, &prompt) == want, "the fallback changed the logits");
+    let note = s.host_tier_note().expect("the shortfall is noted");
+    assert!(
+        note.contains("ran out after 1 of") && note.contains("checkpoint"),
+        "{note}"
+    );
+}

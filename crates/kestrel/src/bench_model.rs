@@ -286,6 +286,7 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
         serde_json::Value::Null
     };
     let total_s = start.elapsed().as_secs_f64();
+    crate::progress::host_tier_warning(&engine);
     // The floor of a decode step, on CUDA: the bytes it reads over the device's copy bandwidth.
     let ceilings = engine.device().map(|d| d.ceilings()).transpose()?;
     let floor_tps = ceilings.map(|c| c.copy_bytes_per_s / fp.active_bytes.max(1) as f64);

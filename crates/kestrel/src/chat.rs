@@ -93,6 +93,8 @@ pub fn run(config: &Config, a: ChatArgs) -> Result<std::process::ExitCode> {
     let mut editor = rustyline::DefaultEditor::new().context("opening the line editor")?;
     let mut system = a.system.clone();
     let mut messages = start(&system);
+    // The host tier's shortfall is said once, after the turn that met it.
+    let mut warned = false;
     let mut stdout = |s: &str| -> std::io::Result<()> {
         let mut out = std::io::stdout().lock();
         out.write_all(s.as_bytes())?;
@@ -153,6 +155,10 @@ pub fn run(config: &Config, a: ChatArgs) -> Result<std::process::ExitCode> {
             turn.stop_reason.as_str()
         );
         messages.push(json!({"role": "assistant", "content": turn.text.unwrap_or_default()}));
+        if !warned && engine.host_tier_note().is_some() {
+            crate::progress::host_tier_warning(&engine);
+            warned = true;
+        }
     }
     Ok(std::process::ExitCode::SUCCESS)
 }

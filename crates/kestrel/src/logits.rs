@@ -86,5 +86,6 @@ pub fn run(config: &Config, a: LogitsArgs) -> Result<std::process::ExitCode> {
         a.tokens.len(),
         a.out.display()
     );
+    crate::progress::host_tier_warning(&engine);
     Ok(std::process::ExitCode::SUCCESS)
 }

@@ -58,3 +58,10 @@ pub fn placement(engine: &kestrel_engine::Engine) {
         p.disk_experts
     );
 }
+
+/// Warns on stderr when streamed experts come from slower memory than planned.
+pub fn host_tier_warning(engine: &kestrel_engine::Engine) {
+    if let Some(note) = engine.host_tier_note() {
+        eprintln!("warning: {note}");
+    }
+}

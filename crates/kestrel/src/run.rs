@@ -176,5 +176,6 @@ pub fn run(config: &Config, a: RunArgs) -> Result<std::process::ExitCode> {
             t.stop_reason.as_str()
         );
     }
+    crate::progress::host_tier_warning(&engine);
     Ok(std::process::ExitCode::SUCCESS)
 }
