@@ -2,7 +2,9 @@
 //! program, and forward passes over chunks of tokens at given positions (KV caches and recurrent
 //! states persist between them on the backend). Positions are data, not part of a graph, so a
 //! program is prepared once per chunk length and replayed: every decode step after the first
-//! is one run of the same program (one CUDA graph replay).
+//! is one run of the same program (one CUDA graph replay). With an expert cache, the routed
+//! experts stream: each program runs as segments cut before every MoE layer's experts, and
+//! between them the host brings the chosen experts into the cache.
 
 use std::collections::HashMap;
 use std::path::Path;
