@@ -13,8 +13,10 @@
 //! | `KESTREL_WGMMA` | bool | `true` | on sm_90 GPUs, grouped expert GEMMs and quantised products of many tokens on Hopper's warpgroup tensor-core instructions (`off` takes the `mma.sync` kernels other GPUs use) |
 //!
 //! Booleans accept `1/0`, `true/false`, `yes/no`, `on/off`. The test suite has two switches of
-//! its own, read by the `kestrel-testing` crate only: `KESTREL_REQUIRE_GPU` and
-//! `KESTREL_TEST_ROOT`.
+//! its own, read here too but into their own struct, [`TestSwitches`], which only the
+//! `kestrel-testing` crate uses: `KESTREL_REQUIRE_GPU` (a missing CUDA device fails GPU tests
+//! instead of skipping them) and `KESTREL_TEST_ROOT` (the repository root test fixtures are read
+//! under; a GPU test bundle sets it to the folder it carries them in).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -41,6 +43,29 @@ impl Default for Config {
     /// The configuration of an empty environment.
     fn default() -> Self {
         Config::from_vars(&HashMap::new()).expect("an empty environment is a valid configuration")
+    }
+}
+
+/// The test suite's switches (see the module's table); never part of a production run.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TestSwitches {
+    pub require_gpu: bool,
+    pub test_root: Option<PathBuf>,
+}
+
+impl TestSwitches {
+    /// Reads the process environment.
+    pub fn from_env() -> Result<TestSwitches> {
+        let vars: HashMap<String, String> = std::env::vars().collect();
+        TestSwitches::from_vars(&vars)
+    }
+
+    pub fn from_vars(vars: &HashMap<String, String>) -> Result<TestSwitches> {
+        let get = |k: &str| vars.get(k).map(|s| s.trim()).filter(|s| !s.is_empty());
+        Ok(TestSwitches {
+            require_gpu: parse_bool(get("KESTREL_REQUIRE_GPU"), "KESTREL_REQUIRE_GPU")?,
+            test_root: get("KESTREL_TEST_ROOT").map(PathBuf::from),
+        })
     }
 }
 
@@ -167,6 +192,23 @@ mod tests {
         assert_eq!(c.device, 3);
         let c = Config::from_vars(&vars(&[("KESTREL_PROFILE", "False")])).unwrap();
         assert!(!c.profile);
+    }
+
+    #[test]
+    fn test_switches_are_read_apart_from_the_configuration() {
+        let t = TestSwitches::from_vars(&vars(&[
+            ("KESTREL_REQUIRE_GPU", "1"),
+            ("KESTREL_TEST_ROOT", "/b"),
+        ]))
+        .unwrap();
+        assert!(t.require_gpu);
+        assert_eq!(t.test_root, Some(PathBuf::from("/b")));
+        assert_eq!(
+            TestSwitches::from_vars(&vars(&[])).unwrap(),
+            TestSwitches::default()
+        );
+        let e = TestSwitches::from_vars(&vars(&[("KESTREL_REQUIRE_GPU", "maybe")])).unwrap_err();
+        assert!(e.to_string().contains("KESTREL_REQUIRE_GPU"), "{e}");
     }
 
     #[test]

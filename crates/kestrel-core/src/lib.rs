@@ -18,7 +18,7 @@ pub mod shape;
 
 pub use backend::Backend;
 pub use builder::GraphBuilder;
-pub use config::Config;
+pub use config::{Config, TestSwitches};
 pub use dtype::{DType, HostType};
 pub use error::{CoreError, Result};
 pub use shape::Shape;

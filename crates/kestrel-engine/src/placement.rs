@@ -137,17 +137,10 @@ impl Placement {
         host_bytes: Option<u64>,
     ) -> Result<Placement> {
         let graph = |tokens: usize| {
+            // f32 norm outputs (`new`'s): the larger plan (a CUDA prefill stores some as bf16).
             let spec = ForwardSpec {
-                tokens,
-                past: 0,
-                ctx: shape.ctx,
-                cache_dtype: shape.cache_dtype,
-                // f32 norm outputs: the larger plan (a CUDA prefill stores some as bf16).
-                projection_inputs: DType::F32,
-                all_logits: false,
                 quant: shape.quant,
-                sampling: None,
-                expert_slots: None,
+                ..ForwardSpec::new(tokens, shape.ctx, shape.cache_dtype)
             };
             Forward::build(config, weights, spec)
         };

@@ -53,6 +53,25 @@ pub struct ForwardSpec {
     pub expert_slots: Option<usize>,
 }
 
+impl ForwardSpec {
+    /// `tokens` tokens from position 0 with caches of `ctx` positions of `cache_dtype`; the
+    /// last token's logits, f32 norm outputs, weights as stored, no sampling, every expert
+    /// resident. Set the other fields with struct update syntax.
+    pub const fn new(tokens: usize, ctx: usize, cache_dtype: DType) -> ForwardSpec {
+        ForwardSpec {
+            tokens,
+            past: 0,
+            ctx,
+            cache_dtype,
+            projection_inputs: DType::F32,
+            all_logits: false,
+            quant: None,
+            sampling: None,
+            expert_slots: None,
+        }
+    }
+}
+
 /// One MoE layer of a graph whose experts stream (`ForwardSpec::expert_slots`): the host cuts
 /// the graph before `node`, reads the router's expert ids from `ids`, brings the missing
 /// experts into cache slots and writes the slots into `ids` in their place.

@@ -122,9 +122,8 @@ impl<B: Backend> Prog<B> {
 struct Streaming<H> {
     cache: ExpertCache,
     store: Vec<Option<H>>,
-    /// Layers the host tier may hold, and holds.
+    /// Layers the host tier may hold.
     host_layers: usize,
-    held: usize,
     /// Why the host tier holds fewer layers than it was given, if it does.
     note: Option<String>,
 }
@@ -242,7 +241,6 @@ impl<B: Backend> Session<B> {
             cache: ExpertCache::new(slots, 0, policy),
             store: (0..layers).map(|_| None).collect(),
             host_layers: layers,
-            held: 0,
             note: None,
         });
         Ok(self)
@@ -503,7 +501,8 @@ fn bring_experts<B: Backend>(
     if resolved.misses.is_empty() {
         return backend.upload(p, step.ids, &resolved.slots).map_err(backend_err);
     }
-    if streaming.store[i].is_none() && streaming.held < streaming.host_layers {
+    let held = streaming.store.iter().filter(|s| s.is_some()).count();
+    if streaming.store[i].is_none() && held < streaming.host_layers {
         let packed = pack_experts(weights, &step.mlp, &step.layout)?;
         match backend.alloc_host(packed.len()) {
             Ok(mut host) => {
@@ -511,7 +510,6 @@ fn bring_experts<B: Backend>(
                     .map_err(backend_err)?
                     .copy_from_slice(&packed);
                 streaming.store[i] = Some(host);
-                streaming.held += 1;
             }
             // Out of (page-locked) host memory: this layer and the ones not yet held are read
             // from the checkpoint on each miss instead, and the session says so.
@@ -519,9 +517,9 @@ fn bring_experts<B: Backend>(
                 streaming.note = Some(format!(
                     "host memory for experts ran out after {} of {} layers ({e}); the other layers' \
                      experts are read from the checkpoint on each miss",
-                    streaming.held, streaming.host_layers
+                    held, streaming.host_layers
                 ));
-                streaming.host_layers = streaming.held;
+                streaming.host_layers = held;
             }
         }
     }

@@ -62,15 +62,8 @@ fn widened_copy() -> TempDir {
 fn linear_labels(d: &std::path::Path) -> Vec<String> {
     let (c, w) = (ModelConfig::from_dir(d).unwrap(), Weights::open(d).unwrap());
     let spec = ForwardSpec {
-        tokens: 3,
-        past: 0,
-        ctx: 8,
-        cache_dtype: DType::F32,
-        projection_inputs: DType::F32,
         all_logits: true,
-        quant: None,
-        sampling: None,
-        expert_slots: None,
+        ..ForwardSpec::new(3, 8, DType::F32)
     };
     let f = Forward::build(&c, &w, spec).unwrap();
     f.graph

@@ -42,15 +42,8 @@ fn build_error(dir: &PathBuf, spec: ForwardSpec) -> String {
 }
 
 const SPEC: ForwardSpec = ForwardSpec {
-    tokens: 4,
-    past: 0,
-    ctx: 8,
-    cache_dtype: DType::F32,
-    projection_inputs: DType::F32,
     all_logits: true,
-    quant: None,
-    sampling: None,
-    expert_slots: None,
+    ..ForwardSpec::new(4, 8, DType::F32)
 };
 
 #[test]

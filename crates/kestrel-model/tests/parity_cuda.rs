@@ -63,15 +63,9 @@ fn prefill_logits<B: Backend>(
     let d = dir(name);
     let (c, w) = (ModelConfig::from_dir(&d).unwrap(), Weights::open(&d).unwrap());
     let spec = ForwardSpec {
-        tokens: tokens.len(),
-        past: 0,
-        ctx: 64,
-        cache_dtype: DType::BF16,
         projection_inputs,
         all_logits: true,
-        quant: None,
-        sampling: None,
-        expert_slots: None,
+        ..ForwardSpec::new(tokens.len(), 64, DType::BF16)
     };
     let f = Forward::build(&c, &w, spec).unwrap();
     let mut p = backend.prepare(&f.graph).unwrap();

@@ -14,15 +14,9 @@ use kestrel_model::{Forward, ForwardSpec, ModelConfig, Weights};
 
 fn spec(tokens: usize, past: usize) -> ForwardSpec {
     ForwardSpec {
-        tokens,
         past,
-        ctx: 64,
-        cache_dtype: DType::F32,
-        projection_inputs: DType::F32,
         all_logits: true,
-        quant: None,
-        sampling: None,
-        expert_slots: None,
+        ..ForwardSpec::new(tokens, 64, DType::F32)
     }
 }
 

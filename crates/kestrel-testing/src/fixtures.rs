@@ -4,12 +4,17 @@
 
 use std::path::PathBuf;
 
+use kestrel_core::TestSwitches;
+
 /// The repository root fixture paths are relative to.
+///
+/// # Panics
+/// When the test switches in the environment are invalid (the run is misconfigured).
 pub fn root() -> PathBuf {
-    match std::env::var_os("KESTREL_TEST_ROOT") {
-        Some(dir) if !dir.is_empty() => PathBuf::from(dir),
-        _ => PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../..")),
-    }
+    let switches = TestSwitches::from_env().expect("invalid Kestrel test switches in the environment");
+    switches
+        .test_root
+        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../..")))
 }
 
 /// `relative` (e.g. `crates/kestrel-model/tests/parity`) under the repository root.

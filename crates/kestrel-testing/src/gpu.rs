@@ -3,21 +3,17 @@
 
 use std::io::Write;
 
-use kestrel_core::Config;
+use kestrel_core::{Config, TestSwitches};
 use kestrel_cuda_rt::{device_count, Device};
 
-/// Whether `KESTREL_REQUIRE_GPU` asks for a missing device to fail GPU tests (`1`, `true`,
-/// `yes`, `on`; `0`, `false`, `no`, `off` or empty for not).
+/// Whether `KESTREL_REQUIRE_GPU` asks for a missing device to fail GPU tests.
 ///
 /// # Panics
-/// On any other value (the run is misconfigured).
+/// When the test switches in the environment are invalid (the run is misconfigured).
 pub fn require_gpu() -> bool {
-    let value = std::env::var("KESTREL_REQUIRE_GPU").unwrap_or_default();
-    match value.trim().to_ascii_lowercase().as_str() {
-        "1" | "true" | "yes" | "on" => true,
-        "" | "0" | "false" | "no" | "off" => false,
-        other => panic!("KESTREL_REQUIRE_GPU={other:?}: use 1 or 0"),
-    }
+    TestSwitches::from_env()
+        .expect("invalid Kestrel test switches in the environment")
+        .require_gpu
 }
 
 /// The configured device, or `None` after printing why the test is skipped.

@@ -23,17 +23,10 @@ fn run_memory(
     cache: DType,
     tokens: usize,
 ) -> Result<(u64, u64, u64)> {
+    // f32 norm outputs (`new`'s): the larger plan (a CUDA prefill stores some of them as bf16).
     let spec = ForwardSpec {
-        tokens,
-        past: 0,
-        ctx: a.ctx,
-        cache_dtype: cache,
-        // f32 norm outputs: the larger plan (a CUDA prefill stores some of them as bf16).
-        projection_inputs: DType::F32,
-        all_logits: false,
         quant: a.quant.format()?,
-        sampling: None,
-        expert_slots: None,
+        ..ForwardSpec::new(tokens, a.ctx, cache)
     };
     let f = Forward::build(c, w, spec)?;
     let of = |kind: BufKind| -> u64 {
