@@ -55,6 +55,12 @@ pub trait Backend {
     /// The host buffer's bytes, to fill (after any copy still reading them has finished).
     fn host_bytes_mut(host: &mut Self::HostBuffer) -> Result<&mut [u8], Self::Error>;
 
+    /// Makes `host` the storage of the host weight (`BufKind::HostWeight`) labelled `label`,
+    /// a `u8` buffer of `host`'s length, for every program prepared from now on, which read it
+    /// in place: the caller fills it (through [`Backend::host_bytes_mut`]) before adopting it,
+    /// instead of uploading. Without this, `prepare` allocates a zeroed one.
+    fn adopt_host(&mut self, label: &str, host: Self::HostBuffer) -> Result<(), Self::Error>;
+
     /// Writes `src[range]` at byte `offset` of `buf`, ordered with the runs as `write_bytes` is.
     fn write_from_host(
         &mut self,

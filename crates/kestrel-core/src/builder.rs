@@ -138,6 +138,12 @@ impl GraphBuilder {
         self.declare(label, DType::U8, vec![bytes], BufKind::State)
     }
 
+    /// A weight of `bytes` bytes kept in host memory that the device reads in place (a streamed
+    /// layer's packed experts, which `expert_fetch` and `expert_stage` copy from).
+    pub fn host_weight(&mut self, label: &str, bytes: usize) -> BufId<Weight> {
+        self.declare(label, DType::U8, vec![bytes], BufKind::HostWeight)
+    }
+
     pub fn state(&mut self, label: &str, dtype: DType, shape: impl Into<Vec<usize>>) -> BufId<State> {
         self.declare(label, dtype, shape.into(), BufKind::State)
     }
@@ -180,6 +186,11 @@ impl GraphBuilder {
     pub fn normed_input(&mut self, label: &str, rows: usize, cols: usize, dtype: DType) -> BufId<Normed> {
         self.check_normed_dtype(label, dtype);
         self.declare(label, dtype, vec![rows, cols], BufKind::Input)
+    }
+
+    /// A router's choice supplied by the host, `[tokens, k]` (tests of the streaming ops).
+    pub fn expert_ids_input(&mut self, label: &str, tokens: usize, k: usize) -> BufId<ExpertIds> {
+        self.declare(label, DType::U32, vec![tokens, k], BufKind::Input)
     }
 
     /// Logits supplied by the host (sampling on logits computed elsewhere, tests).
@@ -832,6 +843,102 @@ impl GraphBuilder {
             },
         );
         out
+    }
+
+    /// Checks what `expert_fetch` and `expert_stage` share: ids of `experts` experts, the books
+    /// of `slots` slots, the layer's experts in `src` and a cache of `slots` spans.
+    #[allow(clippy::too_many_arguments)]
+    fn check_streamed(
+        &mut self,
+        name: &str,
+        ids: BufId<ExpertIds>,
+        table: BufId<State>,
+        src: BufId<Weight>,
+        cache: BufId<Weight>,
+        experts: usize,
+        slots: usize,
+        span: usize,
+    ) {
+        self.check_dtype(name, ids, &[DType::U32]);
+        self.check_dtype(name, table, &[DType::U32]);
+        self.check_len(name, table, crate::expert_slots::table_words(slots, experts));
+        self.check_dtype(name, src, &[DType::U8]);
+        self.check_len(name, src, experts * span);
+        self.check_len(name, cache, slots * span);
+        self.check(name, span % 16 == 0 && slots >= 1, || {
+            format!("{slots} slots of {span} bytes (spans are copied 16 bytes at a time)")
+        });
+    }
+
+    /// The slots of the experts `ids` names in one layer's cache, copying the missing ones in
+    /// from `src` (see `Op::ExpertFetch`): the slots take the ids' place for `moe_experts`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn expert_fetch(
+        &mut self,
+        name: &str,
+        ids: BufId<ExpertIds>,
+        table: BufId<State>,
+        src: BufId<Weight>,
+        cache: BufId<Weight>,
+        (experts, slots, span): (usize, usize, usize),
+        policy: crate::expert_slots::SlotPolicy,
+    ) -> BufId<ExpertIds> {
+        self.check_streamed(name, ids, table, src, cache, experts, slots, span);
+        let (tokens, k) = self.rows_cols(ids);
+        self.check(name, tokens * k <= slots, || {
+            format!("{tokens} tokens of {k} experts do not fit {slots} slots")
+        });
+        let out = self.transient(&format!("{name}.slots"), DType::U32, vec![tokens, k]);
+        self.push(
+            name,
+            Op::ExpertFetch {
+                ids: ids.raw(),
+                table: table.raw(),
+                src: src.raw(),
+                cache: cache.raw(),
+                out: out.raw(),
+                tokens,
+                k,
+                experts,
+                slots,
+                span,
+                policy,
+            },
+        );
+        out
+    }
+
+    /// Copies the experts `ids` names into `staging` at their own indices, from the layer's
+    /// cache or `src` (see `Op::ExpertStage`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn expert_stage(
+        &mut self,
+        name: &str,
+        ids: BufId<ExpertIds>,
+        table: BufId<State>,
+        src: BufId<Weight>,
+        cache: BufId<Weight>,
+        staging: BufId<Weight>,
+        (experts, slots, span): (usize, usize, usize),
+    ) {
+        self.check_streamed(name, ids, table, src, cache, experts, slots, span);
+        self.check_len(name, staging, experts * span);
+        let (tokens, k) = self.rows_cols(ids);
+        self.push(
+            name,
+            Op::ExpertStage {
+                ids: ids.raw(),
+                table: table.raw(),
+                src: src.raw(),
+                cache: cache.raw(),
+                staging: staging.raw(),
+                tokens,
+                k,
+                experts,
+                slots,
+                span,
+            },
+        );
     }
 
     pub fn causal_conv1d(

@@ -159,6 +159,9 @@ impl Activation for Act {}
 pub enum BufKind {
     /// Uploaded once, read-only, shared by every graph that declares the same label.
     Weight,
+    /// A weight kept in host memory that the device reads in place (page-locked and mapped on
+    /// CUDA): the packed experts a streamed layer copies into its cache of slots.
+    HostWeight,
     /// Persistent and read-write (KV caches, recurrent and convolution states), shared by label.
     State,
     /// Written by the host before each run; never aliased.
@@ -172,7 +175,7 @@ pub enum BufKind {
 impl BufKind {
     /// Persistent buffers keep their contents between runs and graphs.
     pub fn is_persistent(self) -> bool {
-        matches!(self, BufKind::Weight | BufKind::State)
+        matches!(self, BufKind::Weight | BufKind::HostWeight | BufKind::State)
     }
 }
 
@@ -500,6 +503,41 @@ pub enum Op {
         tokens: usize,
         k: usize,
     },
+    /// One decode-sized step of a streamed layer: gives each expert `ids` (`[tokens, k]`)
+    /// names a slot of the layer's cache (`cache`: `slots` expert spans of `span` bytes) and
+    /// writes the slots to `out` (`[tokens, k]`), following `expert_slots::resolve` with the
+    /// books in `table`: hits keep their slot, misses take a free slot or evict by `policy` and
+    /// are copied in from `src` (the layer's `experts` experts, packed, in host memory).
+    /// Built only when the step's experts fit: `tokens * k <= slots`.
+    ExpertFetch {
+        ids: Buf,
+        table: Buf,
+        src: Buf,
+        cache: Buf,
+        out: Buf,
+        tokens: usize,
+        k: usize,
+        experts: usize,
+        slots: usize,
+        span: usize,
+        policy: crate::expert_slots::SlotPolicy,
+    },
+    /// Copies every expert `ids` (`[tokens, k]`) names to its own index of `staging` (laid out
+    /// as `src`, the layer's `experts` experts packed): from the layer's cache of `slots` slots
+    /// where `table` says it holds the expert, else from `src` in host memory. For chunks whose
+    /// experts do not fit the cache; the experts op then reads `staging` with the ids as they are.
+    ExpertStage {
+        ids: Buf,
+        table: Buf,
+        src: Buf,
+        cache: Buf,
+        staging: Buf,
+        tokens: usize,
+        k: usize,
+        experts: usize,
+        slots: usize,
+        span: usize,
+    },
     /// Depthwise causal conv1d over `x: [tokens, channels]` with `w: [channels, kernel]`, SiLU,
     /// continuing from `state: [channels, kernel - 1]` (the previous inputs), which it updates.
     CausalConv1d {
@@ -650,6 +688,22 @@ impl Op {
                 out,
                 ..
             } => (vec![*x, *ids, *weights, *experts], vec![*out]),
+            ExpertFetch {
+                ids,
+                table,
+                src,
+                cache,
+                out,
+                ..
+            } => (vec![*ids, *table, *src], vec![*table, *cache, *out]),
+            ExpertStage {
+                ids,
+                table,
+                src,
+                cache,
+                staging,
+                ..
+            } => (vec![*ids, *table, *src, *cache], vec![*table, *staging]),
             CausalConv1d { x, w, state, out, .. } => (vec![*x, *w, *state], vec![*state, *out]),
             DeltaGates {
                 a,
@@ -705,6 +759,8 @@ impl Op {
             Attention { .. } => "attention",
             Router { .. } => "router",
             MoeExperts { .. } => "moe_experts",
+            ExpertFetch { .. } => "expert_fetch",
+            ExpertStage { .. } => "expert_stage",
             CausalConv1d { .. } => "causal_conv1d",
             DeltaGates { .. } => "delta_gates",
             DeltaRule { .. } => "delta_rule",

@@ -8,6 +8,7 @@ pub mod builder;
 pub mod config;
 pub mod dtype;
 pub mod error;
+pub mod expert_slots;
 pub mod ir;
 pub mod planner;
 pub mod quant;

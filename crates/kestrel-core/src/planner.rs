@@ -56,7 +56,7 @@ impl Plan {
         let mut sizes = vec![0usize; n];
         for (i, d) in graph.bufs.iter().enumerate() {
             slots[i] = match d.kind {
-                BufKind::Weight | BufKind::State => Slot::Persistent,
+                BufKind::Weight | BufKind::HostWeight | BufKind::State => Slot::Persistent,
                 BufKind::Input | BufKind::Output => Slot::Dedicated,
                 BufKind::Transient if intervals[i].is_some() => {
                     sizes[i] = aligned(d.byte_len().max(1));
@@ -207,7 +207,9 @@ mod tests {
         );
         for (i, d) in graph.bufs.iter().enumerate() {
             match d.kind {
-                BufKind::Weight | BufKind::State => assert_eq!(plan.slots[i], Slot::Persistent),
+                BufKind::Weight | BufKind::HostWeight | BufKind::State => {
+                    assert_eq!(plan.slots[i], Slot::Persistent)
+                }
                 BufKind::Input | BufKind::Output => assert_eq!(plan.slots[i], Slot::Dedicated),
                 BufKind::Transient => assert!(matches!(plan.slots[i], Slot::Arena { .. })),
             }

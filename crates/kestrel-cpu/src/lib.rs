@@ -110,7 +110,7 @@ impl Backend for CpuBackend {
         let mut dedicated = HashMap::new();
         for (i, d) in graph.bufs.iter().enumerate() {
             match d.kind {
-                BufKind::Weight | BufKind::State => {
+                BufKind::Weight | BufKind::HostWeight | BufKind::State => {
                     let sig = signature(d);
                     match self.persistent.get(&d.label) {
                         Some((old, _)) if *old != sig => {
@@ -151,6 +151,14 @@ impl Backend for CpuBackend {
 
     fn host_bytes_mut(host: &mut Vec<u8>) -> Result<&mut [u8]> {
         Ok(host)
+    }
+
+    fn adopt_host(&mut self, label: &str, host: Vec<u8>) -> Result<()> {
+        let mut storage = Storage::new(host.len());
+        storage.bytes_mut().copy_from_slice(&host);
+        let sig = format!("{} {:?}", kestrel_core::DType::U8, [host.len()]);
+        self.persistent.insert(label.to_string(), (sig, storage));
+        Ok(())
     }
 
     fn write_from_host(

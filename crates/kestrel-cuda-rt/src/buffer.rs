@@ -17,12 +17,15 @@ use crate::error::{CudaError, Result};
 
 static NEXT_ALLOC_ID: AtomicU64 = AtomicU64::new(1);
 
-/// One device allocation; freed when the last view of it is dropped.
+/// One device allocation, or page-locked host memory the device reads and writes in place;
+/// freed when the last view of it is dropped.
 pub(crate) struct Allocation {
     id: AllocId,
     ptr: sys::CUdeviceptr,
     bytes: usize,
     ctx: Arc<CudaContext>,
+    /// The host memory behind `ptr`, for mapped host memory (freed by its own drop).
+    host: Option<PinnedBuffer<u8>>,
 }
 
 impl Allocation {
@@ -54,12 +57,17 @@ impl Allocation {
             ptr,
             bytes,
             ctx: ctx.clone(),
+            host: None,
         })
     }
 }
 
 impl Drop for Allocation {
     fn drop(&mut self) {
+        if self.host.is_some() {
+            // The pinned buffer frees itself; the device address was only a mapping of it.
+            return;
+        }
         // Errors cannot propagate out of Drop; the context records them for its next check.
         self.ctx.record_err(self.ctx.bind_to_thread());
         // SAFETY: `ptr` came from cuMemAlloc and this is the only owner; cuMemFree waits for
@@ -88,6 +96,21 @@ impl std::fmt::Debug for Buffer {
 }
 
 impl Buffer {
+    /// Page-locked host memory as a `u8` buffer the device reads and writes in place (kernels
+    /// get its device address; copies to and from it run like any buffer's).
+    pub fn mapped_host(host: PinnedBuffer<u8>) -> Result<Buffer> {
+        let ptr = host.device_ptr()?;
+        let (bytes, ctx) = (host.len(), host.ctx.clone());
+        let alloc = Allocation {
+            id: AllocId(NEXT_ALLOC_ID.fetch_add(1, Ordering::Relaxed)),
+            ptr,
+            bytes,
+            ctx,
+            host: Some(host),
+        };
+        Ok(Buffer::whole(alloc, DType::U8, Shape::from(bytes)))
+    }
+
     pub(crate) fn whole(alloc: Allocation, dtype: DType, shape: Shape) -> Buffer {
         Buffer {
             alloc: Arc::new(alloc),
@@ -191,7 +214,8 @@ impl Buffer {
 unsafe impl Send for Allocation {}
 unsafe impl Sync for Allocation {}
 
-/// Page-locked host memory, the fast path for host↔device copies.
+/// Page-locked host memory, the fast path for host↔device copies, mapped into the device's
+/// address space (see [`Buffer::mapped_host`]).
 ///
 /// Asynchronous copies record an event in the buffer; reading, writing and freeing wait for
 /// every copy still using it, so the host never races the DMA engine.
@@ -214,9 +238,10 @@ impl<T: HostType> PinnedBuffer<T> {
         let bytes = len * std::mem::size_of::<T>();
         ctx.bind_to_thread()
             .map_err(CudaError::driver("cuCtxSetCurrent"))?;
+        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
         // SAFETY: a plain page-locked allocation of `bytes` (at least 1) bytes, zeroed below
         // before any typed access; all-zero bits are valid for every HostType (they are Pod).
-        let ptr = unsafe { result::malloc_host(bytes.max(1), 0) }.map_err(|e| {
+        let ptr = unsafe { result::malloc_host(bytes.max(1), flags) }.map_err(|e| {
             if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
                 CudaError::OutOfPinnedMemory { requested: bytes }
             } else {
@@ -266,6 +291,21 @@ impl<T: HostType> PinnedBuffer<T> {
         self.wait()?;
         // SAFETY: as above, and `&mut self` excludes every other host access.
         Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) })
+    }
+
+    /// The address kernels use for this memory (the same as the host's under unified
+    /// addressing, which every 64-bit CUDA platform has).
+    pub fn device_ptr(&self) -> Result<u64> {
+        let mut dptr: sys::CUdeviceptr = 0;
+        self.ctx
+            .bind_to_thread()
+            .map_err(CudaError::driver("cuCtxSetCurrent"))?;
+        // SAFETY: `ptr` is a live cuMemHostAlloc allocation made with DEVICEMAP; the call only
+        // writes the mapped address into `dptr`.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, self.ptr as *mut _, 0) }
+            .result()
+            .map_err(CudaError::driver("cuMemHostGetDevicePointer"))?;
+        Ok(dptr)
     }
 
     pub(crate) fn as_ptr_unchecked(&self) -> *const T {

@@ -3,7 +3,7 @@
 //!
 //! Memory follows the shared [`Plan`]: one arena allocation per program with a view per
 //! transient, dedicated allocations for inputs and outputs, and weights and states allocated once
-//! per label and shared between programs. Scratch memory the op encoders ask for comes from one
+//! per label and shared between programs (host weights in mapped page-locked host memory). Scratch memory the op encoders ask for comes from one
 //! region the backend keeps for all its programs: every node starts again at its first byte, so
 //! the region is as large as the largest node's need, and the dispatches of nodes that reuse the
 //! same bytes are ordered by the byte-range dependency analysis like any other writers.
@@ -171,7 +171,11 @@ impl Backend for CudaBackend {
                         }
                         Some((_, b)) => Some(b.clone()),
                         None => {
-                            let b = self.device.alloc(d.dtype, d.shape.clone())?;
+                            let b = if d.kind == BufKind::HostWeight {
+                                Buffer::mapped_host(self.device.pinned::<u8>(d.byte_len())?)?
+                            } else {
+                                self.device.alloc(d.dtype, d.shape.clone())?
+                            };
                             self.persistent.insert(d.label.clone(), (sig, b.clone()));
                             Some(b)
                         }
@@ -251,6 +255,13 @@ impl Backend for CudaBackend {
 
     fn host_bytes_mut(host: &mut PinnedBuffer<u8>) -> Result<&mut [u8]> {
         host.as_mut_slice()
+    }
+
+    fn adopt_host(&mut self, label: &str, host: PinnedBuffer<u8>) -> Result<()> {
+        let b = Buffer::mapped_host(host)?;
+        let sig = format!("{} {:?}", DType::U8, [b.byte_len()]);
+        self.persistent.insert(label.to_string(), (sig, b));
+        Ok(())
     }
 
     fn write_from_host(

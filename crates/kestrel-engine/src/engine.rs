@@ -216,7 +216,7 @@ impl Engine {
             let mut s = s.with_quant(opts.quant);
             if let Some(p) = placement {
                 s = s
-                    .with_expert_cache(p.gpu_experts, opts.eviction)?
+                    .with_expert_cache(p.slots_per_layer, opts.eviction)?
                     .with_host_layers(p.host_layers(opts.host_mem));
             }
             if let Some(params) = opts.sampling {
@@ -288,9 +288,9 @@ impl Engine {
         self.placement.as_ref()
     }
 
-    /// What the expert cache did so far, when experts stream.
-    pub fn expert_stats(&self) -> Option<CacheStats> {
-        on_session!(&self.session, s => s.expert_stats())
+    /// What the expert caches did so far, when experts stream.
+    pub fn expert_stats(&mut self) -> Result<Option<CacheStats>> {
+        Ok(on_session!(&mut self.session, s => s.expert_stats())?)
     }
 
     /// Why streamed experts come from slower memory than planned (page-locked host memory ran

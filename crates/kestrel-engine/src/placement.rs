@@ -97,8 +97,13 @@ pub struct Placement {
     pub moe_layers: usize,
     pub experts_per_layer: usize,
     pub top_k: usize,
-    /// Experts the GPU holds: all of them when the model fits, else the cache's slots.
+    /// Experts the GPU holds: all of them when the model fits, else the caches' slots
+    /// (`slots_per_layer` in each MoE layer's cache).
     pub gpu_experts: usize,
+    pub slots_per_layer: usize,
+    /// Bytes of the staging area longer prefill chunks copy a layer's experts into (when
+    /// streaming): one layer's experts.
+    pub staging_bytes: u64,
     /// Where the streamed experts are copied from: host memory, whole layers up to the host
     /// budget (the first layers to miss), and the checkpoint on disk for the other layers.
     pub host_experts: usize,
@@ -120,10 +125,13 @@ impl Placement {
         host_bytes.map_or(self.moe_layers, |h| ((h / layer) as usize).min(self.moe_layers))
     }
 
-    /// The smallest GPU budget that streams: the resident bytes and one layer's experts (a
-    /// prefill chunk uses all of a layer's experts at once).
+    /// The smallest GPU budget that streams: the resident bytes, the staging area of one
+    /// layer's experts (a long prefill chunk uses them all at once) and in every MoE layer's
+    /// cache a slot for each expert a token takes.
     pub fn min_gpu_bytes(&self) -> u64 {
-        self.resident_bytes + self.experts_per_layer as u64 * self.expert_span
+        self.resident_bytes
+            + self.experts_per_layer as u64 * self.expert_span
+            + (self.moe_layers * self.top_k) as u64 * self.expert_span
     }
 
     /// Where the bytes of `config`'s model go for a run of `shape` with `gpu_bytes` of GPU
@@ -180,11 +188,13 @@ impl Placement {
             experts_per_layer: per_layer,
             top_k,
             gpu_experts: total,
+            slots_per_layer: per_layer,
+            staging_bytes: 0,
             host_experts: 0,
             disk_experts: 0,
             uniform_bytes_per_token: 0.0,
         };
-        if resident_bytes + expert_bytes <= gpu_bytes || total == 0 {
+        if resident_bytes + expert_bytes <= gpu_bytes || total == 0 || top_k == 0 {
             if resident_bytes > gpu_bytes {
                 return Err(too_small(gpu_bytes, resident_bytes, "the model"));
             }
@@ -194,10 +204,16 @@ impl Placement {
             return Err(too_small(
                 gpu_bytes,
                 p.min_gpu_bytes(),
-                &format!("the resident weights, caches and activations and one layer's {per_layer} experts"),
+                &format!(
+                    "the resident weights, caches and activations, one layer's {per_layer} experts to \
+                     stage and {top_k} slots a layer"
+                ),
             ));
         }
-        p.gpu_experts = (((gpu_bytes - resident_bytes) / span) as usize).min(total);
+        p.staging_bytes = per_layer as u64 * span;
+        let room = gpu_bytes - resident_bytes - p.staging_bytes;
+        p.slots_per_layer = ((room / (span * layers as u64)) as usize).min(per_layer);
+        p.gpu_experts = p.slots_per_layer * layers;
         p.host_experts = p.host_layers(host_bytes) * per_layer;
         p.disk_experts = total - p.host_experts;
         let miss = 1.0 - p.gpu_experts as f64 / total as f64;

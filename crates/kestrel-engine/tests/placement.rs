@@ -1,5 +1,5 @@
 //! Placements of the qwen3_moe parity fixture under GPU budgets from roomy to too small: every
-//! expert resident, a cache of expert slots with the rest in host memory or on disk, and the
+//! expert resident, caches of expert slots with the rest in host memory or on disk, and the
 //! error that names the smallest budget.
 
 use kestrel_core::DType;
@@ -43,11 +43,17 @@ fn a_smaller_budget_caches_what_fits_and_streams_the_rest() {
     let m = model();
     let full = Placement::plan(&m.config, &m.weights, SHAPE, u64::MAX / 2, None).unwrap();
     let total = full.moe_layers * full.experts_per_layer;
-    let slots = total / 2 + 1;
-    let budget = full.resident_bytes + slots as u64 * full.expert_span + full.expert_span / 2;
+    // A layer's experts to stage, and 3 slots in each layer's cache (and half a slot more).
+    let per_layer = 3;
+    let staging = full.experts_per_layer as u64 * full.expert_span;
+    let slots = per_layer * full.moe_layers;
+    let budget = full.resident_bytes + staging + slots as u64 * full.expert_span + full.expert_span / 2;
     let p = Placement::plan(&m.config, &m.weights, SHAPE, budget, None).unwrap();
     assert!(!p.resident());
-    assert_eq!(p.gpu_experts, slots);
+    assert_eq!(
+        (p.gpu_experts, p.slots_per_layer, p.staging_bytes),
+        (slots, per_layer, staging)
+    );
     assert_eq!(
         (p.host_experts, p.disk_experts),
         (total, 0),
@@ -67,17 +73,18 @@ fn a_smaller_budget_caches_what_fits_and_streams_the_rest() {
 }
 
 #[test]
-fn a_budget_below_one_layers_experts_names_the_minimum() {
+fn a_budget_below_the_staging_and_a_tokens_slots_names_the_minimum() {
     let m = model();
     let full = Placement::plan(&m.config, &m.weights, SHAPE, u64::MAX / 2, None).unwrap();
     let min = full.min_gpu_bytes();
     let p = Placement::plan(&m.config, &m.weights, SHAPE, min, None).unwrap();
-    assert_eq!(p.gpu_experts, full.experts_per_layer);
+    assert_eq!(p.slots_per_layer, full.top_k);
+    assert_eq!(p.gpu_experts, full.top_k * full.moe_layers);
     let err = Placement::plan(&m.config, &m.weights, SHAPE, min - 1, None)
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains(&min.to_string()) && err.contains("one layer's"),
+        err.contains(&min.to_string()) && err.contains("slots a layer"),
         "{err}"
     );
     let err = Placement::plan(&m.config, &m.weights, SHAPE, 1000, None)

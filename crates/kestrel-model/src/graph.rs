@@ -9,9 +9,10 @@
 //! the file's tensors; packed experts, rotary tables and weights quantised on load
 //! ([`ForwardSpec::quant`]) are derived on the host.
 
+use kestrel_core::expert_slots::{table_words, SlotPolicy};
 use kestrel_core::ir::{
-    Buf, BufId, ExpertFormat, ExpertLayout, Graph, LinearWeight, Logits, NormKind, Normed, Op, Positions,
-    Residual, TokenIds, Tokens, Weight,
+    Buf, BufId, ExpertFormat, ExpertIds, ExpertLayout, ExpertWeights, Graph, LinearWeight, Logits, NormKind,
+    Normed, Op, Positions, Residual, TokenIds, Tokens, Weight,
 };
 use kestrel_core::quant::{QuantFormat, QuantMatrix};
 use kestrel_core::rope::RopeTable;
@@ -47,10 +48,24 @@ pub struct ForwardSpec {
     /// Also sample the next token on the backend with these settings (when the backend can:
     /// see `SamplingParams::backend_candidates`; last-token logits only).
     pub sampling: Option<SamplingParams>,
-    /// Routed experts read from a cache of this many expert-sized slots (`experts.cache`,
-    /// shared by every MoE layer) that the host fills between segments, instead of every
-    /// layer's experts resident; see [`Forward::moe_steps`].
-    pub expert_slots: Option<usize>,
+    /// Routed experts streamed through a cache of slots per MoE layer instead of all resident.
+    pub streaming: Option<Streamed>,
+}
+
+/// How a forward graph streams its routed experts. Each MoE layer has a cache of `slots`
+/// expert-sized slots (`{mlp}.experts.cache`). The first `host_layers` MoE layers keep their
+/// packed experts in host memory the device reads (`{mlp}.experts.host`, which the caller fills,
+/// see [`Forward::host_experts`]), and the graph brings their experts in itself: a chunk whose
+/// experts fit the slots (`tokens * k <= slots`) fetches them into the cache
+/// (`Op::ExpertFetch`, with the books in `{mlp}.experts.table`); a longer one stages every
+/// expert it uses into `experts.staging`, a layer's worth shared by all layers
+/// (`Op::ExpertStage`). The other layers' experts are brought in by the host between segments
+/// ([`Forward::moe_steps`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Streamed {
+    pub slots: usize,
+    pub host_layers: usize,
+    pub policy: SlotPolicy,
 }
 
 impl ForwardSpec {
@@ -67,21 +82,39 @@ impl ForwardSpec {
             all_logits: false,
             quant: None,
             sampling: None,
-            expert_slots: None,
+            streaming: None,
         }
     }
 }
 
-/// One MoE layer of a graph whose experts stream (`ForwardSpec::expert_slots`): the host cuts
-/// the graph before `node`, reads the router's expert ids from `ids`, brings the missing
-/// experts into cache slots and writes the slots into `ids` in their place.
+/// A streamed MoE layer whose experts the host brings in (one past `Streamed::host_layers`):
+/// the graph is cut before `node`, and between the segments the host reads the router's
+/// expert ids from `ids` and either gives them slots of the layer's cache `into` (its own books,
+/// the misses copied in, the slots written into `ids` in their place) or, when `staged`, copies
+/// every expert they name to its own index of the staging buffer `into`.
 #[derive(Debug, Clone)]
 pub struct MoeStep {
     /// Index of the layer's `MoeExperts` node in the graph.
     pub node: usize,
-    /// The router's choice, `[tokens, k]` u32: expert ids, replaced by slots before `node`.
+    /// The layer's index among the MoE layers.
+    pub layer: usize,
+    /// The router's choice, `[tokens, k]` u32.
     pub ids: Buf,
+    pub into: Buf,
+    pub staged: bool,
     /// The checkpoint's MLP prefix and the layer's experts as stored (all of them).
+    pub mlp: String,
+    pub layout: ExpertLayout,
+}
+
+/// A streamed layer's packed experts in host memory (`BufKind::HostWeight`), which the caller
+/// allocates, fills with `pack_experts(mlp, layout)` and hands the backend (`adopt_host`) before
+/// the first program is prepared; `Forward::upload` leaves them alone.
+#[derive(Debug, Clone)]
+pub struct HostExperts {
+    pub label: String,
+    /// The layer's index among the MoE layers.
+    pub layer: usize,
     pub mlp: String,
     pub layout: ExpertLayout,
 }
@@ -144,10 +177,12 @@ pub struct Forward {
     /// The recurrent and convolution states of the linear-attention layers (not the KV caches):
     /// what a new sequence must start from zero.
     pub states: Vec<Buf>,
-    /// With `spec.expert_slots`: the MoE layers in order, and the cache their experts are read
-    /// from (a slot is one expert's span, `MoeStep::layout.span_bytes()`).
+    /// With `spec.streaming`: the layers whose experts the host brings in, in order.
     pub moe_steps: Vec<MoeStep>,
-    pub expert_cache: Option<Buf>,
+    /// With `spec.streaming`: the layers whose experts the graph brings in from host memory,
+    /// and their books (`expert_slots` tables, for the statistics).
+    pub host_experts: Vec<HostExperts>,
+    pub expert_tables: Vec<Buf>,
     sources: Vec<(Buf, Source)>,
 }
 
@@ -161,10 +196,14 @@ struct Build<'a> {
     prefix: &'static str,
     norm: NormKind,
     quant: Option<QuantFormat>,
-    expert_slots: Option<usize>,
-    /// The expert cache and the span of its slots, once a MoE layer made it.
-    cache: Option<(BufId<Weight>, usize)>,
+    streaming: Option<Streamed>,
+    /// MoE layers built so far.
+    moe_layers: usize,
+    /// The staging buffer of longer chunks, once a streamed layer made it.
+    staging: Option<BufId<Weight>>,
     moe_steps: Vec<MoeStep>,
+    host_experts: Vec<HostExperts>,
+    expert_tables: Vec<Buf>,
 }
 
 impl Build<'_> {
@@ -345,9 +384,12 @@ impl Forward {
                 "model"
             },
             quant: spec.quant,
-            expert_slots: spec.expert_slots,
-            cache: None,
+            streaming: spec.streaming,
+            moe_layers: 0,
+            staging: None,
             moe_steps: Vec::new(),
+            host_experts: Vec::new(),
+            expert_tables: Vec::new(),
             norm: if c.arch.is_hybrid() {
                 NormKind::ZeroCentered
             } else {
@@ -442,12 +484,15 @@ impl Forward {
             key: "graph".into(),
             reason: e.to_string(),
         })?;
-        // The MoE layers' experts nodes, in the order the layers were built.
+        // Each host-served layer's experts node.
         let mut moe_steps = b.moe_steps;
-        let nodes = graph.nodes.iter().enumerate();
-        let experts_nodes = nodes.filter(|(_, n)| matches!(n.op, Op::MoeExperts { .. }));
-        for (step, (i, _)) in moe_steps.iter_mut().zip(experts_nodes) {
-            step.node = i;
+        for step in &mut moe_steps {
+            let label = format!("{}.experts", step.mlp);
+            step.node = graph
+                .nodes
+                .iter()
+                .position(|n| n.label == label && matches!(n.op, Op::MoeExperts { .. }))
+                .expect("every streamed layer has an experts node");
         }
         Ok(Forward {
             graph,
@@ -459,7 +504,8 @@ impl Forward {
             spec,
             states: b.states,
             moe_steps,
-            expert_cache: b.cache.map(|(c, _)| c.raw()),
+            host_experts: b.host_experts,
+            expert_tables: b.expert_tables,
             sources: b.sources,
         })
     }
@@ -709,6 +755,77 @@ fn dense_mlp(b: &mut Build, m: &str, h: BufId<Normed>, inter: usize) -> Result<B
     Ok(b.g.linear(&format!("{m}.down_proj"), a, &dw))
 }
 
+/// A streamed layer's experts (see [`Streamed`]): fetched into the layer's cache or staged,
+/// by the graph from host memory or by the host between segments.
+fn streamed_experts(
+    b: &mut Build,
+    m: &str,
+    h: BufId<Normed>,
+    (ids, weights): (BufId<ExpertIds>, BufId<ExpertWeights>),
+    layout: ExpertLayout,
+    layer: usize,
+    st: Streamed,
+) -> BufId<kestrel_core::ir::Act> {
+    let (span, experts) = (layout.span_bytes(), layout.experts);
+    let (tokens, k) = b.g.rows_cols(ids);
+    let cache = b.g.expert_cache(&format!("{m}.experts.cache"), st.slots * span);
+    let cached = ExpertLayout {
+        experts: st.slots,
+        ..layout
+    };
+    let fetch = tokens * k <= st.slots;
+    let staging = match (fetch, b.staging) {
+        (true, _) => None,
+        (false, Some(s)) => Some(s),
+        (false, None) => Some(
+            *b.staging
+                .insert(b.g.expert_cache("experts.staging", experts * span)),
+        ),
+    };
+    let name = format!("{m}.experts");
+    if layer < st.host_layers {
+        let label = format!("{m}.experts.host");
+        let src = b.g.host_weight(&label, experts * span);
+        b.host_experts.push(HostExperts {
+            label,
+            layer,
+            mlp: m.to_string(),
+            layout,
+        });
+        let table = b.g.state(
+            &format!("{m}.experts.table"),
+            DType::U32,
+            [table_words(st.slots, experts)],
+        );
+        b.expert_tables.push(table.raw());
+        let sizes = (experts, st.slots, span);
+        return match staging {
+            None => {
+                let slots =
+                    b.g.expert_fetch(&format!("{m}.fetch"), ids, table, src, cache, sizes, st.policy);
+                b.g.moe_experts(&name, h, slots, weights, cache, cached)
+            }
+            Some(staging) => {
+                b.g.expert_stage(&format!("{m}.stage"), ids, table, src, cache, staging, sizes);
+                b.g.moe_experts(&name, h, ids, weights, staging, layout)
+            }
+        };
+    }
+    b.moe_steps.push(MoeStep {
+        node: 0,
+        layer,
+        ids: ids.raw(),
+        into: staging.unwrap_or(cache).raw(),
+        staged: staging.is_some(),
+        mlp: m.to_string(),
+        layout,
+    });
+    match staging {
+        None => b.g.moe_experts(&name, h, ids, weights, cache, cached),
+        Some(staging) => b.g.moe_experts(&name, h, ids, weights, staging, layout),
+    }
+}
+
 fn moe(b: &mut Build, m: &str, h: BufId<Normed>) -> Result<BufId<kestrel_core::ir::Act>> {
     let c = b.c;
     let moe = c.moe.as_ref().expect("MoE layers come with a MoE config");
@@ -731,31 +848,16 @@ fn moe(b: &mut Build, m: &str, h: BufId<Normed>) -> Result<BufId<kestrel_core::i
         inter: moe.expert_intermediate,
         format,
     };
-    let (eb, read_as) = match b.expert_slots {
-        // Streamed: every layer reads the one cache of slots, which holds no layer's experts
-        // whole, so the layout the op sees has as many experts as slots.
-        Some(slots) => {
-            let span = layout.span_bytes();
-            let (cache, cache_span) = match b.cache {
-                Some(c) => c,
-                None => *b
-                    .cache
-                    .insert((b.g.expert_cache("experts.cache", slots * span), span)),
-            };
-            if span != cache_span {
-                return Err(b.err(
-                    &format!("{m}.experts"),
-                    format!("expert span {span} differs from the cache's {cache_span}"),
-                ));
-            }
-            (
-                cache,
-                ExpertLayout {
-                    experts: slots,
-                    ..layout
-                },
-            )
-        }
+    let logits = b.g.linear(&format!("{m}.gate"), h, &router);
+    let (ids, weights) = b.g.router(
+        &format!("{m}.topk"),
+        logits,
+        moe.experts_per_token,
+        moe.norm_topk_prob,
+    );
+    let layer = b.moe_layers;
+    b.moe_layers += 1;
+    let out = match b.streaming {
         None => {
             let eb =
                 b.g.weight(&format!("{m}.experts.packed"), DType::U8, [layout.total_bytes()]);
@@ -766,26 +868,10 @@ fn moe(b: &mut Build, m: &str, h: BufId<Normed>) -> Result<BufId<kestrel_core::i
                     layout,
                 },
             ));
-            (eb, layout)
+            b.g.moe_experts(&format!("{m}.experts"), h, ids, weights, eb, layout)
         }
+        Some(st) => streamed_experts(b, m, h, (ids, weights), layout, layer, st),
     };
-    let logits = b.g.linear(&format!("{m}.gate"), h, &router);
-    let (ids, weights) = b.g.router(
-        &format!("{m}.topk"),
-        logits,
-        moe.experts_per_token,
-        moe.norm_topk_prob,
-    );
-    if b.expert_slots.is_some() {
-        b.moe_steps.push(MoeStep {
-            node: 0,
-            ids: ids.raw(),
-            mlp: m.to_string(),
-            layout,
-        });
-    }
-    let out =
-        b.g.moe_experts(&format!("{m}.experts"), h, ids, weights, eb, read_as);
     let Some(si) = moe.shared_intermediate else {
         return Ok(out);
     };

@@ -19,10 +19,10 @@ pub use config::{
     Arch, LayerKind, LinearAttnConfig, MlpKind, ModelConfig, MoeConfig, QuantConfig, RopeConfig,
 };
 pub use error::{ModelError, Result};
-pub use expert_cache::{CacheStats, Eviction, ExpertCache};
+pub use expert_cache::{CacheStats, Eviction};
 pub use experts::{expert_source, pack_experts, ExpertSource};
 pub use footprint::{footprint, Footprint};
-pub use graph::{Forward, ForwardSpec, MoeStep};
+pub use graph::{Forward, ForwardSpec, HostExperts, MoeStep, Streamed};
 pub use quantize::{check_empty_dst, quantize_dir, write_model_dir, QuantizeReport};
 pub use session::{Output, Session, Want};
 pub use synthetic::{synthetic_model, synthetic_model_json, synthetic_weights, SYNTHETIC_MODELS};

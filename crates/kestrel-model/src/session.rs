@@ -3,8 +3,11 @@
 //! states persist between them on the backend). Positions are data, not part of a graph, so a
 //! program is prepared once per chunk length and replayed: every decode step after the first
 //! is one run of the same program (one CUDA graph replay). With an expert cache, the routed
-//! experts stream: each program runs as segments cut before every MoE layer's experts, and
-//! between them the host brings the chosen experts into the cache.
+//! experts stream through a cache of slots per MoE layer: for the layers whose packed experts
+//! the host tier holds (page-locked host memory the device reads), the graph itself resolves
+//! the router's choice and copies the misses in, so a decode step is still one replay; the
+//! other layers' experts are read from the checkpoint by the host, between segments of the
+//! program cut before those layers' experts.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -17,9 +20,11 @@ use kestrel_core::{Backend, DType};
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::expert_cache::{CacheStats, Eviction, ExpertCache};
+use kestrel_core::expert_slots::{self, resolve, stage_sources, table_words};
+
+use crate::expert_cache::{CacheStats, Eviction};
 use crate::experts::{pack_expert, pack_experts};
-use crate::graph::{Forward, ForwardSpec};
+use crate::graph::{Forward, ForwardSpec, MoeStep, Streamed};
 use crate::weights::Weights;
 
 /// What a caller wants from a [`Session::step`].
@@ -101,7 +106,8 @@ fn not_sampling() -> ModelError {
 type Key = (usize, Outputs);
 
 /// A prepared program: the forward graph and its segments on the backend, which run in order
-/// (one segment, unless experts stream: then the graph is cut before each MoE layer's experts).
+/// (one segment, unless the host brings some layers' experts in: then the graph is cut before
+/// each of those layers' experts).
 struct Prog<B: Backend> {
     f: Forward,
     segments: Vec<B::Program>,
@@ -114,16 +120,21 @@ impl<B: Backend> Prog<B> {
     }
 }
 
-/// Experts streamed through a cache of slots: the cache's books and the host tier, each MoE
-/// layer's experts as packed for the cache in the host memory the backend copies from fastest
-/// (page-locked on CUDA; packed from the checkpoint when a layer first misses), for as many
-/// layers as the host budget allows. The other layers' missed experts are packed one by one
-/// from the checkpoint (its files, through the page cache) on every miss.
-struct Streaming<H> {
-    cache: ExpertCache,
-    store: Vec<Option<H>>,
-    /// Layers the host tier may hold.
+/// Experts streamed through a cache of `slots` slots per MoE layer. The first `host_layers`
+/// MoE layers' packed experts are placed in the backend's host memory (page-locked on CUDA)
+/// when the first program is prepared, and the graph serves them; the others are served by the
+/// host from the checkpoint, with books of their own.
+struct Streaming {
+    slots: usize,
+    policy: Eviction,
     host_layers: usize,
+    /// The host tier is in place (the first program was prepared).
+    placed: bool,
+    /// Books of the layers the host serves, by MoE layer (made on their first decode step).
+    books: Vec<Option<Vec<u32>>>,
+    /// Experts the host staged for longer chunks, and their bytes.
+    host_staged: u64,
+    host_staged_bytes: u64,
     /// Why the host tier holds fewer layers than it was given, if it does.
     note: Option<String>,
 }
@@ -140,8 +151,8 @@ pub struct Session<B: Backend> {
     uploaded: bool,
     /// Prepared programs by (tokens, outputs).
     programs: HashMap<Key, Prog<B>>,
-    /// Routed experts read through a cache of slots instead of all resident.
-    streaming: Option<Streaming<B::HostBuffer>>,
+    /// Routed experts read through caches of slots instead of all resident.
+    streaming: Option<Streaming>,
     /// Told (bytes done, bytes in all) while the weights upload.
     progress: Option<Box<dyn FnMut(u64, u64)>>,
     /// Sample on the backend with these settings (see [`Session::with_sampling`]).
@@ -218,11 +229,9 @@ impl<B: Backend> Session<B> {
         self
     }
 
-    /// Streams the routed experts through a cache of `slots` expert-sized slots instead of
-    /// holding them all: each MoE layer's experts run once its router has chosen and the chosen
-    /// experts are in the cache (misses copied in from the checkpoint, evictions by `policy`).
-    /// `slots` must hold one layer's experts (a long prefill chunk uses them all). Call before
-    /// the first step.
+    /// Streams the routed experts through a cache of `slots` expert-sized slots per MoE layer
+    /// instead of holding them all, evicting by `policy`. A decode step's experts must fit:
+    /// `slots` at least the experts a token takes. Call before the first step.
     pub fn with_expert_cache(mut self, slots: usize, policy: Eviction) -> Result<Session<B>> {
         let layers = self.config.moe_layers();
         let Some(moe) = self.config.moe.as_ref().filter(|_| layers > 0) else {
@@ -231,26 +240,34 @@ impl<B: Backend> Session<B> {
                 reason: "the model has no routed experts to stream".into(),
             });
         };
-        if slots < moe.experts {
+        if slots < moe.experts_per_token {
             return Err(ModelError::Config {
                 key: "expert cache".into(),
-                reason: format!("{slots} slots do not hold one layer's {} experts", moe.experts),
+                reason: format!(
+                    "{slots} slots a layer do not hold the {} experts a token takes",
+                    moe.experts_per_token
+                ),
             });
         }
         self.streaming = Some(Streaming {
-            cache: ExpertCache::new(slots, 0, policy),
-            store: (0..layers).map(|_| None).collect(),
+            slots: slots.min(moe.experts),
+            policy,
             host_layers: layers,
+            placed: false,
+            books: vec![None; layers],
+            host_staged: 0,
+            host_staged_bytes: 0,
             note: None,
         });
         Ok(self)
     }
 
     /// With streamed experts: hold at most `layers` MoE layers' experts in host memory (the
-    /// first ones to miss); the others' misses are read from the checkpoint each time.
+    /// first ones); the others' are read from the checkpoint each time they are needed. Call
+    /// before the first step.
     pub fn with_host_layers(mut self, layers: usize) -> Session<B> {
         if let Some(st) = &mut self.streaming {
-            st.host_layers = layers;
+            st.host_layers = layers.min(st.books.len());
         }
         self
     }
@@ -261,9 +278,37 @@ impl<B: Backend> Session<B> {
         self.streaming.as_ref()?.note.as_deref()
     }
 
-    /// What the expert cache did so far (None unless experts stream).
-    pub fn expert_stats(&self) -> Option<CacheStats> {
-        self.streaming.as_ref().map(|s| s.cache.stats())
+    /// What the expert caches did so far (None unless experts stream): the books of the layers
+    /// the graph serves are read from the backend.
+    pub fn expert_stats(&mut self) -> Result<Option<CacheStats>> {
+        let Some(st) = &self.streaming else {
+            return Ok(None);
+        };
+        let mut stats = CacheStats::default();
+        let Some(prog) = self.programs.values_mut().next() else {
+            return Ok(Some(stats));
+        };
+        let span = prog
+            .f
+            .host_experts
+            .first()
+            .map(|h| h.layout.span_bytes())
+            .or_else(|| prog.f.moe_steps.first().map(|m| m.layout.span_bytes()))
+            .unwrap_or(0) as u64;
+        for &t in &prog.f.expert_tables {
+            let p = prog.segments.last_mut().expect("a program has a segment");
+            let table = self
+                .backend
+                .download::<u32>(p, t)
+                .map_err(|e| ModelError::Backend(Box::new(e)))?;
+            stats.add_layer(expert_slots::stats(&table), st.slots, span);
+        }
+        for t in st.books.iter().flatten() {
+            stats.add_layer(expert_slots::stats(t), st.slots, span);
+        }
+        stats.staged += st.host_staged;
+        stats.bytes_copied += st.host_staged_bytes;
+        Ok(Some(stats))
     }
 
     /// Runs steps of more than `chunk` tokens in chunks of at most `chunk` (None: in one go).
@@ -396,9 +441,29 @@ impl<B: Backend> Session<B> {
                 all_logits,
                 quant: self.quant,
                 sampling: self.sampling.filter(|_| outputs == Outputs::Sample),
-                expert_slots: self.streaming.as_ref().map(|s| s.cache.slots()),
+                streaming: self.streaming.as_ref().map(|s| Streamed {
+                    slots: s.slots,
+                    host_layers: s.host_layers,
+                    policy: s.policy,
+                }),
             };
-            let f = Forward::build(&self.config, &self.weights, spec)?;
+            let mut f = Forward::build(&self.config, &self.weights, spec)?;
+            if self.streaming.as_ref().is_some_and(|s| !s.placed) {
+                let held = self.place_host_tier(&f)?;
+                let st = self.streaming.as_mut().expect("checked above");
+                st.placed = true;
+                if held < st.host_layers {
+                    st.host_layers = held;
+                    let spec = ForwardSpec {
+                        streaming: spec.streaming.map(|s| Streamed {
+                            host_layers: held,
+                            ..s
+                        }),
+                        ..spec
+                    };
+                    f = Forward::build(&self.config, &self.weights, spec)?;
+                }
+            }
             let segments = if f.moe_steps.is_empty() {
                 vec![self.backend.prepare(&f.graph).map_err(backend_err)?]
             } else {
@@ -409,9 +474,6 @@ impl<B: Backend> Session<B> {
                 }
                 segments
             };
-            if let (Some(st), Some(step)) = (&mut self.streaming, f.moe_steps.first()) {
-                st.cache.set_span_bytes(step.layout.span_bytes() as u64);
-            }
             let mut prog = Prog { f, segments };
             // Weights and states are shared by label: every segment declares them all.
             if !self.uploaded {
@@ -433,6 +495,40 @@ impl<B: Backend> Session<B> {
             self.programs.insert(key, prog);
         }
         Ok(key)
+    }
+
+    /// Places the host tier of streamed experts: each layer `f` serves from host memory gets
+    /// its packed experts in the backend's host memory, handed to the backend for every
+    /// program. Returns how many layers it placed: fewer than asked when host memory runs out
+    /// (noted; the rest are read from the checkpoint).
+    fn place_host_tier(&mut self, f: &Forward) -> Result<usize> {
+        let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
+        let total: u64 = f.host_experts.iter().map(|h| h.layout.total_bytes() as u64).sum();
+        let mut done = 0;
+        for (i, h) in f.host_experts.iter().enumerate() {
+            let packed = pack_experts(&self.weights, &h.mlp, &h.layout)?;
+            let mut host = match self.backend.alloc_host(packed.len()) {
+                Ok(host) => host,
+                Err(e) => {
+                    let st = self.streaming.as_mut().expect("streaming");
+                    st.note = Some(format!(
+                        "host memory for experts ran out after {i} of {} layers ({e}); the other \
+                         layers' experts are read from the checkpoint each time they are needed",
+                        st.host_layers
+                    ));
+                    return Ok(i);
+                }
+            };
+            B::host_bytes_mut(&mut host)
+                .map_err(backend_err)?
+                .copy_from_slice(&packed);
+            self.backend.adopt_host(&h.label, host).map_err(backend_err)?;
+            done += packed.len() as u64;
+            if let Some(cb) = &mut self.progress {
+                cb(done, total);
+            }
+        }
+        Ok(f.host_experts.len())
     }
 
     /// Runs `ids` at positions `past..` through the program for their length (prepared on first
@@ -471,65 +567,54 @@ impl<B: Backend> Session<B> {
             self.backend.run(p).map_err(backend_err)?;
             if i < last {
                 let streaming = self.streaming.as_mut().expect("segments only when streaming");
-                bring_experts(&mut self.backend, p, f, i, streaming, &self.weights)?;
+                bring_experts(&mut self.backend, p, &f.moe_steps[i], streaming, &self.weights)?;
             }
         }
         Ok(key)
     }
 }
 
-/// Between segment `i` and the next, which starts with MoE step `i`'s experts: reads the
-/// router's expert ids, gives them cache slots, copies the missing experts in and writes the
-/// slots where the ids were.
+/// Between the segment before a host-served layer's experts and the next: reads the router's
+/// expert ids and brings the experts from the checkpoint, into the layer's cache slots (its
+/// books on the host; the slots written where the ids were) or, for a longer chunk, each to
+/// its own index of the staging buffer.
 fn bring_experts<B: Backend>(
     backend: &mut B,
     p: &mut B::Program,
-    f: &Forward,
-    i: usize,
-    streaming: &mut Streaming<B::HostBuffer>,
+    step: &MoeStep,
+    st: &mut Streaming,
     weights: &Weights,
 ) -> Result<()> {
     let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
-    let step = &f.moe_steps[i];
-    let cache = f.expert_cache.expect("streamed graphs have an expert cache");
-    let span = step.layout.span_bytes();
-    let ids = backend.download::<u32>(p, step.ids).map_err(backend_err)?;
-    let resolved = streaming.cache.resolve(i, &ids).map_err(|e| ModelError::Config {
+    let cache_err = |reason: String| ModelError::Config {
         key: "expert cache".into(),
-        reason: e.to_string(),
-    })?;
-    if resolved.misses.is_empty() {
-        return backend.upload(p, step.ids, &resolved.slots).map_err(backend_err);
-    }
-    let held = streaming.store.iter().filter(|s| s.is_some()).count();
-    if streaming.store[i].is_none() && held < streaming.host_layers {
-        let packed = pack_experts(weights, &step.mlp, &step.layout)?;
-        match backend.alloc_host(packed.len()) {
-            Ok(mut host) => {
-                B::host_bytes_mut(&mut host)
-                    .map_err(backend_err)?
-                    .copy_from_slice(&packed);
-                streaming.store[i] = Some(host);
-            }
-            // Out of (page-locked) host memory: this layer and the ones not yet held are read
-            // from the checkpoint on each miss instead, and the session says so.
-            Err(e) => {
-                streaming.note = Some(format!(
-                    "host memory for experts ran out after {} of {} layers ({e}); the other layers' \
-                     experts are read from the checkpoint on each miss",
-                    held, streaming.host_layers
-                ));
-                streaming.host_layers = held;
-            }
+        reason,
+    };
+    let (span, experts) = (step.layout.span_bytes(), step.layout.experts);
+    let ids = backend.download::<u32>(p, step.ids).map_err(backend_err)?;
+    let bring = |backend: &mut B, p: &mut B::Program, at: usize, e: u32| -> Result<()> {
+        let bytes = pack_expert(weights, &step.mlp, &step.layout, e as usize)?;
+        backend
+            .write_bytes(p, step.into, at * span, &bytes)
+            .map_err(backend_err)
+    };
+    if step.staged {
+        // Every expert from the checkpoint: the books say which are cached, but the slots are
+        // on the device and the checkpoint is where the host reads from.
+        let mut table = vec![0u32; table_words(st.slots, experts)];
+        let used = stage_sources(&mut table, st.slots, experts, &ids).map_err(cache_err)?;
+        for &(e, _) in &used {
+            bring(backend, p, e as usize, e)?;
         }
+        st.host_staged += used.len() as u64;
+        st.host_staged_bytes += (used.len() * span) as u64;
+        return Ok(());
     }
-    for m in &resolved.misses {
-        let (e, at) = (m.expert as usize, m.slot as usize * span);
-        match &streaming.store[i] {
-            Some(store) => backend.write_from_host(p, cache, at, store, e * span..(e + 1) * span),
-            None => backend.write_bytes(p, cache, at, &pack_expert(weights, &step.mlp, &step.layout, e)?),
-        }
-        .map_err(backend_err)?;
+    let table = st.books[step.layer].get_or_insert_with(|| vec![0u32; table_words(st.slots, experts)]);
+    let mut slots = vec![0u32; ids.len()];
+    let fills = resolve(table, st.slots, experts, st.policy, &ids, &mut slots).map_err(cache_err)?;
+    for f in fills {
+        bring(backend, p, f.slot as usize, f.expert)?;
     }
-    backend.upload(p, step.ids, &resolved.slots).map_err(backend_err)
+    backend.upload(p, step.ids, &slots).map_err(backend_err)
 }

@@ -1,10 +1,10 @@
-//! A session that streams its routed experts through a small cache of slots (the graph cut
-//! before each MoE layer's experts, the router's choice read back, misses copied in, the
-//! slots written where the ids were) computes exactly what the resident session computes: the
-//! same logits bit for bit on the CPU backend, for every fixture with experts, over a chunked
-//! prefill and greedy decode steps, with a cache so small that every step evicts and with the
-//! experts in host memory or read from the checkpoint on each miss; on CUDA
-//! (graph replay of each segment, bf16 caches) the same within float summation order.
+//! A session that streams its routed experts through small caches of slots computes exactly
+//! what the resident session computes: the same logits bit for bit on the CPU backend, for every
+//! fixture with experts, over a chunked prefill (chunks too long for the caches: staged) and
+//! greedy decode steps (fetched into caches so small that every step evicts), with the experts
+//! in host memory (served inside the graph), read from the checkpoint by the host between
+//! segments, or some of each; on CUDA (graph replay, bf16 caches) the same within float
+//! summation order.
 
 mod common;
 
@@ -15,7 +15,9 @@ use kestrel_cuda::{CudaBackend, RunMode};
 use kestrel_model::{Eviction, ModelConfig, Session, Want};
 use kestrel_testing::gpu::device_or_skip;
 
-/// A prompt prefilled in chunks of 5, then 6 greedy decode steps; every logit of the way.
+/// A prompt prefilled in chunks of 5, then 6 decode steps, the first greedy and the others
+/// the prompt's tokens backwards (the tiny random models' greedy continuations repeat one
+/// token, whose experts would stay cached); every logit of the way.
 fn logits<B: Backend>(s: &mut Session<B>, prompt: &[u32]) -> Vec<f32> {
     let mut out = s.step(prompt, 0, Want::AllLogits).unwrap().into_logits().unwrap();
     let vocab = out.len() / prompt.len();
@@ -26,7 +28,7 @@ fn logits<B: Backend>(s: &mut Session<B>, prompt: &[u32]) -> Vec<f32> {
             .unwrap()
             .into_logits()
             .unwrap();
-        next = argmax(&l);
+        next = prompt[prompt.len() - 1 - i % prompt.len()];
         out.extend(l);
     }
     out
@@ -49,12 +51,13 @@ fn streamed_experts_compute_the_resident_logits() {
         };
         let (prompt, _, _) = reference(name);
         let want = logits(&mut session(name), &prompt);
-        // Host tiers of every layer, one layer (the rest read from the checkpoint on each miss)
-        // and none.
+        // Host tiers of every layer, one layer (the rest read from the checkpoint) and none;
+        // the smallest caches, and one slot more.
+        let k = moe.experts_per_token;
         for (slots, policy, host_layers) in [
-            (moe.experts, Eviction::Lru, usize::MAX),
-            (moe.experts + 3, Eviction::FrequencyLru { half_life: 4.0 }, 1),
-            (moe.experts, Eviction::Lru, 0),
+            (k, Eviction::Lru, usize::MAX),
+            (k + 1, Eviction::Frequency { half_life: 4.0 }, 1),
+            (k, Eviction::Lru, 0),
         ] {
             let mut s = session(name)
                 .with_expert_cache(slots, policy)
@@ -65,8 +68,11 @@ fn streamed_experts_compute_the_resident_logits() {
                 got == want,
                 "{name}, {slots} slots, {policy:?}, {host_layers} host layers: logits differ"
             );
-            let stats = s.expert_stats().unwrap();
-            assert!(stats.misses > 0 && stats.evictions > 0, "{name}: {stats:?}");
+            let stats = s.expert_stats().unwrap().unwrap();
+            assert!(
+                stats.misses > 0 && stats.evictions > 0 && stats.staged > 0,
+                "{name}: {stats:?}"
+            );
             assert_eq!(stats.hits + stats.misses, stats.lookups);
         }
         checked += 1;
@@ -75,14 +81,14 @@ fn streamed_experts_compute_the_resident_logits() {
 }
 
 #[test]
-fn a_cache_smaller_than_a_layer_or_a_dense_model_is_refused() {
+fn a_cache_smaller_than_a_tokens_experts_or_a_dense_model_is_refused() {
     let c = ModelConfig::from_dir(&dir("qwen3_moe")).unwrap();
-    let experts = c.moe.as_ref().unwrap().experts;
+    let k = c.moe.as_ref().unwrap().experts_per_token;
     let err = session("qwen3_moe")
-        .with_expert_cache(experts - 1, Eviction::Lru)
+        .with_expert_cache(k - 1, Eviction::Lru)
         .err()
         .unwrap();
-    assert!(err.to_string().contains("one layer's"), "{err}");
+    assert!(err.to_string().contains("experts a token takes"), "{err}");
     let err = session("qwen3")
         .with_expert_cache(64, Eviction::Lru)
         .err()
@@ -109,14 +115,21 @@ fn streamed_experts_compute_the_resident_logits_on_cuda() {
         };
         let (prompt, _, _) = reference(name);
         let want = logits(&mut open(name), &prompt);
-        let mut s = open(name).with_expert_cache(moe.experts, Eviction::Lru).unwrap();
-        let got = logits(&mut s, &prompt);
-        let err = rel_max_err(&got, &want);
-        assert!(
-            err <= 1e-5,
-            "{name}: streamed logits differ from resident ones by {err:e}"
-        );
-        assert!(s.expert_stats().unwrap().evictions > 0, "{name}");
+        for host_layers in [usize::MAX, 1] {
+            let mut s = open(name)
+                .with_expert_cache(moe.experts_per_token, Eviction::Lru)
+                .unwrap()
+                .with_host_layers(host_layers);
+            let got = logits(&mut s, &prompt);
+            let err = rel_max_err(&got, &want);
+            assert!(
+                err <= 1e-5,
+                "{name}, {host_layers} host layers: streamed logits differ from resident ones by {err:e}"
+            );
+            let stats = s.expert_stats().unwrap().unwrap();
+            assert!(stats.evictions > 0 && stats.staged > 0, "{name}: {stats:?}");
+            assert_eq!(stats.hits + stats.misses, stats.lookups);
+        }
     }
 }
 
@@ -184,6 +197,10 @@ impl Backend for ScarceHost {
         CpuBackend::host_bytes_mut(host)
     }
 
+    fn adopt_host(&mut self, label: &str, host: Self::HostBuffer) -> Result<(), Self::Error> {
+        self.cpu.adopt_host(label, host)
+    }
+
     fn write_from_host(
         &mut self,
         p: &mut Self::Program,
@@ -200,7 +217,7 @@ impl Backend for ScarceHost {
 fn host_memory_running_out_falls_back_to_the_checkpoint_and_says_so() {
     let name = "qwen3_next";
     let c = ModelConfig::from_dir(&dir(name)).unwrap();
-    let experts = c.moe.as_ref().unwrap().experts;
+    let k = c.moe.as_ref().unwrap().experts_per_token;
     let (prompt, _, _) = reference(name);
     let want = logits(&mut session(name), &prompt);
     let scarce = ScarceHost {
@@ -211,7 +228,7 @@ fn host_memory_running_out_falls_back_to_the_checkpoint_and_says_so() {
         .unwrap()
         .with_prefill_chunk(Some(5))
         .unwrap()
-        .with_expert_cache(experts, Eviction::Lru)
+        .with_expert_cache(k, Eviction::Lru)
         .unwrap();
     assert!(s.host_tier_note().is_none());
     assert!(logits(&mut s, &prompt) == want, "the fallback changed the logits");

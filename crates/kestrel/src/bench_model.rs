@@ -149,17 +149,18 @@ fn run_tests(e: &mut Engine, a: &ModelBenchArgs, rng: &mut Rng) -> Result<Vec<Te
 /// When experts stream: what the cache did over one more generation run from an empty
 /// context (hit rate, misses and bytes copied per token); null otherwise.
 fn expert_extras(e: &mut Engine, tg: usize, rng: &mut Rng) -> Result<serde_json::Value> {
-    let Some(before) = e.expert_stats() else {
+    let Some(before) = e.expert_stats()? else {
         return Ok(serde_json::Value::Null);
     };
     let first = ids(rng, e.config().vocab, 1)[0];
     e.reset()?;
     generate(e, first, tg)?;
-    let after = e.expert_stats().context("the cache went away")?;
+    let after = e.expert_stats()?.context("the cache went away")?;
     let (lookups, hits) = (after.lookups - before.lookups, after.hits - before.hits);
     let per = |n: u64| n as f64 / tg as f64;
     Ok(serde_json::json!({
         "slots": e.placement().map(|p| p.gpu_experts),
+        "slots_per_layer": e.placement().map(|p| p.slots_per_layer),
         "hit_rate": hits as f64 / lookups.max(1) as f64,
         "misses_per_token": per(after.misses - before.misses),
         "bytes_copied_per_token": per(after.bytes_copied - before.bytes_copied),

@@ -152,6 +152,8 @@ pub fn run(a: InspectArgs) -> Result<std::process::ExitCode> {
                 "expert_bytes": p.expert_bytes,
                 "expert_span_bytes": p.expert_span,
                 "gpu_experts": p.gpu_experts,
+                "slots_per_layer": p.slots_per_layer,
+                "staging_bytes": p.staging_bytes,
                 "host_experts": p.host_experts,
                 "disk_experts": p.disk_experts,
                 "streams": !p.resident(),
@@ -217,12 +219,15 @@ pub fn run(a: InspectArgs) -> Result<std::process::ExitCode> {
             );
         } else {
             println!(
-                "placement         {gpu} of GPU: {} resident (weights {}, caches, activations), a cache of {} of the {total} experts ({:.0}%, {} each); streamed from host memory for {} experts, from disk for {}",
+                "placement         {gpu} of GPU: {} resident (weights {}, caches, activations), caches of {} of the {total} experts ({:.0}%: {} slots in each of {} layers, {} each), {} to stage a layer for long prompts; streamed from host memory for {} experts, from disk for {}",
                 size(p.resident_bytes),
                 size(p.resident_weight_bytes),
                 p.gpu_experts,
                 100.0 * p.gpu_experts as f64 / total as f64,
+                p.slots_per_layer,
+                p.moe_layers,
                 size(p.expert_span),
+                size(p.staging_bytes),
                 p.host_experts,
                 p.disk_experts
             );

@@ -47,11 +47,14 @@ pub fn placement(engine: &kestrel_engine::Engine) {
     let Some(p) = engine.placement() else { return };
     let total = p.moe_layers * p.experts_per_layer;
     eprintln!(
-        "streaming experts: the model does not fit, so {} of its {total} routed experts ({:.0}%) \
-         are cached on the {} beside {} of resident weights, caches and activations; the others \
-         come from host memory ({} experts) or the checkpoint on disk ({}) (--gpu-mem, --host-mem)",
+        "streaming experts: the model does not fit, so {} of its {total} routed experts ({:.0}%, \
+         {} of each layer's {}) are cached on the {} beside {} of resident weights, caches and \
+         activations; the others come from host memory ({} experts) or the checkpoint on disk \
+         ({}) (--gpu-mem, --host-mem)",
         p.gpu_experts,
         100.0 * p.gpu_experts as f64 / total as f64,
+        p.slots_per_layer,
+        p.experts_per_layer,
         engine.backend(),
         ByteSize(p.resident_bytes),
         p.host_experts,

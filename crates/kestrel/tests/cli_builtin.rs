@@ -143,7 +143,7 @@ fn a_copied_binary_runs_from_anywhere() {
 
 /// With a memory budget too small for every expert, `run` says it streams them and generates
 /// exactly the tokens of the resident run (CPU, greedy): the smallest budget `inspect` names,
-/// one layer's experts beside the rest, so experts are evicted every token.
+/// a token's experts in each layer's cache beside the rest, so experts are evicted every token.
 #[test]
 fn streamed_experts_generate_the_resident_tokens() {
     let o = Command::new(env!("CARGO_BIN_EXE_kestrel"))

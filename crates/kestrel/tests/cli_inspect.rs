@@ -95,13 +95,18 @@ fn a_gpu_budget_gives_a_placement_or_names_the_minimum() {
     let p = &v["placement"];
     assert_eq!(p["streams"], false);
     assert_eq!(p["gpu_experts"], 16, "two MoE layers of 8 experts");
-    // At the minimum: one layer's experts on the GPU, every layer's in host memory.
+    // At the minimum: in each layer's cache the 2 experts a token takes, a layer's 8 experts
+    // of staging; every layer's experts in host memory.
     let min = p["min_gpu_bytes"].as_u64().unwrap();
     let v = inspect_with("qwen3_moe", &["--gpu-mem", &min.to_string()]);
     let p = &v["placement"];
     assert_eq!(
-        (p["streams"].as_bool(), p["gpu_experts"].as_u64()),
-        (Some(true), Some(8))
+        (
+            p["streams"].as_bool(),
+            p["gpu_experts"].as_u64(),
+            p["slots_per_layer"].as_u64()
+        ),
+        (Some(true), Some(4), Some(2))
     );
     assert_eq!(
         (p["host_experts"].as_u64(), p["disk_experts"].as_u64()),

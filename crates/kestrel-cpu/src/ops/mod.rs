@@ -8,6 +8,7 @@ pub mod linear;
 pub mod moe;
 pub mod norm;
 pub mod rope;
+pub mod stream;
 
 use kestrel_core::ir::Op;
 
@@ -26,6 +27,7 @@ pub fn exec(op: &Op, v: &mut Views) -> OpResult {
         }
         KvAppend { .. } | AttentionInputs { .. } | Attention { .. } => attention::exec(op, v),
         Router { .. } | MoeExperts { .. } => moe::exec(op, v),
+        ExpertFetch { .. } | ExpertStage { .. } => stream::exec(op, v),
         CausalConv1d { .. } | DeltaGates { .. } | DeltaRule { .. } => deltanet::exec(op, v),
         Argmax { .. } | TopK { .. } | Sample { .. } => head::exec(op, v),
     }

@@ -11,6 +11,7 @@ mod head;
 mod linear;
 mod moe;
 mod norm;
+mod stream;
 
 pub(crate) use linear::GEMM_MIN_TOKENS;
 
@@ -31,6 +32,7 @@ pub const MODULES: &[ModuleSource] = &[
     gemm::MODULE,
     deltanet::MODULE,
     head::MODULE,
+    stream::MODULE,
 ];
 
 /// Encodes the first nodes of `ops` as one kernel when one kernel does them together: a
@@ -60,6 +62,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
         }
         KvAppend { .. } | AttentionInputs { .. } | Attention { .. } => attention::encode(op, enc),
         Router { .. } | MoeExperts { .. } => moe::encode(op, enc),
+        ExpertFetch { .. } | ExpertStage { .. } => stream::encode(op, enc),
         CausalConv1d { .. } | DeltaGates { .. } | DeltaRule { .. } => deltanet::encode(op, enc),
         Argmax { .. } | TopK { .. } | Sample { .. } => head::encode(op, enc),
     }

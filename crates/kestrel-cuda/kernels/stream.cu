@@ -1,0 +1,202 @@
+// Streamed experts inside the forward pass: a layer's cache of expert slots resolved on the GPU
+// (expert_resolve, one warp, following kestrel_core::expert_slots::resolve step for step: the
+// same books, the same victims), a longer chunk's experts listed for staging
+// (expert_stage_plan), and the listed spans copied (expert_copy) from the layer's packed experts
+// in mapped page-locked host memory, or from the cache's slots, by blocks of the SMs. So a decode
+// step that misses is still one graph replay: the router's choice never goes back to the host.
+//
+// A copy list is `[count, (dst, src) * count]`: `dst` a span index of the destination, `src` a
+// span index of the host's packed experts, or STREAM_FROM_CACHE | a slot of the cache.
+//
+// Tuning: reads of host memory cross the link, so a block keeps four 16-byte loads in flight per
+// thread; host-paths.cu (shared/peer) measured 51 GB/s for such kernels from any grid of
+// 132 x 256 threads up, and about the copy engine's speed for expert-sized gathers.
+#include "kestrel.cuh"
+
+#if !defined(STREAM_HEADER) || !defined(STREAM_MAX_IDS) || !defined(STREAM_MAX_EXPERTS)
+#error "stream.cu needs STREAM_HEADER, STREAM_MAX_IDS and STREAM_MAX_EXPERTS (ops/stream.rs)"
+#endif
+
+#define STREAM_FROM_CACHE 0x80000000u
+
+// Word offsets of the table's header (kestrel_core::expert_slots).
+#define T_CLOCK 0
+#define T_LOOKUPS 1
+#define T_MISSES 3
+#define T_STAGED 5
+
+__device__ __forceinline__ void add_wide(unsigned* t, unsigned at, unsigned n) {
+    const unsigned long long v = ((unsigned long long)t[at + 1] << 32 | t[at]) + n;
+    t[at] = (unsigned)v;
+    t[at + 1] = (unsigned)(v >> 32);
+}
+
+// Is candidate a (class, score, age, slot) better than b? Class 0 is a free slot, 1 an occupied
+// slot this step has not used, 2 none. Lower score leaves first, then the older, then the
+// lower slot.
+__device__ __forceinline__ bool better(unsigned ac, float as, unsigned aa, unsigned ai, unsigned bc, float bs,
+                                       unsigned ba, unsigned bi) {
+    if (ac != bc) return ac < bc;
+    if (ac == 0) return ai < bi;
+    if (as != bs) return as < bs;
+    if (aa != ba) return aa > ba;
+    return ai < bi;
+}
+
+// One decode step of a layer (one warp): slots for the n ids, misses into the copy list.
+extern "C" __global__ void expert_resolve(const unsigned* ids, unsigned n, unsigned* table, unsigned slots,
+                                          unsigned experts, float half_life, unsigned* out, unsigned* list) {
+    __shared__ unsigned dist[STREAM_MAX_IDS], dslot[STREAM_MAX_IDS];
+    pdl_begin();
+    const unsigned lane = threadIdx.x;
+    unsigned* owner = table + STREAM_HEADER;
+    unsigned* stamp = owner + slots;
+    float* count = (float*)(stamp + slots);
+    unsigned* used_at = (unsigned*)(count + experts);
+    const unsigned clock = table[T_CLOCK] + 1;
+    // The distinct ids in order of first appearance.
+    unsigned nd = 0;
+    for (unsigned j = 0; j < n; j++) {
+        const unsigned e = ids[j];
+        bool seen = false;
+        for (unsigned d0 = 0; d0 < nd; d0 += 32) {
+            const unsigned d = d0 + lane;
+            seen |= __any_sync(0xffffffffu, d < nd && dist[d] == e);
+        }
+        if (!seen) {
+            if (lane == 0) dist[nd] = e;
+            nd++;
+        }
+        __syncwarp();
+    }
+    // Hits keep their slots (and are pinned by the stamp); uses are counted first.
+    for (unsigned d = 0; d < nd; d++) {
+        const unsigned e = dist[d];
+        if (half_life > 0.0f && lane == 0) {
+            const float age = (float)(clock - used_at[e]);
+            count[e] = count[e] * exp2f(-age / half_life) + 1.0f;
+            used_at[e] = clock;
+        }
+        unsigned found = 0xffffffffu;
+        for (unsigned s0 = 0; s0 < slots; s0 += 32) {
+            const unsigned s = s0 + lane;
+            const unsigned hit = __ballot_sync(0xffffffffu, s < slots && owner[s] == e + 1);
+            if (hit) {
+                found = s0 + __ffs(hit) - 1;
+                break;
+            }
+        }
+        if (lane == 0) {
+            dslot[d] = found;
+            if (found != 0xffffffffu) stamp[found] = clock;
+        }
+        __syncwarp();
+    }
+    // Misses take the best victim, one at a time, in order.
+    unsigned fills = 0;
+    for (unsigned d = 0; d < nd; d++) {
+        if (dslot[d] != 0xffffffffu) continue;
+        unsigned bc = 2, ba = 0, bi = 0xffffffffu;
+        float bs = 0.0f;
+        for (unsigned s = lane; s < slots; s += 32) {
+            const unsigned o = owner[s];
+            const unsigned age = clock - stamp[s];
+            unsigned c = o == 0 ? 0 : (age == 0 ? 2 : 1);
+            float sc = 0.0f;
+            if (c == 1 && half_life > 0.0f) sc = log2f(count[o - 1]) - (float)(clock - used_at[o - 1]) / half_life;
+            if (better(c, sc, age, s, bc, bs, ba, bi)) { bc = c; bs = sc; ba = age; bi = s; }
+        }
+        for (int off = 16; off > 0; off >>= 1) {
+            const unsigned oc = __shfl_xor_sync(0xffffffffu, bc, off);
+            const float os = __shfl_xor_sync(0xffffffffu, bs, off);
+            const unsigned oa = __shfl_xor_sync(0xffffffffu, ba, off);
+            const unsigned oi = __shfl_xor_sync(0xffffffffu, bi, off);
+            if (better(oc, os, oa, oi, bc, bs, ba, bi)) { bc = oc; bs = os; ba = oa; bi = oi; }
+        }
+        if (lane == 0) {
+            owner[bi] = dist[d] + 1;
+            stamp[bi] = clock;
+            dslot[d] = bi;
+            list[1 + 2 * fills] = bi;
+            list[2 + 2 * fills] = dist[d];
+        }
+        fills++;
+        __syncwarp();
+    }
+    if (lane == 0) {
+        list[0] = fills;
+        table[T_CLOCK] = clock;
+        add_wide(table, T_LOOKUPS, nd);
+        add_wide(table, T_MISSES, fills);
+    }
+    for (unsigned j = lane; j < n; j += 32) {
+        const unsigned e = ids[j];
+        unsigned d = 0;
+        while (dist[d] != e) d++;
+        out[j] = dslot[d];
+    }
+}
+
+// The distinct experts of a longer chunk in increasing order, each from its cache slot if the
+// layer holds it, else from host memory (counted in the table's staged words).
+extern "C" __global__ void expert_stage_plan(const unsigned* ids, unsigned n, unsigned* table, unsigned slots,
+                                             unsigned experts, unsigned* list) {
+    // 0: unused, 1: from host, 2 + s: from slot s.
+    __shared__ unsigned used[STREAM_MAX_EXPERTS];
+    pdl_begin();
+    const unsigned* owner = table + STREAM_HEADER;
+    for (unsigned e = threadIdx.x; e < experts; e += blockDim.x) used[e] = 0;
+    __syncthreads();
+    for (unsigned j = threadIdx.x; j < n; j += blockDim.x) used[ids[j]] = 1;
+    __syncthreads();
+    for (unsigned s = threadIdx.x; s < slots; s += blockDim.x) {
+        const unsigned o = owner[s];
+        if (o != 0 && used[o - 1] != 0) used[o - 1] = 2 + s;
+    }
+    __syncthreads();
+    if (threadIdx.x >= 32) return;
+    const unsigned lane = threadIdx.x;
+    unsigned listed = 0, from_host = 0;
+    for (unsigned e0 = 0; e0 < experts; e0 += 32) {
+        const unsigned e = e0 + lane;
+        const unsigned u = e < experts ? used[e] : 0;
+        const unsigned any = __ballot_sync(0xffffffffu, u != 0);
+        if (u != 0) {
+            const unsigned at = listed + __popc(any & ((1u << lane) - 1));
+            list[1 + 2 * at] = e;
+            list[2 + 2 * at] = u >= 2 ? (STREAM_FROM_CACHE | (u - 2)) : e;
+        }
+        listed += __popc(any);
+        from_host += __popc(__ballot_sync(0xffffffffu, u == 1));
+    }
+    if (lane == 0) {
+        list[0] = listed;
+        add_wide(table, T_STAGED, from_host);
+    }
+}
+
+// Copies entry blockIdx.y of the list: span16 16-byte words, spread over the blocks of x.
+extern "C" __global__ void expert_copy(const unsigned* list, const int4* host, const int4* cache, int4* dst,
+                                       unsigned long long span16) {
+    pdl_wait();
+    const unsigned y = blockIdx.y;
+    if (y >= list[0]) {
+        pdl_trigger();
+        return;
+    }
+    const unsigned to = list[1 + 2 * y], from = list[2 + 2 * y];
+    pdl_trigger();
+    const int4* s = (from & STREAM_FROM_CACHE) ? cache + (size_t)(from & ~STREAM_FROM_CACHE) * span16
+                                               : host + (size_t)from * span16;
+    int4* o = dst + (size_t)to * span16;
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    for (; i + 3 * stride < span16; i += 4 * stride) {
+        const int4 a = s[i], b = s[i + stride], c = s[i + 2 * stride], d = s[i + 3 * stride];
+        o[i] = a;
+        o[i + stride] = b;
+        o[i + 2 * stride] = c;
+        o[i + 3 * stride] = d;
+    }
+    for (; i < span16; i += stride) o[i] = s[i];
+}

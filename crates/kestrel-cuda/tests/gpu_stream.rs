@@ -1,0 +1,130 @@
+//! The streaming ops on CUDA against the CPU backend, exactly: a layer's cache of expert slots
+//! fetched step after step (random routing, so steps hit, fill free slots and evict), under LRU
+//! and the frequency policy, and longer chunks staged from the slots and from host memory. The
+//! slots chosen, the books (every word of the table) and the bytes in the cache and the staging
+//! area must be the CPU's, so the GPU's resolution follows `kestrel_core::expert_slots`.
+
+use kestrel_core::expert_slots::{table_words, SlotPolicy};
+use kestrel_core::ir::Graph;
+use kestrel_core::rng::Rng;
+use kestrel_core::{Backend, DType, GraphBuilder};
+use kestrel_cpu::CpuBackend;
+use kestrel_cuda::{CudaBackend, RunMode};
+use kestrel_testing::gpu::device_or_skip;
+
+/// Odd sizes: 37 experts of 592 bytes, 7 slots, 3 experts a token.
+const EXPERTS: usize = 37;
+const SPAN: usize = 592;
+const SLOTS: usize = 7;
+const K: usize = 3;
+
+struct Graphs {
+    fetch: Graph,
+    stage: Graph,
+}
+
+/// A fetch of 2 tokens' experts and a stage of 9 tokens', over one layer's books, host experts
+/// and cache (shared by label between the two graphs).
+fn graphs(policy: SlotPolicy) -> Graphs {
+    let sizes = (EXPERTS, SLOTS, SPAN);
+    let declare = |g: &mut GraphBuilder| {
+        let table = g.state("table", DType::U32, [table_words(SLOTS, EXPERTS)]);
+        let src = g.host_weight("host", EXPERTS * SPAN);
+        let cache = g.expert_cache("cache", SLOTS * SPAN);
+        (table, src, cache)
+    };
+    let mut g = GraphBuilder::new();
+    let (table, src, cache) = declare(&mut g);
+    let ids = g.expert_ids_input("ids", 2, K);
+    let slots = g.expert_fetch("fetch", ids, table, src, cache, sizes, policy);
+    g.mark_output(slots);
+    let fetch = g.finish().unwrap();
+    let mut g = GraphBuilder::new();
+    let (table, src, cache) = declare(&mut g);
+    let ids = g.expert_ids_input("ids", 9, K);
+    let staging = g.expert_cache("staging", EXPERTS * SPAN);
+    g.expert_stage("stage", ids, table, src, cache, staging, sizes);
+    let stage = g.finish().unwrap();
+    Graphs { fetch, stage }
+}
+
+/// Runs `steps` (fetch steps of 6 ids, stage steps of 27) on a backend and returns, after each
+/// step, the slots (fetch) and the table, and at the end the cache and staging bytes.
+fn run<B: Backend>(b: &mut B, gs: &Graphs, host: &[u8], steps: &[Vec<u32>]) -> Vec<Vec<u32>> {
+    let label =
+        |g: &Graph, l: &str| kestrel_core::ir::Buf(g.bufs.iter().position(|d| d.label == l).unwrap() as u32);
+    let mut fetch = b.prepare(&gs.fetch).unwrap();
+    let mut stage = b.prepare(&gs.stage).unwrap();
+    b.write_bytes(&mut fetch, label(&gs.fetch, "host"), 0, host)
+        .unwrap();
+    let mut seen = Vec::new();
+    for ids in steps {
+        let (p, g) = if ids.len() == 2 * K {
+            (&mut fetch, &gs.fetch)
+        } else {
+            (&mut stage, &gs.stage)
+        };
+        b.upload(p, label(g, "ids"), ids).unwrap();
+        b.run(p).unwrap();
+        if ids.len() == 2 * K {
+            seen.push(b.download::<u32>(p, label(g, "fetch.slots")).unwrap());
+        }
+        seen.push(b.download::<u32>(p, label(g, "table")).unwrap());
+    }
+    for (p, g, l) in [(&fetch, &gs.fetch, "cache"), (&stage, &gs.stage, "staging")] {
+        let mut bytes = vec![0u8; g.decl(label(g, l)).byte_len()];
+        b.read_bytes(p, label(g, l), &mut bytes).unwrap();
+        seen.push(
+            bytes
+                .chunks(4)
+                .map(|w| u32::from_le_bytes(w.try_into().unwrap()))
+                .collect(),
+        );
+    }
+    seen
+}
+
+#[test]
+fn fetch_and_stage_on_cuda_follow_the_cpu_exactly() {
+    let Some(dev) = device_or_skip("fetch_and_stage_on_cuda_follow_the_cpu_exactly") else {
+        return;
+    };
+    let (mut rng, seed) = Rng::from_time();
+    let host: Vec<u8> = (0..EXPERTS * SPAN).map(|_| rng.next_u64() as u8).collect();
+    // Routing drawn from a few popular experts and the rest, so both policies hit and evict.
+    let mut pick = |n: usize| -> Vec<u32> {
+        (0..n)
+            .map(|_| {
+                if rng.range(0, 3) == 0 {
+                    rng.range(0, EXPERTS) as u32
+                } else {
+                    rng.range(0, 9) as u32
+                }
+            })
+            .collect()
+    };
+    let steps: Vec<Vec<u32>> = (0..60)
+        .map(|i| if i % 10 == 9 { pick(9 * K) } else { pick(2 * K) })
+        .collect();
+    for policy in [SlotPolicy::Lru, SlotPolicy::Frequency { half_life: 5.0 }] {
+        let gs = graphs(policy);
+        let want = run(&mut CpuBackend::new(), &gs, &host, &steps);
+        let got = run(
+            &mut CudaBackend::new(dev.clone(), RunMode::Graph),
+            &gs,
+            &host,
+            &steps,
+        );
+        for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+            assert!(
+                w == g,
+                "seed {seed} {policy:?}: result {i} differs: {g:?} against {w:?}"
+            );
+        }
+        let stats = kestrel_core::expert_slots::stats(&want[want.len() - 3]);
+        assert!(
+            stats.misses > SLOTS as u64 && stats.misses < stats.lookups && stats.staged > 0,
+            "seed {seed} {policy:?}: the steps did not exercise the cache: {stats:?}"
+        );
+    }
+}
