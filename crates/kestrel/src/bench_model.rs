@@ -55,6 +55,11 @@ pub struct ModelBenchArgs {
     quant: QuantArgs,
     #[command(flatten)]
     memory: MemoryArgs,
+    /// What each generation step is fed: the token the previous one chose (greedy; random
+    /// weights soon repeat themselves, so the same experts come back), or a fresh random token
+    /// (routing spread as over real text, the harder case for streamed experts).
+    #[arg(long, value_enum, default_value_t = TgInput::Greedy)]
+    tg_input: TgInput,
     /// Seed of the synthetic weights and of the benchmark's token ids.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -65,6 +70,13 @@ pub struct ModelBenchArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
+}
+
+/// What generation steps are fed (`--tg-input`).
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum TgInput {
+    Greedy,
+    Random,
 }
 
 /// One test's result.
@@ -90,16 +102,27 @@ fn ids(rng: &mut Rng, vocab: usize, n: usize) -> Vec<u32> {
     (0..n).map(|_| rng.range(0, vocab) as u32).collect()
 }
 
-/// Decodes `n` tokens from an empty context starting with `first`; returns the last id.
-fn generate(e: &mut Engine, first: u32, n: usize) -> Result<u32> {
-    let mut t = first;
+/// Decodes `n` tokens from an empty context starting with `first`, each step fed the token
+/// the last one chose or, with `random`, a random one; returns the last id chosen.
+fn generate(e: &mut Engine, first: u32, n: usize, random: Option<&mut Rng>) -> Result<u32> {
+    let vocab = e.config().vocab;
+    let (mut t, mut chosen, mut random) = (first, first, random);
     for at in 0..n {
-        t = e
+        chosen = e
             .step(&[t], at, Want::Argmax)?
             .token()
             .context("the step returned no token")?;
+        t = match random.as_deref_mut() {
+            Some(rng) => rng.range(0, vocab) as u32,
+            None => chosen,
+        };
     }
-    Ok(t)
+    Ok(chosen)
+}
+
+/// The generator of `--tg-input random`'s tokens for one generation run (None: greedy).
+fn tg_tokens(input: TgInput, rng: &mut Rng) -> Option<Rng> {
+    (input == TgInput::Random).then(|| Rng::new(rng.next_u64()))
 }
 
 /// Runs every test on `e`.
@@ -127,13 +150,14 @@ fn run_tests(e: &mut Engine, a: &ModelBenchArgs, rng: &mut Rng) -> Result<Vec<Te
         });
     }
     for &tg in a.n_gen.iter().filter(|&&n| n > 0) {
-        generate(e, ids(rng, vocab, 1)[0], tg.min(4))?;
+        generate(e, ids(rng, vocab, 1)[0], tg.min(4), tg_tokens(a.tg_input, rng).as_mut())?;
         let mut samples = Vec::with_capacity(a.reps);
         for _ in 0..a.reps {
             let first = ids(rng, vocab, 1)[0];
             e.reset()?;
+            let mut tokens = tg_tokens(a.tg_input, rng);
             let start = Instant::now();
-            generate(e, first, tg)?;
+            generate(e, first, tg, tokens.as_mut())?;
             samples.push(start.elapsed().as_secs_f64());
         }
         rows.push(TestRow {
@@ -148,13 +172,13 @@ fn run_tests(e: &mut Engine, a: &ModelBenchArgs, rng: &mut Rng) -> Result<Vec<Te
 
 /// When experts stream: what the cache did over one more generation run from an empty
 /// context (hit rate, misses and bytes copied per token); null otherwise.
-fn expert_extras(e: &mut Engine, tg: usize, rng: &mut Rng) -> Result<serde_json::Value> {
+fn expert_extras(e: &mut Engine, tg: usize, input: TgInput, rng: &mut Rng) -> Result<serde_json::Value> {
     let Some(before) = e.expert_stats()? else {
         return Ok(serde_json::Value::Null);
     };
     let first = ids(rng, e.config().vocab, 1)[0];
     e.reset()?;
-    generate(e, first, tg)?;
+    generate(e, first, tg, tg_tokens(input, rng).as_mut())?;
     let after = e.expert_stats()?.context("the cache went away")?;
     let (lookups, hits) = (after.lookups - before.lookups, after.hits - before.hits);
     let per = |n: u64| n as f64 / tg as f64;
@@ -170,14 +194,19 @@ fn expert_extras(e: &mut Engine, tg: usize, rng: &mut Rng) -> Result<serde_json:
 /// On CUDA: host synchronisations, graph launches and bytes read back per generated token,
 /// counted over one more generation run; and with `profile`, the per-kernel table of an eager
 /// run. Null on the CPU.
-fn cuda_extras(e: &mut Engine, tg: usize, profile: bool, rng: &mut Rng) -> Result<serde_json::Value> {
+fn cuda_extras(
+    e: &mut Engine,
+    tg: usize,
+    (profile, input): (bool, TgInput),
+    rng: &mut Rng,
+) -> Result<serde_json::Value> {
     let Some(dev) = e.device().cloned() else {
         return Ok(serde_json::Value::Null);
     };
     let first = ids(rng, e.config().vocab, 1)[0];
     dev.synchronize()?;
     let before = dev.counters();
-    generate(e, first, tg)?;
+    generate(e, first, tg, tg_tokens(input, rng).as_mut())?;
     let d = dev.counters() - before;
     let per = |n: u64| n as f64 / tg as f64;
     let counters = serde_json::json!({
@@ -193,11 +222,11 @@ fn cuda_extras(e: &mut Engine, tg: usize, profile: bool, rng: &mut Rng) -> Resul
             }
         };
         set_mode(e, RunMode::Eager);
-        generate(e, first, tg.min(4))?;
+        generate(e, first, tg.min(4), tg_tokens(input, rng).as_mut())?;
         dev.take_profile()?;
         dev.set_profiling(true);
         let start = Instant::now();
-        let outcome = generate(e, first, tg);
+        let outcome = generate(e, first, tg, tg_tokens(input, rng).as_mut());
         dev.set_profiling(false);
         set_mode(e, RunMode::Graph);
         outcome?;
@@ -277,12 +306,12 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
     let rows = run_tests(&mut engine, &a, &mut rng)?;
     let tg = a.n_gen.iter().copied().max().unwrap_or(0);
     let experts = if tg > 0 {
-        expert_extras(&mut engine, tg, &mut rng)?
+        expert_extras(&mut engine, tg, a.tg_input, &mut rng)?
     } else {
         serde_json::Value::Null
     };
     let counters = if tg > 0 {
-        cuda_extras(&mut engine, tg, a.profile, &mut rng)?
+        cuda_extras(&mut engine, tg, (a.profile, a.tg_input), &mut rng)?
     } else {
         serde_json::Value::Null
     };
