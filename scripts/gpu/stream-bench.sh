@@ -56,7 +56,7 @@ for ev in ("lru", "freq"):
             print(f"{ev:4} {inp:6}: no result")
             continue
         res = {t["test"]: t["tokens_per_s"] for t in r["results"]}
-        x = r.get("experts") or {}
+        x = r.get("expert_cache") or {}
         per = x.get("bytes_copied_per_token", 0)
         line = f"{ev:4} {inp:6}: " + "  ".join(f"{k} {v:.1f} tok/s" for k, v in res.items())
         line += f"  hit {100 * x.get('hit_rate', 0):.1f}%  {per / 1e6:.1f} MB/token"

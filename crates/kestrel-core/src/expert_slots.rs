@@ -8,8 +8,9 @@
 //!
 //! Table layout (u32 words), for `slots` slots and `experts` experts:
 //! `[clock, lookups lo/hi, misses lo/hi, staged lo/hi, 0, owner[slots], stamp[slots],
-//! use_count[experts] (f32 bits), use_at[experts]]`. `owner` is the held expert plus one (0:
+//! use_count[experts], use_at[experts]]`. `owner` is the held expert plus one (0:
 //! free), `stamp` the clock of the slot's last use; the use counts serve the frequency policy.
+//! Everything is integer arithmetic, so every backend computes the same books bit for bit.
 
 /// Words before the per-slot arrays.
 pub const HEADER: usize = 8;
@@ -23,19 +24,28 @@ const STAGED: usize = 5;
 pub enum SlotPolicy {
     /// The least recently used.
     Lru,
-    /// The least often used, counting uses with a weight that halves every `half_life` steps
-    /// of the layer (old popularity fades); ties go to the least recently used.
-    Frequency { half_life: f32 },
+    /// The least often used, counting uses with a weight that halves for every `half_life`
+    /// steps of the layer since the expert's last use (old popularity fades); ties go to the
+    /// least recently used.
+    Frequency { half_life: u32 },
 }
 
 impl SlotPolicy {
     /// The policy as kernels take it: the half-life, 0 for LRU.
-    pub fn half_life(self) -> f32 {
+    pub fn half_life(self) -> u32 {
         match self {
-            SlotPolicy::Lru => 0.0,
-            SlotPolicy::Frequency { half_life } => half_life,
+            SlotPolicy::Lru => 0,
+            SlotPolicy::Frequency { half_life } => half_life.max(1),
         }
     }
+}
+
+/// One use in the fixed-point use counts.
+pub const USE: u32 = 256;
+
+/// A use count `age` steps after its last use, with a weight that halves every `half_life`.
+pub fn faded(count: u32, age: u32, half_life: u32) -> u32 {
+    count.checked_shr(age / half_life.max(1)).unwrap_or(0)
 }
 
 /// Words of the table of a layer with `slots` slots and `experts` experts.
@@ -93,8 +103,8 @@ impl Books<'_> {
     fn stamp(&self, s: usize) -> u32 {
         self.t[HEADER + self.slots + s]
     }
-    fn count(&self, e: usize) -> f32 {
-        f32::from_bits(self.t[HEADER + 2 * self.slots + e])
+    fn count(&self, e: usize) -> u32 {
+        self.t[HEADER + 2 * self.slots + e]
     }
     fn used_at(&self, e: usize) -> u32 {
         self.t[HEADER + 2 * self.slots + self.experts + e]
@@ -106,20 +116,19 @@ impl Books<'_> {
         self.t[HEADER + s] = e + 1;
         self.t[HEADER + self.slots + s] = clock;
     }
-    /// An expert's use count faded to `clock`, in log2 (what the frequency policy compares).
-    fn faded(&self, e: usize, clock: u32, half_life: f32) -> f32 {
-        self.count(e).log2() - clock.wrapping_sub(self.used_at(e)) as f32 / half_life
+    /// An expert's use count faded to `clock` (what the frequency policy compares).
+    fn faded(&self, e: usize, clock: u32, half_life: u32) -> u32 {
+        faded(self.count(e), clock.wrapping_sub(self.used_at(e)), half_life)
     }
-    fn count_use(&mut self, e: usize, clock: u32, half_life: f32) {
-        let age = clock.wrapping_sub(self.used_at(e)) as f32;
-        let c = self.count(e) * (-age / half_life).exp2() + 1.0;
-        self.t[HEADER + 2 * self.slots + e] = c.to_bits();
+    fn count_use(&mut self, e: usize, clock: u32, half_life: u32) {
+        let c = self.faded(e, clock, half_life).saturating_add(USE);
+        self.t[HEADER + 2 * self.slots + e] = c;
         self.t[HEADER + 2 * self.slots + self.experts + e] = clock;
     }
     /// The slot a missing expert takes at `clock`: the free slot of lowest index, else the
     /// policy's victim among the slots this step has not used (ties to the lower index).
     fn victim(&self, clock: u32, policy: SlotPolicy) -> usize {
-        let mut best: Option<(usize, f32, u32)> = None;
+        let mut best: Option<(usize, u32, u32)> = None;
         for s in 0..self.slots {
             let owner = self.owner(s);
             if owner == 0 {
@@ -131,8 +140,8 @@ impl Books<'_> {
             }
             // Lower score leaves first; LRU scores every slot alike and goes by age.
             let score = match policy {
-                SlotPolicy::Lru => 0.0,
-                SlotPolicy::Frequency { half_life } => self.faded(owner as usize - 1, clock, half_life),
+                SlotPolicy::Lru => 0,
+                SlotPolicy::Frequency { .. } => self.faded(owner as usize - 1, clock, policy.half_life()),
             };
             let better = match best {
                 None => true,
@@ -194,8 +203,8 @@ pub fn resolve(
     };
     let mut slot = vec![usize::MAX; wanted.len()];
     for (d, &e) in wanted.iter().enumerate() {
-        if let SlotPolicy::Frequency { half_life } = policy {
-            b.count_use(e as usize, clock, half_life);
+        if let SlotPolicy::Frequency { .. } = policy {
+            b.count_use(e as usize, clock, policy.half_life());
         }
         if let Some(s) = b.slot_of(e) {
             b.hold(s, e, clock);
@@ -292,7 +301,7 @@ mod tests {
     #[test]
     fn the_frequency_policy_keeps_the_often_used() {
         let (slots, experts) = (2, 8);
-        let policy = SlotPolicy::Frequency { half_life: 100.0 };
+        let policy = SlotPolicy::Frequency { half_life: 100 };
         let mut t = table(slots, experts);
         let mut out = [0u32; 1];
         for _ in 0..5 {

@@ -1,6 +1,6 @@
 // Streamed experts inside the forward pass: a layer's cache of expert slots resolved on the GPU
-// (expert_resolve, one warp, following kestrel_core::expert_slots::resolve step for step: the
-// same books, the same victims), a longer chunk's experts listed for staging
+// (expert_resolve, one warp on the books in shared memory, following
+// kestrel_core::expert_slots::resolve step for step: the same books, the same victims), a longer chunk's experts listed for staging
 // (expert_stage_plan), and the listed spans copied (expert_copy) from the layer's packed experts
 // in mapped page-locked host memory, or from the cache's slots, by blocks of the SMs. So a decode
 // step that misses is still one graph replay: the router's choice never goes back to the host.
@@ -13,8 +13,9 @@
 // 132 x 256 threads up, and about the copy engine's speed for expert-sized gathers.
 #include "kestrel.cuh"
 
-#if !defined(STREAM_HEADER) || !defined(STREAM_MAX_IDS) || !defined(STREAM_MAX_EXPERTS)
-#error "stream.cu needs STREAM_HEADER, STREAM_MAX_IDS and STREAM_MAX_EXPERTS (ops/stream.rs)"
+#if !defined(STREAM_HEADER) || !defined(STREAM_USE) || !defined(STREAM_MAX_IDS) || !defined(STREAM_MAX_SLOTS) || \
+    !defined(STREAM_MAX_EXPERTS)
+#error "stream.cu needs STREAM_HEADER, STREAM_USE, STREAM_MAX_IDS, STREAM_MAX_SLOTS and STREAM_MAX_EXPERTS (ops/stream.rs)"
 #endif
 
 #define STREAM_FROM_CACHE 0x80000000u
@@ -34,7 +35,7 @@ __device__ __forceinline__ void add_wide(unsigned* t, unsigned at, unsigned n) {
 // Is candidate a (class, score, age, slot) better than b? Class 0 is a free slot, 1 an occupied
 // slot this step has not used, 2 none. Lower score leaves first, then the older, then the
 // lower slot.
-__device__ __forceinline__ bool better(unsigned ac, float as, unsigned aa, unsigned ai, unsigned bc, float bs,
+__device__ __forceinline__ bool better(unsigned ac, unsigned as, unsigned aa, unsigned ai, unsigned bc, unsigned bs,
                                        unsigned ba, unsigned bi) {
     if (ac != bc) return ac < bc;
     if (ac == 0) return ai < bi;
@@ -43,98 +44,112 @@ __device__ __forceinline__ bool better(unsigned ac, float as, unsigned aa, unsig
     return ai < bi;
 }
 
-// One decode step of a layer (one warp): slots for the n ids, misses into the copy list.
+// A use count `age` steps after its last use (expert_slots::faded).
+__device__ __forceinline__ unsigned faded(unsigned count, unsigned age, unsigned half_life) {
+    const unsigned shift = age / half_life;
+    return shift >= 32 ? 0u : count >> shift;
+}
+
+// One decode step of a layer: slots for the n ids, misses into the copy list. The block loads
+// the ids and the table into shared memory (one round trip to memory), one warp works on them
+// there, and the block writes the table back.
 extern "C" __global__ void expert_resolve(const unsigned* ids, unsigned n, unsigned* table, unsigned slots,
-                                          unsigned experts, float half_life, unsigned* out, unsigned* list) {
-    __shared__ unsigned dist[STREAM_MAX_IDS], dslot[STREAM_MAX_IDS];
+                                          unsigned experts, unsigned half_life, unsigned* out, unsigned* list) {
+    __shared__ unsigned t[STREAM_HEADER + 2 * STREAM_MAX_SLOTS + 2 * STREAM_MAX_EXPERTS];
+    __shared__ unsigned id[STREAM_MAX_IDS], dist[STREAM_MAX_IDS], dslot[STREAM_MAX_IDS];
     pdl_begin();
-    const unsigned lane = threadIdx.x;
-    unsigned* owner = table + STREAM_HEADER;
-    unsigned* stamp = owner + slots;
-    float* count = (float*)(stamp + slots);
-    unsigned* used_at = (unsigned*)(count + experts);
-    const unsigned clock = table[T_CLOCK] + 1;
-    // The distinct ids in order of first appearance.
-    unsigned nd = 0;
-    for (unsigned j = 0; j < n; j++) {
-        const unsigned e = ids[j];
-        bool seen = false;
-        for (unsigned d0 = 0; d0 < nd; d0 += 32) {
-            const unsigned d = d0 + lane;
-            seen |= __any_sync(0xffffffffu, d < nd && dist[d] == e);
-        }
-        if (!seen) {
-            if (lane == 0) dist[nd] = e;
-            nd++;
-        }
-        __syncwarp();
-    }
-    // Hits keep their slots (and are pinned by the stamp); uses are counted first.
-    for (unsigned d = 0; d < nd; d++) {
-        const unsigned e = dist[d];
-        if (half_life > 0.0f && lane == 0) {
-            const float age = (float)(clock - used_at[e]);
-            count[e] = count[e] * exp2f(-age / half_life) + 1.0f;
-            used_at[e] = clock;
-        }
-        unsigned found = 0xffffffffu;
-        for (unsigned s0 = 0; s0 < slots; s0 += 32) {
-            const unsigned s = s0 + lane;
-            const unsigned hit = __ballot_sync(0xffffffffu, s < slots && owner[s] == e + 1);
-            if (hit) {
-                found = s0 + __ffs(hit) - 1;
-                break;
+    const unsigned words = STREAM_HEADER + 2 * slots + 2 * experts;
+    for (unsigned i = threadIdx.x; i < words; i += blockDim.x) t[i] = table[i];
+    for (unsigned i = threadIdx.x; i < n; i += blockDim.x) id[i] = ids[i];
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        const unsigned lane = threadIdx.x;
+        unsigned* owner = t + STREAM_HEADER;
+        unsigned* stamp = owner + slots;
+        unsigned* count = stamp + slots;
+        unsigned* used_at = count + experts;
+        const unsigned clock = t[T_CLOCK] + 1;
+        // The distinct ids in order of first appearance.
+        unsigned nd = 0;
+        for (unsigned j = 0; j < n; j++) {
+            const unsigned e = id[j];
+            bool seen = false;
+            for (unsigned d0 = 0; d0 < nd; d0 += 32) {
+                const unsigned d = d0 + lane;
+                seen |= __any_sync(0xffffffffu, d < nd && dist[d] == e);
             }
+            if (!seen) {
+                if (lane == 0) dist[nd] = e;
+                nd++;
+            }
+            __syncwarp();
+        }
+        // Hits keep their slots (and are pinned by the stamp); uses are counted first.
+        for (unsigned d = 0; d < nd; d++) {
+            const unsigned e = dist[d];
+            if (half_life > 0 && lane == 0) {
+                count[e] = min(faded(count[e], clock - used_at[e], half_life), 0xffffffffu - STREAM_USE) + STREAM_USE;
+                used_at[e] = clock;
+            }
+            unsigned found = 0xffffffffu;
+            for (unsigned s0 = 0; s0 < slots; s0 += 32) {
+                const unsigned s = s0 + lane;
+                const unsigned hit = __ballot_sync(0xffffffffu, s < slots && owner[s] == e + 1);
+                if (hit) {
+                    found = s0 + __ffs(hit) - 1;
+                    break;
+                }
+            }
+            if (lane == 0) {
+                dslot[d] = found;
+                if (found != 0xffffffffu) stamp[found] = clock;
+            }
+            __syncwarp();
+        }
+        // Misses take the best victim, one at a time, in order.
+        unsigned fills = 0;
+        for (unsigned d = 0; d < nd; d++) {
+            if (dslot[d] != 0xffffffffu) continue;
+            unsigned bc = 2, bs = 0, ba = 0, bi = 0xffffffffu;
+            for (unsigned s = lane; s < slots; s += 32) {
+                const unsigned o = owner[s];
+                const unsigned age = clock - stamp[s];
+                const unsigned c = o == 0 ? 0 : (age == 0 ? 2 : 1);
+                const unsigned sc = c == 1 && half_life > 0 ? faded(count[o - 1], clock - used_at[o - 1], half_life) : 0;
+                if (better(c, sc, age, s, bc, bs, ba, bi)) { bc = c; bs = sc; ba = age; bi = s; }
+            }
+            for (int off = 16; off > 0; off >>= 1) {
+                const unsigned oc = __shfl_xor_sync(0xffffffffu, bc, off);
+                const unsigned os = __shfl_xor_sync(0xffffffffu, bs, off);
+                const unsigned oa = __shfl_xor_sync(0xffffffffu, ba, off);
+                const unsigned oi = __shfl_xor_sync(0xffffffffu, bi, off);
+                if (better(oc, os, oa, oi, bc, bs, ba, bi)) { bc = oc; bs = os; ba = oa; bi = oi; }
+            }
+            if (lane == 0) {
+                owner[bi] = dist[d] + 1;
+                stamp[bi] = clock;
+                dslot[d] = bi;
+                list[1 + 2 * fills] = bi;
+                list[2 + 2 * fills] = dist[d];
+            }
+            fills++;
+            __syncwarp();
         }
         if (lane == 0) {
-            dslot[d] = found;
-            if (found != 0xffffffffu) stamp[found] = clock;
+            list[0] = fills;
+            t[T_CLOCK] = clock;
+            add_wide(t, T_LOOKUPS, nd);
+            add_wide(t, T_MISSES, fills);
         }
-        __syncwarp();
-    }
-    // Misses take the best victim, one at a time, in order.
-    unsigned fills = 0;
-    for (unsigned d = 0; d < nd; d++) {
-        if (dslot[d] != 0xffffffffu) continue;
-        unsigned bc = 2, ba = 0, bi = 0xffffffffu;
-        float bs = 0.0f;
-        for (unsigned s = lane; s < slots; s += 32) {
-            const unsigned o = owner[s];
-            const unsigned age = clock - stamp[s];
-            unsigned c = o == 0 ? 0 : (age == 0 ? 2 : 1);
-            float sc = 0.0f;
-            if (c == 1 && half_life > 0.0f) sc = log2f(count[o - 1]) - (float)(clock - used_at[o - 1]) / half_life;
-            if (better(c, sc, age, s, bc, bs, ba, bi)) { bc = c; bs = sc; ba = age; bi = s; }
+        for (unsigned j = lane; j < n; j += 32) {
+            const unsigned e = id[j];
+            unsigned d = 0;
+            while (dist[d] != e) d++;
+            out[j] = dslot[d];
         }
-        for (int off = 16; off > 0; off >>= 1) {
-            const unsigned oc = __shfl_xor_sync(0xffffffffu, bc, off);
-            const float os = __shfl_xor_sync(0xffffffffu, bs, off);
-            const unsigned oa = __shfl_xor_sync(0xffffffffu, ba, off);
-            const unsigned oi = __shfl_xor_sync(0xffffffffu, bi, off);
-            if (better(oc, os, oa, oi, bc, bs, ba, bi)) { bc = oc; bs = os; ba = oa; bi = oi; }
-        }
-        if (lane == 0) {
-            owner[bi] = dist[d] + 1;
-            stamp[bi] = clock;
-            dslot[d] = bi;
-            list[1 + 2 * fills] = bi;
-            list[2 + 2 * fills] = dist[d];
-        }
-        fills++;
-        __syncwarp();
     }
-    if (lane == 0) {
-        list[0] = fills;
-        table[T_CLOCK] = clock;
-        add_wide(table, T_LOOKUPS, nd);
-        add_wide(table, T_MISSES, fills);
-    }
-    for (unsigned j = lane; j < n; j += 32) {
-        const unsigned e = ids[j];
-        unsigned d = 0;
-        while (dist[d] != e) d++;
-        out[j] = dslot[d];
-    }
+    __syncthreads();
+    for (unsigned i = threadIdx.x; i < words; i += blockDim.x) table[i] = t[i];
 }
 
 // The distinct experts of a longer chunk in increasing order, each from its cache slot if the

@@ -106,7 +106,7 @@ fn fetch_and_stage_on_cuda_follow_the_cpu_exactly() {
     let steps: Vec<Vec<u32>> = (0..60)
         .map(|i| if i % 10 == 9 { pick(9 * K) } else { pick(2 * K) })
         .collect();
-    for policy in [SlotPolicy::Lru, SlotPolicy::Frequency { half_life: 5.0 }] {
+    for policy in [SlotPolicy::Lru, SlotPolicy::Frequency { half_life: 5 }] {
         let gs = graphs(policy);
         let want = run(&mut CpuBackend::new(), &gs, &host, &steps);
         let got = run(

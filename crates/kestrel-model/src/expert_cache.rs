@@ -78,7 +78,7 @@ mod tests {
         // Expert 1 is used often, then two others pass through once each.
         let trace: Vec<(usize, Vec<u32>)> = [1, 1, 1, 1, 2, 3, 1].iter().map(|&e| (0, vec![e])).collect();
         let lru = simulate(&trace, 8, 2, 1, Eviction::Lru).unwrap();
-        let freq = simulate(&trace, 8, 2, 1, Eviction::Frequency { half_life: 100.0 }).unwrap();
+        let freq = simulate(&trace, 8, 2, 1, Eviction::Frequency { half_life: 100 }).unwrap();
         assert_eq!(lru.misses, 4, "{lru:?}");
         assert_eq!(freq.misses, 3, "{freq:?}");
         assert_eq!(
@@ -103,16 +103,16 @@ mod tests {
         let mut trace: Vec<(usize, Vec<u32>)> = (0..8).map(|_| (0, vec![1])).collect();
         trace.extend((0..5).map(|_| (0, vec![2])));
         trace.push((0, vec![3]));
-        let kept = |half_life: f32, e: u32| {
+        let kept = |half_life: u32, e: u32| {
             let mut t = trace.clone();
             t.push((0, vec![e]));
             simulate(&t, 8, 2, 1, Eviction::Frequency { half_life })
                 .unwrap()
                 .misses
         };
-        assert_eq!(kept(1e9, 1), 3);
-        assert_eq!(kept(1e9, 2), 4);
-        assert_eq!(kept(2.0, 2), 3);
-        assert_eq!(kept(2.0, 1), 4);
+        assert_eq!(kept(1_000_000, 1), 3);
+        assert_eq!(kept(1_000_000, 2), 4);
+        assert_eq!(kept(2, 2), 3);
+        assert_eq!(kept(2, 1), 4);
     }
 }

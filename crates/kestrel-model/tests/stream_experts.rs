@@ -56,7 +56,7 @@ fn streamed_experts_compute_the_resident_logits() {
         let k = moe.experts_per_token;
         for (slots, policy, host_layers) in [
             (k, Eviction::Lru, usize::MAX),
-            (k + 1, Eviction::Frequency { half_life: 4.0 }, 1),
+            (k + 1, Eviction::Frequency { half_life: 4 }, 1),
             (k, Eviction::Lru, 0),
         ] {
             let mut s = session(name)

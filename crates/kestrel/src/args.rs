@@ -117,7 +117,7 @@ impl MemoryArgs {
         opts.host_mem = self.host_mem.map(|b| b.0);
         opts.eviction = match self.expert_eviction {
             EvictionFlag::Lru => Eviction::Lru,
-            EvictionFlag::Freq => Eviction::Frequency { half_life: 64.0 },
+            EvictionFlag::Freq => Eviction::Frequency { half_life: 64 },
         };
     }
 }

@@ -150,7 +150,12 @@ fn run_tests(e: &mut Engine, a: &ModelBenchArgs, rng: &mut Rng) -> Result<Vec<Te
         });
     }
     for &tg in a.n_gen.iter().filter(|&&n| n > 0) {
-        generate(e, ids(rng, vocab, 1)[0], tg.min(4), tg_tokens(a.tg_input, rng).as_mut())?;
+        generate(
+            e,
+            ids(rng, vocab, 1)[0],
+            tg.min(4),
+            tg_tokens(a.tg_input, rng).as_mut(),
+        )?;
         let mut samples = Vec::with_capacity(a.reps);
         for _ in 0..a.reps {
             let first = ids(rng, vocab, 1)[0];

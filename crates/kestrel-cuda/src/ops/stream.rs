@@ -2,7 +2,7 @@
 //! layer's slots on the GPU (one warp) and copies the misses from mapped host memory; a stage
 //! lists a longer chunk's experts and copies each from its slot or from host memory.
 
-use kestrel_core::expert_slots::HEADER;
+use kestrel_core::expert_slots::{HEADER, USE};
 use kestrel_core::ir::Op;
 use kestrel_core::DType;
 
@@ -13,8 +13,12 @@ use crate::encoder::Encoder;
 
 /// Most ids one fetch resolves (its shared-memory lists).
 const MAX_IDS: usize = 1024;
-/// Most experts a staged layer has (the plan's shared-memory flags).
+/// Most experts a streamed layer has and most slots its cache has (the books, in shared
+/// memory while a fetch resolves, and the stage plan's flags).
 const MAX_EXPERTS: usize = 1024;
+const MAX_SLOTS: usize = 1024;
+/// Threads that load and store a fetch's books (one warp of them resolves).
+const RESOLVE_THREADS: u32 = 256;
 /// Blocks that copy one listed span: a fetch lists a few misses, so each gets many blocks to
 /// keep the link busy; a stage lists up to every expert of the layer.
 const FETCH_BLOCKS_PER_SPAN: u32 = 16;
@@ -26,7 +30,9 @@ pub(crate) const MODULE: ModuleSource = op_module(
     include_str!("../../kernels/stream.cu"),
     &[
         ("STREAM_HEADER", HEADER as i64),
+        ("STREAM_USE", USE as i64),
         ("STREAM_MAX_IDS", MAX_IDS as i64),
+        ("STREAM_MAX_SLOTS", MAX_SLOTS as i64),
         ("STREAM_MAX_EXPERTS", MAX_EXPERTS as i64),
     ],
 );
@@ -47,8 +53,11 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             policy,
         } => {
             let n = tokens * k;
-            if n > MAX_IDS {
-                return Err(unsupported(format!("{n} expert ids at once (at most {MAX_IDS})")));
+            if n > MAX_IDS || slots > MAX_SLOTS || experts > MAX_EXPERTS {
+                return Err(unsupported(format!(
+                    "{n} expert ids at once, {slots} slots, {experts} experts (at most {MAX_IDS}, \
+                     {MAX_SLOTS}, {MAX_EXPERTS})"
+                )));
             }
             let (ids, table, src) = (
                 enc.buf(ids)?.clone(),
@@ -60,7 +69,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             let resolve = enc.kernel(&MODULE, "expert_resolve")?;
             enc.dispatch(&resolve)
                 .grid(1)
-                .block(32)
+                .block(RESOLVE_THREADS)
                 .read(&ids)
                 .arg(u32_arg(n)?)
                 .read_write(&table)
