@@ -6,9 +6,11 @@
 //! The CPU backend runs these functions; the CUDA kernels (`kernels/stream.cu`) follow them step
 //! for step, so both caches hold the same experts after the same steps.
 //!
-//! Table layout (u32 words), for `slots` slots and `experts` experts:
+//! Table layout (u32 words), for `slots` slots and `experts` experts: the books,
 //! `[clock, lookups lo/hi, misses lo/hi, staged lo/hi, 0, owner[slots], stamp[slots],
-//! use_count[experts], use_at[experts]]`. `owner` is the held expert plus one (0:
+//! use_count[experts], use_at[experts]]`, then a second copy of them: a GPU fetch reads the
+//! books in every block and writes the next ones into the copy, which a later kernel commits
+//! (so no block reads books another is writing); after each step both copies are equal. `owner` is the held expert plus one (0:
 //! free), `stamp` the clock of the slot's last use; the use counts serve the frequency policy.
 //! Everything is integer arithmetic, so every backend computes the same books bit for bit.
 
@@ -48,9 +50,14 @@ pub fn faded(count: u32, age: u32, half_life: u32) -> u32 {
     count.checked_shr(age / half_life.max(1)).unwrap_or(0)
 }
 
-/// Words of the table of a layer with `slots` slots and `experts` experts.
-pub fn table_words(slots: usize, experts: usize) -> usize {
+/// Words of one copy of the books of a layer with `slots` slots and `experts` experts.
+pub fn book_words(slots: usize, experts: usize) -> usize {
     HEADER + 2 * slots + 2 * experts
+}
+
+/// Words of the table: the books and their second copy.
+pub fn table_words(slots: usize, experts: usize) -> usize {
+    2 * book_words(slots, experts)
 }
 
 /// What a layer's cache did since its table was zeroed.
@@ -193,6 +200,7 @@ pub fn resolve(
     if wanted.len() > slots {
         return Err(format!("{} experts at once in {slots} slots", wanted.len()));
     }
+    let (table, copy) = table.split_at_mut(book_words(slots, experts));
     let clock = table[CLOCK].wrapping_add(1);
     table[CLOCK] = clock;
     add_wide(table, LOOKUPS, wanted.len() as u64);
@@ -231,12 +239,14 @@ pub fn resolve(
             .expect("every id is among the distinct");
         *o = slot[d] as u32;
     }
+    copy.copy_from_slice(table);
     Ok(fills)
 }
 
 /// Where each expert of a longer chunk comes from when it is staged: every distinct expert of
 /// `ids`, in increasing order, with the slot that holds it (None: from host memory). Counts the
-/// host copies; the books are not otherwise changed (staging is not a use of the slots).
+/// host copies in the books (not in their copy); they are not otherwise changed (staging is not
+/// a use of the slots).
 pub fn stage_sources(
     table: &mut [u32],
     slots: usize,
@@ -251,6 +261,7 @@ pub fn stage_sources(
     }
     let mut wanted = distinct(ids, experts)?;
     wanted.sort_unstable();
+    let table = &mut table[..book_words(slots, experts)];
     let b = Books {
         t: table,
         slots,

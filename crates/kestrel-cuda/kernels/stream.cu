@@ -1,9 +1,11 @@
-// Streamed experts inside the forward pass: a layer's cache of expert slots resolved on the GPU
-// (expert_resolve, one warp on the books in shared memory, following
-// kestrel_core::expert_slots::resolve step for step: the same books, the same victims), a longer chunk's experts listed for staging
-// (expert_stage_plan), and the listed spans copied (expert_copy) from the layer's packed experts
-// in mapped page-locked host memory, or from the cache's slots, by blocks of the SMs. So a decode
-// step that misses is still one graph replay: the router's choice never goes back to the host.
+// Streamed experts inside the forward pass. A decode step of a layer is one kernel,
+// expert_fetch: the router's choice resolved into the layer's cache of slots on the GPU (one warp
+// on the books in shared memory, following kestrel_core::expert_slots::resolve step for step:
+// the same books, the same victims) and the misses copied from the layer's packed experts in
+// mapped page-locked host memory by blocks of the SMs; expert_commit then makes the next books
+// the books, off the experts' path. So a decode step that misses is still one graph replay: the
+// router's choice never goes back to the host. A longer chunk's experts are listed for staging
+// (expert_stage_plan) and copied (expert_copy) from the slots or host memory.
 //
 // A copy list is `[count, (dst, src) * count]`: `dst` a span index of the destination, `src` a
 // span index of the host's packed experts, or STREAM_FROM_CACHE | a slot of the cache.
@@ -50,18 +52,39 @@ __device__ __forceinline__ unsigned faded(unsigned count, unsigned age, unsigned
     return shift >= 32 ? 0u : count >> shift;
 }
 
-// One decode step of a layer: slots for the n ids, misses into the copy list. The block loads
-// the ids and the table into shared memory (one round trip to memory), one warp works on them
-// there, and the block writes the table back.
-extern "C" __global__ void expert_resolve(const unsigned* ids, unsigned n, unsigned* table, unsigned slots,
-                                          unsigned experts, unsigned half_life, unsigned* out, unsigned* list) {
+// Copies `span16` 16-byte words from `s` to `o`, spread over the blocks of x: four loads in
+// flight a thread (reads of host memory cross the link).
+__device__ __forceinline__ void copy_span(const int4* s, int4* o, unsigned long long span16) {
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    for (; i + 3 * stride < span16; i += 4 * stride) {
+        const int4 a = s[i], b = s[i + stride], c = s[i + 2 * stride], d = s[i + 3 * stride];
+        o[i] = a;
+        o[i + stride] = b;
+        o[i + 2 * stride] = c;
+        o[i + 3 * stride] = d;
+    }
+    for (; i < span16; i += stride) o[i] = s[i];
+}
+
+// One decode step of a layer, in one kernel: every block loads the ids and the books into
+// shared memory and resolves them there with one warp (the same result in every block, as the
+// books it reads are not written in this kernel), block (0, 0) writes the slots and the next
+// books into the table's second copy (expert_commit makes them the books), and the blocks of
+// row y copy the y-th miss from host memory into its slot. Every block triggers the next
+// kernels right after its wait, so the experts kernel launches while the books resolve.
+extern "C" __global__ void expert_fetch(const unsigned* ids, unsigned n, const unsigned* books, unsigned* next,
+                                        unsigned slots, unsigned experts, unsigned half_life, unsigned* out,
+                                        const int4* host, int4* cache, unsigned long long span16) {
     __shared__ unsigned t[STREAM_HEADER + 2 * STREAM_MAX_SLOTS + 2 * STREAM_MAX_EXPERTS];
     __shared__ unsigned id[STREAM_MAX_IDS], dist[STREAM_MAX_IDS], dslot[STREAM_MAX_IDS];
+    __shared__ unsigned fill_slot[STREAM_MAX_IDS], fill_expert[STREAM_MAX_IDS], nfill;
     pdl_begin();
     const unsigned words = STREAM_HEADER + 2 * slots + 2 * experts;
-    for (unsigned i = threadIdx.x; i < words; i += blockDim.x) t[i] = table[i];
+    for (unsigned i = threadIdx.x; i < words; i += blockDim.x) t[i] = books[i];
     for (unsigned i = threadIdx.x; i < n; i += blockDim.x) id[i] = ids[i];
     __syncthreads();
+    const bool first = blockIdx.x == 0 && blockIdx.y == 0;
     if (threadIdx.x < 32) {
         const unsigned lane = threadIdx.x;
         unsigned* owner = t + STREAM_HEADER;
@@ -129,27 +152,38 @@ extern "C" __global__ void expert_resolve(const unsigned* ids, unsigned n, unsig
                 owner[bi] = dist[d] + 1;
                 stamp[bi] = clock;
                 dslot[d] = bi;
-                list[1 + 2 * fills] = bi;
-                list[2 + 2 * fills] = dist[d];
+                fill_slot[fills] = bi;
+                fill_expert[fills] = dist[d];
             }
             fills++;
             __syncwarp();
         }
         if (lane == 0) {
-            list[0] = fills;
+            nfill = fills;
             t[T_CLOCK] = clock;
             add_wide(t, T_LOOKUPS, nd);
             add_wide(t, T_MISSES, fills);
         }
-        for (unsigned j = lane; j < n; j += 32) {
-            const unsigned e = id[j];
-            unsigned d = 0;
-            while (dist[d] != e) d++;
-            out[j] = dslot[d];
+        if (first) {
+            for (unsigned j = lane; j < n; j += 32) {
+                const unsigned e = id[j];
+                unsigned d = 0;
+                while (dist[d] != e) d++;
+                out[j] = dslot[d];
+            }
         }
     }
     __syncthreads();
-    for (unsigned i = threadIdx.x; i < words; i += blockDim.x) table[i] = t[i];
+    if (first)
+        for (unsigned i = threadIdx.x; i < words; i += blockDim.x) next[i] = t[i];
+    const unsigned y = blockIdx.y;
+    if (y < nfill) copy_span(host + (size_t)fill_expert[y] * span16, cache + (size_t)fill_slot[y] * span16, span16);
+}
+
+// Makes the next books a fetch wrote (the table's second copy) the books.
+extern "C" __global__ void expert_commit(unsigned* table, unsigned words) {
+    pdl_begin();
+    for (unsigned i = threadIdx.x; i < words; i += blockDim.x) table[i] = table[words + i];
 }
 
 // The distinct experts of a longer chunk in increasing order, each from its cache slot if the
@@ -203,15 +237,5 @@ extern "C" __global__ void expert_copy(const unsigned* list, const int4* host, c
     pdl_trigger();
     const int4* s = (from & STREAM_FROM_CACHE) ? cache + (size_t)(from & ~STREAM_FROM_CACHE) * span16
                                                : host + (size_t)from * span16;
-    int4* o = dst + (size_t)to * span16;
-    const size_t stride = (size_t)gridDim.x * blockDim.x;
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    for (; i + 3 * stride < span16; i += 4 * stride) {
-        const int4 a = s[i], b = s[i + stride], c = s[i + 2 * stride], d = s[i + 3 * stride];
-        o[i] = a;
-        o[i + stride] = b;
-        o[i + 2 * stride] = c;
-        o[i + 3 * stride] = d;
-    }
-    for (; i < span16; i += stride) o[i] = s[i];
+    copy_span(s, dst + (size_t)to * span16, span16);
 }

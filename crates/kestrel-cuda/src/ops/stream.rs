@@ -1,8 +1,9 @@
-//! Streamed experts: `ExpertFetch` and `ExpertStage`, `kernels/stream.cu`. A fetch resolves the
-//! layer's slots on the GPU (one warp) and copies the misses from mapped host memory; a stage
-//! lists a longer chunk's experts and copies each from its slot or from host memory.
+//! Streamed experts: `ExpertFetch` and `ExpertStage`, `kernels/stream.cu`. A fetch is one kernel
+//! that resolves the layer's slots on the GPU and copies the misses from mapped host memory, and
+//! a commit of the next books beside the experts' kernels; a stage lists a longer chunk's
+//! experts and copies each from its slot or from host memory.
 
-use kestrel_core::expert_slots::{HEADER, USE};
+use kestrel_core::expert_slots::{book_words, HEADER, USE};
 use kestrel_core::ir::Op;
 use kestrel_core::DType;
 
@@ -17,10 +18,10 @@ const MAX_IDS: usize = 1024;
 /// memory while a fetch resolves, and the stage plan's flags).
 const MAX_EXPERTS: usize = 1024;
 const MAX_SLOTS: usize = 1024;
-/// Threads that load and store a fetch's books (one warp of them resolves).
-const RESOLVE_THREADS: u32 = 256;
-/// Blocks that copy one listed span: a fetch lists a few misses, so each gets many blocks to
-/// keep the link busy; a stage lists up to every expert of the layer.
+/// Threads of a fetch's blocks (one warp of each resolves, all of them copy).
+const FETCH_THREADS: u32 = 256;
+/// Blocks that copy one span: a fetch has a few misses, so each gets many blocks to keep the
+/// link busy; a stage lists up to every expert of the layer.
 const FETCH_BLOCKS_PER_SPAN: u32 = 16;
 const STAGE_BLOCKS_PER_SPAN: u32 = 4;
 const COPY_THREADS: u32 = 256;
@@ -65,21 +66,34 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 enc.buf(src)?.clone(),
             );
             let (cache, out) = (enc.buf(cache)?.clone(), enc.buf(out)?.clone());
-            let list = enc.workspace(DType::U32, 1 + 2 * n)?;
-            let resolve = enc.kernel(&MODULE, "expert_resolve")?;
-            enc.dispatch(&resolve)
-                .grid(1)
-                .block(RESOLVE_THREADS)
+            // The books and their second copy, which the fetch writes and the commit reads.
+            let words = book_words(slots, experts);
+            let books = table.view(0, DType::U32, words)?;
+            let next = table.view(words * 4, DType::U32, words)?;
+            let fetch = enc.kernel(&MODULE, "expert_fetch")?;
+            enc.dispatch(&fetch)
+                .grid((FETCH_BLOCKS_PER_SPAN, u32_arg(n)?))
+                .block(FETCH_THREADS)
                 .read(&ids)
                 .arg(u32_arg(n)?)
-                .read_write(&table)
+                .read(&books)
+                .write(&next)
                 .arg(u32_arg(slots)?)
                 .arg(u32_arg(experts)?)
                 .arg(policy.half_life())
                 .write(&out)
-                .write(&list)
+                .read(&src)
+                .write(&cache)
+                .arg((span / 16) as u64)
                 .record();
-            copy(enc, &list, &src, &cache, &cache, n, FETCH_BLOCKS_PER_SPAN, span)
+            let commit = enc.kernel(&MODULE, "expert_commit")?;
+            enc.dispatch(&commit)
+                .grid(1)
+                .block(FETCH_THREADS)
+                .read_write(&table)
+                .arg(u32_arg(words)?)
+                .record();
+            Ok(())
         }
         Op::ExpertStage {
             ids,
@@ -116,42 +130,18 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 .arg(u32_arg(experts)?)
                 .write(&list)
                 .record();
-            copy(
-                enc,
-                &list,
-                &src,
-                &cache,
-                &staging,
-                experts,
-                STAGE_BLOCKS_PER_SPAN,
-                span,
-            )
+            let kern = enc.kernel(&MODULE, "expert_copy")?;
+            enc.dispatch(&kern)
+                .grid((STAGE_BLOCKS_PER_SPAN, u32_arg(experts)?))
+                .block(COPY_THREADS)
+                .read(&list)
+                .read(&src)
+                .read(&cache)
+                .write(&staging)
+                .arg((span / 16) as u64)
+                .record();
+            Ok(())
         }
         _ => Err(unsupported(format!("not a streaming op: {}", op.name()))),
     }
-}
-
-/// Copies the spans a list names (at most `entries`) into `dst`.
-#[allow(clippy::too_many_arguments)]
-fn copy(
-    enc: &mut Encoder,
-    list: &kestrel_cuda_rt::Buffer,
-    host: &kestrel_cuda_rt::Buffer,
-    cache: &kestrel_cuda_rt::Buffer,
-    dst: &kestrel_cuda_rt::Buffer,
-    entries: usize,
-    blocks_per_span: u32,
-    span: usize,
-) -> Result<()> {
-    let kern = enc.kernel(&MODULE, "expert_copy")?;
-    enc.dispatch(&kern)
-        .grid((blocks_per_span, u32_arg(entries)?))
-        .block(COPY_THREADS)
-        .read(list)
-        .read(host)
-        .read(cache)
-        .write(dst)
-        .arg((span / 16) as u64)
-        .record();
-    Ok(())
 }
