@@ -9,7 +9,7 @@
 //! loop: reuse of what the caches hold, prefill, sampling, end-of-sequence and stop strings,
 //! text streamed to a callback, timings. For models larger than the GPU, [`Placement`] says
 //! where the bytes go (resident weights, a GPU cache of experts, host memory, disk) and
-//! [`expert_cache`] keeps the cache's books.
+//! [`expert_cache`] sums what the caches did.
 
 mod builtin;
 mod engine;
