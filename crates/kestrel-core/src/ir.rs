@@ -188,6 +188,17 @@ pub struct BufDecl {
 }
 
 impl BufDecl {
+    /// A host weight of `bytes` bytes (`BufKind::HostWeight`), as graphs declare it and as a
+    /// backend adopting host memory for it (`Backend::adopt_host`) records it.
+    pub fn host_weight(label: &str, bytes: usize) -> BufDecl {
+        BufDecl {
+            label: label.to_string(),
+            dtype: DType::U8,
+            shape: vec![bytes],
+            kind: BufKind::HostWeight,
+        }
+    }
+
     pub fn elem_count(&self) -> usize {
         self.shape.iter().product()
     }

@@ -156,7 +156,7 @@ impl Backend for CpuBackend {
     fn adopt_host(&mut self, label: &str, host: Vec<u8>) -> Result<()> {
         let mut storage = Storage::new(host.len());
         storage.bytes_mut().copy_from_slice(&host);
-        let sig = format!("{} {:?}", kestrel_core::DType::U8, [host.len()]);
+        let sig = signature(&kestrel_core::ir::BufDecl::host_weight(label, host.len()));
         self.persistent.insert(label.to_string(), (sig, storage));
         Ok(())
     }

@@ -3,10 +3,11 @@
 //!
 //! Memory follows the shared [`Plan`]: one arena allocation per program with a view per
 //! transient, dedicated allocations for inputs and outputs, and weights and states allocated once
-//! per label and shared between programs (host weights in mapped page-locked host memory). Scratch memory the op encoders ask for comes from one
-//! region the backend keeps for all its programs: every node starts again at its first byte, so
-//! the region is as large as the largest node's need, and the dispatches of nodes that reuse the
-//! same bytes are ordered by the byte-range dependency analysis like any other writers.
+//! per label and shared between programs (host weights in mapped page-locked host memory).
+//! Scratch memory the op encoders ask for comes from one region the backend keeps for all its
+//! programs: every node starts again at its first byte, so the region is as large as the
+//! largest node's need, and the dispatches of nodes that reuse the same bytes are ordered by the
+//! byte-range dependency analysis like any other writers.
 
 use std::collections::HashMap;
 
@@ -259,7 +260,7 @@ impl Backend for CudaBackend {
 
     fn adopt_host(&mut self, label: &str, host: PinnedBuffer<u8>) -> Result<()> {
         let b = Buffer::mapped_host(host)?;
-        let sig = format!("{} {:?}", DType::U8, [b.byte_len()]);
+        let sig = signature(&kestrel_core::ir::BufDecl::host_weight(label, b.byte_len()));
         self.persistent.insert(label.to_string(), (sig, b));
         Ok(())
     }

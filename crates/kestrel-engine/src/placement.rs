@@ -3,8 +3,8 @@
 //! context, the largest activation arena); the experts fill the rest of the GPU budget as
 //! caches of expert-sized slots, the same number in every MoE layer, beside a staging area of
 //! one layer's experts for long prefill chunks, and the ones outside them live in host memory
-//! (pinned) and, past the host budget, on disk. The plan is worked out from the graphs a run would build, so it
-//! counts weights as loaded (quantised on load when asked).
+//! (pinned) and, past the host budget, on disk. The plan is worked out from the graphs a run
+//! would build, so it counts weights as loaded (quantised on load when asked).
 
 use std::fmt;
 use std::str::FromStr;
@@ -137,8 +137,8 @@ impl Placement {
 
     /// Where the bytes of `config`'s model go for a run of `shape` with `gpu_bytes` of GPU
     /// memory and `host_bytes` of host memory for experts (None: no limit). A GPU budget too
-    /// small for the resident bytes, the staging area and a token's experts in every layer's cache
-    /// is an error naming the minimum.
+    /// small for the resident bytes, the staging area and a token's experts in every layer's
+    /// cache is an error naming the minimum.
     pub fn plan(
         config: &ModelConfig,
         weights: &Weights,

@@ -113,8 +113,6 @@ pub struct MoeStep {
 #[derive(Debug, Clone)]
 pub struct HostExperts {
     pub label: String,
-    /// The layer's index among the MoE layers.
-    pub layer: usize,
     pub mlp: String,
     pub layout: ExpertLayout,
 }
@@ -782,13 +780,12 @@ fn streamed_experts(
                 .insert(b.g.expert_cache("experts.staging", experts * span)),
         ),
     };
-    let name = format!("{m}.experts");
-    if layer < st.host_layers {
+    // The ids the experts node reads: the router's, or the slots a fetch gave them.
+    let read_ids = if layer < st.host_layers {
         let label = format!("{m}.experts.host");
         let src = b.g.host_weight(&label, experts * span);
         b.host_experts.push(HostExperts {
             label,
-            layer,
             mlp: m.to_string(),
             layout,
         });
@@ -799,30 +796,31 @@ fn streamed_experts(
         );
         b.expert_tables.push(table.raw());
         let sizes = (experts, st.slots, span);
-        return match staging {
+        match staging {
             None => {
-                let slots =
-                    b.g.expert_fetch(&format!("{m}.fetch"), ids, table, src, cache, sizes, st.policy);
-                b.g.moe_experts(&name, h, slots, weights, cache, cached)
+                b.g.expert_fetch(&format!("{m}.fetch"), ids, table, src, cache, sizes, st.policy)
             }
             Some(staging) => {
                 b.g.expert_stage(&format!("{m}.stage"), ids, table, src, cache, staging, sizes);
-                b.g.moe_experts(&name, h, ids, weights, staging, layout)
+                ids
             }
-        };
-    }
-    b.moe_steps.push(MoeStep {
-        node: 0,
-        layer,
-        ids: ids.raw(),
-        into: staging.unwrap_or(cache).raw(),
-        staged: staging.is_some(),
-        mlp: m.to_string(),
-        layout,
-    });
+        }
+    } else {
+        b.moe_steps.push(MoeStep {
+            node: 0,
+            layer,
+            ids: ids.raw(),
+            into: staging.unwrap_or(cache).raw(),
+            staged: staging.is_some(),
+            mlp: m.to_string(),
+            layout,
+        });
+        ids
+    };
+    let name = format!("{m}.experts");
     match staging {
-        None => b.g.moe_experts(&name, h, ids, weights, cache, cached),
-        Some(staging) => b.g.moe_experts(&name, h, ids, weights, staging, layout),
+        None => b.g.moe_experts(&name, h, read_ids, weights, cache, cached),
+        Some(staging) => b.g.moe_experts(&name, h, read_ids, weights, staging, layout),
     }
 }
 

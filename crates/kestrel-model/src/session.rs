@@ -132,9 +132,8 @@ struct Streaming {
     placed: bool,
     /// Books of the layers the host serves, by MoE layer (made on their first decode step).
     books: Vec<Option<Vec<u32>>>,
-    /// Experts the host staged for longer chunks, and their bytes.
+    /// Experts the host staged for longer chunks.
     host_staged: u64,
-    host_staged_bytes: u64,
     /// Why the host tier holds fewer layers than it was given, if it does.
     note: Option<String>,
 }
@@ -256,7 +255,6 @@ impl<B: Backend> Session<B> {
             placed: false,
             books: vec![None; layers],
             host_staged: 0,
-            host_staged_bytes: 0,
             note: None,
         });
         Ok(self)
@@ -307,7 +305,7 @@ impl<B: Backend> Session<B> {
             stats.add_layer(expert_slots::stats(t), st.slots, span);
         }
         stats.staged += st.host_staged;
-        stats.bytes_copied += st.host_staged_bytes;
+        stats.bytes_copied += st.host_staged * span;
         Ok(Some(stats))
     }
 
@@ -607,7 +605,6 @@ fn bring_experts<B: Backend>(
             bring(backend, p, e as usize, e)?;
         }
         st.host_staged += used.len() as u64;
-        st.host_staged_bytes += (used.len() * span) as u64;
         return Ok(());
     }
     let table = st.books[step.layer].get_or_insert_with(|| vec![0u32; table_words(st.slots, experts)]);
