@@ -155,8 +155,9 @@ fn dense_matrix(
     }
 }
 
-/// One expert's matrix of an MLX stacked source, as stored, with the format its shapes imply.
-fn mlx_matrix(w: &Weights, mlp: &str, l: &ExpertLayout, e: usize, m: Which) -> Result<QuantMatrix> {
+/// The format an MLX stacked source's shapes imply for matrix `m`, with its words and groups
+/// per row, checked without reading the tensors' data.
+fn mlx_format(w: &Weights, mlp: &str, l: &ExpertLayout, m: Which) -> Result<(QuantFormat, usize, usize)> {
     let (rows, cols) = m.dims(l);
     let base = format!("{mlp}.switch_mlp.{}", m.name());
     let (wt, st, bt) = (
@@ -205,6 +206,19 @@ fn mlx_matrix(w: &Weights, mlp: &str, l: &ExpertLayout, e: usize, m: Which) -> R
             format!("{bits}-bit groups of {} are not supported", cols / groups),
         );
     }
+    Ok((format, words, groups))
+}
+
+/// One expert's matrix of an MLX stacked source, as stored, with the format its shapes imply.
+fn mlx_matrix(w: &Weights, mlp: &str, l: &ExpertLayout, e: usize, m: Which) -> Result<QuantMatrix> {
+    let (rows, cols) = m.dims(l);
+    let (format, words, groups) = mlx_format(w, mlp, l, m)?;
+    let base = format!("{mlp}.switch_mlp.{}", m.name());
+    let (wt, st, bt) = (
+        w.get(&format!("{base}.weight"))?,
+        w.get(&format!("{base}.scales"))?,
+        w.get(&format!("{base}.biases"))?,
+    );
     let (wn, gn) = (rows * words, rows * groups);
     let u32s = |t: &Tensor, start: usize, n: usize| -> Vec<u32> {
         t.bytes[4 * start..4 * (start + n)]
@@ -317,4 +331,116 @@ pub fn pack_experts(w: &Weights, mlp: &str, layout: &ExpertLayout) -> Result<Vec
         .enumerate()
         .try_for_each(|(e, dst)| pack_into(w, mlp, layout, src, e, dst))?;
     Ok(out)
+}
+
+/// Where one piece of every expert's span lies in the checkpoint's files, when the span holds
+/// those bytes as stored: `len` bytes at `dst` in the span.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CopyPart {
+    pub dst: usize,
+    pub len: usize,
+    pub src: PartSource,
+}
+
+/// Which file and offset expert `e`'s piece is at.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PartSource {
+    /// A stacked tensor: expert `e` at `first + e * stride` of `file`.
+    Strided { file: usize, first: u64, stride: u64 },
+    /// A tensor per expert: (file, offset) of each.
+    Each(Vec<(usize, u64)>),
+}
+
+impl CopyPart {
+    /// (file, offset) of expert `e`'s piece.
+    pub fn at(&self, e: usize) -> (usize, u64) {
+        match &self.src {
+            PartSource::Strided { file, first, stride } => (*file, first + e as u64 * stride),
+            PartSource::Each(v) => v[e],
+        }
+    }
+}
+
+/// How the spans of `mlp`'s experts are byte copies of the checkpoint's files, when they are:
+/// MLX experts stored in the layout's format, and bf16 experts in a bf16 layout. None when
+/// packing converts them, or the weights are held in memory rather than in files.
+pub fn expert_copy_parts(w: &Weights, mlp: &str, layout: &ExpertLayout) -> Result<Option<Vec<CopyPart>>> {
+    let src = checked_source(w, mlp, layout)?;
+    let n = layout.experts;
+    let strided = |name: &str, dst: usize, len: usize, skip: usize, stride: usize| -> Option<CopyPart> {
+        let f = w.file_span(name)?;
+        // The tensor's bytes hold `n` experts of `stride` bytes (checked by the shapes too).
+        (f.len == n * stride).then(|| CopyPart {
+            dst,
+            len,
+            src: PartSource::Strided {
+                file: f.file,
+                first: f.offset + skip as u64,
+                stride: stride as u64,
+            },
+        })
+    };
+    let mut parts = Vec::new();
+    for m in Which::ALL {
+        let at = m.span(layout);
+        let (rows, cols) = m.dims(layout);
+        match (src, layout.format) {
+            (ExpertSource::MlxSwitch, ExpertFormat::Quant(want)) => {
+                let (format, words, groups) = mlx_format(w, mlp, layout, m)?;
+                if format != want {
+                    return Ok(None);
+                }
+                let base = format!("{mlp}.switch_mlp.{}", m.name());
+                let (wn, gn) = (4 * rows * words, 2 * rows * groups);
+                for (suffix, dst, len) in [
+                    ("weight", at.weight, wn),
+                    ("scales", at.scales, gn),
+                    ("biases", at.biases, gn),
+                ] {
+                    match strided(&format!("{base}.{suffix}"), dst, len, 0, len) {
+                        Some(p) => parts.push(p),
+                        None => return Ok(None),
+                    }
+                }
+            }
+            (ExpertSource::PerExpert, ExpertFormat::Bf16) => {
+                let mut each = Vec::with_capacity(n);
+                for e in 0..n {
+                    let name = format!("{mlp}.experts.{e}.{}.weight", m.name());
+                    let t = w.get(&name)?;
+                    expect_shape(&t, &[rows, cols])?;
+                    match w.file_span(&name) {
+                        Some(f) if t.dtype == DType::BF16 => each.push((f.file, f.offset)),
+                        _ => return Ok(None),
+                    }
+                }
+                parts.push(CopyPart {
+                    dst: at.weight,
+                    len: 2 * rows * cols,
+                    src: PartSource::Each(each),
+                });
+            }
+            (ExpertSource::Stacked, ExpertFormat::Bf16) => {
+                let len = 2 * rows * cols;
+                let (name, skip, stride) = match m {
+                    Which::Down => ("down_proj", 0, len),
+                    Which::Gate => ("gate_up_proj", 0, 2 * len),
+                    Which::Up => ("gate_up_proj", len, 2 * len),
+                };
+                let name = format!("{mlp}.experts.{name}");
+                let t = w.get(&name)?;
+                let rows_stored = if m == Which::Down { rows } else { 2 * rows };
+                expect_shape(&t, &[n, rows_stored, cols])?;
+                if t.dtype != DType::BF16 {
+                    return Ok(None);
+                }
+                match strided(&name, at.weight, len, skip, stride) {
+                    Some(p) => parts.push(p),
+                    None => return Ok(None),
+                }
+            }
+            _ => return Ok(None),
+        }
+    }
+    Ok(Some(parts))
 }

@@ -7,6 +7,7 @@
 pub mod config;
 pub mod error;
 pub mod expert_cache;
+pub mod expert_disk;
 pub mod experts;
 pub mod footprint;
 pub mod graph;
@@ -20,10 +21,11 @@ pub use config::{
 };
 pub use error::{ModelError, Result};
 pub use expert_cache::{CacheStats, Eviction};
-pub use experts::{expert_source, pack_experts, ExpertSource};
+pub use expert_disk::{DiskStats, ExpertReader};
+pub use experts::{expert_copy_parts, expert_source, pack_experts, CopyPart, ExpertSource, PartSource};
 pub use footprint::{footprint, Footprint};
 pub use graph::{Forward, ForwardSpec, HostExperts, MoeStep, Streamed};
 pub use quantize::{check_empty_dst, quantize_dir, write_model_dir, QuantizeReport};
 pub use session::{Output, Session, Want};
 pub use synthetic::{synthetic_model, synthetic_model_json, synthetic_weights, SYNTHETIC_MODELS};
-pub use weights::{OwnedTensor, Tensor, Weights};
+pub use weights::{FileIdent, FileSpan, OwnedTensor, Tensor, Weights};

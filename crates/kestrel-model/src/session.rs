@@ -11,6 +11,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::time::Instant;
 
 use kestrel_core::ir::BufKind;
 use kestrel_core::quant::QuantFormat;
@@ -23,7 +24,8 @@ use crate::error::{ModelError, Result};
 use kestrel_core::expert_slots::{self, resolve, stage_sources, table_words};
 
 use crate::expert_cache::{CacheStats, Eviction};
-use crate::experts::{pack_expert, pack_experts};
+use crate::expert_disk::{DiskStats, ExpertReader};
+use crate::experts::{expert_copy_parts, pack_expert, pack_experts, CopyPart};
 use crate::graph::{Forward, ForwardSpec, MoeStep, Streamed};
 use crate::weights::Weights;
 
@@ -124,7 +126,7 @@ impl<B: Backend> Prog<B> {
 /// MoE layers' packed experts are placed in the backend's host memory (page-locked on CUDA)
 /// when the first program is prepared, and the graph serves them; the others are served by the
 /// host from the checkpoint, with books of their own.
-struct Streaming {
+struct Streaming<H> {
     slots: usize,
     policy: Eviction,
     host_layers: usize,
@@ -134,8 +136,47 @@ struct Streaming {
     books: Vec<Option<Vec<u32>>>,
     /// Experts the host staged for longer chunks.
     host_staged: u64,
-    /// Why the host tier holds fewer layers than it was given, if it does.
+    /// Why the host tier holds fewer layers than it was given, or the disk tier stages through
+    /// pageable memory, if either is so.
     note: Option<String>,
+    /// How the host reads the experts of the layers outside the host tier (made on first use).
+    disk: Option<DiskTier<H>>,
+    /// Seconds the host spent bringing experts between segments (the device waits meanwhile).
+    host_seconds: f64,
+}
+
+impl<H> Streaming<H> {
+    fn add_note(&mut self, note: String) {
+        self.note = Some(match self.note.take() {
+            Some(n) => format!("{n}; {note}"),
+            None => note,
+        });
+    }
+}
+
+/// Bytes of each of the disk tier's two staging buffers.
+const STAGING_BYTES: usize = 64 << 20;
+
+/// The experts of the layers outside the host tier, read from the weight files by parallel
+/// direct reads into staging memory and copied to the device from there; layers whose spans
+/// are not byte copies of the files (packing converts them), or weights held in memory, are
+/// packed from the weights' map instead.
+struct DiskTier<H> {
+    reader: ExpertReader,
+    /// By MoE layer, once worked out: the layer's pieces in the files (None: packed instead).
+    parts: Vec<Option<Option<Vec<CopyPart>>>>,
+    staging: Staging<H>,
+}
+
+/// Where read experts wait for their copy to the device.
+enum Staging<H> {
+    /// Not made yet (no layer's experts were read so far).
+    Unmade,
+    /// Two buffers of page-locked memory used in turn, so reading one batch overlaps copying
+    /// the one before.
+    Pinned { bufs: [H; 2], next: usize },
+    /// Page-locked memory ran out: one pageable buffer.
+    Pageable(Vec<u8>),
 }
 
 pub struct Session<B: Backend> {
@@ -151,7 +192,7 @@ pub struct Session<B: Backend> {
     /// Prepared programs by (tokens, outputs).
     programs: HashMap<Key, Prog<B>>,
     /// Routed experts read through caches of slots instead of all resident.
-    streaming: Option<Streaming>,
+    streaming: Option<Streaming<B::HostBuffer>>,
     /// Told (bytes done, bytes in all) while the weights upload.
     progress: Option<Box<dyn FnMut(u64, u64)>>,
     /// Sample on the backend with these settings (see [`Session::with_sampling`]).
@@ -256,6 +297,8 @@ impl<B: Backend> Session<B> {
             books: vec![None; layers],
             host_staged: 0,
             note: None,
+            disk: None,
+            host_seconds: 0.0,
         });
         Ok(self)
     }
@@ -270,10 +313,47 @@ impl<B: Backend> Session<B> {
         self
     }
 
-    /// Why the host tier of streamed experts holds fewer layers than it was given (its memory
-    /// ran out), if it does.
+    /// Why the host tier of streamed experts holds fewer layers than it was given, or the
+    /// experts read from disk are staged in pageable memory (page-locked memory ran out), if
+    /// either is so.
     pub fn host_tier_note(&self) -> Option<&str> {
         self.streaming.as_ref()?.note.as_deref()
+    }
+
+    /// What the reads of experts from the weight files did so far (None unless some layers'
+    /// experts are read from them), and whether they bypass the page cache.
+    pub fn disk_stats(&self) -> Option<(DiskStats, bool)> {
+        let d = self.streaming.as_ref()?.disk.as_ref()?;
+        Some((d.reader.stats, d.reader.direct()))
+    }
+
+    /// Seconds the host has spent bringing experts between segments of a program so far (the
+    /// device idles meanwhile); 0 unless some layers are served by the host.
+    pub fn host_seconds(&self) -> f64 {
+        self.streaming.as_ref().map_or(0.0, |s| s.host_seconds)
+    }
+
+    /// The read bandwidth of the disk holding the weights, measured over up to `bytes` in
+    /// large parallel reads (the bound for experts read from it): (bytes, seconds), or None
+    /// when no layer's experts are read from the weight files.
+    pub fn measure_disk(&mut self, bytes: u64) -> Result<Option<(u64, f64)>> {
+        let Some(st) = self.streaming.as_mut() else {
+            return Ok(None);
+        };
+        let layers = st.books.len();
+        if st.host_layers >= layers {
+            return Ok(None);
+        }
+        let Some(layout) = self.programs.values().find_map(|p| p.f.moe_steps.first()) else {
+            return Ok(None);
+        };
+        let mlp = layout.mlp.clone();
+        let layout = layout.layout;
+        let Some(parts) = expert_copy_parts(&self.weights, &mlp, &layout)? else {
+            return Ok(None);
+        };
+        let disk = disk_tier(st, &self.weights)?;
+        disk.reader.disk_bandwidth(&parts, bytes).map(Some)
     }
 
     /// What the expert caches did so far (None unless experts stream): the books of the layers
@@ -580,38 +660,121 @@ fn bring_experts<B: Backend>(
     backend: &mut B,
     p: &mut B::Program,
     step: &MoeStep,
-    st: &mut Streaming,
+    st: &mut Streaming<B::HostBuffer>,
     weights: &Weights,
 ) -> Result<()> {
+    let start = Instant::now();
     let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
     let cache_err = |reason: String| ModelError::Config {
         key: "expert cache".into(),
         reason,
     };
-    let (span, experts) = (step.layout.span_bytes(), step.layout.experts);
+    let experts = step.layout.experts;
     let ids = backend.download::<u32>(p, step.ids).map_err(backend_err)?;
-    let bring = |backend: &mut B, p: &mut B::Program, at: usize, e: u32| -> Result<()> {
-        let bytes = pack_expert(weights, &step.mlp, &step.layout, e as usize)?;
-        backend
-            .write_bytes(p, step.into, at * span, &bytes)
-            .map_err(backend_err)
-    };
-    if step.staged {
+    // (expert, index of `into` it goes to).
+    let (wanted, slots) = if step.staged {
         // Every expert from the checkpoint: the books say which are cached, but the slots are
         // on the device and the checkpoint is where the host reads from.
         let mut table = vec![0u32; table_words(st.slots, experts)];
         let used = stage_sources(&mut table, st.slots, experts, &ids).map_err(cache_err)?;
-        for &(e, _) in &used {
-            bring(backend, p, e as usize, e)?;
-        }
         st.host_staged += used.len() as u64;
-        return Ok(());
+        (used.iter().map(|&(e, _)| (e, e as usize)).collect::<Vec<_>>(), None)
+    } else {
+        let table = st.books[step.layer].get_or_insert_with(|| vec![0u32; table_words(st.slots, experts)]);
+        let mut slots = vec![0u32; ids.len()];
+        let fills = resolve(table, st.slots, experts, st.policy, &ids, &mut slots).map_err(cache_err)?;
+        (fills.iter().map(|f| (f.expert, f.slot as usize)).collect(), Some(slots))
+    };
+    let disk = disk_tier(st, weights)?;
+    if disk.parts[step.layer].is_none() {
+        disk.parts[step.layer] = Some(expert_copy_parts(weights, &step.mlp, &step.layout)?);
     }
-    let table = st.books[step.layer].get_or_insert_with(|| vec![0u32; table_words(st.slots, experts)]);
-    let mut slots = vec![0u32; ids.len()];
-    let fills = resolve(table, st.slots, experts, st.policy, &ids, &mut slots).map_err(cache_err)?;
-    for f in fills {
-        bring(backend, p, f.slot as usize, f.expert)?;
+    let reads = matches!(disk.parts[step.layer], Some(Some(_)));
+    if reads && matches!(disk.staging, Staging::Unmade) {
+        let bytes = STAGING_BYTES.max(step.layout.span_bytes());
+        match (backend.alloc_host(bytes), backend.alloc_host(bytes)) {
+            (Ok(a), Ok(b)) => disk.staging = Staging::Pinned { bufs: [a, b], next: 0 },
+            (Err(e), _) | (_, Err(e)) => {
+                disk.staging = Staging::Pageable(vec![0; bytes]);
+                st.add_note(format!(
+                    "page-locked memory for staging experts read from disk ran out ({e}); they \
+                     are staged in pageable memory, which copies to the device more slowly"
+                ));
+            }
+        }
     }
-    backend.upload(p, step.ids, &slots).map_err(backend_err)
+    let disk = st.disk.as_mut().expect("made above");
+    match &disk.parts[step.layer] {
+        Some(Some(parts)) => {
+            read_experts(backend, p, step, parts, &mut disk.reader, &mut disk.staging, &wanted)?
+        }
+        _ => {
+            let span = step.layout.span_bytes();
+            for &(e, at) in &wanted {
+                let bytes = pack_expert(weights, &step.mlp, &step.layout, e as usize)?;
+                backend
+                    .write_bytes(p, step.into, at * span, &bytes)
+                    .map_err(backend_err)?;
+            }
+        }
+    }
+    if let Some(slots) = slots {
+        backend.upload(p, step.ids, &slots).map_err(backend_err)?;
+    }
+    st.host_seconds += start.elapsed().as_secs_f64();
+    Ok(())
+}
+
+/// The streaming's disk tier, made on first use with two staging buffers of page-locked memory
+/// (or, when that runs out, noted, one of pageable memory).
+fn disk_tier<'s, H>(st: &'s mut Streaming<H>, weights: &Weights) -> Result<&'s mut DiskTier<H>> {
+    if st.disk.is_none() {
+        st.disk = Some(DiskTier {
+            reader: ExpertReader::new(weights)?,
+            parts: vec![None; st.books.len()],
+            staging: Staging::Unmade,
+        });
+    }
+    Ok(st.disk.as_mut().expect("made above"))
+}
+
+/// Reads `wanted` (expert, index of `step.into`) from the weight files, in batches that fill a
+/// staging buffer, each copied to the device while the next is read.
+fn read_experts<B: Backend>(
+    backend: &mut B,
+    p: &mut B::Program,
+    step: &MoeStep,
+    parts: &[CopyPart],
+    reader: &mut ExpertReader,
+    staging: &mut Staging<B::HostBuffer>,
+    wanted: &[(u32, usize)],
+) -> Result<()> {
+    let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
+    let span = step.layout.span_bytes();
+    let batch = STAGING_BYTES.max(span) / span;
+    for chunk in wanted.chunks(batch) {
+        let ids: Vec<u32> = chunk.iter().map(|&(e, _)| e).collect();
+        match staging {
+            Staging::Unmade => unreachable!("made before the first read"),
+            Staging::Pinned { bufs, next } => {
+                let host = &mut bufs[*next];
+                *next = 1 - *next;
+                reader.read(parts, span, &ids, B::host_bytes_mut(host).map_err(backend_err)?)?;
+                for (i, &(_, at)) in chunk.iter().enumerate() {
+                    backend
+                        .write_from_host(p, step.into, at * span, host, i * span..(i + 1) * span)
+                        .map_err(backend_err)?;
+                }
+            }
+            Staging::Pageable(buf) => {
+                reader.read(parts, span, &ids, buf)?;
+                for (i, &(_, at)) in chunk.iter().enumerate() {
+                    backend
+                        .write_bytes(p, step.into, at * span, &buf[i * span..(i + 1) * span])
+                        .map_err(backend_err)?;
+                }
+            }
+        }
+    }
+    Ok(())
 }

@@ -36,6 +36,40 @@ struct Shard {
     map: Storage,
     /// Offset of the tensor data: 8 bytes of header length, then the JSON header.
     data_start: usize,
+    /// The file as it was when mapped (None for bytes held in memory).
+    ident: Option<FileIdent>,
+}
+
+/// A weight file as it was when it was opened: which file (device and inode), its length and
+/// its last modification, to tell later reads whether it is still the same file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileIdent {
+    pub dev: u64,
+    pub ino: u64,
+    pub len: u64,
+    pub mtime_ns: i128,
+}
+
+impl FileIdent {
+    pub fn of(meta: &std::fs::Metadata) -> FileIdent {
+        use std::os::unix::fs::MetadataExt;
+        FileIdent {
+            dev: meta.dev(),
+            ino: meta.ino(),
+            len: meta.size(),
+            mtime_ns: meta.mtime() as i128 * 1_000_000_000 + meta.mtime_nsec() as i128,
+        }
+    }
+}
+
+/// Where a tensor's bytes lie in its weight file, for reads that do not go through the map.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileSpan {
+    /// Which file: see [`Weights::file`].
+    pub file: usize,
+    /// Bytes from the start of the file.
+    pub offset: u64,
+    pub len: usize,
 }
 
 /// One tensor, borrowed from its file's map.
@@ -121,7 +155,10 @@ impl Shard {
         // not modified while a model is loaded, which is the usual contract of mapping weights
         // (the same one transformers and llama.cpp rely on).
         let map = unsafe { Mmap::map(&file) }.map_err(io(&path))?;
-        Shard::of(path, Storage::Mapped(map))
+        let ident = FileIdent::of(&file.metadata().map_err(io(&path))?);
+        let mut shard = Shard::of(path, Storage::Mapped(map))?;
+        shard.ident = Some(ident);
+        Ok(shard)
     }
 
     /// A safetensors file's bytes held in `map`, under `path` in messages.
@@ -131,6 +168,7 @@ impl Shard {
             path,
             map,
             data_start: 8 + header_len,
+            ident: None,
         })
     }
 
@@ -238,6 +276,7 @@ impl Weights {
                 path: dir.clone(),
                 map: Storage::Owned(t.bytes),
                 data_start: 0,
+                ident: None,
             });
         }
         Ok(Weights { dir, shards, by_name })
@@ -280,6 +319,26 @@ impl Weights {
             shape: &info.shape,
             bytes,
         })
+    }
+
+    /// Where tensor `name`'s bytes lie in its file: None when the weights are held in memory
+    /// or there is no such tensor.
+    pub fn file_span(&self, name: &str) -> Option<FileSpan> {
+        let (shard, info) = self.by_name.get(name)?;
+        let s = &self.shards[*shard];
+        s.ident?;
+        let (start, end) = info.data_offsets;
+        Some(FileSpan {
+            file: *shard,
+            offset: (s.data_start + start) as u64,
+            len: end - start,
+        })
+    }
+
+    /// The path of weight file `file` (a [`FileSpan::file`]) and what it was when mapped.
+    pub fn file(&self, file: usize) -> Option<(&Path, FileIdent)> {
+        let s = self.shards.get(file)?;
+        Some((&s.path, s.ident?))
     }
 
     pub fn contains(&self, name: &str) -> bool {

@@ -4,29 +4,16 @@
 
 mod common;
 
-use std::path::PathBuf;
-
-use common::{dir, reference, rel_max_err};
+use common::{dir, reference, rel_max_err, TempDir};
 use half::{bf16, f16};
 use kestrel_core::DType;
 use kestrel_cpu::CpuBackend;
 use kestrel_model::{Session, Want, Weights};
 use safetensors::tensor::{serialize_to_file, Dtype, TensorView};
 
-struct TempDir(PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// The fixture `name` with every bf16 tensor converted to `to`, and config.json's dtype to match.
 fn converted(name: &str, to: Dtype) -> TempDir {
-    let out =
-        TempDir(std::env::temp_dir().join(format!("kestrel-dtype-{name}-{to:?}-{}", std::process::id())));
-    let _ = std::fs::remove_dir_all(&out.0);
-    std::fs::create_dir_all(&out.0).unwrap();
+    let out = TempDir::new(&format!("dtype-{name}-{to:?}"));
     let src = dir(name);
     let mut config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();

@@ -1,13 +1,20 @@
 //! `pack_experts` from the three ways checkpoints store experts, checked value by value against
-//! the layout's offsets, and the errors for missing or mis-shaped tensors.
+//! the layout's offsets, and the errors for missing or mis-shaped tensors; where the packed
+//! spans are byte copies of the files, the disk tier's direct reads give the same bytes.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
+
+use common::TempDir;
 
 use half::bf16;
 use kestrel_core::ir::{ExpertFormat, ExpertLayout, MatrixSpan};
 use kestrel_core::quant::{QuantFormat, QuantMatrix};
 use kestrel_core::rng::Rng;
-use kestrel_model::{expert_source, pack_experts, ExpertSource, ModelError, Weights};
+use kestrel_model::{
+    expert_copy_parts, expert_source, pack_experts, ExpertReader, ExpertSource, ModelError, Weights,
+};
 use safetensors::tensor::{serialize_to_file, Dtype, TensorView};
 
 const E: usize = 3;
@@ -18,23 +25,6 @@ const Q4G32: QuantFormat = QuantFormat {
     bits: 4,
     group_size: 32,
 };
-
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> TempDir {
-        let p = std::env::temp_dir().join(format!("kestrel-experts-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn write(path: &Path, tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)>) {
     let views: Vec<(String, TensorView)> = tensors
@@ -74,6 +64,23 @@ fn bf16_at(buf: &[u8], at: usize, n: usize) -> Vec<f32> {
     (0..n)
         .map(|i| bf16::from_le_bytes([buf[at + 2 * i], buf[at + 2 * i + 1]]).to_f32())
         .collect()
+}
+
+/// The layer's experts read from the files by the disk tier, in a shuffled order and put back
+/// in place, when the layout's spans are byte copies of the files (None otherwise).
+fn read_from_disk(w: &Weights, l: &ExpertLayout) -> Option<Vec<u8>> {
+    let parts = expert_copy_parts(w, MLP, l).unwrap()?;
+    let mut reader = ExpertReader::new(w).unwrap();
+    let span = l.span_bytes();
+    let order: Vec<u32> = (0..E as u32).rev().collect();
+    let mut got = vec![0xAAu8; E * span];
+    reader.read(&parts, span, &order, &mut got).unwrap();
+    assert_eq!(reader.stats.experts, E as u64);
+    let mut out = vec![0u8; E * span];
+    for (i, &e) in order.iter().enumerate() {
+        out[e as usize * span..][..span].copy_from_slice(&got[i * span..][..span]);
+    }
+    Some(out)
 }
 
 fn per_expert_dir(tag: &str, x: &[[Vec<f32>; 3]]) -> TempDir {
@@ -133,6 +140,8 @@ fn per_expert_and_stacked_sources_pack_the_same_bf16_buffer() {
     );
     assert_eq!(a.len(), l.total_bytes());
     assert_eq!(a, b, "seed {seed}");
+    assert!(read_from_disk(&wp, &l).unwrap() == a, "per-expert files read directly");
+    assert!(read_from_disk(&ws, &l).unwrap() == a, "stacked files read directly");
     for (e, mats) in x.iter().enumerate() {
         for (m, at) in spans(&l).iter().enumerate() {
             assert_eq!(
@@ -152,6 +161,7 @@ fn dense_experts_are_quantised_on_load_as_the_host_quantiser_does() {
     let w = Weights::open(&d.0).unwrap();
     let l = layout(ExpertFormat::Quant(Q4G32));
     let buf = pack_experts(&w, MLP, &l).unwrap();
+    assert!(read_from_disk(&w, &l).is_none(), "quantising is not a copy");
     for (e, mats) in x.iter().enumerate() {
         for (m, at) in spans(&l).iter().enumerate() {
             let (rows, cols) = if m < 2 { (INTER, HIDDEN) } else { (HIDDEN, INTER) };
@@ -225,6 +235,7 @@ fn mlx_switch_experts_are_copied_or_dequantised() {
     // Same format: the bytes are the stored ones.
     let l = layout(ExpertFormat::Quant(Q4G32));
     let buf = pack_experts(&w, MLP, &l).unwrap();
+    assert!(read_from_disk(&w, &l).unwrap() == buf, "MLX files read directly");
     for (e, s) in stored.iter().enumerate() {
         for (m, at) in spans(&l).iter().enumerate() {
             let base = e * l.span_bytes() + at.weight;
@@ -238,6 +249,7 @@ fn mlx_switch_experts_are_copied_or_dequantised() {
     // A bf16 layout gets the dequantised values.
     let l = layout(ExpertFormat::Bf16);
     let buf = pack_experts(&w, MLP, &l).unwrap();
+    assert!(read_from_disk(&w, &l).is_none(), "dequantising is not a copy");
     for (e, s) in stored.iter().enumerate() {
         for (m, at) in spans(&l).iter().enumerate() {
             let want: Vec<f32> = s[m]

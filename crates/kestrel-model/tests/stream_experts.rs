@@ -74,6 +74,9 @@ fn streamed_experts_compute_the_resident_logits() {
                 "{name}: {stats:?}"
             );
             assert_eq!(stats.hits + stats.misses, stats.lookups);
+            // The layers outside the host tier read their experts from the files directly.
+            let read = s.disk_stats().map_or(0, |(d, _)| d.experts);
+            assert_eq!(read > 0, host_layers < c.moe_layers(), "{name}: {read} experts read");
         }
         checked += 1;
     }
@@ -237,4 +240,73 @@ fn host_memory_running_out_falls_back_to_the_checkpoint_and_says_so() {
         note.contains("ran out after 1 of") && note.contains("checkpoint"),
         "{note}"
     );
+    assert!(note.contains("pageable memory"), "{note}");
+}
+
+/// A session reading experts from the fixture `name` copied to a directory of its own, after a
+/// chunked prefill and a decode step (so every program it will run is prepared).
+fn reading_copy(name: &str, tag: &str) -> (common::TempDir, Session<CpuBackend>, Vec<u32>) {
+    let d = common::TempDir::new(tag);
+    for entry in std::fs::read_dir(dir(name)).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_file() {
+            std::fs::copy(&path, d.0.join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    let c = ModelConfig::from_dir(&d.0).unwrap();
+    let k = c.moe.as_ref().unwrap().experts_per_token;
+    let mut s = Session::open(&d.0, CpuBackend::new(), 64, DType::F32)
+        .unwrap()
+        .with_prefill_chunk(Some(5))
+        .unwrap()
+        .with_expert_cache(k, Eviction::Lru)
+        .unwrap()
+        .with_host_layers(0);
+    let (prompt, _, _) = reference(name);
+    s.step(&prompt, 0, Want::LastLogits).unwrap();
+    s.step(&[prompt[0]], prompt.len(), Want::LastLogits).unwrap();
+    assert!(s.disk_stats().unwrap().0.experts > 0);
+    (d, s, prompt)
+}
+
+/// Decode steps until one reads experts (each token takes others than the last's): the error
+/// of the first that fails.
+fn first_read_error(s: &mut Session<CpuBackend>, prompt: &[u32]) -> String {
+    for (i, &t) in prompt.iter().enumerate() {
+        if let Err(e) = s.step(&[t], prompt.len() + 1 + i, Want::LastLogits) {
+            return e.to_string();
+        }
+    }
+    panic!("no step read an expert from the changed file");
+}
+
+#[test]
+fn expert_files_truncated_or_rewritten_under_a_session_are_errors() {
+    for name in ["qwen3_moe", "qwen3_moe_mlx_q4"] {
+        let (d, mut s, prompt) = reading_copy(name, &format!("truncated-{name}"));
+        let file = d.0.join("model.safetensors");
+        let len = std::fs::metadata(&file).unwrap().len();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&file)
+            .unwrap()
+            .set_len(len / 2)
+            .unwrap();
+        let msg = first_read_error(&mut s, &prompt);
+        assert!(
+            msg.contains("model.safetensors") && msg.contains("since the model was loaded"),
+            "{name}: {msg}"
+        );
+
+        // The same length, other bytes.
+        let (d, mut s, prompt) = reading_copy(name, &format!("rewritten-{name}"));
+        let file = d.0.join("model.safetensors");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let mut bytes = std::fs::read(&file).unwrap();
+        let n = bytes.len();
+        bytes[n - 1] ^= 1;
+        std::fs::write(&file, bytes).unwrap();
+        let msg = first_read_error(&mut s, &prompt);
+        assert!(msg.contains("was modified"), "{name}: {msg}");
+    }
 }

@@ -158,3 +158,22 @@ pub const FIXTURES: [&str; 6] = [
     "qwen3_next",
     "qwen3_5_moe",
 ];
+
+/// A directory under the system's temporary one, made empty, removed when dropped.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    /// `kestrel-{tag}-{pid}`, emptied.
+    pub fn new(tag: &str) -> TempDir {
+        let p = std::env::temp_dir().join(format!("kestrel-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap();
+        TempDir(p)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}

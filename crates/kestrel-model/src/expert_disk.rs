@@ -1,0 +1,331 @@
+//! The disk tier of streamed experts: experts read straight from the checkpoint's files with
+//! many reads in flight at once (O_DIRECT where the file system allows it, so the page cache
+//! does not keep a second copy of what the host tier was not given room for) into the caller's
+//! staging memory, page-locked on CUDA. Reads go by `pread`, not through the weights' map, so a
+//! file truncated or replaced under a running process is an error naming it rather than a
+//! SIGBUS or another model's bytes: each read is checked against the file as it was when the
+//! model was loaded.
+
+use std::cell::RefCell;
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use rayon::prelude::*;
+
+use crate::error::{ModelError, Result};
+use crate::experts::CopyPart;
+use crate::weights::{FileIdent, Weights};
+
+/// Reads in flight at once: enough to keep an NVMe drive's queues busy, where one reader
+/// reaches a fraction of its bandwidth.
+const READERS: usize = 32;
+
+/// Reads are cut into pieces of at most this many bytes, so one expert's large matrices are
+/// read by several readers.
+const PIECE: usize = 1 << 20;
+
+/// Direct reads start, end and land at multiples of this (the largest logical block size of
+/// common drives).
+const ALIGN: usize = 4096;
+
+/// One weight file opened for reading.
+struct DiskFile {
+    path: PathBuf,
+    file: File,
+    /// Opened with O_DIRECT (else buffered, where the file system refuses it).
+    direct: bool,
+    ident: FileIdent,
+}
+
+impl DiskFile {
+    fn open(path: &Path, ident: FileIdent) -> Result<DiskFile> {
+        let io = |error| ModelError::Io {
+            path: path.to_path_buf(),
+            error,
+        };
+        let (file, direct) = match OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(path)
+        {
+            Ok(f) => (f, true),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => (File::open(path).map_err(io)?, false),
+            Err(e) => return Err(io(e)),
+        };
+        let f = DiskFile {
+            path: path.to_path_buf(),
+            file,
+            direct,
+            ident,
+        };
+        f.check()?;
+        Ok(f)
+    }
+
+    /// An error unless the file is still the one the model was loaded from, as it was.
+    fn check(&self) -> Result<()> {
+        let meta = self.file.metadata().map_err(|error| ModelError::Io {
+            path: self.path.clone(),
+            error,
+        })?;
+        let now = FileIdent::of(&meta);
+        if now == self.ident {
+            return Ok(());
+        }
+        let what = if (now.dev, now.ino) != (self.ident.dev, self.ident.ino) {
+            "was replaced by another file".to_string()
+        } else if now.len != self.ident.len {
+            format!("is now {} bytes, not the {} it had", now.len, self.ident.len)
+        } else {
+            "was modified".to_string()
+        };
+        Err(changed(&self.path, &what))
+    }
+}
+
+fn changed(path: &Path, what: &str) -> ModelError {
+    ModelError::Weights {
+        path: path.to_path_buf(),
+        reason: format!(
+            "{what} since the model was loaded; its experts cannot be read (load the model again)"
+        ),
+    }
+}
+
+/// One read: `len` bytes at `offset` of file `file`, to `dst` of the caller's buffer.
+#[derive(Debug, Clone, Copy)]
+struct Piece {
+    file: usize,
+    offset: u64,
+    len: usize,
+    dst: usize,
+}
+
+thread_local! {
+    /// Each reader's aligned landing space for direct reads.
+    static BOUNCE: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
+
+/// What the reader did so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct DiskStats {
+    /// Bytes of experts read.
+    pub bytes: u64,
+    /// Experts read.
+    pub experts: u64,
+    /// Seconds spent in reads (the host waits for them).
+    pub seconds: f64,
+}
+
+/// Reads experts from the weight files of a model (see the module's notes).
+pub struct ExpertReader {
+    /// Opened on first use, by weight file.
+    files: Vec<Option<DiskFile>>,
+    paths: Vec<Option<(PathBuf, FileIdent)>>,
+    pool: rayon::ThreadPool,
+    pub stats: DiskStats,
+}
+
+impl ExpertReader {
+    /// A reader of `w`'s files.
+    pub fn new(w: &Weights) -> Result<ExpertReader> {
+        let mut paths = Vec::new();
+        while let Some(f) = w.file(paths.len()).map(|(p, id)| (p.to_path_buf(), id)) {
+            paths.push(Some(f));
+        }
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(READERS)
+            .thread_name(|i| format!("kestrel-read-{i}"))
+            .build()
+            .map_err(|e| ModelError::Config {
+                key: "expert reader".into(),
+                reason: format!("could not start its threads: {e}"),
+            })?;
+        Ok(ExpertReader {
+            files: paths.iter().map(|_| None).collect(),
+            paths,
+            pool,
+            stats: DiskStats::default(),
+        })
+    }
+
+    /// Whether reads bypass the page cache (every file opened so far took O_DIRECT).
+    pub fn direct(&self) -> bool {
+        self.files.iter().flatten().all(|f| f.direct)
+    }
+
+    fn open(&mut self, file: usize) -> Result<&DiskFile> {
+        if self.files.get(file).is_none_or(Option::is_none) {
+            let Some(Some((path, ident))) = self.paths.get(file) else {
+                return Err(ModelError::Config {
+                    key: "expert reader".into(),
+                    reason: format!("no weight file {file}"),
+                });
+            };
+            let f = DiskFile::open(path, *ident)?;
+            self.files[file] = Some(f);
+        }
+        Ok(self.files[file].as_ref().expect("opened above"))
+    }
+
+    /// Reads experts `experts` of a layer whose spans are `parts` into `dst`, the i-th at
+    /// `i * span`, with all their pieces in flight together. Bytes of a span that no part
+    /// covers are zeroed.
+    pub fn read(&mut self, parts: &[CopyPart], span: usize, experts: &[u32], dst: &mut [u8]) -> Result<()> {
+        assert!(dst.len() >= experts.len() * span, "the staging holds the experts");
+        let start = Instant::now();
+        let mut pieces = Vec::new();
+        for (i, &e) in experts.iter().enumerate() {
+            for p in parts {
+                let (file, offset) = p.at(e as usize);
+                let mut done = 0;
+                while done < p.len {
+                    let len = PIECE.min(p.len - done);
+                    pieces.push(Piece {
+                        file,
+                        offset: offset + done as u64,
+                        len,
+                        dst: i * span + p.dst + done,
+                    });
+                    done += len;
+                }
+            }
+        }
+        self.read_pieces(&mut pieces, &mut dst[..experts.len() * span])?;
+        self.stats.experts += experts.len() as u64;
+        self.stats.bytes += (experts.len() * parts.iter().map(|p| p.len).sum::<usize>()) as u64;
+        self.stats.seconds += start.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// Reads every piece into its place in `dst` (zeroing what none covers), the files checked
+    /// first.
+    fn read_pieces(&mut self, pieces: &mut [Piece], dst: &mut [u8]) -> Result<()> {
+        let mut used: Vec<usize> = pieces.iter().map(|p| p.file).collect();
+        used.sort_unstable();
+        used.dedup();
+        for &f in &used {
+            self.open(f)?.check()?;
+        }
+        // Each piece gets its own slice of `dst`, so the readers write disjoint bytes.
+        pieces.sort_unstable_by_key(|p| p.dst);
+        let mut jobs = Vec::with_capacity(pieces.len());
+        let mut rest = dst;
+        let mut at = 0;
+        for p in pieces.iter() {
+            assert!(p.dst >= at, "expert parts overlap");
+            let (gap, tail) = rest.split_at_mut(p.dst - at);
+            gap.fill(0);
+            let (out, tail) = tail.split_at_mut(p.len);
+            jobs.push((*p, out));
+            rest = tail;
+            at = p.dst + p.len;
+        }
+        rest.fill(0);
+        let files = &self.files;
+        self.pool.install(|| {
+            jobs.into_par_iter().try_for_each(|(p, out)| {
+                let f = files[p.file].as_ref().expect("opened above");
+                read_piece(f, p.offset, out)
+            })
+        })
+    }
+
+    /// The disk's own read bandwidth, measured over up to `bytes` of the weight files (the
+    /// experts' files first: those of `parts`) in large reads, all readers at once: the bound
+    /// reads of experts are measured against. Returns (bytes read, seconds).
+    pub fn disk_bandwidth(&mut self, parts: &[CopyPart], bytes: u64) -> Result<(u64, f64)> {
+        let mut files: Vec<usize> = parts.iter().map(|p| p.at(0).0).collect();
+        files.extend(0..self.paths.len());
+        let mut seen = Vec::new();
+        files.retain(|f| {
+            let new = !seen.contains(f);
+            seen.push(*f);
+            new
+        });
+        // Large pieces taken from each file in turn, so reads spread across the files.
+        const BIG: usize = 4 << 20;
+        let mut pieces = Vec::new();
+        let mut total = 0u64;
+        let mut round = 0u64;
+        while total < bytes {
+            let mut any = false;
+            for &f in &files {
+                let Some(Some((_, ident))) = self.paths.get(f) else {
+                    continue;
+                };
+                let offset = round * BIG as u64;
+                if offset + BIG as u64 > ident.len || total >= bytes {
+                    continue;
+                }
+                pieces.push(Piece {
+                    file: f,
+                    offset,
+                    len: BIG,
+                    dst: pieces.len() * BIG,
+                });
+                total += BIG as u64;
+                any = true;
+            }
+            if !any {
+                break;
+            }
+            round += 1;
+        }
+        let mut scratch = vec![0u8; pieces.len() * BIG];
+        let start = Instant::now();
+        self.read_pieces(&mut pieces, &mut scratch)?;
+        Ok((total, start.elapsed().as_secs_f64()))
+    }
+}
+
+/// Reads `out.len()` bytes at `offset` of `f` into `out`: a direct read lands in the reader's
+/// aligned space and is copied out; a short read is a file shorter than it was.
+fn read_piece(f: &DiskFile, offset: u64, out: &mut [u8]) -> Result<()> {
+    let io = |error| ModelError::Io {
+        path: f.path.clone(),
+        error,
+    };
+    let truncated = || {
+        let len = f.file.metadata().map(|m| m.len()).unwrap_or(0);
+        changed(&f.path, &format!("is now {len} bytes, not the {} it had", f.ident.len))
+    };
+    if !f.direct {
+        return f.file.read_exact_at(out, offset).map_err(|e| match e.kind() {
+            std::io::ErrorKind::UnexpectedEof => truncated(),
+            _ => io(e),
+        });
+    }
+    let start = offset & !(ALIGN as u64 - 1);
+    let head = (offset - start) as usize;
+    let want = (head + out.len()).next_multiple_of(ALIGN);
+    BOUNCE.with_borrow_mut(|bounce| {
+        if bounce.len() < want + ALIGN {
+            bounce.resize(want + ALIGN, 0);
+        }
+        let skip = bounce.as_ptr().align_offset(ALIGN);
+        let space = &mut bounce[skip..skip + want];
+        let mut got = 0;
+        while got < head + out.len() {
+            match f.file.read_at(&mut space[got..], start + got as u64) {
+                Ok(0) => break,
+                Ok(n) => {
+                    got += n;
+                    // Only the file's end stops a direct read short of a block.
+                    if n % ALIGN != 0 {
+                        break;
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(io(e)),
+            }
+        }
+        if got < head + out.len() {
+            return Err(truncated());
+        }
+        out.copy_from_slice(&space[head..head + out.len()]);
+        Ok(())
+    })
+}
