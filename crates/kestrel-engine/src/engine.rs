@@ -9,7 +9,7 @@ use kestrel_core::quant::QuantFormat;
 use kestrel_core::{Config, DType};
 use kestrel_cpu::CpuBackend;
 use kestrel_cuda::{CudaBackend, Device, RunMode};
-use kestrel_model::{CacheStats, Eviction, ModelConfig, Output, Session, Want, Weights};
+use kestrel_model::{CacheStats, DiskStats, Eviction, ModelConfig, Output, Session, Want, Weights};
 use kestrel_text::{Sampler, SamplingParams};
 
 use crate::error::Result;
@@ -291,6 +291,23 @@ impl Engine {
     /// What the expert caches did so far, when experts stream.
     pub fn expert_stats(&mut self) -> Result<Option<CacheStats>> {
         Ok(on_session!(&mut self.session, s => s.expert_stats())?)
+    }
+
+    /// What the reads of experts from the weight files did so far, and whether they bypass the
+    /// page cache (None unless some layers' experts are read from the files).
+    pub fn disk_stats(&self) -> Option<(DiskStats, bool)> {
+        on_session!(&self.session, s => s.disk_stats())
+    }
+
+    /// Seconds the host has spent bringing experts between segments of a program so far.
+    pub fn host_seconds(&self) -> f64 {
+        on_session!(&self.session, s => s.host_seconds())
+    }
+
+    /// The read bandwidth of the disk holding the weights over up to `bytes` in large parallel
+    /// reads: (bytes, seconds), or None unless experts stream from the files.
+    pub fn measure_disk(&mut self, bytes: u64) -> Result<Option<(u64, f64)>> {
+        Ok(on_session!(&mut self.session, s => s.measure_disk(bytes))?)
     }
 
     /// Why streamed experts come from slower memory than planned (page-locked host memory ran

@@ -233,18 +233,11 @@ impl ExpertReader {
         })
     }
 
-    /// The disk's own read bandwidth, measured over up to `bytes` of the weight files (the
-    /// experts' files first: those of `parts`) in large reads, all readers at once: the bound
-    /// reads of experts are measured against. Returns (bytes read, seconds).
-    pub fn disk_bandwidth(&mut self, parts: &[CopyPart], bytes: u64) -> Result<(u64, f64)> {
-        let mut files: Vec<usize> = parts.iter().map(|p| p.at(0).0).collect();
-        files.extend(0..self.paths.len());
-        let mut seen = Vec::new();
-        files.retain(|f| {
-            let new = !seen.contains(f);
-            seen.push(*f);
-            new
-        });
+    /// The disk's own read bandwidth, measured over up to `bytes` of the weight files in large
+    /// reads, all readers at once: the bound reads of experts are measured against. Returns
+    /// (bytes read, seconds).
+    pub fn disk_bandwidth(&mut self, bytes: u64) -> Result<(u64, f64)> {
+        let files: Vec<usize> = (0..self.paths.len()).collect();
         // Large pieces taken from each file in turn, so reads spread across the files.
         const BIG: usize = 4 << 20;
         let mut pieces = Vec::new();

@@ -324,13 +324,38 @@ pub fn pack_expert(w: &Weights, mlp: &str, layout: &ExpertLayout, e: usize) -> R
 /// The experts of the MoE block at `mlp` (`model.layers.3.mlp`), packed as `layout` lays them
 /// out: `layout.total_bytes()` bytes, expert `e`'s span at `e * layout.span_bytes()`.
 pub fn pack_experts(w: &Weights, mlp: &str, layout: &ExpertLayout) -> Result<Vec<u8>> {
-    let src = checked_source(w, mlp, layout)?;
-    let span = layout.span_bytes();
     let mut out = vec![0u8; layout.total_bytes()];
-    out.par_chunks_mut(span)
-        .enumerate()
-        .try_for_each(|(e, dst)| pack_into(w, mlp, layout, src, e, dst))?;
+    pack_experts_into(w, mlp, layout, &mut out)?;
     Ok(out)
+}
+
+/// [`pack_experts`] into `out` (`layout.total_bytes()` bytes, zeroed).
+pub fn pack_experts_into(w: &Weights, mlp: &str, layout: &ExpertLayout, out: &mut [u8]) -> Result<()> {
+    assert_eq!(out.len(), layout.total_bytes(), "the packed experts' size");
+    let src = checked_source(w, mlp, layout)?;
+    out.par_chunks_mut(layout.span_bytes())
+        .enumerate()
+        .try_for_each(|(e, dst)| pack_into(w, mlp, layout, src, e, dst))
+}
+
+/// The names of the checkpoint tensors that hold `mlp`'s `experts` experts.
+pub fn expert_tensor_names(w: &Weights, mlp: &str, experts: usize) -> Result<Vec<String>> {
+    let names = match expert_source(w, mlp)? {
+        ExpertSource::MlxSwitch => Which::ALL
+            .iter()
+            .flat_map(|m| {
+                ["weight", "scales", "biases"].map(|s| format!("{mlp}.switch_mlp.{}.{s}", m.name()))
+            })
+            .collect(),
+        ExpertSource::Stacked => vec![
+            format!("{mlp}.experts.gate_up_proj"),
+            format!("{mlp}.experts.down_proj"),
+        ],
+        ExpertSource::PerExpert => (0..experts)
+            .flat_map(|e| Which::ALL.map(|m| format!("{mlp}.experts.{e}.{}.weight", m.name())))
+            .collect(),
+    };
+    Ok(names)
 }
 
 /// Where one piece of every expert's span lies in the checkpoint's files, when the span holds

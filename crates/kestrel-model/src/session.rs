@@ -25,7 +25,7 @@ use kestrel_core::expert_slots::{self, resolve, stage_sources, table_words};
 
 use crate::expert_cache::{CacheStats, Eviction};
 use crate::expert_disk::{DiskStats, ExpertReader};
-use crate::experts::{expert_copy_parts, pack_expert, pack_experts, CopyPart};
+use crate::experts::{expert_copy_parts, expert_tensor_names, pack_expert, pack_experts_into, CopyPart};
 use crate::graph::{Forward, ForwardSpec, MoeStep, Streamed};
 use crate::weights::Weights;
 
@@ -333,27 +333,18 @@ impl<B: Backend> Session<B> {
         self.streaming.as_ref().map_or(0.0, |s| s.host_seconds)
     }
 
-    /// The read bandwidth of the disk holding the weights, measured over up to `bytes` in
-    /// large parallel reads (the bound for experts read from it): (bytes, seconds), or None
-    /// when no layer's experts are read from the weight files.
+    /// The read bandwidth of the disk holding the weight files, measured over up to `bytes` in
+    /// large parallel reads (the bound for experts read from them): (bytes, seconds), or None
+    /// when experts do not stream from files (all in the host tier, or weights in memory).
     pub fn measure_disk(&mut self, bytes: u64) -> Result<Option<(u64, f64)>> {
         let Some(st) = self.streaming.as_mut() else {
             return Ok(None);
         };
-        let layers = st.books.len();
-        if st.host_layers >= layers {
+        if st.host_layers >= st.books.len() || self.weights.file(0).is_none() {
             return Ok(None);
         }
-        let Some(layout) = self.programs.values().find_map(|p| p.f.moe_steps.first()) else {
-            return Ok(None);
-        };
-        let mlp = layout.mlp.clone();
-        let layout = layout.layout;
-        let Some(parts) = expert_copy_parts(&self.weights, &mlp, &layout)? else {
-            return Ok(None);
-        };
         let disk = disk_tier(st, &self.weights)?;
-        disk.reader.disk_bandwidth(&parts, bytes).map(Some)
+        disk.reader.disk_bandwidth(bytes).map(Some)
     }
 
     /// What the expert caches did so far (None unless experts stream): the books of the layers
@@ -578,14 +569,15 @@ impl<B: Backend> Session<B> {
     /// Places the host tier of streamed experts: each layer `f` serves from host memory gets
     /// its packed experts in the backend's host memory, handed to the backend for every
     /// program. Returns how many layers it placed: fewer than asked when host memory runs out
-    /// (noted; the rest are read from the checkpoint).
+    /// (noted; the rest are read from the checkpoint). Experts held in memory rather than
+    /// mapped (a synthetic model's) are dropped once packed, so they are not held twice.
     fn place_host_tier(&mut self, f: &Forward) -> Result<usize> {
         let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
         let total: u64 = f.host_experts.iter().map(|h| h.layout.total_bytes() as u64).sum();
         let mut done = 0;
         for (i, h) in f.host_experts.iter().enumerate() {
-            let packed = pack_experts(&self.weights, &h.mlp, &h.layout)?;
-            let mut host = match self.backend.alloc_host(packed.len()) {
+            let bytes = h.layout.total_bytes();
+            let mut host = match self.backend.alloc_host(bytes) {
                 Ok(host) => host,
                 Err(e) => {
                     let st = self.streaming.as_mut().expect("streaming");
@@ -597,11 +589,13 @@ impl<B: Backend> Session<B> {
                     return Ok(i);
                 }
             };
-            B::host_bytes_mut(&mut host)
-                .map_err(backend_err)?
-                .copy_from_slice(&packed);
+            let dst = B::host_bytes_mut(&mut host).map_err(backend_err)?;
+            pack_experts_into(&self.weights, &h.mlp, &h.layout, dst)?;
             self.backend.adopt_host(&h.label, host).map_err(backend_err)?;
-            done += packed.len() as u64;
+            for name in expert_tensor_names(&self.weights, &h.mlp, h.layout.experts)? {
+                self.weights.release(&name);
+            }
+            done += bytes as u64;
             if let Some(cb) = &mut self.progress {
                 cb(done, total);
             }

@@ -18,6 +18,9 @@ use crate::error::{ModelError, Result};
 enum Storage {
     Mapped(Mmap),
     Owned(Vec<u8>),
+    /// A tensor held in memory whose bytes were dropped once the backend had its own copy
+    /// ([`Weights::release`]).
+    Released,
 }
 
 impl std::ops::Deref for Storage {
@@ -26,6 +29,7 @@ impl std::ops::Deref for Storage {
         match self {
             Storage::Mapped(m) => m,
             Storage::Owned(v) => v,
+            Storage::Released => &[],
         }
     }
 }
@@ -291,6 +295,12 @@ impl Weights {
             });
         };
         let shard = &self.shards[*shard];
+        if matches!(shard.map, Storage::Released) {
+            return Err(bad_file(
+                &shard.path,
+                format!("tensor {name} was dropped from memory once the backend held a copy"),
+            ));
+        }
         let dtype = kestrel_dtype(info.dtype).ok_or_else(|| {
             bad_file(
                 &shard.path,
@@ -339,6 +349,23 @@ impl Weights {
     pub fn file(&self, file: usize) -> Option<(&Path, FileIdent)> {
         let s = self.shards.get(file)?;
         Some((&s.path, s.ident?))
+    }
+
+    /// Drops the bytes of tensor `name` when it is held in memory on its own (a synthetic
+    /// model's, [`Weights::from_memory`]) and nothing will read it again (the backend holds a
+    /// copy); later lookups of it are errors saying so. Returns whether memory was freed:
+    /// mapped files and tensors sharing a buffer are left as they are.
+    pub fn release(&mut self, name: &str) -> bool {
+        let Some(&(shard, _)) = self.by_name.get(name) else {
+            return false;
+        };
+        let s = &mut self.shards[shard];
+        // A shard of `from_memory` holds one tensor, from its first byte.
+        if matches!(s.map, Storage::Owned(_)) && s.data_start == 0 {
+            s.map = Storage::Released;
+            return true;
+        }
+        false
     }
 
     pub fn contains(&self, name: &str) -> bool {

@@ -12,7 +12,7 @@ use common::{argmax, dir, reference, rel_max_err, FIXTURES};
 use kestrel_core::{Backend, DType};
 use kestrel_cpu::CpuBackend;
 use kestrel_cuda::{CudaBackend, RunMode};
-use kestrel_model::{Eviction, ModelConfig, Session, Want};
+use kestrel_model::{Eviction, ModelConfig, OwnedTensor, Session, Want, Weights};
 use kestrel_testing::gpu::device_or_skip;
 
 /// A prompt prefilled in chunks of 5, then 6 decode steps, the first greedy and the others
@@ -132,6 +132,10 @@ fn streamed_experts_compute_the_resident_logits_on_cuda() {
             let stats = s.expert_stats().unwrap().unwrap();
             assert!(stats.evictions > 0 && stats.staged > 0, "{name}: {stats:?}");
             assert_eq!(stats.hits + stats.misses, stats.lookups);
+            // Past the first layer, experts are read from the files into page-locked staging.
+            let read = s.disk_stats().map_or(0, |(d, _)| d.experts);
+            assert_eq!(read > 0, host_layers < c.moe_layers(), "{name}: {read} experts read");
+            assert!(s.host_tier_note().is_none(), "{:?}", s.host_tier_note());
         }
     }
 }
@@ -309,4 +313,42 @@ fn expert_files_truncated_or_rewritten_under_a_session_are_errors() {
         let msg = first_read_error(&mut s, &prompt);
         assert!(msg.contains("was modified"), "{name}: {msg}");
     }
+}
+
+#[test]
+fn experts_held_in_memory_are_dropped_once_the_host_tier_has_them() {
+    let name = "qwen3_moe_mlx_q4";
+    let c = ModelConfig::from_dir(&dir(name)).unwrap();
+    let k = c.moe.as_ref().unwrap().experts_per_token;
+    let (prompt, _, _) = reference(name);
+    let want = logits(&mut session(name), &prompt);
+    // The fixture's tensors held in memory, as a synthetic model's are.
+    let mapped = Weights::open(&dir(name)).unwrap();
+    let owned = mapped
+        .names()
+        .into_iter()
+        .map(|n| {
+            let t = mapped.get(n).unwrap();
+            OwnedTensor {
+                name: n.to_string(),
+                dtype: t.dtype,
+                shape: t.shape.to_vec(),
+                bytes: t.bytes.to_vec(),
+            }
+        })
+        .collect();
+    let w = Weights::from_memory("in memory", owned).unwrap();
+    let mut s = Session::new(c.clone(), w, CpuBackend::new(), 64, DType::F32)
+        .with_prefill_chunk(Some(5))
+        .unwrap()
+        .with_expert_cache(k, Eviction::Lru)
+        .unwrap();
+    assert!(logits(&mut s, &prompt) == want, "logits differ");
+    let expert = "model.layers.0.mlp.switch_mlp.gate_proj.weight";
+    let err = s.weights.get(expert).unwrap_err().to_string();
+    assert!(err.contains("dropped from memory"), "{err}");
+    // Mapped files are left as they are.
+    let mut mapped = mapped;
+    assert!(!mapped.release(expert));
+    assert!(mapped.get(expert).is_ok());
 }

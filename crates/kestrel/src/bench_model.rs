@@ -175,24 +175,59 @@ fn run_tests(e: &mut Engine, a: &ModelBenchArgs, rng: &mut Rng) -> Result<Vec<Te
     Ok(rows)
 }
 
+/// Bytes of the weight files read to measure the disk's bandwidth.
+const DISK_PROBE_BYTES: u64 = 4 << 30;
+
+/// When experts stream from the weight files: the disk's read bandwidth over large parallel
+/// reads, measured before the tests (the bound the experts' reads are set against); null
+/// otherwise.
+fn disk_probe(e: &mut Engine) -> Result<serde_json::Value> {
+    let Some((bytes, secs)) = e.measure_disk(DISK_PROBE_BYTES)? else {
+        return Ok(serde_json::Value::Null);
+    };
+    let direct = e.disk_stats().is_some_and(|(_, direct)| direct);
+    eprintln!(
+        "disk: {:.2} GB/s reading {:.1} GiB of the weight files in large parallel {} reads",
+        bytes as f64 / secs / 1e9,
+        bytes as f64 / (1u64 << 30) as f64,
+        if direct { "direct" } else { "buffered" }
+    );
+    Ok(serde_json::json!({
+        "bytes": bytes,
+        "seconds": secs,
+        "bytes_per_s": bytes as f64 / secs,
+        "direct": direct,
+    }))
+}
+
 /// When experts stream: what the cache did over one more generation run from an empty
-/// context (hit rate, misses and bytes copied per token); null otherwise.
+/// context (hit rate, misses and bytes copied per token; of those, the bytes read from the
+/// weight files and the seconds spent reading them, and the seconds the host spent bringing
+/// experts in); null otherwise.
 fn expert_extras(e: &mut Engine, tg: usize, input: TgInput, rng: &mut Rng) -> Result<serde_json::Value> {
     let Some(before) = e.expert_stats()? else {
         return Ok(serde_json::Value::Null);
     };
+    let (disk_before, host_before) = (e.disk_stats().map(|d| d.0).unwrap_or_default(), e.host_seconds());
     let first = ids(rng, e.config().vocab, 1)[0];
     e.reset()?;
+    let start = Instant::now();
     generate(e, first, tg, tg_tokens(input, rng).as_mut())?;
+    let secs = start.elapsed().as_secs_f64();
     let after = e.expert_stats()?.context("the cache went away")?;
+    let disk = e.disk_stats().map(|d| d.0).unwrap_or_default();
     let (lookups, hits) = (after.lookups - before.lookups, after.hits - before.hits);
     let per = |n: u64| n as f64 / tg as f64;
     Ok(serde_json::json!({
         "slots": e.placement().map(|p| p.gpu_experts),
         "slots_per_layer": e.placement().map(|p| p.slots_per_layer),
+        "tokens_per_s": tg as f64 / secs,
         "hit_rate": hits as f64 / lookups.max(1) as f64,
         "misses_per_token": per(after.misses - before.misses),
         "bytes_copied_per_token": per(after.bytes_copied - before.bytes_copied),
+        "disk_bytes_per_token": per(disk.bytes - disk_before.bytes),
+        "disk_read_s_per_token": (disk.seconds - disk_before.seconds) / tg as f64,
+        "host_s_per_token": (e.host_seconds() - host_before) / tg as f64,
     }))
 }
 
@@ -308,6 +343,7 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
     let mut engine = Engine::new(model, config, opts).with_context(|| format!("opening {label}"))?;
     crate::progress::placement(&engine);
     let backend = engine.backend();
+    let disk = disk_probe(&mut engine)?;
     let rows = run_tests(&mut engine, &a, &mut rng)?;
     let tg = a.n_gen.iter().copied().max().unwrap_or(0);
     let experts = if tg > 0 {
@@ -356,6 +392,7 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
             "results": tests,
             "cuda_counters": counters,
             "expert_cache": experts,
+            "disk": disk,
             "wall_s": total_s,
         });
         println!("{v}");
@@ -404,6 +441,9 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
     }
     if !experts.is_null() {
         println!("expert cache, one tg{tg} run: {experts}");
+    }
+    if !disk.is_null() {
+        println!("disk read bandwidth, measured first: {disk}");
     }
     Ok(std::process::ExitCode::SUCCESS)
 }
