@@ -23,8 +23,8 @@ pub use error::{ModelError, Result};
 pub use expert_cache::{CacheStats, Eviction};
 pub use expert_disk::{DiskStats, ExpertReader};
 pub use experts::{
-    expert_copy_parts, expert_source, expert_tensor_names, pack_experts, pack_experts_into, CopyPart, ExpertSource,
-    PartSource,
+    expert_copy_parts, expert_source, expert_tensor_names, pack_experts, pack_experts_into, CopyPart,
+    ExpertSource, PartSource,
 };
 pub use footprint::{footprint, Footprint};
 pub use graph::{Forward, ForwardSpec, HostExperts, MoeStep, Streamed};

@@ -672,12 +672,18 @@ fn bring_experts<B: Backend>(
         let mut table = vec![0u32; table_words(st.slots, experts)];
         let used = stage_sources(&mut table, st.slots, experts, &ids).map_err(cache_err)?;
         st.host_staged += used.len() as u64;
-        (used.iter().map(|&(e, _)| (e, e as usize)).collect::<Vec<_>>(), None)
+        (
+            used.iter().map(|&(e, _)| (e, e as usize)).collect::<Vec<_>>(),
+            None,
+        )
     } else {
         let table = st.books[step.layer].get_or_insert_with(|| vec![0u32; table_words(st.slots, experts)]);
         let mut slots = vec![0u32; ids.len()];
         let fills = resolve(table, st.slots, experts, st.policy, &ids, &mut slots).map_err(cache_err)?;
-        (fills.iter().map(|f| (f.expert, f.slot as usize)).collect(), Some(slots))
+        (
+            fills.iter().map(|f| (f.expert, f.slot as usize)).collect(),
+            Some(slots),
+        )
     };
     let disk = disk_tier(st, weights)?;
     if disk.parts[step.layer].is_none() {
@@ -687,7 +693,12 @@ fn bring_experts<B: Backend>(
     if reads && matches!(disk.staging, Staging::Unmade) {
         let bytes = STAGING_BYTES.max(step.layout.span_bytes());
         match (backend.alloc_host(bytes), backend.alloc_host(bytes)) {
-            (Ok(a), Ok(b)) => disk.staging = Staging::Pinned { bufs: [a, b], next: 0 },
+            (Ok(a), Ok(b)) => {
+                disk.staging = Staging::Pinned {
+                    bufs: [a, b],
+                    next: 0,
+                }
+            }
             (Err(e), _) | (_, Err(e)) => {
                 disk.staging = Staging::Pageable(vec![0; bytes]);
                 st.add_note(format!(
@@ -699,9 +710,15 @@ fn bring_experts<B: Backend>(
     }
     let disk = st.disk.as_mut().expect("made above");
     match &disk.parts[step.layer] {
-        Some(Some(parts)) => {
-            read_experts(backend, p, step, parts, &mut disk.reader, &mut disk.staging, &wanted)?
-        }
+        Some(Some(parts)) => read_experts(
+            backend,
+            p,
+            step,
+            parts,
+            &mut disk.reader,
+            &mut disk.staging,
+            &wanted,
+        )?,
         _ => {
             let span = step.layout.span_bytes();
             for &(e, at) in &wanted {

@@ -140,8 +140,14 @@ fn per_expert_and_stacked_sources_pack_the_same_bf16_buffer() {
     );
     assert_eq!(a.len(), l.total_bytes());
     assert_eq!(a, b, "seed {seed}");
-    assert!(read_from_disk(&wp, &l).unwrap() == a, "per-expert files read directly");
-    assert!(read_from_disk(&ws, &l).unwrap() == a, "stacked files read directly");
+    assert!(
+        read_from_disk(&wp, &l).unwrap() == a,
+        "per-expert files read directly"
+    );
+    assert!(
+        read_from_disk(&ws, &l).unwrap() == a,
+        "stacked files read directly"
+    );
     for (e, mats) in x.iter().enumerate() {
         for (m, at) in spans(&l).iter().enumerate() {
             assert_eq!(

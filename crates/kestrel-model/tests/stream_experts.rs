@@ -76,7 +76,11 @@ fn streamed_experts_compute_the_resident_logits() {
             assert_eq!(stats.hits + stats.misses, stats.lookups);
             // The layers outside the host tier read their experts from the files directly.
             let read = s.disk_stats().map_or(0, |(d, _)| d.experts);
-            assert_eq!(read > 0, host_layers < c.moe_layers(), "{name}: {read} experts read");
+            assert_eq!(
+                read > 0,
+                host_layers < c.moe_layers(),
+                "{name}: {read} experts read"
+            );
         }
         checked += 1;
     }
@@ -134,7 +138,11 @@ fn streamed_experts_compute_the_resident_logits_on_cuda() {
             assert_eq!(stats.hits + stats.misses, stats.lookups);
             // Past the first layer, experts are read from the files into page-locked staging.
             let read = s.disk_stats().map_or(0, |(d, _)| d.experts);
-            assert_eq!(read > 0, host_layers < c.moe_layers(), "{name}: {read} experts read");
+            assert_eq!(
+                read > 0,
+                host_layers < c.moe_layers(),
+                "{name}: {read} experts read"
+            );
             assert!(s.host_tier_note().is_none(), "{:?}", s.host_tier_note());
         }
     }

@@ -178,19 +178,20 @@ fn run_tests(e: &mut Engine, a: &ModelBenchArgs, rng: &mut Rng) -> Result<Vec<Te
 /// Bytes of the weight files read to measure the disk's bandwidth.
 const DISK_PROBE_BYTES: u64 = 4 << 30;
 
-/// When experts stream from the weight files: the disk's read bandwidth over large parallel
-/// reads, measured before the tests (the bound the experts' reads are set against); null
-/// otherwise.
+/// When experts stream from the weight files: the disk's read bandwidth (the best of three
+/// rounds of parallel reads; see `ExpertReader::disk_bandwidth`), measured before the tests,
+/// the bound the experts' reads are set against; null otherwise.
 fn disk_probe(e: &mut Engine) -> Result<serde_json::Value> {
     let Some((bytes, secs)) = e.measure_disk(DISK_PROBE_BYTES)? else {
         return Ok(serde_json::Value::Null);
     };
     let direct = e.disk_stats().is_some_and(|(_, direct)| direct);
     eprintln!(
-        "disk: {:.2} GB/s reading {:.1} GiB of the weight files in large parallel {} reads",
+        "disk: {:.2} GB/s, the best of three rounds of parallel {} reads of the weight files \
+         ({:.2} GiB in it)",
         bytes as f64 / secs / 1e9,
+        if direct { "direct" } else { "buffered" },
         bytes as f64 / (1u64 << 30) as f64,
-        if direct { "direct" } else { "buffered" }
     );
     Ok(serde_json::json!({
         "bytes": bytes,
