@@ -941,6 +941,38 @@ impl GraphBuilder {
         );
     }
 
+    /// Copies all of a layer's experts from host memory to `staging` (see
+    /// [`Op::ExpertStageAll`]).
+    pub fn expert_stage_all(
+        &mut self,
+        name: &str,
+        table: BufId<State>,
+        src: BufId<Weight>,
+        cache: BufId<Weight>,
+        staging: BufId<Weight>,
+        (experts, slots, span): (usize, usize, usize),
+    ) {
+        self.check_len(name, src, experts * span);
+        self.check_len(name, cache, slots * span);
+        self.check_len(name, staging, experts * span);
+        self.check_len(name, table, crate::expert_slots::table_words(slots, experts));
+        self.check(name, span % 16 == 0 && slots >= 1, || {
+            format!("{slots} slots of {span} bytes (spans are copied 16 bytes at a time)")
+        });
+        self.push(
+            name,
+            Op::ExpertStageAll {
+                table: table.raw(),
+                src: src.raw(),
+                cache: cache.raw(),
+                staging: staging.raw(),
+                experts,
+                slots,
+                span,
+            },
+        );
+    }
+
     pub fn causal_conv1d(
         &mut self,
         name: &str,

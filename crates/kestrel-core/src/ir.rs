@@ -549,6 +549,19 @@ pub enum Op {
         slots: usize,
         span: usize,
     },
+    /// `ExpertStage` of every one of the layer's `experts` experts: each copied to its index of
+    /// `staging` from the slot of `cache` that holds it, else from `src` in host memory. For
+    /// chunks long enough to use most of a layer's experts, built ahead of the layer (two
+    /// staging buffers in turn) so the copy overlaps the layers before it.
+    ExpertStageAll {
+        table: Buf,
+        src: Buf,
+        cache: Buf,
+        staging: Buf,
+        experts: usize,
+        slots: usize,
+        span: usize,
+    },
     /// Depthwise causal conv1d over `x: [tokens, channels]` with `w: [channels, kernel]`, SiLU,
     /// continuing from `state: [channels, kernel - 1]` (the previous inputs), which it updates.
     CausalConv1d {
@@ -715,6 +728,13 @@ impl Op {
                 staging,
                 ..
             } => (vec![*ids, *table, *src, *cache], vec![*table, *staging]),
+            ExpertStageAll {
+                table,
+                src,
+                cache,
+                staging,
+                ..
+            } => (vec![*table, *src, *cache], vec![*table, *staging]),
             CausalConv1d { x, w, state, out, .. } => (vec![*x, *w, *state], vec![*state, *out]),
             DeltaGates {
                 a,
@@ -772,6 +792,7 @@ impl Op {
             MoeExperts { .. } => "moe_experts",
             ExpertFetch { .. } => "expert_fetch",
             ExpertStage { .. } => "expert_stage",
+            ExpertStageAll { .. } => "expert_stage_all",
             CausalConv1d { .. } => "causal_conv1d",
             DeltaGates { .. } => "delta_gates",
             DeltaRule { .. } => "delta_rule",

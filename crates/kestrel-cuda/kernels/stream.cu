@@ -239,3 +239,46 @@ extern "C" __global__ void expert_copy(const unsigned* list, const int4* host, c
                                                : host + (size_t)from * span16;
     copy_span(s, dst + (size_t)to * span16, span16);
 }
+
+// Every expert of a layer to its index of the staging buffer, from the cache slot the books
+// give it, else from host memory (counted in the books' staged words, as expert_stage_plan counts
+// them): a few blocks, each copying whole experts in turn, as this runs beside the kernels of the
+// layers before the one it stages, which keep the other SMs.
+extern "C" __global__ void expert_stage_all(unsigned* table, unsigned slots, unsigned experts, const int4* host,
+                                            const int4* cache, int4* dst, unsigned long long span16) {
+    __shared__ unsigned slot_of[STREAM_MAX_EXPERTS];
+    __shared__ unsigned from_host;
+    pdl_wait();
+    pdl_trigger();
+    const unsigned* owner = table + STREAM_HEADER;
+    for (unsigned e = threadIdx.x; e < experts; e += blockDim.x) slot_of[e] = 0xffffffffu;
+    if (threadIdx.x == 0) from_host = 0;
+    __syncthreads();
+    for (unsigned s = threadIdx.x; s < slots; s += blockDim.x) {
+        const unsigned o = owner[s];
+        if (o != 0 && o <= experts) slot_of[o - 1] = s;
+    }
+    __syncthreads();
+    if (blockIdx.x == 0) {
+        unsigned mine = 0;
+        for (unsigned e = threadIdx.x; e < experts; e += blockDim.x) mine += slot_of[e] == 0xffffffffu;
+        atomicAdd(&from_host, mine);
+        __syncthreads();
+        if (threadIdx.x == 0) add_wide(table, T_STAGED, from_host);
+    }
+    for (unsigned e = blockIdx.x; e < experts; e += gridDim.x) {
+        const unsigned s = slot_of[e];
+        const int4* src = s != 0xffffffffu ? cache + (size_t)s * span16 : host + (size_t)e * span16;
+        int4* o = dst + (size_t)e * span16;
+        const size_t stride = blockDim.x;
+        size_t i = threadIdx.x;
+        for (; i + 3 * stride < span16; i += 4 * stride) {
+            const int4 a = src[i], b = src[i + stride], c = src[i + 2 * stride], d = src[i + 3 * stride];
+            o[i] = a;
+            o[i + stride] = b;
+            o[i + 2 * stride] = c;
+            o[i + 3 * stride] = d;
+        }
+        for (; i < span16; i += stride) o[i] = src[i];
+    }
+}

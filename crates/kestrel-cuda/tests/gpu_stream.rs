@@ -1,8 +1,9 @@
 //! The streaming ops on CUDA against the CPU backend, exactly: a layer's cache of expert slots
 //! fetched step after step (random routing, so steps hit, fill free slots and evict), under LRU
-//! and the frequency policy, and longer chunks staged from the slots and from host memory. The
-//! slots chosen, the books (every word of the table) and the bytes in the cache and the staging
-//! area must be the CPU's, so the GPU's resolution follows `kestrel_core::expert_slots`.
+//! and the frequency policy, and longer chunks staged from the slots and from host memory, and a
+//! whole layer staged. The slots chosen, the books (every word of the table) and the bytes in
+//! the cache and the staging areas must be the CPU's, so the GPU's resolution follows
+//! `kestrel_core::expert_slots`.
 
 use kestrel_core::expert_slots::{table_words, SlotPolicy};
 use kestrel_core::ir::Graph;
@@ -23,8 +24,9 @@ struct Graphs {
     stage: Graph,
 }
 
-/// A fetch of 2 tokens' experts and a stage of 9 tokens', over one layer's books, host experts
-/// and cache (shared by label between the two graphs).
+/// A fetch of 2 tokens' experts, and a stage of 9 tokens' followed by the whole layer's staged
+/// into a second area, over one layer's books, host experts and cache (shared by label between
+/// the two graphs).
 fn graphs(policy: SlotPolicy) -> Graphs {
     let sizes = (EXPERTS, SLOTS, SPAN);
     let declare = |g: &mut GraphBuilder| {
@@ -44,6 +46,8 @@ fn graphs(policy: SlotPolicy) -> Graphs {
     let ids = g.expert_ids_input("ids", 9, K);
     let staging = g.expert_cache("staging", EXPERTS * SPAN);
     g.expert_stage("stage", ids, table, src, cache, staging, sizes);
+    let all = g.expert_cache("staging.all", EXPERTS * SPAN);
+    g.expert_stage_all("stage_all", table, src, cache, all, sizes);
     let stage = g.finish().unwrap();
     Graphs { fetch, stage }
 }
@@ -71,7 +75,11 @@ fn run<B: Backend>(b: &mut B, gs: &Graphs, host: &[u8], steps: &[Vec<u32>]) -> V
         }
         seen.push(b.download::<u32>(p, label(g, "table")).unwrap());
     }
-    for (p, g, l) in [(&fetch, &gs.fetch, "cache"), (&stage, &gs.stage, "staging")] {
+    for (p, g, l) in [
+        (&fetch, &gs.fetch, "cache"),
+        (&stage, &gs.stage, "staging"),
+        (&stage, &gs.stage, "staging.all"),
+    ] {
         let mut bytes = vec![0u8; g.decl(label(g, l)).byte_len()];
         b.read_bytes(p, label(g, l), &mut bytes).unwrap();
         seen.push(
@@ -121,7 +129,7 @@ fn fetch_and_stage_on_cuda_follow_the_cpu_exactly() {
                 "seed {seed} {policy:?}: result {i} differs: {g:?} against {w:?}"
             );
         }
-        let stats = kestrel_core::expert_slots::stats(&want[want.len() - 3]);
+        let stats = kestrel_core::expert_slots::stats(&want[want.len() - 4]);
         assert!(
             stats.misses > SLOTS as u64 && stats.misses < stats.lookups && stats.staged > 0,
             "seed {seed} {policy:?}: the steps did not exercise the cache: {stats:?}"

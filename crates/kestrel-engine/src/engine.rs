@@ -9,7 +9,9 @@ use kestrel_core::quant::QuantFormat;
 use kestrel_core::{Config, DType};
 use kestrel_cpu::CpuBackend;
 use kestrel_cuda::{CudaBackend, Device, RunMode};
-use kestrel_model::{CacheStats, DiskStats, Eviction, ModelConfig, Output, Session, Want, Weights};
+use kestrel_model::{
+    CacheStats, DiskStats, Eviction, ModelConfig, Output, Session, StageAhead, Want, Weights,
+};
 use kestrel_text::{Sampler, SamplingParams};
 
 use crate::error::Result;
@@ -217,7 +219,12 @@ impl Engine {
             if let Some(p) = placement {
                 s = s
                     .with_expert_cache(p.slots_per_layer, opts.eviction)?
-                    .with_host_layers(p.host_layers(opts.host_mem));
+                    .with_host_layers(p.host_layers(opts.host_mem))
+                    .with_stage_ahead(if p.stage_ahead {
+                        StageAhead::Auto
+                    } else {
+                        StageAhead::Off
+                    });
             }
             if let Some(params) = opts.sampling {
                 s = s.with_sampling(params);

@@ -103,8 +103,13 @@ pub struct Placement {
     pub gpu_experts: usize,
     pub slots_per_layer: usize,
     /// Bytes of the staging area longer prefill chunks copy a layer's experts into (when
-    /// streaming): one layer's experts.
+    /// streaming): one layer's experts, or two when whole layers are staged ahead.
     pub staging_bytes: u64,
+    /// Prefill chunks long enough to use most of a layer's experts copy whole layers ahead
+    /// into two staging buffers, so the copies overlap the compute of the layers before
+    /// (`kestrel_model::Streamed::stage_ahead`): when they are that long, at least two layers
+    /// are in host memory, and the budget holds the second buffer.
+    pub stage_ahead: bool,
     /// Where the streamed experts are copied from: host memory, whole layers up to the host
     /// budget (the first layers to miss), and the checkpoint on disk for the other layers.
     pub host_experts: usize,
@@ -192,6 +197,7 @@ impl Placement {
             gpu_experts: total,
             slots_per_layer: per_layer,
             staging_bytes: 0,
+            stage_ahead: false,
             host_experts: 0,
             disk_experts: 0,
             uniform_bytes_per_token: 0.0,
@@ -212,7 +218,12 @@ impl Placement {
                 ),
             ));
         }
-        p.staging_bytes = per_layer as u64 * span;
+        let layer_bytes = per_layer as u64 * span;
+        let chunk = shape.prefill_chunk.clamp(1, shape.ctx);
+        p.stage_ahead = chunk * top_k >= per_layer
+            && p.host_layers(host_bytes) >= 2
+            && gpu_bytes >= p.min_gpu_bytes() + layer_bytes;
+        p.staging_bytes = layer_bytes * if p.stage_ahead { 2 } else { 1 };
         let room = gpu_bytes - resident_bytes - p.staging_bytes;
         p.slots_per_layer = ((room / (span * layers as u64)) as usize).min(per_layer);
         p.gpu_experts = p.slots_per_layer * layers;

@@ -9,6 +9,8 @@
 //! the file's tensors; packed experts, rotary tables and weights quantised on load
 //! ([`ForwardSpec::quant`]) are derived on the host.
 
+use std::collections::HashMap;
+
 use kestrel_core::expert_slots::{table_words, SlotPolicy};
 use kestrel_core::ir::{
     Buf, BufId, ExpertFormat, ExpertIds, ExpertLayout, ExpertWeights, Graph, LinearWeight, Logits, NormKind,
@@ -59,13 +61,18 @@ pub struct ForwardSpec {
 /// experts fit the slots (`tokens * k <= slots`) fetches them into the cache
 /// (`Op::ExpertFetch`, with the books in `{mlp}.experts.table`); a longer one stages every
 /// expert it uses into `experts.staging`, a layer's worth shared by all layers
-/// (`Op::ExpertStage`). The other layers' experts are brought in by the host between segments
-/// ([`Forward::moe_steps`]).
+/// (`Op::ExpertStage`). With `stage_ahead`, a chunk long enough to use most of a layer's
+/// experts (`tokens * k >= experts`) stages every expert of the layer instead (from its slot or
+/// host memory), two layers ahead into one of two staging buffers (`experts.staging`,
+/// `experts.staging.1`) used in turn, so the copy overlaps the layers in between
+/// (`Op::ExpertStageAll`). The other layers' experts are brought
+/// in by the host between segments ([`Forward::moe_steps`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Streamed {
     pub slots: usize,
     pub host_layers: usize,
     pub policy: SlotPolicy,
+    pub stage_ahead: bool,
 }
 
 impl ForwardSpec {
@@ -199,6 +206,16 @@ struct Build<'a> {
     moe_layers: usize,
     /// The staging buffer of longer chunks, once a streamed layer made it.
     staging: Option<BufId<Weight>>,
+    /// The second staging buffer, once a layer staged ahead into it.
+    staging_ahead: Option<BufId<Weight>>,
+    /// Tokens of the chunk.
+    tokens: usize,
+    /// The MLP prefix of each MoE layer, in order.
+    moe_mlps: Vec<String>,
+    /// Each host-served MoE layer's packed experts in host memory and its books, once declared.
+    host_bufs: HashMap<usize, (BufId<Weight>, BufId<kestrel_core::ir::State>)>,
+    /// Each streamed MoE layer's cache of slots, once declared.
+    caches: HashMap<usize, BufId<Weight>>,
     moe_steps: Vec<MoeStep>,
     host_experts: Vec<HostExperts>,
     expert_tables: Vec<Buf>,
@@ -385,6 +402,11 @@ impl Forward {
             streaming: spec.streaming,
             moe_layers: 0,
             staging: None,
+            staging_ahead: None,
+            tokens: spec.tokens,
+            moe_mlps: Vec::new(),
+            host_bufs: HashMap::new(),
+            caches: HashMap::new(),
             moe_steps: Vec::new(),
             host_experts: Vec::new(),
             expert_tables: Vec::new(),
@@ -395,10 +417,17 @@ impl Forward {
             },
         };
         let prefix = b.prefix;
+        b.moe_mlps = (0..c.layers)
+            .filter(|&i| c.mlp_kinds[i] == MlpKind::Moe)
+            .map(|i| format!("{prefix}.layers.{i}.mlp"))
+            .collect();
         let tokens = b.g.tokens_input("tokens", spec.tokens);
         let positions = b.g.positions_input("positions", spec.tokens);
         let embed = b.linear(&format!("{prefix}.embed_tokens"), c.vocab, c.hidden)?;
         let x: BufId<Residual> = b.g.embed("embed", &embed, tokens);
+        // The first two MoE layers' experts, when whole layers are staged ahead.
+        stage_ahead(&mut b, 0);
+        stage_ahead(&mut b, 1);
         // One rotary table for every layer.
         let table = RopeTable::new(
             c.rope.theta,
@@ -753,6 +782,86 @@ fn dense_mlp(b: &mut Build, m: &str, h: BufId<Normed>, inter: usize) -> Result<B
     Ok(b.g.linear(&format!("{m}.down_proj"), a, &dw))
 }
 
+/// The packed experts in host memory and the books of host-tier MoE layer `layer` (whose MLP
+/// prefix is `m`), declared the first time they are asked for.
+fn host_bufs(
+    b: &mut Build,
+    layer: usize,
+    m: &str,
+    layout: ExpertLayout,
+    slots: usize,
+) -> (BufId<Weight>, BufId<kestrel_core::ir::State>) {
+    if let Some(&bufs) = b.host_bufs.get(&layer) {
+        return bufs;
+    }
+    let label = format!("{m}.experts.host");
+    let src = b.g.host_weight(&label, layout.total_bytes());
+    b.host_experts.push(HostExperts {
+        label,
+        mlp: m.to_string(),
+        layout,
+    });
+    let table = b.g.state(
+        &format!("{m}.experts.table"),
+        DType::U32,
+        [table_words(slots, layout.experts)],
+    );
+    b.expert_tables.push(table.raw());
+    b.host_bufs.insert(layer, (src, table));
+    (src, table)
+}
+
+/// The cache of `slots` slots of MoE layer `layer` (MLP prefix `m`), declared the first time
+/// it is asked for.
+fn cache_of(b: &mut Build, layer: usize, m: &str, bytes: usize) -> BufId<Weight> {
+    if let Some(&c) = b.caches.get(&layer) {
+        return c;
+    }
+    let c = b.g.expert_cache(&format!("{m}.experts.cache"), bytes);
+    b.caches.insert(layer, c);
+    c
+}
+
+/// Whether MoE layer `layer` has its whole layer of experts staged ahead (see [`Streamed`]).
+fn stages_all(b: &Build, layer: usize) -> bool {
+    let (Some(st), Some(moe)) = (b.streaming, b.c.moe.as_ref()) else {
+        return false;
+    };
+    let n = b.tokens * moe.experts_per_token;
+    st.stage_ahead && layer < st.host_layers && layer < b.moe_mlps.len() && n > st.slots && n >= moe.experts
+}
+
+/// The staging buffer MoE layer `layer` stages into: the two alternate when whole layers are
+/// staged ahead (one being filled while the other is read).
+fn staging_of(b: &mut Build, layer: usize, bytes: usize) -> BufId<Weight> {
+    let (slot, label) = if stages_all(b, layer) && layer % 2 == 1 {
+        (&mut b.staging_ahead, "experts.staging.1")
+    } else {
+        (&mut b.staging, "experts.staging")
+    };
+    match *slot {
+        Some(s) => s,
+        None => *slot.insert(b.g.expert_cache(label, bytes)),
+    }
+}
+
+/// Copies MoE layer `layer`'s experts whole into its staging buffer, when it stages ahead: built
+/// two MoE layers before it (after the experts that last read that buffer), so the copy runs
+/// beside the layers in between.
+fn stage_ahead(b: &mut Build, layer: usize) {
+    if !stages_all(b, layer) {
+        return;
+    }
+    let st = b.streaming.expect("stages_all checked it");
+    let m = b.moe_mlps[layer].clone();
+    let layout = expert_layout(b, &m);
+    let (src, table) = host_bufs(b, layer, &m, layout, st.slots);
+    let cache = cache_of(b, layer, &m, st.slots * layout.span_bytes());
+    let staging = staging_of(b, layer, layout.total_bytes());
+    let sizes = (layout.experts, st.slots, layout.span_bytes());
+    b.g.expert_stage_all(&format!("{m}.stage_all"), table, src, cache, staging, sizes);
+}
+
 /// A streamed layer's experts (see [`Streamed`]): fetched into the layer's cache or staged,
 /// by the graph from host memory or by the host between segments.
 fn streamed_experts(
@@ -764,38 +873,22 @@ fn streamed_experts(
     layer: usize,
     st: Streamed,
 ) -> BufId<kestrel_core::ir::Act> {
-    let (span, experts) = (layout.span_bytes(), layout.experts);
+    let span = layout.span_bytes();
     let (tokens, k) = b.g.rows_cols(ids);
-    let cache = b.g.expert_cache(&format!("{m}.experts.cache"), st.slots * span);
+    let cache = cache_of(b, layer, m, st.slots * span);
     let cached = ExpertLayout {
         experts: st.slots,
         ..layout
     };
     let fetch = tokens * k <= st.slots;
-    let staging = match (fetch, b.staging) {
-        (true, _) => None,
-        (false, Some(s)) => Some(s),
-        (false, None) => Some(
-            *b.staging
-                .insert(b.g.expert_cache("experts.staging", experts * span)),
-        ),
-    };
+    let staging = (!fetch).then(|| staging_of(b, layer, layout.total_bytes()));
     // The ids the experts node reads: the router's, or the slots a fetch gave them.
-    let read_ids = if layer < st.host_layers {
-        let label = format!("{m}.experts.host");
-        let src = b.g.host_weight(&label, experts * span);
-        b.host_experts.push(HostExperts {
-            label,
-            mlp: m.to_string(),
-            layout,
-        });
-        let table = b.g.state(
-            &format!("{m}.experts.table"),
-            DType::U32,
-            [table_words(st.slots, experts)],
-        );
-        b.expert_tables.push(table.raw());
-        let sizes = (experts, st.slots, span);
+    let read_ids = if stages_all(b, layer) {
+        // Staged whole, two layers ago.
+        ids
+    } else if layer < st.host_layers {
+        let (src, table) = host_bufs(b, layer, m, layout, st.slots);
+        let sizes = (layout.experts, st.slots, span);
         match staging {
             None => {
                 b.g.expert_fetch(&format!("{m}.fetch"), ids, table, src, cache, sizes, st.policy)
@@ -818,9 +911,36 @@ fn streamed_experts(
         ids
     };
     let name = format!("{m}.experts");
-    match staging {
+    let out = match staging {
         None => b.g.moe_experts(&name, h, read_ids, weights, cache, cached),
         Some(staging) => b.g.moe_experts(&name, h, read_ids, weights, staging, layout),
+    };
+    // The layer after next stages into the buffer these experts just read.
+    stage_ahead(b, layer + 2);
+    out
+}
+
+/// How MoE block `m`'s experts are laid out on the device: MLX-quantised as stored, or dense
+/// experts quantised on load when asked (and every matrix divides into groups), else bf16.
+fn expert_layout(b: &Build, m: &str) -> ExpertLayout {
+    let c = b.c;
+    let moe = c.moe.as_ref().expect("MoE layers come with a MoE config");
+    let format = match c
+        .quant
+        .as_ref()
+        .and_then(|q| q.format_for(&format!("{m}.switch_mlp")))
+    {
+        Some(q) if b.w.contains(&format!("{m}.switch_mlp.gate_proj.scales")) => ExpertFormat::Quant(q),
+        _ => match b.quant {
+            Some(q) if q.fits(c.hidden) && q.fits(moe.expert_intermediate) => ExpertFormat::Quant(q),
+            _ => ExpertFormat::Bf16,
+        },
+    };
+    ExpertLayout {
+        experts: moe.experts,
+        hidden: c.hidden,
+        inter: moe.expert_intermediate,
+        format,
     }
 }
 
@@ -828,24 +948,7 @@ fn moe(b: &mut Build, m: &str, h: BufId<Normed>) -> Result<BufId<kestrel_core::i
     let c = b.c;
     let moe = c.moe.as_ref().expect("MoE layers come with a MoE config");
     let router = b.linear(&format!("{m}.gate"), moe.experts, c.hidden)?;
-    let format = match c
-        .quant
-        .as_ref()
-        .and_then(|q| q.format_for(&format!("{m}.switch_mlp")))
-    {
-        Some(q) if b.w.contains(&format!("{m}.switch_mlp.gate_proj.scales")) => ExpertFormat::Quant(q),
-        // Dense experts: quantised on load when asked and every matrix divides into groups.
-        _ => match b.quant {
-            Some(q) if q.fits(c.hidden) && q.fits(moe.expert_intermediate) => ExpertFormat::Quant(q),
-            _ => ExpertFormat::Bf16,
-        },
-    };
-    let layout = ExpertLayout {
-        experts: moe.experts,
-        hidden: c.hidden,
-        inter: moe.expert_intermediate,
-        format,
-    };
+    let layout = expert_layout(b, m);
     let logits = b.g.linear(&format!("{m}.gate"), h, &router);
     let (ids, weights) = b.g.router(
         &format!("{m}.topk"),

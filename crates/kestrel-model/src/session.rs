@@ -104,8 +104,23 @@ fn not_sampling() -> ModelError {
     }
 }
 
-/// A prepared program: (tokens, outputs).
-type Key = (usize, Outputs);
+/// A prepared program: (tokens, outputs, whole layers staged ahead).
+type Key = (usize, Outputs, bool);
+
+/// Whether chunks long enough to use most of a layer's experts stage whole layers ahead (see
+/// [`Streamed`]): that copies every expert of the layer, which pays when the chunk uses most of
+/// them (as trained routers spread a long prompt) and costs when it uses few.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StageAhead {
+    Off,
+    On,
+    /// Decided by the first such chunk, which runs without: on if it used at least three
+    /// quarters of the experts of every layer, on average.
+    Auto,
+}
+
+/// The share of the experts the first long chunk must use for [`StageAhead::Auto`] to turn on.
+const AHEAD_SHARE: f64 = 0.75;
 
 /// A prepared program: the forward graph and its segments on the backend, which run in order
 /// (one segment, unless the host brings some layers' experts in: then the graph is cut before
@@ -130,6 +145,10 @@ struct Streaming<H> {
     slots: usize,
     policy: Eviction,
     host_layers: usize,
+    /// Long chunks stage whole layers ahead, in two staging buffers (see [`Streamed`]): as
+    /// asked, and what was decided (None: [`StageAhead::Auto`] before its first long chunk).
+    stage_ahead: StageAhead,
+    ahead: Option<bool>,
     /// The host tier is in place (the first program was prepared).
     placed: bool,
     /// Books of the layers the host serves, by MoE layer (made on their first decode step).
@@ -293,6 +312,8 @@ impl<B: Backend> Session<B> {
             slots: slots.min(moe.experts),
             policy,
             host_layers: layers,
+            stage_ahead: StageAhead::Off,
+            ahead: Some(false),
             placed: false,
             books: vec![None; layers],
             host_staged: 0,
@@ -311,6 +332,26 @@ impl<B: Backend> Session<B> {
             st.host_layers = layers.min(st.books.len());
         }
         self
+    }
+
+    /// With streamed experts: chunks long enough to use most of a layer's experts copy whole
+    /// layers two layers ahead, into two staging buffers used in turn, so the copies overlap the
+    /// layers in between (one layer's experts of device memory more). Call before the first step.
+    pub fn with_stage_ahead(mut self, mode: StageAhead) -> Session<B> {
+        if let Some(st) = &mut self.streaming {
+            st.stage_ahead = mode;
+            st.ahead = match mode {
+                StageAhead::Off => Some(false),
+                StageAhead::On => Some(true),
+                StageAhead::Auto => None,
+            };
+        }
+        self
+    }
+
+    /// Whether long chunks stage whole layers ahead now (see [`StageAhead`]).
+    pub fn stages_ahead(&self) -> bool {
+        self.streaming.as_ref().is_some_and(|s| s.ahead == Some(true))
     }
 
     /// Why the host tier of streamed experts holds fewer layers than it was given, or the
@@ -498,7 +539,8 @@ impl<B: Backend> Session<B> {
     /// The program for `tokens` tokens, built, prepared and (the first time) given the weights.
     fn program(&mut self, tokens: usize, past: usize, outputs: Outputs) -> Result<Key> {
         let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
-        let key = (tokens, outputs);
+        let ahead = self.streaming.as_ref().is_some_and(|s| s.ahead == Some(true));
+        let key = (tokens, outputs, ahead);
         let all_logits = outputs == Outputs::All;
         if !self.programs.contains_key(&key) {
             let spec = ForwardSpec {
@@ -514,6 +556,7 @@ impl<B: Backend> Session<B> {
                     slots: s.slots,
                     host_layers: s.host_layers,
                     policy: s.policy,
+                    stage_ahead: ahead,
                 }),
             };
             let mut f = Forward::build(&self.config, &self.weights, spec)?;
@@ -624,6 +667,13 @@ impl<B: Backend> Session<B> {
         }
         let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
         let key = self.program(ids.len(), past, outputs)?;
+        // The first chunk long enough to stage whole layers decides whether they are (Auto).
+        let decide = self.streaming.as_ref().is_some_and(|st| {
+            let n = ids.len() * self.config.moe.as_ref().map_or(0, |m| m.experts_per_token);
+            let experts = self.config.moe.as_ref().map_or(usize::MAX, |m| m.experts);
+            st.ahead.is_none() && n > st.slots && n >= experts
+        });
+        let before = if decide { self.expert_stats()? } else { None };
         let prog = self.programs.get_mut(&key).expect("prepared above");
         let f = &prog.f;
         let pos: Vec<u32> = (past..past + ids.len()).map(|p| p as u32).collect();
@@ -640,6 +690,17 @@ impl<B: Backend> Session<B> {
             if i < last {
                 let streaming = self.streaming.as_mut().expect("segments only when streaming");
                 bring_experts(&mut self.backend, p, &f.moe_steps[i], streaming, &self.weights)?;
+            }
+        }
+        // Only then are the books read back: a decode step reads nothing but its outputs.
+        if let Some(before) = before {
+            if let (Some(after), Some(st)) = (self.expert_stats()?, self.streaming.as_mut()) {
+                // Every layer's staged experts; the graph's count those not in its cache,
+                // which is all of them unless decode steps filled it first.
+                let layers = self.config.moe_layers();
+                let experts = self.config.moe.as_ref().map_or(1, |m| m.experts);
+                let share = (after.staged - before.staged) as f64 / (layers * experts) as f64;
+                st.ahead = Some(share >= AHEAD_SHARE);
             }
         }
         Ok(key)

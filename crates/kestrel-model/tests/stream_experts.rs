@@ -12,7 +12,7 @@ use common::{argmax, dir, reference, rel_max_err, FIXTURES};
 use kestrel_core::{Backend, DType};
 use kestrel_cpu::CpuBackend;
 use kestrel_cuda::{CudaBackend, RunMode};
-use kestrel_model::{Eviction, ModelConfig, OwnedTensor, Session, Want, Weights};
+use kestrel_model::{Eviction, ModelConfig, OwnedTensor, Session, StageAhead, Want, Weights};
 use kestrel_testing::gpu::device_or_skip;
 
 /// A prompt prefilled in chunks of 5, then 6 decode steps, the first greedy and the others
@@ -52,21 +52,26 @@ fn streamed_experts_compute_the_resident_logits() {
         let (prompt, _, _) = reference(name);
         let want = logits(&mut session(name), &prompt);
         // Host tiers of every layer, one layer (the rest read from the checkpoint) and none;
-        // the smallest caches, and one slot more.
+        // the smallest caches, and one slot more; whole layers staged ahead or not (chunks of 5
+        // tokens take 10 experts of the fixtures' 8).
         let k = moe.experts_per_token;
-        for (slots, policy, host_layers) in [
-            (k, Eviction::Lru, usize::MAX),
-            (k + 1, Eviction::Frequency { half_life: 4 }, 1),
-            (k, Eviction::Lru, 0),
+        let mut staged = Vec::new();
+        for (slots, policy, host_layers, ahead) in [
+            (k, Eviction::Lru, usize::MAX, StageAhead::Off),
+            (k, Eviction::Lru, usize::MAX, StageAhead::On),
+            (k + 1, Eviction::Frequency { half_life: 4 }, 1, StageAhead::On),
+            (k, Eviction::Lru, 0, StageAhead::On),
+            (k, Eviction::Lru, 2, StageAhead::Auto),
         ] {
             let mut s = session(name)
                 .with_expert_cache(slots, policy)
                 .unwrap()
-                .with_host_layers(host_layers);
+                .with_host_layers(host_layers)
+                .with_stage_ahead(ahead);
             let got = logits(&mut s, &prompt);
             assert!(
                 got == want,
-                "{name}, {slots} slots, {policy:?}, {host_layers} host layers: logits differ"
+                "{name}, {slots} slots, {policy:?}, {host_layers} host layers, {ahead:?}: logits differ"
             );
             let stats = s.expert_stats().unwrap().unwrap();
             assert!(
@@ -81,7 +86,10 @@ fn streamed_experts_compute_the_resident_logits() {
                 host_layers < c.moe_layers(),
                 "{name}: {read} experts read"
             );
+            staged.push(stats.staged);
         }
+        // Staging whole layers copies every expert of a full chunk, more than the chunk uses.
+        assert!(staged[1] > staged[0], "{name}: staged {staged:?}");
         checked += 1;
     }
     assert!(checked >= 3, "fixtures with experts: {checked}");
@@ -122,16 +130,17 @@ fn streamed_experts_compute_the_resident_logits_on_cuda() {
         };
         let (prompt, _, _) = reference(name);
         let want = logits(&mut open(name), &prompt);
-        for host_layers in [usize::MAX, 1] {
+        for (host_layers, ahead) in [(usize::MAX, false), (usize::MAX, true), (1, true)] {
             let mut s = open(name)
                 .with_expert_cache(moe.experts_per_token, Eviction::Lru)
                 .unwrap()
-                .with_host_layers(host_layers);
+                .with_host_layers(host_layers)
+                .with_stage_ahead(if ahead { StageAhead::On } else { StageAhead::Off });
             let got = logits(&mut s, &prompt);
             let err = rel_max_err(&got, &want);
             assert!(
                 err <= 1e-5,
-                "{name}, {host_layers} host layers: streamed logits differ from resident ones by {err:e}"
+                "{name}, {host_layers} host layers, ahead {ahead}: streamed logits differ from resident ones by {err:e}"
             );
             let stats = s.expert_stats().unwrap().unwrap();
             assert!(stats.evictions > 0 && stats.staged > 0, "{name}: {stats:?}");
@@ -148,10 +157,12 @@ fn streamed_experts_compute_the_resident_logits_on_cuda() {
     }
 }
 
-/// The CPU backend whose host memory runs out after `host_allocs` allocations.
+/// The CPU backend whose host memory runs out after `host_allocs` allocations, counting the
+/// reads of buffers back to the host.
 struct ScarceHost {
     cpu: CpuBackend,
     host_allocs: usize,
+    reads: usize,
 }
 
 impl Backend for ScarceHost {
@@ -187,6 +198,7 @@ impl Backend for ScarceHost {
         buf: kestrel_core::ir::Buf,
         out: &mut [u8],
     ) -> Result<(), Self::Error> {
+        self.reads += 1;
         self.cpu.read_bytes(p, buf, out)
     }
 
@@ -238,6 +250,7 @@ fn host_memory_running_out_falls_back_to_the_checkpoint_and_says_so() {
     let scarce = ScarceHost {
         cpu: CpuBackend::new(),
         host_allocs: 1,
+        reads: 0,
     };
     let mut s = Session::open(&dir(name), scarce, 64, DType::F32)
         .unwrap()
@@ -359,4 +372,37 @@ fn experts_held_in_memory_are_dropped_once_the_host_tier_has_them() {
     let mut mapped = mapped;
     assert!(!mapped.release(expert));
     assert!(mapped.get(expert).is_ok());
+}
+
+#[test]
+fn a_streamed_decode_step_reads_back_only_its_token() {
+    // Every layer served by the graph (from host memory), whole layers staged ahead when the
+    // prefill decides so: a decode step then reads back its token and nothing else, as a
+    // resident one does (on CUDA: one host synchronisation a token).
+    let name = "qwen3_next";
+    let c = ModelConfig::from_dir(&dir(name)).unwrap();
+    let k = c.moe.as_ref().unwrap().experts_per_token;
+    let (prompt, _, _) = reference(name);
+    let counting = ScarceHost {
+        cpu: CpuBackend::new(),
+        host_allocs: usize::MAX,
+        reads: 0,
+    };
+    let mut s = Session::open(&dir(name), counting, 64, DType::F32)
+        .unwrap()
+        .with_prefill_chunk(Some(5))
+        .unwrap()
+        .with_expert_cache(k, Eviction::Lru)
+        .unwrap()
+        .with_stage_ahead(StageAhead::Auto);
+    let mut next = s.step(&prompt, 0, Want::Argmax).unwrap().token().unwrap();
+    let before = s.backend.reads;
+    for i in 0..4 {
+        next = s
+            .step(&[next], prompt.len() + i, Want::Argmax)
+            .unwrap()
+            .token()
+            .unwrap();
+    }
+    assert_eq!(s.backend.reads - before, 4, "reads back in 4 decode steps");
 }

@@ -154,6 +154,7 @@ pub fn run(a: InspectArgs) -> Result<std::process::ExitCode> {
                 "gpu_experts": p.gpu_experts,
                 "slots_per_layer": p.slots_per_layer,
                 "staging_bytes": p.staging_bytes,
+                "stage_ahead": p.stage_ahead,
                 "host_experts": p.host_experts,
                 "disk_experts": p.disk_experts,
                 "streams": !p.resident(),
@@ -219,7 +220,7 @@ pub fn run(a: InspectArgs) -> Result<std::process::ExitCode> {
             );
         } else {
             println!(
-                "placement         {gpu} of GPU: {} resident (weights {}, caches, activations), caches of {} of the {total} experts ({:.0}%: {} slots in each of {} layers, {} each), {} to stage a layer for long prompts; streamed from host memory for {} experts, from disk for {}",
+                "placement         {gpu} of GPU: {} resident (weights {}, caches, activations), caches of {} of the {total} experts ({:.0}%: {} slots in each of {} layers, {} each), {} to stage long prompts' layers{}; streamed from host memory for {} experts, from disk for {}",
                 size(p.resident_bytes),
                 size(p.resident_weight_bytes),
                 p.gpu_experts,
@@ -228,6 +229,11 @@ pub fn run(a: InspectArgs) -> Result<std::process::ExitCode> {
                 p.moe_layers,
                 size(p.expert_span),
                 size(p.staging_bytes),
+                if p.stage_ahead {
+                    " (two: when a long prompt uses most of a layer's experts, whole layers are staged ahead)"
+                } else {
+                    ""
+                },
                 p.host_experts,
                 p.disk_experts
             );

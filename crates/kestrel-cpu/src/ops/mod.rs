@@ -27,7 +27,7 @@ pub fn exec(op: &Op, v: &mut Views) -> OpResult {
         }
         KvAppend { .. } | AttentionInputs { .. } | Attention { .. } => attention::exec(op, v),
         Router { .. } | MoeExperts { .. } => moe::exec(op, v),
-        ExpertFetch { .. } | ExpertStage { .. } => stream::exec(op, v),
+        ExpertFetch { .. } | ExpertStage { .. } | ExpertStageAll { .. } => stream::exec(op, v),
         CausalConv1d { .. } | DeltaGates { .. } | DeltaRule { .. } => deltanet::exec(op, v),
         Argmax { .. } | TopK { .. } | Sample { .. } => head::exec(op, v),
     }

@@ -62,7 +62,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
         }
         KvAppend { .. } | AttentionInputs { .. } | Attention { .. } => attention::encode(op, enc),
         Router { .. } | MoeExperts { .. } => moe::encode(op, enc),
-        ExpertFetch { .. } | ExpertStage { .. } => stream::encode(op, enc),
+        ExpertFetch { .. } | ExpertStage { .. } | ExpertStageAll { .. } => stream::encode(op, enc),
         CausalConv1d { .. } | DeltaGates { .. } | DeltaRule { .. } => deltanet::encode(op, enc),
         Argmax { .. } | TopK { .. } | Sample { .. } => head::encode(op, enc),
     }

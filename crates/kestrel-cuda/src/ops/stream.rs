@@ -25,6 +25,10 @@ const FETCH_THREADS: u32 = 256;
 const FETCH_BLOCKS_PER_SPAN: u32 = 16;
 const STAGE_BLOCKS_PER_SPAN: u32 = 4;
 const COPY_THREADS: u32 = 256;
+/// Blocks of a whole layer's staging, which runs beside the kernels of the layers before: few
+/// enough to leave them the SMs, with enough loads in flight to keep the link busy.
+const STAGE_ALL_BLOCKS: u32 = 32;
+const STAGE_ALL_THREADS: u32 = 512;
 
 pub(crate) const MODULE: ModuleSource = op_module(
     "stream",
@@ -135,6 +139,36 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 .grid((STAGE_BLOCKS_PER_SPAN, u32_arg(experts)?))
                 .block(COPY_THREADS)
                 .read(&list)
+                .read(&src)
+                .read(&cache)
+                .write(&staging)
+                .arg((span / 16) as u64)
+                .record();
+            Ok(())
+        }
+        Op::ExpertStageAll {
+            table,
+            src,
+            cache,
+            staging,
+            experts,
+            slots,
+            span,
+        } => {
+            if experts > MAX_EXPERTS {
+                return Err(unsupported(format!(
+                    "{experts} experts in a layer (at most {MAX_EXPERTS})"
+                )));
+            }
+            let (table, src) = (enc.buf(table)?.clone(), enc.buf(src)?.clone());
+            let (cache, staging) = (enc.buf(cache)?.clone(), enc.buf(staging)?.clone());
+            let kern = enc.kernel(&MODULE, "expert_stage_all")?;
+            enc.dispatch(&kern)
+                .grid(STAGE_ALL_BLOCKS)
+                .block(STAGE_ALL_THREADS)
+                .read_write(&table)
+                .arg(u32_arg(slots)?)
+                .arg(u32_arg(experts)?)
                 .read(&src)
                 .read(&cache)
                 .write(&staging)
