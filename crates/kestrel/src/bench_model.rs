@@ -182,7 +182,11 @@ const DISK_PROBE_BYTES: u64 = 4 << 30;
 /// rounds of parallel reads; see `ExpertReader::disk_bandwidth`), measured before the tests,
 /// the bound the experts' reads are set against; null otherwise.
 fn disk_probe(e: &mut Engine) -> Result<serde_json::Value> {
-    let Some((bytes, secs)) = e.measure_disk(DISK_PROBE_BYTES)? else {
+    // Files too small for a round of 4 MiB reads measure nothing.
+    let Some((bytes, secs)) = e
+        .measure_disk(DISK_PROBE_BYTES)?
+        .filter(|&(b, s)| b > 0 && s > 0.0)
+    else {
         return Ok(serde_json::Value::Null);
     };
     let direct = e.disk_stats().is_some_and(|(_, direct)| direct);
