@@ -845,8 +845,8 @@ impl GraphBuilder {
         out
     }
 
-    /// Checks what `expert_fetch` and `expert_stage` share: ids of `experts` experts, the books
-    /// of `slots` slots, the layer's experts in `src` and a cache of `slots` spans.
+    /// Checks what `expert_fetch` and `expert_stage` share: ids of `experts` experts, and the
+    /// streamed layer (`check_streamed_layer`).
     #[allow(clippy::too_many_arguments)]
     fn check_streamed(
         &mut self,
@@ -860,6 +860,19 @@ impl GraphBuilder {
         span: usize,
     ) {
         self.check_dtype(name, ids, &[DType::U32]);
+        self.check_streamed_layer(name, table, src, cache, (experts, slots, span));
+    }
+
+    /// Checks what every streaming op shares: the books of `slots` slots, the layer's `experts`
+    /// experts in `src` and a cache of `slots` spans of `span` bytes.
+    fn check_streamed_layer(
+        &mut self,
+        name: &str,
+        table: BufId<State>,
+        src: BufId<Weight>,
+        cache: BufId<Weight>,
+        (experts, slots, span): (usize, usize, usize),
+    ) {
         self.check_dtype(name, table, &[DType::U32]);
         self.check_len(name, table, crate::expert_slots::table_words(slots, experts));
         self.check_dtype(name, src, &[DType::U8]);
@@ -952,13 +965,8 @@ impl GraphBuilder {
         staging: BufId<Weight>,
         (experts, slots, span): (usize, usize, usize),
     ) {
-        self.check_len(name, src, experts * span);
-        self.check_len(name, cache, slots * span);
+        self.check_streamed_layer(name, table, src, cache, (experts, slots, span));
         self.check_len(name, staging, experts * span);
-        self.check_len(name, table, crate::expert_slots::table_words(slots, experts));
-        self.check(name, span % 16 == 0 && slots >= 1, || {
-            format!("{slots} slots of {span} bytes (spans are copied 16 bytes at a time)")
-        });
         self.push(
             name,
             Op::ExpertStageAll {

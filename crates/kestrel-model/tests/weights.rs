@@ -1,28 +1,14 @@
 //! `Weights` over model directories written here: one file, shards with an index, MLX-style
 //! unnamed files, and broken ones (each error must name what is wrong).
 
-use std::path::{Path, PathBuf};
+mod common;
 
+use std::path::Path;
+
+use common::TempDir;
 use kestrel_core::DType;
 use kestrel_model::{ModelError, Weights};
 use safetensors::tensor::{serialize_to_file, Dtype, TensorView};
-
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> TempDir {
-        let p = std::env::temp_dir().join(format!("kestrel-weights-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// Writes `tensors` (name, dtype, shape, bytes) as one safetensors file.
 fn write(path: &Path, tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) {
@@ -39,7 +25,7 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
 
 #[test]
 fn single_file_tensors_come_back_as_written() {
-    let d = TempDir::new("single");
+    let d = TempDir::new("weights-single");
     let emb: Vec<f32> = (0..12).map(|i| i as f32 * 0.5).collect();
     write(
         &d.0.join("model.safetensors"),
@@ -83,7 +69,7 @@ fn single_file_tensors_come_back_as_written() {
 
 #[test]
 fn shards_follow_the_index() {
-    let d = TempDir::new("sharded");
+    let d = TempDir::new("weights-sharded");
     write(
         &d.0.join("model-00001-of-00002.safetensors"),
         &[("a", Dtype::F32, vec![2], f32_bytes(&[1.0, 2.0]))],
@@ -107,7 +93,7 @@ fn shards_follow_the_index() {
 
 #[test]
 fn without_an_index_every_safetensors_file_is_read() {
-    let d = TempDir::new("mlx");
+    let d = TempDir::new("weights-mlx");
     write(
         &d.0.join("weights.00.safetensors"),
         &[("x", Dtype::U8, vec![3], vec![1, 2, 3])],
@@ -122,16 +108,16 @@ fn without_an_index_every_safetensors_file_is_read() {
 
 #[test]
 fn broken_directories_are_errors_that_name_the_cause() {
-    let empty = TempDir::new("empty");
+    let empty = TempDir::new("weights-empty");
     let msg = Weights::open(&empty.0).err().unwrap().to_string();
     assert!(msg.contains("model.safetensors"), "{msg}");
 
-    let corrupt = TempDir::new("corrupt");
+    let corrupt = TempDir::new("weights-corrupt");
     std::fs::write(corrupt.0.join("model.safetensors"), [0xffu8; 16]).unwrap();
     let msg = Weights::open(&corrupt.0).err().unwrap().to_string();
     assert!(msg.contains("model.safetensors"), "{msg}");
 
-    let missing_shard = TempDir::new("missing-shard");
+    let missing_shard = TempDir::new("weights-missing-shard");
     let index = serde_json::json!({"weight_map": {"a": "model-00001-of-00001.safetensors"}});
     std::fs::write(
         missing_shard.0.join("model.safetensors.index.json"),
@@ -141,7 +127,7 @@ fn broken_directories_are_errors_that_name_the_cause() {
     let msg = Weights::open(&missing_shard.0).err().unwrap().to_string();
     assert!(msg.contains("model-00001-of-00001.safetensors"), "{msg}");
 
-    let wrong_index = TempDir::new("wrong-index");
+    let wrong_index = TempDir::new("weights-wrong-index");
     write(
         &wrong_index.0.join("s.safetensors"),
         &[("a", Dtype::F32, vec![1], f32_bytes(&[1.0]))],
@@ -155,13 +141,13 @@ fn broken_directories_are_errors_that_name_the_cause() {
     let msg = Weights::open(&wrong_index.0).err().unwrap().to_string();
     assert!(msg.contains("tensor b") && msg.contains("s.safetensors"), "{msg}");
 
-    let escape = TempDir::new("escape");
+    let escape = TempDir::new("weights-escape");
     let index = serde_json::json!({"weight_map": {"a": "../other/model.safetensors"}});
     std::fs::write(escape.0.join("model.safetensors.index.json"), index.to_string()).unwrap();
     let msg = Weights::open(&escape.0).err().unwrap().to_string();
     assert!(msg.contains("outside the directory"), "{msg}");
 
-    let duplicate = TempDir::new("duplicate");
+    let duplicate = TempDir::new("weights-duplicate");
     write(
         &duplicate.0.join("a.safetensors"),
         &[("t", Dtype::U8, vec![1], vec![1])],
@@ -173,7 +159,7 @@ fn broken_directories_are_errors_that_name_the_cause() {
     let msg = Weights::open(&duplicate.0).err().unwrap().to_string();
     assert!(msg.contains("tensor t is also in"), "{msg}");
 
-    let fp8 = TempDir::new("fp8");
+    let fp8 = TempDir::new("weights-fp8");
     write(
         &fp8.0.join("model.safetensors"),
         &[("q", Dtype::F8_E4M3, vec![2], vec![1, 2])],
