@@ -12,11 +12,16 @@
 //! | `KESTREL_PDL` | bool | `true` | programmatic dependent launch in CUDA graphs (`off` links every kernel to its predecessors by completion, for debugging) |
 //! | `KESTREL_WGMMA` | bool | `true` | on sm_90 GPUs, grouped expert GEMMs and quantised products of many tokens on Hopper's warpgroup tensor-core instructions (`off` takes the `mma.sync` kernels other GPUs use) |
 //!
-//! Booleans accept `1/0`, `true/false`, `yes/no`, `on/off`. The test suite has two switches of
+//! Booleans accept `1/0`, `true/false`, `yes/no`, `on/off`. A variable with a value that does
+//! not parse leaves its default in place and is kept as a problem: reading the configuration
+//! never fails, and what uses the variables (the CUDA backend, through [`Config::check`]) refuses
+//! to start with an error naming the variable, so a CPU run or `doctor --kernel-options` is not
+//! stopped by a setting it never reads. The test suite has three switches of
 //! its own, read here too but into their own struct, [`TestSwitches`], which only the
 //! `kestrel-testing` crate uses: `KESTREL_REQUIRE_GPU` (a missing CUDA device fails GPU tests
-//! instead of skipping them) and `KESTREL_TEST_ROOT` (the repository root test fixtures are read
-//! under; a GPU test bundle sets it to the folder it carries them in).
+//! instead of skipping them), `KESTREL_TEST_ROOT` (the repository root test fixtures are read
+//! under; a GPU test bundle sets it to the folder it carries them in) and `KESTREL_TEST_SEED`
+//! (the seed of tests that draw fresh random inputs, to repeat a run).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -25,6 +30,9 @@ use crate::error::{CoreError, Result};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
+    /// Variables whose values did not parse (their fields hold the defaults); see
+    /// [`Config::check`].
+    pub problems: Vec<ConfigProblem>,
     /// CUDA device ordinal used when none is given on the command line.
     pub device: usize,
     /// Directory for compiled kernel modules; `None` disables the disk cache.
@@ -42,7 +50,25 @@ pub struct Config {
 impl Default for Config {
     /// The configuration of an empty environment.
     fn default() -> Self {
-        Config::from_vars(&HashMap::new()).expect("an empty environment is a valid configuration")
+        Config::from_vars(&HashMap::new())
+    }
+}
+
+/// A configuration variable whose value is not valid.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigProblem {
+    pub var: &'static str,
+    pub value: String,
+    pub reason: String,
+}
+
+impl From<ConfigProblem> for CoreError {
+    fn from(p: ConfigProblem) -> CoreError {
+        CoreError::InvalidConfig {
+            var: p.var,
+            value: p.value,
+            reason: p.reason,
+        }
     }
 }
 
@@ -51,6 +77,8 @@ impl Default for Config {
 pub struct TestSwitches {
     pub require_gpu: bool,
     pub test_root: Option<PathBuf>,
+    /// Seed of the tests that draw fresh random inputs on each run, to repeat one.
+    pub seed: Option<u64>,
 }
 
 impl TestSwitches {
@@ -63,30 +91,64 @@ impl TestSwitches {
     pub fn from_vars(vars: &HashMap<String, String>) -> Result<TestSwitches> {
         let get = |k: &str| vars.get(k).map(|s| s.trim()).filter(|s| !s.is_empty());
         Ok(TestSwitches {
-            require_gpu: parse_bool(get("KESTREL_REQUIRE_GPU"), "KESTREL_REQUIRE_GPU")?,
+            require_gpu: parse_bool(get("KESTREL_REQUIRE_GPU"), "KESTREL_REQUIRE_GPU", false)
+                .map_err(CoreError::from)?,
             test_root: get("KESTREL_TEST_ROOT").map(PathBuf::from),
+            seed: match get("KESTREL_TEST_SEED") {
+                None => None,
+                Some(v) => Some(v.parse().map_err(|_| CoreError::InvalidConfig {
+                    var: "KESTREL_TEST_SEED",
+                    value: v.to_string(),
+                    reason: "expected an unsigned integer".into(),
+                })?),
+            },
         })
     }
 }
 
 impl Config {
     /// Reads the process environment. Call once, at start-up, and pass the result down.
-    pub fn from_env() -> Result<Config> {
+    pub fn from_env() -> Config {
         let vars: HashMap<String, String> = std::env::vars().collect();
         Config::from_vars(&vars)
     }
 
+    /// The first variable whose value is not valid, as an error naming it. Whatever reads the
+    /// configuration's values calls this first.
+    pub fn check(&self) -> Result<()> {
+        match self.problems.first() {
+            Some(p) => Err(p.clone().into()),
+            None => Ok(()),
+        }
+    }
+
     /// Builds the configuration from an explicit set of variables (the environment, or a test's).
-    pub fn from_vars(vars: &HashMap<String, String>) -> Result<Config> {
+    pub fn from_vars(vars: &HashMap<String, String>) -> Config {
         let get = |k: &str| vars.get(k).map(|s| s.trim()).filter(|s| !s.is_empty());
+        let mut problems = Vec::new();
+        // A value that does not parse leaves the default and is kept as a problem.
+        fn keep<T>(
+            problems: &mut Vec<ConfigProblem>,
+            r: std::result::Result<T, ConfigProblem>,
+            default: T,
+        ) -> T {
+            r.unwrap_or_else(|p| {
+                problems.push(p);
+                default
+            })
+        }
 
         let device = match get("KESTREL_DEVICE") {
             None => 0,
-            Some(v) => v.parse().map_err(|_| CoreError::InvalidConfig {
-                var: "KESTREL_DEVICE",
-                value: v.to_string(),
-                reason: "expected a device ordinal such as 0".into(),
-            })?,
+            Some(v) => keep(
+                &mut problems,
+                v.parse().map_err(|_| ConfigProblem {
+                    var: "KESTREL_DEVICE",
+                    value: v.to_string(),
+                    reason: "expected a device ordinal such as 0".into(),
+                }),
+                0,
+            ),
         };
 
         let kernel_cache_dir = match get("KESTREL_KERNEL_CACHE") {
@@ -101,13 +163,20 @@ impl Config {
         let cuda_include_dir = match get("KESTREL_CUDA_INCLUDE") {
             Some(v) => {
                 let p = PathBuf::from(v);
-                if !p.is_dir() {
-                    return Err(CoreError::MissingPath {
-                        var: "KESTREL_CUDA_INCLUDE",
-                        path: p,
-                    });
-                }
-                Some(p)
+                let ok = p.is_dir();
+                keep(
+                    &mut problems,
+                    if ok {
+                        Ok(Some(p))
+                    } else {
+                        Err(ConfigProblem {
+                            var: "KESTREL_CUDA_INCLUDE",
+                            value: v.to_string(),
+                            reason: "no such directory".into(),
+                        })
+                    },
+                    None,
+                )
             }
             None => [get("CUDA_HOME"), get("CUDA_PATH"), Some("/usr/local/cuda")]
                 .into_iter()
@@ -116,29 +185,43 @@ impl Config {
                 .find(|p| p.join("cuda_fp16.h").is_file()),
         };
 
-        Ok(Config {
+        let profile = keep(
+            &mut problems,
+            parse_bool(get("KESTREL_PROFILE"), "KESTREL_PROFILE", false),
+            false,
+        );
+        let pdl = keep(
+            &mut problems,
+            parse_bool(get("KESTREL_PDL"), "KESTREL_PDL", true),
+            true,
+        );
+        let wgmma = keep(
+            &mut problems,
+            parse_bool(get("KESTREL_WGMMA"), "KESTREL_WGMMA", true),
+            true,
+        );
+        Config {
+            problems,
             device,
             kernel_cache_dir,
             cuda_include_dir,
-            profile: parse_bool(get("KESTREL_PROFILE"), "KESTREL_PROFILE")?,
-            pdl: match get("KESTREL_PDL") {
-                None => true,
-                v => parse_bool(v, "KESTREL_PDL")?,
-            },
-            wgmma: match get("KESTREL_WGMMA") {
-                None => true,
-                v => parse_bool(v, "KESTREL_WGMMA")?,
-            },
-        })
+            profile,
+            pdl,
+            wgmma,
+        }
     }
 }
 
-fn parse_bool(value: Option<&str>, var: &'static str) -> Result<bool> {
-    let Some(v) = value else { return Ok(false) };
+fn parse_bool(
+    value: Option<&str>,
+    var: &'static str,
+    default: bool,
+) -> std::result::Result<bool, ConfigProblem> {
+    let Some(v) = value else { return Ok(default) };
     match v.to_ascii_lowercase().as_str() {
         "1" | "true" | "yes" | "on" => Ok(true),
         "0" | "false" | "no" | "off" => Ok(false),
-        _ => Err(CoreError::InvalidConfig {
+        _ => Err(ConfigProblem {
             var,
             value: v.to_string(),
             reason: "expected one of 1/0, true/false, yes/no, on/off".into(),
@@ -159,38 +242,41 @@ mod tests {
 
     #[test]
     fn defaults_from_an_empty_environment() {
-        let c = Config::from_vars(&vars(&[])).unwrap();
+        let c = Config::from_vars(&vars(&[]));
         assert_eq!(c.device, 0);
         assert!(!c.profile);
         assert!(c.pdl);
-        assert!(!Config::from_vars(&vars(&[("KESTREL_PDL", "off")])).unwrap().pdl);
-        assert!(Config::from_vars(&vars(&[("KESTREL_PDL", "maybe")])).is_err());
+        assert!(c.check().is_ok() && c.problems.is_empty());
+        assert!(!Config::from_vars(&vars(&[("KESTREL_PDL", "off")])).pdl);
+        assert!(Config::from_vars(&vars(&[("KESTREL_PDL", "maybe")]))
+            .check()
+            .is_err());
         assert!(c.wgmma);
-        assert!(!Config::from_vars(&vars(&[("KESTREL_WGMMA", "0")])).unwrap().wgmma);
+        assert!(!Config::from_vars(&vars(&[("KESTREL_WGMMA", "0")])).wgmma);
         assert_eq!(c.kernel_cache_dir, None, "no HOME, no XDG_CACHE_HOME: no cache");
     }
 
     #[test]
     fn cache_dir_follows_xdg_then_home_and_can_be_disabled() {
-        let c = Config::from_vars(&vars(&[("HOME", "/home/u")])).unwrap();
+        let c = Config::from_vars(&vars(&[("HOME", "/home/u")]));
         assert_eq!(
             c.kernel_cache_dir,
             Some(PathBuf::from("/home/u/.cache/kestrel/kernels"))
         );
-        let c = Config::from_vars(&vars(&[("HOME", "/home/u"), ("XDG_CACHE_HOME", "/xdg")])).unwrap();
+        let c = Config::from_vars(&vars(&[("HOME", "/home/u"), ("XDG_CACHE_HOME", "/xdg")]));
         assert_eq!(c.kernel_cache_dir, Some(PathBuf::from("/xdg/kestrel/kernels")));
-        let c = Config::from_vars(&vars(&[("HOME", "/home/u"), ("KESTREL_KERNEL_CACHE", "OFF")])).unwrap();
+        let c = Config::from_vars(&vars(&[("HOME", "/home/u"), ("KESTREL_KERNEL_CACHE", "OFF")]));
         assert_eq!(c.kernel_cache_dir, None);
-        let c = Config::from_vars(&vars(&[("KESTREL_KERNEL_CACHE", "/tmp/k")])).unwrap();
+        let c = Config::from_vars(&vars(&[("KESTREL_KERNEL_CACHE", "/tmp/k")]));
         assert_eq!(c.kernel_cache_dir, Some(PathBuf::from("/tmp/k")));
     }
 
     #[test]
     fn booleans_and_device() {
-        let c = Config::from_vars(&vars(&[("KESTREL_PROFILE", "on"), ("KESTREL_DEVICE", " 3 ")])).unwrap();
+        let c = Config::from_vars(&vars(&[("KESTREL_PROFILE", "on"), ("KESTREL_DEVICE", " 3 ")]));
         assert!(c.profile);
         assert_eq!(c.device, 3);
-        let c = Config::from_vars(&vars(&[("KESTREL_PROFILE", "False")])).unwrap();
+        let c = Config::from_vars(&vars(&[("KESTREL_PROFILE", "False")]));
         assert!(!c.profile);
     }
 
@@ -213,11 +299,29 @@ mod tests {
 
     #[test]
     fn invalid_values_name_the_variable() {
-        let e = Config::from_vars(&vars(&[("KESTREL_PROFILE", "maybe")])).unwrap_err();
+        let e = Config::from_vars(&vars(&[("KESTREL_PROFILE", "maybe")]))
+            .check()
+            .unwrap_err();
         assert!(e.to_string().contains("KESTREL_PROFILE"), "{e}");
-        let e = Config::from_vars(&vars(&[("KESTREL_DEVICE", "gpu0")])).unwrap_err();
+        let e = Config::from_vars(&vars(&[("KESTREL_DEVICE", "gpu0")]))
+            .check()
+            .unwrap_err();
         assert!(e.to_string().contains("KESTREL_DEVICE"), "{e}");
-        let e = Config::from_vars(&vars(&[("KESTREL_CUDA_INCLUDE", "/definitely/not/here")])).unwrap_err();
+        let e = Config::from_vars(&vars(&[("KESTREL_CUDA_INCLUDE", "/definitely/not/here")]))
+            .check()
+            .unwrap_err();
         assert!(e.to_string().contains("KESTREL_CUDA_INCLUDE"), "{e}");
+    }
+
+    #[test]
+    fn a_bad_value_keeps_the_default_and_every_problem() {
+        let c = Config::from_vars(&vars(&[
+            ("KESTREL_DEVICE", "gpu0"),
+            ("KESTREL_PDL", "maybe"),
+            ("KESTREL_PROFILE", "on"),
+        ]));
+        assert_eq!((c.device, c.pdl, c.profile), (0, true, true));
+        let vars: Vec<&str> = c.problems.iter().map(|p| p.var).collect();
+        assert_eq!(vars, ["KESTREL_DEVICE", "KESTREL_PDL"]);
     }
 }

@@ -1,7 +1,5 @@
 //! The error type of the core crate: configuration and shape errors.
 
-use std::path::PathBuf;
-
 pub type Result<T, E = CoreError> = std::result::Result<T, E>;
 
 #[derive(Debug, thiserror::Error)]
@@ -12,8 +10,6 @@ pub enum CoreError {
         value: String,
         reason: String,
     },
-    #[error("configuration path {path} for {var} does not exist")]
-    MissingPath { var: &'static str, path: PathBuf },
     #[error("buffer {label} holds {buffer}, the host data is {host}")]
     DTypeMismatch {
         label: String,

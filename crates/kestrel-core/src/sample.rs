@@ -43,25 +43,37 @@ impl Default for SamplingParams {
 }
 
 impl SamplingParams {
-    /// A setting out of range, described.
+    /// A setting out of range, described with the range it must lie in.
     pub fn validate(&self) -> Result<(), String> {
-        let bad = |what: &str, v: f32| Err(format!("{what} {v} is out of range"));
+        let bad = |what: &str, v: f32, range: &str| Err(format!("{what} {v} is out of range: {range}"));
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return bad("temperature", self.temperature);
+            return bad("temperature", self.temperature, "0 (greedy) or more");
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return bad("top-p", self.top_p);
+            return bad("top-p", self.top_p, "above 0, at most 1 (1: all tokens)");
         }
         if !(0.0..=1.0).contains(&self.min_p) {
-            return bad("min-p", self.min_p);
+            return bad("min-p", self.min_p, "0 (all tokens) to 1");
         }
         if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
-            return bad("repetition penalty", self.repetition_penalty);
-        }
-        if !self.presence_penalty.is_finite() || !self.frequency_penalty.is_finite() {
             return bad(
-                "presence/frequency penalty",
-                self.presence_penalty + self.frequency_penalty,
+                "repetition penalty",
+                self.repetition_penalty,
+                "above 0 and finite (1: none)",
+            );
+        }
+        if !self.presence_penalty.is_finite() {
+            return bad(
+                "presence penalty",
+                self.presence_penalty,
+                "a finite number (0: none)",
+            );
+        }
+        if !self.frequency_penalty.is_finite() {
+            return bad(
+                "frequency penalty",
+                self.frequency_penalty,
+                "a finite number (0: none)",
             );
         }
         Ok(())

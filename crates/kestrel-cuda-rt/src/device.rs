@@ -78,6 +78,7 @@ struct DeviceInner {
 impl Device {
     /// Opens device `ordinal` with the process configuration.
     pub fn open(ordinal: usize, config: &Config) -> Result<Device> {
+        config.check()?;
         let count = device_count()?;
         if ordinal >= count {
             return Err(CudaError::NoSuchDevice { ordinal, count });

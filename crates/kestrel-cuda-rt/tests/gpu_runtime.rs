@@ -641,7 +641,7 @@ fn second_start_hits_the_kernel_cache() {
         std::process::id(),
         Rng::from_time().1
     ));
-    let mut config = Config::from_env().unwrap();
+    let mut config = Config::from_env();
     config.kernel_cache_dir = Some(dir.clone());
     let source = "extern \"C\" __global__ void twice_f32(float* x, unsigned n) { unsigned i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) x[i] *= 2.0f; }";
 

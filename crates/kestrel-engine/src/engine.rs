@@ -14,7 +14,7 @@ use kestrel_model::{
 };
 use kestrel_text::{Sampler, SamplingParams};
 
-use crate::error::Result;
+use crate::error::{EngineError, Result};
 use crate::model::{Model, ModelText};
 use crate::placement::{Placement, RunShape};
 
@@ -89,6 +89,10 @@ pub struct EngineOptions {
     pub ignore_eos: bool,
     /// Told (bytes done, bytes in all) as the weights go to the backend.
     pub progress: Option<Box<dyn FnMut(u64, u64)>>,
+    /// Told (tokens done, tokens in all) after each chunk of a step run in chunks.
+    pub prefill_progress: Option<Box<dyn FnMut(usize, usize)>>,
+    /// Allow a context past the model's trained length (`max_position_embeddings`).
+    pub allow_long_context: bool,
     /// Memory the backend may hold (None: on CUDA what the device has free, less a margin; on
     /// the CPU no limit). A model larger than this streams its routed experts through a cache.
     pub gpu_mem: Option<u64>,
@@ -109,6 +113,8 @@ impl EngineOptions {
             sampling: None,
             ignore_eos: false,
             progress: None,
+            prefill_progress: None,
+            allow_long_context: false,
             gpu_mem: None,
             host_mem: None,
             eviction: Eviction::Lru,
@@ -165,6 +171,15 @@ impl Engine {
     /// Puts `model` on its backend (see [`EngineOptions`]); the weights are uploaded with the
     /// first program (see [`Engine::prepare`]).
     pub fn new(model: Model, config: &Config, opts: EngineOptions) -> Result<Engine> {
+        let trained = model.config.max_position_embeddings;
+        if opts.ctx > trained && !opts.allow_long_context {
+            return Err(EngineError::Invalid(format!(
+                "a context of {} positions is past {}'s trained length of {trained} positions \
+                 (max_position_embeddings); use a smaller context, or allow going past it \
+                 (--allow-long-context)",
+                opts.ctx, model.label
+            )));
+        }
         let backend = opts.backend.unwrap_or_else(default_backend);
         let eos = if opts.ignore_eos {
             Vec::new()
@@ -231,6 +246,9 @@ impl Engine {
             }
             if let Some(p) = opts.progress {
                 s = s.with_progress(p);
+            }
+            if let Some(p) = opts.prefill_progress {
+                s = s.with_step_progress(p);
             }
             Ok(s.with_prefill_chunk(opts.prefill_chunk)?)
         }

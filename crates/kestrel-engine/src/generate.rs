@@ -113,16 +113,21 @@ impl Engine {
             prefill_s: 0.0,
             decode_s: 0.0,
         };
-        if max_tokens == 0 {
-            return Ok(turn);
-        }
         let mut history = ids.to_vec();
         if self.pick == Pick::BackendSampler {
             on_session!(&mut self.session, s => s.set_sample_history(&history))?;
         }
+        // The prompt runs even when no token is asked for (its time is the prefill's), so
+        // the caches hold it for the next turn.
         let mut id = self.next(new, keep, &history)?;
         self.held.extend_from_slice(new);
         turn.prefill_s = start.elapsed().as_secs_f64();
+        if max_tokens == 0 {
+            if self.text.tokenizer.is_some() {
+                turn.text = Some(String::new());
+            }
+            return Ok(turn);
+        }
         let decode = Instant::now();
         // The tokenizer is taken out for the turn, so that stepping can borrow the engine.
         let tokenizer = self.text.tokenizer.take();

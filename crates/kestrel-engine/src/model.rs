@@ -197,14 +197,16 @@ impl ModelText {
                 self.label
             )));
         };
-        let rendered = template.render(&ChatInput {
-            messages,
-            add_generation_prompt: true,
-            bos_token: t.bos_token.as_deref(),
-            eos_token: t.eos_token.as_deref(),
-            extra: extra.clone(),
-            ..Default::default()
-        })?;
+        let rendered = template
+            .render(&ChatInput {
+                messages,
+                add_generation_prompt: true,
+                bos_token: t.bos_token.as_deref(),
+                eos_token: t.eos_token.as_deref(),
+                extra: extra.clone(),
+                ..Default::default()
+            })
+            .map_err(|e| t.in_template_file(e))?;
         Ok(t.encode(&rendered, false)?)
     }
 }

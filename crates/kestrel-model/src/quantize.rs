@@ -88,8 +88,9 @@ fn layer_of(name: &str) -> Option<usize> {
     rest.split('.').next()?.parse().ok()
 }
 
-/// Rewrites the dense model directory `src` into `dst` (created; must not hold a model yet) with
-/// its projections quantised to `format`, in shards of about [`DEFAULT_SHARD_BYTES`].
+/// Rewrites the dense model directory `src` into `dst` (created, or an empty directory: files
+/// are never overwritten) with its projections quantised to `format`, in shards of about
+/// [`DEFAULT_SHARD_BYTES`].
 pub fn quantize_dir(src: &Path, dst: &Path, format: QuantFormat) -> Result<QuantizeReport> {
     quantize_dir_sharded(src, dst, format, DEFAULT_SHARD_BYTES)
 }
@@ -111,17 +112,86 @@ pub fn quantize_dir_sharded(
             reason: format!("{} is already quantised", src.display()),
         });
     }
-    if dst.join("config.json").exists() {
-        return Err(ModelError::Weights {
-            path: dst.to_path_buf(),
-            reason: "already holds a model; not overwriting it".into(),
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |error| ModelError::Io { path, error }
+    };
+    // Only a new or empty directory: whatever a directory holds is the user's.
+    let created = match std::fs::read_dir(dst) {
+        Ok(mut entries) => {
+            if entries.next().is_some() {
+                return Err(ModelError::Weights {
+                    path: dst.to_path_buf(),
+                    reason: "is not empty; quantize writes only into a new or empty directory, \
+                             so that no file of yours is overwritten"
+                        .into(),
+                });
+            }
+            false
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => true,
+        Err(error) => return Err(io(dst)(error)),
+    };
+    let w = Weights::open(src)?;
+    // A group size no matrix's input width is a multiple of would quantise nothing.
+    let fits = w.names().into_iter().any(|name| {
+        w.get(name).is_ok_and(|t| {
+            let dense = matches!(
+                t.dtype,
+                kestrel_core::DType::BF16 | kestrel_core::DType::F16 | kestrel_core::DType::F32
+            );
+            dense && t.shape.len() >= 2 && !name.contains("norm") && format.fits(t.shape[t.shape.len() - 1])
+        })
+    });
+    if !fits {
+        return Err(ModelError::Config {
+            key: "group size".into(),
+            reason: format!(
+                "no matrix of {} has an input width that is a multiple of {} (at {} bits): \
+                 nothing would be quantised; the usual group sizes are 32, 64 and 128",
+                src.display(),
+                format.group_size,
+                format.bits
+            ),
         });
     }
-    let w = Weights::open(src)?;
-    std::fs::create_dir_all(dst).map_err(|error| ModelError::Io {
-        path: dst.to_path_buf(),
-        error,
-    })?;
+    std::fs::create_dir_all(dst).map_err(io(dst))?;
+    let written = write_quantized(src, dst, &w, format, shard_bytes);
+    if written.is_err() {
+        // Take back what this run wrote (the directory was new or empty), so a failure leaves
+        // no half-written model behind.
+        if let Ok(entries) = std::fs::read_dir(dst) {
+            for entry in entries.flatten() {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                if src.join(&name).is_file() || is_output_name(&name) {
+                    let _ = std::fs::remove_file(entry.path());
+                }
+            }
+        }
+        if created {
+            let _ = std::fs::remove_dir(dst);
+        }
+    }
+    written
+}
+
+/// Names this module writes besides copies of the source's files: `config.json` and the
+/// weights, one file or shards with their index.
+fn is_output_name(name: &str) -> bool {
+    name == "config.json"
+        || name == "model.safetensors"
+        || name == "model.safetensors.index.json"
+        || (name.starts_with("model-") && name.ends_with(".safetensors"))
+}
+
+/// The writing half of [`quantize_dir_sharded`], into the existing empty directory `dst`.
+fn write_quantized(
+    src: &Path,
+    dst: &Path,
+    w: &Weights,
+    format: QuantFormat,
+    shard_bytes: usize,
+) -> Result<QuantizeReport> {
     let mut overrides = serde_json::Map::new();
     let mut report = QuantizeReport::default();
     // Tensors by layer (the rest, embeddings, norms, the vision tower, last).
@@ -133,7 +203,7 @@ pub fn quantize_dir_sharded(
     order.extend(groups.contains_key(&None).then_some(None));
     let mut shards = Shards::new(dst, shard_bytes);
     for key in order {
-        let out = quantize_group(&w, &groups[&key], format, &mut overrides, &mut report)?;
+        let out = quantize_group(w, &groups[&key], format, &mut overrides, &mut report)?;
         shards.add(out)?;
     }
     report.bytes = shards.bytes;

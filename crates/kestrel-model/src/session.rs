@@ -214,6 +214,8 @@ pub struct Session<B: Backend> {
     streaming: Option<Streaming<B::HostBuffer>>,
     /// Told (bytes done, bytes in all) while the weights upload.
     progress: Option<Box<dyn FnMut(u64, u64)>>,
+    /// Told (tokens done, tokens in all) after each chunk of a step that runs in chunks.
+    step_progress: Option<Box<dyn FnMut(usize, usize)>>,
     /// Sample on the backend with these settings (see [`Session::with_sampling`]).
     sampling: Option<SamplingParams>,
     /// The backend sampler's generator was seeded.
@@ -249,6 +251,7 @@ impl<B: Backend> Session<B> {
             programs: HashMap::new(),
             streaming: None,
             progress: None,
+            step_progress: None,
             sampling: None,
             seeded: false,
             chunk: None,
@@ -421,6 +424,13 @@ impl<B: Backend> Session<B> {
         Ok(Some(stats))
     }
 
+    /// Calls `f(tokens done, tokens in all)` after each chunk of a step that runs in chunks
+    /// (see [`Session::with_prefill_chunk`]), so a long prefill can show its progress.
+    pub fn with_step_progress(mut self, f: impl FnMut(usize, usize) + 'static) -> Session<B> {
+        self.step_progress = Some(Box::new(f));
+        self
+    }
+
     /// Runs steps of more than `chunk` tokens in chunks of at most `chunk` (None: in one go).
     pub fn with_prefill_chunk(mut self, chunk: Option<usize>) -> Result<Session<B>> {
         if chunk == Some(0) {
@@ -463,6 +473,9 @@ impl<B: Backend> Session<B> {
             let key = self.run(part, past + i * chunk, outputs)?;
             if want == Want::AllLogits {
                 gathered.extend(self.logits_of(key)?);
+            }
+            if let Some(f) = &mut self.step_progress {
+                f((i + 1) * chunk, ids.len());
             }
         }
         let (tail, at) = (&ids[heads * chunk..], past + heads * chunk);

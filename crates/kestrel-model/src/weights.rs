@@ -138,6 +138,60 @@ fn bad_file(path: &Path, reason: impl Into<String>) -> ModelError {
     }
 }
 
+/// A safetensors file whose header the safetensors crate refused, described: which tensor's
+/// range is wrong, and how. The crate's own message names no tensor when a range's length does
+/// not match the tensor's shape, and names the tensor after a bad range (whose start no longer
+/// follows it) otherwise; this finds the tensor at fault. Called only on that error path; None
+/// when the header is fine by these checks (the crate's message then stands).
+fn diagnose_header(bytes: &[u8]) -> Option<String> {
+    let n = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
+    let end = 8usize.checked_add(usize::try_from(n).ok()?)?;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(bytes.get(8..end)?).ok()?;
+    let data_len = bytes.len() - end;
+    let mut ranges = Vec::new();
+    for (name, v) in header.iter().filter(|(k, _)| *k != "__metadata__") {
+        let info: TensorInfo = serde_json::from_value(v.clone()).ok()?;
+        let (s, e) = info.data_offsets;
+        let need = info
+            .shape
+            .iter()
+            .try_fold(info.dtype.bitsize(), |acc, &d| acc.checked_mul(d))
+            .map(|bits| bits.div_ceil(8));
+        if e < s || Some(e - s) != need {
+            let shape = &info.shape;
+            let dtype = info.dtype;
+            return Some(match need {
+                Some(need) => format!(
+                    "tensor {name}: its offsets {s}..{e} do not hold its shape {shape:?} of {dtype:?} ({need} bytes)"
+                ),
+                None => format!("tensor {name}: its shape {shape:?} is too large"),
+            });
+        }
+        if e > data_len {
+            return Some(format!(
+                "tensor {name} lies outside the file ({s}..{e} of {data_len} bytes of data)"
+            ));
+        }
+        ranges.push((s, e, name));
+    }
+    ranges.sort();
+    let mut at = 0;
+    let mut before: Option<&String> = None;
+    for (s, e, name) in ranges {
+        if s != at {
+            let what = if s < at { "overlaps" } else { "leaves a gap after" };
+            return Some(match before {
+                Some(b) => format!("tensor {name} ({s}..{e}) {what} tensor {b} (which ends at {at})"),
+                None => format!("tensor {name} starts at {s}, not at the start of the data"),
+            });
+        }
+        at = e;
+        before = Some(name);
+    }
+    None
+}
+
 fn kestrel_dtype(d: Dtype) -> Option<DType> {
     Some(match d {
         Dtype::BF16 => DType::BF16,
@@ -167,7 +221,8 @@ impl Shard {
 
     /// A safetensors file's bytes held in `map`, under `path` in messages.
     fn of(path: PathBuf, map: Storage) -> Result<Shard> {
-        let (header_len, _) = SafeTensors::read_metadata(&map).map_err(|e| bad_file(&path, e.to_string()))?;
+        let (header_len, _) = SafeTensors::read_metadata(&map)
+            .map_err(|e| bad_file(&path, diagnose_header(&map).unwrap_or_else(|| e.to_string())))?;
         Ok(Shard {
             path,
             map,
@@ -177,8 +232,12 @@ impl Shard {
     }
 
     fn tensors(&self) -> Result<Vec<(String, TensorInfo)>> {
-        let (_, meta) =
-            SafeTensors::read_metadata(&self.map).map_err(|e| bad_file(&self.path, e.to_string()))?;
+        let (_, meta) = SafeTensors::read_metadata(&self.map).map_err(|e| {
+            bad_file(
+                &self.path,
+                diagnose_header(&self.map).unwrap_or_else(|| e.to_string()),
+            )
+        })?;
         let data_len = self.map.len() - self.data_start;
         let mut out = Vec::new();
         for (name, info) in meta.tensors() {

@@ -22,7 +22,10 @@ pub fn require_gpu() -> bool {
 /// When no device is present and `KESTREL_REQUIRE_GPU` is set (a test failure is the point), or
 /// when the configuration itself is invalid.
 pub fn device_or_skip(test: &str) -> Option<Device> {
-    let config = Config::from_env().expect("invalid Kestrel configuration in the environment");
+    let config = Config::from_env();
+    if let Err(e) = config.check() {
+        panic!("{test}: invalid Kestrel configuration in the environment: {e}");
+    }
     match device_count() {
         Ok(n) if n > config.device => Some(
             Device::open(config.device, &config)
@@ -55,7 +58,7 @@ pub fn device_or_skip(test: &str) -> Option<Device> {
 pub fn tensor_engines(dev: &Device) -> Vec<Device> {
     let mut devices = vec![dev.clone()];
     if dev.wgmma() {
-        let mut config = Config::from_env().expect("invalid Kestrel configuration in the environment");
+        let mut config = Config::from_env();
         config.wgmma = false;
         let ordinal = dev.info().ordinal;
         devices.push(

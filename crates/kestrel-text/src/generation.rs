@@ -50,7 +50,7 @@ impl GenerationConfig {
     pub fn from_json(text: &str) -> std::result::Result<GenerationConfig, String> {
         let v: Value = serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
         let f = |k: &str| v.get(k).and_then(Value::as_f64).map(|x| x as f32);
-        Ok(GenerationConfig {
+        let g = GenerationConfig {
             eos_token_ids: ids(v.get("eos_token_id")),
             bos_token_id: ids(v.get("bos_token_id")).first().copied(),
             do_sample: v.get("do_sample").and_then(Value::as_bool),
@@ -59,7 +59,19 @@ impl GenerationConfig {
             top_p: f("top_p"),
             min_p: f("min_p"),
             repetition_penalty: f("repetition_penalty"),
-        })
+        };
+        // Every value the file sets must be usable, whether or not sampling is on: an error
+        // names the file (from `from_dir`) rather than surfacing later as a flag's.
+        let d = SamplingParams::default();
+        SamplingParams {
+            temperature: g.temperature.unwrap_or(d.temperature),
+            top_p: g.top_p.unwrap_or(d.top_p),
+            min_p: g.min_p.unwrap_or(d.min_p),
+            repetition_penalty: g.repetition_penalty.unwrap_or(d.repetition_penalty),
+            ..d
+        }
+        .validate()?;
+        Ok(g)
     }
 
     /// The model's sampling defaults as parameters, with transformers' defaults for what the file
@@ -109,5 +121,31 @@ mod tests {
         let t = GenerationConfig::from_json(r#"{"do_sample": true, "top_p": 0.9}"#).unwrap();
         assert_eq!((t.sampling().top_k, t.sampling().top_p), (50, 0.9));
         assert!(GenerationConfig::from_json("{").is_err());
+    }
+
+    #[test]
+    fn values_out_of_range_are_refused_with_the_range() {
+        for (json, what) in [
+            (r#"{"temperature": -5}"#, "temperature -5"),
+            (r#"{"do_sample": true, "top_p": 0}"#, "top-p 0"),
+            (r#"{"min_p": 1.5}"#, "min-p 1.5"),
+            (r#"{"repetition_penalty": 0}"#, "repetition penalty 0"),
+        ] {
+            let e = GenerationConfig::from_json(json).unwrap_err();
+            assert!(e.contains(what) && e.contains("out of range:"), "{json}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_bad_file_is_named() {
+        let dir = std::env::temp_dir().join(format!("kestrel-genconf-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("generation_config.json"), r#"{"temperature": -5}"#).unwrap();
+        let e = GenerationConfig::from_dir(&dir).unwrap_err().to_string();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(
+            e.contains("generation_config.json") && e.contains("temperature -5"),
+            "{e}"
+        );
     }
 }

@@ -16,6 +16,8 @@ pub struct Tokenizer {
     pub eos_token: Option<String>,
     /// The template's source, from `chat_template.jinja` or `tokenizer_config.json`.
     pub chat_template: Option<String>,
+    /// The file the template came from, named in its errors.
+    pub chat_template_path: Option<PathBuf>,
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TextError + '_ {
@@ -59,6 +61,7 @@ impl Tokenizer {
         let jinja: PathBuf = dir.join("chat_template.jinja");
         if jinja.exists() {
             t.chat_template = Some(std::fs::read_to_string(&jinja).map_err(io(&jinja))?);
+            t.chat_template_path = Some(jinja);
         }
         Ok(Some(t))
     }
@@ -77,6 +80,7 @@ impl Tokenizer {
             bos_token: None,
             eos_token: None,
             chat_template: None,
+            chat_template_path: None,
         };
         if let Some(text) = config {
             let config: Value =
@@ -93,13 +97,29 @@ impl Tokenizer {
                     .map(str::to_string),
                 _ => None,
             };
+            if t.chat_template.is_some() {
+                t.chat_template_path = Some(config_path.to_path_buf());
+            }
         }
         Ok(t)
     }
 
-    /// The compiled chat template, if the model has one.
+    /// The compiled chat template, if the model has one; an error names the file it came from.
     pub fn template(&self) -> Result<Option<ChatTemplate>> {
-        self.chat_template.as_deref().map(ChatTemplate::new).transpose()
+        let Some(source) = self.chat_template.as_deref() else {
+            return Ok(None);
+        };
+        ChatTemplate::new(source)
+            .map(Some)
+            .map_err(|e| self.in_template_file(e))
+    }
+
+    /// `e`, a chat template's error, as an error of the file the template came from.
+    pub fn in_template_file(&self, e: TextError) -> TextError {
+        match &self.chat_template_path {
+            Some(path) => bad(path, e.to_string()),
+            None => e,
+        }
     }
 
     /// Token ids of `text`; `add_special_tokens` adds what the tokenizer's post-processor adds

@@ -76,13 +76,47 @@ impl QuantArgs {
             Quant::Q4 => 4,
             Quant::Q8 => 8,
         };
-        if self.group_size == 0 || self.group_size % 32 != 0 {
-            bail!("--group-size {} is not a multiple of 32", self.group_size);
+        quant_format(bits, self.group_size).map(Some)
+    }
+}
+
+/// `bits` in groups of `group_size`, checked.
+pub fn quant_format(bits: u32, group_size: usize) -> Result<QuantFormat> {
+    if group_size == 0 || group_size % 32 != 0 {
+        bail!("--group-size {group_size} is not a multiple of 32 (the usual sizes are 32, 64 and 128)");
+    }
+    Ok(QuantFormat { bits, group_size })
+}
+
+/// A count that must be at least 1 (`--prefill-chunk`), for clap's `value_parser`.
+pub fn at_least_one(s: &str) -> std::result::Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// `--allow-long-context`: positions past the model's trained length.
+#[derive(Args, Clone, Copy)]
+pub struct LengthArgs {
+    /// Allow more positions than the model was trained for (`max_position_embeddings` in its
+    /// config.json); past them its output is not what it was trained to give.
+    #[arg(long)]
+    pub allow_long_context: bool,
+}
+
+impl LengthArgs {
+    /// Refuses `positions` past the model's trained length, unless allowed; `what` names them
+    /// with their number ("a prompt of 4558 tokens"), `hint` says what to change.
+    pub fn check(&self, trained: usize, positions: usize, what: &str, hint: &str) -> Result<()> {
+        if positions > trained && !self.allow_long_context {
+            bail!(
+                "{what}: more than the {trained} positions the model was trained for \
+                 (max_position_embeddings); {hint}, or pass --allow-long-context to go past them"
+            );
         }
-        Ok(Some(QuantFormat {
-            bits,
-            group_size: self.group_size,
-        }))
+        Ok(())
     }
 }
 
@@ -127,26 +161,26 @@ impl MemoryArgs {
 pub struct SamplingArgs {
     /// Temperature; 0 picks the most likely token (default: the model's generation config,
     /// else 0).
-    #[arg(long = "temp", alias = "temperature")]
+    #[arg(long = "temp", alias = "temperature", allow_negative_numbers = true)]
     temperature: Option<f32>,
     /// Keep the k most likely tokens (0: all; default: the model's generation config, else 50
     /// as in transformers).
     #[arg(long)]
     top_k: Option<usize>,
     /// Keep the most likely tokens up to this probability mass (1: all).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     top_p: Option<f32>,
     /// Keep tokens at least this fraction as likely as the most likely one (0: all).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     min_p: Option<f32>,
     /// Repetition penalty on tokens seen before (1: none).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     repeat_penalty: Option<f32>,
     /// Presence penalty (0: none).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     presence_penalty: Option<f32>,
     /// Frequency penalty (0: none).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     frequency_penalty: Option<f32>,
     /// Seed of the sampler (default: drawn from the clock and printed).
     #[arg(long)]
@@ -169,7 +203,7 @@ impl SamplingArgs {
         }
         .resolve(generation);
         if self.seed.is_none() && params.temperature > 0.0 {
-            eprintln!("seed {}", params.seed);
+            errln!("seed {}", params.seed);
         }
         params
     }

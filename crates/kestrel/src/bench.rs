@@ -123,15 +123,15 @@ pub fn run(config: &Config, args: BenchArgs) -> Result<ExitCode> {
             "copy_bytes": copy_mib << 20,
             "results": obj,
         });
-        println!("{out}");
+        outln!("{out}")?;
     } else {
-        println!(
+        outln!(
             "device: {} | median of {reps} runs after warm-up | CUDA events",
             dev.info().name
-        );
-        println!("{:<28} {:>12} {:<8} note", "measurement", "median", "unit");
+        )?;
+        outln!("{:<28} {:>12} {:<8} note", "measurement", "median", "unit")?;
         for r in &rows {
-            println!("{:<28} {:>12.3} {:<8} {}", r.name, r.value, r.unit, r.note);
+            outln!("{:<28} {:>12.3} {:<8} {}", r.name, r.value, r.unit, r.note)?;
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -157,28 +157,36 @@ fn ops(
                 (r.name.clone(), v)
             })
             .collect();
-        println!(
+        outln!(
             "{}",
             serde_json::json!({ "device": dev.info().name, "reps": reps, "results": results })
-        );
+        )?;
     } else {
-        println!(
+        outln!(
             "device: {} | median of {reps} graph replays after warm-up | CUDA events",
             dev.info().name
-        );
-        println!(
+        )?;
+        outln!(
             "{:<36} {:>10} {:>12} {:>8}  target",
-            "op", "median us", "rate", "floor"
-        );
+            "op",
+            "median us",
+            "rate",
+            "floor"
+        )?;
         for r in &rows {
             let floor = r
                 .of_floor
                 .map(|f| format!("{:.1}%", 100.0 * f))
                 .unwrap_or_default();
-            println!(
+            outln!(
                 "{:<36} {:>10.2} {:>7.0} {:<4} {:>8}  {}",
-                r.name, r.median_us, r.rate, r.unit, floor, r.target
-            );
+                r.name,
+                r.median_us,
+                r.rate,
+                r.unit,
+                floor,
+                r.target
+            )?;
         }
     }
     Ok(ExitCode::SUCCESS)

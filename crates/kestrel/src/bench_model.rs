@@ -190,7 +190,7 @@ fn disk_probe(e: &mut Engine) -> Result<serde_json::Value> {
         return Ok(serde_json::Value::Null);
     };
     let direct = e.disk_stats().is_some_and(|(_, direct)| direct);
-    eprintln!(
+    errln!(
         "disk: {:.2} GB/s, the best of three rounds of parallel {} reads of the weight files \
          ({:.2} GiB in it)",
         bytes as f64 / secs / 1e9,
@@ -276,7 +276,7 @@ fn cuda_extras(
         set_mode(e, RunMode::Graph);
         outcome?;
         let secs = start.elapsed().as_secs_f64();
-        eprintln!(
+        errln!(
             "profile: tg{tg} run eagerly, every dispatch timed with CUDA events ({:.1} tokens/s \
              with the timing's own cost); totals over the {tg} tokens:\n{}",
             tg as f64 / secs,
@@ -320,7 +320,7 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
     let start = Instant::now();
     let model = Model::open(&source).context("opening the model")?;
     if let ModelSource::Synthetic { name, .. } = &source {
-        eprintln!(
+        errln!(
             "built {name} ({} layers, {}-bit) in memory in {:.1} s",
             model.config.layers,
             a.bits,
@@ -400,28 +400,32 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
             "disk": disk,
             "wall_s": total_s,
         });
-        println!("{v}");
+        outln!("{v}")?;
         return Ok(std::process::ExitCode::SUCCESS);
     }
-    println!(
+    outln!(
         "model: {label} | {:.2} GiB | {:.2} B params, {:.2} B active | {backend_name} | median of {} runs",
         fp.bytes as f64 / (1u64 << 30) as f64,
         fp.params as f64 / 1e9,
         fp.active_params as f64 / 1e9,
         a.reps
-    );
+    )?;
     if let (Some(c), Some(floor)) = (ceilings, floor_tps) {
-        println!(
+        outln!(
             "decode floor: {:.1} MiB read per token / {:.2} TB/s ({}) = {floor:.0} tokens/s",
             fp.active_bytes as f64 / (1u64 << 20) as f64,
             c.copy_bytes_per_s / 1e12,
             c.source
-        );
+        )?;
     }
-    println!(
+    outln!(
         "{:<10} {:>12} {:>12} {:>12} {:>9}",
-        "test", "t/s", "min t/s", "max t/s", "floor"
-    );
+        "test",
+        "t/s",
+        "min t/s",
+        "max t/s",
+        "floor"
+    )?;
     for r in &rows {
         let tps: Vec<f64> = r.samples.iter().map(|s| r.tokens() as f64 / s).collect();
         let (lo, hi) = tps
@@ -432,23 +436,23 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
         } else {
             String::new()
         };
-        println!(
+        outln!(
             "{:<10} {:>12.1} {:>12.1} {:>12.1} {:>9}",
             r.name,
             r.median_tps(),
             lo,
             hi,
             floor
-        );
+        )?;
     }
     if !counters.is_null() {
-        println!("per generated token: {counters}");
+        outln!("per generated token: {counters}")?;
     }
     if !experts.is_null() {
-        println!("expert cache, one tg{tg} run: {experts}");
+        outln!("expert cache, one tg{tg} run: {experts}")?;
     }
     if !disk.is_null() {
-        println!("disk read bandwidth, measured first: {disk}");
+        outln!("disk read bandwidth, measured first: {disk}")?;
     }
     Ok(std::process::ExitCode::SUCCESS)
 }

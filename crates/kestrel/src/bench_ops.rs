@@ -182,7 +182,7 @@ fn measure(dev: &Device, b: &Bench, reps: usize, profile: bool, rng: &mut Rng) -
             cuda.run(&mut p)?;
             dev.set_profiling(false);
         }
-        eprintln!("{}\n{}", b.name, dev.take_profile()?.table());
+        errln!("{}\n{}", b.name, dev.take_profile()?.table());
     }
     if let Some(flops) = b.flops {
         let tflops = flops / (us * 1e-6) / 1e12;

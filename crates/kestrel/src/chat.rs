@@ -5,7 +5,6 @@
 //! `/exit`. Ctrl-C stops the current answer, not the program (at the prompt it clears the line;
 //! Ctrl-D or `/exit` leaves).
 
-use std::io::Write as _;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -17,7 +16,10 @@ use kestrel_engine::{Engine, EngineOptions, Model, Want};
 use rustyline::error::ReadlineError;
 use serde_json::{json, Value};
 
-use crate::args::{BackendArgs, MemoryArgs, ModelArgs, QuantArgs, SamplingArgs, TemplateArgs};
+use crate::args::{BackendArgs, LengthArgs, MemoryArgs, ModelArgs, QuantArgs, SamplingArgs, TemplateArgs};
+
+/// The context when `-c` is not given (or the model's trained length, if shorter).
+const DEFAULT_CTX: usize = 4096;
 
 #[derive(Args)]
 pub struct ChatArgs {
@@ -26,9 +28,12 @@ pub struct ChatArgs {
     /// Tokens an answer may have at most.
     #[arg(short = 'n', long = "n-predict", default_value_t = 512)]
     n_predict: usize,
-    /// Positions the KV caches hold: the conversation's limit.
-    #[arg(short = 'c', long, default_value_t = 4096)]
-    ctx: usize,
+    /// Positions the KV caches hold: the conversation's limit (default 4096, or the model's
+    /// trained length if that is shorter).
+    #[arg(short = 'c', long)]
+    ctx: Option<usize>,
+    #[command(flatten)]
+    length: LengthArgs,
     /// The system message to start with.
     #[arg(long)]
     system: Option<String>,
@@ -68,7 +73,19 @@ pub fn run(config: &Config, a: ChatArgs) -> Result<std::process::ExitCode> {
     if model.text.template.is_none() {
         anyhow::bail!("{label} has no chat template (tokenizer_config.json or chat_template.jinja)");
     }
-    let mut opts = EngineOptions::with_ctx(a.ctx);
+    if a.stop.iter().any(String::is_empty) {
+        anyhow::bail!("--stop \"\" would stop before the first token: give a non-empty string");
+    }
+    let trained = model.config.max_position_embeddings;
+    let ctx = a.ctx.unwrap_or(DEFAULT_CTX.min(trained));
+    a.length.check(
+        trained,
+        ctx,
+        &format!("a context of {ctx} (-c)"),
+        "give a smaller -c",
+    )?;
+    let mut opts = EngineOptions::with_ctx(ctx);
+    opts.allow_long_context = a.length.allow_long_context;
     opts.backend = a.backend.choice();
     opts.quant = a.quant.format()?;
     opts.sampling = Some(a.sampling.params(&model.text.generation));
@@ -78,7 +95,7 @@ pub fn run(config: &Config, a: ChatArgs) -> Result<std::process::ExitCode> {
     let mut engine = Engine::new(model, config, opts).with_context(|| format!("opening {label}"))?;
     crate::progress::placement(&engine);
     engine.prepare(1, Want::LastLogits)?;
-    eprintln!(
+    errln!(
         "loaded {label} in {:.2} s; /help for commands",
         load.elapsed().as_secs_f64()
     );
@@ -95,11 +112,7 @@ pub fn run(config: &Config, a: ChatArgs) -> Result<std::process::ExitCode> {
     let mut messages = start(&system);
     // The host tier's shortfall is said once, after the turn that met it.
     let mut warned = false;
-    let mut stdout = |s: &str| -> std::io::Result<()> {
-        let mut out = std::io::stdout().lock();
-        out.write_all(s.as_bytes())?;
-        out.flush()
-    };
+    let mut stdout = crate::out::stdout_text;
     loop {
         let line = match editor.readline("> ") {
             Ok(line) => line,
@@ -116,37 +129,49 @@ pub fn run(config: &Config, a: ChatArgs) -> Result<std::process::ExitCode> {
             let (name, rest) = command.split_once(' ').unwrap_or((command, ""));
             match name {
                 "exit" | "quit" => break,
-                "help" => eprintln!("{HELP}"),
+                "help" => errln!("{HELP}"),
                 "clear" => {
                     messages = start(&system);
                     engine.reset()?;
-                    eprintln!("(conversation cleared)");
+                    errln!("(conversation cleared)");
                 }
                 "system" => {
                     system = (!rest.trim().is_empty()).then(|| rest.trim().to_string());
                     messages = start(&system);
                     engine.reset()?;
-                    eprintln!("(system message set; conversation cleared)");
+                    errln!("(system message set; conversation cleared)");
                 }
-                other => eprintln!("unknown command /{other}; /help lists them"),
+                other => errln!("unknown command /{other}; /help lists them"),
             }
             continue;
         }
         messages.push(json!({"role": "user", "content": line}));
         let ids = engine.text().encode_chat(&messages, &extra)?;
         cancel.store(false, Ordering::Relaxed);
-        let n = a.n_predict.min(a.ctx.saturating_sub(ids.len()));
+        // An answer needs room for at least one token after the conversation so far.
+        if ids.len() >= ctx {
+            messages.pop();
+            errln!(
+                "the conversation with this message is {} tokens, and the context holds {ctx}: \
+                 /clear to start over (keeping the system message), or restart with a larger -c",
+                ids.len()
+            );
+            continue;
+        }
+        let n = a.n_predict.min(ctx - ids.len());
         let turn = match engine.generate(&ids, n, &a.stop, &mut stdout, &cancel) {
             Ok(t) => t,
+            // Stdout is gone: nobody reads the answers any more.
+            Err(e @ kestrel_engine::EngineError::Output(_)) => return Err(e.into()),
             Err(e) => {
-                // The conversation outgrew the context (or the turn failed): say so and go on.
+                // The turn failed: say so and go on with the conversation as it was.
                 messages.pop();
-                eprintln!("error: {e:#}");
+                errln!("error: {e:#}");
                 continue;
             }
         };
-        println!();
-        eprintln!(
+        outln!()?;
+        errln!(
             "({} tokens reused, {} prefilled, {} generated at {:.1} tokens/s; {})",
             turn.reused,
             turn.prefilled,

@@ -19,42 +19,50 @@ pub fn kernel_options() -> Result<ExitCode> {
             serde_json::json!({"name": m.name, "defines": defines, "headers": headers})
         })
         .collect();
-    println!("{}", serde_json::json!({ "modules": modules }));
+    outln!("{}", serde_json::json!({ "modules": modules }))?;
     Ok(ExitCode::SUCCESS)
 }
 
 pub fn run(config: &Config, only: Option<usize>) -> Result<ExitCode> {
-    println!("kestrel {}", env!("CARGO_PKG_VERSION"));
+    outln!("kestrel {}", env!("CARGO_PKG_VERSION"))?;
+    for p in &config.problems {
+        outln!(
+            "configuration: {}={:?} is invalid ({}); CUDA runs stop until it is fixed or unset",
+            p.var,
+            p.value,
+            p.reason
+        )?;
+    }
     let count = match device_count() {
         Ok(n) => n,
         Err(CudaError::NoDriver(lib)) => {
-            println!("No CUDA driver found ({lib} could not be loaded): no GPU was found.");
-            println!("Kestrel will run on the CPU backend.");
+            outln!("No CUDA driver found ({lib} could not be loaded): no GPU was found.")?;
+            outln!("Kestrel will run on the CPU backend.")?;
             return Ok(ExitCode::SUCCESS);
         }
         Err(e) => return Err(e).context("querying CUDA devices"),
     };
     if count == 0 {
-        println!("The CUDA driver is installed but reports no device: no GPU was found.");
-        println!("Kestrel will run on the CPU backend.");
+        outln!("The CUDA driver is installed but reports no device: no GPU was found.")?;
+        outln!("Kestrel will run on the CPU backend.")?;
         return Ok(ExitCode::SUCCESS);
     }
-    println!("{count} CUDA device(s)");
+    outln!("{count} CUDA device(s)")?;
     match &config.kernel_cache_dir {
-        Some(dir) => println!("kernel cache: {}", dir.display()),
-        None => println!("kernel cache: off"),
+        Some(dir) => outln!("kernel cache: {}", dir.display())?,
+        None => outln!("kernel cache: off")?,
     }
     match &config.cuda_include_dir {
-        Some(dir) => println!("CUDA headers: {}", dir.display()),
-        None => println!("CUDA headers: NVRTC built-ins"),
+        Some(dir) => outln!("CUDA headers: {}", dir.display())?,
+        None => outln!("CUDA headers: NVRTC built-ins")?,
     }
     let mut failed = false;
     for ordinal in (0..count).filter(|o| only.is_none_or(|d| d == *o)) {
         match check_device(config, ordinal) {
-            Ok(()) => println!("device {ordinal}: OK"),
+            Ok(()) => outln!("device {ordinal}: OK")?,
             Err(e) => {
                 failed = true;
-                println!("device {ordinal}: FAILED: {e:#}");
+                outln!("device {ordinal}: FAILED: {e:#}")?;
             }
         }
     }
@@ -69,7 +77,7 @@ fn check_device(config: &Config, ordinal: usize) -> Result<()> {
     let dev = Device::open(ordinal, config)?;
     let info = dev.info();
     let (free, total) = dev.memory_info()?;
-    println!(
+    outln!(
         "device {ordinal}: {} | compute capability {}.{} | {} SMs | {:.1} GiB ({:.1} GiB free) | L2 {} MiB",
         info.name,
         info.compute_capability.0,
@@ -78,7 +86,7 @@ fn check_device(config: &Config, ordinal: usize) -> Result<()> {
         total as f64 / (1u64 << 30) as f64,
         free as f64 / (1u64 << 30) as f64,
         info.l2_bytes >> 20,
-    );
+    )?;
 
     // Every module, with the options the backend compiles it with.
     let t = Instant::now();
@@ -89,12 +97,12 @@ fn check_device(config: &Config, ordinal: usize) -> Result<()> {
             LoadOrigin::DiskCache | LoadOrigin::AlreadyLoaded => cached += 1,
         }
     }
-    println!(
+    outln!(
         "  kernels for {}: {} modules, {compiled} compiled by NVRTC, {cached} from the kernel cache, in {:.0} ms",
         dev.registry().arch(),
         compiled + cached,
         t.elapsed().as_secs_f64() * 1e3
-    );
+    )?;
 
     // axpy and a bf16 round trip on a size that is not a multiple of the block.
     let (mut rng, _) = Rng::from_time();
@@ -130,7 +138,7 @@ fn check_device(config: &Config, ordinal: usize) -> Result<()> {
         bad == 0,
         "round_bf16_f32 differs from the CPU in {bad} of {n} elements"
     );
-    println!("  axpy_f32 and round_bf16_f32 on {n} elements: exact match with the CPU");
+    outln!("  axpy_f32 and round_bf16_f32 on {n} elements: exact match with the CPU")?;
 
     let (m, k, nn) = (67, 45, 33);
     let a: Vec<f32> = (0..m * k).map(|_| rng.symmetric()).collect();
@@ -147,6 +155,6 @@ fn check_device(config: &Config, ordinal: usize) -> Result<()> {
         }
     }
     ensure!(worst < 1e-4, "cuBLAS sgemm max error {worst:e}");
-    println!("  cuBLAS sgemm {m}x{k}x{nn}: max error {worst:.1e}");
+    outln!("  cuBLAS sgemm {m}x{k}x{nn}: max error {worst:.1e}")?;
     Ok(())
 }

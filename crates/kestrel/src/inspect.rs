@@ -4,7 +4,7 @@
 //! KV caches of the full-attention layers, recurrent states of the linear-attention ones, the
 //! activations of a decode step and of a prefill chunk, from the graphs the run would build).
 
-use anyhow::{ensure, Result};
+use anyhow::{ensure, Context, Result};
 use clap::Args;
 use kestrel_core::ir::BufKind;
 use kestrel_core::planner::Plan;
@@ -92,7 +92,17 @@ pub fn run(a: InspectArgs) -> Result<std::process::ExitCode> {
         .filter(|&&k| k == LayerKind::FullAttention)
         .count();
     let linear = c.layers - full;
-    let kv_bytes = (2 * full * c.kv_heads * a.ctx * c.head_dim * cache.size_in_bytes()) as u64;
+    // Checked: a context the address space cannot hold is an error, not a saturated figure.
+    let kv_bytes = [full, c.kv_heads, a.ctx, c.head_dim, cache.size_in_bytes()]
+        .into_iter()
+        .try_fold(2u64, |acc, n| acc.checked_mul(n as u64))
+        .filter(|&b| usize::try_from(b).is_ok())
+        .with_context(|| {
+            format!(
+                "--ctx {}: the KV cache would need more bytes than this machine can address",
+                a.ctx
+            )
+        })?;
     let state_bytes = c.linear_attn.as_ref().map_or(0, |l| {
         let conv =
             (2 * l.key_heads * l.key_head_dim + l.value_heads * l.value_head_dim) * (l.conv_kernel - 1);
@@ -162,39 +172,43 @@ pub fn run(a: InspectArgs) -> Result<std::process::ExitCode> {
                 "uniform_bytes_per_token": p.uniform_bytes_per_token,
             })),
         });
-        println!("{v}");
+        outln!("{v}")?;
         return Ok(std::process::ExitCode::SUCCESS);
     }
-    println!("architecture      {}", c.arch.model_type());
-    println!(
+    outln!("architecture      {}", c.arch.model_type())?;
+    outln!(
         "layers            {} ({full} full attention, {linear} linear attention; {moe_layers} MoE)",
         c.layers
-    );
-    println!(
+    )?;
+    outln!(
         "sizes             hidden {}, heads {}/{} of {}, vocab {}",
-        c.hidden, c.heads, c.kv_heads, c.head_dim, c.vocab
-    );
+        c.hidden,
+        c.heads,
+        c.kv_heads,
+        c.head_dim,
+        c.vocab
+    )?;
     if let Some(m) = &c.moe {
-        println!(
+        outln!(
             "experts           {} of {} per token, width {}{}",
             m.experts_per_token,
             m.experts,
             m.expert_intermediate,
             m.shared_intermediate
                 .map_or(String::new(), |s| format!(", shared expert {s}"))
-        );
+        )?;
     }
-    println!("parameters        {total} total, {active} active per token");
+    outln!("parameters        {total} total, {active} active per token")?;
     let h200 = kestrel_cuda::ceilings::H200;
-    println!(
+    outln!(
         "bytes per token   {} read by a decode step (floor {:.0} tokens/s on an H200, {:.2} TB/s)",
         size(fp.active_bytes),
         h200.copy_bytes_per_s / fp.active_bytes.max(1) as f64,
         h200.copy_bytes_per_s / 1e12
-    );
+    )?;
     let fmts: Vec<String> = formats.iter().map(|(f, n)| format!("{f}: {n}")).collect();
-    println!("formats           {}", fmts.join(", "));
-    println!(
+    outln!("formats           {}", fmts.join(", "))?;
+    outln!(
         "memory at ctx {}  weights {} as loaded{} ({} on disk), KV cache ({cache}) {}, recurrent state {}",
         a.ctx,
         size(loaded),
@@ -204,22 +218,22 @@ pub fn run(a: InspectArgs) -> Result<std::process::ExitCode> {
         size(weight_bytes),
         size(kv_bytes),
         size(state_bytes)
-    );
-    println!(
+    )?;
+    outln!(
         "activations       {} for a decode step, {} for a {chunk}-token prefill chunk",
         size(decode_arena),
         size(prefill_arena)
-    );
+    )?;
     if let (Some(p), Some(gpu)) = (&placement, a.gpu_mem) {
         let total = p.moe_layers * p.experts_per_layer;
         if p.resident() {
-            println!(
+            outln!(
                 "placement         everything fits in {gpu}: {} resident, {} of experts",
                 size(p.resident_bytes),
                 size(p.expert_bytes)
-            );
+            )?;
         } else {
-            println!(
+            outln!(
                 "placement         {gpu} of GPU: {} resident (weights {}, caches, activations), caches of {} of the {total} experts ({:.0}%: {} slots in each of {} layers, {} each), {} to stage long prompts' layers{}; streamed from host memory for {} experts, from disk for {}",
                 size(p.resident_bytes),
                 size(p.resident_weight_bytes),
@@ -236,14 +250,14 @@ pub fn run(a: InspectArgs) -> Result<std::process::ExitCode> {
                 },
                 p.host_experts,
                 p.disk_experts
-            );
+            )?;
             let routed = p.moe_layers * p.top_k;
             let missed = routed as f64 * (1.0 - p.gpu_experts as f64 / total as f64);
-            println!(
+            outln!(
                 "streamed          {} a decode token if routing were uniform ({missed:.1} of {routed} routed experts miss); the smallest GPU budget is {}",
                 size(p.uniform_bytes_per_token as u64),
                 ByteSize(p.min_gpu_bytes())
-            );
+            )?;
         }
     }
     Ok(std::process::ExitCode::SUCCESS)

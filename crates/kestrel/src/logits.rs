@@ -3,15 +3,16 @@
 //! chunk; `decode` runs the first token as the prompt and every following one through the
 //! single-token path, as generation would.
 
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use kestrel_core::Config;
 use kestrel_engine::{Engine, EngineOptions, Model, Output, Want};
-use safetensors::tensor::{serialize_to_file, Dtype, TensorView};
+use safetensors::tensor::{serialize, Dtype, TensorView};
 
-use crate::args::{BackendArgs, MemoryArgs, ModelArgs, QuantArgs};
+use crate::args::{at_least_one, BackendArgs, LengthArgs, MemoryArgs, ModelArgs, QuantArgs};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Mode {
@@ -33,22 +34,35 @@ pub struct LogitsArgs {
     /// Positions the KV caches hold; default the number of tokens.
     #[arg(long)]
     ctx: Option<usize>,
+    #[command(flatten)]
+    length: LengthArgs,
     /// In prefill mode, chunks of at most this many tokens (default: one chunk).
-    #[arg(long)]
+    #[arg(long, value_parser = at_least_one)]
     prefill_chunk: Option<usize>,
     #[command(flatten)]
     quant: QuantArgs,
     #[command(flatten)]
     memory: MemoryArgs,
-    /// Output file.
+    /// Output file (must not exist yet).
     #[arg(long)]
     out: PathBuf,
 }
 
+/// Writes the logits into `out`, a new file: one that exists is the user's and is left alone.
 fn write(out: &Path, rows: &[f32], tokens: usize, vocab: usize) -> Result<()> {
     let bytes: &[u8] = bytemuck::cast_slice(rows);
     let view = TensorView::new(Dtype::F32, vec![tokens, vocab], bytes)?;
-    serialize_to_file([("logits", view)], None, out).with_context(|| format!("writing {}", out.display()))?;
+    let data = serialize([("logits", view)], None)?;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(out)
+        .with_context(|| format!("creating {} (--out must name a new file)", out.display()))?;
+    if let Err(e) = file.write_all(&data) {
+        drop(file);
+        let _ = std::fs::remove_file(out);
+        return Err(e).with_context(|| format!("writing {}", out.display()));
+    }
     Ok(())
 }
 
@@ -57,12 +71,22 @@ pub fn run(config: &Config, a: LogitsArgs) -> Result<std::process::ExitCode> {
     if a.tokens.len() > ctx {
         bail!("{} tokens do not fit a context of {ctx} (--ctx)", a.tokens.len());
     }
+    if a.out.exists() {
+        bail!("{} exists: --out must name a new file", a.out.display());
+    }
     let model = Model::open(&a.model.source())?;
+    a.length.check(
+        model.config.max_position_embeddings,
+        ctx,
+        &format!("{} tokens in a context of {ctx}", a.tokens.len()),
+        "give fewer tokens or a smaller --ctx",
+    )?;
     let label = model.label.clone();
     let vocab = model.config.vocab;
     let mut opts = EngineOptions::with_ctx(ctx);
     opts.backend = a.backend.choice();
     opts.quant = a.quant.format()?;
+    opts.allow_long_context = a.length.allow_long_context;
     if a.mode == Mode::Prefill {
         opts.prefill_chunk = a.prefill_chunk;
     }
@@ -81,7 +105,7 @@ pub fn run(config: &Config, a: LogitsArgs) -> Result<std::process::ExitCode> {
         }
     };
     write(&a.out, &rows, a.tokens.len(), vocab)?;
-    eprintln!(
+    errln!(
         "wrote logits [{}, {vocab}] to {}",
         a.tokens.len(),
         a.out.display()

@@ -1,4 +1,4 @@
-//! Loading on stderr: progress as a bar on a terminal, a plain line at each quarter otherwise
+//! Loading and long prefills on stderr: progress as a bar on a terminal, a plain line at each quarter otherwise
 //! (logs and pipes stay readable), and where the model's bytes went when it streams.
 
 use std::io::IsTerminal;
@@ -8,7 +8,24 @@ use kestrel_engine::ByteSize;
 
 /// A callback for `Session::with_progress`: (bytes done, bytes in all).
 pub fn loading(what: &str) -> impl FnMut(u64, u64) + 'static {
-    let what = what.to_string();
+    meter(format!("loading {what}"), Unit::Bytes)
+}
+
+/// A callback for a long prefill run in chunks: (tokens done, tokens in all).
+pub fn prefill() -> impl FnMut(usize, usize) + 'static {
+    let mut m = meter("prefill".to_string(), Unit::Tokens);
+    move |done, total| m(done as u64, total as u64)
+}
+
+#[derive(Clone, Copy)]
+enum Unit {
+    Bytes,
+    Tokens,
+}
+
+/// Progress of `what`: a bar on a terminal, otherwise a plain line each time a new quarter is
+/// reached.
+fn meter(what: String, unit: Unit) -> impl FnMut(u64, u64) + 'static {
     let mut bar: Option<ProgressBar> = None;
     let mut quarter = 0;
     let terminal = std::io::stderr().is_terminal();
@@ -16,11 +33,15 @@ pub fn loading(what: &str) -> impl FnMut(u64, u64) + 'static {
         if terminal {
             let b = bar.get_or_insert_with(|| {
                 let b = ProgressBar::new(total);
-                let style = ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} ({eta})")
+                let counts = match unit {
+                    Unit::Bytes => "{bytes}/{total_bytes}",
+                    Unit::Tokens => "{pos}/{len} tokens",
+                };
+                let style = ProgressStyle::with_template(&format!("{{msg}} [{{bar:40}}] {counts} ({{eta}})"))
                     .expect("a valid template")
                     .progress_chars("=> ");
                 b.set_style(style);
-                b.set_message(format!("loading {what}"));
+                b.set_message(what.clone());
                 b
             });
             b.set_position(done);
@@ -28,15 +49,19 @@ pub fn loading(what: &str) -> impl FnMut(u64, u64) + 'static {
                 b.finish_and_clear();
             }
         } else {
+            // A line when a new quarter is reached, with the figures as they are.
             let q = (done * 4).checked_div(total).unwrap_or(4) as usize;
-            while quarter < q {
-                quarter += 1;
-                eprintln!(
-                    "loading {what}: {}% ({:.1} of {:.1} MiB)",
-                    quarter * 25,
-                    done as f64 / (1 << 20) as f64,
-                    total as f64 / (1 << 20) as f64
-                );
+            if q > quarter {
+                quarter = q;
+                let pct = (done * 100).checked_div(total).unwrap_or(100);
+                match unit {
+                    Unit::Bytes => errln!(
+                        "{what}: {pct}% ({:.1} of {:.1} MiB)",
+                        done as f64 / (1 << 20) as f64,
+                        total as f64 / (1 << 20) as f64
+                    ),
+                    Unit::Tokens => errln!("{what}: {pct}% ({done} of {total} tokens)"),
+                }
             }
         }
     }
@@ -46,7 +71,7 @@ pub fn loading(what: &str) -> impl FnMut(u64, u64) + 'static {
 pub fn placement(engine: &kestrel_engine::Engine) {
     let Some(p) = engine.placement() else { return };
     let total = p.moe_layers * p.experts_per_layer;
-    eprintln!(
+    errln!(
         "streaming experts: the model does not fit, so {} of its {total} routed experts ({:.0}%, \
          {} of each layer's {}) are cached on the {} beside {} of resident weights, caches and \
          activations; the others come from host memory ({} experts) or the checkpoint on disk \
@@ -65,6 +90,6 @@ pub fn placement(engine: &kestrel_engine::Engine) {
 /// Warns on stderr when streamed experts come from slower memory than planned.
 pub fn host_tier_warning(engine: &kestrel_engine::Engine) {
     if let Some(note) = engine.host_tier_note() {
-        eprintln!("warning: {note}");
+        errln!("warning: {note}");
     }
 }

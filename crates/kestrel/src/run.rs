@@ -8,7 +8,6 @@
 //! (never half a character); load time and speeds go to stderr. With `--json` the last stdout
 //! line is one JSON object instead.
 
-use std::io::Write as _;
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
@@ -18,7 +17,14 @@ use clap::Args;
 use kestrel_core::Config;
 use kestrel_engine::{Engine, EngineOptions, Model, Want};
 
-use crate::args::{BackendArgs, MemoryArgs, ModelArgs, QuantArgs, SamplingArgs, TemplateArgs};
+use crate::args::{
+    at_least_one, BackendArgs, LengthArgs, MemoryArgs, ModelArgs, QuantArgs, SamplingArgs, TemplateArgs,
+};
+
+/// Prompts longer than this run in chunks of [`PROGRESS_CHUNK`] (unless `--prefill-chunk` says
+/// otherwise), so their prefill shows progress.
+const LONG_PROMPT: usize = 4096;
+const PROGRESS_CHUNK: usize = 2048;
 
 #[derive(Args)]
 pub struct RunArgs {
@@ -62,8 +68,11 @@ pub struct RunArgs {
     /// Positions the KV caches hold; default prompt plus generated tokens.
     #[arg(short = 'c', long)]
     ctx: Option<usize>,
-    /// Prefill the prompt in chunks of at most this many tokens (default: one chunk).
-    #[arg(long)]
+    #[command(flatten)]
+    length: LengthArgs,
+    /// Prefill the prompt in chunks of at most this many tokens (default: one chunk, or chunks
+    /// of 2048 with progress on stderr for prompts over 4096 tokens).
+    #[arg(long, value_parser = at_least_one)]
     prefill_chunk: Option<usize>,
     #[command(flatten)]
     quant: QuantArgs,
@@ -93,25 +102,67 @@ fn prompt_ids(a: &RunArgs, model: &Model) -> Result<Vec<u32>> {
 }
 
 pub fn run(config: &Config, a: RunArgs) -> Result<std::process::ExitCode> {
+    if a.stop.iter().any(String::is_empty) {
+        bail!("--stop \"\" would stop before the first token: give a non-empty string");
+    }
     let load = Instant::now();
     let model = Model::open(&a.model.source())?;
     let prompt = prompt_ids(&a, &model)?;
     if prompt.is_empty() {
         bail!("the prompt is empty");
     }
-    let ctx = a.ctx.unwrap_or(prompt.len() + a.n_predict);
-    if prompt.len() + a.n_predict > ctx {
+    let trained = model.config.max_position_embeddings;
+    a.length.check(
+        trained,
+        prompt.len(),
+        &format!("a prompt of {} tokens", prompt.len()),
+        "shorten it",
+    )?;
+    if let Some(c) = a.ctx {
+        a.length
+            .check(trained, c, &format!("a context of {c} (-c)"), "give a smaller -c")?;
+    }
+    // Without -c the context is the prompt and the new tokens, up to the trained length.
+    let limit = if a.length.allow_long_context {
+        usize::MAX
+    } else {
+        trained
+    };
+    let ctx = a
+        .ctx
+        .unwrap_or_else(|| prompt.len().saturating_add(a.n_predict).min(limit));
+    let n_predict = match a.ctx {
+        Some(_) => a.n_predict,
+        None => a.n_predict.min(ctx - prompt.len()),
+    };
+    if prompt.len().saturating_add(n_predict) > ctx {
         bail!(
-            "{} prompt tokens and {} new ones do not fit a context of {ctx} (-c / --ctx)",
+            "{} prompt tokens and {n_predict} new ones do not fit a context of {ctx} (-c / --ctx)",
             prompt.len(),
-            a.n_predict
+        );
+    }
+    if n_predict < a.n_predict {
+        errln!(
+            "-n {} stops at {n_predict}: the prompt's {} tokens and the new ones fill the {trained} \
+             positions the model was trained for (--allow-long-context goes past them)",
+            a.n_predict,
+            prompt.len()
         );
     }
     let label = model.label.clone();
     let mut opts = EngineOptions::with_ctx(ctx);
     opts.backend = a.backend.choice();
     opts.quant = a.quant.format()?;
-    opts.prefill_chunk = a.prefill_chunk;
+    opts.allow_long_context = a.length.allow_long_context;
+    let chunk = match a.prefill_chunk {
+        Some(c) => Some(c),
+        None if prompt.len() > LONG_PROMPT => Some(PROGRESS_CHUNK),
+        None => None,
+    };
+    opts.prefill_chunk = chunk;
+    if chunk.is_some_and(|c| c < prompt.len()) {
+        opts.prefill_progress = Some(Box::new(crate::progress::prefill()));
+    }
     opts.sampling = Some(a.sampling.params(&model.text.generation));
     opts.ignore_eos = a.ignore_eos;
     opts.progress = Some(Box::new(crate::progress::loading(&label)));
@@ -119,24 +170,17 @@ pub fn run(config: &Config, a: RunArgs) -> Result<std::process::ExitCode> {
     let mut engine = Engine::new(model, config, opts).with_context(|| format!("opening {label}"))?;
     crate::progress::placement(&engine);
     // The weights go to the backend with the first program.
-    let chunk = a.prefill_chunk.unwrap_or(prompt.len()).max(1);
+    let chunk = chunk.unwrap_or(prompt.len());
     engine.prepare(chunk.min(prompt.len()), Want::LastLogits)?;
     let load_s = load.elapsed().as_secs_f64();
     let mut stdout = |s: &str| -> std::io::Result<()> {
-        if !a.json {
-            let mut out = std::io::stdout().lock();
-            out.write_all(s.as_bytes())?;
-            out.flush()?;
+        if a.json {
+            Ok(())
+        } else {
+            crate::out::stdout_text(s)
         }
-        Ok(())
     };
-    let t = engine.generate(
-        &prompt,
-        a.n_predict,
-        &a.stop,
-        &mut stdout,
-        &AtomicBool::new(false),
-    )?;
+    let t = engine.generate(&prompt, n_predict, &a.stop, &mut stdout, &AtomicBool::new(false))?;
     let total_s = load.elapsed().as_secs_f64();
     let backend = engine.backend();
     // Decode speed over the tokens after the first (the first comes with the prefill).
@@ -152,25 +196,25 @@ pub fn run(config: &Config, a: RunArgs) -> Result<std::process::ExitCode> {
             "prefill_s": t.prefill_s,
             "decode_tokens_per_s": decode_tps,
         });
-        println!("{v}");
+        outln!("{v}")?;
     } else {
         match &t.text {
             // The text was streamed; end its line.
-            Some(_) => println!(),
+            Some(_) => outln!()?,
             // No tokenizer: the ids.
             None => {
                 let ids: Vec<String> = t.tokens.iter().map(|t| t.to_string()).collect();
-                println!("{}", ids.join(" "));
+                outln!("{}", ids.join(" "))?;
             }
         }
         let prompt_tps = prompt.len() as f64 / t.prefill_s.max(1e-9);
-        eprintln!("load: {load_s:.2} s");
-        eprintln!(
+        errln!("load: {load_s:.2} s");
+        errln!(
             "prompt: {} tokens in {:.3} s ({prompt_tps:.1} tokens/s)",
             prompt.len(),
             t.prefill_s
         );
-        eprintln!(
+        errln!(
             "generated: {} tokens ({}), {decode_tps:.1} tokens/s; {total_s:.2} s in all",
             t.tokens.len(),
             t.stop_reason.as_str()

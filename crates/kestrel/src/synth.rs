@@ -51,7 +51,7 @@ pub fn run(a: SynthArgs) -> Result<std::process::ExitCode> {
     };
     let (json, config, weights) = synthetic_model_json(&a.name, a.layers, format, a.seed)?;
     let bytes = write_model_dir(&a.out, &json, &weights, a.shard_size << 20)?;
-    eprintln!(
+    errln!(
         "wrote {} ({} layers, {}-bit, seed {}) to {}: {} of weights in {:.1} s",
         a.name,
         config.layers,

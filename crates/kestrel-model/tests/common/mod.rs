@@ -14,9 +14,9 @@ pub fn dir(name: &str) -> PathBuf {
     kestrel_testing::fixtures::path("crates/kestrel-model/tests/parity").join(name)
 }
 
-/// A fixture's model on one backend, caches of 64 positions.
+/// A fixture's model on one backend, caches of 128 positions (the fixtures' trained length).
 pub fn open<B: Backend>(name: &str, backend: B, cache: DType) -> Session<B> {
-    Session::open(&dir(name), backend, 64, cache).unwrap()
+    Session::open(&dir(name), backend, 128, cache).unwrap()
 }
 
 /// The fixture's tokens, reference logits `[tokens, vocab]` and greedy continuation.
@@ -96,6 +96,38 @@ pub fn top1_agreement_or_tie(got: &[f32], want: &[f32], tol: f32) -> f64 {
     ok as f64 / rows as f64
 }
 
+/// Per row: |got - want| largest over the row, over the row's largest |want|; and whether the
+/// two rows' largest entries are at the same index.
+pub fn per_position(got: &[f32], want: &[f32]) -> Vec<(f32, bool)> {
+    got.chunks(VOCAB)
+        .zip(want.chunks(VOCAB))
+        .map(|(g, w)| (rel_max_err(g, w), argmax(g) == argmax(w)))
+        .collect()
+}
+
+/// `per_position` as one line: the top-1 agreement, the positions that disagree and the
+/// largest errors, so a failure shows where the rows part, not only the worst one.
+pub fn describe_positions(got: &[f32], want: &[f32]) -> String {
+    let p = per_position(got, want);
+    let agree = p.iter().filter(|(_, same)| *same).count();
+    let differ: Vec<String> = p
+        .iter()
+        .enumerate()
+        .filter(|(_, (_, same))| !same)
+        .map(|(i, (e, _))| format!("{i} ({:.1}%)", 100.0 * e))
+        .collect();
+    let mut errs: Vec<f32> = p.iter().map(|(e, _)| *e).collect();
+    errs.sort_by(f32::total_cmp);
+    let median = errs[errs.len() / 2];
+    format!(
+        "top-1 agrees at {agree} of {} positions; differs at [{}]; per-position error median {:.2}%, largest {:.2}%",
+        p.len(),
+        differ.join(", "),
+        100.0 * median,
+        100.0 * errs[errs.len() - 1]
+    )
+}
+
 pub fn argmax(row: &[f32]) -> u32 {
     let mut best = 0;
     for (i, v) in row.iter().enumerate() {
@@ -149,6 +181,11 @@ pub fn run<B: Backend>(
     assert_eq!(on_backend, generated, "{name}: argmax on the backend");
     (prefill, rows, generated)
 }
+
+/// The hybrids at wider shapes with a 48-token prompt (hidden 128, head_dim 64 with a quarter
+/// rotary, linear key/value heads of 32, 16 experts top-4 and a shared expert), where CUDA
+/// prefill's roundings show.
+pub const WIDE: [&str; 2] = ["qwen3_next_wide", "qwen3_5_moe_wide"];
 
 pub const FIXTURES: [&str; 6] = [
     "llama",
