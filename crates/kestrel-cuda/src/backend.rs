@@ -20,6 +20,28 @@ use kestrel_cuda_rt::{Buffer, CommandList, CudaError, Device, Graph as CudaGraph
 use crate::encoder::{Encoder, Scratch};
 use crate::ops;
 
+/// The fast paths that round activations, switched off: with both set, a bf16 checkpoint is
+/// computed in f32 from end to end (quantised experts keep their rounded activations: bf16 in
+/// grouped products, int8 in few-token ones; there is no f32 kernel for them).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Exact {
+    /// Products of many tokens take the f32 kernels rather than tensor cores on x rounded to
+    /// bf16 (and prefill graphs keep their norm outputs in f32); one-token products of quantised
+    /// weights take the f32 matvec rather than x rounded to int8.
+    pub projections: bool,
+    /// bf16 experts of many tokens take the f32 kernels rather than grouped tensor-core GEMMs
+    /// on bf16 activations.
+    pub experts: bool,
+}
+
+impl Exact {
+    /// Every fast path that rounds.
+    pub const ALL: Exact = Exact {
+        projections: true,
+        experts: true,
+    };
+}
+
 /// How programs run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RunMode {
@@ -32,6 +54,8 @@ pub enum RunMode {
 pub struct CudaBackend {
     device: Device,
     mode: RunMode,
+    /// Fast paths switched off.
+    exact: Exact,
     persistent: HashMap<String, (String, Buffer)>,
     scratch: Scratch,
 }
@@ -98,9 +122,16 @@ impl CudaBackend {
         CudaBackend {
             device,
             mode,
+            exact: Exact::default(),
             persistent: HashMap::new(),
             scratch: Scratch::default(),
         }
+    }
+
+    /// Programs prepared from now on leave out the fast paths `exact` names.
+    pub fn with_exact(mut self, exact: Exact) -> Self {
+        self.exact = exact;
+        self
     }
 
     pub fn device(&self) -> &Device {
@@ -141,9 +172,10 @@ impl Backend for CudaBackend {
         "cuda"
     }
 
-    /// bf16 from the token count where products run on tensor cores over bf16 activations.
+    /// bf16 from the token count where products run on tensor cores over bf16 activations
+    /// (f32 when those are switched off, [`Exact::projections`]).
     fn projection_input_dtype(&self, tokens: usize) -> DType {
-        if tokens >= ops::GEMM_MIN_TOKENS {
+        if tokens >= ops::GEMM_MIN_TOKENS && !self.exact.projections {
             DType::BF16
         } else {
             DType::F32
@@ -195,7 +227,14 @@ impl Backend for CudaBackend {
             views.push(view);
         }
         let mut list = CommandList::new("forward");
-        let mut enc = Encoder::new(&self.device, graph, &views, &mut list, &mut self.scratch);
+        let mut enc = Encoder::new(
+            &self.device,
+            graph,
+            &views,
+            &mut list,
+            &mut self.scratch,
+            self.exact,
+        );
         let precise = decision_inputs(graph);
         let mut i = 0;
         while i < graph.nodes.len() {

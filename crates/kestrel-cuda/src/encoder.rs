@@ -33,6 +33,8 @@ pub struct Encoder<'a> {
     /// The node being encoded feeds a discrete choice (router logits): no approximate fast paths,
     /// so a near tie is decided as the CPU decides it.
     pub precise: bool,
+    /// The fast paths the backend was told to leave out, for every node.
+    pub exact: crate::backend::Exact,
 }
 
 impl<'a> Encoder<'a> {
@@ -42,6 +44,7 @@ impl<'a> Encoder<'a> {
         views: &'a [Option<Buffer>],
         list: &'a mut CommandList,
         scratch: &'a mut Scratch,
+        exact: crate::backend::Exact,
     ) -> Encoder<'a> {
         Encoder {
             device,
@@ -50,6 +53,7 @@ impl<'a> Encoder<'a> {
             list,
             scratch,
             precise: false,
+            exact,
         }
     }
 

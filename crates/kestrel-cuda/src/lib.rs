@@ -11,7 +11,7 @@ pub mod backend;
 pub mod encoder;
 pub mod ops;
 
-pub use backend::{CudaBackend, CudaProgram, RunMode};
+pub use backend::{CudaBackend, CudaProgram, Exact, RunMode};
 pub use encoder::Encoder;
 pub use kestrel_cuda_rt::{
     ceilings, device_count, driver_present, Arg, Buffer, Ceilings, CommandList, CounterSnapshot, CudaError,

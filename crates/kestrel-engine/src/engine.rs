@@ -8,7 +8,7 @@ use std::str::FromStr;
 use kestrel_core::quant::QuantFormat;
 use kestrel_core::{Config, DType};
 use kestrel_cpu::CpuBackend;
-use kestrel_cuda::{CudaBackend, Device, RunMode};
+use kestrel_cuda::{CudaBackend, Device, Exact, RunMode};
 use kestrel_model::{
     CacheStats, DiskStats, Eviction, ModelConfig, Output, Session, StageAhead, Want, Weights,
 };
@@ -65,11 +65,25 @@ pub fn default_backend() -> BackendChoice {
     }
 }
 
-/// The KV caches' element type on a backend: f32 on the reference, bf16 on CUDA.
-pub fn cache_dtype(backend: BackendChoice) -> DType {
-    match backend {
-        BackendChoice::Cpu => DType::F32,
-        BackendChoice::Cuda => DType::BF16,
+/// How closely a backend follows the f32 reference.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Precision {
+    /// The fast paths: on CUDA bf16 KV caches, and many-token products on tensor cores over
+    /// activations rounded to bf16 (router logits always exact).
+    #[default]
+    Fast,
+    /// f32 activations and KV caches everywhere (`kestrel_cuda::Exact::ALL`): a bf16 checkpoint
+    /// gives the CPU reference's logits to float rounding, at the cost of the tensor cores
+    /// (BENCHMARKS.md). Quantised experts keep their rounded activations.
+    Exact,
+}
+
+/// The KV caches' element type on a backend: f32 on the reference and in exact mode, bf16 on
+/// CUDA.
+pub fn cache_dtype(backend: BackendChoice, precision: Precision) -> DType {
+    match (backend, precision) {
+        (BackendChoice::Cpu, _) | (_, Precision::Exact) => DType::F32,
+        (BackendChoice::Cuda, Precision::Fast) => DType::BF16,
     }
 }
 
@@ -93,6 +107,8 @@ pub struct EngineOptions {
     pub prefill_progress: Option<Box<dyn FnMut(usize, usize)>>,
     /// Allow a context past the model's trained length (`max_position_embeddings`).
     pub allow_long_context: bool,
+    /// Fast paths, or f32 everywhere.
+    pub precision: Precision,
     /// Memory the backend may hold (None: on CUDA what the device has free, less a margin; on
     /// the CPU no limit). A model larger than this streams its routed experts through a cache.
     pub gpu_mem: Option<u64>,
@@ -115,6 +131,7 @@ impl EngineOptions {
             progress: None,
             prefill_progress: None,
             allow_long_context: false,
+            precision: Precision::Fast,
             gpu_mem: None,
             host_mem: None,
             eviction: Eviction::Lru,
@@ -190,7 +207,7 @@ impl Engine {
             temperature: 0.0,
             ..Default::default()
         }))?;
-        let cache = cache_dtype(backend);
+        let cache = cache_dtype(backend, opts.precision);
         let device = match backend {
             BackendChoice::Cuda => Some(Device::open(config.device, config)?),
             BackendChoice::Cpu => None,
@@ -254,13 +271,18 @@ impl Engine {
         }
         let sampling = sampler.params;
         let ctx = opts.ctx;
+        let precision = opts.precision;
         let session = match &device {
             None => {
                 let s = Session::new(model_config, weights, CpuBackend::new(), ctx, cache);
                 AnySession::Cpu(configure(s, opts, placement.as_ref())?)
             }
             Some(dev) => {
-                let cuda = CudaBackend::new(dev.clone(), RunMode::Graph);
+                let exact = match precision {
+                    Precision::Fast => Exact::default(),
+                    Precision::Exact => Exact::ALL,
+                };
+                let cuda = CudaBackend::new(dev.clone(), RunMode::Graph).with_exact(exact);
                 let s = Session::new(model_config, weights, cuda, ctx, cache);
                 AnySession::Cuda(configure(s, opts, placement.as_ref())?)
             }

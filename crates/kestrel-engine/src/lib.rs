@@ -18,7 +18,7 @@ mod generate;
 mod model;
 pub mod placement;
 
-pub use engine::{cache_dtype, default_backend, BackendChoice, Engine, EngineOptions};
+pub use engine::{cache_dtype, default_backend, BackendChoice, Engine, EngineOptions, Precision};
 pub use error::{EngineError, Result};
 pub use generate::{StopReason, Turn};
 pub use kestrel_model::{expert_cache, Output, Want};

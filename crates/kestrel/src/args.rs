@@ -7,7 +7,7 @@ use anyhow::{bail, Result};
 use clap::{Args, ValueEnum};
 use kestrel_core::quant::QuantFormat;
 use kestrel_engine::expert_cache::Eviction;
-use kestrel_engine::{BackendChoice, ByteSize, EngineOptions, ModelSource, SamplingOverrides};
+use kestrel_engine::{BackendChoice, ByteSize, EngineOptions, ModelSource, Precision, SamplingOverrides};
 use kestrel_text::{GenerationConfig, SamplingParams};
 
 /// `-m DIR`: a model directory, else the built-in model.
@@ -31,12 +31,24 @@ pub enum Backend {
     Cuda,
 }
 
-/// `--backend cpu|cuda`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum PrecisionFlag {
+    /// Tensor cores over bf16 activations for many tokens, bf16 KV caches on CUDA.
+    Fast,
+    /// f32 activations and KV caches everywhere: the CPU reference's logits for a bf16
+    /// checkpoint, slower prefill (quantised experts keep rounded activations).
+    Exact,
+}
+
+/// `--backend cpu|cuda` and `--precision fast|exact`.
 #[derive(Args, Clone, Copy)]
 pub struct BackendArgs {
     /// Backend; default CUDA when a device is present, else the CPU.
     #[arg(long, value_enum)]
     pub backend: Option<Backend>,
+    /// How closely CUDA follows the f32 reference.
+    #[arg(long, value_enum, default_value = "fast")]
+    pub precision: PrecisionFlag,
 }
 
 impl BackendArgs {
@@ -46,6 +58,15 @@ impl BackendArgs {
             Backend::Cpu => BackendChoice::Cpu,
             Backend::Cuda => BackendChoice::Cuda,
         })
+    }
+
+    /// The backend and precision into `opts`.
+    pub fn apply(&self, opts: &mut EngineOptions) {
+        opts.backend = self.choice();
+        opts.precision = match self.precision {
+            PrecisionFlag::Fast => Precision::Fast,
+            PrecisionFlag::Exact => Precision::Exact,
+        };
     }
 }
 

@@ -339,7 +339,7 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
         .max(1);
     let mut rng = Rng::new(a.seed ^ 0xBE7C);
     let mut opts = EngineOptions::with_ctx(ctx);
-    opts.backend = a.backend.choice();
+    a.backend.apply(&mut opts);
     opts.quant = a.quant.format()?;
     opts.prefill_chunk = a.prefill_chunk;
     opts.progress = Some(Box::new(crate::progress::loading(&label)));
@@ -388,6 +388,7 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
         let v = serde_json::json!({
             "model": label,
             "backend": backend_name,
+            "precision": format!("{:?}", a.backend.precision).to_lowercase(),
             "reps": a.reps,
             "parameters": fp.params,
             "active_parameters_per_token": fp.active_params,
@@ -404,10 +405,15 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
         return Ok(std::process::ExitCode::SUCCESS);
     }
     outln!(
-        "model: {label} | {:.2} GiB | {:.2} B params, {:.2} B active | {backend_name} | median of {} runs",
+        "model: {label} | {:.2} GiB | {:.2} B params, {:.2} B active | {backend_name}{} | median of {} runs",
         fp.bytes as f64 / (1u64 << 30) as f64,
         fp.params as f64 / 1e9,
         fp.active_params as f64 / 1e9,
+        if a.backend.precision == crate::args::PrecisionFlag::Exact {
+            " (exact)"
+        } else {
+            ""
+        },
         a.reps
     )?;
     if let (Some(c), Some(floor)) = (ceilings, floor_tps) {

@@ -86,7 +86,7 @@ pub fn run(config: &Config, a: ChatArgs) -> Result<std::process::ExitCode> {
     )?;
     let mut opts = EngineOptions::with_ctx(ctx);
     opts.allow_long_context = a.length.allow_long_context;
-    opts.backend = a.backend.choice();
+    a.backend.apply(&mut opts);
     opts.quant = a.quant.format()?;
     opts.sampling = Some(a.sampling.params(&model.text.generation));
     opts.progress = Some(Box::new(crate::progress::loading(&label)));

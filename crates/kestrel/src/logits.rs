@@ -84,7 +84,7 @@ pub fn run(config: &Config, a: LogitsArgs) -> Result<std::process::ExitCode> {
     let label = model.label.clone();
     let vocab = model.config.vocab;
     let mut opts = EngineOptions::with_ctx(ctx);
-    opts.backend = a.backend.choice();
+    a.backend.apply(&mut opts);
     opts.quant = a.quant.format()?;
     opts.allow_long_context = a.length.allow_long_context;
     if a.mode == Mode::Prefill {

@@ -84,6 +84,29 @@ pub struct RunArgs {
     json: bool,
 }
 
+/// The most bytes `-f` reads: far more text than the longest trained context holds (262,144
+/// tokens are about a megabyte), so a wrong file (`/dev/zero`, a model's weights) is refused
+/// instead of filling memory.
+const MAX_PROMPT_BYTES: u64 = 64 << 20;
+
+/// The prompt file `f`, at most [`MAX_PROMPT_BYTES`] of UTF-8 text.
+fn read_prompt(f: &std::path::Path) -> Result<String> {
+    use std::io::Read as _;
+    let file = std::fs::File::open(f).with_context(|| format!("reading the prompt from {}", f.display()))?;
+    let mut bytes = Vec::new();
+    file.take(MAX_PROMPT_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .with_context(|| format!("reading the prompt from {}", f.display()))?;
+    if bytes.len() as u64 > MAX_PROMPT_BYTES {
+        bail!(
+            "the prompt file {} holds more than {} MiB, far more than any model's context: is it the right file?",
+            f.display(),
+            MAX_PROMPT_BYTES >> 20
+        );
+    }
+    String::from_utf8(bytes).with_context(|| format!("the prompt file {} is not UTF-8 text", f.display()))
+}
+
 /// The prompt in tokens.
 fn prompt_ids(a: &RunArgs, model: &Model) -> Result<Vec<u32>> {
     if let Some(ids) = &a.prompt_tokens {
@@ -91,9 +114,7 @@ fn prompt_ids(a: &RunArgs, model: &Model) -> Result<Vec<u32>> {
     }
     let text = match (&a.prompt, &a.file) {
         (Some(p), _) => p.clone(),
-        (None, Some(f)) => {
-            std::fs::read_to_string(f).with_context(|| format!("reading the prompt from {}", f.display()))?
-        }
+        (None, Some(f)) => read_prompt(f)?,
         (None, None) => bail!("give a prompt: -p TEXT, -f FILE or --prompt-tokens IDS"),
     };
     Ok(model
@@ -151,7 +172,7 @@ pub fn run(config: &Config, a: RunArgs) -> Result<std::process::ExitCode> {
     }
     let label = model.label.clone();
     let mut opts = EngineOptions::with_ctx(ctx);
-    opts.backend = a.backend.choice();
+    a.backend.apply(&mut opts);
     opts.quant = a.quant.format()?;
     opts.allow_long_context = a.length.allow_long_context;
     let chunk = match a.prefill_chunk {

@@ -265,6 +265,9 @@ fn prompts_past_the_trained_length_are_refused_with_both_numbers() {
         "cpu",
     ]);
     refused(&o, &["200", "128 positions"], "run -c 200");
+    // A prompt file that never ends is refused at a bound, not read into memory.
+    let o = kestrel(&["run", "-m", m, "-f", "/dev/zero", "--backend", "cpu"]);
+    refused(&o, &["/dev/zero", "more than 64 MiB"], "-f /dev/zero");
     let out = temp("long-logits");
     let file = out.0.with_extension("safetensors");
     let o = kestrel(&[

@@ -2,7 +2,8 @@
 //! many tokens through `kernels/gemm.cu`.
 //!
 //! A product takes the first path that fits:
-//! - from `GEMM_MIN_TOKENS` (16) tokens, outside router logits (`Encoder::precise`): bf16 weights
+//! - from `GEMM_MIN_TOKENS` (16) tokens, outside router logits (`Encoder::precise`) and unless
+//!   rounded activations are switched off (`Exact::projections`): bf16 weights
 //!   through cuBLAS on x rounded to bf16, quantised weights in whole tiles (64 columns, K in steps
 //!   of 64) through `gemm.cu`'s `linear_gemm_*`;
 //! - one token: the matvecs (`matvec_bf16`, `matvec_q*_dp4a`; router logits from quantised
@@ -315,8 +316,10 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             in_dim,
             out_dim,
         } => {
+            // Router logits, or every product when rounded activations are switched off.
+            let precise = enc.precise || enc.exact.projections;
             if *tokens >= GEMM_MIN_TOKENS
-                && !enc.precise
+                && !precise
                 && encode_tensor_core(enc, *x, w, *out, *tokens, *in_dim, *out_dim)?
             {
                 return Ok(());
@@ -325,11 +328,10 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             let x = f32_activations(enc, *x)?;
             // The dense matvec keeps x in f32, so it is exact enough for router logits too.
             let exact = matches!(w, LinearWeight::Dense(_));
-            if *tokens == 1 && (!enc.precise || exact) && encode_matvec(enc, &x, w, *out, *in_dim, *out_dim)?
-            {
+            if *tokens == 1 && (!precise || exact) && encode_matvec(enc, &x, w, *out, *in_dim, *out_dim)? {
                 return Ok(());
             }
-            if *tokens == 1 && enc.precise && encode_matvec_exact(enc, &x, w, *out, *in_dim, *out_dim)? {
+            if *tokens == 1 && precise && encode_matvec_exact(enc, &x, w, *out, *in_dim, *out_dim)? {
                 return Ok(());
             }
             let grid = (

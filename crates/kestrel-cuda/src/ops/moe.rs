@@ -407,7 +407,10 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 enc.buf(experts)?.clone(),
                 enc.buf(out)?.clone(),
             );
-            if tokens >= GROUPED_MIN_TOKENS && grouped_fits(&layout) {
+            // bf16 experts keep f32 activations when their rounding is switched off
+            // (`Exact::experts`); quantised ones have no f32 kernel.
+            let exact = enc.exact.experts && group == 0;
+            if tokens >= GROUPED_MIN_TOKENS && grouped_fits(&layout) && !exact {
                 let args = (tokens, k, name, group);
                 encode_grouped(enc, &x, &ids, &w, &e, &o, &layout, args)?;
             } else if group == 0 {
