@@ -17,30 +17,8 @@ use kestrel_core::{Backend, CoreError, DType};
 
 use kestrel_cuda_rt::{Buffer, CommandList, CudaError, Device, Graph as CudaGraph, PinnedBuffer, Result};
 
-use crate::encoder::{Encoder, Scratch};
+use crate::encoder::{Encoder, Exact, Scratch};
 use crate::ops;
-
-/// The fast paths that round activations, switched off: with both set, a bf16 checkpoint is
-/// computed in f32 from end to end (quantised experts keep their rounded activations: bf16 in
-/// grouped products, int8 in few-token ones; there is no f32 kernel for them).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Exact {
-    /// Products of many tokens take the f32 kernels rather than tensor cores on x rounded to
-    /// bf16 (and prefill graphs keep their norm outputs in f32); one-token products of quantised
-    /// weights take the f32 matvec rather than x rounded to int8.
-    pub projections: bool,
-    /// bf16 experts of many tokens take the f32 kernels rather than grouped tensor-core GEMMs
-    /// on bf16 activations.
-    pub experts: bool,
-}
-
-impl Exact {
-    /// Every fast path that rounds.
-    pub const ALL: Exact = Exact {
-        projections: true,
-        experts: true,
-    };
-}
 
 /// How programs run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

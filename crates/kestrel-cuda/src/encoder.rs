@@ -9,6 +9,28 @@ use kestrel_cuda_rt::{
     Buffer, CommandList, CudaError, Device, DispatchBuilder, Kernel, ModuleSource, Result,
 };
 
+/// The fast paths that round activations, switched off: with both set, a bf16 checkpoint is
+/// computed in f32 from end to end (quantised experts keep their rounded activations: bf16 in
+/// grouped products, int8 in few-token ones; there is no f32 kernel for them).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Exact {
+    /// Products of many tokens take the f32 kernels rather than tensor cores on x rounded to
+    /// bf16 (and prefill graphs keep their norm outputs in f32); one-token products of quantised
+    /// weights take the f32 matvec rather than x rounded to int8.
+    pub projections: bool,
+    /// bf16 experts of many tokens take the f32 kernels rather than grouped tensor-core GEMMs
+    /// on bf16 activations.
+    pub experts: bool,
+}
+
+impl Exact {
+    /// Every fast path that rounds.
+    pub const ALL: Exact = Exact {
+        projections: true,
+        experts: true,
+    };
+}
+
 /// The scratch region and how much of it the node being encoded has taken, and the counters
 /// kernels that elect a last block share.
 #[derive(Default)]
@@ -34,7 +56,7 @@ pub struct Encoder<'a> {
     /// so a near tie is decided as the CPU decides it.
     pub precise: bool,
     /// The fast paths the backend was told to leave out, for every node.
-    pub exact: crate::backend::Exact,
+    pub exact: Exact,
 }
 
 impl<'a> Encoder<'a> {
@@ -44,7 +66,7 @@ impl<'a> Encoder<'a> {
         views: &'a [Option<Buffer>],
         list: &'a mut CommandList,
         scratch: &'a mut Scratch,
-        exact: crate::backend::Exact,
+        exact: Exact,
     ) -> Encoder<'a> {
         Encoder {
             device,

@@ -11,8 +11,8 @@ pub mod backend;
 pub mod encoder;
 pub mod ops;
 
-pub use backend::{CudaBackend, CudaProgram, Exact, RunMode};
-pub use encoder::Encoder;
+pub use backend::{CudaBackend, CudaProgram, RunMode};
+pub use encoder::{Encoder, Exact};
 pub use kestrel_cuda_rt::{
     ceilings, device_count, driver_present, Arg, Buffer, Ceilings, CommandList, CounterSnapshot, CudaError,
     Device, DeviceInfo, Dim3, Dispatch, DispatchBuilder, Graph, GraphUpdate, Kernel, KernelRegistry,

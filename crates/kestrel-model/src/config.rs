@@ -286,6 +286,11 @@ fn dtype(name: &str) -> Result<DType> {
     }
 }
 
+/// The most decoder layers a config may declare. Published models have a few hundred at most;
+/// the per-layer lists are built from the count before any weight is read, so a larger count
+/// (a broken file) would exhaust memory rather than fail.
+const MAX_LAYERS: usize = 1 << 16;
+
 fn parse(arch: Arch, c: &Obj, top: &Obj, nested_text: bool) -> Result<ModelConfig> {
     let hidden = c.usize("hidden_size")?;
     let layers = c.usize("num_hidden_layers")?;
@@ -294,6 +299,12 @@ fn parse(arch: Arch, c: &Obj, top: &Obj, nested_text: bool) -> Result<ModelConfi
         return Err(Obj::bad(
             "num_attention_heads",
             "hidden size, layers and heads must be positive",
+        ));
+    }
+    if layers > MAX_LAYERS {
+        return Err(Obj::bad(
+            "num_hidden_layers",
+            format!("{layers} layers, more than the {MAX_LAYERS} a model may have"),
         ));
     }
     let kv_heads = c.opt_usize("num_key_value_heads")?.unwrap_or(heads);

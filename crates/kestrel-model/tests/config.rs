@@ -268,3 +268,37 @@ fn from_dir_names_the_file() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_layer_count_past_any_model_is_refused_before_allocating() {
+    // Found by the config_json fuzz target: the per-layer lists were allocated for 10^15 layers
+    // (an allocation failure aborts the process).
+    let crash = r#"{
+  "architectures": ["Qwen3MoeForCausalLM"],
+  "attention_bias": false,
+  "a@ttention_dropout": 0.0,
+  "bos_n_act": "silu",
+  "hidden_size": 2048,
+  "initializer_range": 0.02,
+  "intermediate_size": 6144,
+  "max_position_embeddings": 40960,
+  "max_window_layers": 48,
+  "mlp_only_layers": [],
+  "model_type": "qwen3_moe",
+  "moe_intermediate_size": 768,
+  "pnm_toork_prob": true,
+  "num_attention_heads": 32,
+  "num_experts": 128,
+  "num_experts_per_tok": 8,
+  "num_hidden_layers": 1000000000000123,
+  "num_ke_heads": 4,
+  "output_router_logits": false,
+  "rms_norm_epsze": 151936
+}
+"#;
+    let msg = ModelConfig::from_json(crash).unwrap_err().to_string();
+    assert!(
+        msg.contains("num_hidden_layers") && msg.contains("1000000000000123"),
+        "{msg}"
+    );
+}
