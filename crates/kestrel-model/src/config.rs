@@ -291,6 +291,12 @@ fn dtype(name: &str) -> Result<DType> {
 /// (a broken file) would exhaust memory rather than fail.
 const MAX_LAYERS: usize = 1 << 16;
 
+/// The most dimensions an attention head may have, declared or implied (hidden size over
+/// heads). Published models use 64 to 256; the rotary table holds a frequency for every two
+/// dimensions and is computed before any weight is read, so a wider head (a broken file) would
+/// take memory and time without bound.
+const MAX_HEAD_DIM: usize = 1 << 16;
+
 fn parse(arch: Arch, c: &Obj, top: &Obj, nested_text: bool) -> Result<ModelConfig> {
     let hidden = c.usize("hidden_size")?;
     let layers = c.usize("num_hidden_layers")?;
@@ -315,6 +321,15 @@ fn parse(arch: Arch, c: &Obj, top: &Obj, nested_text: bool) -> Result<ModelConfi
         ));
     }
     let head_dim = c.opt_usize("head_dim")?.unwrap_or(hidden / heads);
+    if head_dim > MAX_HEAD_DIM {
+        return Err(Obj::bad(
+            "head_dim",
+            format!(
+                "{head_dim} dimensions a head (given, or hidden_size over num_attention_heads), \
+                 more than the {MAX_HEAD_DIM} a head may have"
+            ),
+        ));
+    }
     let max_position_embeddings = c.usize("max_position_embeddings")?;
     let dtype = match c.opt_str("dtype")?.or(c.opt_str("torch_dtype")?) {
         Some(d) => Some(dtype(d)?),

@@ -302,3 +302,59 @@ fn a_layer_count_past_any_model_is_refused_before_allocating() {
         "{msg}"
     );
 }
+
+#[test]
+fn a_head_wider_than_any_model_is_refused_before_its_rotary_table() {
+    // Found by the config_json fuzz target: no head_dim and a hidden size of 22,222,222,462 over
+    // 4 heads imply heads of 5.5 billion dimensions, and the rotary table built for them took
+    // seconds and gigabytes (more aborts the process).
+    let crash = r#"{
+  "architectures": [
+    "Qwen3_5MoeForConditionalGeneration"
+  ],
+  "dtype": "bfloat16",
+  "image_token_id": 248056,
+  "model_type": "qwen3_5_moe",
+  "text_config": {
+    "attention_bias": false,
+    "attention_dropout": 0.0,
+    "pad_token_idbos_token_id": 1,
+    "eos_token_id": 2,
+    "head_di18446744073709551615m": 30,
+    "hidden_act": "silu",
+    "hidden_size": 22222222462,
+    "initivalu;e_heads": 4,
+    "linear_value_head_dim": 16,
+    "max_position_embeddings": 128,
+    "model_type": "qwen3_5_moe_text",
+    "moe_intermediate_size": 32,
+    "num_attention_heads": 4,
+    "num_experts": 0,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 4,
+    "numAkey_value_heads": 2,
+    "output_router_logits": false,
+    "pad_token_id": 0,
+    "tartial_rotary_factor": 0.25,
+    "rms_norm_eps": 1e-06,
+    "rope_parameters": {
+      "mr_rotary_factor": 0.25,
+      "rope_theta": 10000000.0,
+      "rope_type": "default"
+    },
+    "router_aux_loss_coef": 0.001,
+    "shared_expert_intermediate_size": 64,
+    "tie_word_embeddings": false,
+    "use_cache": true,
+    "vocab_size": 256
+  },
+  "tie_word_embeddings": false,
+  "transformers_version": "5.17.0",
+  "video_token_id": 248057,
+  "vision_confin_end_token_id": 248054,
+  "vision_start_token_id": 248053
+}
+"#;
+    let msg = ModelConfig::from_json(crash).unwrap_err().to_string();
+    assert!(msg.contains("head_dim") && msg.contains("5555555615"), "{msg}");
+}

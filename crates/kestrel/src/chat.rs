@@ -1,7 +1,7 @@
 //! `kestrel chat`: a conversation with a model that has a chat template. Each turn renders the
 //! whole conversation and prefills only what follows the part the KV cache already holds; the
 //! answer streams to stdout, a line of figures goes to stderr. Line editing and history come from
-//! rustyline (plain lines when stdin is not a terminal); `/help`, `/system TEXT`, `/clear`,
+//! rustyline on a terminal (otherwise plain lines, each at most 64 MiB); `/help`, `/system TEXT`, `/clear`,
 //! `/exit`. Ctrl-C stops the current answer, not the program (at the prompt it clears the line;
 //! Ctrl-D or `/exit` leaves).
 
@@ -57,6 +57,68 @@ const HELP: &str = "/help            this list
 /clear           forget the conversation
 /exit            leave (or Ctrl-D); Ctrl-C stops an answer";
 
+/// The most bytes one line of input may have: far more than any model's context holds, so
+/// input without line breaks (`chat < /dev/zero`) is refused instead of filling memory.
+const MAX_LINE_BYTES: u64 = 64 << 20;
+
+/// Where lines come from: the line editor on a terminal, plain bounded lines otherwise.
+enum Input {
+    Editor(Box<rustyline::DefaultEditor>),
+    Plain(std::io::StdinLock<'static>),
+}
+
+impl Input {
+    fn open() -> Result<Input> {
+        use std::io::IsTerminal as _;
+        Ok(if std::io::stdin().is_terminal() {
+            Input::Editor(Box::new(
+                rustyline::DefaultEditor::new().context("opening the line editor")?,
+            ))
+        } else {
+            Input::Plain(std::io::stdin().lock())
+        })
+    }
+
+    /// The next line (Ctrl-C at the prompt gives an empty one), or None at the end of input.
+    fn line(&mut self) -> Result<Option<String>> {
+        match self {
+            Input::Editor(editor) => match editor.readline("> ") {
+                Ok(line) => Ok(Some(line)),
+                Err(ReadlineError::Interrupted) => Ok(Some(String::new())),
+                Err(ReadlineError::Eof) => Ok(None),
+                Err(e) => Err(e).context("reading a line"),
+            },
+            Input::Plain(stdin) => {
+                use std::io::{BufRead as _, Read as _};
+                let mut bytes = Vec::new();
+                stdin
+                    .take(MAX_LINE_BYTES + 1)
+                    .read_until(b'\n', &mut bytes)
+                    .context("reading a line")?;
+                if bytes.is_empty() {
+                    return Ok(None);
+                }
+                if bytes.len() as u64 > MAX_LINE_BYTES {
+                    anyhow::bail!(
+                        "a line of input is longer than {} MiB, more than any model's context",
+                        MAX_LINE_BYTES >> 20
+                    );
+                }
+                String::from_utf8(bytes)
+                    .map(Some)
+                    .context("a line of input is not UTF-8 text")
+            }
+        }
+    }
+
+    /// Adds `line` to the editor's history.
+    fn remember(&mut self, line: &str) {
+        if let Input::Editor(editor) = self {
+            let _ = editor.add_history_entry(line);
+        }
+    }
+}
+
 fn start(system: &Option<String>) -> Vec<Value> {
     system
         .iter()
@@ -107,24 +169,19 @@ pub fn run(config: &Config, a: ChatArgs) -> Result<std::process::ExitCode> {
             .context("installing the Ctrl-C handler")?;
     }
     let extra = a.template.extra()?;
-    let mut editor = rustyline::DefaultEditor::new().context("opening the line editor")?;
+    let mut input = Input::open()?;
     let mut system = a.system.clone();
     let mut messages = start(&system);
     // The host tier's shortfall is said once, after the turn that met it.
     let mut warned = false;
     let mut stdout = crate::out::stdout_text;
     loop {
-        let line = match editor.readline("> ") {
-            Ok(line) => line,
-            Err(ReadlineError::Interrupted) => continue,
-            Err(ReadlineError::Eof) => break,
-            Err(e) => return Err(e).context("reading a line"),
-        };
+        let Some(line) = input.line()? else { break };
         let line = line.trim();
         if line.is_empty() {
             continue;
         }
-        let _ = editor.add_history_entry(line);
+        input.remember(line);
         if let Some(command) = line.strip_prefix('/') {
             let (name, rest) = command.split_once(' ').unwrap_or((command, ""));
             match name {

@@ -596,3 +596,15 @@ fn a_conversation_that_outgrows_the_context_says_what_to_do() {
     let turns = err.lines().filter(|l| l.contains("tokens reused")).count();
     assert_eq!(turns, 2, "{err}");
 }
+
+#[test]
+fn chat_input_without_line_breaks_is_refused_at_a_bound() {
+    let d = model_dir("hard-chat-zero", None);
+    let zero = std::fs::File::open("/dev/zero").unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_kestrel"))
+        .args(["chat", "-m", d.0.to_str().unwrap(), "--backend", "cpu"])
+        .stdin(zero)
+        .output()
+        .unwrap();
+    refused(&o, &["longer than 64 MiB"], "chat < /dev/zero");
+}
