@@ -289,19 +289,22 @@ where
 /// The least stack a sandboxed thread gets: what a main thread usually has.
 const MIN_STACK: usize = 8 << 20;
 /// The most: beyond it a larger budget buys no more stack.
-const MAX_STACK: usize = 1 << 30;
+const MAX_STACK: usize = 2 << 30;
+/// Stack bytes a sandboxed thread gets for each byte of its memory budget.
+const STACK_PER_BUDGET_BYTE: usize = 32;
 
 /// The stack for a thread that may hold `budget` bytes (address space: only the pages the work
-/// reaches are used). minijinja drops a nested value recursively, a stack frame a level, and a
-/// list nested in a list takes under 90 bytes of heap a level: within a 256 MiB budget a template
-/// can nest 3 million levels, whose drop needed between 128 and 256 MiB of stack (measured, in
-/// release and debug builds), where the standard 2 MiB overflows at 40,000 levels and overflow
-/// aborts the process. Hence a stack as large as the budget, within 8 MiB and 1 GiB. minijinja's
-/// own printing of such a value (`'' ~ value`) recurses deeper still (1 to 2 GiB for 3 million
-/// levels) and is not covered; the chat template's printing, `string` and `tojson` stop at 512
-/// levels.
+/// reaches are used). A value nested deeper than a stack holds aborts the process when
+/// minijinja recurses over it: dropping it, or printing it (`'' ~ value`), a frame a level. A
+/// list nested in a list takes at least 85 bytes of heap a level, so the budget bounds the
+/// depth; printing, the deepest of these recursions, took 1 to 2 GiB of stack for 3 million
+/// levels (up to about 700 bytes a level, more in a debug build). Hence 32 bytes of stack for a
+/// byte of budget: 2 GiB for the default 64 MiB, room for every value the budget lets a template
+/// build. Budgets above 64 MiB get no more stack, so their deepest values are not covered.
 fn stack_for(budget: usize) -> usize {
-    budget.clamp(MIN_STACK, MAX_STACK)
+    budget
+        .saturating_mul(STACK_PER_BUDGET_BYTE)
+        .clamp(MIN_STACK, MAX_STACK)
 }
 
 fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {

@@ -16,15 +16,15 @@
 //! - no file or network access: minijinja has none, and no loader is set;
 //! - fuel: 50 million instructions ([`RenderLimits::fuel`]), a few seconds in a debug build;
 //! - output: 16 MiB of rendered text ([`RenderLimits::output`]);
-//! - memory: 256 MiB held by the render at once ([`RenderLimits::memory`]), which catches what
+//! - memory: 64 MiB held by the render at once ([`RenderLimits::memory`]), which catches what
 //!   fuel cannot: a template that doubles a string or list forty times runs few instructions but
 //!   would ask for terabytes (and abort the process);
 //! - time: 10 s of wall-clock time ([`RenderLimits::time`]), which catches single instructions
 //!   that are slow on large values;
 //! - nesting: `tojson`, `string` and printing go at most 512 levels into a nested value (Python
-//!   stops near 1000), and the render's stack is as large as its memory budget, room to drop the
-//!   deepest value the budget allows. minijinja's own recursion over such a value (`'' ~ value`,
-//!   for one) needs more and can still overflow it, which aborts.
+//!   stops near 1000); the memory budget bounds how deeply a template can nest a value, and the
+//!   render's stack is sized for minijinja's own recursions over the deepest such value
+//!   (dropping it, `'' ~ value`), which would otherwise overflow it and abort.
 //!
 //! Each render runs on a thread of its own ([`crate::sandbox`]), always, so the time bound holds
 //! whether or not [`crate::BoundedAlloc`] is the global allocator; the memory bound holds only
@@ -66,7 +66,7 @@ impl Default for RenderLimits {
         RenderLimits {
             fuel: 50_000_000,
             output: 16 << 20,
-            memory: 256 << 20,
+            memory: 64 << 20,
             time: Duration::from_secs(10),
         }
     }

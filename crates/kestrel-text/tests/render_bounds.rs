@@ -48,7 +48,7 @@ fn assert_stops(source: &str, limits: RenderLimits, want: &str) -> Duration {
     took
 }
 
-const MEMORY: &str = "rendering needed more than 256 MiB of memory";
+const MEMORY: &str = "rendering needed more than 64 MiB of memory";
 
 #[test]
 fn the_allocator_is_installed() {
@@ -123,20 +123,29 @@ fn a_slow_render_stops_at_the_time_bound() {
 }
 
 #[test]
-fn a_deeply_nested_value_is_dropped_without_overflowing_the_stack() {
-    // A million levels of lists (about 85 MB): dropping them recurses a million frames deep,
-    // past a standard thread stack (which overflows near 40,000), within the sandbox's.
+fn a_deeply_nested_value_is_dropped_and_printed_without_overflowing_the_stack() {
+    // Half a million levels of lists (about 43 MB, within the 64 MiB budget): dropping them
+    // recurses half a million frames deep, past a standard thread stack (which overflows near
+    // 40,000), and printing them deeper still; both within the sandbox's stack.
     let messages = [json!({"role": "user", "content": "x"})];
     let input = ChatInput {
         messages: &messages,
         ..Default::default()
     };
-    let nest = ChatTemplate::new(
+    let nest = "{% set ns = namespace(l=[]) %}{% for j in range(50) %}{% for i in range(10000) %}\
+                {% set ns.l = [ns.l] %}{% endfor %}{% endfor %}";
+    let t = ChatTemplate::new(&format!("{nest}{{{{ ns.l|length }}}}")).unwrap();
+    assert_eq!(t.render(&input).unwrap(), "1");
+    let t = ChatTemplate::new(&format!("{nest}{{{{ ('' ~ ns.l)|length }}}}")).unwrap();
+    assert_eq!(t.render(&input).unwrap(), "1000002");
+    // Deeper than the budget allows: the memory bound, not the stack, stops it.
+    let deeper = ChatTemplate::new(
         "{% set ns = namespace(l=[]) %}{% for j in range(100) %}{% for i in range(10000) %}\
-         {% set ns.l = [ns.l] %}{% endfor %}{% endfor %}{{ ns.l|length }}",
+         {% set ns.l = [ns.l] %}{% endfor %}{% endfor %}{{ '' ~ ns.l }}",
     )
     .unwrap();
-    assert_eq!(nest.render(&input).unwrap(), "1");
+    let e = deeper.render(&input).unwrap_err().to_string();
+    assert!(e.contains(MEMORY), "{e}");
 }
 
 #[test]
