@@ -373,6 +373,12 @@ fn parse(arch: Arch, c: &Obj, top: &Obj, nested_text: bool) -> Result<ModelConfi
                 ),
             ));
         }
+        if l.conv_kernel == 0 || l.key_head_dim == 0 || l.value_head_dim == 0 {
+            return Err(Obj::bad(
+                "linear_conv_kernel_dim",
+                "the convolution window and the linear attention's head sizes must be positive",
+            ));
+        }
     }
     Ok(ModelConfig {
         arch,

@@ -358,3 +358,14 @@ fn a_head_wider_than_any_model_is_refused_before_its_rotary_table() {
     let msg = ModelConfig::from_json(crash).unwrap_err().to_string();
     assert!(msg.contains("head_dim") && msg.contains("5555555615"), "{msg}");
 }
+
+#[test]
+fn a_linear_attention_without_a_convolution_window_is_refused() {
+    // A zero window made `inspect` subtract past zero (a panic in a debug build).
+    let dir = kestrel_testing::fixtures::path("crates/kestrel-model/tests/parity/qwen3_next");
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    c["linear_conv_kernel_dim"] = 0.into();
+    let msg = ModelConfig::from_json(&c.to_string()).unwrap_err().to_string();
+    assert!(msg.contains("linear_conv_kernel_dim"), "{msg}");
+}
