@@ -28,6 +28,9 @@ pub enum CpuError {
     PersistentMismatch { label: String, old: String, new: String },
     #[error("node {node}: {reason}")]
     Op { node: String, reason: String },
+    /// The host could not give the memory a buffer needs.
+    #[error("out of memory: {what} needs {bytes} bytes, which the host could not give")]
+    OutOfMemory { what: String, bytes: usize },
 }
 
 pub type Result<T, E = CpuError> = std::result::Result<T, E>;
@@ -40,11 +43,21 @@ pub(crate) struct Storage {
 }
 
 impl Storage {
-    fn new(len: usize) -> Self {
-        Storage {
-            words: vec![0; len.div_ceil(8)],
+    /// `len` zeroed bytes for `what`; memory the host cannot give is an error, not an abort.
+    fn new(len: usize, what: &str) -> Result<Self> {
+        let oom = || CpuError::OutOfMemory {
+            what: what.to_string(),
+            bytes: len,
+        };
+        let n = len.div_ceil(8);
+        // Asked for once fallibly, then taken as zeroed pages (`vec!` of zeros asks the allocator
+        // for zeroed memory, which large buffers get without writing a byte; this crate has no
+        // `unsafe` to do both at once).
+        Vec::<u64>::new().try_reserve_exact(n).map_err(|_| oom())?;
+        Ok(Storage {
+            words: vec![0; n],
             len,
-        }
+        })
     }
     pub(crate) fn bytes(&self) -> &[u8] {
         &bytemuck::cast_slice(&self.words)[..self.len]
@@ -123,19 +136,19 @@ impl Backend for CpuBackend {
                         Some(_) => {}
                         None => {
                             self.persistent
-                                .insert(d.label.clone(), (sig, Storage::new(d.byte_len())));
+                                .insert(d.label.clone(), (sig, Storage::new(d.byte_len(), &d.label)?));
                         }
                     }
                 }
                 BufKind::Input | BufKind::Output => {
-                    dedicated.insert(Buf(i as u32), Storage::new(d.byte_len()));
+                    dedicated.insert(Buf(i as u32), Storage::new(d.byte_len(), &d.label)?);
                 }
                 BufKind::Transient => {}
             }
         }
         Ok(CpuProgram {
             graph: graph.clone(),
-            arena: Storage::new(plan.arena_bytes),
+            arena: Storage::new(plan.arena_bytes, "the activations' arena")?,
             plan,
             dedicated,
         })
@@ -146,6 +159,12 @@ impl Backend for CpuBackend {
     }
 
     fn alloc_host(&mut self, bytes: usize) -> Result<Vec<u8>> {
+        Vec::<u8>::new()
+            .try_reserve_exact(bytes)
+            .map_err(|_| CpuError::OutOfMemory {
+                what: "a host buffer".into(),
+                bytes,
+            })?;
         Ok(vec![0; bytes])
     }
 
@@ -154,7 +173,7 @@ impl Backend for CpuBackend {
     }
 
     fn adopt_host(&mut self, label: &str, host: Vec<u8>) -> Result<()> {
-        let mut storage = Storage::new(host.len());
+        let mut storage = Storage::new(host.len(), label)?;
         storage.bytes_mut().copy_from_slice(&host);
         let sig = signature(&kestrel_core::ir::BufDecl::host_weight(label, host.len()));
         self.persistent.insert(label.to_string(), (sig, storage));

@@ -188,6 +188,14 @@ impl Engine {
     /// Puts `model` on its backend (see [`EngineOptions`]); the weights are uploaded with the
     /// first program (see [`Engine::prepare`]).
     pub fn new(model: Model, config: &Config, opts: EngineOptions) -> Result<Engine> {
+        // Positions are 32-bit throughout the graph.
+        if opts.ctx == 0 || opts.ctx > u32::MAX as usize {
+            return Err(EngineError::Invalid(format!(
+                "a context of {} positions: it must hold 1 to {} positions",
+                opts.ctx,
+                u32::MAX
+            )));
+        }
         let trained = model.config.max_position_embeddings;
         if opts.ctx > trained && !opts.allow_long_context {
             return Err(EngineError::Invalid(format!(

@@ -265,6 +265,34 @@ fn prompts_past_the_trained_length_are_refused_with_both_numbers() {
         "cpu",
     ]);
     refused(&o, &["200", "128 positions"], "run -c 200");
+    // Allowed past the trained length, a context the host cannot hold is an error, not an
+    // abort, and one past 32-bit positions is refused.
+    let o = kestrel(&[
+        "run",
+        "-m",
+        m,
+        "--prompt-tokens",
+        "1,2",
+        "-c",
+        "4000000000",
+        "--allow-long-context",
+        "--backend",
+        "cpu",
+    ]);
+    refused(&o, &["out of memory", "bytes"], "-c 4e9");
+    let o = kestrel(&[
+        "run",
+        "-m",
+        m,
+        "--prompt-tokens",
+        "1,2",
+        "-n",
+        "100000000000",
+        "--allow-long-context",
+        "--backend",
+        "cpu",
+    ]);
+    refused(&o, &["100000000002 positions", "4294967295"], "-n 1e11");
     // A prompt file that never ends is refused at a bound, not read into memory.
     let o = kestrel(&["run", "-m", m, "-f", "/dev/zero", "--backend", "cpu"]);
     refused(&o, &["/dev/zero", "more than 64 MiB"], "-f /dev/zero");
