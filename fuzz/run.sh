@@ -76,9 +76,10 @@ status=0
 TMPDIR="$scratch" "$bin" "${flags[@]}" "$corpus" >"$log" 2>&1 || status=$?
 
 # The last status line (`#N ... cov: C ft: F corp: K/S ...`, in fork mode `#N: cov: ...`) and
-# the final statistics (which fork mode does not print: the status line has the totals).
-last="$(grep -E '^#[0-9]+.*cov: ' "$log" | tail -1 || true)"
-final_stat() { sed -n "s/^stat::$1: *//p" "$log" | tail -1; }
+# the final statistics (in fork mode only each child's: there the status line has the totals).
+# The log holds inputs' bytes, so it is read as text whatever it holds (`grep -a`).
+last="$(grep -aE '^#[0-9]+.*cov: ' "$log" | tail -1 || true)"
+final_stat() { [ "$fork" -eq 1 ] || sed -n "s/^stat::$1: *//p" "$log" | tail -1; }
 field() { sed -n "s|.* $1: \([^ ]*\).*|\1|p" <<<"$last"; }
 runs="$(final_stat number_of_executed_units)"
 runs="${runs:-$(sed -n 's/^#\([0-9]*\).*/\1/p' <<<"$last")}"
@@ -91,18 +92,18 @@ echo "run.sh: $target ($FUZZ_MODE): executions ${runs:-?}, exec/s ${rate:-?}, co
     "$(field ft) features, corpus $(field corp), peak rss ${rss:-n/a in fork mode} MB"
 ooms="$(field oom/timeout/crash)"
 [ -n "$ooms" ] && echo "run.sh: fork mode: oom/timeout/crash $ooms (children's OOM inputs: $artifacts/oom-*)"
-grep -E '^kestrel-fuzz: ' "$log" | tail -1 | sed 's/^/run.sh: /' || true
+grep -aE '^kestrel-fuzz: ' "$log" | tail -1 | sed 's/^/run.sh: /' || true
 
 # In fork mode libFuzzer exits with the last child's status, an ignored OOM's included; a
 # finding is a child's log it prints in full.
-if [ "$fork" -eq 1 ] && [ "$status" -ne 0 ] && ! grep -q 'INFO: log from the inner process' "$log"; then
+if [ "$fork" -eq 1 ] && [ "$status" -ne 0 ] && ! grep -aq 'INFO: log from the inner process' "$log"; then
     echo "run.sh: fork mode: the last child ended with status $status, an OOM it ignores"
     status=0
 fi
 
 if [ "$status" -ne 0 ]; then
     echo "run.sh: $target CRASHED (libFuzzer exit status $status); the log's end:"
-    grep -nE 'ERROR|panicked at|SUMMARY|^ *#[0-9]+ 0x|Test unit written|Base64' "$log" | head -40 | sed 's/^/    /'
+    grep -anE 'ERROR|panicked at|SUMMARY|^ *#[0-9]+ 0x|Test unit written|Base64' "$log" | head -40 | sed 's/^/    /'
     artifact="$(sed -n 's/.*Test unit written to \(.*\)$/\1/p' "$log" | tail -1)"
     echo "run.sh: artifact: ${artifact:-none written} (full log: $log)"
     echo "run.sh: reproduce with: $bin $artifact"
