@@ -11,6 +11,8 @@
 //! `KESTREL_TEST_ROOT` (the repository root that fixture paths are relative to; default the
 //! checkout the tests were built from) and `KESTREL_TEST_SEED` (see [`seed`]).
 
+use std::io::Write as _;
+
 pub mod cases;
 pub mod fixtures;
 pub mod gpu;
@@ -27,6 +29,10 @@ pub fn seed(test: &str) -> u64 {
     let seed = switches
         .seed
         .unwrap_or_else(|| kestrel_core::rng::Rng::from_time().1);
-    eprintln!("{test}: seed {seed} (KESTREL_TEST_SEED={seed} repeats this run)");
+    // Through a writer that returns its error (ignored: a test's note is not worth failing it).
+    let _ = writeln!(
+        std::io::stderr(),
+        "{test}: seed {seed} (KESTREL_TEST_SEED={seed} repeats this run)"
+    );
     seed
 }
