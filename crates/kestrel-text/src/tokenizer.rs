@@ -43,6 +43,37 @@ fn token_text(v: Option<&Value>) -> Option<String> {
     }
 }
 
+/// What `tokenizer_config.json` adds to `tokenizer.json`: the special tokens' text and the chat
+/// template (a string, or the one named "default" of a list of named templates).
+#[derive(Debug, Default)]
+pub struct TokenizerConfig {
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
+    pub chat_template: Option<String>,
+}
+
+impl TokenizerConfig {
+    /// The config in `text`, the contents of the file `path` (named in errors).
+    pub fn parse(text: &str, path: &Path) -> Result<TokenizerConfig> {
+        let config: Value =
+            serde_json::from_str(text).map_err(|e| bad(path, format!("not valid JSON: {e}")))?;
+        let chat_template = match config.get("chat_template") {
+            Some(Value::String(s)) => Some(s.clone()),
+            Some(Value::Array(list)) => list
+                .iter()
+                .find(|e| e.get("name").and_then(Value::as_str) == Some("default"))
+                .and_then(|e| e.get("template")?.as_str())
+                .map(str::to_string),
+            _ => None,
+        };
+        Ok(TokenizerConfig {
+            bos_token: token_text(config.get("bos_token")),
+            eos_token: token_text(config.get("eos_token")),
+            chat_template,
+        })
+    }
+}
+
 impl Tokenizer {
     /// The tokenizer of model directory `dir`, or None when it has no `tokenizer.json`.
     pub fn from_dir(dir: &Path) -> Result<Option<Tokenizer>> {
@@ -75,33 +106,18 @@ impl Tokenizer {
         config_path: &Path,
     ) -> Result<Tokenizer> {
         let inner = tokenizers::Tokenizer::from_bytes(json).map_err(|e| bad(json_path, e.to_string()))?;
-        let mut t = Tokenizer {
-            inner,
-            bos_token: None,
-            eos_token: None,
-            chat_template: None,
-            chat_template_path: None,
+        let config = match config {
+            Some(text) => TokenizerConfig::parse(text, config_path)?,
+            None => TokenizerConfig::default(),
         };
-        if let Some(text) = config {
-            let config: Value =
-                serde_json::from_str(text).map_err(|e| bad(config_path, format!("not valid JSON: {e}")))?;
-            t.bos_token = token_text(config.get("bos_token"));
-            t.eos_token = token_text(config.get("eos_token"));
-            t.chat_template = match config.get("chat_template") {
-                Some(Value::String(s)) => Some(s.clone()),
-                // Several named templates: the default one.
-                Some(Value::Array(list)) => list
-                    .iter()
-                    .find(|e| e.get("name").and_then(Value::as_str) == Some("default"))
-                    .and_then(|e| e.get("template")?.as_str())
-                    .map(str::to_string),
-                _ => None,
-            };
-            if t.chat_template.is_some() {
-                t.chat_template_path = Some(config_path.to_path_buf());
-            }
-        }
-        Ok(t)
+        let chat_template_path = config.chat_template.as_ref().map(|_| config_path.to_path_buf());
+        Ok(Tokenizer {
+            inner,
+            bos_token: config.bos_token,
+            eos_token: config.eos_token,
+            chat_template: config.chat_template,
+            chat_template_path,
+        })
     }
 
     /// The compiled chat template, if the model has one; an error names the file it came from.
