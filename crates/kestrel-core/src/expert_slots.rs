@@ -3,7 +3,7 @@
 //! missing one needs a slot, and what that cost. The books are a `u32` table that lives on the
 //! backend beside the slots (a state of the graph), read and updated by the `ExpertFetch` and
 //! `ExpertStage` ops inside the forward pass, so a streamed decode step needs no host work.
-//! The CPU backend runs these functions; the CUDA kernels (`kernels/stream.cu`) follow them step
+//! The CPU backend runs these functions; the CUDA kernels (`kernels/slots.cuh`, `stream.cu`) follow them step
 //! for step, so both caches hold the same experts after the same steps.
 //!
 //! Table layout (u32 words), for `slots` slots and `experts` experts: the books,

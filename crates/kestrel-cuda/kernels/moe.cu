@@ -11,7 +11,9 @@
 // instead of k rounds of argmax (choose_block). route_norm_*: the residual add and RMS norm in
 // front, done by every block, so the norm costs no launch: the products run on the weighted row,
 // block 0 scales the logits by 1 / rms at the end, and the other blocks write the new residual
-// and the normalised row while block 0 chooses.
+// and the normalised row while block 0 chooses. A streamed layer's route_* then resolves the
+// choice into the layer's cache of expert slots in block 0 (RouteSlots, slots.cuh), its books read
+// into shared memory before the wait; expert_fill (stream.cu) copies the misses.
 // Experts, with 16-byte weight loads: gate_up computes act[t * k + j] = silu(gate_e x_t) * (up_e x_t)
 // for every (token, slot); down computes out[t] = sum_j weights[t, j] * down_e act[t * k + j],
 // slots summed in order, so results do not depend on scheduling. Each expert is one contiguous
@@ -23,7 +25,7 @@
 // pairs over the lanes and requests the first pairs' weights before the programmatic wait. bf16
 // experts issue every warp's weight loads, then stage x (down: the activations) in f32 while they
 // are in flight.
-#include "kestrel.cuh"
+#include "slots.cuh"
 
 // The choice's order. Weights renormalised over the chosen need no softmax over all experts:
 // the logits order the experts as their probabilities do (the softmax is monotonic; only its
@@ -165,6 +167,20 @@ struct RouteNorm {
     int w_bf16;
 };
 
+// A streamed layer's books for route_*, which resolve the choice into the layer's cache of
+// slots right after choosing (slots_resolve_token): block 0 reads the books into shared memory
+// before the programmatic wait (only the same layer's previous step wrote them, a graph replay
+// ago), resolves, and writes the slots, the misses for expert_fill and the books (both copies of
+// the table, as expert_slots keeps them). `books` null: a resident layer.
+struct RouteSlots {
+    unsigned* books;     // the table: the books, then their copy
+    unsigned at;         // word offset of the books' place in dynamic shared memory
+    unsigned slots;      // slots of the layer's cache
+    unsigned half_life;  // the policy (0: LRU)
+    unsigned* out;       // the slot of each chosen expert, in the choice's order
+    unsigned* fills;     // [count, (slot, expert) * count]
+};
+
 // The norm's weight for this thread's float4s (i = threadIdx.x + j * blockDim.x), as the
 // multiplier it is ((1 + w) when zero-centred); loaded before the programmatic wait.
 __device__ __forceinline__ void norm_weights(const RouteNorm& nm, unsigned n, float4 s[ROUTE_NORM_VEC]) {
@@ -242,7 +258,8 @@ __device__ __forceinline__ float norm_inv(const float* red, unsigned n, float ep
 }
 
 // One token's choice by a whole block from the logits `l` in shared memory times `scale`
-// (experts <= 32 * PER_LANE <= blockDim.x, k <= 32), which it also writes out to `logits`: the
+// (experts <= 32 * PER_LANE <= blockDim.x, k <= 32), which it also writes out to `logits` (and
+// the chosen ids to `chosen` in shared memory too): the
 // same choice as choose(), but each expert's rank is counted instead of k rounds of argmax. The
 // key and the index (the lower first among equal keys) make one 64-bit order, so no two are
 // equal. Only candidates are compared: the experts are cut into
@@ -251,7 +268,7 @@ __device__ __forceinline__ float norm_inv(const float* red, unsigned n, float ep
 // most (k - 1) * 8 + 1 candidates.
 template <int PER_LANE>
 __device__ void choose_block(const float* l, float scale, float* logits, unsigned* ids, float* weights,
-                             unsigned experts, unsigned k, int normalize) {
+                             unsigned experts, unsigned k, int normalize, unsigned* chosen) {
     constexpr unsigned N = 32 * PER_LANE, LANES = 8, GROUPS = N / LANES;
     __shared__ float red[32];
     __shared__ unsigned long long group_best[GROUPS], cand[N];
@@ -299,6 +316,7 @@ __device__ void choose_block(const float* l, float scale, float* logits, unsigne
         for (unsigned i = 0; i < n; i++) rank += cand[i] > order;
         if (rank < k) {
             ids[rank] = e;
+            chosen[rank] = e;
             top[rank] = normalize ? x : __uint_as_float(key - 1u);
         }
     }
@@ -318,7 +336,7 @@ __device__ void choose_block(const float* l, float scale, float* logits, unsigne
 template <int BITS, int PER_LANE, bool NORM>
 __device__ void route_one(const float* x, const void* w, const bf16* scales, const bf16* biases, float* logits,
                           unsigned* ids, float* weights, unsigned in_dim, unsigned experts, unsigned group,
-                          unsigned k, int normalize, RouteNorm nm) {
+                          unsigned k, int normalize, RouteNorm nm, RouteSlots sl) {
     static_assert(PER_LANE <= ROUTE_WARPS, "choose_block takes a thread per expert");
     extern __shared__ __align__(16) float xs[];
     __shared__ float chosen_from[32 * PER_LANE];
@@ -350,6 +368,14 @@ __device__ void route_one(const float* x, const void* w, const bf16* scales, con
         prefetch_l2_range(static_cast<const char*>(w) + r * row_bytes, row_bytes, lane, 32);
     float4 norm_w[ROUTE_NORM_VEC];
     if constexpr (NORM) norm_weights(nm, in_dim, norm_w);
+    // A streamed layer's books, on their way into block 0's shared memory while it waits.
+    const bool resolves = sl.books != nullptr && rank == 0;
+    const unsigned words = SLOTS_HEADER + 2 * sl.slots + 2 * experts;
+    unsigned* books = reinterpret_cast<unsigned*>(xs) + sl.at;
+    if (resolves) {
+        for (unsigned i = threadIdx.x; i < words; i += blockDim.x) cp_async4(books + i, sl.books + i);
+        cp_async_commit();
+    }
     cluster_arrive_relaxed();  // waited for before the first store into block 0
     pdl_wait();
     pdl_trigger();
@@ -413,42 +439,60 @@ __device__ void route_one(const float* x, const void* w, const bf16* scales, con
         }
     }
     if (rank != 0) return;
-    choose_block<PER_LANE>(chosen_from, scale, logits, ids, weights, experts, k, normalize);
+    __shared__ unsigned chosen[32], slot[32], fill_slot[32], fill_expert[32], nfill;
+    choose_block<PER_LANE>(chosen_from, scale, logits, ids, weights, experts, k, normalize, chosen);
+    if (!resolves) return;
+    cp_async_wait<0>();
+    slots_resolve_token(books, chosen, k, sl.slots, experts, sl.half_life, slot, fill_slot, fill_expert, &nfill);
+    for (unsigned i = threadIdx.x; i < words; i += blockDim.x) {
+        sl.books[i] = books[i];
+        sl.books[words + i] = books[i];
+    }
+    if (threadIdx.x < k) sl.out[threadIdx.x] = slot[threadIdx.x];
+    if (threadIdx.x < nfill) {
+        sl.fills[1 + 2 * threadIdx.x] = fill_slot[threadIdx.x];
+        sl.fills[2 + 2 * threadIdx.x] = fill_expert[threadIdx.x];
+    }
+    if (threadIdx.x == 0) sl.fills[0] = nfill;
 }
 
+// Every route_* kernel ends with a streamed layer's books (RouteSlots; null books: resident).
+#define ROUTE_SLOT_PARAMS \
+    unsigned *books, unsigned books_at, unsigned slots, unsigned half_life, unsigned *slot_out, unsigned *fills
+#define ROUTE_SLOTS RouteSlots{books, books_at, slots, half_life, slot_out, fills}
 #define ROUTE_Q(BITS, PER_LANE)                                                                              \
     extern "C" __global__ void __cluster_dims__(ROUTE_BLOCKS, 1, 1) __launch_bounds__(32 * ROUTE_WARPS)      \
         route_q##BITS##_##PER_LANE(const float* x, const unsigned* w, const bf16* scales, const bf16* biases, \
                                    float* logits, unsigned* ids, float* weights, unsigned in_dim,           \
-                                   unsigned experts, unsigned group, unsigned k, int normalize) {           \
+                                   unsigned experts, unsigned group, unsigned k, int normalize, ROUTE_SLOT_PARAMS) { \
         route_one<BITS, PER_LANE, false>(x, w, scales, biases, logits, ids, weights, in_dim, experts, group, \
-                                         k, normalize, RouteNorm{});                                        \
+                                         k, normalize, RouteNorm{}, ROUTE_SLOTS); \
     }                                                                                                        \
     extern "C" __global__ void __cluster_dims__(ROUTE_BLOCKS, 1, 1) __launch_bounds__(32 * ROUTE_WARPS)      \
         route_norm_q##BITS##_##PER_LANE(float* residual, const float* add, const void* nw, float* h,         \
                                         const unsigned* w, const bf16* scales, const bf16* biases,          \
                                         float* logits, unsigned* ids, float* weights, unsigned in_dim,      \
                                         unsigned experts, unsigned group, unsigned k, int normalize,        \
-                                        float eps, int zero_centered, int w_bf16) {                         \
+                                        float eps, int zero_centered, int w_bf16, ROUTE_SLOT_PARAMS) { \
         route_one<BITS, PER_LANE, true>(nullptr, w, scales, biases, logits, ids, weights, in_dim, experts,  \
                                         group, k, normalize,                                                \
-                                        RouteNorm{residual, add, nw, h, eps, zero_centered, w_bf16});       \
+                                        RouteNorm{residual, add, nw, h, eps, zero_centered, w_bf16}, ROUTE_SLOTS); \
     }
 #define ROUTE_BF16(PER_LANE)                                                                                 \
     extern "C" __global__ void __cluster_dims__(ROUTE_BLOCKS, 1, 1) __launch_bounds__(32 * ROUTE_WARPS)      \
         route_bf16_##PER_LANE(const float* x, const bf16* w, float* logits, unsigned* ids, float* weights,   \
-                              unsigned in_dim, unsigned experts, unsigned k, int normalize) {                \
+                              unsigned in_dim, unsigned experts, unsigned k, int normalize, ROUTE_SLOT_PARAMS) { \
         route_one<16, PER_LANE, false>(x, w, nullptr, nullptr, logits, ids, weights, in_dim, experts, 1, k,  \
-                                       normalize, RouteNorm{});                                             \
+                                       normalize, RouteNorm{}, ROUTE_SLOTS); \
     }                                                                                                        \
     extern "C" __global__ void __cluster_dims__(ROUTE_BLOCKS, 1, 1) __launch_bounds__(32 * ROUTE_WARPS)      \
         route_norm_bf16_##PER_LANE(float* residual, const float* add, const void* nw, float* h,              \
                                    const bf16* w, float* logits, unsigned* ids, float* weights,             \
                                    unsigned in_dim, unsigned experts, unsigned k, int normalize, float eps, \
-                                   int zero_centered, int w_bf16) {                                         \
+                                   int zero_centered, int w_bf16, ROUTE_SLOT_PARAMS) { \
         route_one<16, PER_LANE, true>(nullptr, w, nullptr, nullptr, logits, ids, weights, in_dim, experts,  \
                                       1, k, normalize, RouteNorm{residual, add, nw, h, eps, zero_centered,  \
-                                                                 w_bf16});                                  \
+                                                                 w_bf16}, ROUTE_SLOTS); \
     }
 ROUTE_Q(4, 4)
 ROUTE_Q(4, 8)

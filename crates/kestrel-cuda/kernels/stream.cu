@@ -1,11 +1,15 @@
-// Streamed experts inside the forward pass. A decode step of a layer is one kernel,
-// expert_fetch: the router's choice resolved into the layer's cache of slots on the GPU (one warp
-// on the books in shared memory, following kestrel_core::expert_slots::resolve step for step:
-// the same books, the same victims) and the misses copied from the layer's packed experts in
-// mapped page-locked host memory by blocks of the SMs; expert_commit then makes the next books
-// the books, off the experts' path. So a decode step that misses is still one graph replay: the
-// router's choice never goes back to the host. A longer chunk's experts are listed for staging
-// (expert_stage_plan) and copied (expert_copy) from the slots or host memory.
+// Streamed experts inside the forward pass. A one-token decode step of a layer resolves the
+// router's choice into the layer's cache of slots inside the router's own kernel (route_* in
+// moe.cu, with slots_resolve_token of slots.cuh: the books are read before that kernel's wait,
+// so resolving costs the chain no round trip and no launch) and copies its misses with
+// expert_fill. A step of a few tokens is one kernel, expert_fetch: the choice resolved on the
+// GPU (one warp on the books in shared memory, following kestrel_core::expert_slots::resolve
+// step for step: the same books, the same victims) and the misses copied from the layer's
+// packed experts in mapped page-locked host memory by blocks of the SMs; expert_commit then
+// makes the next books the books, off the experts' path. Either way a step that misses is still
+// one graph replay: the router's choice never goes back to the host. A longer chunk's experts
+// are listed for staging (expert_stage_plan) and copied (expert_copy) from the slots or host
+// memory.
 //
 // A copy list is `[count, (dst, src) * count]`: `dst` a span index of the destination, `src` a
 // span index of the host's packed experts, or STREAM_FROM_CACHE | a slot of the cache.
@@ -13,44 +17,13 @@
 // Tuning: reads of host memory cross the link, so a block keeps four 16-byte loads in flight per
 // thread; host-paths.cu (shared/peer) measured 51 GB/s for such kernels from any grid of
 // 132 x 256 threads up, and about the copy engine's speed for expert-sized gathers.
-#include "kestrel.cuh"
+#include "slots.cuh"
 
-#if !defined(STREAM_HEADER) || !defined(STREAM_USE) || !defined(STREAM_MAX_IDS) || !defined(STREAM_MAX_SLOTS) || \
-    !defined(STREAM_MAX_EXPERTS)
-#error "stream.cu needs STREAM_HEADER, STREAM_USE, STREAM_MAX_IDS, STREAM_MAX_SLOTS and STREAM_MAX_EXPERTS (ops/stream.rs)"
+#if !defined(STREAM_MAX_IDS) || !defined(STREAM_MAX_SLOTS) || !defined(STREAM_MAX_EXPERTS)
+#error "stream.cu needs STREAM_MAX_IDS, STREAM_MAX_SLOTS and STREAM_MAX_EXPERTS (ops/stream.rs)"
 #endif
 
 #define STREAM_FROM_CACHE 0x80000000u
-
-// Word offsets of the table's header (kestrel_core::expert_slots).
-#define T_CLOCK 0
-#define T_LOOKUPS 1
-#define T_MISSES 3
-#define T_STAGED 5
-
-__device__ __forceinline__ void add_wide(unsigned* t, unsigned at, unsigned n) {
-    const unsigned long long v = ((unsigned long long)t[at + 1] << 32 | t[at]) + n;
-    t[at] = (unsigned)v;
-    t[at + 1] = (unsigned)(v >> 32);
-}
-
-// Is candidate a (class, score, age, slot) better than b? Class 0 is a free slot, 1 an occupied
-// slot this step has not used, 2 none. Lower score leaves first, then the older, then the
-// lower slot.
-__device__ __forceinline__ bool better(unsigned ac, unsigned as, unsigned aa, unsigned ai, unsigned bc, unsigned bs,
-                                       unsigned ba, unsigned bi) {
-    if (ac != bc) return ac < bc;
-    if (ac == 0) return ai < bi;
-    if (as != bs) return as < bs;
-    if (aa != ba) return aa > ba;
-    return ai < bi;
-}
-
-// A use count `age` steps after its last use (expert_slots::faded).
-__device__ __forceinline__ unsigned faded(unsigned count, unsigned age, unsigned half_life) {
-    const unsigned shift = age / half_life;
-    return shift >= 32 ? 0u : count >> shift;
-}
 
 // Copies `span16` 16-byte words from `s` to `o`, spread over the blocks of x: four loads in
 // flight a thread (reads of host memory cross the link).
@@ -76,18 +49,18 @@ __device__ __forceinline__ void copy_span(const int4* s, int4* o, unsigned long 
 extern "C" __global__ void expert_fetch(const unsigned* ids, unsigned n, const unsigned* books, unsigned* next,
                                         unsigned slots, unsigned experts, unsigned half_life, unsigned* out,
                                         const int4* host, int4* cache, unsigned long long span16) {
-    __shared__ unsigned t[STREAM_HEADER + 2 * STREAM_MAX_SLOTS + 2 * STREAM_MAX_EXPERTS];
+    __shared__ unsigned t[SLOTS_HEADER + 2 * STREAM_MAX_SLOTS + 2 * STREAM_MAX_EXPERTS];
     __shared__ unsigned id[STREAM_MAX_IDS], dist[STREAM_MAX_IDS], dslot[STREAM_MAX_IDS];
     __shared__ unsigned fill_slot[STREAM_MAX_IDS], fill_expert[STREAM_MAX_IDS], nfill;
     pdl_begin();
-    const unsigned words = STREAM_HEADER + 2 * slots + 2 * experts;
+    const unsigned words = SLOTS_HEADER + 2 * slots + 2 * experts;
     for (unsigned i = threadIdx.x; i < words; i += blockDim.x) t[i] = books[i];
     for (unsigned i = threadIdx.x; i < n; i += blockDim.x) id[i] = ids[i];
     __syncthreads();
     const bool first = blockIdx.x == 0 && blockIdx.y == 0;
     if (threadIdx.x < 32) {
         const unsigned lane = threadIdx.x;
-        unsigned* owner = t + STREAM_HEADER;
+        unsigned* owner = t + SLOTS_HEADER;
         unsigned* stamp = owner + slots;
         unsigned* count = stamp + slots;
         unsigned* used_at = count + experts;
@@ -111,7 +84,7 @@ extern "C" __global__ void expert_fetch(const unsigned* ids, unsigned n, const u
         for (unsigned d = 0; d < nd; d++) {
             const unsigned e = dist[d];
             if (half_life > 0 && lane == 0) {
-                count[e] = min(faded(count[e], clock - used_at[e], half_life), 0xffffffffu - STREAM_USE) + STREAM_USE;
+                count[e] = min(faded(count[e], clock - used_at[e], half_life), 0xffffffffu - SLOTS_USE) + SLOTS_USE;
                 used_at[e] = clock;
             }
             unsigned found = 0xffffffffu;
@@ -186,6 +159,19 @@ extern "C" __global__ void expert_commit(unsigned* table, unsigned words) {
     for (unsigned i = threadIdx.x; i < words; i += blockDim.x) table[i] = table[words + i];
 }
 
+// The misses a one-token router resolved (route_* in moe.cu; `fills` is `[count, (slot,
+// expert) * count]`) copied from the layer's packed experts in mapped host memory into their
+// slots: the blocks of row y copy the y-th. With no miss every block only reads the count.
+extern "C" __global__ void expert_fill(const unsigned* fills, const int4* host, int4* cache,
+                                       unsigned long long span16) {
+    pdl_wait();
+    const unsigned y = blockIdx.y;
+    const bool mine = y < fills[0];
+    const unsigned slot = mine ? fills[1 + 2 * y] : 0, expert = mine ? fills[2 + 2 * y] : 0;
+    pdl_trigger();
+    if (mine) copy_span(host + (size_t)expert * span16, cache + (size_t)slot * span16, span16);
+}
+
 // The distinct experts of a longer chunk in increasing order, each from its cache slot if the
 // layer holds it, else from host memory (counted in the table's staged words).
 extern "C" __global__ void expert_stage_plan(const unsigned* ids, unsigned n, unsigned* table, unsigned slots,
@@ -193,7 +179,7 @@ extern "C" __global__ void expert_stage_plan(const unsigned* ids, unsigned n, un
     // 0: unused, 1: from host, 2 + s: from slot s.
     __shared__ unsigned used[STREAM_MAX_EXPERTS];
     pdl_begin();
-    const unsigned* owner = table + STREAM_HEADER;
+    const unsigned* owner = table + SLOTS_HEADER;
     for (unsigned e = threadIdx.x; e < experts; e += blockDim.x) used[e] = 0;
     __syncthreads();
     for (unsigned j = threadIdx.x; j < n; j += blockDim.x) used[ids[j]] = 1;
@@ -250,7 +236,7 @@ extern "C" __global__ void expert_stage_all(unsigned* table, unsigned slots, uns
     __shared__ unsigned from_host;
     pdl_wait();
     pdl_trigger();
-    const unsigned* owner = table + STREAM_HEADER;
+    const unsigned* owner = table + SLOTS_HEADER;
     for (unsigned e = threadIdx.x; e < experts; e += blockDim.x) slot_of[e] = 0xffffffffu;
     if (threadIdx.x == 0) from_host = 0;
     __syncthreads();

@@ -9,6 +9,7 @@ use kestrel_cuda_rt::{CudaError, ModuleSource, Result, PDL_HEADER};
 const HEADERS: &[(&str, &str)] = &[
     PDL_HEADER,
     ("kestrel.cuh", include_str!("../../kernels/kestrel.cuh")),
+    ("slots.cuh", include_str!("../../kernels/slots.cuh")),
 ];
 
 /// The module `kernels/<name>.cu` (its `source`), with the shared headers and `defines`.

@@ -35,17 +35,29 @@ pub const MODULES: &[ModuleSource] = &[
     stream::MODULE,
 ];
 
-/// Encodes the first nodes of `ops` as one kernel when one kernel does them together: a
-/// one-token router's residual add and norm, product and choice of experts (three), or its
-/// product and choice (two). Returns how many it encoded; 0, and nothing recorded, otherwise.
+/// Encodes the first nodes of `ops` together when kernels do them together: a one-token
+/// router's residual add and norm, product and choice of experts (three), or its product and
+/// choice (two), each optionally with a streamed layer's fetch of the chosen experts after them
+/// (one more). Returns how many it encoded; 0, and nothing recorded, otherwise.
 pub fn encode_fused(ops: &[&Op], enc: &mut Encoder) -> Result<usize> {
+    let fetch = |op: &&Op| matches!(op, Op::ExpertFetch { .. });
+    if let [norm, linear, router, f, ..] = ops {
+        if fetch(f) && moe::encode_route(Some(norm), linear, router, Some(f), enc)? {
+            return Ok(4);
+        }
+    }
+    if let [linear, router, f, ..] = ops {
+        if fetch(f) && moe::encode_route(None, linear, router, Some(f), enc)? {
+            return Ok(3);
+        }
+    }
     if let [norm, linear, router, ..] = ops {
-        if moe::encode_route(Some(norm), linear, router, enc)? {
+        if moe::encode_route(Some(norm), linear, router, None, enc)? {
             return Ok(3);
         }
     }
     if let [linear, router, ..] = ops {
-        if moe::encode_route(None, linear, router, enc)? {
+        if moe::encode_route(None, linear, router, None, enc)? {
             return Ok(2);
         }
     }

@@ -4,6 +4,7 @@
 //! expert on the device, grouped tensor-core GEMMs over each expert's rows, then the same
 //! ordered combine.
 
+use kestrel_core::expert_slots::{book_words, HEADER, USE};
 use kestrel_core::ir::{ExpertFormat, LinearWeight, MatrixSpan, NormKind, Op};
 use kestrel_core::DType;
 
@@ -27,6 +28,8 @@ pub(crate) const MODULE: ModuleSource = op_module(
         ("DOWN_WARPS", DOWN_WARPS as i64),
         ("GQ_WARPS", GQ_WARPS as i64),
         ("GQ_ROWS", GQ_ROWS as i64),
+        ("SLOTS_HEADER", HEADER as i64),
+        ("SLOTS_USE", USE as i64),
     ],
 );
 
@@ -244,13 +247,32 @@ fn fused_norm(
     Ok(aligned.then_some(n))
 }
 
+/// A streamed layer's one-token fetch, resolved by the router's kernel.
+struct RouteFetch {
+    table: Buffer,
+    src: Buffer,
+    cache: Buffer,
+    out: Buffer,
+    slots: usize,
+    span: usize,
+    half_life: u32,
+}
+
 /// A one-token router's product (`linear`, writing the logits) and its choice (`router`) as one
 /// `route_*` kernel on a cluster of blocks (sm_90), which also writes the logits. The product
 /// is computed as the exact one-token matvec computes it. With `norm`, the residual add and norm
 /// that write the product's input go in front (`route_norm_*`) when they fit
-/// (`fused_norm`). Returns false, recording nothing, for any other pair, weight format or device,
-/// or a norm that does not fit.
-pub fn encode_route(norm: Option<&Op>, linear: &Op, router: &Op, enc: &mut Encoder) -> Result<bool> {
+/// (`fused_norm`). With `fetch`, a streamed layer's `ExpertFetch` of the chosen experts, the
+/// kernel also resolves them into the layer's slots and `expert_fill` copies the misses in.
+/// Returns false, recording nothing, for any other pair, weight format or device, or a norm or
+/// books that do not fit.
+pub fn encode_route(
+    norm: Option<&Op>,
+    linear: &Op,
+    router: &Op,
+    fetch: Option<&Op>,
+    enc: &mut Encoder,
+) -> Result<bool> {
     let (
         &Op::Linear {
             x,
@@ -312,9 +334,51 @@ pub fn encode_route(norm: Option<&Op>, linear: &Op, router: &Op, enc: &mut Encod
         (None, false) => staged,
     };
     let (name, bufs, group) = weight_parts(enc, w)?;
+    // A streamed layer's books go after the rest, in block 0's shared memory.
+    let books_at = smem.div_ceil(4);
+    let fetch = match fetch {
+        None => None,
+        Some(&Op::ExpertFetch {
+            ids: fetched,
+            table,
+            src,
+            cache,
+            out,
+            tokens: 1,
+            k: fk,
+            experts: fe,
+            slots,
+            span,
+            policy,
+        }) if fetched == ids
+            && fk == k
+            && fe == experts
+            && (k..=super::stream::MAX_SLOTS).contains(&slots) =>
+        {
+            Some(RouteFetch {
+                table: enc.buf(table)?.clone(),
+                src: enc.buf(src)?.clone(),
+                cache: enc.buf(cache)?.clone(),
+                out: enc.buf(out)?.clone(),
+                slots,
+                span,
+                half_life: policy.half_life(),
+            })
+        }
+        Some(_) => return Ok(false),
+    };
+    let smem = match &fetch {
+        Some(f) => (books_at + book_words(f.slots, experts)) * 4,
+        None => smem,
+    };
     if smem > enc.device.info().max_shared_per_block {
         return Ok(false);
     }
+    // The misses the kernel leaves for expert_fill.
+    let fetch = match fetch {
+        Some(f) => Some((f, enc.workspace(DType::U32, 1 + 2 * k)?)),
+        None => None,
+    };
     let prefix = if fused.is_some() { "route_norm" } else { "route" };
     let kern = enc.kernel(&MODULE, &format!("{prefix}_{name}_{}", router_per_lane(experts)))?;
     let (l, i, wt) = (
@@ -348,7 +412,25 @@ pub fn encode_route(norm: Option<&Op>, linear: &Op, router: &Op, enc: &mut Encod
     if let Some(n) = &fused {
         b = b.arg(n.eps).arg(n.zero_centered as i32).arg(n.w_bf16 as i32);
     }
-    b.record();
+    let Some((f, fills)) = fetch else {
+        // No books: null pointers and zero counts.
+        b.arg(0u64)
+            .arg(0u32)
+            .arg(0u32)
+            .arg(0u32)
+            .arg(0u64)
+            .arg(0u64)
+            .record();
+        return Ok(true);
+    };
+    b.read_write(&f.table)
+        .arg(u32_arg(books_at)?)
+        .arg(u32_arg(f.slots)?)
+        .arg(f.half_life)
+        .write(&f.out)
+        .write(&fills)
+        .record();
+    super::stream::encode_fill(enc, &fills, &f.src, &f.cache, k, f.span)?;
     Ok(true)
 }
 

@@ -1,14 +1,16 @@
-//! Streamed experts: `ExpertFetch` and `ExpertStage`, `kernels/stream.cu`. A fetch is one kernel
-//! that resolves the layer's slots on the GPU and copies the misses from mapped host memory, and
-//! a commit of the next books beside the experts' kernels; a stage lists a longer chunk's
-//! experts and copies each from its slot or from host memory.
+//! Streamed experts: `ExpertFetch` and `ExpertStage`, `kernels/stream.cu`. A one-token fetch
+//! behind a one-token router is resolved by the router's kernel (`moe::encode_route`) and its
+//! misses copied by `expert_fill`; any other fetch is one kernel that resolves the layer's slots
+//! on the GPU and copies the misses from mapped host memory, and a commit of the next books
+//! beside the experts' kernels; a stage lists a longer chunk's experts and copies each from its
+//! slot or from host memory.
 
 use kestrel_core::expert_slots::{book_words, HEADER, USE};
 use kestrel_core::ir::Op;
 use kestrel_core::DType;
 
 use super::common::{op_module, u32_arg, unsupported};
-use kestrel_cuda_rt::{ModuleSource, Result};
+use kestrel_cuda_rt::{Buffer, ModuleSource, Result};
 
 use crate::encoder::Encoder;
 
@@ -17,7 +19,7 @@ const MAX_IDS: usize = 1024;
 /// Most experts a streamed layer has and most slots its cache has (the books, in shared
 /// memory while a fetch resolves, and the stage plan's flags).
 const MAX_EXPERTS: usize = 1024;
-const MAX_SLOTS: usize = 1024;
+pub(crate) const MAX_SLOTS: usize = 1024;
 /// Threads of a fetch's blocks (one warp of each resolves, all of them copy).
 const FETCH_THREADS: u32 = 256;
 /// Blocks that copy one span: a fetch has a few misses, so each gets many blocks to keep the
@@ -34,13 +36,36 @@ pub(crate) const MODULE: ModuleSource = op_module(
     "stream",
     include_str!("../../kernels/stream.cu"),
     &[
-        ("STREAM_HEADER", HEADER as i64),
-        ("STREAM_USE", USE as i64),
+        ("SLOTS_HEADER", HEADER as i64),
+        ("SLOTS_USE", USE as i64),
         ("STREAM_MAX_IDS", MAX_IDS as i64),
         ("STREAM_MAX_SLOTS", MAX_SLOTS as i64),
         ("STREAM_MAX_EXPERTS", MAX_EXPERTS as i64),
     ],
 );
+
+/// The misses a one-token router resolved (`fills`, written by `route_*`: `[count, (slot,
+/// expert) * count]`, at most `k`) copied from the host's packed experts `src` into their slots of
+/// `cache`, `FETCH_BLOCKS_PER_SPAN` blocks a miss.
+pub(crate) fn encode_fill(
+    enc: &mut Encoder,
+    fills: &Buffer,
+    src: &Buffer,
+    cache: &Buffer,
+    k: usize,
+    span: usize,
+) -> Result<()> {
+    let fill = enc.kernel(&MODULE, "expert_fill")?;
+    enc.dispatch(&fill)
+        .grid((FETCH_BLOCKS_PER_SPAN, u32_arg(k)?))
+        .block(FETCH_THREADS)
+        .read(fills)
+        .read(src)
+        .write(cache)
+        .arg((span / 16) as u64)
+        .record();
+    Ok(())
+}
 
 pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
     match *op {
