@@ -5,7 +5,9 @@
 # frequency policy, each generation fed greedy tokens (random weights repeat themselves, so
 # most experts hit) or random ones (routing spread as over real text). Logs and JSON land in
 # LOGDIR; the last lines printed are a summary table with the link bound of each run: resident
-# decode time per token plus the bytes copied per token over the measured pinned bandwidth.
+# decode time per token plus the bytes copied per token over the measured pinned bandwidth (the
+# bytes of the one-run cache statistics, and each timed run's own bytes with the median of the
+# runs' fractions of their bounds).
 #
 #   bash scripts/gpu/stream-bench.sh NEW OLD LOGDIR [MODEL [GPU_MEM [EXTRA BENCH ARGS...]]]
 #   e.g. bash scripts/gpu/stream-bench.sh gpu-bundle/kestrel kestrel-old $OUT/s qwen3-30b-a3b 8GiB
@@ -64,5 +66,13 @@ for ev in ("lru", "freq"):
             bound = 1 / (1 / resident + per / bw)
             tg = [v for k, v in res.items() if k.startswith("tg")][0]
             line += f"  link bound {bound:.1f} tok/s  ({100 * tg / bound:.1f}% of it, {100 * tg / resident:.1f}% of resident)"
+            # Each timed run against its own bound (its own bytes): runs are fed different
+            # tokens and the caches carry over, so their bytes differ.
+            t = [t for t in r["results"] if t["test"].startswith("tg")][0]
+            runs = list(zip(t["samples_tokens_per_s"], t.get("samples_bytes_copied_per_token", [])))
+            if runs:
+                fr = sorted(v * (1 / resident + b / bw) for v, b in runs)
+                line += f"\n      per run: " + ", ".join(f"{v:.1f} tok/s at {b / 1e6:.1f} MB" for v, b in runs)
+                line += f"; of each run's link bound: median {100 * fr[len(fr) // 2]:.1f}%"
         print(line)
 PY

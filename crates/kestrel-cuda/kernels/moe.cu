@@ -11,9 +11,9 @@
 // instead of k rounds of argmax (choose_block). route_norm_*: the residual add and RMS norm in
 // front, done by every block, so the norm costs no launch: the products run on the weighted row,
 // block 0 scales the logits by 1 / rms at the end, and the other blocks write the new residual
-// and the normalised row while block 0 chooses. A streamed layer's route_* then resolves the
-// choice into the layer's cache of expert slots in block 0 (RouteSlots, slots.cuh), its books read
-// into shared memory before the wait; expert_fill (stream.cu) copies the misses.
+// and the normalised row while block 0 chooses. A streamed layer's route_*_slots then resolves
+// the choice into the layer's cache of expert slots in block 0 (RouteSlots, slots.cuh), its books
+// read into shared memory before the wait; expert_fill (stream.cu) copies the misses.
 // Experts, with 16-byte weight loads: gate_up computes act[t * k + j] = silu(gate_e x_t) * (up_e x_t)
 // for every (token, slot); down computes out[t] = sum_j weights[t, j] * down_e act[t * k + j],
 // slots summed in order, so results do not depend on scheduling. Each expert is one contiguous
@@ -171,7 +171,7 @@ struct RouteNorm {
 // slots right after choosing (slots_resolve_token): block 0 reads the books into shared memory
 // before the programmatic wait (only the same layer's previous step wrote them, a graph replay
 // ago), resolves, and writes the slots, the misses for expert_fill and the books (both copies of
-// the table, as expert_slots keeps them). `books` null: a resident layer.
+// the table, as expert_slots keeps them). Only the route_*_slots kernels have one.
 struct RouteSlots {
     unsigned* books;     // the table: the books, then their copy
     unsigned at;         // word offset of the books' place in dynamic shared memory
@@ -333,7 +333,7 @@ __device__ void choose_block(const float* l, float scale, float* logits, unsigne
 }
 
 // NORM: x is the norm's output (nm), not an input.
-template <int BITS, int PER_LANE, bool NORM>
+template <int BITS, int PER_LANE, bool NORM, bool SLOTS>
 __device__ void route_one(const float* x, const void* w, const bf16* scales, const bf16* biases, float* logits,
                           unsigned* ids, float* weights, unsigned in_dim, unsigned experts, unsigned group,
                           unsigned k, int normalize, RouteNorm nm, RouteSlots sl) {
@@ -369,7 +369,7 @@ __device__ void route_one(const float* x, const void* w, const bf16* scales, con
     float4 norm_w[ROUTE_NORM_VEC];
     if constexpr (NORM) norm_weights(nm, in_dim, norm_w);
     // A streamed layer's books, on their way into block 0's shared memory while it waits.
-    const bool resolves = sl.books != nullptr && rank == 0;
+    const bool resolves = SLOTS && rank == 0;
     const unsigned words = SLOTS_HEADER + 2 * sl.slots + 2 * experts;
     unsigned* books = reinterpret_cast<unsigned*>(xs) + sl.at;
     if (resolves) {
@@ -439,9 +439,10 @@ __device__ void route_one(const float* x, const void* w, const bf16* scales, con
         }
     }
     if (rank != 0) return;
-    __shared__ unsigned chosen[32], slot[32], fill_slot[32], fill_expert[32], nfill;
+    __shared__ unsigned chosen[32];
     choose_block<PER_LANE>(chosen_from, scale, logits, ids, weights, experts, k, normalize, chosen);
-    if (!resolves) return;
+    if constexpr (!SLOTS) return;
+    __shared__ unsigned slot[32], fill_slot[32], fill_expert[32], nfill;
     cp_async_wait<0>();
     slots_resolve_token(books, chosen, k, sl.slots, experts, sl.half_life, slot, fill_slot, fill_expert, &nfill);
     for (unsigned i = threadIdx.x; i < words; i += blockDim.x) {
@@ -456,44 +457,56 @@ __device__ void route_one(const float* x, const void* w, const bf16* scales, con
     if (threadIdx.x == 0) sl.fills[0] = nfill;
 }
 
-// Every route_* kernel ends with a streamed layer's books (RouteSlots; null books: resident).
+// Each route_* kernel has a route_*_slots twin for streamed layers, which takes the layer's books
+// last (RouteSlots); the resident kernels are compiled without them.
 #define ROUTE_SLOT_PARAMS \
-    unsigned *books, unsigned books_at, unsigned slots, unsigned half_life, unsigned *slot_out, unsigned *fills
+    , unsigned *books, unsigned books_at, unsigned slots, unsigned half_life, unsigned *slot_out, unsigned *fills
 #define ROUTE_SLOTS RouteSlots{books, books_at, slots, half_life, slot_out, fills}
+#define ROUTE_NO_SLOT_PARAMS
+#define ROUTE_NO_SLOTS RouteSlots{}
+#define ROUTE_Q_KERNELS(BITS, PER_LANE, SUFFIX, S, PARAMS, SL)                                              \
+    extern "C" __global__ void __cluster_dims__(ROUTE_BLOCKS, 1, 1) __launch_bounds__(32 * ROUTE_WARPS)      \
+        route_q##BITS##_##PER_LANE##SUFFIX(const float* x, const unsigned* w, const bf16* scales,           \
+                                           const bf16* biases, float* logits, unsigned* ids, float* weights, \
+                                           unsigned in_dim, unsigned experts, unsigned group, unsigned k,   \
+                                           int normalize PARAMS) {                                          \
+        route_one<BITS, PER_LANE, false, S>(x, w, scales, biases, logits, ids, weights, in_dim, experts,    \
+                                            group, k, normalize, RouteNorm{}, SL);                          \
+    }                                                                                                        \
+    extern "C" __global__ void __cluster_dims__(ROUTE_BLOCKS, 1, 1) __launch_bounds__(32 * ROUTE_WARPS)      \
+        route_norm_q##BITS##_##PER_LANE##SUFFIX(float* residual, const float* add, const void* nw, float* h, \
+                                                const unsigned* w, const bf16* scales, const bf16* biases,  \
+                                                float* logits, unsigned* ids, float* weights,               \
+                                                unsigned in_dim, unsigned experts, unsigned group,          \
+                                                unsigned k, int normalize, float eps, int zero_centered,    \
+                                                int w_bf16 PARAMS) {                                        \
+        route_one<BITS, PER_LANE, true, S>(nullptr, w, scales, biases, logits, ids, weights, in_dim,        \
+                                           experts, group, k, normalize,                                    \
+                                           RouteNorm{residual, add, nw, h, eps, zero_centered, w_bf16}, SL); \
+    }
+#define ROUTE_BF16_KERNELS(PER_LANE, SUFFIX, S, PARAMS, SL)                                                  \
+    extern "C" __global__ void __cluster_dims__(ROUTE_BLOCKS, 1, 1) __launch_bounds__(32 * ROUTE_WARPS)      \
+        route_bf16_##PER_LANE##SUFFIX(const float* x, const bf16* w, float* logits, unsigned* ids,           \
+                                      float* weights, unsigned in_dim, unsigned experts, unsigned k,        \
+                                      int normalize PARAMS) {                                               \
+        route_one<16, PER_LANE, false, S>(x, w, nullptr, nullptr, logits, ids, weights, in_dim, experts, 1,  \
+                                          k, normalize, RouteNorm{}, SL);                                   \
+    }                                                                                                        \
+    extern "C" __global__ void __cluster_dims__(ROUTE_BLOCKS, 1, 1) __launch_bounds__(32 * ROUTE_WARPS)      \
+        route_norm_bf16_##PER_LANE##SUFFIX(float* residual, const float* add, const void* nw, float* h,      \
+                                           const bf16* w, float* logits, unsigned* ids, float* weights,     \
+                                           unsigned in_dim, unsigned experts, unsigned k, int normalize,    \
+                                           float eps, int zero_centered, int w_bf16 PARAMS) {               \
+        route_one<16, PER_LANE, true, S>(nullptr, w, nullptr, nullptr, logits, ids, weights, in_dim,        \
+                                         experts, 1, k, normalize,                                          \
+                                         RouteNorm{residual, add, nw, h, eps, zero_centered, w_bf16}, SL);  \
+    }
 #define ROUTE_Q(BITS, PER_LANE)                                                                              \
-    extern "C" __global__ void __cluster_dims__(ROUTE_BLOCKS, 1, 1) __launch_bounds__(32 * ROUTE_WARPS)      \
-        route_q##BITS##_##PER_LANE(const float* x, const unsigned* w, const bf16* scales, const bf16* biases, \
-                                   float* logits, unsigned* ids, float* weights, unsigned in_dim,           \
-                                   unsigned experts, unsigned group, unsigned k, int normalize, ROUTE_SLOT_PARAMS) { \
-        route_one<BITS, PER_LANE, false>(x, w, scales, biases, logits, ids, weights, in_dim, experts, group, \
-                                         k, normalize, RouteNorm{}, ROUTE_SLOTS); \
-    }                                                                                                        \
-    extern "C" __global__ void __cluster_dims__(ROUTE_BLOCKS, 1, 1) __launch_bounds__(32 * ROUTE_WARPS)      \
-        route_norm_q##BITS##_##PER_LANE(float* residual, const float* add, const void* nw, float* h,         \
-                                        const unsigned* w, const bf16* scales, const bf16* biases,          \
-                                        float* logits, unsigned* ids, float* weights, unsigned in_dim,      \
-                                        unsigned experts, unsigned group, unsigned k, int normalize,        \
-                                        float eps, int zero_centered, int w_bf16, ROUTE_SLOT_PARAMS) { \
-        route_one<BITS, PER_LANE, true>(nullptr, w, scales, biases, logits, ids, weights, in_dim, experts,  \
-                                        group, k, normalize,                                                \
-                                        RouteNorm{residual, add, nw, h, eps, zero_centered, w_bf16}, ROUTE_SLOTS); \
-    }
+    ROUTE_Q_KERNELS(BITS, PER_LANE, , false, ROUTE_NO_SLOT_PARAMS, ROUTE_NO_SLOTS)                           \
+    ROUTE_Q_KERNELS(BITS, PER_LANE, _slots, true, ROUTE_SLOT_PARAMS, ROUTE_SLOTS)
 #define ROUTE_BF16(PER_LANE)                                                                                 \
-    extern "C" __global__ void __cluster_dims__(ROUTE_BLOCKS, 1, 1) __launch_bounds__(32 * ROUTE_WARPS)      \
-        route_bf16_##PER_LANE(const float* x, const bf16* w, float* logits, unsigned* ids, float* weights,   \
-                              unsigned in_dim, unsigned experts, unsigned k, int normalize, ROUTE_SLOT_PARAMS) { \
-        route_one<16, PER_LANE, false>(x, w, nullptr, nullptr, logits, ids, weights, in_dim, experts, 1, k,  \
-                                       normalize, RouteNorm{}, ROUTE_SLOTS); \
-    }                                                                                                        \
-    extern "C" __global__ void __cluster_dims__(ROUTE_BLOCKS, 1, 1) __launch_bounds__(32 * ROUTE_WARPS)      \
-        route_norm_bf16_##PER_LANE(float* residual, const float* add, const void* nw, float* h,              \
-                                   const bf16* w, float* logits, unsigned* ids, float* weights,             \
-                                   unsigned in_dim, unsigned experts, unsigned k, int normalize, float eps, \
-                                   int zero_centered, int w_bf16, ROUTE_SLOT_PARAMS) { \
-        route_one<16, PER_LANE, true>(nullptr, w, nullptr, nullptr, logits, ids, weights, in_dim, experts,  \
-                                      1, k, normalize, RouteNorm{residual, add, nw, h, eps, zero_centered,  \
-                                                                 w_bf16}, ROUTE_SLOTS); \
-    }
+    ROUTE_BF16_KERNELS(PER_LANE, , false, ROUTE_NO_SLOT_PARAMS, ROUTE_NO_SLOTS)                              \
+    ROUTE_BF16_KERNELS(PER_LANE, _slots, true, ROUTE_SLOT_PARAMS, ROUTE_SLOTS)
 ROUTE_Q(4, 4)
 ROUTE_Q(4, 8)
 ROUTE_Q(4, 16)

@@ -85,6 +85,9 @@ struct TestRow {
     n_prompt: usize,
     n_gen: usize,
     samples: Vec<f64>,
+    /// When experts stream, the bytes each generation run copied into the caches per token
+    /// (runs differ: each is fed its own tokens, and the caches carry over between runs).
+    copied: Vec<f64>,
 }
 
 impl TestRow {
@@ -147,6 +150,7 @@ fn run_tests(e: &mut Engine, a: &ModelBenchArgs, rng: &mut Rng) -> Result<Vec<Te
             n_prompt: pp,
             n_gen: 0,
             samples,
+            copied: Vec::new(),
         });
     }
     for &tg in a.n_gen.iter().filter(|&&n| n > 0) {
@@ -156,20 +160,25 @@ fn run_tests(e: &mut Engine, a: &ModelBenchArgs, rng: &mut Rng) -> Result<Vec<Te
             tg.min(4),
             tg_tokens(a.tg_input, rng).as_mut(),
         )?;
-        let mut samples = Vec::with_capacity(a.reps);
+        let (mut samples, mut copied) = (Vec::with_capacity(a.reps), Vec::new());
         for _ in 0..a.reps {
             let first = ids(rng, vocab, 1)[0];
             e.reset()?;
             let mut tokens = tg_tokens(a.tg_input, rng);
+            let before = e.expert_stats()?;
             let start = Instant::now();
             generate(e, first, tg, tokens.as_mut())?;
             samples.push(start.elapsed().as_secs_f64());
+            if let (Some(b), Some(after)) = (before, e.expert_stats()?) {
+                copied.push((after.bytes_copied - b.bytes_copied) as f64 / tg as f64);
+            }
         }
         rows.push(TestRow {
             name: format!("tg{tg}"),
             n_prompt: 0,
             n_gen: tg,
             samples,
+            copied,
         });
     }
     Ok(rows)
@@ -381,6 +390,9 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
                 });
                 if let (true, Some(floor)) = (r.n_gen > 0, floor_tps) {
                     v["of_floor"] = (r.median_tps() / floor).into();
+                }
+                if !r.copied.is_empty() {
+                    v["samples_bytes_copied_per_token"] = r.copied.clone().into();
                 }
                 v
             })

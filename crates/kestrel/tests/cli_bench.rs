@@ -93,3 +93,61 @@ fn model_directory_and_bad_arguments() {
         assert!(!o.status.success() && err.contains(want), "{args:?}: {err}");
     }
 }
+
+/// With experts streamed (about the smallest budget `inspect` names, so steps evict), each
+/// generation run reports the bytes it copied per token beside its rate, and the one-run cache
+/// statistics are there.
+#[test]
+fn streamed_generation_runs_report_their_own_bytes() {
+    let dir = kestrel_testing::fixtures::path("crates/kestrel-model/tests/parity/qwen3_moe");
+    let dir = dir.to_str().unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_kestrel"))
+        .args([
+            "inspect",
+            "-m",
+            dir,
+            "--ctx",
+            "5",
+            "--prefill-chunk",
+            "4",
+            "--cache",
+            "f32",
+        ])
+        .args(["--gpu-mem", "1TiB", "--json"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    // A slot more than the least: the bench's activations differ from inspect's by a little.
+    let p = &v["placement"];
+    let min = (p["min_gpu_bytes"].as_u64().unwrap() + p["expert_span_bytes"].as_u64().unwrap()).to_string();
+    let v = bench(&[
+        "-m",
+        dir,
+        "-p",
+        "4",
+        "-n",
+        "5",
+        "-r",
+        "3",
+        "--gpu-mem",
+        &min,
+        "--tg-input",
+        "random",
+    ]);
+    let tg = &v["results"][1];
+    assert_eq!(tg["test"], "tg5");
+    let copied: Vec<f64> = tg["samples_bytes_copied_per_token"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no bytes per run: {tg}"))
+        .iter()
+        .map(|b| b.as_f64().unwrap())
+        .collect();
+    assert_eq!(copied.len(), 3, "{tg}");
+    assert!(copied.iter().all(|&b| b > 0.0), "{copied:?}");
+    assert!(v["results"][0].get("samples_bytes_copied_per_token").is_none());
+    assert!(
+        v["expert_cache"]["bytes_copied_per_token"].as_f64().unwrap() > 0.0,
+        "{v}"
+    );
+}

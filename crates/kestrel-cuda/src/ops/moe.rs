@@ -380,7 +380,12 @@ pub fn encode_route(
         None => None,
     };
     let prefix = if fused.is_some() { "route_norm" } else { "route" };
-    let kern = enc.kernel(&MODULE, &format!("{prefix}_{name}_{}", router_per_lane(experts)))?;
+    // A streamed layer's fetch takes the twin that resolves it.
+    let suffix = if fetch.is_some() { "_slots" } else { "" };
+    let kern = enc.kernel(
+        &MODULE,
+        &format!("{prefix}_{name}_{}{suffix}", router_per_lane(experts)),
+    )?;
     let (l, i, wt) = (
         enc.buf(logits)?.clone(),
         enc.buf(ids)?.clone(),
@@ -413,14 +418,7 @@ pub fn encode_route(
         b = b.arg(n.eps).arg(n.zero_centered as i32).arg(n.w_bf16 as i32);
     }
     let Some((f, fills)) = fetch else {
-        // No books: null pointers and zero counts.
-        b.arg(0u64)
-            .arg(0u32)
-            .arg(0u32)
-            .arg(0u32)
-            .arg(0u64)
-            .arg(0u64)
-            .record();
+        b.record();
         return Ok(true);
     };
     b.read_write(&f.table)
