@@ -178,7 +178,7 @@ struct RouteSlots {
     unsigned slots;      // slots of the layer's cache
     unsigned half_life;  // the policy (0: LRU)
     unsigned* out;       // the slot of each chosen expert, in the choice's order
-    unsigned* fills;     // [count, (slot, expert) * count]
+    unsigned* fills;     // [count, (slot, expert) * k], then each chosen expert's miss (see Source)
 };
 
 // The norm's weight for this thread's float4s (i = threadIdx.x + j * blockDim.x), as the
@@ -455,6 +455,14 @@ __device__ void route_one(const float* x, const void* w, const bf16* scales, con
         sl.fills[2 + 2 * threadIdx.x] = fill_expert[threadIdx.x];
     }
     if (threadIdx.x == 0) sl.fills[0] = nfill;
+    // Then, for each chosen expert in order, the expert if it missed (the *_streamed expert
+    // kernels read it from host memory), else SLOT_NONE.
+    if (threadIdx.x < k) {
+        unsigned m = SLOT_NONE;
+        for (unsigned f = 0; f < nfill; f++)
+            if (fill_expert[f] == chosen[threadIdx.x]) m = chosen[threadIdx.x];
+        sl.fills[1 + 2 * k + threadIdx.x] = m;
+    }
 }
 
 // Each route_* kernel has a route_*_slots twin for streamed layers, which takes the layer's books
@@ -572,6 +580,33 @@ __device__ __forceinline__ Mat mat(const unsigned char* span, unsigned long long
                reinterpret_cast<const bf16*>(span + b)};
 }
 
+// Where one (token, slot)'s expert is read from. In a resident layer, and for a hit of a
+// streamed one, its span in `experts` (the cache's slot); for a streamed layer's miss (miss[tk],
+// written by route_*_slots, names the expert, else SLOT_NONE), the expert's packed span in
+// mapped host memory, every byte read also written into the slot (`write`, the slot's span;
+// null otherwise), so the cache holds the expert for the steps after this one.
+struct Source {
+    const unsigned char* read;
+    unsigned char* write;
+};
+
+template <bool STREAMED>
+__device__ __forceinline__ Source source(const unsigned char* experts, unsigned slot, unsigned long long span,
+                                         const unsigned char* host, const unsigned* miss, size_t tk) {
+    const unsigned char* sp = experts + (size_t)slot * span;
+    if constexpr (STREAMED) {
+        const unsigned e = miss[tk];
+        if (e != SLOT_NONE) return Source{host + (size_t)e * span, const_cast<unsigned char*>(sp)};
+    }
+    return Source{sp, nullptr};
+}
+
+// The address in the slot of a byte read at `p` from a miss's host span.
+template <typename T>
+__device__ __forceinline__ T* in_slot(const Source& s, const T* p) {
+    return reinterpret_cast<T*>(s.write + (reinterpret_cast<const unsigned char*>(p) - s.read));
+}
+
 // Row `row` of M matrices, each times its own x (staged in shared memory, padded, `cols` values),
 // in two phases so a warp's weight loads are in flight while the block stages x: `issue` loads the
 // lane's vectors u0, u0 + 32, ... (U of them) of every matrix; `consume` adds their dot products to
@@ -584,6 +619,21 @@ __device__ __forceinline__ void issue(const Mat* mats, unsigned row, unsigned u0
 #pragma unroll
         for (int m = 0; m < M; m++)
             if (active[m] && u0 + 32 * i < nvec) v[i][m] = __ldcs(mats[m].w + (size_t)row * nvec + u0 + 32 * i);
+}
+
+// The vectors `issue` loaded, written into the slot of each matrix's Source (`src[m]`; a null
+// write: a hit, nothing to write).
+template <int M, int U>
+__device__ __forceinline__ void put(const Mat* mats, const Source* src, unsigned row, unsigned u0, unsigned nvec,
+                                    const bool* active, const uint4 v[U][M]) {
+#pragma unroll
+    for (unsigned i = 0; i < U; i++)
+#pragma unroll
+        for (int m = 0; m < M; m++)
+            if (src[m].write && active[m] && u0 + 32 * i < nvec) {
+                const uint4* p = mats[m].w + (size_t)row * nvec + u0 + 32 * i;
+                *in_slot(src[m], p) = v[i][m];
+            }
 }
 
 template <int BITS, int M, int U>
@@ -608,16 +658,19 @@ __device__ __forceinline__ void consume(const uint4 v[U][M], const Mat* mats, un
 
 // act[tk, r] = silu(gate_e[r] . x_t) * (up_e[r] . x_t), tk = t * k + slot, e = ids[tk].
 // Grid (inter / (GU_WARPS * GU_ROWS), tokens * k); dynamic shared memory: padded_len(hidden) floats.
-template <int BITS>
+template <int BITS, bool STREAMED>
 __device__ void gate_up(const float* x, const unsigned* ids, const unsigned char* experts, float* act,
                         unsigned hidden, unsigned inter, unsigned k, unsigned long long span,
                         unsigned long long gw, unsigned long long gs, unsigned long long gb, unsigned long long uw,
-                        unsigned long long us, unsigned long long ub, unsigned group) {
+                        unsigned long long us, unsigned long long ub, unsigned group, const unsigned char* host,
+                        const unsigned* miss) {
     extern __shared__ float xs_shared[];
     const size_t tk = blockIdx.y;
     const unsigned lane = threadIdx.x % 32;
     const unsigned row0 = (blockIdx.x * GU_WARPS + threadIdx.x / 32) * GU_ROWS;
-    const unsigned char* sp = experts + (size_t)ids[tk] * span;
+    const Source src = source<STREAMED>(experts, ids[tk], span, host, miss, tk);
+    const unsigned char* sp = src.read;
+    Source srcs[2 * GU_ROWS];
     const unsigned groups = BITS == 16 ? 1 : hidden / group, nvec = hidden / VecFormat<BITS>::VALS;
     // Gate rows then up rows, each matrix shifted to its row so all use row 0 below.
     Mat mats[2 * GU_ROWS];
@@ -631,6 +684,7 @@ __device__ void gate_up(const float* x, const unsigned* ids, const unsigned char
         mats[GU_ROWS + r] = Mat{u.w + row * nvec, u.scales + row * groups, u.biases + row * groups};
         xs[r] = xs[GU_ROWS + r] = xs_shared;
         active[r] = active[GU_ROWS + r] = row0 + r < inter;
+        srcs[r] = srcs[GU_ROWS + r] = src;
     }
     float acc[2 * GU_ROWS];
 #pragma unroll
@@ -640,9 +694,11 @@ __device__ void gate_up(const float* x, const unsigned* ids, const unsigned char
     const float* xt = x + (tk / k) * hidden;
     for (unsigned i = threadIdx.x; i < hidden; i += blockDim.x) xs_shared[padded(i)] = xt[i];
     __syncthreads();
+    if constexpr (STREAMED) put<2 * GU_ROWS, UNROLL>(mats, srcs, 0, lane, nvec, active, v);
     consume<BITS, 2 * GU_ROWS, UNROLL>(v, mats, 0, lane, nvec, xs, hidden, group, active, acc);
     for (unsigned u0 = lane + 32 * UNROLL; u0 < nvec; u0 += 32 * UNROLL) {
         issue<2 * GU_ROWS, UNROLL>(mats, 0, u0, nvec, active, v);
+        if constexpr (STREAMED) put<2 * GU_ROWS, UNROLL>(mats, srcs, 0, u0, nvec, active, v);
         consume<BITS, 2 * GU_ROWS, UNROLL>(v, mats, 0, u0, nvec, xs, hidden, group, active, acc);
     }
 #pragma unroll
@@ -655,11 +711,11 @@ __device__ void gate_up(const float* x, const unsigned* ids, const unsigned char
 // out[t, r] = sum_j weights[t, j] * (down_{e_j}[r] . act[t * k + j]), slots summed in order.
 // One warp per output row; grid (hidden / DOWN_WARPS, tokens); dynamic shared memory:
 // k * padded_len(inter) floats.
-template <int BITS>
+template <int BITS, bool STREAMED>
 __device__ void down_combine(const float* act, const unsigned* ids, const float* weights,
                              const unsigned char* experts, float* out, unsigned hidden, unsigned inter, unsigned k,
                              unsigned long long span, unsigned long long dw, unsigned long long ds,
-                             unsigned long long db, unsigned group) {
+                             unsigned long long db, unsigned group, const unsigned char* host, const unsigned* miss) {
     extern __shared__ float acts[];
     const size_t t = blockIdx.y;
     const unsigned lane = threadIdx.x % 32;
@@ -669,14 +725,16 @@ __device__ void down_combine(const float* act, const unsigned* ids, const float*
     float total = 0.0f;
     for (unsigned j0 = 0; j0 < k; j0 += DOWN_CHUNK) {
         Mat mats[DOWN_CHUNK];
+        Source srcs[DOWN_CHUNK];
         const float* xs[DOWN_CHUNK];
         bool active[DOWN_CHUNK];
         float acc[DOWN_CHUNK];
 #pragma unroll
         for (unsigned c = 0; c < DOWN_CHUNK; c++) {
             active[c] = row_ok && j0 + c < k;
-            const unsigned e = j0 + c < k ? ids[t * k + j0 + c] : 0;
-            mats[c] = mat(experts + (size_t)e * span, dw, ds, db);
+            srcs[c] = j0 + c < k ? source<STREAMED>(experts, ids[t * k + j0 + c], span, host, miss, t * k + j0 + c)
+                                 : Source{experts, nullptr};
+            mats[c] = mat(srcs[c].read, dw, ds, db);
             xs[c] = acts + (j0 + c) * plen;
             acc[c] = 0.0f;
         }
@@ -690,9 +748,11 @@ __device__ void down_combine(const float* act, const unsigned* ids, const float*
             __syncthreads();
         }
         // Expert rows are short (inter values): one vector per lane and expert at a time.
+        if constexpr (STREAMED) put<DOWN_CHUNK, 1>(mats, srcs, row, lane, nvec, active, v);
         consume<BITS, DOWN_CHUNK, 1>(v, mats, row, lane, nvec, xs, inter, group, active, acc);
         for (unsigned u0 = lane + 32; u0 < nvec; u0 += 32) {
             issue<DOWN_CHUNK, 1>(mats, row, u0, nvec, active, v);
+            if constexpr (STREAMED) put<DOWN_CHUNK, 1>(mats, srcs, row, u0, nvec, active, v);
             consume<BITS, DOWN_CHUNK, 1>(v, mats, row, u0, nvec, xs, inter, group, active, acc);
         }
 #pragma unroll
@@ -716,11 +776,12 @@ static_assert(GQ_WARPS * GQ_ROWS == 32, "a block of moe_gate_up_q* writes one in
 // as int8 (aq bytes, ad scale, as16 sums; inter a multiple of 32). Grid (inter / 32, tokens * k),
 // GQ_WARPS warps; dynamic shared memory: 32 floats, GQ_WARPS * 4 * 2 * (hidden / group) bf16
 // (each warp's rows' group scales and biases), hidden bytes + (hidden / 32 + hidden / 16) floats.
-template <int BITS>
+template <int BITS, bool STREAMED>
 __device__ void gate_up_int8(const float* x, const unsigned* ids, const unsigned char* experts, int* aq, float* ad,
                              float* as16, unsigned hidden, unsigned inter, unsigned k, unsigned long long span,
                              unsigned long long gw, unsigned long long gs, unsigned long long gb,
-                             unsigned long long uw, unsigned long long us, unsigned long long ub, unsigned group) {
+                             unsigned long long uw, unsigned long long us, unsigned long long ub, unsigned group,
+                             const unsigned char* host, const unsigned* miss) {
     // The 32 activations first: they are read as float4s.
     extern __shared__ __align__(16) float sact[];
     pdl_wait();
@@ -735,8 +796,10 @@ __device__ void gate_up_int8(const float* x, const unsigned* ids, const unsigned
     const unsigned row0 = blockIdx.x * 32 + warp * GQ_ROWS;
     // x_t is asked for first, so its lines are not queued behind the weights.
     prefetch_l2_range(x + t * hidden, hidden * sizeof(float), threadIdx.x, blockDim.x);
-    const unsigned char* sp = experts + (size_t)ids[tk] * span;
+    const Source src = source<STREAMED>(experts, ids[tk], span, host, miss, tk);
+    const unsigned char* sp = src.read;
     Mat mats[2 * GQ_ROWS];
+    Source srcs[2 * GQ_ROWS];
     bool active[2 * GQ_ROWS];
 #pragma unroll
     for (int r = 0; r < GQ_ROWS; r++) {
@@ -745,6 +808,7 @@ __device__ void gate_up_int8(const float* x, const unsigned* ids, const unsigned
         mats[r] = Mat{g.w + row * nvec, g.scales + row * groups, g.biases + row * groups};
         mats[GQ_ROWS + r] = Mat{u.w + row * nvec, u.scales + row * groups, u.biases + row * groups};
         active[r] = active[GQ_ROWS + r] = true;
+        srcs[r] = srcs[GQ_ROWS + r] = src;
     }
     uint4 v[UNROLL][2 * GQ_ROWS];
     issue<2 * GQ_ROWS, UNROLL>(mats, 0, lane, nvec, active, v);
@@ -771,11 +835,21 @@ __device__ void gate_up_int8(const float* x, const unsigned* ids, const unsigned
     quantize_x8<BITS == 4>(x + t * hidden, hidden, sq, sd, ss, threadIdx.x, blockDim.x);
     cp_async_wait<0>();
     __syncthreads();
+    if constexpr (STREAMED) {
+        // A miss: this warp's rows' scales and biases into the slot too.
+        if (src.write)
+            for (unsigned e = lane; e < 2 * GQ_ROWS * 2 * groups; e += 32) {
+                const unsigned sel = e / groups, m = sel / 2;
+                const unsigned long long off = m < GQ_ROWS ? (sel % 2 ? gb : gs) : (sel % 2 ? ub : us);
+                reinterpret_cast<bf16*>(src.write + off)[(size_t)(row0 + m % GQ_ROWS) * groups + e % groups] = sg[e];
+            }
+    }
     const QuantX xq{sq, sd, ss};
     float acc[2 * GQ_ROWS];
 #pragma unroll
     for (int m = 0; m < 2 * GQ_ROWS; m++) acc[m] = 0.0f;
     for (unsigned u0 = lane;;) {
+        if constexpr (STREAMED) put<2 * GQ_ROWS, UNROLL>(mats, srcs, 0, u0, nvec, active, v);
 #pragma unroll
         for (unsigned i = 0; i < UNROLL; i++) {
             const unsigned u = u0 + 32 * i;
@@ -837,11 +911,12 @@ __device__ __forceinline__ void stage(void* dst, const void* src, unsigned bytes
 // before the programmatic wait: the router wrote them, and it finished before gate/up (the kernel
 // this one follows, which reads them too) passed its own wait and let this one launch, so the
 // down matrices stream in while gate/up runs. The activations, gate/up's output, are read after.
-template <int BITS>
+template <int BITS, bool STREAMED>
 __device__ void down_int8(const int* aq, const float* ad, const float* as16, const unsigned* ids,
                           const float* weights, const unsigned char* experts, float* out, unsigned hidden,
                           unsigned inter, unsigned k, unsigned long long span, unsigned long long dw,
-                          unsigned long long ds, unsigned long long db, unsigned group) {
+                          unsigned long long ds, unsigned long long db, unsigned group, const unsigned char* host,
+                          const unsigned* miss) {
     extern __shared__ int sq[];
     const unsigned qn = inter / 4, dn = inter / 32, sn = inter / 16;
     float* sd = reinterpret_cast<float*>(sq + k * qn);
@@ -863,7 +938,8 @@ __device__ void down_int8(const int* aq, const float* ad, const float* as16, con
 #pragma unroll
         for (unsigned i = 0; i < DQ_PAIRS; i++) {
             const unsigned p = p0 + lane + 32 * i, pp = p < pairs ? p : 0, j = pp / nvec, u = pp % nvec;
-            const unsigned char* sp = experts + (size_t)__ldcg(ids + t * k + j) * span;
+            const unsigned char* sp =
+                source<STREAMED>(experts, __ldcg(ids + t * k + j), span, host, miss, t * k + j).read;
             const unsigned g = (u * VecFormat<BITS>::VALS) / group;
             v[i] = __ldcs(reinterpret_cast<const uint4*>(sp + dw) + wrow + u);
             scale[i] = to_f32(reinterpret_cast<const bf16*>(sp + ds)[grow + g]);
@@ -882,6 +958,17 @@ __device__ void down_int8(const int* aq, const float* ad, const float* as16, con
 #pragma unroll
         for (unsigned i = 0; i < DQ_PAIRS; i++) {
             const unsigned p = p0 + lane + 32 * i, pp = p < pairs ? p : 0, j = pp / nvec, u = pp % nvec;
+            if constexpr (STREAMED) {
+                // A miss: the pair's vector, scale and bias into the slot too (lanes sharing a
+                // group write the same scale and bias).
+                const Source src = source<STREAMED>(experts, __ldcg(ids + t * k + j), span, host, miss, t * k + j);
+                if (src.write && p < pairs && row_ok) {
+                    const unsigned g = (u * VecFormat<BITS>::VALS) / group;
+                    *in_slot(src, reinterpret_cast<const uint4*>(src.read + dw) + wrow + u) = v[i];
+                    *in_slot(src, reinterpret_cast<const bf16*>(src.read + ds) + grow + g) = from_f32<bf16>(scale[i]);
+                    *in_slot(src, reinterpret_cast<const bf16*>(src.read + db) + grow + g) = from_f32<bf16>(bias[i]);
+                }
+            }
             const QuantX x{sq + j * qn, sd + j * dn, ss + j * sn};
             total += gate[i] * dot_int8<BITS>(v[i], x_segment<BITS>(x, u), scale[i], bias[i]);
         }
@@ -890,44 +977,55 @@ __device__ void down_int8(const int* aq, const float* ad, const float* as16, con
     if (lane == 0 && row_ok) out[t * hidden + row] = total;
 }
 
-#define EXPERTS_INT8(BITS, NAME)                                                                             \
-    extern "C" __global__ void __launch_bounds__(32 * GQ_WARPS, 2) moe_gate_up_##NAME(                      \
+// Each expert kernel has a *_streamed twin for a streamed layer's one-token step, which takes
+// the host's packed experts and the misses route_*_slots wrote last (see Source).
+#define EXPERT_STREAM_PARAMS , const unsigned char *host, const unsigned *miss
+#define EXPERT_STREAM_ARGS , host, miss
+#define EXPERT_NO_STREAM_PARAMS
+#define EXPERT_NO_STREAM_ARGS , nullptr, nullptr
+#define EXPERTS_INT8_KERNELS(BITS, NAME, SUFFIX, S, PARAMS, ARGS)                                            \
+    extern "C" __global__ void __launch_bounds__(32 * GQ_WARPS, 2) moe_gate_up_##NAME##SUFFIX(              \
         const float* x, const unsigned* ids, const unsigned char* experts, int* aq, float* ad, float* as16, \
         unsigned hidden, unsigned inter, unsigned k, unsigned long long span, unsigned long long gw,         \
         unsigned long long gs, unsigned long long gb, unsigned long long uw, unsigned long long us,         \
-        unsigned long long ub, unsigned group) {                                                            \
-        gate_up_int8<BITS>(x, ids, experts, aq, ad, as16, hidden, inter, k, span, gw, gs, gb, uw, us, ub,   \
-                           group);                                                                           \
+        unsigned long long ub, unsigned group PARAMS) {                                                     \
+        gate_up_int8<BITS, S>(x, ids, experts, aq, ad, as16, hidden, inter, k, span, gw, gs, gb, uw, us, ub, \
+                              group ARGS);                                                                  \
     }                                                                                                        \
-    extern "C" __global__ void __launch_bounds__(32 * DOWN_WARPS, 5) moe_down_##NAME(                        \
+    extern "C" __global__ void __launch_bounds__(32 * DOWN_WARPS, 5) moe_down_##NAME##SUFFIX(                \
         const int* aq, const float* ad, const float* as16, const unsigned* ids, const float* weights,        \
         const unsigned char* experts, float* out, unsigned hidden, unsigned inter, unsigned k,               \
         unsigned long long span, unsigned long long dw, unsigned long long ds, unsigned long long db,        \
-        unsigned group) {                                                                                    \
-        down_int8<BITS>(aq, ad, as16, ids, weights, experts, out, hidden, inter, k, span, dw, ds, db, group); \
+        unsigned group PARAMS) {                                                                             \
+        down_int8<BITS, S>(aq, ad, as16, ids, weights, experts, out, hidden, inter, k, span, dw, ds, db,     \
+                           group ARGS);                                                                      \
     }
+#define EXPERTS_INT8(BITS, NAME)                                                                             \
+    EXPERTS_INT8_KERNELS(BITS, NAME, , false, EXPERT_NO_STREAM_PARAMS, EXPERT_NO_STREAM_ARGS)                \
+    EXPERTS_INT8_KERNELS(BITS, NAME, _streamed, true, EXPERT_STREAM_PARAMS, EXPERT_STREAM_ARGS)
 
 EXPERTS_INT8(4, q4)
 EXPERTS_INT8(8, q8)
 
-#define EXPERTS(BITS, NAME)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(128, 8) moe_gate_up_##NAME(const float* x, const unsigned* ids,                      \
-                                                  const unsigned char* experts, float* act, unsigned hidden, \
-                                                  unsigned inter, unsigned k, unsigned long long span,       \
-                                                  unsigned long long gw, unsigned long long gs,              \
-                                                  unsigned long long gb, unsigned long long uw,              \
-                                                  unsigned long long us, unsigned long long ub,              \
-                                                  unsigned group) {                                          \
+#define EXPERTS_KERNELS(BITS, NAME, SUFFIX, S, PARAMS, ARGS)                                                 \
+    extern "C" __global__ void __launch_bounds__(128, 8) moe_gate_up_##NAME##SUFFIX(                         \
+        const float* x, const unsigned* ids, const unsigned char* experts, float* act, unsigned hidden,      \
+        unsigned inter, unsigned k, unsigned long long span, unsigned long long gw, unsigned long long gs,   \
+        unsigned long long gb, unsigned long long uw, unsigned long long us, unsigned long long ub,          \
+        unsigned group PARAMS) {                                                                             \
         pdl_begin();                                                                                        \
-        gate_up<BITS>(x, ids, experts, act, hidden, inter, k, span, gw, gs, gb, uw, us, ub, group);         \
-    }                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(128, 8) moe_down_##NAME(const float* act, const unsigned* ids, const float* weights,  \
-                                               const unsigned char* experts, float* out, unsigned hidden,    \
-                                               unsigned inter, unsigned k, unsigned long long span,          \
-                                               unsigned long long dw, unsigned long long ds,                \
-                                               unsigned long long db, unsigned group) {                     \
+        gate_up<BITS, S>(x, ids, experts, act, hidden, inter, k, span, gw, gs, gb, uw, us, ub, group ARGS); \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(128, 8) moe_down_##NAME##SUFFIX(                            \
+        const float* act, const unsigned* ids, const float* weights, const unsigned char* experts,           \
+        float* out, unsigned hidden, unsigned inter, unsigned k, unsigned long long span,                    \
+        unsigned long long dw, unsigned long long ds, unsigned long long db, unsigned group PARAMS) {        \
         pdl_begin();                                                                                        \
-        down_combine<BITS>(act, ids, weights, experts, out, hidden, inter, k, span, dw, ds, db, group);     \
+        down_combine<BITS, S>(act, ids, weights, experts, out, hidden, inter, k, span, dw, ds, db,          \
+                              group ARGS);                                                                  \
     }
+#define EXPERTS(BITS, NAME)                                                                                  \
+    EXPERTS_KERNELS(BITS, NAME, , false, EXPERT_NO_STREAM_PARAMS, EXPERT_NO_STREAM_ARGS)                     \
+    EXPERTS_KERNELS(BITS, NAME, _streamed, true, EXPERT_STREAM_PARAMS, EXPERT_STREAM_ARGS)
 
 EXPERTS(16, bf16)

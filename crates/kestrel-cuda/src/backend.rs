@@ -227,7 +227,7 @@ impl Backend for CudaBackend {
                 other => other,
             };
             // Nodes one kernel does together take the last one's label.
-            let window: Vec<&kestrel_core::ir::Op> = graph.nodes[i..graph.nodes.len().min(i + 4)]
+            let window: Vec<&kestrel_core::ir::Op> = graph.nodes[i..graph.nodes.len().min(i + 5)]
                 .iter()
                 .map(|n| &n.op)
                 .collect();

@@ -229,3 +229,131 @@ fn a_one_token_fetch_resolved_in_the_router_follows_the_books() {
         }
     }
 }
+
+/// A streamed layer's one-token step with its experts after the fetch, as a decode step runs
+/// it: the CUDA backend resolves the slots in the router's kernel and the experts' kernels read
+/// each miss from host memory, writing it into its slot as they go. Step after step, for 4-bit,
+/// 8-bit and bf16 experts under both policies, the output must be bit for bit the resident
+/// layer's (the same kernels reading every expert where it always lives; later steps' hits read
+/// what earlier misses wrote) and the books `expert_slots::resolve`'s.
+#[test]
+fn experts_reading_their_misses_from_host_memory_compute_the_resident_output() {
+    let Some(dev) =
+        device_or_skip("experts_reading_their_misses_from_host_memory_compute_the_resident_output")
+    else {
+        return;
+    };
+    use kestrel_core::ir::{ExpertFormat, ExpertLayout, LinearWeight};
+    use kestrel_core::quant::QuantFormat;
+    let (mut rng, seed) = Rng::from_time();
+    let (hidden, inter) = (256, 192);
+    for (format, policy) in [
+        (ExpertFormat::Quant(QuantFormat::Q4), SlotPolicy::Lru),
+        (
+            ExpertFormat::Quant(QuantFormat::Q8),
+            SlotPolicy::Frequency { half_life: 5 },
+        ),
+        (ExpertFormat::Bf16, SlotPolicy::Lru),
+    ] {
+        let layout = ExpertLayout {
+            experts: EXPERTS,
+            hidden,
+            inter,
+            format,
+        };
+        let span = layout.span_bytes();
+        let mut c = kestrel_testing::cases::CaseBuilder::new(Rng::new(rng.next_u64()));
+        let (blob, _) = kestrel_testing::cases::random_experts(&mut c, &layout);
+        let router: Vec<half::bf16> = (0..EXPERTS * hidden)
+            .map(|_| half::bf16::from_f32(rng.symmetric()))
+            .collect();
+        // The same layer streamed and resident.
+        let layer = |streamed: bool| {
+            let mut g = GraphBuilder::new();
+            let x = g.act_input("x", 1, hidden);
+            let w = g.weight("gate.weight", DType::BF16, [EXPERTS, hidden]);
+            let logits = g.linear("gate", x, &LinearWeight::Dense(w));
+            let (ids, weights) = g.router("topk", logits, K, true);
+            let (experts, slots, table) = if streamed {
+                let table = g.state("table", DType::U32, [table_words(SLOTS, EXPERTS)]);
+                let src = g.host_weight("host", EXPERTS * span);
+                let cache = g.expert_cache("cache", SLOTS * span);
+                let slots = g.expert_fetch("fetch", ids, table, src, cache, (EXPERTS, SLOTS, span), policy);
+                (cache, slots, Some((table, src)))
+            } else {
+                (g.weight("experts", DType::U8, [layout.total_bytes()]), ids, None)
+            };
+            let cached = ExpertLayout {
+                experts: if streamed { SLOTS } else { EXPERTS },
+                ..layout
+            };
+            let out = g.moe_experts("experts", x, slots, weights, experts, cached);
+            g.mark_output(ids);
+            g.mark_output(out);
+            g.mark_output(slots);
+            (g.finish().unwrap(), x, w, ids, slots, out, experts, table)
+        };
+        let (rg, rx, rw, rids, _, rout, rexp, _) = layer(false);
+        let (sg, sx, sw, sids, sslots, sout, _, st) = layer(true);
+        let (table, src) = st.unwrap();
+        let mut cuda = CudaBackend::new(dev.clone(), RunMode::Graph);
+        let mut resident = cuda.prepare(&rg).unwrap();
+        let mut streamed = cuda.prepare(&sg).unwrap();
+        let labels: Vec<&str> = streamed.commands().commands().iter().map(|c| c.label()).collect();
+        assert!(
+            labels.iter().any(|l| l.ends_with("_streamed"))
+                && !labels
+                    .iter()
+                    .any(|l| l.contains("expert_fill") || l.contains("expert_fetch")),
+            "{format:?}: the experts do not read the misses themselves: {labels:?}"
+        );
+        cuda.poison(&streamed).unwrap();
+        cuda.write_bytes(&mut resident, rexp.raw(), 0, &blob).unwrap();
+        cuda.write_bytes(&mut streamed, src.raw(), 0, &blob).unwrap();
+        let table_bytes = vec![0u8; 4 * table_words(SLOTS, EXPERTS)];
+        cuda.write_bytes(&mut streamed, table.raw(), 0, &table_bytes)
+            .unwrap();
+        for (p, w) in [(&mut resident, rw), (&mut streamed, sw)] {
+            cuda.write_bytes(p, w.raw(), 0, bytemuck::cast_slice(&router))
+                .unwrap();
+        }
+        let mut books = vec![0u32; table_words(SLOTS, EXPERTS)];
+        let mut misses = 0;
+        for step in 0..40 {
+            let xv: Vec<f32> = (0..hidden).map(|_| rng.symmetric()).collect();
+            cuda.upload(&mut resident, rx, &xv).unwrap();
+            cuda.upload(&mut streamed, sx, &xv).unwrap();
+            cuda.run(&mut resident).unwrap();
+            cuda.run(&mut streamed).unwrap();
+            let chosen = cuda.download::<u32>(&streamed, sids).unwrap();
+            assert_eq!(chosen, cuda.download::<u32>(&resident, rids).unwrap());
+            let mut want = vec![0u32; K];
+            let fills =
+                kestrel_core::expert_slots::resolve(&mut books, SLOTS, EXPERTS, policy, &chosen, &mut want)
+                    .unwrap();
+            misses += fills.len();
+            assert_eq!(
+                cuda.download::<u32>(&streamed, sslots).unwrap(),
+                want,
+                "seed {seed} {format:?} step {step}"
+            );
+            assert_eq!(
+                cuda.download::<u32>(&streamed, table).unwrap(),
+                books,
+                "seed {seed} {format:?} step {step}"
+            );
+            let (got, exp) = (
+                cuda.download::<f32>(&streamed, sout).unwrap(),
+                cuda.download::<f32>(&resident, rout).unwrap(),
+            );
+            assert!(
+                got.iter().map(|v| v.to_bits()).eq(exp.iter().map(|v| v.to_bits())),
+                "seed {seed} {format:?} step {step} (experts {chosen:?}): streamed output differs from resident"
+            );
+        }
+        assert!(
+            misses > SLOTS && misses < 40 * K,
+            "seed {seed} {format:?}: {misses} misses"
+        );
+    }
+}

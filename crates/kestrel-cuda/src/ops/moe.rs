@@ -256,6 +256,9 @@ struct RouteFetch {
     slots: usize,
     span: usize,
     half_life: u32,
+    /// The op's slots and cache, which the experts op after it reads.
+    out_id: kestrel_core::ir::Buf,
+    cache_id: kestrel_core::ir::Buf,
 }
 
 /// A one-token router's product (`linear`, writing the logits) and its choice (`router`) as one
@@ -263,14 +266,17 @@ struct RouteFetch {
 /// is computed as the exact one-token matvec computes it. With `norm`, the residual add and norm
 /// that write the product's input go in front (`route_norm_*`) when they fit
 /// (`fused_norm`). With `fetch`, a streamed layer's `ExpertFetch` of the chosen experts, the
-/// kernel also resolves them into the layer's slots and `expert_fill` copies the misses in.
-/// Returns false, recording nothing, for any other pair, weight format or device, or a norm or
-/// books that do not fit.
+/// kernel also resolves them into the layer's slots; then with `experts`, the `MoeExperts` that
+/// reads those slots, its `*_streamed` kernels read the misses from host memory and write them
+/// into their slots as they go, else `expert_fill` copies the misses in first. Returns false,
+/// recording nothing, for any other pair, weight format or device, a norm or books that do not
+/// fit, or experts that do not read the fetched slots.
 pub fn encode_route(
     norm: Option<&Op>,
     linear: &Op,
     router: &Op,
     fetch: Option<&Op>,
+    experts_op: Option<&Op>,
     enc: &mut Encoder,
 ) -> Result<bool> {
     let (
@@ -363,9 +369,28 @@ pub fn encode_route(
                 slots,
                 span,
                 half_life: policy.half_life(),
+                out_id: out,
+                cache_id: cache,
             })
         }
         Some(_) => return Ok(false),
+    };
+    // The experts that read the fetched slots, when they come along.
+    let streamed = match (experts_op, &fetch) {
+        (None, _) => None,
+        (
+            Some(
+                op @ &Op::MoeExperts {
+                    ids: read,
+                    experts: cache,
+                    tokens: 1,
+                    k: ek,
+                    ..
+                },
+            ),
+            Some(f),
+        ) if read == f.out_id && cache == f.cache_id && ek == k => Some(op),
+        _ => return Ok(false),
     };
     let smem = match &fetch {
         Some(f) => (books_at + book_words(f.slots, experts)) * 4,
@@ -374,9 +399,10 @@ pub fn encode_route(
     if smem > enc.device.info().max_shared_per_block {
         return Ok(false);
     }
-    // The misses the kernel leaves for expert_fill.
+    // The misses the kernel leaves: a list for expert_fill, then each chosen expert's for the
+    // `*_streamed` expert kernels.
     let fetch = match fetch {
-        Some(f) => Some((f, enc.workspace(DType::U32, 1 + 2 * k)?)),
+        Some(f) => Some((f, enc.workspace(DType::U32, 1 + 3 * k)?)),
         None => None,
     };
     let prefix = if fused.is_some() { "route_norm" } else { "route" };
@@ -428,7 +454,13 @@ pub fn encode_route(
         .write(&f.out)
         .write(&fills)
         .record();
-    super::stream::encode_fill(enc, &fills, &f.src, &f.cache, k, f.span)?;
+    match streamed {
+        Some(op) => {
+            let miss = fills.view((1 + 2 * k) * 4, DType::U32, [k])?;
+            encode_experts(op, enc, Some((&f.src, &miss)))?;
+        }
+        None => super::stream::encode_fill(enc, &fills, &f.src, &f.cache, k, f.span)?,
+    }
     Ok(true)
 }
 
@@ -464,6 +496,17 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 .arg(normalize as i32)
                 .record();
         }
+        Op::MoeExperts { .. } => encode_experts(op, enc, None)?,
+        _ => unreachable!("dispatched by ops::encode"),
+    }
+    Ok(())
+}
+
+/// A `MoeExperts` op. With `stream` (the host's packed experts and the misses `route_*_slots`
+/// wrote), a streamed layer's one-token step whose `experts` are the layer's cache: the
+/// `*_streamed` kernels read each miss from host memory and write it into its slot.
+fn encode_experts(op: &Op, enc: &mut Encoder, stream: Option<(&Buffer, &Buffer)>) -> Result<()> {
+    match *op {
         Op::MoeExperts {
             x,
             ids,
@@ -490,16 +533,26 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             // bf16 experts keep f32 activations when their rounding is switched off
             // (`Exact::experts`); quantised ones have no f32 kernel.
             let exact = enc.exact.experts && group == 0;
-            if tokens >= GROUPED_MIN_TOKENS && grouped_fits(&layout) && !exact {
+            if stream.is_none() && tokens >= GROUPED_MIN_TOKENS && grouped_fits(&layout) && !exact {
                 let args = (tokens, k, name, group);
                 encode_grouped(enc, &x, &ids, &w, &e, &o, &layout, args)?;
             } else if group == 0 {
-                encode_bf16(enc, &x, &ids, &w, &e, &o, &layout, (tokens, k))?;
+                encode_bf16(enc, &x, &ids, &w, &e, &o, &layout, (tokens, k), stream)?;
             } else {
-                encode_int8(enc, &x, &ids, &w, &e, &o, &layout, (tokens, k, name, group))?;
+                encode_int8(
+                    enc,
+                    &x,
+                    &ids,
+                    &w,
+                    &e,
+                    &o,
+                    &layout,
+                    (tokens, k, name, group),
+                    stream,
+                )?;
             }
         }
-        _ => unreachable!("dispatched by ops::encode"),
+        _ => unreachable!("encode_experts takes MoeExperts"),
     }
     Ok(())
 }
@@ -516,6 +569,7 @@ fn encode_int8(
     o: &Buffer,
     layout: &kestrel_core::ir::ExpertLayout,
     (tokens, k, name, group): (usize, usize, &str, usize),
+    stream: Option<(&Buffer, &Buffer)>,
 ) -> Result<()> {
     let (h, i) = (layout.hidden, layout.inter);
     if h % 32 != 0 || i % 32 != 0 || group % 32 != 0 {
@@ -540,20 +594,18 @@ fn encode_int8(
     );
     let (g, u, d) = (layout.gate(), layout.up(), layout.down());
     let span = layout.span_bytes() as u64;
-    let gate_up = enc.kernel(&MODULE, &format!("moe_gate_up_{name}"))?;
-    let down = enc.kernel(&MODULE, &format!("moe_down_{name}"))?;
+    let suffix = if stream.is_some() { "_streamed" } else { "" };
+    let gate_up = enc.kernel(&MODULE, &format!("moe_gate_up_{name}{suffix}"))?;
+    let down = enc.kernel(&MODULE, &format!("moe_down_{name}{suffix}"))?;
     let b = enc
         .dispatch(&gate_up)
         .grid((u32_arg(i / (GQ_WARPS * GQ_ROWS))?, u32_arg(tokens * k)?))
         .block(u32_arg(32 * GQ_WARPS)?)
         .shared_mem(u32_arg(gu_smem)?)
         .read(x)
-        .read(ids)
-        .read(e)
-        .write(&aq)
-        .write(&ad)
-        .write(&as16);
-    expert_args(b, (h, i, k), span, &[g, u], group)?.record();
+        .read(ids);
+    let b = experts_arg(b, e, stream).write(&aq).write(&ad).write(&as16);
+    stream_args(expert_args(b, (h, i, k), span, &[g, u], group)?, stream).record();
     let b = enc
         .dispatch(&down)
         .grid((u32_arg(h.div_ceil(DOWN_WARPS))?, u32_arg(tokens)?))
@@ -563,11 +615,31 @@ fn encode_int8(
         .read(&ad)
         .read(&as16)
         .read(ids)
-        .read(w)
-        .read(e)
-        .write(o);
-    expert_args(b, (h, i, k), span, &[d], group)?.record();
+        .read(w);
+    let b = experts_arg(b, e, stream).write(o);
+    stream_args(expert_args(b, (h, i, k), span, &[d], group)?, stream).record();
     Ok(())
+}
+
+/// The experts' buffer of a few-token expert kernel: read, or also written when a streamed
+/// step's kernels write its misses into their slots.
+fn experts_arg<'a>(
+    b: DispatchBuilder<'a>,
+    e: &Buffer,
+    stream: Option<(&Buffer, &Buffer)>,
+) -> DispatchBuilder<'a> {
+    match stream {
+        Some(_) => b.read_write(e),
+        None => b.read(e),
+    }
+}
+
+/// The `*_streamed` expert kernels' last arguments: the host's packed experts and the misses.
+fn stream_args<'a>(b: DispatchBuilder<'a>, stream: Option<(&Buffer, &Buffer)>) -> DispatchBuilder<'a> {
+    match stream {
+        Some((host, miss)) => b.read(host).read(miss),
+        None => b,
+    }
 }
 
 /// Few tokens, bf16 experts: gate/up per (token, slot) into f32 activations `[tokens * k, inter]`,
@@ -582,6 +654,7 @@ fn encode_bf16(
     o: &Buffer,
     layout: &kestrel_core::ir::ExpertLayout,
     (tokens, k): (usize, usize),
+    stream: Option<(&Buffer, &Buffer)>,
 ) -> Result<()> {
     let (h, i) = (layout.hidden, layout.inter);
     if h % 8 != 0 || i % 8 != 0 {
@@ -595,18 +668,18 @@ fn encode_bf16(
     let act = enc.workspace(DType::F32, [tokens * k, i])?;
     let (g, u, d) = (layout.gate(), layout.up(), layout.down());
     let span = layout.span_bytes() as u64;
-    let gate_up = enc.kernel(&MODULE, "moe_gate_up_bf16")?;
-    let down = enc.kernel(&MODULE, "moe_down_bf16")?;
+    let suffix = if stream.is_some() { "_streamed" } else { "" };
+    let gate_up = enc.kernel(&MODULE, &format!("moe_gate_up_bf16{suffix}"))?;
+    let down = enc.kernel(&MODULE, &format!("moe_down_bf16{suffix}"))?;
     let b = enc
         .dispatch(&gate_up)
         .grid((u32_arg(i.div_ceil(GU_WARPS * GU_ROWS))?, u32_arg(tokens * k)?))
         .block(u32_arg(32 * GU_WARPS)?)
         .shared_mem(u32_arg(padded_len(h) * 4)?)
         .read(x)
-        .read(ids)
-        .read(e)
-        .write(&act);
-    expert_args(b, (h, i, k), span, &[g, u], 0)?.record();
+        .read(ids);
+    let b = experts_arg(b, e, stream).write(&act);
+    stream_args(expert_args(b, (h, i, k), span, &[g, u], 0)?, stream).record();
     let b = enc
         .dispatch(&down)
         .grid((u32_arg(h.div_ceil(DOWN_WARPS))?, u32_arg(tokens)?))
@@ -614,9 +687,8 @@ fn encode_bf16(
         .shared_mem(u32_arg(k * padded_len(i) * 4)?)
         .read(&act)
         .read(ids)
-        .read(w)
-        .read(e)
-        .write(o);
-    expert_args(b, (h, i, k), span, &[d], 0)?.record();
+        .read(w);
+    let b = experts_arg(b, e, stream).write(o);
+    stream_args(expert_args(b, (h, i, k), span, &[d], 0)?, stream).record();
     Ok(())
 }
