@@ -13,7 +13,7 @@
 // block 0 scales the logits by 1 / rms at the end, and the other blocks write the new residual
 // and the normalised row while block 0 chooses. A streamed layer's route_*_slots then resolves
 // the choice into the layer's cache of expert slots in block 0 (RouteSlots, slots.cuh), its books
-// read into shared memory before the wait; expert_fill (stream.cu) copies the misses.
+// read into shared memory before the wait; the experts' *_streamed kernels read the misses.
 // Experts, with 16-byte weight loads: gate_up computes act[t * k + j] = silu(gate_e x_t) * (up_e x_t)
 // for every (token, slot); down computes out[t] = sum_j weights[t, j] * down_e act[t * k + j],
 // slots summed in order, so results do not depend on scheduling. Each expert is one contiguous
@@ -170,15 +170,15 @@ struct RouteNorm {
 // A streamed layer's books for route_*, which resolve the choice into the layer's cache of
 // slots right after choosing (slots_resolve_token): block 0 reads the books into shared memory
 // before the programmatic wait (only the same layer's previous step wrote them, a graph replay
-// ago), resolves, and writes the slots, the misses for expert_fill and the books (both copies of
-// the table, as expert_slots keeps them). Only the route_*_slots kernels have one.
+// ago), resolves, and writes the slots, the misses for the *_streamed expert kernels and the
+// books (both copies of the table, as expert_slots keeps them). Only the route_*_slots kernels have one.
 struct RouteSlots {
     unsigned* books;     // the table: the books, then their copy
     unsigned at;         // word offset of the books' place in dynamic shared memory
     unsigned slots;      // slots of the layer's cache
     unsigned half_life;  // the policy (0: LRU)
     unsigned* out;       // the slot of each chosen expert, in the choice's order
-    unsigned* fills;     // [count, (slot, expert) * k], then each chosen expert's miss (see Source)
+    unsigned* miss;      // each chosen expert if it missed, else SLOT_NONE (see Source)
 };
 
 // The norm's weight for this thread's float4s (i = threadIdx.x + j * blockDim.x), as the
@@ -449,27 +449,20 @@ __device__ void route_one(const float* x, const void* w, const bf16* scales, con
         sl.books[i] = books[i];
         sl.books[words + i] = books[i];
     }
-    if (threadIdx.x < k) sl.out[threadIdx.x] = slot[threadIdx.x];
-    if (threadIdx.x < nfill) {
-        sl.fills[1 + 2 * threadIdx.x] = fill_slot[threadIdx.x];
-        sl.fills[2 + 2 * threadIdx.x] = fill_expert[threadIdx.x];
-    }
-    if (threadIdx.x == 0) sl.fills[0] = nfill;
-    // Then, for each chosen expert in order, the expert if it missed (the *_streamed expert
-    // kernels read it from host memory), else SLOT_NONE.
     if (threadIdx.x < k) {
         unsigned m = SLOT_NONE;
         for (unsigned f = 0; f < nfill; f++)
             if (fill_expert[f] == chosen[threadIdx.x]) m = chosen[threadIdx.x];
-        sl.fills[1 + 2 * k + threadIdx.x] = m;
+        sl.out[threadIdx.x] = slot[threadIdx.x];
+        sl.miss[threadIdx.x] = m;
     }
 }
 
 // Each route_* kernel has a route_*_slots twin for streamed layers, which takes the layer's books
 // last (RouteSlots); the resident kernels are compiled without them.
 #define ROUTE_SLOT_PARAMS \
-    , unsigned *books, unsigned books_at, unsigned slots, unsigned half_life, unsigned *slot_out, unsigned *fills
-#define ROUTE_SLOTS RouteSlots{books, books_at, slots, half_life, slot_out, fills}
+    , unsigned *books, unsigned books_at, unsigned slots, unsigned half_life, unsigned *slot_out, unsigned *miss
+#define ROUTE_SLOTS RouteSlots{books, books_at, slots, half_life, slot_out, miss}
 #define ROUTE_NO_SLOT_PARAMS
 #define ROUTE_NO_SLOTS RouteSlots{}
 #define ROUTE_Q_KERNELS(BITS, PER_LANE, SUFFIX, S, PARAMS, SL)                                              \

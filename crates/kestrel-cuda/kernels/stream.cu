@@ -1,8 +1,8 @@
 // Streamed experts inside the forward pass. A one-token decode step of a layer resolves the
 // router's choice into the layer's cache of slots inside the router's own kernel (route_* in
 // moe.cu, with slots_resolve_token of slots.cuh: the books are read before that kernel's wait,
-// so resolving costs the chain no round trip and no launch) and copies its misses with
-// expert_fill. A step of a few tokens is one kernel, expert_fetch: the choice resolved on the
+// so resolving costs the chain no round trip and no launch), and the experts' kernels read its
+// misses from host memory (the *_streamed kernels there). A step of a few tokens is one kernel, expert_fetch: the choice resolved on the
 // GPU (one warp on the books in shared memory, following kestrel_core::expert_slots::resolve
 // step for step: the same books, the same victims) and the misses copied from the layer's
 // packed experts in mapped page-locked host memory by blocks of the SMs; expert_commit then
@@ -157,19 +157,6 @@ extern "C" __global__ void expert_fetch(const unsigned* ids, unsigned n, const u
 extern "C" __global__ void expert_commit(unsigned* table, unsigned words) {
     pdl_begin();
     for (unsigned i = threadIdx.x; i < words; i += blockDim.x) table[i] = table[words + i];
-}
-
-// The misses a one-token router resolved (route_* in moe.cu; `fills` is `[count, (slot,
-// expert) * count]`) copied from the layer's packed experts in mapped host memory into their
-// slots: the blocks of row y copy the y-th. With no miss every block only reads the count.
-extern "C" __global__ void expert_fill(const unsigned* fills, const int4* host, int4* cache,
-                                       unsigned long long span16) {
-    pdl_wait();
-    const unsigned y = blockIdx.y;
-    const bool mine = y < fills[0];
-    const unsigned slot = mine ? fills[1 + 2 * y] : 0, expert = mine ? fills[2 + 2 * y] : 0;
-    pdl_trigger();
-    if (mine) copy_span(host + (size_t)expert * span16, cache + (size_t)slot * span16, span16);
 }
 
 // The distinct experts of a longer chunk in increasing order, each from its cache slot if the

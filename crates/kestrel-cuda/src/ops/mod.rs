@@ -37,13 +37,13 @@ pub const MODULES: &[ModuleSource] = &[
 
 /// Encodes the first nodes of `ops` together when kernels do them together: a one-token
 /// router's residual add and norm, product and choice of experts (three), or its product and
-/// choice (two), each optionally with a streamed layer's fetch of the chosen experts after them
-/// (one more), and the experts that read the fetched slots (one more again). Returns how many it
-/// encoded; 0, and nothing recorded, otherwise.
+/// choice (two), each optionally with a streamed layer's fetch of the chosen experts and the
+/// experts that read the fetched slots after them (two more). Returns how many it encoded; 0,
+/// and nothing recorded, otherwise.
 pub fn encode_fused(ops: &[&Op], enc: &mut Encoder) -> Result<usize> {
     let is_fetch = |op: &Op| matches!(op, Op::ExpertFetch { .. });
-    // The longest run first: with the norm or without, with the fetch and its experts, the
-    // fetch alone, or neither.
+    // The longest run first: with the norm or without, with the fetch and its experts or
+    // without.
     for norm in [true, false] {
         let (head, rest) = if norm {
             match ops {
@@ -58,12 +58,11 @@ pub fn encode_fused(ops: &[&Op], enc: &mut Encoder) -> Result<usize> {
         };
         let (n, l, r) = head;
         let base = 2 + norm as usize;
-        let tails: [(Option<&Op>, Option<&Op>, usize); 3] = match rest {
-            [f, e, ..] if is_fetch(f) => [(Some(*f), Some(*e), 2), (Some(*f), None, 1), (None, None, 0)],
-            [f, ..] if is_fetch(f) => [(Some(*f), None, 1), (None, None, 0), (None, None, 0)],
-            _ => [(None, None, 0); 3],
+        let tails: &[(Option<&Op>, Option<&Op>, usize)] = match rest {
+            [f, e, ..] if is_fetch(f) => &[(Some(*f), Some(*e), 2), (None, None, 0)],
+            _ => &[(None, None, 0)],
         };
-        for (fetch, experts, more) in tails {
+        for &(fetch, experts, more) in tails {
             if moe::encode_route(n, l, r, fetch, experts, enc)? {
                 return Ok(base + more);
             }

@@ -251,7 +251,6 @@ fn fused_norm(
 struct RouteFetch {
     table: Buffer,
     src: Buffer,
-    cache: Buffer,
     out: Buffer,
     slots: usize,
     span: usize,
@@ -265,12 +264,12 @@ struct RouteFetch {
 /// `route_*` kernel on a cluster of blocks (sm_90), which also writes the logits. The product
 /// is computed as the exact one-token matvec computes it. With `norm`, the residual add and norm
 /// that write the product's input go in front (`route_norm_*`) when they fit
-/// (`fused_norm`). With `fetch`, a streamed layer's `ExpertFetch` of the chosen experts, the
-/// kernel also resolves them into the layer's slots; then with `experts`, the `MoeExperts` that
-/// reads those slots, its `*_streamed` kernels read the misses from host memory and write them
-/// into their slots as they go, else `expert_fill` copies the misses in first. Returns false,
-/// recording nothing, for any other pair, weight format or device, a norm or books that do not
-/// fit, or experts that do not read the fetched slots.
+/// (`fused_norm`). With `fetch`, a streamed layer's `ExpertFetch` of the chosen experts, and
+/// `experts_op`, the `MoeExperts` that reads the slots it gives them, the kernel also resolves
+/// the choice into the layer's slots and the experts' `*_streamed` kernels read the misses from
+/// host memory, writing them into their slots as they go. Returns false, recording nothing, for
+/// any other pair, weight format or device, a norm or books that do not fit, or a fetch without
+/// experts that read its slots.
 pub fn encode_route(
     norm: Option<&Op>,
     linear: &Op,
@@ -364,7 +363,6 @@ pub fn encode_route(
             Some(RouteFetch {
                 table: enc.buf(table)?.clone(),
                 src: enc.buf(src)?.clone(),
-                cache: enc.buf(cache)?.clone(),
                 out: enc.buf(out)?.clone(),
                 slots,
                 span,
@@ -375,9 +373,9 @@ pub fn encode_route(
         }
         Some(_) => return Ok(false),
     };
-    // The experts that read the fetched slots, when they come along.
+    // The experts that read the fetched slots.
     let streamed = match (experts_op, &fetch) {
-        (None, _) => None,
+        (None, None) => None,
         (
             Some(
                 op @ &Op::MoeExperts {
@@ -385,11 +383,19 @@ pub fn encode_route(
                     experts: cache,
                     tokens: 1,
                     k: ek,
+                    layout,
                     ..
                 },
             ),
             Some(f),
-        ) if read == f.out_id && cache == f.cache_id && ek == k => Some(op),
+        ) if read == f.out_id
+            && cache == f.cache_id
+            && ek == k
+            && layout.experts == f.slots
+            && layout.span_bytes() == f.span =>
+        {
+            Some(op)
+        }
         _ => return Ok(false),
     };
     let smem = match &fetch {
@@ -399,11 +405,10 @@ pub fn encode_route(
     if smem > enc.device.info().max_shared_per_block {
         return Ok(false);
     }
-    // The misses the kernel leaves: a list for expert_fill, then each chosen expert's for the
-    // `*_streamed` expert kernels.
-    let fetch = match fetch {
-        Some(f) => Some((f, enc.workspace(DType::U32, 1 + 3 * k)?)),
-        None => None,
+    // Which chosen experts missed, for the `*_streamed` expert kernels.
+    let fetch = match (fetch, streamed) {
+        (Some(f), Some(op)) => Some((f, op, enc.workspace(DType::U32, k)?)),
+        _ => None,
     };
     let prefix = if fused.is_some() { "route_norm" } else { "route" };
     // A streamed layer's fetch takes the twin that resolves it.
@@ -443,7 +448,7 @@ pub fn encode_route(
     if let Some(n) = &fused {
         b = b.arg(n.eps).arg(n.zero_centered as i32).arg(n.w_bf16 as i32);
     }
-    let Some((f, fills)) = fetch else {
+    let Some((f, experts_op, miss)) = fetch else {
         b.record();
         return Ok(true);
     };
@@ -452,15 +457,9 @@ pub fn encode_route(
         .arg(u32_arg(f.slots)?)
         .arg(f.half_life)
         .write(&f.out)
-        .write(&fills)
+        .write(&miss)
         .record();
-    match streamed {
-        Some(op) => {
-            let miss = fills.view((1 + 2 * k) * 4, DType::U32, [k])?;
-            encode_experts(op, enc, Some((&f.src, &miss)))?;
-        }
-        None => super::stream::encode_fill(enc, &fills, &f.src, &f.cache, k, f.span)?,
-    }
+    encode_experts(experts_op, enc, Some((&f.src, &miss)))?;
     Ok(true)
 }
 

@@ -1,6 +1,6 @@
 //! Streamed experts: `ExpertFetch` and `ExpertStage`, `kernels/stream.cu`. A one-token fetch
-//! behind a one-token router is resolved by the router's kernel (`moe::encode_route`) and its
-//! misses copied by `expert_fill`; any other fetch is one kernel that resolves the layer's slots
+//! between a one-token router and its experts is resolved by the router's kernel and its misses
+//! read by the experts' kernels (`moe::encode_route`); any other fetch is one kernel that resolves the layer's slots
 //! on the GPU and copies the misses from mapped host memory, and a commit of the next books
 //! beside the experts' kernels; a stage lists a longer chunk's experts and copies each from its
 //! slot or from host memory.
@@ -10,7 +10,7 @@ use kestrel_core::ir::Op;
 use kestrel_core::DType;
 
 use super::common::{op_module, u32_arg, unsupported};
-use kestrel_cuda_rt::{Buffer, ModuleSource, Result};
+use kestrel_cuda_rt::{ModuleSource, Result};
 
 use crate::encoder::Encoder;
 
@@ -43,29 +43,6 @@ pub(crate) const MODULE: ModuleSource = op_module(
         ("STREAM_MAX_EXPERTS", MAX_EXPERTS as i64),
     ],
 );
-
-/// The misses a one-token router resolved (`fills`, written by `route_*`: `[count, (slot,
-/// expert) * count]`, at most `k`) copied from the host's packed experts `src` into their slots of
-/// `cache`, `FETCH_BLOCKS_PER_SPAN` blocks a miss.
-pub(crate) fn encode_fill(
-    enc: &mut Encoder,
-    fills: &Buffer,
-    src: &Buffer,
-    cache: &Buffer,
-    k: usize,
-    span: usize,
-) -> Result<()> {
-    let fill = enc.kernel(&MODULE, "expert_fill")?;
-    enc.dispatch(&fill)
-        .grid((FETCH_BLOCKS_PER_SPAN, u32_arg(k)?))
-        .block(FETCH_THREADS)
-        .read(fills)
-        .read(src)
-        .write(cache)
-        .arg((span / 16) as u64)
-        .record();
-    Ok(())
-}
 
 pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
     match *op {
