@@ -25,11 +25,11 @@
 
 #define STREAM_FROM_CACHE 0x80000000u
 
-// Copies `span16` 16-byte words from `s` to `o`, spread over the blocks of x: four loads in
-// flight a thread (reads of host memory cross the link).
-__device__ __forceinline__ void copy_span(const int4* s, int4* o, unsigned long long span16) {
-    const size_t stride = (size_t)gridDim.x * blockDim.x;
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+// Copies `span16` 16-byte words from `s` to `o`, the caller's threads taking words first,
+// first + stride, ...: four loads in flight a thread (reads of host memory cross the link).
+__device__ __forceinline__ void copy_words(const int4* s, int4* o, unsigned long long span16, size_t first,
+                                           size_t stride) {
+    size_t i = first;
     for (; i + 3 * stride < span16; i += 4 * stride) {
         const int4 a = s[i], b = s[i + stride], c = s[i + 2 * stride], d = s[i + 3 * stride];
         o[i] = a;
@@ -38,6 +38,11 @@ __device__ __forceinline__ void copy_span(const int4* s, int4* o, unsigned long 
         o[i + 3 * stride] = d;
     }
     for (; i < span16; i += stride) o[i] = s[i];
+}
+
+// copy_words spread over the blocks of x.
+__device__ __forceinline__ void copy_span(const int4* s, int4* o, unsigned long long span16) {
+    copy_words(s, o, span16, (size_t)blockIdx.x * blockDim.x + threadIdx.x, (size_t)gridDim.x * blockDim.x);
 }
 
 // One decode step of a layer, in one kernel: every block loads the ids and the books into
@@ -60,10 +65,7 @@ extern "C" __global__ void expert_fetch(const unsigned* ids, unsigned n, const u
     const bool first = blockIdx.x == 0 && blockIdx.y == 0;
     if (threadIdx.x < 32) {
         const unsigned lane = threadIdx.x;
-        unsigned* owner = t + SLOTS_HEADER;
-        unsigned* stamp = owner + slots;
-        unsigned* count = stamp + slots;
-        unsigned* used_at = count + experts;
+        const Books b = books_of(t, slots, experts);
         const unsigned clock = t[T_CLOCK] + 1;
         // The distinct ids in order of first appearance.
         unsigned nd = 0;
@@ -83,14 +85,11 @@ extern "C" __global__ void expert_fetch(const unsigned* ids, unsigned n, const u
         // Hits keep their slots (and are pinned by the stamp); uses are counted first.
         for (unsigned d = 0; d < nd; d++) {
             const unsigned e = dist[d];
-            if (half_life > 0 && lane == 0) {
-                count[e] = min(faded(count[e], clock - used_at[e], half_life), 0xffffffffu - SLOTS_USE) + SLOTS_USE;
-                used_at[e] = clock;
-            }
-            unsigned found = 0xffffffffu;
+            if (half_life > 0 && lane == 0) count_use(b, e, clock, half_life);
+            unsigned found = SLOT_NONE;
             for (unsigned s0 = 0; s0 < slots; s0 += 32) {
                 const unsigned s = s0 + lane;
-                const unsigned hit = __ballot_sync(0xffffffffu, s < slots && owner[s] == e + 1);
+                const unsigned hit = __ballot_sync(0xffffffffu, s < slots && b.owner[s] == e + 1);
                 if (hit) {
                     found = s0 + __ffs(hit) - 1;
                     break;
@@ -98,32 +97,19 @@ extern "C" __global__ void expert_fetch(const unsigned* ids, unsigned n, const u
             }
             if (lane == 0) {
                 dslot[d] = found;
-                if (found != 0xffffffffu) stamp[found] = clock;
+                if (found != SLOT_NONE) b.stamp[found] = clock;
             }
             __syncwarp();
         }
         // Misses take the best victim, one at a time, in order.
         unsigned fills = 0;
         for (unsigned d = 0; d < nd; d++) {
-            if (dslot[d] != 0xffffffffu) continue;
-            unsigned bc = 2, bs = 0, ba = 0, bi = 0xffffffffu;
-            for (unsigned s = lane; s < slots; s += 32) {
-                const unsigned o = owner[s];
-                const unsigned age = clock - stamp[s];
-                const unsigned c = o == 0 ? 0 : (age == 0 ? 2 : 1);
-                const unsigned sc = c == 1 && half_life > 0 ? faded(count[o - 1], clock - used_at[o - 1], half_life) : 0;
-                if (better(c, sc, age, s, bc, bs, ba, bi)) { bc = c; bs = sc; ba = age; bi = s; }
-            }
-            for (int off = 16; off > 0; off >>= 1) {
-                const unsigned oc = __shfl_xor_sync(0xffffffffu, bc, off);
-                const unsigned os = __shfl_xor_sync(0xffffffffu, bs, off);
-                const unsigned oa = __shfl_xor_sync(0xffffffffu, ba, off);
-                const unsigned oi = __shfl_xor_sync(0xffffffffu, bi, off);
-                if (better(oc, os, oa, oi, bc, bs, ba, bi)) { bc = oc; bs = os; ba = oa; bi = oi; }
-            }
+            if (dslot[d] != SLOT_NONE) continue;
+            unsigned bc, bs, ba, bi;
+            victim_candidate(b, slots, clock, half_life, lane, 32, bc, bs, ba, bi);
+            warp_best(bc, bs, ba, bi);
             if (lane == 0) {
-                owner[bi] = dist[d] + 1;
-                stamp[bi] = clock;
+                hold(b, bi, dist[d], clock);
                 dslot[d] = bi;
                 fill_slot[fills] = bi;
                 fill_expert[fills] = dist[d];
@@ -133,9 +119,7 @@ extern "C" __global__ void expert_fetch(const unsigned* ids, unsigned n, const u
         }
         if (lane == 0) {
             nfill = fills;
-            t[T_CLOCK] = clock;
-            add_wide(t, T_LOOKUPS, nd);
-            add_wide(t, T_MISSES, fills);
+            close_step(t, clock, nd, fills);
         }
         if (first) {
             for (unsigned j = lane; j < n; j += 32) {
@@ -242,16 +226,6 @@ extern "C" __global__ void expert_stage_all(unsigned* table, unsigned slots, uns
     for (unsigned e = blockIdx.x; e < experts; e += gridDim.x) {
         const unsigned s = slot_of[e];
         const int4* src = s != 0xffffffffu ? cache + (size_t)s * span16 : host + (size_t)e * span16;
-        int4* o = dst + (size_t)e * span16;
-        const size_t stride = blockDim.x;
-        size_t i = threadIdx.x;
-        for (; i + 3 * stride < span16; i += 4 * stride) {
-            const int4 a = src[i], b = src[i + stride], c = src[i + 2 * stride], d = src[i + 3 * stride];
-            o[i] = a;
-            o[i + stride] = b;
-            o[i + 2 * stride] = c;
-            o[i + 3 * stride] = d;
-        }
-        for (; i < span16; i += stride) o[i] = src[i];
+        copy_words(src, dst + (size_t)e * span16, span16, threadIdx.x, blockDim.x);
     }
 }
