@@ -125,18 +125,16 @@ pub struct ExpertReader {
     /// Opened on first use, by weight file.
     files: Vec<Option<DiskFile>>,
     paths: Vec<Option<(PathBuf, FileIdent)>>,
-    pool: rayon::ThreadPool,
+    /// The readers, started on the first read (a session whose layers are all packed from
+    /// weights in memory never reads).
+    pool: Option<rayon::ThreadPool>,
     pub stats: DiskStats,
 }
 
-impl ExpertReader {
-    /// A reader of `w`'s files.
-    pub fn new(w: &Weights) -> Result<ExpertReader> {
-        let mut paths = Vec::new();
-        while let Some(f) = w.file(paths.len()).map(|(p, id)| (p.to_path_buf(), id)) {
-            paths.push(Some(f));
-        }
-        let pool = rayon::ThreadPoolBuilder::new()
+/// The readers of `pool`, started now if they were not.
+fn readers(pool: &mut Option<rayon::ThreadPool>) -> Result<&rayon::ThreadPool> {
+    if pool.is_none() {
+        let p = rayon::ThreadPoolBuilder::new()
             .num_threads(READERS)
             .thread_name(|i| format!("kestrel-read-{i}"))
             .build()
@@ -144,12 +142,24 @@ impl ExpertReader {
                 key: "expert reader".into(),
                 reason: format!("could not start its threads: {e}"),
             })?;
-        Ok(ExpertReader {
+        *pool = Some(p);
+    }
+    Ok(pool.as_ref().expect("started above"))
+}
+
+impl ExpertReader {
+    /// A reader of `w`'s files.
+    pub fn new(w: &Weights) -> ExpertReader {
+        let mut paths = Vec::new();
+        while let Some(f) = w.file(paths.len()).map(|(p, id)| (p.to_path_buf(), id)) {
+            paths.push(Some(f));
+        }
+        ExpertReader {
             files: paths.iter().map(|_| None).collect(),
             paths,
-            pool,
+            pool: None,
             stats: DiskStats::default(),
-        })
+        }
     }
 
     /// Whether reads bypass the page cache (every file opened so far took O_DIRECT).
@@ -226,7 +236,7 @@ impl ExpertReader {
         }
         rest.fill(0);
         let files = &self.files;
-        self.pool.install(|| {
+        readers(&mut self.pool)?.install(|| {
             jobs.into_par_iter().try_for_each(|(p, out)| {
                 let f = files[p.file].as_ref().expect("opened above");
                 read_piece(f, p.offset, out)

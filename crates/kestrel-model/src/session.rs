@@ -182,9 +182,21 @@ const STAGING_BYTES: usize = 64 << 20;
 /// packed from the weights' map instead.
 struct DiskTier<H> {
     reader: ExpertReader,
-    /// By MoE layer, once worked out: the layer's pieces in the files (None: packed instead).
-    parts: Vec<Option<Option<Vec<CopyPart>>>>,
+    /// By MoE layer: where its experts come from, once worked out.
+    parts: Vec<LayerSource>,
     staging: Staging<H>,
+}
+
+/// Where a disk-tier layer's experts come from.
+#[derive(Clone)]
+enum LayerSource {
+    /// Not worked out yet (the layer has not missed).
+    Unknown,
+    /// Read from these pieces of the weight files.
+    Files(Vec<CopyPart>),
+    /// Packed from the weights' map (the spans are not byte copies of the files, or the
+    /// weights are held in memory).
+    Packed,
 }
 
 /// Where read experts wait for their copy to the device.
@@ -387,7 +399,7 @@ impl<B: Backend> Session<B> {
         if st.host_layers >= st.books.len() || self.weights.file(0).is_none() {
             return Ok(None);
         }
-        let disk = disk_tier(st, &self.weights)?;
+        let disk = disk_tier(st, &self.weights);
         disk.reader.disk_bandwidth(bytes).map(Some)
     }
 
@@ -759,11 +771,14 @@ fn bring_experts<B: Backend>(
             Some(slots),
         )
     };
-    let disk = disk_tier(st, weights)?;
-    if disk.parts[step.layer].is_none() {
-        disk.parts[step.layer] = Some(expert_copy_parts(weights, &step.mlp, &step.layout)?);
+    let disk = disk_tier(st, weights);
+    if let LayerSource::Unknown = disk.parts[step.layer] {
+        disk.parts[step.layer] = match expert_copy_parts(weights, &step.mlp, &step.layout)? {
+            Some(parts) => LayerSource::Files(parts),
+            None => LayerSource::Packed,
+        };
     }
-    let reads = matches!(disk.parts[step.layer], Some(Some(_)));
+    let reads = matches!(disk.parts[step.layer], LayerSource::Files(_));
     if reads && matches!(disk.staging, Staging::Unmade) {
         let bytes = STAGING_BYTES.max(step.layout.span_bytes());
         match (backend.alloc_host(bytes), backend.alloc_host(bytes)) {
@@ -784,7 +799,7 @@ fn bring_experts<B: Backend>(
     }
     let disk = st.disk.as_mut().expect("made above");
     match &disk.parts[step.layer] {
-        Some(Some(parts)) => read_experts(
+        LayerSource::Files(parts) => read_experts(
             backend,
             p,
             step,
@@ -812,15 +827,15 @@ fn bring_experts<B: Backend>(
 
 /// The streaming's disk tier, made on first use with two staging buffers of page-locked memory
 /// (or, when that runs out, noted, one of pageable memory).
-fn disk_tier<'s, H>(st: &'s mut Streaming<H>, weights: &Weights) -> Result<&'s mut DiskTier<H>> {
+fn disk_tier<'s, H>(st: &'s mut Streaming<H>, weights: &Weights) -> &'s mut DiskTier<H> {
     if st.disk.is_none() {
         st.disk = Some(DiskTier {
-            reader: ExpertReader::new(weights)?,
-            parts: vec![None; st.books.len()],
+            reader: ExpertReader::new(weights),
+            parts: vec![LayerSource::Unknown; st.books.len()],
             staging: Staging::Unmade,
         });
     }
-    Ok(st.disk.as_mut().expect("made above"))
+    st.disk.as_mut().expect("made above")
 }
 
 /// Reads `wanted` (expert, index of `step.into`) from the weight files, in batches that fill a

@@ -70,7 +70,7 @@ fn bf16_at(buf: &[u8], at: usize, n: usize) -> Vec<f32> {
 /// in place, when the layout's spans are byte copies of the files (None otherwise).
 fn read_from_disk(w: &Weights, l: &ExpertLayout) -> Option<Vec<u8>> {
     let parts = expert_copy_parts(w, MLP, l).unwrap()?;
-    let mut reader = ExpertReader::new(w).unwrap();
+    let mut reader = ExpertReader::new(w);
     let span = l.span_bytes();
     let order: Vec<u32> = (0..E as u32).rev().collect();
     let mut got = vec![0xAAu8; E * span];
