@@ -21,6 +21,11 @@ fn kestrel(args: &[&str]) -> Output {
         .unwrap()
 }
 
+/// `kestrel run -m MODEL ARGS --backend cpu`.
+fn run_cpu(model: &str, args: &[&str]) -> Output {
+    kestrel(&[&["run", "-m", model][..], args, &["--backend", "cpu"]].concat())
+}
+
 fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
@@ -237,65 +242,51 @@ fn prompts_past_the_trained_length_are_refused_with_both_numbers() {
     let m = model.to_str().unwrap();
     // The fixture was made for 128 positions.
     let long = ids(130);
-    let o = kestrel(&[
-        "run",
-        "-m",
-        m,
-        "--prompt-tokens",
-        &long,
-        "-n",
-        "4",
-        "--backend",
-        "cpu",
-    ]);
-    refused(
-        &o,
-        &["130 tokens", "128 positions", "--allow-long-context"],
-        "run, 130 tokens",
-    );
-    let o = kestrel(&[
-        "run",
-        "-m",
-        m,
-        "--prompt-tokens",
-        "1,2",
-        "-c",
-        "200",
-        "--backend",
-        "cpu",
-    ]);
-    refused(&o, &["200", "128 positions"], "run -c 200");
-    // Allowed past the trained length, a context the host cannot hold is an error, not an
-    // abort, and one past 32-bit positions is refused.
-    let o = kestrel(&[
-        "run",
-        "-m",
-        m,
-        "--prompt-tokens",
-        "1,2",
-        "-c",
-        "4000000000",
-        "--allow-long-context",
-        "--backend",
-        "cpu",
-    ]);
-    refused(&o, &["out of memory", "bytes"], "-c 4e9");
-    let o = kestrel(&[
-        "run",
-        "-m",
-        m,
-        "--prompt-tokens",
-        "1,2",
-        "-n",
-        "100000000000",
-        "--allow-long-context",
-        "--backend",
-        "cpu",
-    ]);
-    refused(&o, &["100000000002 positions", "4294967295"], "-n 1e11");
-    // A prompt file that never ends is refused at a bound, not read into memory.
-    let o = kestrel(&["run", "-m", m, "-f", "/dev/zero", "--backend", "cpu"]);
-    refused(&o, &["/dev/zero", "more than 64 MiB"], "-f /dev/zero");
+    let run = |args: &[&str]| run_cpu(m, args);
+    for (args, want, what) in [
+        (
+            vec!["--prompt-tokens", &long, "-n", "4"],
+            vec!["130 tokens", "128 positions", "--allow-long-context"],
+            "run, 130 tokens",
+        ),
+        (
+            vec!["--prompt-tokens", "1,2", "-c", "200"],
+            vec!["200", "128 positions"],
+            "run -c 200",
+        ),
+        // Allowed past the trained length, a context the host cannot hold is an error, not an
+        // abort, and one past 32-bit positions is refused.
+        (
+            vec![
+                "--prompt-tokens",
+                "1,2",
+                "-c",
+                "4000000000",
+                "--allow-long-context",
+            ],
+            vec!["out of memory", "bytes"],
+            "-c 4e9",
+        ),
+        (
+            vec![
+                "--prompt-tokens",
+                "1,2",
+                "-n",
+                "100000000000",
+                "--allow-long-context",
+            ],
+            vec!["100000000002 positions", "4294967295"],
+            "-n 1e11",
+        ),
+        // A prompt file that never ends is refused at a bound, not read into memory.
+        (
+            vec!["-f", "/dev/zero"],
+            vec!["/dev/zero", "more than 64 MiB"],
+            "-f /dev/zero",
+        ),
+    ] {
+        refused(&run(&args), &want, what);
+    }
     let out = temp("long-logits");
     let file = out.0.with_extension("safetensors");
     let o = kestrel(&[
@@ -312,16 +303,11 @@ fn prompts_past_the_trained_length_are_refused_with_both_numbers() {
     refused(&o, &["130 tokens", "128 positions"], "logits, 130 tokens");
     assert!(!file.exists());
     // Allowed explicitly, it runs; a prefill in chunks shows its progress.
-    let o = kestrel(&[
-        "run",
-        "-m",
-        m,
+    let o = run(&[
         "--prompt-tokens",
         &long,
         "-n",
         "2",
-        "--backend",
-        "cpu",
         "--allow-long-context",
         "--prefill-chunk",
         "40",
@@ -330,18 +316,7 @@ fn prompts_past_the_trained_length_are_refused_with_both_numbers() {
     assert!(o.status.success(), "{err}");
     assert!(err.contains("prefill: 30% (40 of 130 tokens)"), "{err}");
     // Without -c the new tokens stop at the trained length, and say so.
-    let o = kestrel(&[
-        "run",
-        "-m",
-        m,
-        "--prompt-tokens",
-        &ids(100),
-        "-n",
-        "50",
-        "--backend",
-        "cpu",
-        "--json",
-    ]);
+    let o = run(&["--prompt-tokens", &ids(100), "-n", "50", "--json"]);
     let err = stderr(&o);
     assert!(o.status.success() && err.contains("-n 50 stops at 28"), "{err}");
     let out = String::from_utf8(o.stdout).unwrap();
@@ -383,17 +358,7 @@ fn misleading_results_are_errors_or_true_figures() {
     // -n 0 runs the prompt: a real prompt speed, and text "" when there is a tokenizer.
     let d = model_dir("hard-n0", None);
     let dir = d.0.to_str().unwrap();
-    let o = kestrel(&[
-        "run",
-        "-m",
-        dir,
-        "-p",
-        "Hello there",
-        "-n",
-        "0",
-        "--backend",
-        "cpu",
-    ]);
+    let o = run_cpu(dir, &["-p", "Hello there", "-n", "0"]);
     let err = stderr(&o);
     assert!(o.status.success(), "{err}");
     let line = err
@@ -410,18 +375,7 @@ fn misleading_results_are_errors_or_true_figures() {
         .parse()
         .unwrap();
     assert!(rate > 0.0 && rate < 1e8, "{line}");
-    let o = kestrel(&[
-        "run",
-        "-m",
-        dir,
-        "-p",
-        "Hello there",
-        "-n",
-        "0",
-        "--backend",
-        "cpu",
-        "--json",
-    ]);
+    let o = run_cpu(dir, &["-p", "Hello there", "-n", "0", "--json"]);
     let out = String::from_utf8(o.stdout).unwrap();
     let v: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
     assert_eq!(v["text"], "");
@@ -429,46 +383,28 @@ fn misleading_results_are_errors_or_true_figures() {
     // Arithmetic past the address space is refused, not shown saturated.
     let o = kestrel(&["inspect", "-m", m, "--ctx", "18446744073709551615"]);
     refused(&o, &["--ctx 18446744073709551615"], "inspect --ctx 2^64-1");
-    // Flags that would do nothing, or less than asked.
-    let o = kestrel(&[
-        "run",
-        "-m",
-        m,
-        "--prompt-tokens",
-        "1,2",
-        "--stop",
-        "",
-        "--backend",
-        "cpu",
-    ]);
-    refused(&o, &["--stop", "non-empty"], "--stop \"\"");
-    let o = kestrel(&["run", "-m", m, "--prompt-tokens", "1,2", "--prefill-chunk", "0"]);
-    refused(&o, &["--prefill-chunk", "at least 1"], "--prefill-chunk 0");
-    // Negative numbers parse, then fail the range check with the range.
-    let o = kestrel(&[
-        "run",
-        "-m",
-        m,
-        "--prompt-tokens",
-        "1,2",
-        "--temp",
-        "-1",
-        "--backend",
-        "cpu",
-    ]);
-    refused(&o, &["temperature -1", "0 (greedy) or more"], "--temp -1");
-    let o = kestrel(&[
-        "run",
-        "-m",
-        m,
-        "--prompt-tokens",
-        "1,2",
-        "--top-p",
-        "-0.5",
-        "--backend",
-        "cpu",
-    ]);
-    refused(&o, &["top-p -0.5", "at most 1"], "--top-p -0.5");
+    // Flags that would do nothing, or less than asked; negative numbers parse, then fail the
+    // range check with the range.
+    for (flag, want, what) in [
+        (["--stop", ""], ["--stop", "non-empty"], "--stop \"\""),
+        (
+            ["--prefill-chunk", "0"],
+            ["--prefill-chunk", "at least 1"],
+            "--prefill-chunk 0",
+        ),
+        (
+            ["--temp", "-1"],
+            ["temperature -1", "0 (greedy) or more"],
+            "--temp -1",
+        ),
+        (["--top-p", "-0.5"], ["top-p -0.5", "at most 1"], "--top-p -0.5"),
+    ] {
+        refused(
+            &run_cpu(m, &[&["--prompt-tokens", "1,2"][..], &flag].concat()),
+            &want,
+            what,
+        );
+    }
     // A file of the user's is never overwritten by --out.
     let out = temp("logits-out");
     std::fs::write(&out.0, "mine").unwrap();
