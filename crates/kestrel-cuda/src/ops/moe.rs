@@ -253,11 +253,7 @@ struct RouteFetch {
     src: Buffer,
     out: Buffer,
     slots: usize,
-    span: usize,
     half_life: u32,
-    /// The op's slots and cache, which the experts op after it reads.
-    out_id: kestrel_core::ir::Buf,
-    cache_id: kestrel_core::ir::Buf,
 }
 
 /// A one-token router's product (`linear`, writing the logits) and its choice (`router`) as one
@@ -341,78 +337,65 @@ pub fn encode_route(
     let (name, bufs, group) = weight_parts(enc, w)?;
     // A streamed layer's books go after the rest, in block 0's shared memory.
     let books_at = smem.div_ceil(4);
-    let fetch = match fetch {
-        None => None,
-        Some(&Op::ExpertFetch {
-            ids: fetched,
-            table,
-            src,
-            cache,
-            out,
-            tokens: 1,
-            k: fk,
-            experts: fe,
-            slots,
-            span,
-            policy,
-        }) if fetched == ids
-            && fk == k
-            && fe == experts
-            && (k..=super::stream::MAX_SLOTS).contains(&slots) =>
-        {
-            Some(RouteFetch {
-                table: enc.buf(table)?.clone(),
-                src: enc.buf(src)?.clone(),
-                out: enc.buf(out)?.clone(),
-                slots,
-                span,
-                half_life: policy.half_life(),
-                out_id: out,
-                cache_id: cache,
-            })
-        }
-        Some(_) => return Ok(false),
-    };
-    // The experts that read the fetched slots.
-    let streamed = match (experts_op, &fetch) {
+    // A streamed layer's fetch, and the experts that read the slots it gives.
+    let stream = match (fetch, experts_op) {
         (None, None) => None,
         (
+            Some(&Op::ExpertFetch {
+                ids: fetched,
+                table,
+                src,
+                cache,
+                out,
+                tokens: 1,
+                k: fk,
+                experts: fe,
+                slots,
+                span,
+                policy,
+            }),
             Some(
                 op @ &Op::MoeExperts {
                     ids: read,
-                    experts: cache,
+                    experts: cached,
                     tokens: 1,
                     k: ek,
                     layout,
                     ..
                 },
             ),
-            Some(f),
-        ) if read == f.out_id
-            && cache == f.cache_id
-            && ek == k
-            && layout.experts == f.slots
-            && layout.span_bytes() == f.span =>
+        ) if fetched == ids
+            && (fk, ek, fe) == (k, k, experts)
+            && (k..=super::stream::MAX_SLOTS).contains(&slots)
+            && (read, cached) == (out, cache)
+            && (layout.experts, layout.span_bytes()) == (slots, span) =>
         {
-            Some(op)
+            let f = RouteFetch {
+                table: enc.buf(table)?.clone(),
+                src: enc.buf(src)?.clone(),
+                out: enc.buf(out)?.clone(),
+                slots,
+                half_life: policy.half_life(),
+            };
+            Some((f, op))
         }
         _ => return Ok(false),
     };
-    let smem = match &fetch {
-        Some(f) => (books_at + book_words(f.slots, experts)) * 4,
+    let smem = match &stream {
+        Some((f, _)) => (books_at + book_words(f.slots, experts)) * 4,
         None => smem,
     };
     if smem > enc.device.info().max_shared_per_block {
         return Ok(false);
     }
     // Which chosen experts missed, for the `*_streamed` expert kernels.
-    let fetch = match (fetch, streamed) {
-        (Some(f), Some(op)) => Some((f, op, enc.workspace(DType::U32, k)?)),
-        _ => None,
+    let stream = match stream {
+        Some((f, op)) => Some((f, op, enc.workspace(DType::U32, k)?)),
+        None => None,
     };
     let prefix = if fused.is_some() { "route_norm" } else { "route" };
     // A streamed layer's fetch takes the twin that resolves it.
-    let suffix = if fetch.is_some() { "_slots" } else { "" };
+    let suffix = if stream.is_some() { "_slots" } else { "" };
     let kern = enc.kernel(
         &MODULE,
         &format!("{prefix}_{name}_{}{suffix}", router_per_lane(experts)),
@@ -448,7 +431,7 @@ pub fn encode_route(
     if let Some(n) = &fused {
         b = b.arg(n.eps).arg(n.zero_centered as i32).arg(n.w_bf16 as i32);
     }
-    let Some((f, experts_op, miss)) = fetch else {
+    let Some((f, experts_op, miss)) = stream else {
         b.record();
         return Ok(true);
     };
