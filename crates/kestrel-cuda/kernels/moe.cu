@@ -145,7 +145,8 @@ ROUTER(16)
 // norm's weight, the products run on that and block 0 scales the logits by 1 / rms; the other
 // blocks write the new residual and the normalised row out once every block has read the
 // residual (after the cluster barrier). Dynamic shared memory: as route_* with the sums' part
-// rounded up to 4 floats, then the weighted row and the sum, in_dim floats each.
+// rounded up to 4 floats, then the weighted row and the sum, in_dim floats each. The *_slots
+// twins add the layer's books after all of that (at word RouteSlots::at).
 #define ROUTE_PRE 8  // vectors per lane of a warp's first row held in registers from before the wait
 // ROUTE_BLOCKS (blocks of the cluster), ROUTE_WARPS (warps per block) and ROUTE_NORM_VEC
 // (route_norm_*: float4s of the row per thread, in_dim <= 4 * ROUTE_NORM_VEC * blockDim.x) come
@@ -171,7 +172,8 @@ struct RouteNorm {
 // slots right after choosing (slots_resolve_token): block 0 reads the books into shared memory
 // before the programmatic wait (only the same layer's previous step wrote them, a graph replay
 // ago), resolves, and writes the slots, the misses for the *_streamed expert kernels and the
-// books (both copies of the table, as expert_slots keeps them). Only the route_*_slots kernels have one.
+// books (both copies of the table, as expert_slots keeps them). Only the route_*_slots kernels
+// have one.
 struct RouteSlots {
     unsigned* books;     // the table: the books, then their copy
     unsigned at;         // word offset of the books' place in dynamic shared memory

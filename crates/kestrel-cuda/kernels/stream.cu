@@ -1,15 +1,16 @@
 // Streamed experts inside the forward pass. A one-token decode step of a layer resolves the
-// router's choice into the layer's cache of slots inside the router's own kernel (route_* in
-// moe.cu, with slots_resolve_token of slots.cuh: the books are read before that kernel's wait,
-// so resolving costs the chain no round trip and no launch), and the experts' kernels read its
-// misses from host memory (the *_streamed kernels there). A step of a few tokens is one kernel, expert_fetch: the choice resolved on the
-// GPU (one warp on the books in shared memory, following kestrel_core::expert_slots::resolve
-// step for step: the same books, the same victims) and the misses copied from the layer's
-// packed experts in mapped page-locked host memory by blocks of the SMs; expert_commit then
-// makes the next books the books, off the experts' path. Either way a step that misses is still
-// one graph replay: the router's choice never goes back to the host. A longer chunk's experts
-// are listed for staging (expert_stage_plan) and copied (expert_copy) from the slots or host
-// memory.
+// router's choice into the layer's cache of slots inside the router's own kernel
+// (route_*_slots in moe.cu, with slots_resolve_token of slots.cuh: the books are read before
+// that kernel's wait, so resolving costs the chain no round trip and no launch), and the
+// experts' kernels read its misses from host memory (the *_streamed kernels there). A step of
+// a few tokens, or one on a device without the fused router, is one kernel, expert_fetch: the
+// choice resolved on the GPU (one warp on the books in shared memory, following
+// kestrel_core::expert_slots::resolve step for step: the same books, the same victims) and the
+// misses copied from the layer's packed experts in mapped page-locked host memory by blocks of
+// the SMs; expert_commit then makes the next books the books, off the experts' path. Either way
+// a step that misses is still one graph replay: the router's choice never goes back to the
+// host. A longer chunk's experts are listed for staging (expert_stage_plan) and copied
+// (expert_copy) from the slots or host memory.
 //
 // A copy list is `[count, (dst, src) * count]`: `dst` a span index of the destination, `src` a
 // span index of the host's packed experts, or STREAM_FROM_CACHE | a slot of the cache.
