@@ -4,10 +4,7 @@
 
 #![no_main]
 
-use std::sync::OnceLock;
-
-use kestrel_fuzz::{Conversation, LIMITS};
-use kestrel_text::{BoundedAlloc, ChatTemplate};
+use kestrel_text::BoundedAlloc;
 use libfuzzer_sys::fuzz_target;
 
 /// The render's memory bound holds only with the sandbox's allocator installed, as in the binary.
@@ -19,11 +16,9 @@ fuzz_target!(|data: &[u8]| {
     let Ok(source) = std::str::from_utf8(data) else {
         return;
     };
-    let Ok(template) = ChatTemplate::with_limits(source, LIMITS) else {
-        return;
-    };
-    static CONVERSATION: OnceLock<Conversation> = OnceLock::new();
-    let conversation = CONVERSATION.get_or_init(Conversation::new);
-    let input = conversation.input(Some("<s>"), Some("</s>"));
-    let _ = std::hint::black_box(kestrel_fuzz::render(&template, &input));
+    let _ = std::hint::black_box(kestrel_fuzz::compile_and_render(
+        source,
+        Some("<s>"),
+        Some("</s>"),
+    ));
 });

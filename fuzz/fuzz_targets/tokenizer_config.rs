@@ -1,15 +1,14 @@
 //! Fuzz target: `tokenizer_config.json`, read by `TokenizerConfig::parse` as
 //! `Tokenizer::from_bytes` reads it: the special tokens' text and the chat template (a string, or
 //! a list of named templates). A template found is compiled as the engine compiles it and, when
-//! it compiles, rendered with the fixed conversation within the fuzzing bounds. The fixed
-//! `tokenizer.json` beside it is not parsed again for each input (that took 80 ms an input).
+//! it compiles, compiled again within the fuzzing bounds and rendered with the fixed
+//! conversation. The fixed `tokenizer.json` beside it is not parsed again for each input (that
+//! took 80 ms an input).
 
 #![no_main]
 
 use std::path::Path;
-use std::sync::OnceLock;
 
-use kestrel_fuzz::{Conversation, LIMITS};
 use kestrel_text::{BoundedAlloc, ChatTemplate, TokenizerConfig};
 use libfuzzer_sys::fuzz_target;
 
@@ -28,14 +27,16 @@ fuzz_target!(|data: &[u8]| {
     let Some(source) = config.chat_template.as_deref() else {
         return;
     };
-    // Compiled as the engine compiles it (default bounds), then compiled again within the
-    // fuzzing bounds to render: the default bounds let one input run for seconds.
+    // Compiled as the engine compiles it (default bounds), then rendered within the fuzzing
+    // bounds: the default bounds let one input run for seconds.
     if ChatTemplate::new(source).is_err() {
         return;
     }
-    let template = ChatTemplate::with_limits(source, LIMITS).expect("a source that compiled compiles again");
-    static CONVERSATION: OnceLock<Conversation> = OnceLock::new();
-    let conversation = CONVERSATION.get_or_init(Conversation::new);
-    let input = conversation.input(config.bos_token.as_deref(), config.eos_token.as_deref());
-    let _ = std::hint::black_box(kestrel_fuzz::render(&template, &input));
+    let rendered =
+        kestrel_fuzz::compile_and_render(source, config.bos_token.as_deref(), config.eos_token.as_deref());
+    assert!(
+        rendered.is_some(),
+        "a source that compiled with the default bounds compiles within the fuzzing bounds"
+    );
+    let _ = std::hint::black_box(rendered);
 });

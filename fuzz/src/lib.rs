@@ -3,6 +3,7 @@
 //! (each leaves its sandbox thread parked for good, holding up to the memory budget).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use kestrel_text::{ChatInput, ChatTemplate, RenderLimits, TextError};
@@ -83,6 +84,19 @@ impl Default for Conversation {
     fn default() -> Conversation {
         Conversation::new()
     }
+}
+
+/// Compiles `source` within the fuzzing bounds and, when it compiles, renders the fixed
+/// conversation with it (`bos` and `eos` as the special tokens' text; see [`render`]).
+pub fn compile_and_render(
+    source: &str,
+    bos: Option<&str>,
+    eos: Option<&str>,
+) -> Option<Result<String, TextError>> {
+    static CONVERSATION: OnceLock<Conversation> = OnceLock::new();
+    let template = ChatTemplate::with_limits(source, LIMITS).ok()?;
+    let conversation = CONVERSATION.get_or_init(Conversation::new);
+    Some(render(&template, &conversation.input(bos, eos)))
 }
 
 /// Renders stopped by the memory or time bound in this process so far.

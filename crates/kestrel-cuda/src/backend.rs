@@ -227,7 +227,8 @@ impl Backend for CudaBackend {
                 other => other,
             };
             // Nodes one kernel does together take the last one's label.
-            let window: Vec<&kestrel_core::ir::Op> = graph.nodes[i..graph.nodes.len().min(i + 5)]
+            let window: Vec<&kestrel_core::ir::Op> = graph.nodes
+                [i..graph.nodes.len().min(i + ops::FUSED_MAX_NODES)]
                 .iter()
                 .map(|n| &n.op)
                 .collect();

@@ -41,35 +41,32 @@ pub const MODULES: &[ModuleSource] = &[
 /// experts that read the fetched slots after them (two more). Returns how many it encoded; 0,
 /// and nothing recorded, otherwise.
 pub fn encode_fused(ops: &[&Op], enc: &mut Encoder) -> Result<usize> {
-    let is_fetch = |op: &Op| matches!(op, Op::ExpertFetch { .. });
-    // The longest run first: with the norm or without, with the fetch and its experts or
+    // The longest run first: with the norm or without, then with the fetch and its experts or
     // without.
     for norm in [true, false] {
-        let (head, rest) = if norm {
-            match ops {
-                [n, l, r, rest @ ..] => ((Some(*n), *l, *r), rest),
-                _ => continue,
-            }
-        } else {
-            match ops {
-                [l, r, rest @ ..] => ((None, *l, *r), rest),
-                _ => continue,
-            }
+        let head = 2 + norm as usize;
+        let Some(route) = ops.get(..head) else {
+            continue;
         };
-        let (n, l, r) = head;
-        let base = 2 + norm as usize;
-        let tails: &[(Option<&Op>, Option<&Op>, usize)] = match rest {
-            [f, e, ..] if is_fetch(f) => &[(Some(*f), Some(*e), 2), (None, None, 0)],
-            _ => &[(None, None, 0)],
+        let (n, l, r) = match route {
+            [n, l, r] => (Some(*n), *l, *r),
+            [l, r] => (None, *l, *r),
+            _ => unreachable!("the head is two or three nodes"),
         };
-        for &(fetch, experts, more) in tails {
-            if moe::encode_route(n, l, r, fetch, experts, enc)? {
-                return Ok(base + more);
+        if let [f @ Op::ExpertFetch { .. }, e, ..] = &ops[head..] {
+            if moe::encode_route(n, l, r, Some(f), Some(e), enc)? {
+                return Ok(head + 2);
             }
+        }
+        if moe::encode_route(n, l, r, None, None, enc)? {
+            return Ok(head);
         }
     }
     Ok(0)
 }
+
+/// The most nodes `encode_fused` encodes together: the norm, product, choice, fetch and experts.
+pub const FUSED_MAX_NODES: usize = 5;
 
 pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
     use Op::*;
