@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The commands of BENCHMARKS.md's table, in three parts that each fit one device call (at most
+# 10 minutes): 1 = rows A-F (resident models, runtime, ops), 2 = rows G-I (experts streamed
+# from host memory), 3 = row J (experts read from local disk). Each row's JSON and stderr land
+# in LOGDIR as ROW.json / ROW.err, and `summary.txt` gets one line a row with its exit status.
+#
+#   bash scripts/gpu/bench-table.sh KESTREL PART LOGDIR
+#   e.g. bash scripts/gpu/bench-table.sh gpu-bundle/kestrel 1 $OUT/t1
+set -uo pipefail
+bin=$1 part=$2 logs=$3
+here=$(cd "$(dirname "$0")" && pwd)
+mkdir -p "$logs"
+t0=$(date +%s)
+row() { # row letter, seconds allowed, bench arguments...
+  local name=$1 limit=$2
+  shift 2
+  timeout "$limit" "$bin" bench "$@" --json > "$logs/$name.json" 2> "$logs/$name.err"
+  echo "$name rc=$? t=$(( $(date +%s) - t0 ))s" | tee -a "$logs/summary.txt"
+}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$logs/smi.txt" 2>&1
+case $part in
+  1)
+    row E 60 runtime -r 20
+    row A 150 --synthetic qwen3-30b-a3b -p 512 -n 128 -r 5
+    row B 90 --synthetic qwen3-30b-a3b -p 4096 -n 0 -r 3
+    row C 120 --synthetic qwen3-next-80b-a3b -p 512 -n 128 -r 3
+    row D 90 --synthetic qwen3.5-397b-a17b --layers 12 -p 512 -n 128 -r 3
+    row F 120 ops -r 50
+    ;;
+  2)
+    row E 60 runtime -r 5
+    row G 150 --synthetic qwen3-30b-a3b -p 512 -n 64 -r 3 --gpu-mem 8GiB --tg-input random
+    row H 200 --synthetic qwen3-next-80b-a3b -p 4096 -n 64 -r 3 --gpu-mem 16GiB --tg-input random
+    bash "$here/stream-layers.sh" "$bin" "$logs/I" qwen3.5-397b-a17b 60 10 27GiB 20 47GiB lru \
+      > "$logs/I.txt" 2>&1
+    echo "I rc=$? t=$(( $(date +%s) - t0 ))s" | tee -a "$logs/summary.txt"
+    ;;
+  3)
+    bash "$here/disk-bench.sh" "$bin" "$logs/J" qwen3-next-80b-a3b 48 16GiB 8GiB > "$logs/J.txt" 2>&1
+    echo "J rc=$? t=$(( $(date +%s) - t0 ))s" | tee -a "$logs/summary.txt"
+    ;;
+  *) echo "part must be 1, 2 or 3" >&2; exit 2 ;;
+esac
