@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The commands of BENCHMARKS.md's table, in three parts that each fit one device call (at most
-# 10 minutes): 1 = rows A-F (resident models, runtime, ops), 2 = rows G-I (experts streamed
-# from host memory), 3 = row J (experts read from local disk). Each row's JSON and stderr land
-# in LOGDIR as ROW.json / ROW.err, and `summary.txt` gets one line a row with its exit status.
+# The commands of BENCHMARKS.md's table, in four parts that each fit one device call (at most
+# 10 minutes): 1 = rows A-F (resident models, runtime, ops), 2 = rows G-H and 3 = row I
+# (experts streamed from host memory), 4 = row J (experts read from local disk). Each row's
+# JSON and stderr land in LOGDIR as ROW.json / ROW.err (or a folder ROW for the rows measured by
+# a script), and `summary.txt` gets one line a row with its exit status. Parts 2-4 measure the
+# pinned host-to-device bandwidth their link bounds need.
 #
 #   bash scripts/gpu/bench-table.sh KESTREL PART LOGDIR
 #   e.g. bash scripts/gpu/bench-table.sh gpu-bundle/kestrel 1 $OUT/t1
@@ -31,13 +33,15 @@ case $part in
     row E 60 runtime -r 5
     row G 150 --synthetic qwen3-30b-a3b -p 512 -n 64 -r 3 --gpu-mem 8GiB --tg-input random
     row H 200 --synthetic qwen3-next-80b-a3b -p 4096 -n 64 -r 3 --gpu-mem 16GiB --tg-input random
+    ;;
+  3)
     bash "$here/stream-layers.sh" "$bin" "$logs/I" qwen3.5-397b-a17b 60 10 27GiB 20 47GiB lru \
       > "$logs/I.txt" 2>&1
     echo "I rc=$? t=$(( $(date +%s) - t0 ))s" | tee -a "$logs/summary.txt"
     ;;
-  3)
+  4)
     bash "$here/disk-bench.sh" "$bin" "$logs/J" qwen3-next-80b-a3b 48 16GiB 8GiB > "$logs/J.txt" 2>&1
     echo "J rc=$? t=$(( $(date +%s) - t0 ))s" | tee -a "$logs/summary.txt"
     ;;
-  *) echo "part must be 1, 2 or 3" >&2; exit 2 ;;
+  *) echo "part must be 1, 2, 3 or 4" >&2; exit 2 ;;
 esac
