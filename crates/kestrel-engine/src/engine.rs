@@ -376,6 +376,17 @@ impl Engine {
         self.device.as_ref()
     }
 
+    /// Whether generation goes on past the model's end-of-sequence ids (a request's
+    /// `ignore_eos`).
+    pub fn set_ignore_eos(&mut self, ignore: bool) {
+        self.eos = if ignore { Vec::new() } else { self.text.eos_ids() };
+    }
+
+    /// Positions of the caches generation holds tokens in (what a next turn can reuse).
+    pub fn positions_held(&self) -> usize {
+        self.held.len()
+    }
+
     /// Positions the KV caches hold.
     pub fn ctx(&self) -> usize {
         on_session!(&self.session, s => s.ctx)
@@ -384,6 +395,20 @@ impl Engine {
     /// The sampling settings generation uses.
     pub fn sampling(&self) -> SamplingParams {
         self.sampler.params
+    }
+
+    /// Generation from now on samples with `params` (a request's own settings), the generator
+    /// starting from `params.seed`: plain greedy takes the backend's argmax, other settings are
+    /// drawn on the host from the logits (the same tokens the backend's sampler draws for a
+    /// seed, see `kestrel_core::sample`).
+    pub fn set_sampling(&mut self, params: SamplingParams) -> Result<()> {
+        self.sampler = Sampler::new(params)?;
+        self.pick = if params.is_plain_greedy() {
+            Pick::Argmax
+        } else {
+            Pick::HostSampler
+        };
+        Ok(())
     }
 
     /// The session on the CUDA backend (for run-mode switches and counters), if that is where

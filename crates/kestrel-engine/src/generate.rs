@@ -82,6 +82,23 @@ impl Engine {
         on_text: &mut dyn FnMut(&str) -> std::io::Result<()>,
         cancel: &AtomicBool,
     ) -> Result<Turn> {
+        let mut on_piece = |_: Option<u32>, text: &str| if text.is_empty() { Ok(()) } else { on_text(text) };
+        self.generate_pieces(ids, max_tokens, stops, &mut on_piece, cancel)
+    }
+
+    /// [`Engine::generate`], telling `on_piece` of every generated token as it comes: `(Some(id),
+    /// the text it completes)`, the text possibly empty (part of a character, a stop string held
+    /// back, no tokenizer), and `(None, text)` for text released without a token of its own:
+    /// what a token completing a stop string releases before the stop, and at the end what was
+    /// held back. An end-of-sequence id is not told.
+    pub fn generate_pieces(
+        &mut self,
+        ids: &[u32],
+        max_tokens: usize,
+        stops: &[String],
+        on_piece: &mut dyn FnMut(Option<u32>, &str) -> std::io::Result<()>,
+        cancel: &AtomicBool,
+    ) -> Result<Turn> {
         if ids.is_empty() {
             return Err(EngineError::Invalid("the prompt is empty".into()));
         }
@@ -134,10 +151,10 @@ impl Engine {
         let mut stream = tokenizer.as_ref().map(|t| t.stream());
         let mut stopper = StopStrings::new(stops.iter().cloned());
         let mut text = String::new();
-        let mut emit = |s: &str, text: &mut String| -> Result<()> {
-            if !s.is_empty() {
-                text.push_str(s);
-                on_text(s).map_err(EngineError::Output)?;
+        let mut emit = |id: Option<u32>, s: &str, text: &mut String| -> Result<()> {
+            text.push_str(s);
+            if id.is_some() || !s.is_empty() {
+                on_piece(id, s).map_err(EngineError::Output)?;
             }
             Ok(())
         };
@@ -149,13 +166,17 @@ impl Engine {
                 }
                 turn.tokens.push(id);
                 history.push(id);
-                if let Some(stream) = &mut stream {
-                    let released = stopper.push(&stream.push(id)?);
-                    emit(&released.text, &mut text)?;
-                    if released.stopped {
-                        turn.stop_reason = StopReason::Stop;
-                        break;
+                match &mut stream {
+                    Some(stream) => {
+                        let released = stopper.push(&stream.push(id)?);
+                        if released.stopped {
+                            emit(None, &released.text, &mut text)?;
+                            turn.stop_reason = StopReason::Stop;
+                            break;
+                        }
+                        emit(Some(id), &released.text, &mut text)?;
                     }
+                    None => emit(Some(id), "", &mut text)?,
                 }
                 if turn.tokens.len() == max_tokens {
                     break;
@@ -172,9 +193,9 @@ impl Engine {
             if let Some(stream) = &mut stream {
                 if turn.stop_reason != StopReason::Stop {
                     let released = stopper.push(&stream.finish()?);
-                    emit(&released.text, &mut text)?;
+                    emit(None, &released.text, &mut text)?;
                     if !released.stopped {
-                        emit(&stopper.finish(), &mut text)?;
+                        emit(None, &stopper.finish(), &mut text)?;
                     }
                 }
             }

@@ -144,6 +144,22 @@ impl ModelText {
         })
     }
 
+    /// A copy for another thread: the same tokenizer and generation config, the chat template
+    /// compiled again (renders on one copy never wait on the other's).
+    pub fn fork(&self) -> Result<ModelText> {
+        Ok(ModelText {
+            label: self.label.clone(),
+            tokenizer: self.tokenizer.clone(),
+            template: self.template.as_ref().map(ChatTemplate::fork).transpose()?,
+            generation: self.generation.clone(),
+        })
+    }
+
+    /// How messages name the model.
+    pub fn label(&self) -> &str {
+        &self.label
+    }
+
     /// The end-of-sequence ids: the generation config's and the tokenizer's EOS token.
     pub fn eos_ids(&self) -> Vec<u32> {
         let mut eos = self.generation.eos_token_ids.clone();
@@ -191,6 +207,16 @@ impl ModelText {
     /// A conversation (objects with `role` and `content`) rendered through the chat template,
     /// ending with the opening of an assistant turn, as token ids.
     pub fn encode_chat(&self, messages: &[Value], extra: &Map<String, Value>) -> Result<Vec<u32>> {
+        self.encode_chat_with_tools(messages, None, extra)
+    }
+
+    /// [`ModelText::encode_chat`] with tool descriptions (JSON schemas) given to the template.
+    pub fn encode_chat_with_tools(
+        &self,
+        messages: &[Value],
+        tools: Option<&[Value]>,
+        extra: &Map<String, Value>,
+    ) -> Result<Vec<u32>> {
         let (Some(t), Some(template)) = (&self.tokenizer, &self.template) else {
             return Err(EngineError::Invalid(format!(
                 "{} has no chat template (tokenizer_config.json or chat_template.jinja)",
@@ -200,11 +226,11 @@ impl ModelText {
         let rendered = template
             .render(&ChatInput {
                 messages,
+                tools,
                 add_generation_prompt: true,
                 bos_token: t.bos_token.as_deref(),
                 eos_token: t.eos_token.as_deref(),
                 extra: extra.clone(),
-                ..Default::default()
             })
             .map_err(|e| t.in_template_file(e))?;
         Ok(t.encode(&rendered, false)?)

@@ -29,6 +29,6 @@ pub use experts::{
 pub use footprint::{footprint, Footprint};
 pub use graph::{Forward, ForwardSpec, HostExperts, MoeStep, Streamed};
 pub use quantize::{check_empty_dst, quantize_dir, write_model_dir, QuantizeReport};
-pub use session::{Output, Session, StageAhead, Want};
+pub use session::{Output, Session, StageAhead, Want, MAX_PROGRAMS};
 pub use synthetic::{synthetic_model, synthetic_model_json, synthetic_weights, SYNTHETIC_MODELS};
 pub use weights::{FileIdent, FileSpan, OwnedTensor, Tensor, Weights};

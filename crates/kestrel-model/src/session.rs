@@ -128,7 +128,14 @@ const AHEAD_SHARE: f64 = 0.75;
 struct Prog<B: Backend> {
     f: Forward,
     segments: Vec<B::Program>,
+    /// When it was last asked for ([`Session::clock`]).
+    used: u64,
 }
+
+/// Programs a session keeps at most: each holds its own activations, and steps of many
+/// different lengths (a server's prompts) would otherwise keep one each. The least recently
+/// used one goes first.
+pub const MAX_PROGRAMS: usize = 12;
 
 impl<B: Backend> Prog<B> {
     /// The segment holding the outputs (and, like every segment, the states).
@@ -222,6 +229,8 @@ pub struct Session<B: Backend> {
     uploaded: bool,
     /// Prepared programs by (tokens, outputs).
     programs: HashMap<Key, Prog<B>>,
+    /// Counts requests for programs, to find the least recently used.
+    clock: u64,
     /// Routed experts read through caches of slots instead of all resident.
     streaming: Option<Streaming<B::HostBuffer>>,
     /// Told (bytes done, bytes in all) while the weights upload.
@@ -261,6 +270,7 @@ impl<B: Backend> Session<B> {
             quant: None,
             uploaded: false,
             programs: HashMap::new(),
+            clock: 0,
             streaming: None,
             progress: None,
             step_progress: None,
@@ -275,6 +285,12 @@ impl<B: Backend> Session<B> {
     pub fn with_sampling(mut self, params: SamplingParams) -> Session<B> {
         self.sampling = Some(params);
         self
+    }
+
+    /// How many programs (one a step length and output) the session holds now: at most
+    /// [`MAX_PROGRAMS`].
+    pub fn programs_held(&self) -> usize {
+        self.programs.len()
     }
 
     /// Whether `sample_next_token` is available.
@@ -611,7 +627,7 @@ impl<B: Backend> Session<B> {
                 }
                 segments
             };
-            let mut prog = Prog { f, segments };
+            let mut prog = Prog { f, segments, used: 0 };
             // Weights and states are shared by label: every segment declares them all.
             if !self.uploaded {
                 let (f, p) = (&prog.f, &mut prog.segments[0]);
@@ -629,7 +645,21 @@ impl<B: Backend> Session<B> {
                     .map_err(backend_err)?;
                 self.seeded = true;
             }
+            if self.programs.len() >= MAX_PROGRAMS {
+                let oldest = self.programs.iter().min_by_key(|(_, p)| p.used).map(|(k, _)| *k);
+                if let Some(k) = oldest {
+                    self.programs.remove(&k);
+                    // A sampling program built again starts its generator from the seed.
+                    if k.1 == Outputs::Sample {
+                        self.seeded = false;
+                    }
+                }
+            }
             self.programs.insert(key, prog);
+        }
+        self.clock += 1;
+        if let Some(p) = self.programs.get_mut(&key) {
+            p.used = self.clock;
         }
         Ok(key)
     }

@@ -45,6 +45,52 @@ fn chunked_prefill_equals_one_prefill() {
     }
 }
 
+/// Steps of more lengths and outputs than a session keeps programs for: the least recently used
+/// program goes, the session holds at most `MAX_PROGRAMS`, and a step run again after its
+/// program went computes the reference's logits.
+#[test]
+fn steps_of_many_lengths_keep_a_bounded_number_of_programs() {
+    let name = FIXTURES[0];
+    let (tokens, want, _) = reference(name);
+    let mut s = Session::open(&dir(name), CpuBackend::new(), 64, DType::F32).unwrap();
+    let steps: Vec<(usize, Want)> = (1..=tokens.len())
+        .flat_map(|len| {
+            [
+                (len, Want::AllLogits),
+                (len, Want::LastLogits),
+                (len, Want::Argmax),
+            ]
+        })
+        .chain([(1, Want::AllLogits), (2, Want::Argmax)])
+        .collect();
+    assert!(
+        steps.len() > kestrel_model::MAX_PROGRAMS + 2,
+        "the fixture is too short for this test"
+    );
+    for (len, want_out) in steps {
+        s.reset_states().unwrap();
+        let last = &want[(len - 1) * 256..len * 256];
+        match s.step(&tokens[..len], 0, want_out).unwrap() {
+            kestrel_model::Output::Token(id) => assert_eq!(id, common::argmax(last), "{len} tokens"),
+            kestrel_model::Output::Logits(got) => {
+                let reference = if want_out == Want::AllLogits {
+                    &want[..len * 256]
+                } else {
+                    last
+                };
+                let err = rel_max_err(&got, reference);
+                assert!(err <= 1e-5, "{name}, {len} tokens, {want_out:?}: {err:e}");
+            }
+        }
+        assert!(
+            s.programs_held() <= kestrel_model::MAX_PROGRAMS,
+            "{}",
+            s.programs_held()
+        );
+    }
+    assert_eq!(s.programs_held(), kestrel_model::MAX_PROGRAMS);
+}
+
 /// A second sequence from position 0 after `reset_states` computes as a fresh session does; the
 /// hybrids' recurrent states would otherwise carry the first sequence into it.
 #[test]

@@ -18,5 +18,5 @@ pub use generation::GenerationConfig;
 pub use sample::{argmax, Sampler, SamplingParams};
 pub use sandbox::BoundedAlloc;
 pub use stop::{Released, StopStrings};
-pub use template::{ChatInput, ChatTemplate, RenderLimits};
+pub use template::{ChatInput, ChatTemplate, RenderLimits, MAX_ABANDONED};
 pub use tokenizer::{TextStream, Tokenizer, TokenizerConfig};

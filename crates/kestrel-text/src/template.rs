@@ -30,13 +30,15 @@
 //! whether or not [`crate::BoundedAlloc`] is the global allocator; the memory bound holds only
 //! where it is (the `kestrel` binary installs it). Passing the memory or time bound is an error
 //! (`TextError::Template`) naming the bound, never an abort. A render stopped that way may leave its
-//! thread parked for good, holding minijinja's locks, so the template then refuses every later
-//! render with an error saying why. Running out of fuel or output is an ordinary template error,
-//! and the template stays usable.
+//! thread parked for good, holding minijinja's locks and at most the memory bound, so the
+//! template leaves that environment to it and compiles a fresh one for the next render (a server
+//! goes on serving after a hostile conversation); after [`MAX_ABANDONED`] such stops it refuses
+//! every later render with an error saying why, so parked threads cannot pile up. Running out of
+//! fuel or output is an ordinary template error, and the template stays usable.
 
 use std::fmt::Write as _;
 use std::io;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use minijinja::value::{Kwargs, ValueKind};
@@ -72,12 +74,22 @@ impl Default for RenderLimits {
     }
 }
 
+/// Renders stopped by the memory or time bound (each may leave a parked thread holding up to
+/// the memory bound) before a template refuses to render.
+pub const MAX_ABANDONED: usize = 4;
+
 /// A compiled chat template.
 pub struct ChatTemplate {
-    env: Arc<Environment<'static>>,
+    source: String,
     limits: RenderLimits,
-    /// Why the template renders no more: set when a render was stopped half-way.
-    stopped: OnceLock<String>,
+    state: Mutex<State>,
+}
+
+/// The environment renders use, and the renders stopped so far.
+struct State {
+    env: Arc<Environment<'static>>,
+    /// Why each stopped render was stopped.
+    abandoned: Vec<String>,
 }
 
 /// What a template is rendered with.
@@ -106,33 +118,40 @@ impl ChatTemplate {
 
     /// Compiles `source` to render within `limits`.
     pub fn with_limits(source: &str, limits: RenderLimits) -> Result<ChatTemplate> {
-        let mut env = Environment::new();
-        env.set_trim_blocks(true);
-        env.set_lstrip_blocks(true);
-        env.set_fuel(Some(limits.fuel));
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_filter("tojson", tojson);
-        env.add_filter("string", py_string);
-        env.set_formatter(py_formatter);
-        env.add_function("raise_exception", raise_exception);
-        env.add_function("strftime_now", strftime_now);
-        env.add_template_owned("chat", source.to_string())
-            .map_err(|e| TextError::Template(describe(&e)))?;
         Ok(ChatTemplate {
-            env: Arc::new(env),
+            source: source.to_string(),
             limits,
-            stopped: OnceLock::new(),
+            state: Mutex::new(State {
+                env: Arc::new(compile(source, limits)?),
+                abandoned: Vec::new(),
+            }),
         })
+    }
+
+    /// The same template compiled again, with an environment of its own (for another thread of
+    /// a server, say).
+    pub fn fork(&self) -> Result<ChatTemplate> {
+        ChatTemplate::with_limits(&self.source, self.limits)
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Renders the conversation, on a thread of its own within the template's limits.
     pub fn render(&self, input: &ChatInput) -> Result<String> {
-        if let Some(why) = self.stopped.get() {
-            return Err(TextError::Template(format!(
-                "an earlier render of this template was stopped ({why}) and may still hold the \
-                 template's locks, so it renders no more; fix the template and load the model again"
-            )));
-        }
+        let env = {
+            let state = self.state();
+            if state.abandoned.len() >= MAX_ABANDONED {
+                return Err(TextError::Template(format!(
+                    "{MAX_ABANDONED} earlier renders of this template were stopped (the last: {}) and \
+                     their threads may still hold memory, so it renders no more; fix the template \
+                     or the input and load the model again",
+                    state.abandoned.last().map_or("", String::as_str)
+                )));
+            }
+            Arc::clone(&state.env)
+        };
         let mut ctx = Map::new();
         ctx.insert("messages".into(), Json::Array(input.messages.to_vec()));
         if let Some(tools) = input.tools {
@@ -148,7 +167,6 @@ impl ChatTemplate {
         for (k, v) in &input.extra {
             ctx.insert(k.clone(), v.clone());
         }
-        let env = Arc::clone(&self.env);
         let RenderLimits {
             output, memory, time, ..
         } = self.limits;
@@ -191,9 +209,32 @@ impl ChatTemplate {
                 ))
             }
         };
-        let _ = self.stopped.set(why.clone());
+        // The stopped thread may hold the environment's locks: later renders get a fresh one.
+        let mut state = self.state();
+        state.abandoned.push(why.clone());
+        if let Ok(env) = compile(&self.source, self.limits) {
+            state.env = Arc::new(env);
+        }
         TextError::Template(why)
     }
+}
+
+/// `source` compiled as the template `chat`, with the Python-compatible filters and functions
+/// and `limits`' fuel.
+fn compile(source: &str, limits: RenderLimits) -> Result<Environment<'static>> {
+    let mut env = Environment::new();
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    env.set_fuel(Some(limits.fuel));
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_filter("tojson", tojson);
+    env.add_filter("string", py_string);
+    env.set_formatter(py_formatter);
+    env.add_function("raise_exception", raise_exception);
+    env.add_function("strftime_now", strftime_now);
+    env.add_template_owned("chat", source.to_string())
+        .map_err(|e| TextError::Template(describe(&e)))?;
+    Ok(env)
 }
 
 /// Renders the template `chat` of `env` with the variables `ctx`, at most `cap` bytes of it.

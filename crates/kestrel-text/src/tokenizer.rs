@@ -9,6 +9,7 @@ use serde_json::Value;
 use crate::error::{Result, TextError};
 use crate::template::ChatTemplate;
 
+#[derive(Clone)]
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     /// The text of the beginning- and end-of-sequence tokens, when the config names them.

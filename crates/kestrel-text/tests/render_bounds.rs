@@ -1,14 +1,15 @@
 //! With `BoundedAlloc` as the global allocator (as the `kestrel` binary has it), templates that
 //! grow a value without bound (a string, list or namespace value doubled forty times, a huge
 //! `indent` or repeated string) or run too long stop with an error within seconds instead of
-//! aborting the process, the stopped template refuses later renders, and other templates go on
-//! rendering in the same process; running out of fuel leaves the template usable; a deeply nested
+//! aborting the process, the stopped template renders again with a fresh environment (until
+//! `MAX_ABANDONED` stops, then it refuses), and other templates go on rendering in the same
+//! process; running out of fuel leaves the template usable; a deeply nested
 //! value does not overflow the render's stack; a real 50-turn conversation stays far below the
 //! bounds.
 
 use std::time::{Duration, Instant};
 
-use kestrel_text::{BoundedAlloc, ChatInput, ChatTemplate, RenderLimits};
+use kestrel_text::{BoundedAlloc, ChatInput, ChatTemplate, RenderLimits, MAX_ABANDONED};
 use serde_json::json;
 
 #[global_allocator]
@@ -20,7 +21,8 @@ fn doubling(setup: &str, set_line: &str, tail: &str) -> String {
 }
 
 /// Renders `source` within `limits`, expects an error containing `want`, and checks that the
-/// template then refuses to render again and that a normal template still renders.
+/// template's next render runs (and is stopped the same way) and that a normal template still
+/// renders.
 fn assert_stops(source: &str, limits: RenderLimits, want: &str) -> Duration {
     let messages = [json!({"role": "user", "content": "Hi"})];
     let input = ChatInput {
@@ -38,10 +40,7 @@ fn assert_stops(source: &str, limits: RenderLimits, want: &str) -> Duration {
     assert!(err.contains(want), "{source}: {err}");
     eprintln!("{want:?} after {took:?}");
     let again = template.render(&input).err().unwrap().to_string();
-    assert!(
-        again.contains("an earlier render of this template was stopped"),
-        "{again}"
-    );
+    assert!(again.contains(want), "{again}");
     let normal =
         ChatTemplate::new("{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}").unwrap();
     assert_eq!(normal.render(&input).unwrap(), "[user] Hi");
@@ -106,6 +105,42 @@ fn a_smaller_budget_is_named() {
     };
     let source = doubling("{% set a = \"ab\" %}", "{% set a = a ~ a %}", "{{ a|length }}");
     assert_stops(&source, limits, "rendering needed more than 8 MiB of memory");
+}
+
+#[test]
+fn a_template_stopped_max_abandoned_times_refuses_to_render() {
+    let limits = RenderLimits {
+        memory: 4 << 20,
+        ..RenderLimits::default()
+    };
+    let messages = [json!({"role": "user", "content": "Hi"})];
+    let input = ChatInput {
+        messages: &messages,
+        ..Default::default()
+    };
+    let source = doubling("{% set a = \"ab\" %}", "{% set a = a ~ a %}", "{{ a|length }}");
+    let template = ChatTemplate::with_limits(&source, limits).unwrap();
+    for _ in 0..MAX_ABANDONED {
+        let err = template.render(&input).err().unwrap().to_string();
+        assert!(
+            err.contains("rendering needed more than 4 MiB of memory"),
+            "{err}"
+        );
+    }
+    let err = template.render(&input).err().unwrap().to_string();
+    assert!(
+        err.contains(&format!(
+            "{MAX_ABANDONED} earlier renders of this template were stopped"
+        )),
+        "{err}"
+    );
+    // A fork is a template of its own, with its own count.
+    let fork = template.fork().unwrap();
+    let err = fork.render(&input).err().unwrap().to_string();
+    assert!(
+        err.contains("rendering needed more than 4 MiB of memory"),
+        "{err}"
+    );
 }
 
 #[test]

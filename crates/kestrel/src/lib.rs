@@ -20,6 +20,7 @@ mod logits;
 mod progress;
 mod quantize;
 mod run;
+mod serve;
 mod stats;
 mod synth;
 
@@ -68,6 +69,9 @@ enum Command {
     Run(run::RunArgs),
     /// Talk with a model that has a chat template.
     Chat(chat::ChatArgs),
+    /// Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
+    /// /v1/models, /health, /metrics).
+    Serve(serve::ServeArgs),
     /// What a model directory holds: architecture, parameters, formats, memory at a context.
     Inspect(inspect::InspectArgs),
     /// Rewrite a dense model directory as an MLX-format quantised one.
@@ -96,6 +100,7 @@ pub fn run(cli: Cli) -> std::process::ExitCode {
         Command::Logits(args) => logits::run(&config, args),
         Command::Run(args) => run::run(&config, args),
         Command::Chat(args) => chat::run(&config, args),
+        Command::Serve(args) => serve::run(&config, args),
         Command::Inspect(args) => inspect::run(args),
         Command::Quantize(args) => quantize::run(args),
         Command::Synth(args) => synth::run(args),

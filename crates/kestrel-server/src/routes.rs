@@ -1,0 +1,527 @@
+//! The HTTP routes: `/v1/chat/completions` and `/v1/completions` (a JSON answer, or server-sent
+//! events with `stream`), `/v1/models`, `/health` and `/metrics`; the API key check; errors as
+//! OpenAI error objects.
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{SyncSender, TrySendError};
+use std::sync::{Arc, OnceLock};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Request as HttpRequest, State};
+use axum::http::{header, StatusCode, Uri};
+use axum::middleware::Next;
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures_util::stream::{self, Stream, StreamExt};
+use kestrel_engine::{ModelText, StopReason};
+use serde_json::{json, Value};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+use crate::error::ApiError;
+use crate::metrics::Metrics;
+use crate::request::{parse, Endpoint, Input};
+use crate::worker::{Event, Job};
+
+/// What the routes share.
+pub struct AppState {
+    /// The name `/v1/models` lists and requests may give.
+    pub model_name: String,
+    pub api_key: Option<String>,
+    pub max_body: usize,
+    /// Requests that may wait for the engine.
+    pub max_queue: usize,
+    /// Set once the model has loaded.
+    pub ready: OnceLock<Ready>,
+    pub jobs: SyncSender<Job>,
+    pub metrics: Arc<Metrics>,
+    /// When the server started (Unix seconds), for `/v1/models`.
+    pub started: u64,
+    pub next_id: AtomicU64,
+}
+
+/// What requests need of the loaded model.
+pub struct Ready {
+    /// The model's tokenizer and chat template (a copy of the engine's, for the handlers).
+    pub text: ModelText,
+    pub ctx: usize,
+    pub vocab: usize,
+}
+
+pub fn router(state: Arc<AppState>) -> Router {
+    let v1 = Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), authorize));
+    Router::new()
+        .merge(v1)
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(|uri: Uri| async move { ApiError::not_found(uri.path()) })
+        .layer(axum::extract::DefaultBodyLimit::max(state.max_body))
+        .with_state(state)
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Equal in time that does not depend on where the two differ.
+fn same_key(given: &[u8], key: &[u8]) -> bool {
+    let mut diff = (given.len() != key.len()) as u8;
+    for (i, k) in key.iter().enumerate() {
+        diff |= k ^ given.get(i).copied().unwrap_or(!k);
+    }
+    diff == 0
+}
+
+async fn authorize(State(s): State<Arc<AppState>>, req: HttpRequest, next: Next) -> Response {
+    if let Some(key) = &s.api_key {
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or("");
+        if !same_key(given.as_bytes(), key.as_bytes()) {
+            return ApiError::unauthorized().into_response();
+        }
+    }
+    next.run(req).await
+}
+
+async fn health(State(s): State<Arc<AppState>>) -> Response {
+    match s.ready.get() {
+        Some(_) => (StatusCode::OK, Json(json!({"status": "ok"}))).into_response(),
+        None => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "loading"})),
+        )
+            .into_response(),
+    }
+}
+
+async fn metrics(State(s): State<Arc<AppState>>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        s.metrics.render(&s.model_name),
+    )
+        .into_response()
+}
+
+async fn models(State(s): State<Arc<AppState>>) -> Response {
+    let mut model = json!({
+        "id": s.model_name,
+        "object": "model",
+        "created": s.started,
+        "owned_by": "kestrel",
+    });
+    if let Some(r) = s.ready.get() {
+        model["max_model_len"] = r.ctx.into();
+    }
+    Json(json!({"object": "list", "data": [model]})).into_response()
+}
+
+async fn chat(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
+    complete(s, Endpoint::Chat, body)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn completions(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
+    complete(s, Endpoint::Completions, body)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+/// A checked request's prompt in tokens, and the text `echo` repeats.
+fn prompt_ids(ready: &Ready, input: &Input) -> Result<(Vec<u32>, Option<String>), ApiError> {
+    let text = &ready.text;
+    let no_tokenizer =
+        || ApiError::bad("this model has no tokenizer: give the prompt as token ids (`prompt: [1, 2, ...]`)");
+    match input {
+        Input::Chat {
+            messages,
+            tools,
+            template_kwargs,
+        } => {
+            if text.tokenizer.is_none() || text.template.is_none() {
+                return Err(ApiError::bad(
+                    "this model has no chat template: use /v1/completions with a prompt",
+                ));
+            }
+            let ids = text
+                .encode_chat_with_tools(messages, tools.as_deref(), template_kwargs)
+                .map_err(|e| ApiError::field("messages", format!("rendering the chat template: {e}")))?;
+            Ok((ids, None))
+        }
+        Input::Text(t) => {
+            let tok = text.tokenizer.as_ref().ok_or_else(no_tokenizer)?;
+            let ids = tok
+                .encode(t, true)
+                .map_err(|e| ApiError::field("prompt", format!("encoding the prompt: {e}")))?;
+            Ok((ids, Some(t.clone())))
+        }
+        Input::Ids(ids) => {
+            if let Some(i) = ids.iter().position(|&t| t as usize >= ready.vocab) {
+                return Err(ApiError::field(
+                    format!("prompt.{i}"),
+                    format!(
+                        "token id {} is past the vocabulary of {} ids",
+                        ids[i], ready.vocab
+                    ),
+                ));
+            }
+            let echo = text.tokenizer.as_ref().and_then(|t| t.decode(ids, false).ok());
+            Ok((ids.clone(), echo))
+        }
+    }
+}
+
+async fn complete(
+    s: Arc<AppState>,
+    endpoint: Endpoint,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    let body = body.map_err(|e| match e.status() {
+        StatusCode::PAYLOAD_TOO_LARGE => ApiError::too_large(s.max_body),
+        _ => ApiError::bad(e.body_text()),
+    })?;
+    let ready = s.ready.get().ok_or_else(ApiError::loading)?;
+    let req = parse(endpoint, &body)?;
+    if let Some(m) = &req.model {
+        if *m != s.model_name {
+            return Err(ApiError::unknown_model(m, &s.model_name));
+        }
+    }
+    // Rendering and encoding may take a while (the template renders on a thread of its own).
+    let (ids, echo) = {
+        let s = s.clone();
+        let input = req.input.clone();
+        tokio::task::spawn_blocking(move || {
+            let ready = s.ready.get().expect("checked above");
+            prompt_ids(ready, &input)
+        })
+        .await
+        .map_err(|e| ApiError::internal(format!("encoding the prompt: {e}")))??
+    };
+    let field = match endpoint {
+        Endpoint::Chat => "messages",
+        Endpoint::Completions => "prompt",
+    };
+    if ids.len() >= ready.ctx {
+        return Err(ApiError::field(
+            field,
+            format!(
+                "the prompt is {} tokens and this server's context is {} tokens: it leaves no room for a completion",
+                ids.len(),
+                ready.ctx
+            ),
+        ));
+    }
+    let room = ready.ctx - ids.len();
+    let max_tokens = match req.max_tokens {
+        Some(m) if m > room => {
+            return Err(ApiError::field(
+                "max_tokens",
+                format!(
+                    "this server's context is {} tokens; the prompt is {} tokens and {m} more were asked for",
+                    ready.ctx,
+                    ids.len()
+                ),
+            ))
+        }
+        Some(m) => m,
+        None => room,
+    };
+    let base = req.sampling.resolve(&ready.text.generation);
+    let sampling = (0..req.n)
+        .map(|i| kestrel_text::SamplingParams {
+            seed: base.seed.wrapping_add(i as u64),
+            ..base
+        })
+        .collect();
+    kestrel_text::Sampler::new(base).map_err(|e| ApiError::bad(e.to_string()))?;
+    let (tx, rx) = unbounded_channel();
+    let prompt_tokens = ids.len();
+    let job = Job {
+        ids,
+        max_tokens,
+        sampling,
+        stop: req.stop.clone(),
+        ignore_eos: req.ignore_eos,
+        arrived,
+        events: tx,
+    };
+    if s.metrics.waiting.fetch_add(1, Ordering::Relaxed) as usize >= s.max_queue {
+        s.metrics.waiting.fetch_sub(1, Ordering::Relaxed);
+        return Err(ApiError::queue_full(s.max_queue));
+    }
+    match s.jobs.try_send(job) {
+        Ok(()) => {}
+        Err(TrySendError::Full(_)) => {
+            s.metrics.waiting.fetch_sub(1, Ordering::Relaxed);
+            return Err(ApiError::queue_full(s.max_queue));
+        }
+        Err(TrySendError::Disconnected(_)) => {
+            s.metrics.waiting.fetch_sub(1, Ordering::Relaxed);
+            return Err(ApiError::internal("the engine has stopped"));
+        }
+    }
+    let id = format!(
+        "{}-{:x}{:08x}",
+        match endpoint {
+            Endpoint::Chat => "chatcmpl",
+            Endpoint::Completions => "cmpl",
+        },
+        s.started,
+        s.next_id.fetch_add(1, Ordering::Relaxed)
+    );
+    let answer = Answer {
+        id,
+        endpoint,
+        model: s.model_name.clone(),
+        created: unix_now(),
+        prompt_tokens,
+    };
+    if req.stream {
+        Ok(Sse::new(answer.stream(rx, req.n, req.include_usage)).into_response())
+    } else {
+        answer.collect(rx, req.n, echo.filter(|_| req.echo)).await
+    }
+}
+
+/// What every part of one answer repeats.
+struct Answer {
+    id: String,
+    endpoint: Endpoint,
+    model: String,
+    created: u64,
+    prompt_tokens: usize,
+}
+
+fn finish_reason(r: StopReason) -> &'static str {
+    match r {
+        StopReason::Length => "length",
+        StopReason::Eos | StopReason::Stop | StopReason::Interrupted => "stop",
+    }
+}
+
+impl Answer {
+    fn usage(&self, completion: usize, reused: usize) -> Value {
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": reused},
+        })
+    }
+
+    /// The whole answer as one JSON object, once every choice is done.
+    async fn collect(
+        self,
+        mut rx: UnboundedReceiver<Event>,
+        n: usize,
+        echo: Option<String>,
+    ) -> Result<Response, ApiError> {
+        let mut texts = vec![echo.unwrap_or_default(); n];
+        let mut reasons = vec![None; n];
+        let (mut completion, mut reused) = (0, 0);
+        while reasons.iter().any(Option::is_none) {
+            match rx.recv().await {
+                Some(Event::Piece { index, text, .. }) => texts[index].push_str(&text),
+                Some(Event::Done {
+                    index,
+                    reason,
+                    tokens,
+                    reused: r,
+                }) => {
+                    reasons[index] = Some(finish_reason(reason));
+                    completion += tokens;
+                    if index == 0 {
+                        reused = r;
+                    }
+                }
+                Some(Event::Failed(e)) => return Err(ApiError::internal(e)),
+                None => {
+                    return Err(ApiError::internal(
+                        "the engine stopped before the answer was complete",
+                    ))
+                }
+            }
+        }
+        let choices: Vec<Value> = texts
+            .into_iter()
+            .zip(reasons)
+            .enumerate()
+            .map(|(index, (text, reason))| match self.endpoint {
+                Endpoint::Chat => json!({
+                    "index": index,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": null,
+                    "finish_reason": reason,
+                }),
+                Endpoint::Completions => json!({
+                    "index": index,
+                    "text": text,
+                    "logprobs": null,
+                    "finish_reason": reason,
+                }),
+            })
+            .collect();
+        let object = match self.endpoint {
+            Endpoint::Chat => "chat.completion",
+            Endpoint::Completions => "text_completion",
+        };
+        Ok(Json(json!({
+            "id": self.id,
+            "object": object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage(completion, reused),
+        }))
+        .into_response())
+    }
+
+    /// One chunk of a streamed answer.
+    fn chunk(&self, choices: Value, usage: Option<Value>) -> SseEvent {
+        let object = match self.endpoint {
+            Endpoint::Chat => "chat.completion.chunk",
+            Endpoint::Completions => "text_completion",
+        };
+        let mut c = json!({
+            "id": self.id,
+            "object": object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        });
+        if let Some(u) = usage {
+            c["usage"] = u;
+        }
+        SseEvent::default().data(c.to_string())
+    }
+
+    fn choice(&self, index: usize, text: Option<&str>, reason: Option<&str>, first: bool) -> Value {
+        match self.endpoint {
+            Endpoint::Chat => {
+                let mut delta = serde_json::Map::new();
+                if first {
+                    delta.insert("role".into(), "assistant".into());
+                }
+                if let Some(t) = text {
+                    delta.insert("content".into(), t.into());
+                }
+                json!({"index": index, "delta": delta, "logprobs": null, "finish_reason": reason})
+            }
+            Endpoint::Completions => {
+                json!({"index": index, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": reason})
+            }
+        }
+    }
+
+    /// The answer as server-sent events: a chunk a token (the first of each chat choice with
+    /// the role), a last chunk a choice with its finish reason, the usage if asked, `[DONE]`.
+    /// Dropping the stream (the client went away) drops `rx`, which stops the job.
+    fn stream(
+        self,
+        rx: UnboundedReceiver<Event>,
+        n: usize,
+        include_usage: bool,
+    ) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+        struct St {
+            a: Answer,
+            rx: UnboundedReceiver<Event>,
+            started: Vec<bool>,
+            open: usize,
+            completion: usize,
+            reused: usize,
+            include_usage: bool,
+            finished: bool,
+        }
+        let st = St {
+            a: self,
+            rx,
+            started: vec![false; n],
+            open: n,
+            completion: 0,
+            reused: 0,
+            include_usage,
+            finished: false,
+        };
+        stream::unfold(st, |mut st| async move {
+            if st.finished {
+                return None;
+            }
+            if st.open == 0 {
+                st.finished = true;
+                let mut events = Vec::new();
+                if st.include_usage {
+                    events.push(st.a.chunk(json!([]), Some(st.a.usage(st.completion, st.reused))));
+                }
+                events.push(SseEvent::default().data("[DONE]"));
+                return Some((events, st));
+            }
+            let event = match st.rx.recv().await {
+                Some(Event::Piece { index, text, .. }) => {
+                    let first = !st.started[index];
+                    st.started[index] = true;
+                    st.a.chunk(json!([st.a.choice(index, Some(&text), None, first)]), None)
+                }
+                Some(Event::Done {
+                    index,
+                    reason,
+                    tokens,
+                    reused,
+                }) => {
+                    st.open -= 1;
+                    st.completion += tokens;
+                    if index == 0 {
+                        st.reused = reused;
+                    }
+                    let first = !st.started[index];
+                    st.a.chunk(
+                        json!([st.a.choice(index, None, Some(finish_reason(reason)), first)]),
+                        None,
+                    )
+                }
+                Some(Event::Failed(e)) => {
+                    st.finished = true;
+                    SseEvent::default().data(ApiError::internal(e).body().to_string())
+                }
+                None => {
+                    st.finished = true;
+                    SseEvent::default().data(
+                        ApiError::internal("the engine stopped before the answer was complete")
+                            .body()
+                            .to_string(),
+                    )
+                }
+            };
+            Some((vec![event], st))
+        })
+        .flat_map(|events| stream::iter(events.into_iter().map(Ok)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::same_key;
+
+    #[test]
+    fn keys_compare_whole() {
+        assert!(same_key(b"secret", b"secret"));
+        for other in [&b"secreT"[..], b"secre", b"secrets", b"", b"Secret"] {
+            assert!(!same_key(other, b"secret"), "{other:?}");
+        }
+    }
+}

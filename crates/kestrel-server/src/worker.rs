@@ -1,0 +1,128 @@
+//! The engine's thread: it owns the [`Engine`] and runs the queued [`Job`]s one at a time, each
+//! choice with its own sampling settings, sending every generated token's text back to the
+//! request's handler as it comes. A handler that has gone (its client disconnected) makes the
+//! next send fail, and the job ends there, within one token.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::Receiver;
+use std::sync::Arc;
+use std::time::Instant;
+
+use kestrel_engine::{Engine, EngineError, StopReason};
+use kestrel_text::SamplingParams;
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::metrics::Metrics;
+
+/// One request's generation, its prompt already checked against the context.
+pub struct Job {
+    pub ids: Vec<u32>,
+    pub max_tokens: usize,
+    /// One entry a choice (`n`), each with its own seed.
+    pub sampling: Vec<SamplingParams>,
+    pub stop: Vec<String>,
+    /// Generate past end-of-sequence ids.
+    pub ignore_eos: bool,
+    /// When the request arrived, for the latency metrics.
+    pub arrived: Instant,
+    pub events: UnboundedSender<Event>,
+}
+
+/// What a job tells its handler.
+#[derive(Debug)]
+pub enum Event {
+    /// Choice `index` generated a token completing `text` (possibly empty), or released text
+    /// held back.
+    Piece { index: usize, text: String },
+    /// Choice `index` ended.
+    Done {
+        index: usize,
+        reason: StopReason,
+        tokens: usize,
+        reused: usize,
+    },
+    /// The job failed; nothing more comes.
+    Failed(String),
+}
+
+/// Runs jobs from `jobs` until every sender is gone.
+pub fn run(mut engine: Engine, jobs: Receiver<Job>, metrics: Arc<Metrics>) {
+    metrics.kv_total.store(engine.ctx() as u64, Ordering::Relaxed);
+    while let Ok(job) = jobs.recv() {
+        metrics.waiting.fetch_sub(1, Ordering::Relaxed);
+        metrics.running.fetch_add(1, Ordering::Relaxed);
+        let outcome = run_job(&mut engine, &job, &metrics);
+        metrics.running.fetch_sub(1, Ordering::Relaxed);
+        match outcome {
+            Ok(true) => {
+                metrics.requests_ok.fetch_add(1, Ordering::Relaxed);
+                metrics.request_latency(job.arrived.elapsed().as_secs_f64());
+            }
+            Ok(false) => {
+                metrics.requests_cancelled.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) => {
+                metrics.requests_failed.fetch_add(1, Ordering::Relaxed);
+                let _ = job.events.send(Event::Failed(e.to_string()));
+            }
+        }
+    }
+}
+
+/// Runs every choice of `job`; false when its handler went away first.
+fn run_job(engine: &mut Engine, job: &Job, metrics: &Metrics) -> Result<bool, EngineError> {
+    let cancel = AtomicBool::new(false);
+    engine.set_ignore_eos(job.ignore_eos);
+    for (index, params) in job.sampling.iter().enumerate() {
+        engine.set_sampling(*params)?;
+        let mut last = None::<Instant>;
+        let mut gone = false;
+        let mut on_piece = |id: Option<u32>, text: &str| -> std::io::Result<()> {
+            if id.is_some() {
+                let now = Instant::now();
+                match last {
+                    None if index == 0 => metrics.time_to_first_token(job.arrived.elapsed().as_secs_f64()),
+                    None => {}
+                    Some(t) => metrics.inter_token(now.duration_since(t).as_secs_f64()),
+                }
+                last = Some(now);
+                metrics.generation_tokens.fetch_add(1, Ordering::Relaxed);
+            }
+            let piece = Event::Piece {
+                index,
+                text: text.to_string(),
+            };
+            job.events.send(piece).map_err(|_| {
+                gone = true;
+                std::io::Error::new(std::io::ErrorKind::BrokenPipe, "the client went away")
+            })
+        };
+        let turn = engine.generate_pieces(&job.ids, job.max_tokens, &job.stop, &mut on_piece, &cancel);
+        metrics
+            .kv_used
+            .store(engine.positions_held() as u64, Ordering::Relaxed);
+        let turn = match turn {
+            // The sequence stops here; the caches keep what it ran, for a next request that
+            // shares its beginning.
+            Err(_) if gone => return Ok(false),
+            Ok(t) => t,
+            Err(e) => {
+                engine.reset()?;
+                return Err(e);
+            }
+        };
+        metrics
+            .prompt_tokens
+            .fetch_add(job.ids.len() as u64, Ordering::Relaxed);
+        let done = Event::Done {
+            index,
+            reason: turn.stop_reason,
+            tokens: turn.tokens.len(),
+            reused: turn.reused,
+        };
+        if job.events.send(done).is_err() {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
