@@ -10,6 +10,7 @@
 //! The engine runs one sequence at a time; running many together (continuous batching) is the
 //! engine's next step, and the queue, metrics and handlers here do not change with it.
 
+pub mod chat_output;
 pub mod error;
 pub mod metrics;
 pub mod request;

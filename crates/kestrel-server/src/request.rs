@@ -20,6 +20,8 @@ pub enum Input {
     Chat {
         messages: Vec<Value>,
         tools: Option<Vec<Value>>,
+        /// Whether the answer's tool calls are parsed (tools given, `tool_choice` not "none").
+        parse_tools: bool,
         template_kwargs: Map<String, Value>,
     },
     /// A text prompt, encoded as it is (with the tokenizer's special tokens).
@@ -340,16 +342,17 @@ fn chat_input(f: &Fields) -> Result<Input, ApiError> {
         }
         Some(_) => return Err(ApiError::field("tools", "`tools` must be an array")),
     };
-    match f.0.get("tool_choice") {
-        None | Some(Value::Null) => {}
-        Some(Value::String(s)) if s == "auto" || s == "none" => {}
+    let parse_tools = match f.0.get("tool_choice") {
+        None | Some(Value::Null) => tools.is_some(),
+        Some(Value::String(s)) if s == "auto" => tools.is_some(),
+        Some(Value::String(s)) if s == "none" => false,
         Some(_) => {
             return Err(ApiError::field(
                 "tool_choice",
                 "`tool_choice` may be \"auto\" or \"none\" (a forced tool is not supported)",
             ))
         }
-    }
+    };
     f.bool("parallel_tool_calls")?;
     let template_kwargs = match f.0.get("chat_template_kwargs") {
         None | Some(Value::Null) => Map::new(),
@@ -364,6 +367,7 @@ fn chat_input(f: &Fields) -> Result<Input, ApiError> {
     Ok(Input::Chat {
         messages,
         tools,
+        parse_tools,
         template_kwargs,
     })
 }

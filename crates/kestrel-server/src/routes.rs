@@ -22,6 +22,7 @@ use kestrel_engine::{ModelText, StopReason};
 use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
+use crate::chat_output::{Part, Splitter};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::request::{parse, Endpoint, Input};
@@ -141,8 +142,28 @@ async fn completions(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRe
         .unwrap_or_else(IntoResponse::into_response)
 }
 
-/// A checked request's prompt in tokens, and the text `echo` repeats.
-fn prompt_ids(ready: &Ready, input: &Input) -> Result<(Vec<u32>, Option<String>), ApiError> {
+/// How a chat answer's text is split into reasoning, content and tool calls.
+#[derive(Debug, Clone, Copy)]
+struct Split {
+    /// The model writes a thinking section (its vocabulary has `<think>` and `</think>`).
+    thinking: bool,
+    /// The prompt ends inside it (the template opened it).
+    opened: bool,
+    /// Tool calls are parsed.
+    tools: bool,
+}
+
+impl Split {
+    fn splitter(self) -> Splitter {
+        Splitter::new(self.thinking, self.opened, self.tools)
+    }
+}
+
+/// A checked request's prompt: its tokens, the text `echo` repeats, and for chat how the answer
+/// splits.
+type Prompt = (Vec<u32>, Option<String>, Option<Split>);
+
+fn prompt_ids(ready: &Ready, input: &Input) -> Result<Prompt, ApiError> {
     let text = &ready.text;
     let no_tokenizer =
         || ApiError::bad("this model has no tokenizer: give the prompt as token ids (`prompt: [1, 2, ...]`)");
@@ -150,24 +171,34 @@ fn prompt_ids(ready: &Ready, input: &Input) -> Result<(Vec<u32>, Option<String>)
         Input::Chat {
             messages,
             tools,
+            parse_tools,
             template_kwargs,
         } => {
-            if text.tokenizer.is_none() || text.template.is_none() {
+            let (Some(tok), Some(_)) = (&text.tokenizer, &text.template) else {
                 return Err(ApiError::bad(
                     "this model has no chat template: use /v1/completions with a prompt",
                 ));
-            }
+            };
             let ids = text
                 .encode_chat_with_tools(messages, tools.as_deref(), template_kwargs)
                 .map_err(|e| ApiError::field("messages", format!("rendering the chat template: {e}")))?;
-            Ok((ids, None))
+            let thinking = tok.token_id("<think>").is_some() && tok.token_id("</think>").is_some();
+            let tail = tok
+                .decode(&ids[ids.len().saturating_sub(4)..], false)
+                .unwrap_or_default();
+            let split = Split {
+                thinking,
+                opened: thinking && tail.trim_end().ends_with("<think>"),
+                tools: *parse_tools,
+            };
+            Ok((ids, None, Some(split)))
         }
         Input::Text(t) => {
             let tok = text.tokenizer.as_ref().ok_or_else(no_tokenizer)?;
             let ids = tok
                 .encode(t, true)
                 .map_err(|e| ApiError::field("prompt", format!("encoding the prompt: {e}")))?;
-            Ok((ids, Some(t.clone())))
+            Ok((ids, Some(t.clone()), None))
         }
         Input::Ids(ids) => {
             if let Some(i) = ids.iter().position(|&t| t as usize >= ready.vocab) {
@@ -180,7 +211,7 @@ fn prompt_ids(ready: &Ready, input: &Input) -> Result<(Vec<u32>, Option<String>)
                 ));
             }
             let echo = text.tokenizer.as_ref().and_then(|t| t.decode(ids, false).ok());
-            Ok((ids.clone(), echo))
+            Ok((ids.clone(), echo, None))
         }
     }
 }
@@ -203,7 +234,7 @@ async fn complete(
         }
     }
     // Rendering and encoding may take a while (the template renders on a thread of its own).
-    let (ids, echo) = {
+    let (ids, echo, split) = {
         let s = s.clone();
         let input = req.input.clone();
         tokio::task::spawn_blocking(move || {
@@ -291,6 +322,7 @@ async fn complete(
         model: s.model_name.clone(),
         created: unix_now(),
         prompt_tokens,
+        split,
     };
     if req.stream {
         Ok(Sse::new(answer.stream(rx, req.n, req.include_usage)).into_response())
@@ -306,11 +338,35 @@ struct Answer {
     model: String,
     created: u64,
     prompt_tokens: usize,
+    /// How chat answers split (None: text completions).
+    split: Option<Split>,
 }
 
-fn finish_reason(r: StopReason) -> &'static str {
+/// One chat choice's answer, gathered.
+#[derive(Default)]
+struct Gathered {
+    reasoning: String,
+    content: String,
+    calls: Vec<(String, String)>,
+}
+
+impl Gathered {
+    fn add(&mut self, parts: Vec<Part>) {
+        for p in parts {
+            match p {
+                Part::Reasoning(t) => self.reasoning.push_str(&t),
+                Part::Content(t) => self.content.push_str(&t),
+                Part::ToolCall { name, arguments } => self.calls.push((name, arguments)),
+            }
+        }
+    }
+}
+
+/// The finish reason of a choice that ended for `r`, having made `calls` tool calls.
+fn finish_reason(r: StopReason, calls: usize) -> &'static str {
     match r {
         StopReason::Length => "length",
+        _ if calls > 0 => "tool_calls",
         StopReason::Eos | StopReason::Stop | StopReason::Interrupted => "stop",
     }
 }
@@ -333,18 +389,26 @@ impl Answer {
         echo: Option<String>,
     ) -> Result<Response, ApiError> {
         let mut texts = vec![echo.unwrap_or_default(); n];
+        let mut splitters: Vec<Option<Splitter>> = (0..n).map(|_| self.split.map(Split::splitter)).collect();
+        let mut gathered: Vec<Gathered> = (0..n).map(|_| Gathered::default()).collect();
         let mut reasons = vec![None; n];
         let (mut completion, mut reused) = (0, 0);
         while reasons.iter().any(Option::is_none) {
             match rx.recv().await {
-                Some(Event::Piece { index, text, .. }) => texts[index].push_str(&text),
+                Some(Event::Piece { index, text }) => match &mut splitters[index] {
+                    Some(sp) => gathered[index].add(sp.push(&text)),
+                    None => texts[index].push_str(&text),
+                },
                 Some(Event::Done {
                     index,
                     reason,
                     tokens,
                     reused: r,
                 }) => {
-                    reasons[index] = Some(finish_reason(reason));
+                    if let Some(sp) = &mut splitters[index] {
+                        gathered[index].add(sp.finish());
+                    }
+                    reasons[index] = Some(finish_reason(reason, gathered[index].calls.len()));
                     completion += tokens;
                     if index == 0 {
                         reused = r;
@@ -358,22 +422,38 @@ impl Answer {
                 }
             }
         }
-        let choices: Vec<Value> = texts
-            .into_iter()
-            .zip(reasons)
-            .enumerate()
-            .map(|(index, (text, reason))| match self.endpoint {
-                Endpoint::Chat => json!({
-                    "index": index,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": null,
-                    "finish_reason": reason,
-                }),
+        let choices: Vec<Value> = (0..n)
+            .map(|index| match self.endpoint {
+                Endpoint::Chat => {
+                    let g = &gathered[index];
+                    let mut message = json!({"role": "assistant", "content": g.content});
+                    if g.content.is_empty() && !g.calls.is_empty() {
+                        message["content"] = Value::Null;
+                    }
+                    if !g.reasoning.is_empty() {
+                        message["reasoning_content"] = g.reasoning.clone().into();
+                    }
+                    if !g.calls.is_empty() {
+                        let calls: Vec<Value> = g
+                            .calls
+                            .iter()
+                            .enumerate()
+                            .map(|(k, (name, args))| self.tool_call(index, k, name, args, None))
+                            .collect();
+                        message["tool_calls"] = calls.into();
+                    }
+                    json!({
+                        "index": index,
+                        "message": message,
+                        "logprobs": null,
+                        "finish_reason": reasons[index],
+                    })
+                }
                 Endpoint::Completions => json!({
                     "index": index,
-                    "text": text,
+                    "text": texts[index],
                     "logprobs": null,
-                    "finish_reason": reason,
+                    "finish_reason": reasons[index],
                 }),
             })
             .collect();
@@ -390,6 +470,27 @@ impl Answer {
             "usage": self.usage(completion, reused),
         }))
         .into_response())
+    }
+
+    /// Tool call `k` of choice `index`, as a message holds it (or a streamed delta, with
+    /// `position`).
+    fn tool_call(
+        &self,
+        index: usize,
+        k: usize,
+        name: &str,
+        arguments: &str,
+        position: Option<usize>,
+    ) -> Value {
+        let mut call = json!({
+            "id": format!("call_{}_{index}_{k}", self.id),
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        });
+        if let Some(p) = position {
+            call["index"] = p.into();
+        }
+        call
     }
 
     /// One chunk of a streamed answer.
@@ -429,9 +530,44 @@ impl Answer {
         }
     }
 
-    /// The answer as server-sent events: a chunk a token (the first of each chat choice with
-    /// the role), a last chunk a choice with its finish reason, the usage if asked, `[DONE]`.
-    /// Dropping the stream (the client went away) drops `rx`, which stops the job.
+    /// The chunks of chat choice `index` for `parts` (the first also says the role); calls
+    /// made so far are counted in `calls`.
+    fn part_chunks(
+        &self,
+        index: usize,
+        parts: Vec<Part>,
+        first: &mut bool,
+        calls: &mut usize,
+    ) -> Vec<SseEvent> {
+        let mut out = Vec::new();
+        for p in parts {
+            let mut delta = serde_json::Map::new();
+            if std::mem::take(first) {
+                delta.insert("role".into(), "assistant".into());
+            }
+            match p {
+                Part::Reasoning(t) => {
+                    delta.insert("reasoning_content".into(), t.into());
+                }
+                Part::Content(t) => {
+                    delta.insert("content".into(), t.into());
+                }
+                Part::ToolCall { name, arguments } => {
+                    let call = self.tool_call(index, *calls, &name, &arguments, Some(*calls));
+                    delta.insert("tool_calls".into(), json!([call]));
+                    *calls += 1;
+                }
+            }
+            let choice = json!({"index": index, "delta": delta, "logprobs": null, "finish_reason": null});
+            out.push(self.chunk(json!([choice]), None));
+        }
+        out
+    }
+
+    /// The answer as server-sent events: a chunk a token (for chat, a chunk a part of the
+    /// split text; the first of each choice with the role), a last chunk a choice with its
+    /// finish reason, the usage if asked, `[DONE]`. Dropping the stream (the client went away)
+    /// drops `rx`, which stops the job.
     fn stream(
         self,
         rx: UnboundedReceiver<Event>,
@@ -441,7 +577,10 @@ impl Answer {
         struct St {
             a: Answer,
             rx: UnboundedReceiver<Event>,
-            started: Vec<bool>,
+            /// Each choice's splitter (chat), whether its role was sent, its tool calls.
+            splitters: Vec<Option<Splitter>>,
+            first: Vec<bool>,
+            calls: Vec<usize>,
             open: usize,
             completion: usize,
             reused: usize,
@@ -449,9 +588,11 @@ impl Answer {
             finished: bool,
         }
         let st = St {
+            splitters: (0..n).map(|_| self.split.map(Split::splitter)).collect(),
             a: self,
             rx,
-            started: vec![false; n],
+            first: vec![true; n],
+            calls: vec![0; n],
             open: n,
             completion: 0,
             reused: 0,
@@ -471,12 +612,19 @@ impl Answer {
                 events.push(SseEvent::default().data("[DONE]"));
                 return Some((events, st));
             }
-            let event = match st.rx.recv().await {
-                Some(Event::Piece { index, text, .. }) => {
-                    let first = !st.started[index];
-                    st.started[index] = true;
-                    st.a.chunk(json!([st.a.choice(index, Some(&text), None, first)]), None)
-                }
+            let events = match st.rx.recv().await {
+                Some(Event::Piece { index, text }) => match &mut st.splitters[index] {
+                    Some(sp) => {
+                        let parts = sp.push(&text);
+                        st.a.part_chunks(index, parts, &mut st.first[index], &mut st.calls[index])
+                    }
+                    None => {
+                        let first = std::mem::take(&mut st.first[index]);
+                        vec![st
+                            .a
+                            .chunk(json!([st.a.choice(index, Some(&text), None, first)]), None)]
+                    }
+                },
                 Some(Event::Done {
                     index,
                     reason,
@@ -488,26 +636,29 @@ impl Answer {
                     if index == 0 {
                         st.reused = reused;
                     }
-                    let first = !st.started[index];
-                    st.a.chunk(
-                        json!([st.a.choice(index, None, Some(finish_reason(reason)), first)]),
-                        None,
-                    )
+                    let mut events = match &mut st.splitters[index] {
+                        Some(sp) => {
+                            let parts = sp.finish();
+                            st.a.part_chunks(index, parts, &mut st.first[index], &mut st.calls[index])
+                        }
+                        None => Vec::new(),
+                    };
+                    let first = std::mem::take(&mut st.first[index]);
+                    let reason = finish_reason(reason, st.calls[index]);
+                    events.push(st.a.chunk(json!([st.a.choice(index, None, Some(reason), first)]), None));
+                    events
                 }
                 Some(Event::Failed(e)) => {
                     st.finished = true;
-                    SseEvent::default().data(ApiError::internal(e).body().to_string())
+                    vec![SseEvent::default().data(ApiError::internal(e).body().to_string())]
                 }
                 None => {
                     st.finished = true;
-                    SseEvent::default().data(
-                        ApiError::internal("the engine stopped before the answer was complete")
-                            .body()
-                            .to_string(),
-                    )
+                    let e = ApiError::internal("the engine stopped before the answer was complete");
+                    vec![SseEvent::default().data(e.body().to_string())]
                 }
             };
-            Some((vec![event], st))
+            Some((events, st))
         })
         .flat_map(|events| stream::iter(events.into_iter().map(Ok)))
     }
@@ -515,7 +666,88 @@ impl Answer {
 
 #[cfg(test)]
 mod tests {
-    use super::same_key;
+    use super::*;
+
+    fn answer() -> Answer {
+        Answer {
+            id: "chatcmpl-t".into(),
+            endpoint: Endpoint::Chat,
+            model: "m".into(),
+            created: 0,
+            prompt_tokens: 3,
+            split: Some(Split {
+                thinking: true,
+                opened: false,
+                tools: true,
+            }),
+        }
+    }
+
+    /// The events of one choice answering with thinking, text and a tool call, in pieces.
+    fn events() -> UnboundedReceiver<Event> {
+        let (tx, rx) = unbounded_channel();
+        let text = "<think>The user wants weather.</think>\n\nChecking.<tool_call>\n{\"name\": \"weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>";
+        for piece in text.as_bytes().chunks(5) {
+            let text = String::from_utf8(piece.to_vec()).unwrap();
+            tx.send(Event::Piece { index: 0, text }).unwrap();
+        }
+        tx.send(Event::Done {
+            index: 0,
+            reason: StopReason::Eos,
+            tokens: 30,
+            reused: 0,
+        })
+        .unwrap();
+        rx
+    }
+
+    #[tokio::test]
+    async fn a_chat_answer_splits_into_reasoning_content_and_tool_calls() {
+        let response = answer().collect(events(), 1, None).await.unwrap();
+        let body = axum::body::to_bytes(response.into_body(), 1 << 20).await.unwrap();
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        let choice = &v["choices"][0];
+        assert_eq!(choice["finish_reason"], "tool_calls");
+        let m = &choice["message"];
+        assert_eq!(m["reasoning_content"], "The user wants weather.");
+        assert_eq!(m["content"], "Checking.");
+        assert_eq!(m["tool_calls"][0]["type"], "function");
+        assert_eq!(m["tool_calls"][0]["function"]["name"], "weather");
+        assert_eq!(m["tool_calls"][0]["function"]["arguments"], r#"{"city":"Oslo"}"#);
+        assert_eq!(v["usage"]["completion_tokens"], 30);
+    }
+
+    #[tokio::test]
+    async fn a_streamed_chat_answer_splits_the_same_way() {
+        let response = Sse::new(answer().stream(events(), 1, true)).into_response();
+        let body = axum::body::to_bytes(response.into_body(), 1 << 20).await.unwrap();
+        let text = String::from_utf8(body.to_vec()).unwrap();
+        let data: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+        assert_eq!(data.last(), Some(&"[DONE]"));
+        let chunks: Vec<Value> = data[..data.len() - 1]
+            .iter()
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect();
+        assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+        let join = |key: &str| -> String {
+            chunks
+                .iter()
+                .filter_map(|c| c["choices"].get(0)?["delta"][key].as_str())
+                .collect()
+        };
+        assert_eq!(join("reasoning_content"), "The user wants weather.");
+        assert_eq!(join("content"), "Checking.");
+        let calls: Vec<&Value> = chunks
+            .iter()
+            .filter_map(|c| c["choices"].get(0)?["delta"].get("tool_calls"))
+            .collect();
+        assert_eq!(calls.len(), 1);
+        assert_eq!(calls[0][0]["index"], 0);
+        assert_eq!(calls[0][0]["function"]["arguments"], r#"{"city":"Oslo"}"#);
+        let finish = &chunks[chunks.len() - 2]["choices"][0]["finish_reason"];
+        assert_eq!(finish, "tool_calls");
+        assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 30);
+    }
 
     #[test]
     fn keys_compare_whole() {
