@@ -126,6 +126,7 @@ async fn models(State(s): State<Arc<AppState>>) -> Response {
     });
     if let Some(r) = s.ready.get() {
         model["max_model_len"] = r.ctx.into();
+        model["vocab_size"] = r.vocab.into();
     }
     Json(json!({"object": "list", "data": [model]})).into_response()
 }

@@ -25,6 +25,63 @@ impl ModelArgs {
     }
 }
 
+/// `--synthetic NAME [--layers N] [--bits B]`: a named real configuration with random weights
+/// built in memory, in the MLX layout.
+#[derive(Args, Clone)]
+pub struct SyntheticArgs {
+    /// A named real configuration with random weights built in memory, in the MLX layout:
+    /// qwen3-30b-a3b, qwen3-next-80b-a3b or qwen3.5-397b-a17b.
+    #[arg(long)]
+    pub synthetic: Option<String>,
+    /// Decoder layers of the synthetic model (default: all of the configuration's).
+    #[arg(long, requires = "synthetic")]
+    pub layers: Option<usize>,
+    /// Bits of the synthetic model's weights (4 or 8; routers at 8), in groups of 64.
+    #[arg(long, default_value_t = 4, requires = "synthetic")]
+    pub bits: u32,
+}
+
+impl SyntheticArgs {
+    /// The synthetic model named, with weights drawn from `seed` (None when none is named);
+    /// `quant` must be None (a synthetic model's format is `--bits`).
+    pub fn source(&self, quant: Option<QuantFormat>, seed: u64) -> Result<Option<ModelSource>> {
+        let Some(name) = &self.synthetic else {
+            return Ok(None);
+        };
+        anyhow::ensure!(
+            quant.is_none(),
+            "--quant applies to checkpoints; a synthetic model's format is --bits"
+        );
+        anyhow::ensure!(matches!(self.bits, 4 | 8), "--bits {}: 4 or 8", self.bits);
+        Ok(Some(ModelSource::Synthetic {
+            name: name.clone(),
+            layers: self.layers,
+            format: QuantFormat {
+                bits: self.bits,
+                group_size: 64,
+            },
+            seed,
+        }))
+    }
+
+    /// The same flags again, for a command started by this one.
+    pub fn flags(&self) -> Vec<String> {
+        let Some(name) = &self.synthetic else {
+            return Vec::new();
+        };
+        let mut f = vec![
+            "--synthetic".to_string(),
+            name.clone(),
+            "--bits".into(),
+            self.bits.to_string(),
+        ];
+        if let Some(l) = self.layers {
+            f.extend(["--layers".to_string(), l.to_string()]);
+        }
+        f
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Backend {
     Cpu,

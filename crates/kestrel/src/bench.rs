@@ -42,6 +42,9 @@ pub enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// A load generator for an OpenAI-compatible server (`kestrel serve`, started here unless
+    /// `--url` names one): concurrent streamed requests, throughput and latencies.
+    Serve(crate::bench_serve::ServeBenchArgs),
     /// The hot ops at real model shapes (4-bit lm_head matvec, MoE decode, decode attention).
     Ops {
         /// Timed repetitions per measurement (the median is reported).
@@ -99,6 +102,7 @@ pub fn run(config: &Config, args: BenchArgs) -> Result<ExitCode> {
             device,
             json,
         } => return ops(config, reps, profile, only.as_deref(), device, json),
+        BenchCommand::Serve(a) => return crate::bench_serve::run(a),
     };
     ensure!(
         reps >= 1 && chain >= 1 && copy_mib >= 1,

@@ -12,14 +12,13 @@ use std::time::Instant;
 
 use anyhow::{bail, ensure, Context, Result};
 use clap::Args;
-use kestrel_core::quant::QuantFormat;
 use kestrel_core::rng::Rng;
 use kestrel_core::Config;
 use kestrel_cuda::RunMode;
 use kestrel_engine::{Engine, EngineOptions, Model, ModelSource, Want};
 use kestrel_model::{footprint, SYNTHETIC_MODELS};
 
-use crate::args::{BackendArgs, MemoryArgs, QuantArgs};
+use crate::args::{BackendArgs, MemoryArgs, QuantArgs, SyntheticArgs};
 use crate::stats::median;
 
 #[derive(Args)]
@@ -27,16 +26,8 @@ pub struct ModelBenchArgs {
     /// Model directory (config.json and safetensors weights).
     #[arg(short = 'm', long, conflicts_with = "synthetic")]
     model: Option<PathBuf>,
-    /// A named real configuration with random weights built in memory, in the MLX layout:
-    /// qwen3-30b-a3b, qwen3-next-80b-a3b or qwen3.5-397b-a17b.
-    #[arg(long)]
-    synthetic: Option<String>,
-    /// Decoder layers of the synthetic model (default: all of the configuration's).
-    #[arg(long, requires = "synthetic")]
-    layers: Option<usize>,
-    /// Bits of the synthetic model's weights (4 or 8; routers at 8), in groups of 64.
-    #[arg(long, default_value_t = 4, requires = "synthetic")]
-    bits: u32,
+    #[command(flatten)]
+    synthetic: SyntheticArgs,
     /// Prompt lengths of the prompt-processing tests, comma separated (0: none).
     #[arg(short = 'p', long, value_delimiter = ',', default_value = "512")]
     n_prompt: Vec<usize>,
@@ -297,24 +288,9 @@ fn cuda_extras(
 
 /// The model to measure.
 fn source(a: &ModelBenchArgs) -> Result<ModelSource> {
-    match (&a.model, &a.synthetic) {
+    match (&a.model, a.synthetic.source(a.quant.format()?, a.seed)?) {
         (Some(dir), None) => Ok(ModelSource::Dir(dir.clone())),
-        (None, Some(name)) => {
-            ensure!(
-                a.quant.format()?.is_none(),
-                "--quant applies to checkpoints; a synthetic model's format is --bits"
-            );
-            ensure!(matches!(a.bits, 4 | 8), "--bits {}: 4 or 8", a.bits);
-            Ok(ModelSource::Synthetic {
-                name: name.clone(),
-                layers: a.layers,
-                format: QuantFormat {
-                    bits: a.bits,
-                    group_size: 64,
-                },
-                seed: a.seed,
-            })
-        }
+        (None, Some(synthetic)) => Ok(synthetic),
         _ => bail!(
             "give a model: --model DIR or --synthetic NAME ({})",
             SYNTHETIC_MODELS.join(", ")
@@ -332,7 +308,7 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
         errln!(
             "built {name} ({} layers, {}-bit) in memory in {:.1} s",
             model.config.layers,
-            a.bits,
+            a.synthetic.bits,
             start.elapsed().as_secs_f64()
         );
     }

@@ -13,6 +13,7 @@ mod args;
 mod bench;
 mod bench_model;
 mod bench_ops;
+mod bench_serve;
 mod chat;
 mod doctor;
 mod inspect;

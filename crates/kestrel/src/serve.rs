@@ -8,7 +8,7 @@ use kestrel_core::Config;
 use kestrel_engine::{Engine, EngineOptions, Model, Want};
 use kestrel_server::ServeOptions;
 
-use crate::args::{at_least_one, BackendArgs, LengthArgs, MemoryArgs, ModelArgs, QuantArgs};
+use crate::args::{at_least_one, BackendArgs, LengthArgs, MemoryArgs, ModelArgs, QuantArgs, SyntheticArgs};
 
 /// The context when `-c` is not given (at most the model's trained length).
 const DEFAULT_CTX: usize = 8192;
@@ -17,6 +17,8 @@ const DEFAULT_CTX: usize = 8192;
 pub struct ServeArgs {
     #[command(flatten)]
     model: ModelArgs,
+    #[command(flatten)]
+    synthetic: SyntheticArgs,
     /// The address to listen on (127.0.0.1: this machine only; 0.0.0.0: every interface).
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -52,19 +54,27 @@ pub struct ServeArgs {
 }
 
 pub fn run(config: &Config, a: ServeArgs) -> Result<std::process::ExitCode> {
-    let source = a.model.source();
-    let name = a
-        .served_model_name
-        .clone()
-        .unwrap_or_else(|| match &a.model.model {
-            Some(dir) => dir
-                .canonicalize()
-                .ok()
-                .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
-                .unwrap_or_else(|| dir.display().to_string()),
-            None => "kestrel-tiny".to_string(),
-        });
     let quant = a.quant.format()?;
+    anyhow::ensure!(
+        a.model.model.is_none() || a.synthetic.synthetic.is_none(),
+        "give -m DIR or --synthetic NAME, not both"
+    );
+    let source = match a.synthetic.source(quant, 0)? {
+        Some(s) => s,
+        None => a.model.source(),
+    };
+    let name =
+        a.served_model_name
+            .clone()
+            .unwrap_or_else(|| match (&a.model.model, &a.synthetic.synthetic) {
+                (_, Some(name)) => name.clone(),
+                (Some(dir), None) => dir
+                    .canonicalize()
+                    .ok()
+                    .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
+                    .unwrap_or_else(|| dir.display().to_string()),
+                (None, None) => "kestrel-tiny".to_string(),
+            });
     let opts = ServeOptions {
         host: a.host.clone(),
         port: a.port,

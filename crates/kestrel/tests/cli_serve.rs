@@ -444,3 +444,40 @@ fn health_models_and_metrics_parse() {
     assert_eq!(metric(&text, "kestrel_time_to_first_token_seconds_count"), 1.0);
     assert_eq!(metric(&text, "kestrel_inter_token_latency_seconds_count"), 2.0);
 }
+
+#[test]
+fn bench_serve_reports_every_request() {
+    let o = Command::new(env!("CARGO_BIN_EXE_kestrel"))
+        .args(["bench", "serve", "--concurrency", "3", "--num-prompts", "5"])
+        .args([
+            "--prompt-len",
+            "16",
+            "--output-len",
+            "7",
+            "--json",
+            "--server-arg=--backend=cpu",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    let out = String::from_utf8(o.stdout).unwrap();
+    let v: Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+    assert_eq!(
+        (v["completed"].as_u64(), v["failed"].as_u64()),
+        (Some(5), Some(0)),
+        "{v}"
+    );
+    // Every answer has its length (`ignore_eos`).
+    assert_eq!(v["output_tokens"], 35, "{v}");
+    for key in ["ttft_ms", "itl_ms", "latency_ms"] {
+        let (median, p99) = (
+            v[key]["median"].as_f64().unwrap(),
+            v[key]["p99"].as_f64().unwrap(),
+        );
+        assert!(median > 0.0 && p99 >= median, "{key}: {v}");
+    }
+    assert!(v["output_tokens_per_s"].as_f64().unwrap() > 0.0);
+    // The server it started is gone with it.
+    assert!(err.contains("server: serving kestrel-tiny"), "{err}");
+}
