@@ -137,6 +137,18 @@ seed_cli_flags() {
     seed cli_flags prefill-chunk-joined < <(printf '\207+18446744073709551616')
 }
 
+seed_openai_request() {
+    # The first byte: bit 0 the endpoint (0 chat, 1 completions), bits 1-3 the splitter's
+    # settings (thinking, opened, tools), the high bits the piece size less one.
+    seed openai_request chat < <(printf '\000{"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0.7, "top_p": 0.9, "stop": ["x"], "seed": 3}')
+    seed openai_request chat-stream < <(printf '\020{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "a"}]}], "stream": true, "stream_options": {"include_usage": true}, "n": 2}')
+    seed openai_request chat-tools < <(printf '\016{"messages": [{"role": "user", "content": "w"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "auto", "chat_template_kwargs": {"enable_thinking": false}}')
+    seed openai_request completion-ids < <(printf '\001{"prompt": [1, 2, 3], "max_tokens": 4, "ignore_eos": true, "top_k": -1, "min_p": 0.1}')
+    seed openai_request completion-text < <(printf '\041{"prompt": ["def f():"], "echo": true, "best_of": 1, "logprobs": null}')
+    seed openai_request answer-think < <(printf '\062<think>plan</think>\n\nanswer<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>')
+    seed openai_request answer-xml < <(printf '\010<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>')
+}
+
 targets=("$@")
 [ ${#targets[@]} -eq 0 ] && targets=("${FUZZ_TARGETS[@]}")
 for t in "${targets[@]}"; do
