@@ -182,6 +182,10 @@ pub struct Engine {
     pub(crate) eos: Vec<u32>,
     /// The ids the caches and states hold, from position 0.
     pub(crate) held: Vec<u32>,
+    /// How many of the most likely tokens' log-probabilities generation reports (None: none).
+    pub(crate) logprobs: Option<usize>,
+    /// The last chosen token's log-probabilities, until generation hands them on.
+    pub(crate) last_logprobs: Option<crate::generate::TokenLogprobs>,
 }
 
 impl Engine {
@@ -313,6 +317,8 @@ impl Engine {
             pick,
             eos,
             held: Vec::new(),
+            logprobs: None,
+            last_logprobs: None,
         })
     }
 
@@ -374,6 +380,14 @@ impl Engine {
     /// The CUDA device, on the CUDA backend.
     pub fn device(&self) -> Option<&Device> {
         self.device.as_ref()
+    }
+
+    /// Whether generation reports each token's log-probability and those of the `k` most likely
+    /// tokens (Some(k)), through [`Engine::generate_pieces`]; the logits then come back to the
+    /// host every token.
+    pub fn set_logprobs(&mut self, top: Option<usize>) {
+        self.logprobs = top;
+        self.last_logprobs = None;
     }
 
     /// Whether generation goes on past the model's end-of-sequence ids (a request's

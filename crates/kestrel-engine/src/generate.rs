@@ -17,6 +17,27 @@ use kestrel_text::StopStrings;
 use crate::engine::{on_session, Engine, Pick};
 use crate::error::{EngineError, Result};
 
+/// The log-probabilities of one generated token under the model (the raw logits' softmax,
+/// before sampling settings).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    /// The chosen token's.
+    pub logprob: f32,
+    /// The most likely tokens and theirs, most likely first (as many as asked for).
+    pub top: Vec<(u32, f32)>,
+}
+
+/// What [`Engine::generate_pieces`] tells of each generated token.
+#[derive(Debug, Clone, Copy)]
+pub struct Piece<'a> {
+    /// The token; None for text released without a token of its own.
+    pub id: Option<u32>,
+    /// The text it completes (possibly empty).
+    pub text: &'a str,
+    /// Its log-probabilities, when [`Engine::set_logprobs`] asked for them.
+    pub logprobs: Option<&'a TokenLogprobs>,
+}
+
 /// Why a turn ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StopReason {
@@ -82,21 +103,28 @@ impl Engine {
         on_text: &mut dyn FnMut(&str) -> std::io::Result<()>,
         cancel: &AtomicBool,
     ) -> Result<Turn> {
-        let mut on_piece = |_: Option<u32>, text: &str| if text.is_empty() { Ok(()) } else { on_text(text) };
+        let mut on_piece = |p: Piece| {
+            if p.text.is_empty() {
+                Ok(())
+            } else {
+                on_text(p.text)
+            }
+        };
         self.generate_pieces(ids, max_tokens, stops, &mut on_piece, cancel)
     }
 
-    /// [`Engine::generate`], telling `on_piece` of every generated token as it comes: `(Some(id),
-    /// the text it completes)`, the text possibly empty (part of a character, a stop string held
-    /// back, no tokenizer), and `(None, text)` for text released without a token of its own:
-    /// what a token completing a stop string releases before the stop, and at the end what was
-    /// held back. An end-of-sequence id is not told.
+    /// [`Engine::generate`], telling `on_piece` of every generated token as it comes (a
+    /// [`Piece`] with the token, the text it completes, possibly empty: part of a character, a
+    /// stop string held back, no tokenizer; and its log-probabilities if asked for), and of text
+    /// released without a token of its own (`id` None): what a token completing a stop string
+    /// releases before the stop, and at the end what was held back. An end-of-sequence id is
+    /// not told.
     pub fn generate_pieces(
         &mut self,
         ids: &[u32],
         max_tokens: usize,
         stops: &[String],
-        on_piece: &mut dyn FnMut(Option<u32>, &str) -> std::io::Result<()>,
+        on_piece: &mut dyn FnMut(Piece) -> std::io::Result<()>,
         cancel: &AtomicBool,
     ) -> Result<Turn> {
         if ids.is_empty() {
@@ -151,13 +179,19 @@ impl Engine {
         let mut stream = tokenizer.as_ref().map(|t| t.stream());
         let mut stopper = StopStrings::new(stops.iter().cloned());
         let mut text = String::new();
-        let mut emit = |id: Option<u32>, s: &str, text: &mut String| -> Result<()> {
-            text.push_str(s);
-            if id.is_some() || !s.is_empty() {
-                on_piece(id, s).map_err(EngineError::Output)?;
-            }
-            Ok(())
-        };
+        let mut emit =
+            |id: Option<u32>, s: &str, lp: Option<&TokenLogprobs>, text: &mut String| -> Result<()> {
+                text.push_str(s);
+                if id.is_some() || !s.is_empty() {
+                    let piece = Piece {
+                        id,
+                        text: s,
+                        logprobs: lp,
+                    };
+                    on_piece(piece).map_err(EngineError::Output)?;
+                }
+                Ok(())
+            };
         let outcome = (|| -> Result<()> {
             loop {
                 if self.eos.contains(&id) {
@@ -166,17 +200,18 @@ impl Engine {
                 }
                 turn.tokens.push(id);
                 history.push(id);
+                let lp = self.last_logprobs.take();
                 match &mut stream {
                     Some(stream) => {
                         let released = stopper.push(&stream.push(id)?);
                         if released.stopped {
-                            emit(None, &released.text, &mut text)?;
+                            emit(None, &released.text, None, &mut text)?;
                             turn.stop_reason = StopReason::Stop;
                             break;
                         }
-                        emit(Some(id), &released.text, &mut text)?;
+                        emit(Some(id), &released.text, lp.as_ref(), &mut text)?;
                     }
-                    None => emit(Some(id), "", &mut text)?,
+                    None => emit(Some(id), "", lp.as_ref(), &mut text)?,
                 }
                 if turn.tokens.len() == max_tokens {
                     break;
@@ -193,9 +228,9 @@ impl Engine {
             if let Some(stream) = &mut stream {
                 if turn.stop_reason != StopReason::Stop {
                     let released = stopper.push(&stream.finish()?);
-                    emit(None, &released.text, &mut text)?;
+                    emit(None, &released.text, None, &mut text)?;
                     if !released.stopped {
-                        emit(None, &stopper.finish(), &mut text)?;
+                        emit(None, &stopper.finish(), None, &mut text)?;
                     }
                 }
             }
@@ -211,17 +246,54 @@ impl Engine {
     }
 
     /// Runs `ids` at `past` and picks the token after them; `history` is the whole sequence
-    /// (for the host sampler's penalties).
+    /// (for the host sampler's penalties). With log-probabilities asked for, the logits come
+    /// back whatever the pick, and the chosen token's are kept for the caller.
     fn next(&mut self, ids: &[u32], past: usize, history: &[u32]) -> Result<u32> {
-        let want = match self.pick {
-            Pick::Argmax => Want::Argmax,
-            Pick::BackendSampler => Want::Sample,
-            Pick::HostSampler => Want::LastLogits,
+        let want = match (self.pick, self.logprobs) {
+            (_, Some(_)) | (Pick::HostSampler, None) => Want::LastLogits,
+            (Pick::Argmax, None) => Want::Argmax,
+            (Pick::BackendSampler, None) => Want::Sample,
         };
         let out = on_session!(&mut self.session, s => s.step(ids, past, want))?;
         match out {
             kestrel_model::Output::Token(t) => Ok(t),
-            kestrel_model::Output::Logits(mut logits) => Ok(self.sampler.sample(&mut logits, history)),
+            kestrel_model::Output::Logits(mut logits) => {
+                // The sampler penalises the logits in place: the log-probabilities are the raw ones.
+                let raw = self.logprobs.map(|k| (logprobs(&logits, k), logits.clone()));
+                let id = match self.pick {
+                    Pick::Argmax => kestrel_core::sample::argmax(&logits),
+                    Pick::BackendSampler | Pick::HostSampler => self.sampler.sample(&mut logits, history),
+                };
+                self.last_logprobs = raw.map(|((lse, top), raw)| TokenLogprobs {
+                    logprob: logits_at(&raw, id, lse),
+                    top,
+                });
+                Ok(id)
+            }
         }
     }
+}
+
+/// The log-sum-exp of `logits` and its `k` most likely tokens with their log-probabilities.
+fn logprobs(logits: &[f32], k: usize) -> (f64, Vec<(u32, f32)>) {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
+    let lse = f64::from(max) + sum.ln();
+    let mut order: Vec<u32> = (0..logits.len() as u32).collect();
+    let k = k.min(order.len());
+    if k > 0 {
+        order.select_nth_unstable_by(k - 1, |&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
+    }
+    order.truncate(k);
+    order.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
+    let top = order
+        .into_iter()
+        .map(|t| (t, (f64::from(logits[t as usize]) - lse) as f32))
+        .collect();
+    (lse, top)
+}
+
+/// The log-probability of `id` given the log-sum-exp of the (unpenalised) logits.
+fn logits_at(logits: &[f32], id: u32, lse: f64) -> f32 {
+    (f64::from(logits[id as usize]) - lse) as f32
 }

@@ -20,7 +20,7 @@ pub mod placement;
 
 pub use engine::{cache_dtype, default_backend, BackendChoice, Engine, EngineOptions, Precision};
 pub use error::{EngineError, Result};
-pub use generate::{StopReason, Turn};
+pub use generate::{Piece, StopReason, TokenLogprobs, Turn};
 pub use kestrel_model::{expert_cache, Output, Want};
 pub use model::{Model, ModelSource, ModelText, SamplingOverrides};
 pub use placement::{ByteSize, Placement, RunShape};

@@ -1,7 +1,8 @@
 //! Requests of the OpenAI API read from their JSON, every field checked for its type and range
 //! with the field named in the error: `/v1/chat/completions` and `/v1/completions` bodies become
-//! a [`Request`]. Fields OpenAI or vLLM define that Kestrel does not implement are refused by
-//! name rather than ignored, and so are unknown ones.
+//! a [`Request`]. Fields OpenAI or vLLM define that Kestrel does not implement (`logit_bias`,
+//! `suffix`, a `response_format` other than text, ...) are refused by name rather than ignored,
+//! and so are unknown ones.
 
 use kestrel_engine::SamplingOverrides;
 use serde_json::{Map, Value};
@@ -48,7 +49,12 @@ pub struct Request {
     pub echo: bool,
     /// Generate past end-of-sequence ids (vLLM's extension; for benchmarks).
     pub ignore_eos: bool,
+    /// Each token's log-probability and those of this many most likely tokens (None: none).
+    pub logprobs: Option<usize>,
 }
+
+/// The most alternatives a token's log-probabilities may list.
+pub const MAX_TOP_LOGPROBS: usize = 20;
 
 /// Which endpoint a body came to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -231,22 +237,36 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
         return Err(ApiError::field("n", format!("`n` must be 1 to {MAX_N}")));
     }
     f.string("user")?;
-    // Fields Kestrel does not implement: refused unless they ask for nothing.
-    match o.get("logprobs") {
-        None | Some(Value::Null) | Some(Value::Bool(false)) => {}
-        Some(_) => {
-            return Err(ApiError::field(
-                "logprobs",
-                "`logprobs` is not supported by this server yet",
-            ))
+    let logprobs = match endpoint {
+        Endpoint::Chat => {
+            let on = f.bool("logprobs")?.unwrap_or(false);
+            match f.count("top_logprobs")? {
+                Some(_) if !on => {
+                    return Err(ApiError::field(
+                        "top_logprobs",
+                        "`top_logprobs` needs `logprobs: true`",
+                    ))
+                }
+                Some(k) if k > MAX_TOP_LOGPROBS => {
+                    return Err(ApiError::field(
+                        "top_logprobs",
+                        format!("`top_logprobs` must be 0 to {MAX_TOP_LOGPROBS}"),
+                    ))
+                }
+                k => on.then(|| k.unwrap_or(0)),
+            }
         }
-    }
-    if o.get("top_logprobs").is_some_and(|v| !v.is_null()) {
-        return Err(ApiError::field(
-            "top_logprobs",
-            "`top_logprobs` is not supported by this server yet",
-        ));
-    }
+        Endpoint::Completions => match f.count("logprobs")? {
+            Some(k) if k > MAX_TOP_LOGPROBS => {
+                return Err(ApiError::field(
+                    "logprobs",
+                    format!("`logprobs` must be 0 to {MAX_TOP_LOGPROBS}"),
+                ))
+            }
+            k => k,
+        },
+    };
+    // Fields Kestrel does not implement: refused unless they ask for nothing.
     match o.get("logit_bias") {
         None | Some(Value::Null) => {}
         Some(Value::Object(m)) if m.is_empty() => {}
@@ -301,6 +321,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
         n,
         echo,
         ignore_eos: f.bool("ignore_eos")?.unwrap_or(false),
+        logprobs,
     })
 }
 
@@ -587,7 +608,12 @@ mod tests {
                 format!(r#"{{{HI}, "stream": true, "stream_options": {{"x": 1}}}}"#),
                 "stream_options.x",
             ),
-            (format!(r#"{{{HI}, "logprobs": true}}"#), "logprobs"),
+            (format!(r#"{{{HI}, "logprobs": 2}}"#), "logprobs"),
+            (format!(r#"{{{HI}, "top_logprobs": 2}}"#), "top_logprobs"),
+            (
+                format!(r#"{{{HI}, "logprobs": true, "top_logprobs": 21}}"#),
+                "top_logprobs",
+            ),
             (
                 format!(r#"{{{HI}, "repetition_penalty": 0}}"#),
                 "repetition_penalty",
@@ -623,6 +649,36 @@ mod tests {
             let e = chat(body).unwrap_err();
             assert_eq!(e.status.as_u16(), 400, "{body}");
         }
+    }
+
+    #[test]
+    fn logprobs_read_per_endpoint() {
+        let r = chat(&format!(r#"{{{HI}, "logprobs": true, "top_logprobs": 3}}"#)).unwrap();
+        assert_eq!(r.logprobs, Some(3));
+        assert_eq!(
+            chat(&format!(r#"{{{HI}, "logprobs": true}}"#)).unwrap().logprobs,
+            Some(0)
+        );
+        assert_eq!(
+            chat(&format!(r#"{{{HI}, "logprobs": false}}"#)).unwrap().logprobs,
+            None
+        );
+        let c = |b: &str| parse(Endpoint::Completions, b.as_bytes());
+        assert_eq!(c(r#"{"prompt": "a", "logprobs": 5}"#).unwrap().logprobs, Some(5));
+        assert_eq!(
+            c(r#"{"prompt": "a", "logprobs": 21}"#)
+                .unwrap_err()
+                .param
+                .as_deref(),
+            Some("logprobs")
+        );
+        assert_eq!(
+            c(r#"{"prompt": "a", "logprobs": true}"#)
+                .unwrap_err()
+                .param
+                .as_deref(),
+            Some("logprobs")
+        );
     }
 
     #[test]

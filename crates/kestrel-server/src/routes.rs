@@ -26,7 +26,7 @@ use crate::chat_output::{Part, Splitter};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::request::{parse, Endpoint, Input};
-use crate::worker::{Event, Job};
+use crate::worker::{Event, Job, Logprobs};
 
 /// What the routes share.
 pub struct AppState {
@@ -290,6 +290,7 @@ async fn complete(
         sampling,
         stop: req.stop.clone(),
         ignore_eos: req.ignore_eos,
+        logprobs: req.logprobs,
         arrived,
         events: tx,
     };
@@ -324,6 +325,7 @@ async fn complete(
         created: unix_now(),
         prompt_tokens,
         split,
+        logprobs: req.logprobs.is_some(),
     };
     if req.stream {
         Ok(Sse::new(answer.stream(rx, req.n, req.include_usage)).into_response())
@@ -341,6 +343,8 @@ struct Answer {
     prompt_tokens: usize,
     /// How chat answers split (None: text completions).
     split: Option<Split>,
+    /// Whether tokens' log-probabilities were asked for.
+    logprobs: bool,
 }
 
 /// One chat choice's answer, gathered.
@@ -349,6 +353,31 @@ struct Gathered {
     reasoning: String,
     content: String,
     calls: Vec<(String, String)>,
+}
+
+/// A token's log-probabilities as a chat answer gives them.
+fn chat_logprob(lp: &Logprobs) -> Value {
+    let top: Vec<Value> = lp
+        .top
+        .iter()
+        .map(|(t, l)| json!({"token": t, "logprob": l, "bytes": t.as_bytes()}))
+        .collect();
+    json!({"token": lp.token, "logprob": lp.logprob, "bytes": lp.token.as_bytes(), "top_logprobs": top})
+}
+
+/// Tokens' log-probabilities as a text completion gives them, each token with the character
+/// offset in the text where it starts.
+fn completion_logprobs(lps: &[(Logprobs, usize)]) -> Value {
+    let top: Vec<Value> = lps
+        .iter()
+        .map(|(lp, _)| Value::Object(lp.top.iter().map(|(t, l)| (t.clone(), json!(l))).collect()))
+        .collect();
+    json!({
+        "tokens": lps.iter().map(|(lp, _)| lp.token.clone()).collect::<Vec<_>>(),
+        "token_logprobs": lps.iter().map(|(lp, _)| lp.logprob).collect::<Vec<_>>(),
+        "top_logprobs": top,
+        "text_offset": lps.iter().map(|(_, at)| *at).collect::<Vec<_>>(),
+    })
 }
 
 impl Gathered {
@@ -392,14 +421,24 @@ impl Answer {
         let mut texts = vec![echo.unwrap_or_default(); n];
         let mut splitters: Vec<Option<Splitter>> = (0..n).map(|_| self.split.map(Split::splitter)).collect();
         let mut gathered: Vec<Gathered> = (0..n).map(|_| Gathered::default()).collect();
+        let mut lps: Vec<Vec<(Logprobs, usize)>> = vec![Vec::new(); n];
         let mut reasons = vec![None; n];
         let (mut completion, mut reused) = (0, 0);
         while reasons.iter().any(Option::is_none) {
             match rx.recv().await {
-                Some(Event::Piece { index, text }) => match &mut splitters[index] {
-                    Some(sp) => gathered[index].add(sp.push(&text)),
-                    None => texts[index].push_str(&text),
-                },
+                Some(Event::Piece {
+                    index,
+                    text,
+                    logprobs,
+                }) => {
+                    if let Some(lp) = logprobs {
+                        lps[index].push((lp, texts[index].chars().count()));
+                    }
+                    match &mut splitters[index] {
+                        Some(sp) => gathered[index].add(sp.push(&text)),
+                        None => texts[index].push_str(&text),
+                    }
+                }
                 Some(Event::Done {
                     index,
                     reason,
@@ -443,17 +482,20 @@ impl Answer {
                             .collect();
                         message["tool_calls"] = calls.into();
                     }
+                    let logprobs = self.logprobs.then(|| {
+                        json!({"content": lps[index].iter().map(|(lp, _)| chat_logprob(lp)).collect::<Vec<_>>()})
+                    });
                     json!({
                         "index": index,
                         "message": message,
-                        "logprobs": null,
+                        "logprobs": logprobs,
                         "finish_reason": reasons[index],
                     })
                 }
                 Endpoint::Completions => json!({
                     "index": index,
                     "text": texts[index],
-                    "logprobs": null,
+                    "logprobs": self.logprobs.then(|| completion_logprobs(&lps[index])),
                     "finish_reason": reasons[index],
                 }),
             })
@@ -539,8 +581,21 @@ impl Answer {
         parts: Vec<Part>,
         first: &mut bool,
         calls: &mut usize,
+        logprobs: Option<&Logprobs>,
     ) -> Vec<SseEvent> {
         let mut out = Vec::new();
+        // A token's log-probabilities go with its first chunk, or alone when its text is held.
+        let mut lp = logprobs.map(|lp| json!({"content": [chat_logprob(lp)]}));
+        if parts.is_empty() {
+            if let Some(lp) = lp.take() {
+                let mut delta = serde_json::Map::new();
+                if std::mem::take(first) {
+                    delta.insert("role".into(), "assistant".into());
+                }
+                let choice = json!({"index": index, "delta": delta, "logprobs": lp, "finish_reason": null});
+                out.push(self.chunk(json!([choice]), None));
+            }
+        }
         for p in parts {
             let mut delta = serde_json::Map::new();
             if std::mem::take(first) {
@@ -559,7 +614,8 @@ impl Answer {
                     *calls += 1;
                 }
             }
-            let choice = json!({"index": index, "delta": delta, "logprobs": null, "finish_reason": null});
+            let choice =
+                json!({"index": index, "delta": delta, "logprobs": lp.take(), "finish_reason": null});
             out.push(self.chunk(json!([choice]), None));
         }
         out
@@ -582,6 +638,8 @@ impl Answer {
             splitters: Vec<Option<Splitter>>,
             first: Vec<bool>,
             calls: Vec<usize>,
+            /// Characters of each choice's text so far (text completions' offsets).
+            offsets: Vec<usize>,
             open: usize,
             completion: usize,
             reused: usize,
@@ -594,6 +652,7 @@ impl Answer {
             rx,
             first: vec![true; n],
             calls: vec![0; n],
+            offsets: vec![0; n],
             open: n,
             completion: 0,
             reused: 0,
@@ -614,16 +673,28 @@ impl Answer {
                 return Some((events, st));
             }
             let events = match st.rx.recv().await {
-                Some(Event::Piece { index, text }) => match &mut st.splitters[index] {
+                Some(Event::Piece {
+                    index,
+                    text,
+                    logprobs,
+                }) => match &mut st.splitters[index] {
                     Some(sp) => {
                         let parts = sp.push(&text);
-                        st.a.part_chunks(index, parts, &mut st.first[index], &mut st.calls[index])
+                        let (first, calls) = (&mut st.first[index], &mut st.calls[index]);
+                        st.a.part_chunks(index, parts, first, calls, logprobs.as_ref())
                     }
                     None => {
                         let first = std::mem::take(&mut st.first[index]);
-                        vec![st
-                            .a
-                            .chunk(json!([st.a.choice(index, Some(&text), None, first)]), None)]
+                        let mut choice = st.a.choice(index, Some(&text), None, first);
+                        if let Some(lp) = logprobs {
+                            let at = st.offsets[index];
+                            choice["logprobs"] = match st.a.endpoint {
+                                Endpoint::Chat => json!({"content": [chat_logprob(&lp)]}),
+                                Endpoint::Completions => completion_logprobs(&[(lp, at)]),
+                            };
+                        }
+                        st.offsets[index] += text.chars().count();
+                        vec![st.a.chunk(json!([choice]), None)]
                     }
                 },
                 Some(Event::Done {
@@ -640,7 +711,7 @@ impl Answer {
                     let mut events = match &mut st.splitters[index] {
                         Some(sp) => {
                             let parts = sp.finish();
-                            st.a.part_chunks(index, parts, &mut st.first[index], &mut st.calls[index])
+                            st.a.part_chunks(index, parts, &mut st.first[index], &mut st.calls[index], None)
                         }
                         None => Vec::new(),
                     };
@@ -681,6 +752,7 @@ mod tests {
                 opened: false,
                 tools: true,
             }),
+            logprobs: false,
         }
     }
 
@@ -690,7 +762,12 @@ mod tests {
         let text = "<think>The user wants weather.</think>\n\nChecking.<tool_call>\n{\"name\": \"weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>";
         for piece in text.as_bytes().chunks(5) {
             let text = String::from_utf8(piece.to_vec()).unwrap();
-            tx.send(Event::Piece { index: 0, text }).unwrap();
+            tx.send(Event::Piece {
+                index: 0,
+                text,
+                logprobs: None,
+            })
+            .unwrap();
         }
         tx.send(Event::Done {
             index: 0,

@@ -8,8 +8,8 @@ use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::Instant;
 
-use kestrel_engine::{Engine, EngineError, StopReason};
-use kestrel_text::SamplingParams;
+use kestrel_engine::{Engine, EngineError, Piece, StopReason, TokenLogprobs};
+use kestrel_text::{SamplingParams, Tokenizer};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::metrics::Metrics;
@@ -23,6 +23,8 @@ pub struct Job {
     pub stop: Vec<String>,
     /// Generate past end-of-sequence ids.
     pub ignore_eos: bool,
+    /// Each token's log-probability and this many alternatives' (None: none).
+    pub logprobs: Option<usize>,
     /// When the request arrived, for the latency metrics.
     pub arrived: Instant,
     pub events: UnboundedSender<Event>,
@@ -31,9 +33,13 @@ pub struct Job {
 /// What a job tells its handler.
 #[derive(Debug)]
 pub enum Event {
-    /// Choice `index` generated a token completing `text` (possibly empty), or released text
-    /// held back.
-    Piece { index: usize, text: String },
+    /// Choice `index` generated a token completing `text` (possibly empty; with its
+    /// log-probabilities when asked for), or released text held back.
+    Piece {
+        index: usize,
+        text: String,
+        logprobs: Option<Logprobs>,
+    },
     /// Choice `index` ended.
     Done {
         index: usize,
@@ -45,13 +51,42 @@ pub enum Event {
     Failed(String),
 }
 
+/// A generated token's log-probability and the most likely alternatives', tokens as text.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Logprobs {
+    pub token: String,
+    pub logprob: f32,
+    pub top: Vec<(String, f32)>,
+}
+
+/// The text of token `id` alone (its id when the model has no tokenizer).
+fn token_text(tokenizer: Option<&Tokenizer>, id: u32) -> String {
+    tokenizer
+        .and_then(|t| t.decode(&[id], false).ok())
+        .unwrap_or_else(|| format!("token_id:{id}"))
+}
+
+fn named(tokenizer: Option<&Tokenizer>, id: u32, lp: &TokenLogprobs) -> Logprobs {
+    Logprobs {
+        token: token_text(tokenizer, id),
+        logprob: lp.logprob,
+        top: lp
+            .top
+            .iter()
+            .map(|&(t, l)| (token_text(tokenizer, t), l))
+            .collect(),
+    }
+}
+
 /// Runs jobs from `jobs` until every sender is gone.
 pub fn run(mut engine: Engine, jobs: Receiver<Job>, metrics: Arc<Metrics>) {
     metrics.kv_total.store(engine.ctx() as u64, Ordering::Relaxed);
+    // The engine is busy generating while tokens are named.
+    let tokenizer = engine.text().tokenizer.clone();
     while let Ok(job) = jobs.recv() {
         metrics.waiting.fetch_sub(1, Ordering::Relaxed);
         metrics.running.fetch_add(1, Ordering::Relaxed);
-        let outcome = run_job(&mut engine, &job, &metrics);
+        let outcome = run_job(&mut engine, &job, &metrics, tokenizer.as_ref());
         metrics.running.fetch_sub(1, Ordering::Relaxed);
         match outcome {
             Ok(true) => {
@@ -70,15 +105,21 @@ pub fn run(mut engine: Engine, jobs: Receiver<Job>, metrics: Arc<Metrics>) {
 }
 
 /// Runs every choice of `job`; false when its handler went away first.
-fn run_job(engine: &mut Engine, job: &Job, metrics: &Metrics) -> Result<bool, EngineError> {
+fn run_job(
+    engine: &mut Engine,
+    job: &Job,
+    metrics: &Metrics,
+    tokenizer: Option<&Tokenizer>,
+) -> Result<bool, EngineError> {
     let cancel = AtomicBool::new(false);
     engine.set_ignore_eos(job.ignore_eos);
+    engine.set_logprobs(job.logprobs);
     for (index, params) in job.sampling.iter().enumerate() {
         engine.set_sampling(*params)?;
         let mut last = None::<Instant>;
         let mut gone = false;
-        let mut on_piece = |id: Option<u32>, text: &str| -> std::io::Result<()> {
-            if id.is_some() {
+        let mut on_piece = |p: Piece| -> std::io::Result<()> {
+            if p.id.is_some() {
                 let now = Instant::now();
                 match last {
                     None if index == 0 => metrics.time_to_first_token(job.arrived.elapsed().as_secs_f64()),
@@ -90,7 +131,8 @@ fn run_job(engine: &mut Engine, job: &Job, metrics: &Metrics) -> Result<bool, En
             }
             let piece = Event::Piece {
                 index,
-                text: text.to_string(),
+                text: p.text.to_string(),
+                logprobs: p.id.zip(p.logprobs).map(|(id, lp)| named(tokenizer, id, lp)),
             };
             job.events.send(piece).map_err(|_| {
                 gone = true;

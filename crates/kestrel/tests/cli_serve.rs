@@ -481,3 +481,124 @@ fn bench_serve_reports_every_request() {
     // The server it started is gone with it.
     assert!(err.contains("server: serving kestrel-tiny"), "{err}");
 }
+
+#[test]
+fn logprobs_are_the_models() {
+    let s = Server::start(&[]);
+    let ids = [1u32, 562, 912, 7, 30];
+    let body = json!({"prompt": ids, "max_tokens": 3, "temperature": 0, "logprobs": 2});
+    let (status, got) = s.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{got}");
+    let lp = &got["choices"][0]["logprobs"];
+    let token_lps: Vec<f64> = lp["token_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    assert_eq!(token_lps.len(), 3, "{lp}");
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), 3);
+    let offsets: Vec<u64> = lp["text_offset"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    assert!(
+        offsets[0] == 0 && offsets.windows(2).all(|w| w[0] <= w[1]),
+        "{offsets:?}"
+    );
+    for (i, top) in lp["top_logprobs"].as_array().unwrap().iter().enumerate() {
+        let top = top.as_object().unwrap();
+        assert!(!top.is_empty() && top.len() <= 2, "{top:?}");
+        // Greedy: the chosen token is the most likely one.
+        let best = top.values().map(|v| v.as_f64().unwrap()).fold(f64::MIN, f64::max);
+        assert!(
+            (best - token_lps[i]).abs() < 1e-6,
+            "token {i}: {best} against {}",
+            token_lps[i]
+        );
+    }
+    // The first token's log-probability is the log-softmax of `kestrel logits` at the prompt's end.
+    let out = std::env::temp_dir().join(format!(
+        "kestrel-serve-logprobs-{}.safetensors",
+        std::process::id()
+    ));
+    let o = Command::new(env!("CARGO_BIN_EXE_kestrel"))
+        .args([
+            "logits",
+            "--backend",
+            "cpu",
+            "--tokens",
+            "1,562,912,7,30",
+            "--out",
+        ])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let bytes = std::fs::read(&out).unwrap();
+    std::fs::remove_file(&out).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let t = st.tensor("logits").unwrap();
+    let vocab = t.shape()[1];
+    let last: Vec<f64> = t.data()[(ids.len() - 1) * vocab * 4..]
+        .chunks_exact(4)
+        .map(|b| f64::from(f32::from_le_bytes(b.try_into().unwrap())))
+        .collect();
+    let max = last.iter().copied().fold(f64::MIN, f64::max);
+    let lse = max + last.iter().map(|l| (l - max).exp()).sum::<f64>().ln();
+    assert!(
+        (token_lps[0] - (max - lse)).abs() < 1e-4,
+        "{} against {}",
+        token_lps[0],
+        max - lse
+    );
+
+    // Streamed: the same log-probabilities, one token a chunk.
+    let mut streamed = body.clone();
+    streamed["stream"] = true.into();
+    let chunks = s.stream("/v1/completions", &streamed);
+    let got_stream: Vec<f64> = chunks
+        .iter()
+        .filter_map(|c| {
+            c["choices"].get(0)?["logprobs"]["token_logprobs"]
+                .get(0)?
+                .as_f64()
+        })
+        .collect();
+    assert_eq!(got_stream, token_lps);
+
+    // Chat: `logprobs: true` with `top_logprobs`, an entry a generated token.
+    let mut chat = chat_body(QUESTIONS[0], 5);
+    chat["logprobs"] = true.into();
+    chat["top_logprobs"] = 3.into();
+    let (status, got) = s.post("/v1/chat/completions", &chat);
+    assert_eq!(status, 200, "{got}");
+    let content = got["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(
+        content.len() as u64,
+        got["usage"]["completion_tokens"].as_u64().unwrap()
+    );
+    for e in content {
+        let top = e["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3, "{e}");
+        assert!(e["logprob"].as_f64().unwrap() <= 0.0);
+        assert_eq!(e["logprob"], top[0]["logprob"], "{e}");
+        assert_eq!(
+            e["bytes"].as_array().unwrap().len(),
+            e["token"].as_str().unwrap().len()
+        );
+    }
+    // Without logprobs the answer says null, and its text is the same.
+    let (_, plain) = s.post("/v1/chat/completions", &chat_body(QUESTIONS[0], 5));
+    assert!(plain["choices"][0]["logprobs"].is_null());
+    assert_eq!(content_of(&plain), content_of(&got));
+}
+
+fn content_of(answer: &Value) -> String {
+    answer["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
