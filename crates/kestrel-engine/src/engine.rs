@@ -167,6 +167,16 @@ pub(crate) enum Pick {
     HostSampler,
 }
 
+/// The log-probabilities of one generated token under the model (the raw logits' softmax,
+/// before sampling settings).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    /// The chosen token's.
+    pub logprob: f32,
+    /// The most likely tokens and theirs, most likely first (as many as asked for).
+    pub top: Vec<(u32, f32)>,
+}
+
 /// A model opened on a backend: one [`Engine::step`] for running tokens, one
 /// [`Engine::generate`] for generating text.
 pub struct Engine {
@@ -185,7 +195,7 @@ pub struct Engine {
     /// How many of the most likely tokens' log-probabilities generation reports (None: none).
     pub(crate) logprobs: Option<usize>,
     /// The last chosen token's log-probabilities, until generation hands them on.
-    pub(crate) last_logprobs: Option<crate::generate::TokenLogprobs>,
+    pub(crate) last_logprobs: Option<TokenLogprobs>,
 }
 
 impl Engine {

@@ -14,18 +14,8 @@ use std::time::Instant;
 use kestrel_model::Want;
 use kestrel_text::StopStrings;
 
-use crate::engine::{on_session, Engine, Pick};
+use crate::engine::{on_session, Engine, Pick, TokenLogprobs};
 use crate::error::{EngineError, Result};
-
-/// The log-probabilities of one generated token under the model (the raw logits' softmax,
-/// before sampling settings).
-#[derive(Debug, Clone, PartialEq)]
-pub struct TokenLogprobs {
-    /// The chosen token's.
-    pub logprob: f32,
-    /// The most likely tokens and theirs, most likely first (as many as asked for).
-    pub top: Vec<(u32, f32)>,
-}
 
 /// What [`Engine::generate_pieces`] tells of each generated token.
 #[derive(Debug, Clone, Copy)]

@@ -18,9 +18,11 @@ mod generate;
 mod model;
 pub mod placement;
 
-pub use engine::{cache_dtype, default_backend, BackendChoice, Engine, EngineOptions, Precision};
+pub use engine::{
+    cache_dtype, default_backend, BackendChoice, Engine, EngineOptions, Precision, TokenLogprobs,
+};
 pub use error::{EngineError, Result};
-pub use generate::{Piece, StopReason, TokenLogprobs, Turn};
+pub use generate::{Piece, StopReason, Turn};
 pub use kestrel_model::{expert_cache, Output, Want};
 pub use model::{Model, ModelSource, ModelText, SamplingOverrides};
 pub use placement::{ByteSize, Placement, RunShape};

@@ -602,3 +602,57 @@ fn content_of(answer: &Value) -> String {
         .unwrap()
         .to_string()
 }
+
+#[test]
+fn choices_sample_with_their_own_seeds_as_run_does() {
+    let s = Server::start(&[]);
+    let q = QUESTIONS[2];
+    let mut body = chat_body(q, 12);
+    body["temperature"] = 0.8.into();
+    body["seed"] = 5.into();
+    body["n"] = 2.into();
+    let (status, got) = s.post("/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{got}");
+    let choices = got["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 2);
+    for (i, seed) in ["5", "6"].iter().enumerate() {
+        let o = Command::new(env!("CARGO_BIN_EXE_kestrel"))
+            .args(["run", "--backend", "cpu", "--json", "-p", q, "-n", "12", "--temp", "0.8", "--seed", seed])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let want: Value = serde_json::from_str(String::from_utf8(o.stdout).unwrap().lines().last().unwrap()).unwrap();
+        assert_eq!(choices[i]["index"], i);
+        assert_eq!(choices[i]["message"]["content"], want["text"], "choice {i} (seed {seed})");
+    }
+    assert_ne!(choices[0]["message"]["content"], choices[1]["message"]["content"]);
+    // The same request again: the same answers.
+    let (_, again) = s.post("/v1/chat/completions", &body);
+    assert_eq!(again["choices"], got["choices"]);
+}
+
+#[test]
+fn a_stop_string_ends_the_answer_before_it() {
+    let s = Server::start(&[]);
+    let (_, full) = s.post("/v1/chat/completions", &chat_body(QUESTIONS[0], 24));
+    let text = content(&full).to_string();
+    // A stop string from the middle of the greedy answer.
+    let words: Vec<&str> = text.split_whitespace().collect();
+    assert!(words.len() >= 4, "{text:?}");
+    let stop = words[words.len() / 2];
+    let at = text.find(stop).unwrap();
+    let mut body = chat_body(QUESTIONS[0], 24);
+    body["stop"] = json!([stop, "never appears"]);
+    let (status, got) = s.post("/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{got}");
+    assert_eq!(content(&got), &text[..at]);
+    assert_eq!(got["choices"][0]["finish_reason"], "stop");
+    // Streamed, the stop string is held back and never sent.
+    body["stream"] = true.into();
+    let chunks = s.stream("/v1/chat/completions", &body);
+    let streamed: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"].get(0)?["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(streamed, &text[..at]);
+}
