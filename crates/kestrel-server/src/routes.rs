@@ -238,9 +238,9 @@ async fn complete(
     let (ids, echo, split) = {
         let s = s.clone();
         let input = req.input.clone();
-        tokio::task::spawn_blocking(move || {
-            let ready = s.ready.get().expect("checked above");
-            prompt_ids(ready, &input)
+        tokio::task::spawn_blocking(move || match s.ready.get() {
+            Some(ready) => prompt_ids(ready, &input),
+            None => Err(ApiError::loading()),
         })
         .await
         .map_err(|e| ApiError::internal(format!("encoding the prompt: {e}")))??
@@ -249,6 +249,9 @@ async fn complete(
         Endpoint::Chat => "messages",
         Endpoint::Completions => "prompt",
     };
+    if ids.is_empty() {
+        return Err(ApiError::field(field, "the prompt is empty"));
+    }
     if ids.len() >= ready.ctx {
         return Err(ApiError::field(
             field,

@@ -617,13 +617,30 @@ fn choices_sample_with_their_own_seeds_as_run_does() {
     assert_eq!(choices.len(), 2);
     for (i, seed) in ["5", "6"].iter().enumerate() {
         let o = Command::new(env!("CARGO_BIN_EXE_kestrel"))
-            .args(["run", "--backend", "cpu", "--json", "-p", q, "-n", "12", "--temp", "0.8", "--seed", seed])
+            .args([
+                "run",
+                "--backend",
+                "cpu",
+                "--json",
+                "-p",
+                q,
+                "-n",
+                "12",
+                "--temp",
+                "0.8",
+                "--seed",
+                seed,
+            ])
             .output()
             .unwrap();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        let want: Value = serde_json::from_str(String::from_utf8(o.stdout).unwrap().lines().last().unwrap()).unwrap();
+        let want: Value =
+            serde_json::from_str(String::from_utf8(o.stdout).unwrap().lines().last().unwrap()).unwrap();
         assert_eq!(choices[i]["index"], i);
-        assert_eq!(choices[i]["message"]["content"], want["text"], "choice {i} (seed {seed})");
+        assert_eq!(
+            choices[i]["message"]["content"], want["text"],
+            "choice {i} (seed {seed})"
+        );
     }
     assert_ne!(choices[0]["message"]["content"], choices[1]["message"]["content"]);
     // The same request again: the same answers.
