@@ -87,13 +87,15 @@ pub fn run(mut engine: Engine, jobs: Receiver<Job>, metrics: Arc<Metrics>) {
         metrics.waiting.fetch_sub(1, Ordering::Relaxed);
         metrics.running.fetch_add(1, Ordering::Relaxed);
         let outcome = run_job(&mut engine, &job, &metrics, tokenizer.as_ref());
+        // The counters are up to date before the handler hears the end.
         metrics.running.fetch_sub(1, Ordering::Relaxed);
         match outcome {
-            Ok(true) => {
+            Ok(Some(last)) => {
                 metrics.requests_ok.fetch_add(1, Ordering::Relaxed);
                 metrics.request_latency(job.arrived.elapsed().as_secs_f64());
+                let _ = job.events.send(last);
             }
-            Ok(false) => {
+            Ok(None) => {
                 metrics.requests_cancelled.fetch_add(1, Ordering::Relaxed);
             }
             Err(e) => {
@@ -104,13 +106,14 @@ pub fn run(mut engine: Engine, jobs: Receiver<Job>, metrics: Arc<Metrics>) {
     }
 }
 
-/// Runs every choice of `job`; false when its handler went away first.
+/// Runs every choice of `job`, sending all but the last choice's end: that one comes back for
+/// the caller to send (None when the handler went away first).
 fn run_job(
     engine: &mut Engine,
     job: &Job,
     metrics: &Metrics,
     tokenizer: Option<&Tokenizer>,
-) -> Result<bool, EngineError> {
+) -> Result<Option<Event>, EngineError> {
     let cancel = AtomicBool::new(false);
     engine.set_ignore_eos(job.ignore_eos);
     engine.set_logprobs(job.logprobs);
@@ -146,7 +149,7 @@ fn run_job(
         let turn = match turn {
             // The sequence stops here; the caches keep what it ran, for a next request that
             // shares its beginning.
-            Err(_) if gone => return Ok(false),
+            Err(_) if gone => return Ok(None),
             Ok(t) => t,
             Err(e) => {
                 engine.reset()?;
@@ -162,9 +165,12 @@ fn run_job(
             tokens: turn.tokens.len(),
             reused: turn.reused,
         };
+        if index + 1 == job.sampling.len() {
+            return Ok(Some(done));
+        }
         if job.events.send(done).is_err() {
-            return Ok(false);
+            return Ok(None);
         }
     }
-    Ok(true)
+    Ok(None)
 }
