@@ -5,53 +5,30 @@
 
 #![no_main]
 
-use kestrel_server::chat_output::{Part, Splitter};
+use kestrel_server::chat_output::{split_in_pieces, Splitter};
 use kestrel_server::request::{parse, Endpoint};
 use libfuzzer_sys::fuzz_target;
-
-/// The parts of `text` fed to a splitter in pieces of `n` bytes (at character boundaries),
-/// adjacent text parts of one kind joined.
-fn split(text: &str, n: usize, flags: u8) -> Vec<Part> {
-    let mut s = Splitter::new(flags & 1 != 0, flags & 2 != 0, flags & 4 != 0);
-    let mut parts = Vec::new();
-    let mut rest = text;
-    while !rest.is_empty() {
-        let mut at = n.min(rest.len());
-        while !rest.is_char_boundary(at) {
-            at += 1;
-        }
-        parts.extend(s.push(&rest[..at]));
-        rest = &rest[at..];
-    }
-    parts.extend(s.finish());
-    let mut joined: Vec<Part> = Vec::new();
-    for p in parts {
-        match (joined.last_mut(), &p) {
-            (Some(Part::Content(a)), Part::Content(b)) | (Some(Part::Reasoning(a)), Part::Reasoning(b)) => {
-                a.push_str(b)
-            }
-            _ => joined.push(p),
-        }
-    }
-    joined
-}
 
 fuzz_target!(|data: &[u8]| {
     let Some((&first, body)) = data.split_first() else {
         return;
     };
     let endpoint = if first & 1 == 0 { Endpoint::Chat } else { Endpoint::Completions };
-    if let Ok(r) = parse(endpoint, body) {
-        assert!(r.n >= 1);
-        assert!(r.max_tokens != Some(0));
-        assert!(r.stop.iter().all(|s| !s.is_empty()));
-    } else if let Err(e) = parse(endpoint, body) {
-        assert_eq!(e.status.as_u16(), 400);
-        assert!(!e.message.is_empty());
+    match parse(endpoint, body) {
+        Ok(r) => {
+            assert!(r.n >= 1);
+            assert!(r.max_tokens != Some(0));
+            assert!(r.stop.iter().all(|s| !s.is_empty()));
+        }
+        Err(e) => {
+            assert_eq!(e.status.as_u16(), 400);
+            assert!(!e.message.is_empty());
+        }
     }
     let text = String::from_utf8_lossy(body);
     let flags = (first >> 1) & 7;
-    let whole = split(&text, text.len().max(1), flags);
-    let pieces = split(&text, usize::from(first >> 4) + 1, flags);
+    let splitter = || Splitter::new(flags & 1 != 0, flags & 2 != 0, flags & 4 != 0);
+    let whole = split_in_pieces(splitter(), &text, text.len());
+    let pieces = split_in_pieces(splitter(), &text, usize::from(first >> 4) + 1);
     assert_eq!(whole, pieces, "{text:?} in pieces of {}", (first >> 4) + 1);
 });

@@ -154,6 +154,33 @@ impl Splitter {
     }
 }
 
+/// The parts of `text` fed to `splitter` in pieces of `piece` bytes (widened to character
+/// boundaries), then finished, adjacent text parts of one kind joined: what a whole answer
+/// splits into, whatever its pieces were (the tests and the fuzz target check that).
+pub fn split_in_pieces(mut splitter: Splitter, text: &str, piece: usize) -> Vec<Part> {
+    let mut parts = Vec::new();
+    let mut rest = text;
+    while !rest.is_empty() {
+        let mut at = piece.clamp(1, rest.len());
+        while !rest.is_char_boundary(at) {
+            at += 1;
+        }
+        parts.extend(splitter.push(&rest[..at]));
+        rest = &rest[at..];
+    }
+    parts.extend(splitter.finish());
+    let mut joined: Vec<Part> = Vec::new();
+    for p in parts {
+        match (joined.last_mut(), &p) {
+            (Some(Part::Content(a)), Part::Content(b)) | (Some(Part::Reasoning(a)), Part::Reasoning(b)) => {
+                a.push_str(b)
+            }
+            _ => joined.push(p),
+        }
+    }
+    joined
+}
+
 /// Adds a text part unless it is empty.
 fn add(parts: &mut Vec<Part>, p: Part) {
     match &p {
@@ -229,29 +256,8 @@ fn xml_call(b: &str) -> Option<Part> {
 mod tests {
     use super::*;
 
-    /// Feeds `text` in pieces of `n` bytes (at character boundaries) and merges the parts.
     fn split(text: &str, n: usize, thinking: bool, opened: bool, tools: bool) -> Vec<Part> {
-        let mut s = Splitter::new(thinking, opened, tools);
-        let mut parts = Vec::new();
-        let mut rest = text;
-        while !rest.is_empty() {
-            let mut at = n.min(rest.len());
-            while !rest.is_char_boundary(at) {
-                at += 1;
-            }
-            parts.extend(s.push(&rest[..at]));
-            rest = &rest[at..];
-        }
-        parts.extend(s.finish());
-        let mut merged: Vec<Part> = Vec::new();
-        for p in parts {
-            match (merged.last_mut(), &p) {
-                (Some(Part::Content(a)), Part::Content(b))
-                | (Some(Part::Reasoning(a)), Part::Reasoning(b)) => a.push_str(b),
-                _ => merged.push(p),
-            }
-        }
-        merged
+        split_in_pieces(Splitter::new(thinking, opened, tools), text, n)
     }
 
     fn all_sizes(text: &str, thinking: bool, opened: bool, tools: bool, want: &[Part]) {
