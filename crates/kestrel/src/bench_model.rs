@@ -34,6 +34,10 @@ pub struct ModelBenchArgs {
     /// Token counts of the generation tests, comma separated (0: none).
     #[arg(short = 'n', long, value_delimiter = ',', default_value = "128")]
     n_gen: Vec<usize>,
+    /// Tokens already in the context when each test starts (llama-bench's depth): a random
+    /// prompt of this many tokens is prefilled, untimed, before every run.
+    #[arg(short = 'd', long, default_value_t = 0)]
+    depth: usize,
     /// Timed runs of each test (the median is reported).
     #[arg(short = 'r', long, default_value_t = 5)]
     reps: usize,
@@ -96,12 +100,32 @@ fn ids(rng: &mut Rng, vocab: usize, n: usize) -> Vec<u32> {
     (0..n).map(|_| rng.range(0, vocab) as u32).collect()
 }
 
-/// Decodes `n` tokens from an empty context starting with `first`, each step fed the token
+/// A test's name, with llama-bench's ` @ dN` when it runs after `depth` held tokens.
+fn at_depth(name: String, depth: usize) -> String {
+    if depth > 0 {
+        format!("{name} @ d{depth}")
+    } else {
+        name
+    }
+}
+
+/// Starts a new sequence holding `depth` random tokens (prefilled, the caller does not time
+/// it): the context a test runs in.
+fn start_at(e: &mut Engine, rng: &mut Rng, depth: usize) -> Result<()> {
+    e.reset()?;
+    if depth > 0 {
+        let vocab = e.config().vocab;
+        e.step(&ids(rng, vocab, depth), 0, Want::Argmax)?;
+    }
+    Ok(())
+}
+
+/// Decodes `n` tokens after `depth` held ones starting with `first`, each step fed the token
 /// the last one chose or, with `random`, a random one; returns the last id chosen.
-fn generate(e: &mut Engine, first: u32, n: usize, random: Option<&mut Rng>) -> Result<u32> {
+fn generate(e: &mut Engine, first: u32, depth: usize, n: usize, random: Option<&mut Rng>) -> Result<u32> {
     let vocab = e.config().vocab;
     let (mut t, mut chosen, mut random) = (first, first, random);
-    for at in 0..n {
+    for at in depth..depth + n {
         chosen = e
             .step(&[t], at, Want::Argmax)?
             .token()
@@ -126,18 +150,19 @@ fn run_tests(e: &mut Engine, a: &ModelBenchArgs, rng: &mut Rng) -> Result<Vec<Te
     for &pp in a.n_prompt.iter().filter(|&&n| n > 0) {
         let prompt = ids(rng, vocab, pp);
         // Warm-up: uploads the weights on the first test and prepares the programs.
-        e.step(&prompt, 0, Want::Argmax)?;
+        start_at(e, rng, a.depth)?;
+        e.step(&prompt, a.depth, Want::Argmax)?;
         let mut samples = Vec::with_capacity(a.reps);
         for _ in 0..a.reps {
             let prompt = ids(rng, vocab, pp);
             // Each run is a new sequence (the hybrids' states start from zero).
-            e.reset()?;
+            start_at(e, rng, a.depth)?;
             let start = Instant::now();
-            e.step(&prompt, 0, Want::Argmax)?;
+            e.step(&prompt, a.depth, Want::Argmax)?;
             samples.push(start.elapsed().as_secs_f64());
         }
         rows.push(TestRow {
-            name: format!("pp{pp}"),
+            name: at_depth(format!("pp{pp}"), a.depth),
             n_prompt: pp,
             n_gen: 0,
             samples,
@@ -145,27 +170,29 @@ fn run_tests(e: &mut Engine, a: &ModelBenchArgs, rng: &mut Rng) -> Result<Vec<Te
         });
     }
     for &tg in a.n_gen.iter().filter(|&&n| n > 0) {
+        start_at(e, rng, a.depth)?;
         generate(
             e,
             ids(rng, vocab, 1)[0],
+            a.depth,
             tg.min(4),
             tg_tokens(a.tg_input, rng).as_mut(),
         )?;
         let (mut samples, mut copied) = (Vec::with_capacity(a.reps), Vec::new());
         for _ in 0..a.reps {
             let first = ids(rng, vocab, 1)[0];
-            e.reset()?;
+            start_at(e, rng, a.depth)?;
             let mut tokens = tg_tokens(a.tg_input, rng);
             let before = e.expert_stats()?;
             let start = Instant::now();
-            generate(e, first, tg, tokens.as_mut())?;
+            generate(e, first, a.depth, tg, tokens.as_mut())?;
             samples.push(start.elapsed().as_secs_f64());
             if let (Some(b), Some(after)) = (before, e.expert_stats()?) {
                 copied.push((after.bytes_copied - b.bytes_copied) as f64 / tg as f64);
             }
         }
         rows.push(TestRow {
-            name: format!("tg{tg}"),
+            name: at_depth(format!("tg{tg}"), a.depth),
             n_prompt: 0,
             n_gen: tg,
             samples,
@@ -209,15 +236,20 @@ fn disk_probe(e: &mut Engine) -> Result<serde_json::Value> {
 /// context (hit rate, misses and bytes copied per token; of those, the bytes read from the
 /// weight files and the seconds spent reading them, and the seconds the host spent bringing
 /// experts in); null otherwise.
-fn expert_extras(e: &mut Engine, tg: usize, input: TgInput, rng: &mut Rng) -> Result<serde_json::Value> {
+fn expert_extras(
+    e: &mut Engine,
+    (depth, tg): (usize, usize),
+    input: TgInput,
+    rng: &mut Rng,
+) -> Result<serde_json::Value> {
     let Some(before) = e.expert_stats()? else {
         return Ok(serde_json::Value::Null);
     };
     let (disk_before, host_before) = (e.disk_stats().map(|d| d.0).unwrap_or_default(), e.host_seconds());
     let first = ids(rng, e.config().vocab, 1)[0];
-    e.reset()?;
+    start_at(e, rng, depth)?;
     let start = Instant::now();
-    generate(e, first, tg, tg_tokens(input, rng).as_mut())?;
+    generate(e, first, depth, tg, tg_tokens(input, rng).as_mut())?;
     let secs = start.elapsed().as_secs_f64();
     let after = e.expert_stats()?.context("the cache went away")?;
     let disk = e.disk_stats().map(|d| d.0).unwrap_or_default();
@@ -241,7 +273,7 @@ fn expert_extras(e: &mut Engine, tg: usize, input: TgInput, rng: &mut Rng) -> Re
 /// run. Null on the CPU.
 fn cuda_extras(
     e: &mut Engine,
-    tg: usize,
+    (depth, tg): (usize, usize),
     (profile, input): (bool, TgInput),
     rng: &mut Rng,
 ) -> Result<serde_json::Value> {
@@ -249,9 +281,10 @@ fn cuda_extras(
         return Ok(serde_json::Value::Null);
     };
     let first = ids(rng, e.config().vocab, 1)[0];
+    start_at(e, rng, depth)?;
     dev.synchronize()?;
     let before = dev.counters();
-    generate(e, first, tg, tg_tokens(input, rng).as_mut())?;
+    generate(e, first, depth, tg, tg_tokens(input, rng).as_mut())?;
     let d = dev.counters() - before;
     let per = |n: u64| n as f64 / tg as f64;
     let counters = serde_json::json!({
@@ -267,11 +300,13 @@ fn cuda_extras(
             }
         };
         set_mode(e, RunMode::Eager);
-        generate(e, first, tg.min(4), tg_tokens(input, rng).as_mut())?;
+        start_at(e, rng, depth)?;
+        generate(e, first, depth, tg.min(4), tg_tokens(input, rng).as_mut())?;
+        start_at(e, rng, depth)?;
         dev.take_profile()?;
         dev.set_profiling(true);
         let start = Instant::now();
-        let outcome = generate(e, first, tg, tg_tokens(input, rng).as_mut());
+        let outcome = generate(e, first, depth, tg, tg_tokens(input, rng).as_mut());
         dev.set_profiling(false);
         set_mode(e, RunMode::Graph);
         outcome?;
@@ -321,7 +356,8 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
         .copied()
         .max()
         .unwrap_or(0)
-        .max(1);
+        .max(1)
+        .saturating_add(a.depth);
     let mut rng = Rng::new(a.seed ^ 0xBE7C);
     let mut opts = EngineOptions::with_ctx(ctx);
     a.backend.apply(&mut opts);
@@ -337,12 +373,12 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
     let rows = run_tests(&mut engine, &a, &mut rng)?;
     let tg = a.n_gen.iter().copied().max().unwrap_or(0);
     let experts = if tg > 0 {
-        expert_extras(&mut engine, tg, a.tg_input, &mut rng)?
+        expert_extras(&mut engine, (a.depth, tg), a.tg_input, &mut rng)?
     } else {
         serde_json::Value::Null
     };
     let counters = if tg > 0 {
-        cuda_extras(&mut engine, tg, (a.profile, a.tg_input), &mut rng)?
+        cuda_extras(&mut engine, (a.depth, tg), (a.profile, a.tg_input), &mut rng)?
     } else {
         serde_json::Value::Null
     };
@@ -361,6 +397,7 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
                     "test": r.name,
                     "n_prompt": r.n_prompt,
                     "n_gen": r.n_gen,
+                    "n_depth": a.depth,
                     "tokens_per_s": r.median_tps(),
                     "samples_tokens_per_s": tps,
                 });

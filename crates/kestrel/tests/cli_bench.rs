@@ -94,6 +94,30 @@ fn model_directory_and_bad_arguments() {
     }
 }
 
+/// `-d`: every test runs after that many held tokens (the context holds them and the test),
+/// named as llama-bench names it.
+#[test]
+fn tests_run_at_a_depth() {
+    let dir = kestrel_testing::fixtures::path("crates/kestrel-model/tests/parity/qwen3_next");
+    let v = bench(&[
+        "-m",
+        dir.to_str().unwrap(),
+        "-p",
+        "4",
+        "-n",
+        "3",
+        "-d",
+        "29",
+        "-r",
+        "2",
+    ]);
+    let names: Vec<String> = rates(&v).into_iter().map(|t| t.0).collect();
+    assert_eq!(names, ["pp4 @ d29", "tg3 @ d29"]);
+    for t in v["results"].as_array().unwrap() {
+        assert_eq!(t["n_depth"], 29, "{t}");
+    }
+}
+
 /// With experts streamed (about the smallest budget `inspect` names, so steps evict), each
 /// generation run reports the bytes it copied per token beside its rate, and the one-run cache
 /// statistics are there.
