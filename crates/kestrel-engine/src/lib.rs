@@ -1,4 +1,4 @@
-//! Kestrel's engine, the library under every front end (the CLI today, a server next).
+//! Kestrel's engine, the library under every front end (the CLI and the HTTP server).
 //!
 //! [`Model::open`] reads what a model needs once: config, weights, tokenizer, generation
 //! config, from a directory, from the model built into the binary, or built in memory at a
