@@ -673,3 +673,59 @@ fn a_stop_string_ends_the_answer_before_it() {
         .collect();
     assert_eq!(streamed, &text[..at]);
 }
+
+#[test]
+fn bench_serve_measures_a_running_server_by_its_url() {
+    let s = Server::start(&["--api-key", "k"]);
+    let o = Command::new(env!("CARGO_BIN_EXE_kestrel"))
+        .args([
+            "bench",
+            "serve",
+            "--url",
+            &s.base,
+            "--api-key",
+            "k",
+            "-c",
+            "2",
+            "-n",
+            "3",
+        ])
+        .args(["--prompt-len", "5", "--output-len", "4", "--json"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    let v: Value =
+        serde_json::from_str(String::from_utf8(o.stdout).unwrap().lines().last().unwrap()).unwrap();
+    assert_eq!(
+        (v["completed"].as_u64(), v["output_tokens"].as_u64()),
+        (Some(3), Some(12)),
+        "{v}"
+    );
+    assert_eq!(v["url"], s.base.as_str());
+    // The server served them (and the warm-up): 16 tokens in its counters.
+    let (_, m) = s.get("/metrics");
+    assert_eq!(metric(&m, "kestrel_generation_tokens_total"), 16.0, "{m}");
+    // Without the key, the run fails and says why.
+    let o = Command::new(env!("CARGO_BIN_EXE_kestrel"))
+        .args([
+            "bench",
+            "serve",
+            "--url",
+            &s.base,
+            "-n",
+            "1",
+            "--prompt-len",
+            "5",
+            "--output-len",
+            "4",
+        ])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("401"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
