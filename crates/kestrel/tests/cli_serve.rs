@@ -482,6 +482,15 @@ fn bench_serve_reports_every_request() {
     assert!(err.contains("server: serving kestrel-tiny"), "{err}");
 }
 
+/// The elements of the JSON array `v`, each read by `read`.
+fn array<T>(v: &Value, read: impl Fn(&Value) -> Option<T>) -> Vec<T> {
+    let items = v.as_array().unwrap_or_else(|| panic!("not an array: {v}"));
+    items
+        .iter()
+        .map(|x| read(x).unwrap_or_else(|| panic!("{x} in {v}")))
+        .collect()
+}
+
 #[test]
 fn logprobs_are_the_models() {
     let s = Server::start(&[]);
@@ -490,20 +499,10 @@ fn logprobs_are_the_models() {
     let (status, got) = s.post("/v1/completions", &body);
     assert_eq!(status, 200, "{got}");
     let lp = &got["choices"][0]["logprobs"];
-    let token_lps: Vec<f64> = lp["token_logprobs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_f64().unwrap())
-        .collect();
+    let token_lps = array(&lp["token_logprobs"], Value::as_f64);
     assert_eq!(token_lps.len(), 3, "{lp}");
     assert_eq!(lp["tokens"].as_array().unwrap().len(), 3);
-    let offsets: Vec<u64> = lp["text_offset"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_u64().unwrap())
-        .collect();
+    let offsets = array(&lp["text_offset"], Value::as_u64);
     assert!(
         offsets[0] == 0 && offsets.windows(2).all(|w| w[0] <= w[1]),
         "{offsets:?}"
