@@ -77,7 +77,7 @@ fn expect_shape(t: &Tensor, shape: &[usize]) -> Result<()> {
     if t.shape != shape {
         return Err(tensor_error(
             t,
-            format!("shape {:?}, expected {shape:?}", t.shape),
+            format!("shape {:?}, config.json implies {shape:?}", t.shape),
         ));
     }
     Ok(())
@@ -170,7 +170,7 @@ fn mlx_format(w: &Weights, mlp: &str, l: &ExpertLayout, m: Which) -> Result<(Qua
         return bad(
             &wt,
             format!(
-                "{} {:?}, expected u32 [{}, {rows}, words]",
+                "{} {:?}, config.json implies u32 [{}, {rows}, words]",
                 wt.dtype, wt.shape, l.experts
             ),
         );
@@ -185,7 +185,7 @@ fn mlx_format(w: &Weights, mlp: &str, l: &ExpertLayout, m: Which) -> Result<(Qua
         return bad(
             &st,
             format!(
-                "{} {:?}, expected bf16 [{}, {rows}, groups]",
+                "{} {:?}, config.json implies bf16 [{}, {rows}, groups]",
                 st.dtype, st.shape, l.experts
             ),
         );

@@ -236,7 +236,10 @@ impl Build<'_> {
         // agree once dimensions of size 1 are dropped (a transposed matrix still does not).
         let squeeze = |s: &[usize]| s.iter().copied().filter(|&d| d != 1).collect::<Vec<_>>();
         if squeeze(t.shape) != squeeze(shape) {
-            return Err(self.err(name, format!("shape {:?}, expected {shape:?}", t.shape)));
+            return Err(self.err(
+                name,
+                format!("shape {:?}, config.json implies {shape:?}", t.shape),
+            ));
         }
         let b = self.g.weight(name, t.dtype, shape.to_vec());
         self.sources
@@ -251,7 +254,10 @@ impl Build<'_> {
         let t = self.w.get(&name)?;
         if !self.w.contains(&format!("{base}.scales")) {
             if t.shape != [rows, cols] {
-                return Err(self.err(&name, format!("shape {:?}, expected [{rows}, {cols}]", t.shape)));
+                return Err(self.err(
+                    &name,
+                    format!("shape {:?}, config.json implies [{rows}, {cols}]", t.shape),
+                ));
             }
             // Routers and gates decide discrete things: 8 bits whatever the rest gets.
             let router = base.ends_with(".mlp.gate") || base.ends_with(".shared_expert_gate");
@@ -266,7 +272,10 @@ impl Build<'_> {
         if t.dtype != DType::U32 || t.shape.len() != 2 || t.shape[0] != rows || t.shape[1] == 0 {
             return Err(self.err(
                 &name,
-                format!("{} {:?}, expected u32 [{rows}, words]", t.dtype, t.shape),
+                format!(
+                    "{} {:?}, config.json implies u32 [{rows}, words]",
+                    t.dtype, t.shape
+                ),
             ));
         }
         let bits = (32 * t.shape[1] / cols) as u32;
@@ -275,7 +284,7 @@ impl Build<'_> {
         if groups == 0 || cols % groups != 0 {
             return Err(self.err(
                 &format!("{base}.scales"),
-                format!("shape {:?} for {cols} columns", s.shape),
+                format!("shape {:?} for the {cols} columns config.json implies", s.shape),
             ));
         }
         let format = QuantFormat {
