@@ -57,7 +57,8 @@ fn a_transposed_projection_is_refused() {
     });
     let msg = build_error(&d, SPEC);
     assert!(
-        msg.contains("model.layers.1.self_attn.k_proj.weight") && msg.contains("expected"),
+        msg.contains("model.layers.1.self_attn.k_proj.weight")
+            && msg.contains("config.json implies [32, 64]"),
         "{msg}"
     );
 }
