@@ -148,13 +148,14 @@ impl GraphBuilder {
         self.declare(label, dtype, shape.into(), BufKind::State)
     }
 
-    /// A key or value cache `[kv_heads, max_ctx, head_dim]` (f32, bf16 or f16).
+    /// A key or value cache of `rows` rows, `[kv_heads, rows, head_dim]` (f32, bf16 or f16),
+    /// read through [`KvPages`].
     pub fn cache(
         &mut self,
         label: &str,
         dtype: DType,
         kv_heads: usize,
-        max_ctx: usize,
+        rows: usize,
         head_dim: usize,
     ) -> BufId<Cache> {
         self.check(
@@ -162,7 +163,55 @@ impl GraphBuilder {
             matches!(dtype, DType::F32 | DType::BF16 | DType::F16),
             || format!("cache dtype {dtype}"),
         );
-        self.declare(label, dtype, vec![kv_heads, max_ctx, head_dim], BufKind::State)
+        self.declare(label, dtype, vec![kv_heads, rows, head_dim], BufKind::State)
+    }
+
+    /// The block table of `seqs` sequences of up to `max_blocks` blocks, written by the host.
+    pub fn page_table_input(&mut self, label: &str, seqs: usize, max_blocks: usize) -> BufId<PageTable> {
+        self.declare(label, DType::U32, vec![seqs, max_blocks], BufKind::Input)
+    }
+
+    /// The sequence of each of `n` tokens (or, with `n` 1, of every token), written by the host.
+    pub fn seq_input(&mut self, label: &str, n: usize) -> BufId<SeqIds> {
+        self.declare(label, DType::U32, vec![n], BufKind::Input)
+    }
+
+    /// The pages of caches of `block`-row blocks (a power of two) through `table`, each token's
+    /// sequence in `seq` (one entry: every token's).
+    pub fn kv_pages(
+        &mut self,
+        name: &str,
+        table: BufId<PageTable>,
+        seq: BufId<SeqIds>,
+        block: usize,
+    ) -> KvPages {
+        let t = self.decl(table).shape.clone();
+        self.check(name, t.len() == 2 && t[0] > 0 && t[1] > 0, || {
+            format!("block table of shape {t:?}")
+        });
+        self.check(name, block.is_power_of_two(), || {
+            format!("blocks of {block} rows")
+        });
+        self.check_dtype(name, table, &[DType::U32]);
+        self.check_dtype(name, seq, &[DType::U32]);
+        KvPages {
+            table: table.raw(),
+            seq: seq.raw(),
+            one_seq: self.decl(seq).elem_count() == 1,
+            block,
+            max_blocks: t.get(1).copied().unwrap_or(0),
+            seqs: t.first().copied().unwrap_or(0),
+        }
+    }
+
+    /// Checks that `pages` fit caches of `rows` rows and tell the sequence of `tokens` tokens.
+    fn check_pages(&mut self, name: &str, pages: &KvPages, rows: usize, tokens: usize) {
+        self.check(name, rows % pages.block == 0, || {
+            format!("{rows} cache rows are not blocks of {}", pages.block)
+        });
+        if !pages.one_seq {
+            self.check_len(name, pages.seq, tokens);
+        }
     }
 
     pub fn tokens_input(&mut self, label: &str, tokens: usize) -> BufId<Tokens> {
@@ -627,17 +676,19 @@ impl GraphBuilder {
         positions: BufId<Positions>,
         k_cache: BufId<Cache>,
         v_cache: BufId<Cache>,
+        pages: KvPages,
     ) {
-        let (kv_heads, max_ctx, head_dim) = self.cache_dims(k_cache);
+        let (kv_heads, rows, head_dim) = self.cache_dims(k_cache);
         self.check(
             name,
-            self.cache_dims(v_cache) == (kv_heads, max_ctx, head_dim),
+            self.cache_dims(v_cache) == (kv_heads, rows, head_dim),
             || "k and v caches differ".into(),
         );
         let (tokens, _) = self.rows_cols(k);
         self.check_cols(name, k, kv_heads * head_dim);
         self.check_cols(name, v, kv_heads * head_dim);
         self.check_len(name, positions, tokens);
+        self.check_pages(name, &pages, rows, tokens);
         self.push(
             name,
             Op::KvAppend {
@@ -646,10 +697,11 @@ impl GraphBuilder {
                 positions: positions.raw(),
                 k_cache: k_cache.raw(),
                 v_cache: v_cache.raw(),
+                pages,
                 tokens,
                 kv_heads,
                 head_dim,
-                max_ctx,
+                rows,
             },
         );
     }
@@ -670,11 +722,12 @@ impl GraphBuilder {
         scaling: f32,
         k_cache: BufId<Cache>,
         v_cache: BufId<Cache>,
+        pages: KvPages,
     ) -> (BufId<Act>, Option<BufId<Act>>) {
-        let (kv_heads, max_ctx, head_dim) = self.cache_dims(k_cache);
+        let (kv_heads, rows, head_dim) = self.cache_dims(k_cache);
         self.check(
             name,
-            self.cache_dims(v_cache) == (kv_heads, max_ctx, head_dim),
+            self.cache_dims(v_cache) == (kv_heads, rows, head_dim),
             || "k and v caches differ".into(),
         );
         let (tokens, cols) = self.rows_cols(qkv);
@@ -687,6 +740,7 @@ impl GraphBuilder {
         );
         let heads = cols.saturating_sub(kv_cols) / q_stride;
         self.check_len(name, positions, tokens);
+        self.check_pages(name, &pages, rows, tokens);
         self.check(name, rot_dim % 2 == 0 && rot_dim <= head_dim, || {
             format!("rot_dim {rot_dim} for head_dim {head_dim}")
         });
@@ -721,13 +775,14 @@ impl GraphBuilder {
                 inv_freq: inv_freq.raw(),
                 k_cache: k_cache.raw(),
                 v_cache: v_cache.raw(),
+                pages,
                 tokens,
                 heads,
                 kv_heads,
                 head_dim,
                 rot_dim,
                 scaling,
-                max_ctx,
+                rows,
             },
         );
         (q, gate)
@@ -741,10 +796,11 @@ impl GraphBuilder {
         k_cache: BufId<Cache>,
         v_cache: BufId<Cache>,
         positions: BufId<Positions>,
+        pages: KvPages,
         heads: usize,
         scale: f32,
     ) -> BufId<Act> {
-        let (kv_heads, max_ctx, head_dim) = self.cache_dims(k_cache);
+        let (kv_heads, rows, head_dim) = self.cache_dims(k_cache);
         self.check_dtype(name, q, &[DType::F32]);
         let (tokens, _) = self.rows_cols(q);
         self.check_cols(name, q, heads * head_dim);
@@ -752,6 +808,7 @@ impl GraphBuilder {
             format!("{heads} heads over {kv_heads} kv heads")
         });
         self.check_len(name, positions, tokens);
+        self.check_pages(name, &pages, rows, tokens);
         let out = self.transient(name, DType::F32, vec![tokens, heads * head_dim]);
         self.push(
             name,
@@ -760,12 +817,13 @@ impl GraphBuilder {
                 k_cache: k_cache.raw(),
                 v_cache: v_cache.raw(),
                 positions: positions.raw(),
+                pages,
                 out: out.raw(),
                 tokens,
                 heads,
                 kv_heads,
                 head_dim,
-                max_ctx,
+                rows,
                 scale,
             },
         );

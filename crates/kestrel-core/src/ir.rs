@@ -74,8 +74,13 @@ roles!(
     Tokens,
     /// Absolute positions of the tokens, u32 `[tokens]`.
     Positions,
-    /// A key or value cache `[kv_heads, max_ctx, head_dim]`.
+    /// A key or value cache: a pool of blocks of rows, `[kv_heads, rows, head_dim]` (see
+    /// [`KvPages`]).
     Cache,
+    /// The block table of the sequences a graph's attention reads, u32 `[seqs, max_blocks]`.
+    PageTable,
+    /// The sequence (row of the block table) of each token, or of all of them, u32.
+    SeqIds,
     /// Recurrent or convolution state, f32, persistent.
     State,
     /// Selected experts, u32 `[tokens, top_k]`.
@@ -164,7 +169,8 @@ pub enum BufKind {
     HostWeight,
     /// Persistent and read-write (KV caches, recurrent and convolution states), shared by label.
     State,
-    /// Written by the host before each run; never aliased.
+    /// Written by the host before the runs that read it (it keeps what was last written);
+    /// never aliased.
     Input,
     /// Read back by the host after a run; never aliased.
     Output,
@@ -314,6 +320,54 @@ impl ExpertLayout {
     }
 }
 
+/// Where the keys and values of each token's sequence live in the caches. A cache is a pool of
+/// blocks of `block` rows (`[kv_heads, rows, head_dim]`, `rows` a multiple of `block`); the
+/// position `p` of sequence `s` is cache row `table[s][p / block] * block + p % block`, so a
+/// sequence holds positions below `max_blocks * block`. Token `t` belongs to sequence
+/// `seq[t]`, or, when `one_seq`, every token to `seq[0]` (a chunk of one sequence: backends may
+/// share each key between its tokens). One sequence whose table is `0, 1, 2, ...` is a plain
+/// contiguous cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvPages {
+    /// u32 `[seqs, max_blocks]`.
+    pub table: Buf,
+    /// u32 `[tokens]`, or `[1]` when `one_seq`.
+    pub seq: Buf,
+    pub one_seq: bool,
+    /// Rows of a block, a power of two.
+    pub block: usize,
+    pub max_blocks: usize,
+    /// Sequences the table holds.
+    pub seqs: usize,
+}
+
+impl KvPages {
+    /// The positions a sequence can hold.
+    pub fn max_ctx(&self) -> usize {
+        self.max_blocks * self.block
+    }
+
+    /// The sequence token `t` belongs to, from the contents of `seq`.
+    pub fn seq_of(&self, seq: &[u32], t: usize) -> usize {
+        seq[if self.one_seq { 0 } else { t }] as usize
+    }
+
+    /// The cache row of position `pos` of sequence `s`, from the contents of `table`; `None`
+    /// past the sequence's blocks or where the table names a block past the cache's `rows`.
+    pub fn row(&self, table: &[u32], s: usize, pos: usize, rows: usize) -> Option<usize> {
+        if s >= self.seqs || pos >= self.max_ctx() {
+            return None;
+        }
+        let at = table[s * self.max_blocks + pos / self.block] as usize * self.block + pos % self.block;
+        (at < rows).then_some(at)
+    }
+
+    /// The buffers the ops that carry these pages read.
+    pub fn bufs(&self) -> [Buf; 2] {
+        [self.table, self.seq]
+    }
+}
+
 /// Per-head RMS norms of queries and keys (`[head_dim]` weights each), as Qwen3 applies them
 /// before the rotation.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -443,17 +497,19 @@ pub enum Op {
         rows: usize,
         cols: usize,
     },
-    /// Writes `k`, `v: [tokens, kv_heads, head_dim]` into the caches at `positions[t]`.
+    /// Writes `k`, `v: [tokens, kv_heads, head_dim]` into the caches (`[kv_heads, rows,
+    /// head_dim]`) at the rows of `positions[t]` of each token's sequence.
     KvAppend {
         k: Buf,
         v: Buf,
         positions: Buf,
         k_cache: Buf,
         v_cache: Buf,
+        pages: KvPages,
         tokens: usize,
         kv_heads: usize,
         head_dim: usize,
-        max_ctx: usize,
+        rows: usize,
     },
     /// The inputs of attention for new tokens in one op, from the fused projection `qkv:
     /// [tokens, heads * q_stride + 2 * kv_heads * head_dim]` (a row holds each query head's
@@ -471,26 +527,29 @@ pub enum Op {
         inv_freq: Buf,
         k_cache: Buf,
         v_cache: Buf,
+        pages: KvPages,
         tokens: usize,
         heads: usize,
         kv_heads: usize,
         head_dim: usize,
         rot_dim: usize,
         scaling: f32,
-        max_ctx: usize,
+        rows: usize,
     },
-    /// Causal attention with GQA: query token t attends to cache rows `0 ..= positions[t]`.
+    /// Causal attention with GQA: query token t attends to positions `0 ..= positions[t]` of
+    /// its sequence.
     Attention {
         q: Buf,
         k_cache: Buf,
         v_cache: Buf,
         positions: Buf,
+        pages: KvPages,
         out: Buf,
         tokens: usize,
         heads: usize,
         kv_heads: usize,
         head_dim: usize,
-        max_ctx: usize,
+        rows: usize,
         scale: f32,
     },
     /// Softmax over `experts`, top `k` (ties to the lower index), optional renormalisation.
@@ -671,11 +730,13 @@ impl Op {
                 positions,
                 k_cache,
                 v_cache,
+                pages,
                 ..
-            } => (
-                vec![*k, *v, *positions, *k_cache, *v_cache],
-                vec![*k_cache, *v_cache],
-            ),
+            } => {
+                let mut r = vec![*k, *v, *positions, *k_cache, *v_cache];
+                r.extend(pages.bufs());
+                (r, vec![*k_cache, *v_cache])
+            }
             AttentionInputs {
                 qkv,
                 q,
@@ -685,9 +746,11 @@ impl Op {
                 inv_freq,
                 k_cache,
                 v_cache,
+                pages,
                 ..
             } => {
                 let mut r = vec![*qkv, *positions, *inv_freq, *k_cache, *v_cache];
+                r.extend(pages.bufs());
                 r.extend(norms.iter().flat_map(|n| [n.q, n.k]));
                 let mut w = vec![*q, *k_cache, *v_cache];
                 w.extend(gate);
@@ -698,9 +761,14 @@ impl Op {
                 k_cache,
                 v_cache,
                 positions,
+                pages,
                 out,
                 ..
-            } => (vec![*q, *k_cache, *v_cache, *positions], vec![*out]),
+            } => {
+                let mut r = vec![*q, *k_cache, *v_cache, *positions];
+                r.extend(pages.bufs());
+                (r, vec![*out])
+            }
             Router {
                 logits, ids, weights, ..
             } => (vec![*logits], vec![*ids, *weights]),

@@ -34,15 +34,40 @@
 #error "attention.cu is compiled with the launch geometry of ops/attention.rs as -D definitions"
 #endif
 
+// The caches are pools of blocks of rows, [kv_heads, rows, head_dim]: position p of a sequence is
+// row table[p / block] * block + p % block of its block table (`KvPages` in kestrel-core). Every
+// kernel takes the pages as (table, seq, seq_step, max_blocks, shift): the block table
+// [seqs, max_blocks], the sequence of token t at seq[t * seq_step] (seq_step 0: one sequence for
+// every token), and block = 1 << shift.
+struct Pages {
+    const unsigned* blocks;  // this sequence's row of the table
+    unsigned shift, max_ctx;
+    // The cache row of position p (< max_ctx).
+    __device__ __forceinline__ unsigned row(unsigned p) const {
+        return (blocks[p >> shift] << shift) | (p & ((1u << shift) - 1));
+    }
+};
+
+__device__ __forceinline__ Pages pages_of(const unsigned* table, const unsigned* seq, unsigned seq_step,
+                                          unsigned max_blocks, unsigned shift, unsigned t) {
+    return Pages{table + (size_t)seq[t * seq_step] * max_blocks, shift, max_blocks << shift};
+}
+
+#define PAGE_PARAMS const unsigned *table, const unsigned *seq, unsigned seq_step, unsigned max_blocks, unsigned shift
+#define PAGE_ARGS table, seq, seq_step, max_blocks, shift
+
 template <typename T>
 __device__ void kv_append(const float* k, const float* v, const unsigned* positions, T* k_cache, T* v_cache,
-                          unsigned tokens, unsigned kv_heads, unsigned head_dim, unsigned max_ctx) {
+                          PAGE_PARAMS, unsigned tokens, unsigned kv_heads, unsigned head_dim, unsigned rows) {
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)tokens * kv_heads * head_dim) return;
     const size_t t = i / ((size_t)kv_heads * head_dim), h = (i / head_dim) % kv_heads, d = i % head_dim;
     const unsigned p = positions[t];
-    if (p >= max_ctx) return;  // the host checks lengths before any work; never write outside the cache
-    const size_t dst = (h * max_ctx + p) * head_dim + d;
+    const Pages pg = pages_of(PAGE_ARGS, t);
+    if (p >= pg.max_ctx) return;  // the host checks lengths before any work; never write outside the cache
+    const unsigned r = pg.row(p);
+    if (r >= rows) return;
+    const size_t dst = (h * rows + r) * head_dim + d;
     k_cache[dst] = from_f32<T>(k[i]);
     v_cache[dst] = from_f32<T>(v[i]);
 }
@@ -57,8 +82,8 @@ __device__ void kv_append(const float* k, const float* v, const unsigned* positi
 template <typename T, typename W>
 __device__ void attention_inputs(const float* qkv, float* q, float* gate, const W* q_norm, const W* k_norm,
                                  float eps, int zero_centered, const unsigned* positions, const float* inv_freq,
-                                 T* k_cache, T* v_cache, unsigned heads, unsigned kv_heads, unsigned head_dim,
-                                 unsigned q_stride, unsigned rot_dim, float scaling, unsigned max_ctx) {
+                                 T* k_cache, T* v_cache, PAGE_PARAMS, unsigned heads, unsigned kv_heads,
+                                 unsigned head_dim, unsigned q_stride, unsigned rot_dim, float scaling, unsigned rows) {
     __shared__ float row[256];
     __shared__ float scratch[32];
     const unsigned t = blockIdx.x, r = blockIdx.y;
@@ -86,10 +111,13 @@ __device__ void attention_inputs(const float* qkv, float* q, float* gate, const 
         }
     }
     __syncthreads();
-    if (!is_q && p >= max_ctx) return;  // the host checks lengths before any work; never write outside the cache
+    const Pages pg = pages_of(PAGE_ARGS, t);
+    // The host checks lengths before any work; never write outside the cache.
+    const unsigned cache_row = !is_q && p < pg.max_ctx ? pg.row(p) : rows;
+    if (!is_q && cache_row >= rows) return;
     const unsigned half = (is_q || is_k) ? rot_dim / 2 : 0;
     float* qh = q + ((size_t)t * heads + h) * head_dim;
-    const size_t at = ((size_t)h * max_ctx + p) * head_dim;
+    const size_t at = ((size_t)h * rows + cache_row) * head_dim;
     for (unsigned i = threadIdx.x; i < head_dim; i += blockDim.x) {
         float out;
         if (i < half) {
@@ -112,15 +140,16 @@ __device__ void attention_inputs(const float* qkv, float* q, float* gate, const 
 
 template <typename T>
 __device__ void attention(const float* q, const T* k_cache, const T* v_cache, const unsigned* positions,
-                          float* out, unsigned heads, unsigned kv_heads, unsigned head_dim, unsigned max_ctx,
-                          float scale) {
+                          PAGE_PARAMS, float* out, unsigned heads, unsigned kv_heads, unsigned head_dim,
+                          unsigned rows, float scale) {
     __shared__ float s_m[WARPS], s_l[WARPS];
     __shared__ float s_acc[WARPS][MAX_PER_LANE * 32];
     const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const size_t row = blockIdx.x;  // token * heads + head
     const unsigned t = row / heads, h = row % heads;
     const unsigned kvh = h / (heads / kv_heads);
-    const unsigned n = min(positions[t] + 1, max_ctx);
+    const Pages pg = pages_of(PAGE_ARGS, t);
+    const unsigned n = min(positions[t] + 1, pg.max_ctx);
     float qv[MAX_PER_LANE], acc[MAX_PER_LANE];
 #pragma unroll
     for (int r = 0; r < MAX_PER_LANE; r++) {
@@ -129,14 +158,15 @@ __device__ void attention(const float* q, const T* k_cache, const T* v_cache, co
         acc[r] = 0.0f;
     }
     float m = -INFINITY, l = 0.0f;
-    const T* kb = k_cache + (size_t)kvh * max_ctx * head_dim;
-    const T* vb = v_cache + (size_t)kvh * max_ctx * head_dim;
+    const T* kb = k_cache + (size_t)kvh * rows * head_dim;
+    const T* vb = v_cache + (size_t)kvh * rows * head_dim;
     for (unsigned j = warp; j < n; j += WARPS) {
+        const size_t at = (size_t)pg.row(j) * head_dim;
         float s = 0.0f;
 #pragma unroll
         for (int r = 0; r < MAX_PER_LANE; r++) {
             const unsigned d = lane + 32 * r;
-            if (d < head_dim) s += qv[r] * to_f32(kb[(size_t)j * head_dim + d]);
+            if (d < head_dim) s += qv[r] * to_f32(kb[at + d]);
         }
         s = warp_sum(s) * scale;
         const float m_new = fmaxf(m, s);
@@ -145,7 +175,7 @@ __device__ void attention(const float* q, const T* k_cache, const T* v_cache, co
 #pragma unroll
         for (int r = 0; r < MAX_PER_LANE; r++) {
             const unsigned d = lane + 32 * r;
-            if (d < head_dim) acc[r] = acc[r] * corr + p * to_f32(vb[(size_t)j * head_dim + d]);
+            if (d < head_dim) acc[r] = acc[r] * corr + p * to_f32(vb[at + d]);
         }
         m = m_new;
     }
@@ -175,17 +205,17 @@ __device__ void attention(const float* q, const T* k_cache, const T* v_cache, co
 
 #define ATTN(T, NAME)                                                                                       \
     extern "C" __global__ void kv_append_##NAME(const float* k, const float* v, const unsigned* positions,   \
-                                                T* k_cache, T* v_cache, unsigned tokens, unsigned kv_heads,  \
-                                                unsigned head_dim, unsigned max_ctx) {                      \
+                                                T* k_cache, T* v_cache, PAGE_PARAMS, unsigned tokens,        \
+                                                unsigned kv_heads, unsigned head_dim, unsigned rows) {       \
         pdl_begin();                                                                                        \
-        kv_append(k, v, positions, k_cache, v_cache, tokens, kv_heads, head_dim, max_ctx);                  \
+        kv_append(k, v, positions, k_cache, v_cache, PAGE_ARGS, tokens, kv_heads, head_dim, rows);          \
     }                                                                                                       \
     extern "C" __global__ void attention_##NAME(const float* q, const T* k_cache, const T* v_cache,          \
-                                                const unsigned* positions, float* out, unsigned heads,       \
-                                                unsigned kv_heads, unsigned head_dim, unsigned max_ctx,      \
-                                                float scale) {                                               \
+                                                const unsigned* positions, PAGE_PARAMS, float* out,          \
+                                                unsigned heads, unsigned kv_heads, unsigned head_dim,        \
+                                                unsigned rows, float scale) {                                \
         pdl_begin();                                                                                        \
-        attention(q, k_cache, v_cache, positions, out, heads, kv_heads, head_dim, max_ctx, scale);          \
+        attention(q, k_cache, v_cache, positions, PAGE_ARGS, out, heads, kv_heads, head_dim, rows, scale);  \
     }
 
 ATTN(float, f32)
@@ -197,11 +227,11 @@ ATTN(f16, f16)
     extern "C" __global__ void attention_inputs_##NAME##_##WNAME(                                           \
         const float* qkv, float* q, float* gate, const W* q_norm, const W* k_norm, float eps,              \
         int zero_centered, const unsigned* positions, const float* inv_freq, T* k_cache, T* v_cache,        \
-        unsigned heads, unsigned kv_heads, unsigned head_dim, unsigned q_stride, unsigned rot_dim,          \
-        float scaling, unsigned max_ctx) {                                                                  \
+        PAGE_PARAMS, unsigned heads, unsigned kv_heads, unsigned head_dim, unsigned q_stride,               \
+        unsigned rot_dim, float scaling, unsigned rows) {                                                   \
         pdl_begin();                                                                                        \
         attention_inputs(qkv, q, gate, q_norm, k_norm, eps, zero_centered, positions, inv_freq, k_cache,    \
-                         v_cache, heads, kv_heads, head_dim, q_stride, rot_dim, scaling, max_ctx);          \
+                         v_cache, PAGE_ARGS, heads, kv_heads, head_dim, q_stride, rot_dim, scaling, rows);  \
     }
 #define INPUTS_ALL(T, NAME) INPUTS(T, NAME, float, f32) INPUTS(T, NAME, bf16, bf16) INPUTS(T, NAME, f16, f16)
 INPUTS_ALL(float, f32)
@@ -240,8 +270,8 @@ __device__ __forceinline__ void load8(const T* p, float out[8]) {
 
 template <typename T, int PL>
 __device__ void attention_split(const float* q, const T* k_cache, const T* v_cache, const unsigned* positions,
-                                float* part_m, float* part_l, float* part_acc, unsigned heads, unsigned kv_heads,
-                                unsigned head_dim, unsigned max_ctx, float scale, unsigned chunk) {
+                                PAGE_PARAMS, float* part_m, float* part_l, float* part_acc, unsigned heads,
+                                unsigned kv_heads, unsigned head_dim, unsigned rows, float scale, unsigned chunk) {
     extern __shared__ float smem[];
     float* qs = smem;                        // [GROUP, head_dim]
     float* wm = qs + GROUP * head_dim;       // [DEC_WARPS, GROUP]
@@ -256,7 +286,8 @@ __device__ void attention_split(const float* q, const T* k_cache, const T* v_cac
     const unsigned kvh = blockIdx.x / subgroups, h0 = kvh * group + (blockIdx.x % subgroups) * GROUP;
     const unsigned G = min((unsigned)GROUP, kvh * group + group - h0);
     const unsigned split = blockIdx.y, splits = gridDim.y, t = blockIdx.z;
-    const unsigned n = min(positions[t] + 1, max_ctx);
+    const Pages pg = pages_of(PAGE_ARGS, t);
+    const unsigned n = min(positions[t] + 1, pg.max_ctx);
     const unsigned start = split * chunk, end = min(start + chunk, n);
     for (unsigned i = threadIdx.x; i < GROUP * head_dim; i += blockDim.x)
         qs[i] = i < G * head_dim ? q[((size_t)t * heads + h0) * head_dim + i] * scale : 0.0f;
@@ -269,15 +300,16 @@ __device__ void attention_split(const float* q, const T* k_cache, const T* v_cac
 #pragma unroll
         for (int r = 0; r < PL; r++) acc[g][r] = 0.0f;
     }
-    const T* kb = k_cache + (size_t)kvh * max_ctx * head_dim;
-    const T* vb = v_cache + (size_t)kvh * max_ctx * head_dim;
+    const T* kb = k_cache + (size_t)kvh * rows * head_dim;
+    const T* vb = v_cache + (size_t)kvh * rows * head_dim;
     const unsigned row_chunks = head_dim * sizeof(T) / 16;
     for (unsigned base = start + warp * 32; base < end; base += DEC_WARPS * 32) {
         const unsigned key = base + lane;
         const bool valid = key < end;
         if (valid) {
-            const char* kr = reinterpret_cast<const char*>(kb + (size_t)key * head_dim);
-            const char* vr = reinterpret_cast<const char*>(vb + (size_t)key * head_dim);
+            const size_t at = (size_t)pg.row(key) * head_dim;
+            const char* kr = reinterpret_cast<const char*>(kb + at);
+            const char* vr = reinterpret_cast<const char*>(vb + at);
             char* kd = reinterpret_cast<char*>(ks + lane * stride);
             char* vd = reinterpret_cast<char*>(vs + lane * stride);
             for (unsigned c = 0; c < row_chunks; c++) {
@@ -488,12 +520,12 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
 
 #define SPLIT(T, NAME, PL)                                                                                  \
     extern "C" __global__ void attention_split_##NAME##_##PL(                                               \
-        const float* q, const T* k_cache, const T* v_cache, const unsigned* positions, float* part_m,       \
-        float* part_l, float* part_acc, unsigned heads, unsigned kv_heads, unsigned head_dim,               \
-        unsigned max_ctx, float scale, unsigned chunk) {                                                    \
+        const float* q, const T* k_cache, const T* v_cache, const unsigned* positions, PAGE_PARAMS,         \
+        float* part_m, float* part_l, float* part_acc, unsigned heads, unsigned kv_heads, unsigned head_dim, \
+        unsigned rows, float scale, unsigned chunk) {                                                       \
         pdl_begin();                                                                                       \
-        attention_split<T, PL>(q, k_cache, v_cache, positions, part_m, part_l, part_acc, heads, kv_heads,  \
-                               head_dim, max_ctx, scale, chunk);                                            \
+        attention_split<T, PL>(q, k_cache, v_cache, positions, PAGE_ARGS, part_m, part_l, part_acc, heads,  \
+                               kv_heads, head_dim, rows, scale, chunk);                                     \
     }
 #define SPLITS(T, NAME) SPLIT(T, NAME, 2) SPLIT(T, NAME, 3) SPLIT(T, NAME, 4) SPLIT(T, NAME, 8)
 
@@ -527,19 +559,20 @@ struct FaShape {
     static constexpr int STRIDE = HD + 8;            // shared row, in 16-bit values (16 bytes padding)
 };
 
-// Keys key0 .. key0 + n - 1 of one KV head's K and V rows (HD values each) into rows of STRIDE
-// values at kd and vd, by cp.async in 16-byte pieces dealt to threads t, t + nt, ...: keys in
-// [lo, hi) are copied, keys at or past `end` zero-filled (nothing is read for them), the others
-// left as they are. hi <= end.
+// Keys key0 .. key0 + n - 1 of one KV head's K and V rows (HD values each; kb and vb the head's
+// part of the caches, pg the sequence's pages) into rows of STRIDE values at kd and vd, by
+// cp.async in 16-byte pieces dealt to threads t, t + nt, ...: keys in [lo, hi) are copied, keys at
+// or past `end` zero-filled (nothing is read for them), the others left as they are. hi <= end.
 template <typename T, int HD, int STRIDE>
-__device__ __forceinline__ void copy_kv_rows(T* kd, T* vd, const T* kb, const T* vb, unsigned key0, unsigned n,
-                                             unsigned lo, unsigned hi, unsigned end, unsigned t, unsigned nt) {
+__device__ __forceinline__ void copy_kv_rows(T* kd, T* vd, const T* kb, const T* vb, const Pages& pg, unsigned key0,
+                                             unsigned n, unsigned lo, unsigned hi, unsigned end, unsigned t,
+                                             unsigned nt) {
     constexpr unsigned DT = HD / 8;
     for (unsigned i = t; i < n * DT; i += nt) {
         const unsigned r = i / DT, d = (i % DT) * 8, key = key0 + r;
         const bool valid = key >= lo && key < hi;
         if (!valid && key < end) continue;
-        const size_t src = (size_t)(valid ? key : 0) * HD + d;
+        const size_t src = (size_t)(valid ? pg.row(key) : 0) * HD + d;
         cp_async16(kd + r * STRIDE + d, kb + src, valid);
         cp_async16(vd + r * STRIDE + d, vb + src, valid);
     }
@@ -607,8 +640,9 @@ __device__ __forceinline__ float2 softmax_step(float s[NT][4], unsigned pa[NT / 
 
 template <typename T, int HD, int MT>
 __device__ void flash_attention(const float* q, const T* k_cache, const T* v_cache, const unsigned* positions,
-                                float* out, float* part_m, float* part_l, float* part_acc, unsigned tokens,
-                                unsigned heads, unsigned kv_heads, unsigned max_ctx, float scale, unsigned chunk) {
+                                PAGE_PARAMS, float* out, float* part_m, float* part_l, float* part_acc,
+                                unsigned tokens, unsigned heads, unsigned kv_heads, unsigned rows, float scale,
+                                unsigned chunk) {
     using S = FaShape<HD, MT>;
     constexpr int ROWS = S::ROWS, BN = S::BN, STRIDE = S::STRIDE, KSTEPS = HD / 16, NT = BN / 8, DT = HD / 8;
     extern __shared__ __align__(16) unsigned char fa_smem[];
@@ -622,25 +656,26 @@ __device__ void flash_attention(const float* q, const T* k_cache, const T* v_cac
     const unsigned group = heads / kv_heads, pairs = tokens * group;
     const unsigned kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const unsigned row0 = (gridDim.x - 1 - blockIdx.x) * ROWS;  // longest causal ranges first
+    const Pages pg = pages_of(PAGE_ARGS, 0);  // every token is of one sequence
     if (tid == 0) block_end = 0;
     __syncthreads();
     for (unsigned r = tid; r < ROWS; r += blockDim.x) {
         const unsigned p = row0 + r;
-        const unsigned n = p < pairs ? min(positions[p / group] + 1, max_ctx) : 0;
+        const unsigned n = p < pairs ? min(positions[p / group] + 1, pg.max_ctx) : 0;
         lim[r] = n;
         atomicMax(&block_end, n);
     }
     __syncthreads();
     const unsigned start = split * chunk, end = min(start + chunk, block_end);
 
-    const T* kb = k_cache + (size_t)kvh * max_ctx * HD;
-    const T* vb = v_cache + (size_t)kvh * max_ctx * HD;
+    const T* kb = k_cache + (size_t)kvh * rows * HD;
+    const T* vb = v_cache + (size_t)kvh * rows * HD;
     // One commit group per tile (empty past the range), so waiting for "all but the newest
     // group" always means "the current tile".
     auto load_tile = [&](unsigned key0, int buf) {
         if (key0 < end) {
-            copy_kv_rows<T, HD, STRIDE>(ks + buf * BN * STRIDE, vs + buf * BN * STRIDE, kb, vb, key0, BN, 0, end, end,
-                                        tid, blockDim.x);
+            copy_kv_rows<T, HD, STRIDE>(ks + buf * BN * STRIDE, vs + buf * BN * STRIDE, kb, vb, pg, key0, BN, 0, end,
+                                        end, tid, blockDim.x);
         }
         cp_async_commit();
     };
@@ -788,12 +823,12 @@ __device__ void flash_attention(const float* q, const T* k_cache, const T* v_cac
 
 #define FLASH(T, NAME, HD, MT)                                                                              \
     extern "C" __global__ void __launch_bounds__(32 * FA_WARPS) flash_attention_##NAME##_##HD##_##MT(       \
-        const float* q, const T* k_cache, const T* v_cache, const unsigned* positions, float* out,          \
-        float* part_m, float* part_l, float* part_acc, unsigned tokens, unsigned heads, unsigned kv_heads,   \
-        unsigned max_ctx, float scale, unsigned chunk) {                                                    \
+        const float* q, const T* k_cache, const T* v_cache, const unsigned* positions, PAGE_PARAMS,         \
+        float* out, float* part_m, float* part_l, float* part_acc, unsigned tokens, unsigned heads,         \
+        unsigned kv_heads, unsigned rows, float scale, unsigned chunk) {                                    \
         pdl_begin();                                                                                        \
-        flash_attention<T, HD, MT>(q, k_cache, v_cache, positions, out, part_m, part_l, part_acc, tokens,   \
-                                   heads, kv_heads, max_ctx, scale, chunk);                                 \
+        flash_attention<T, HD, MT>(q, k_cache, v_cache, positions, PAGE_ARGS, out, part_m, part_l, part_acc, \
+                                   tokens, heads, kv_heads, rows, scale, chunk);                            \
     }
 // MT = 2 where the registers allow it (many rows); MT = 1 for decode and head dim 256.
 #define FLASHES(T, NAME)                                                                                    \
@@ -805,9 +840,11 @@ FLASHES(f16, f16)
 
 // ---- decode attention on bf16/f16 caches (sm_90) ----
 // Up to DA_ROWS rows, a row being a (token, query head) pair of one KV head's group, numbered
-// token-major as in flash_attention (one decode token's whole group). Grid (splits, kv_heads),
-// one wave; split s covers keys [s * chunk, (s + 1) * chunk) of the rows' range, and a split
-// whose first key is past every row's range returns at once.
+// token-major as in flash_attention (one decode token's whole group). Grid (splits, kv_heads, z),
+// one wave when there are several splits; z is 1 for the tokens of one sequence, else one per
+// token (a batched decode step: each token's group alone, over its own sequence's pages). Split
+// s covers keys [s * chunk, (s + 1) * chunk) of the rows' range, and a split whose first key is
+// past every row's range returns at once.
 //
 // Each of the block's W warps (DaShape::NWARPS) streams its own batches of DA_KEYS keys (batch i
 // of warp w starts at s * chunk + (i * W + w) * DA_KEYS) through a ring of its own, STAGES
@@ -820,11 +857,11 @@ FLASHES(f16, f16)
 // the exp2 domain, as in flash_attention. Then two merges of (max, sum, acc):
 //   1. the block's warps, through shared memory, into the block's record in `part` (with one
 //      split in the range, into the output);
-//   2. across splits: every block of a KV head counts its record in counters[2 * kv_head] and
+//   2. across splits: every block of a (z, KV head) counts its record in counters[2 * head] and
 //      waits for the others' (all are resident: the grid is one wave), then merges its share of
 //      the output's pieces, a lane per split (a warp per piece with 32 splits, 16 pieces a
 //      warp with 2), each lane loading its split's piece, max and sum;
-//      the last to leave (counted in counters[2 * kv_head + 1]) sets both back to zero.
+//      the last to leave (counted in counters[2 * head + 1]) sets both back to zero.
 // Spread so, the merge costs each block one round of loads (up to 32 splits) instead of one
 // block's many rounds.
 // head_dim a multiple of 16; `counters` zero at launch (it is again at exit).
@@ -847,8 +884,8 @@ __device__ __forceinline__ unsigned keys_seen(unsigned position, unsigned max_ct
 #if __CUDA_ARCH__ >= 900
 template <typename T, int HD>
 __device__ void decode_attention(const float* q, const T* k_cache, const T* v_cache, const unsigned* positions,
-                                 float* out, float* part, unsigned* counters, unsigned tokens, unsigned heads,
-                                 unsigned kv_heads, unsigned max_ctx, float scale, unsigned chunk) {
+                                 PAGE_PARAMS, float* out, float* part, unsigned* counters, unsigned tokens,
+                                 unsigned heads, unsigned kv_heads, unsigned rows, float scale, unsigned chunk) {
     using S = DaShape<HD>;
     constexpr int NWARPS = S::NWARPS, STAGES = S::STAGES, STRIDE = S::STRIDE, VECS = S::VECS, REC = S::REC;
     constexpr int KSTEPS = HD / 16, DT = HD / 8;
@@ -857,14 +894,19 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
     T* rings = qs + DA_ROWS * STRIDE;        // [NWARPS][RING]
 
     const unsigned tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-    const unsigned group = heads / kv_heads, pairs = tokens * group;
+    // One sequence: its tokens' rows together (z is 0). A sequence per token (seq_step 1): token
+    // z's rows alone.
+    const unsigned z = blockIdx.z, t0 = seq_step ? z : 0, ntok = seq_step ? 1 : tokens;
+    const unsigned group = heads / kv_heads, pairs = ntok * group;
     const unsigned split = blockIdx.x, kvh = blockIdx.y;
+    const Pages pg = pages_of(PAGE_ARGS, t0);
+    const unsigned max_ctx = pg.max_ctx;
 
     // Keys a token sees, the furthest of them (the splits that hold any), and the rows no kernel
     // of this run writes: those before every token's position. The positions are an input of the
     // run, uploaded before it.
     unsigned block_end = 0, old = max_ctx;
-    for (unsigned t = 0; t < tokens; t++) {
+    for (unsigned t = t0; t < t0 + ntok; t++) {
         block_end = max(block_end, keys_seen(positions[t], max_ctx));
         old = min(old, positions[t]);
     }
@@ -875,8 +917,8 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
     }
     const unsigned start = split * chunk, end = min(start + chunk, block_end);
 
-    const T* kb = k_cache + (size_t)kvh * max_ctx * HD;
-    const T* vb = v_cache + (size_t)kvh * max_ctx * HD;
+    const T* kb = k_cache + (size_t)kvh * rows * HD;
+    const T* vb = v_cache + (size_t)kvh * rows * HD;
     T* ring = rings + warp * S::RING;
     const unsigned warp_key = start + warp * DA_KEYS;  // batch i starts at warp_key + i * NWARPS * DA_KEYS
     // Keys [lo, hi) of batch i, and the zeros past the range. One commit group per batch (empty
@@ -885,7 +927,8 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
         const unsigned key0 = warp_key + i * NWARPS * DA_KEYS;
         if (key0 < end) {
             T* kd = ring + (i % STAGES) * 2 * DA_KEYS * STRIDE;
-            copy_kv_rows<T, HD, STRIDE>(kd, kd + DA_KEYS * STRIDE, kb, vb, key0, DA_KEYS, lo, hi, zero_from, lane, 32);
+            copy_kv_rows<T, HD, STRIDE>(kd, kd + DA_KEYS * STRIDE, kb, vb, pg, key0, DA_KEYS, lo, hi, zero_from, lane,
+                                        32);
         }
     };
     const unsigned old_end = min(old, end);
@@ -904,7 +947,7 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
 #pragma unroll
     for (int j = 0; j < QPIECES; j++) {
         const unsigned i = tid + j * 32 * NWARPS, r = i / DT, d = (i % DT) * 8;
-        if (r < pairs) load8(q + ((size_t)(r / group) * heads + kvh * group + r % group) * HD + d, qv[j]);
+        if (r < pairs) load8(q + ((size_t)(t0 + r / group) * heads + kvh * group + r % group) * HD + d, qv[j]);
     }
     // Only a warp whose first STAGES batches reach past old_end has such rows, and waits for them.
     if (old_end < end && warp_key + ((STAGES - 1) * NWARPS + 1) * DA_KEYS > old_end) {
@@ -930,7 +973,9 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
     // This thread's rows g and g + 8, the keys each sees in this split (rows past the pairs see
     // everything: they are never written), and the fewest any row of the warp sees.
     const unsigned g = lane / 4, c = 2 * (lane % 4);
-    auto row_end = [&](unsigned p) { return p < pairs ? min(keys_seen(positions[p / group], max_ctx), end) : end; };
+    auto row_end = [&](unsigned p) {
+        return p < pairs ? min(keys_seen(positions[t0 + p / group], max_ctx), end) : end;
+    };
     const unsigned lim0 = row_end(g), lim1 = row_end(g + 8);
     unsigned warp_min = min(lim0, lim1);
 #pragma unroll
@@ -1003,7 +1048,9 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
         }
     }
     __syncthreads();
-    float* rec = part + ((size_t)kvh * gridDim.x + split) * DA_ROWS * REC;
+    // Records and counters per (z, KV head).
+    const unsigned head = z * gridDim.y + kvh;
+    float* rec = part + ((size_t)head * gridDim.x + split) * DA_ROWS * REC;
     for (unsigned i = tid; i < pairs * VECS; i += blockDim.x) {
         const unsigned r = i / VECS, v = i % VECS;
         const float* w0 = reinterpret_cast<const float*>(rings);
@@ -1027,7 +1074,7 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
             sum += f * wacc[DA_ROWS * HD + DA_ROWS + r];
         }
         if (used == 1) {
-            const unsigned t = r / group, h = kvh * group + r % group;
+            const unsigned t = t0 + r / group, h = kvh * group + r % group;
             const float inv = 1.0f / sum;
             reinterpret_cast<float4*>(out + ((size_t)t * heads + h) * HD)[v] =
                 make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
@@ -1042,9 +1089,9 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
     if (used == 1) return;
 
     // 2. Across splits: once every block of this KV head has written its record (counted in
-    //    counters[2 * kv_head]), each merges its share of the output's pieces.
+    //    counters[2 * head]), each merges its share of the output's pieces.
     __syncthreads();
-    unsigned* arrived = counters + 2 * kvh;
+    unsigned* arrived = counters + 2 * head;
     unsigned* left = arrived + 1;
     if (tid == 0) {
         __threadfence();  // the block's record, ordered by the barrier, before the count
@@ -1053,7 +1100,7 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
         __threadfence();
     }
     __syncthreads();
-    const float* recs = part + (size_t)kvh * gridDim.x * DA_ROWS * REC;
+    const float* recs = part + (size_t)head * gridDim.x * DA_ROWS * REC;
     constexpr size_t SSTRIDE = (size_t)DA_ROWS * REC;  // floats from one split's records to the next
     // A group of `lanes` lanes per piece (the power of two at or above the splits, up to 32), a
     // lane per split, so a warp merges 32 / lanes pieces at once.
@@ -1088,7 +1135,7 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
             sum += __shfl_xor_sync(0xffffffffu, sum, o);
         }
         if (valid && lane % lanes == 0) {
-            const unsigned t = r / group, h = kvh * group + r % group;
+            const unsigned t = t0 + r / group, h = kvh * group + r % group;
             const float inv = 1.0f / sum;
             reinterpret_cast<float4*>(out + ((size_t)t * heads + h) * HD)[v] =
                 make_float4(y.x * inv, y.y * inv, y.z * inv, y.w * inv);
@@ -1103,11 +1150,11 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
 
 #define DECODE(T, NAME, HD)                                                                                 \
     extern "C" __global__ void __launch_bounds__(32 * DaShape<HD>::NWARPS) decode_attention_##NAME##_##HD(  \
-        const float* q, const T* k_cache, const T* v_cache, const unsigned* positions, float* out,          \
-        float* part, unsigned* counters, unsigned tokens, unsigned heads, unsigned kv_heads,                \
-        unsigned max_ctx, float scale, unsigned chunk) {                                                    \
-        decode_attention<T, HD>(q, k_cache, v_cache, positions, out, part, counters, tokens, heads, kv_heads, \
-                                max_ctx, scale, chunk);                                                     \
+        const float* q, const T* k_cache, const T* v_cache, const unsigned* positions, PAGE_PARAMS,         \
+        float* out, float* part, unsigned* counters, unsigned tokens, unsigned heads, unsigned kv_heads,    \
+        unsigned rows, float scale, unsigned chunk) {                                                       \
+        decode_attention<T, HD>(q, k_cache, v_cache, positions, PAGE_ARGS, out, part, counters, tokens,     \
+                                heads, kv_heads, rows, scale, chunk);                                       \
     }
 #define DECODES(T, NAME) DECODE(T, NAME, 64) DECODE(T, NAME, 96) DECODE(T, NAME, 128) DECODE(T, NAME, 256)
 DECODES(bf16, bf16)

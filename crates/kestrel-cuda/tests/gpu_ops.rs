@@ -11,7 +11,7 @@ use kestrel_core::{Backend, DType, GraphBuilder};
 use kestrel_cpu::CpuBackend;
 use kestrel_cuda::{CudaBackend, RunMode};
 use kestrel_testing::cases::{
-    all_cases, as_f64, bf16_err, f32s, rel_err, rel_l2, u32s, Case, Expect, BF16_STEP,
+    all_cases, as_f64, bf16_err, f32s, rel_err, rel_l2, shuffled_pages, u32s, Case, Expect, BF16_STEP,
 };
 use kestrel_testing::gpu::{device_or_skip, tensor_engines};
 
@@ -147,15 +147,26 @@ fn long_prefill_attention_matches_the_cpu_backend() {
     ] {
         let mut g = GraphBuilder::new();
         let q = g.act_input("q", tokens, heads * hd);
-        let kc = g.cache("k_cache", dtype, kv_heads, ctx, hd);
-        let vc = g.cache("v_cache", dtype, kv_heads, ctx, hd);
+        // One sequence in blocks of 16, scattered over the cache.
+        let (pages, rows, page_data) = shuffled_pages(&mut g, &mut rng, 1, ctx, 16, false);
+        let kc = g.cache("k_cache", dtype, kv_heads, rows, hd);
+        let vc = g.cache("v_cache", dtype, kv_heads, rows, hd);
         let pos = g.positions_input("pos", tokens);
-        let out = g.attention("attention", q, kc, vc, pos, heads, 1.0 / (hd as f32).sqrt());
+        let out = g.attention(
+            "attention",
+            q,
+            kc,
+            vc,
+            pos,
+            pages,
+            heads,
+            1.0 / (hd as f32).sqrt(),
+        );
         g.mark_output(out);
         let graph = g.finish().unwrap();
         let qv: Vec<f32> = (0..tokens * heads * hd).map(|_| rng.symmetric()).collect();
         let cache = |rng: &mut Rng| -> Vec<u8> {
-            let v: Vec<f32> = (0..kv_heads * ctx * hd).map(|_| rng.symmetric()).collect();
+            let v: Vec<f32> = (0..kv_heads * rows * hd).map(|_| rng.symmetric()).collect();
             match dtype {
                 DType::BF16 => {
                     bytemuck::cast_slice(&v.iter().map(|&x| half::bf16::from_f32(x)).collect::<Vec<_>>())
@@ -173,6 +184,9 @@ fn long_prefill_attention_matches_the_cpu_backend() {
         let mut cuda = CudaBackend::new(dev.clone(), RunMode::Graph);
         {
             let mut p = cpu.prepare(&graph).unwrap();
+            for (b, d) in &page_data {
+                cpu.write_bytes(&mut p, *b, 0, d).unwrap();
+            }
             cpu.upload(&mut p, q, &qv).unwrap();
             cpu.write_bytes(&mut p, kc.raw(), 0, &kb).unwrap();
             cpu.write_bytes(&mut p, vc.raw(), 0, &vb).unwrap();
@@ -183,6 +197,9 @@ fn long_prefill_attention_matches_the_cpu_backend() {
         {
             let mut p = cuda.prepare(&graph).unwrap();
             cuda.poison(&p).unwrap();
+            for (b, d) in &page_data {
+                cuda.write_bytes(&mut p, *b, 0, d).unwrap();
+            }
             cuda.upload(&mut p, q, &qv).unwrap();
             cuda.write_bytes(&mut p, kc.raw(), 0, &kb).unwrap();
             cuda.write_bytes(&mut p, vc.raw(), 0, &vb).unwrap();
@@ -201,8 +218,9 @@ fn long_prefill_attention_matches_the_cpu_backend() {
 }
 
 /// Decode over a long bf16 cache at the shapes of Qwen3-30B-A3B's attention (32 query / 4 KV
-/// heads, head dim 128, 8,192 cached rows), against the CPU backend: one token, and two (as a
-/// short chunk runs), whose keys and values a `KvAppend` writes just before the attention, at
+/// heads, head dim 128, 8,192 positions a sequence, in blocks of 16 scattered over the cache),
+/// against the CPU backend: one token, two (as a short chunk runs), and a batched step of six
+/// sequences of different lengths, whose keys and values a `KvAppend` writes just before the attention, at
 /// positions that leave every split of the cache in use, some of them, or only the first, and
 /// at the edges of a split's first batches. One prepared program run again and again (eagerly
 /// and as graph replays, where the attention launches while the append finishes and reads the
@@ -218,23 +236,34 @@ fn decode_attention_over_a_long_cache_matches_the_cpu_backend_run_after_run() {
     };
     let (mut rng, seed) = Rng::from_time();
     let (ctx, heads, kv_heads, hd) = (8192, 32, 4, 128);
-    let cache = |rng: &mut Rng| -> Vec<u8> {
-        let v: Vec<half::bf16> = (0..kv_heads * ctx * hd)
+    let cache = |rng: &mut Rng, rows: usize| -> Vec<u8> {
+        let v: Vec<half::bf16> = (0..kv_heads * rows * hd)
             .map(|_| half::bf16::from_f32(2.0 * rng.symmetric()))
             .collect();
         bytemuck::cast_slice(&v).to_vec()
     };
-    let (kb, vb) = (cache(&mut rng), cache(&mut rng));
-    for tokens in [1, 2] {
+    for (tokens, batched) in [(1, false), (2, false), (6, true)] {
         let mut g = GraphBuilder::new();
         let q = g.act_input("q", tokens, heads * hd);
         let k = g.act_input("k", tokens, kv_heads * hd);
         let v = g.act_input("v", tokens, kv_heads * hd);
-        let kc = g.cache("k_cache", DType::BF16, kv_heads, ctx, hd);
-        let vc = g.cache("v_cache", DType::BF16, kv_heads, ctx, hd);
+        let seqs = if batched { tokens } else { 1 };
+        let (pages, rows, page_data) = shuffled_pages(&mut g, &mut rng, seqs, ctx, 16, batched);
+        let (kb, vb) = (cache(&mut rng, rows), cache(&mut rng, rows));
+        let kc = g.cache("k_cache", DType::BF16, kv_heads, rows, hd);
+        let vc = g.cache("v_cache", DType::BF16, kv_heads, rows, hd);
         let pos = g.positions_input("pos", tokens);
-        g.kv_append("append", k, v, pos, kc, vc);
-        let out = g.attention("attention", q, kc, vc, pos, heads, 1.0 / (hd as f32).sqrt());
+        g.kv_append("append", k, v, pos, kc, vc, pages);
+        let out = g.attention(
+            "attention",
+            q,
+            kc,
+            vc,
+            pos,
+            pages,
+            heads,
+            1.0 / (hd as f32).sqrt(),
+        );
         g.mark_output(out);
         let graph = g.finish().unwrap();
         for mode in [RunMode::Eager, RunMode::Graph] {
@@ -246,6 +275,10 @@ fn decode_attention_over_a_long_cache_matches_the_cpu_backend_run_after_run() {
             let mut pg = cuda.prepare(&graph).unwrap();
             cuda.write_bytes(&mut pg, kc.raw(), 0, &kb).unwrap();
             cuda.write_bytes(&mut pg, vc.raw(), 0, &vb).unwrap();
+            for (b, d) in &page_data {
+                cpu.write_bytes(&mut pc, *b, 0, d).unwrap();
+                cuda.write_bytes(&mut pg, *b, 0, d).unwrap();
+            }
             // The last positions (splits of 256 keys, batches of 16 dealt to 8 warps): a split's
             // first key, the second warp's first batch, the first warp's second batch, and a
             // split's last key (with two tokens, the next split's first too).
@@ -253,7 +286,13 @@ fn decode_attention_over_a_long_cache_matches_the_cpu_backend_run_after_run() {
                 let qv: Vec<f32> = (0..tokens * heads * hd).map(|_| rng.symmetric()).collect();
                 let kv: Vec<f32> = (0..tokens * kv_heads * hd).map(|_| rng.symmetric()).collect();
                 let vv: Vec<f32> = (0..tokens * kv_heads * hd).map(|_| rng.symmetric()).collect();
-                let positions: Vec<u32> = (0..tokens as u32).map(|t| position as u32 + t).collect();
+                // A chunk's consecutive positions, or each sequence at its own length.
+                let positions: Vec<u32> = (0..tokens)
+                    .map(|t| match batched {
+                        false => (position + t) as u32,
+                        true => ((position + 1777 * t) % (ctx - 1)) as u32,
+                    })
+                    .collect();
                 cuda.poison(&pg).unwrap();
                 for (b, d) in [(q, &qv), (k, &kv), (v, &vv)] {
                     cpu.upload(&mut pc, b, d).unwrap();

@@ -13,8 +13,8 @@ use std::collections::HashMap;
 
 use kestrel_core::expert_slots::{table_words, SlotPolicy};
 use kestrel_core::ir::{
-    Buf, BufId, ExpertFormat, ExpertIds, ExpertLayout, ExpertWeights, Graph, LinearWeight, Logits, NormKind,
-    Normed, Op, Positions, Residual, TokenIds, Tokens, Weight,
+    Buf, BufId, ExpertFormat, ExpertIds, ExpertLayout, ExpertWeights, Graph, KvPages, LinearWeight, Logits,
+    NormKind, Normed, Op, PageTable, Positions, Residual, SeqIds, TokenIds, Tokens, Weight,
 };
 use kestrel_core::quant::{QuantFormat, QuantMatrix};
 use kestrel_core::rope::RopeTable;
@@ -25,6 +25,10 @@ use crate::config::{LayerKind, MlpKind, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::experts::pack_experts;
 use crate::weights::Weights;
+
+/// Rows of a block of the KV caches (see `KvPages`); a cache holds whole blocks, so its rows
+/// are the context rounded up to a block.
+pub const KV_BLOCK: usize = 16;
 
 /// What one forward graph covers.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -171,6 +175,10 @@ pub struct Forward {
     pub graph: Graph,
     pub tokens: BufId<Tokens>,
     pub positions: BufId<Positions>,
+    /// The block table of the KV caches and the sequence the tokens belong to: one sequence
+    /// over the whole cache, written once (see [`Forward::one_sequence`]).
+    pub page_table: BufId<PageTable>,
+    pub seq: BufId<SeqIds>,
     pub logits: BufId<Logits>,
     /// The most likely next token of each logits row (lower id on ties), computed on the
     /// backend, so greedy decoding reads back one id instead of the vocabulary's logits.
@@ -432,6 +440,10 @@ impl Forward {
             .collect();
         let tokens = b.g.tokens_input("tokens", spec.tokens);
         let positions = b.g.positions_input("positions", spec.tokens);
+        // One sequence: a block table over the whole cache and every token in sequence 0.
+        let page_table = b.g.page_table_input("kv.table", 1, spec.ctx.div_ceil(KV_BLOCK));
+        let seq = b.g.seq_input("kv.seq", 1);
+        let pages = b.g.kv_pages("kv.pages", page_table, seq, KV_BLOCK);
         let embed = b.linear(&format!("{prefix}.embed_tokens"), c.vocab, c.hidden)?;
         let x: BufId<Residual> = b.g.embed("embed", &embed, tokens);
         // The first two MoE layers' experts, when whole layers are staged ahead.
@@ -463,7 +475,9 @@ impl Forward {
                 None => b.g.rms_norm_to(&name, x, in_ln, eps, b.norm, pi),
             };
             let mixed = match c.layer_kinds[i] {
-                LayerKind::FullAttention => attention(&mut b, &l, h, positions, inv_freq, &table, spec)?,
+                LayerKind::FullAttention => {
+                    attention(&mut b, &l, h, positions, pages, inv_freq, &table, spec)?
+                }
                 LayerKind::LinearAttention => linear_attention(&mut b, &l, h)?,
             };
             let post_ln = b.norm_weight(&format!("{l}.post_attention_layernorm.weight"), c.hidden)?;
@@ -534,6 +548,8 @@ impl Forward {
             graph,
             tokens,
             positions,
+            page_table,
+            seq,
             logits,
             argmax,
             sampled,
@@ -544,6 +560,13 @@ impl Forward {
             expert_tables: b.expert_tables,
             sources: b.sources,
         })
+    }
+
+    /// The contents of `page_table` and `seq` for the one sequence this graph runs: blocks
+    /// `0, 1, 2, ...` (the caches are contiguous) and sequence 0.
+    pub fn one_sequence(&self) -> (Vec<u32>, Vec<u32>) {
+        let blocks = self.graph.decl(self.page_table).elem_count() as u32;
+        ((0..blocks).collect(), vec![0])
     }
 
     /// Writes every weight into `program`'s buffers. Weights are shared by label between the
@@ -617,11 +640,13 @@ impl Forward {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn attention(
     b: &mut Build,
     l: &str,
     h: BufId<Normed>,
     pos: BufId<Positions>,
+    pages: KvPages,
     inv_freq: BufId<Weight>,
     table: &RopeTable,
     spec: ForwardSpec,
@@ -666,10 +691,9 @@ fn attention(
     } else {
         None
     };
-    let kc =
-        b.g.cache(&format!("{l}.k_cache"), spec.cache_dtype, kv, spec.ctx, hd);
-    let vc =
-        b.g.cache(&format!("{l}.v_cache"), spec.cache_dtype, kv, spec.ctx, hd);
+    let rows = pages.max_ctx();
+    let kc = b.g.cache(&format!("{l}.k_cache"), spec.cache_dtype, kv, rows, hd);
+    let vc = b.g.cache(&format!("{l}.v_cache"), spec.cache_dtype, kv, rows, hd);
     // Norms, rotation, the gate split and the cache append in one op.
     let (q, gate) = b.g.attention_inputs(
         &format!("{a}.inputs"),
@@ -682,6 +706,7 @@ fn attention(
         table.attention_scaling,
         kc,
         vc,
+        pages,
     );
     let mut o = b.g.attention(
         &format!("{a}.attention"),
@@ -689,6 +714,7 @@ fn attention(
         kc,
         vc,
         pos,
+        pages,
         heads,
         1.0 / (hd as f32).sqrt(),
     );

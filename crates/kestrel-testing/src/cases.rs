@@ -719,7 +719,120 @@ pub fn elementwise(rng: Rng) -> Case {
     c.finish(format!("split/gates/swiglu/add {rows}x{groups}x{widths:?}"))
 }
 
-/// KV append of `tokens` new tokens after `past` cached ones, then causal GQA attention.
+/// Random pages of KV caches: the tokens of a case, where they go and what the caches hold.
+struct PagedTokens {
+    pages: KvPages,
+    /// Rows of the caches.
+    rows: usize,
+    /// Each token's sequence and position.
+    seq: Vec<usize>,
+    pos: Vec<u32>,
+    table: Vec<u32>,
+}
+
+impl PagedTokens {
+    /// Either `tokens` tokens of one sequence after its cached ones (a prefill chunk or a decode
+    /// step; the sequence is the last of one or two), or, when `batched`, one token of each of
+    /// `tokens` sequences (a batched decode step), each after its own number of cached ones.
+    /// Blocks are of a random power-of-two size, dealt from a shuffled pool with a few spare
+    /// blocks, so no sequence's rows are contiguous by chance. `long` allows caches of hundreds of
+    /// positions.
+    fn new(c: &mut CaseBuilder, tokens: usize, batched: bool, long: bool) -> PagedTokens {
+        let seqs = if batched { tokens } else { c.rng.range(1, 3) };
+        let past: Vec<usize> = (0..seqs)
+            .map(|_| {
+                if long && c.rng.range(0, 2) == 0 {
+                    c.rng.range(0, 700)
+                } else {
+                    c.rng.range(0, 90)
+                }
+            })
+            .collect();
+        let (seq, pos): (Vec<usize>, Vec<u32>) = if batched {
+            (0..tokens).map(|t| (t, past[t] as u32)).unzip()
+        } else {
+            (0..tokens)
+                .map(|t| (seqs - 1, (past[seqs - 1] + t) as u32))
+                .unzip()
+        };
+        let len = pos.iter().map(|&p| p as usize + 1).max().unwrap_or(1) + c.rng.range(0, 20);
+        let block = pick(&mut c.rng, &[16, 1, 4, 8, 64]);
+        let max_blocks = len.div_ceil(block);
+        let blocks = seqs * max_blocks + c.rng.range(1, 4);
+        let mut pool: Vec<u32> = (0..blocks as u32).collect();
+        for i in (1..pool.len()).rev() {
+            pool.swap(i, c.rng.range(0, i + 1));
+        }
+        let table = pool[..seqs * max_blocks].to_vec();
+        let t = c.g.page_table_input("kv.table", seqs, max_blocks);
+        c.set(t, bytemuck::cast_slice(&table).to_vec());
+        let ids: Vec<u32> = if batched {
+            seq.iter().map(|&s| s as u32).collect()
+        } else {
+            vec![(seqs - 1) as u32]
+        };
+        let sq = c.g.seq_input("kv.seq", ids.len());
+        c.set(sq, bytemuck::cast_slice(&ids).to_vec());
+        let pages = c.g.kv_pages("kv.pages", t, sq, block);
+        PagedTokens {
+            pages,
+            rows: blocks * block,
+            seq,
+            pos,
+            table,
+        }
+    }
+
+    /// The cache row of position `p` of sequence `s`.
+    fn row(&self, s: usize, p: usize) -> usize {
+        let b = self.pages.block;
+        self.table[s * self.pages.max_blocks + p / b] as usize * b + p % b
+    }
+
+    fn describe(&self) -> String {
+        let kind = if self.pages.one_seq {
+            "one sequence"
+        } else {
+            "batched"
+        };
+        format!("{kind}, blocks of {}, {} rows", self.pages.block, self.rows)
+    }
+}
+
+/// Pages over caches for `seqs` sequences of `ctx` positions in blocks of `block` rows, every
+/// block of every sequence at a random place of the pool (`seqs * ctx` rows): the pages, the
+/// caches' rows, and the table's and the sequence ids' buffers with what they must hold (each
+/// token of its own sequence when `per_token`, else every token of sequence 0).
+pub fn shuffled_pages(
+    g: &mut GraphBuilder,
+    rng: &mut Rng,
+    seqs: usize,
+    ctx: usize,
+    block: usize,
+    per_token: bool,
+) -> (KvPages, usize, Vec<(Buf, Vec<u8>)>) {
+    let max_blocks = ctx.div_ceil(block);
+    let mut table: Vec<u32> = (0..(seqs * max_blocks) as u32).collect();
+    for i in (1..table.len()).rev() {
+        table.swap(i, rng.range(0, i + 1));
+    }
+    let ids: Vec<u32> = if per_token {
+        (0..seqs as u32).collect()
+    } else {
+        vec![0]
+    };
+    let t = g.page_table_input("kv.table", seqs, max_blocks);
+    let sq = g.seq_input("kv.seq", ids.len());
+    let pages = g.kv_pages("kv.pages", t, sq, block);
+    let data = vec![
+        (t.raw(), bytemuck::cast_slice(&table).to_vec()),
+        (sq.raw(), bytemuck::cast_slice(&ids).to_vec()),
+    ];
+    (pages, seqs * max_blocks * block, data)
+}
+
+/// KV append of new tokens (a chunk of one sequence, or one token of each of several
+/// sequences) into paged caches, then causal GQA attention over each token's sequence.
 pub fn attention(rng: Rng) -> Case {
     let mut c = CaseBuilder::new(rng);
     let kv_heads = c.rng.range(1, 4);
@@ -727,28 +840,21 @@ pub fn attention(rng: Rng) -> Case {
     let heads = kv_heads * c.rng.range(1, 13);
     // 16 and 40: head sizes without a tensor-core kernel, which half caches send to the others.
     let hd = pick(&mut c.rng, &[64, 128, 96, 256, 16, 40]);
-    let tokens = pick(&mut c.rng, &[1, 1, 3, 19, 70]);
-    // Sometimes a longer cache, so decode spans several tiles and splits.
-    let past = if tokens <= 3 && c.rng.range(0, 2) == 0 {
-        c.rng.range(0, 700)
+    let batched = c.rng.range(0, 3) == 0;
+    let tokens = if batched {
+        pick(&mut c.rng, &[2, 5, 9])
     } else {
-        c.rng.range(0, 90)
+        pick(&mut c.rng, &[1, 1, 3, 19, 70])
     };
-    let max_ctx = past + tokens + c.rng.range(0, 20);
+    // Sometimes a longer cache, so decode spans several tiles and splits.
+    let pt = PagedTokens::new(&mut c, tokens, batched, batched || tokens <= 3);
+    let rows = pt.rows;
     let dtype = pick(&mut c.rng, &[DType::F32, DType::BF16, DType::F16]);
-    // Cache rows before `past` hold earlier tokens (random), the rest is zero.
-    let mut kc = c.randn(kv_heads * max_ctx * hd, 1.0);
-    let mut vc = c.randn(kv_heads * max_ctx * hd, 1.0);
-    for h in 0..kv_heads {
-        for p in past..max_ctx {
-            for d in 0..hd {
-                kc[(h * max_ctx + p) * hd + d] = 0.0;
-                vc[(h * max_ctx + p) * hd + d] = 0.0;
-            }
-        }
-    }
-    let kcache = c.g.cache("k_cache", dtype, kv_heads, max_ctx, hd);
-    let vcache = c.g.cache("v_cache", dtype, kv_heads, max_ctx, hd);
+    // Every row holds something: earlier tokens, or rows no token may read.
+    let kc = c.randn(kv_heads * rows * hd, 1.0);
+    let vc = c.randn(kv_heads * rows * hd, 1.0);
+    let kcache = c.g.cache("k_cache", dtype, kv_heads, rows, hd);
+    let vcache = c.g.cache("v_cache", dtype, kv_heads, rows, hd);
     let (kb, mut kf) = stored(&kc, dtype);
     let (vb, mut vf) = stored(&vc, dtype);
     c.set(kcache, kb);
@@ -756,13 +862,13 @@ pub fn attention(rng: Rng) -> Case {
     let (k, knew) = c.act("k", tokens, kv_heads * hd, 1.0);
     let (v, vnew) = c.act("v", tokens, kv_heads * hd, 1.0);
     let (q, qf) = c.act("q", tokens, heads * hd, 1.0);
-    let pos: Vec<u32> = (0..tokens).map(|t| (past + t) as u32).collect();
-    let p = c.positions("pos", &pos);
-    c.g.kv_append("append", k, v, p, kcache, vcache);
+    let p = c.positions("pos", &pt.pos);
+    c.g.kv_append("append", k, v, p, kcache, vcache, pt.pages);
     // Tensor-core attention on half caches rounds queries and probabilities to the cache's type.
     c.rounded_activations = dtype != DType::F32;
     let scale = 1.0 / (hd as f32).sqrt();
-    let out = c.g.attention("attn", q, kcache, vcache, p, heads, scale);
+    let out =
+        c.g.attention("attn", q, kcache, vcache, p, pt.pages, heads, scale);
     // The appended rows as the cache stores them.
     let round = |x: f64| -> f64 {
         match dtype {
@@ -774,38 +880,45 @@ pub fn attention(rng: Rng) -> Case {
         }
     };
     for t in 0..tokens {
+        let r = pt.row(pt.seq[t], pt.pos[t] as usize);
         for h in 0..kv_heads {
             for d in 0..hd {
-                kf[(h * max_ctx + past + t) * hd + d] = round(knew[(t * kv_heads + h) * hd + d]);
-                vf[(h * max_ctx + past + t) * hd + d] = round(vnew[(t * kv_heads + h) * hd + d]);
+                kf[(h * rows + r) * hd + d] = round(knew[(t * kv_heads + h) * hd + d]);
+                vf[(h * rows + r) * hd + d] = round(vnew[(t * kv_heads + h) * hd + d]);
             }
         }
     }
     let group = heads / kv_heads;
     let mut expect = vec![0f64; tokens * heads * hd];
     for t in 0..tokens {
+        let at: Vec<usize> = (0..=pt.pos[t] as usize).map(|j| pt.row(pt.seq[t], j)).collect();
         for h in 0..heads {
             let kvh = h / group;
             let qv = &qf[(t * heads + h) * hd..][..hd];
-            let n = past + t + 1;
-            let s: Vec<f64> = (0..n)
-                .map(|j| {
+            let s: Vec<f64> = at
+                .iter()
+                .map(|&r| {
                     scale as f64
                         * (0..hd)
-                            .map(|d| qv[d] * kf[(kvh * max_ctx + j) * hd + d])
+                            .map(|d| qv[d] * kf[(kvh * rows + r) * hd + d])
                             .sum::<f64>()
                 })
                 .collect();
             let p = r::softmax(&s);
             for d in 0..hd {
-                expect[(t * heads + h) * hd + d] =
-                    (0..n).map(|j| p[j] * vf[(kvh * max_ctx + j) * hd + d]).sum();
+                expect[(t * heads + h) * hd + d] = at
+                    .iter()
+                    .zip(&p)
+                    .map(|(&r, p)| p * vf[(kvh * rows + r) * hd + d])
+                    .sum();
             }
         }
     }
     c.check_floats(out, expect);
     c.finish(format!(
-        "attention t{tokens} past{past} ctx{max_ctx} h{heads}/{kv_heads} d{hd} {dtype}"
+        "attention t{tokens} at {:?} ({}) h{heads}/{kv_heads} d{hd} {dtype}",
+        &pt.pos[..pt.pos.len().min(4)],
+        pt.describe()
     ))
 }
 
@@ -819,19 +932,24 @@ pub fn attention_inputs(rng: Rng) -> Case {
     let heads = kv_heads * c.rng.range(1, 9);
     let hd = pick(&mut c.rng, &[64, 128, 256, 40]);
     let partial = pick(&mut c.rng, &[1.0, 0.25, 0.5]);
-    let tokens = pick(&mut c.rng, &[1, 1, 3, 19]);
-    let past = c.rng.range(0, 90);
-    let max_ctx = past + tokens + c.rng.range(0, 20);
+    let batched = c.rng.range(0, 3) == 0;
+    let tokens = if batched {
+        pick(&mut c.rng, &[2, 7])
+    } else {
+        pick(&mut c.rng, &[1, 1, 3, 19])
+    };
+    let pt = PagedTokens::new(&mut c, tokens, batched, false);
+    let rows = pt.rows;
     let dtype = pick(&mut c.rng, &[DType::F32, DType::BF16, DType::F16]);
     let gated = c.rng.next_f32() < 0.5;
     let q_stride = if gated { 2 * hd } else { hd };
     let cols = heads * q_stride + 2 * kv_heads * hd;
     let table = RopeTable::new(1e6, hd, partial, &RopeScaling::None);
     let (freq, _) = c.weight_from("inv_freq", DType::F32, &[table.rot_dim / 2], &table.inv_freq);
-    let kc = c.randn(kv_heads * max_ctx * hd, 1.0);
-    let vc = c.randn(kv_heads * max_ctx * hd, 1.0);
-    let kcache = c.g.cache("k_cache", dtype, kv_heads, max_ctx, hd);
-    let vcache = c.g.cache("v_cache", dtype, kv_heads, max_ctx, hd);
+    let kc = c.randn(kv_heads * rows * hd, 1.0);
+    let vc = c.randn(kv_heads * rows * hd, 1.0);
+    let kcache = c.g.cache("k_cache", dtype, kv_heads, rows, hd);
+    let vcache = c.g.cache("v_cache", dtype, kv_heads, rows, hd);
     let (kb, mut kf) = stored(&kc, dtype);
     let (vb, mut vf) = stored(&vc, dtype);
     c.set(kcache, kb);
@@ -861,8 +979,7 @@ pub fn attention_inputs(rng: Rng) -> Case {
     } else {
         None
     };
-    let pos: Vec<u32> = (0..tokens).map(|t| (past + t) as u32).collect();
-    let p = c.positions("pos", &pos);
+    let p = c.positions("pos", &pt.pos);
     let (q, gate) = c.g.attention_inputs(
         "inputs",
         qkv,
@@ -874,18 +991,20 @@ pub fn attention_inputs(rng: Rng) -> Case {
         table.attention_scaling,
         kcache,
         vcache,
+        pt.pages,
     );
-    r::rope(&mut qx, hd, &pos, &table.inv_freq, table.attention_scaling);
-    r::rope(&mut kx, hd, &pos, &table.inv_freq, table.attention_scaling);
+    r::rope(&mut qx, hd, &pt.pos, &table.inv_freq, table.attention_scaling);
+    r::rope(&mut kx, hd, &pt.pos, &table.inv_freq, table.attention_scaling);
     c.check_floats(q, qx);
     if let Some(g) = gate {
         c.check_floats(g, gx);
     }
     if dtype == DType::F32 {
         for t in 0..tokens {
+            let r = pt.row(pt.seq[t], pt.pos[t] as usize);
             for h in 0..kv_heads {
                 for d in 0..hd {
-                    let at = (h * max_ctx + past + t) * hd + d;
+                    let at = (h * rows + r) * hd + d;
                     kf[at] = kx[(t * kv_heads + h) * hd + d] as f32 as f64;
                     vf[at] = vx[(t * kv_heads + h) * hd + d] as f32 as f64;
                 }
@@ -895,12 +1014,22 @@ pub fn attention_inputs(rng: Rng) -> Case {
         c.check_floats(vcache, vf);
     } else {
         c.rounded_activations = true;
-        let out =
-            c.g.attention("attn", q, kcache, vcache, p, heads, 1.0 / (hd as f32).sqrt());
+        let out = c.g.attention(
+            "attn",
+            q,
+            kcache,
+            vcache,
+            p,
+            pt.pages,
+            heads,
+            1.0 / (hd as f32).sqrt(),
+        );
         c.check_backends(out);
     }
     c.finish(format!(
-        "attention_inputs t{tokens} past{past} ctx{max_ctx} h{heads}/{kv_heads} d{hd} rot {} {dtype} norms {} gated {gated}",
+        "attention_inputs t{tokens} at {:?} ({}) h{heads}/{kv_heads} d{hd} rot {} {dtype} norms {} gated {gated}",
+        &pt.pos[..pt.pos.len().min(4)],
+        pt.describe(),
         table.rot_dim,
         norms.is_some()
     ))

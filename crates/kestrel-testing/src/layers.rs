@@ -129,13 +129,33 @@ impl Layer<'_> {
         self.c
             .g
             .rope("rope_k", k, pos, freq, kv_heads, hd, table.rot_dim, 1.0);
-        let kc = self.c.g.cache("attn.k_cache", DType::BF16, kv_heads, max_ctx, hd);
-        let vc = self.c.g.cache("attn.v_cache", DType::BF16, kv_heads, max_ctx, hd);
-        self.c.g.kv_append("kv_append", k, v, pos, kc, vc);
-        let mut a = self
+        // One sequence in blocks of 4 rows, its blocks in reverse order.
+        let blocks = max_ctx.div_ceil(4);
+        let order: Vec<u32> = (0..blocks as u32).rev().collect();
+        let table = self.c.g.page_table_input("kv.table", 1, blocks);
+        self.c.set(table, bytemuck::cast_slice(&order).to_vec());
+        let seq = self.c.g.seq_input("kv.seq", 1);
+        self.c.set(seq, vec![0; 4]);
+        let pages = self.c.g.kv_pages("kv.pages", table, seq, 4);
+        let kc = self
             .c
             .g
-            .attention("attention", q, kc, vc, pos, heads, 1.0 / (hd as f32).sqrt());
+            .cache("attn.k_cache", DType::BF16, kv_heads, 4 * blocks, hd);
+        let vc = self
+            .c
+            .g
+            .cache("attn.v_cache", DType::BF16, kv_heads, 4 * blocks, hd);
+        self.c.g.kv_append("kv_append", k, v, pos, kc, vc, pages);
+        let mut a = self.c.g.attention(
+            "attention",
+            q,
+            kc,
+            vc,
+            pos,
+            pages,
+            heads,
+            1.0 / (hd as f32).sqrt(),
+        );
         if let Some(gate) = gate {
             a = self.c.g.sigmoid_gate("attn_gate", a, gate);
         }

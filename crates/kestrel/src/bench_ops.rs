@@ -8,7 +8,7 @@
 
 use anyhow::Result;
 use half::bf16;
-use kestrel_core::ir::{Buf, BufId, DeltaAlgo, ExpertFormat, ExpertLayout, Graph, Role};
+use kestrel_core::ir::{Buf, BufId, DeltaAlgo, ExpertFormat, ExpertLayout, Graph, KvPages, Role};
 use kestrel_core::quant::QuantFormat;
 use kestrel_core::rng::Rng;
 use kestrel_core::{Backend, DType, GraphBuilder};
@@ -235,6 +235,20 @@ fn measure_read(dev: &Device, name: &str, bytes: usize, reps: usize) -> Result<O
     })
 }
 
+/// Pages of one sequence over caches of `ctx` rows, its blocks in order (as a session lays out
+/// one sequence), with the table and sequence id a bench writes.
+fn one_sequence(g: &mut GraphBuilder, ctx: usize) -> (KvPages, Vec<(Buf, Vec<u32>)>) {
+    let block = kestrel_model::graph::KV_BLOCK;
+    let blocks = ctx.div_ceil(block);
+    let table = g.page_table_input("kv.table", 1, blocks);
+    let seq = g.seq_input("kv.seq", 1);
+    let pages = g.kv_pages("kv.pages", table, seq, block);
+    (
+        pages,
+        vec![(table.raw(), (0..blocks as u32).collect()), (seq.raw(), vec![0])],
+    )
+}
+
 fn finish<R: Role>(mut g: GraphBuilder, out: BufId<R>) -> Result<Graph> {
     g.mark_output(out);
     Ok(g.finish()?)
@@ -351,15 +365,26 @@ pub fn run(dev: &Device, reps: usize, profile: bool, only: Option<&str>) -> Resu
     let (heads, kv_heads, hd, ctx) = (32, 4, 128, 8192);
     let mut g = GraphBuilder::new();
     let q = g.act_input("q", 1, heads * hd);
+    let (pages, mut fixed) = one_sequence(&mut g, ctx);
     let kc = g.cache("k_cache", DType::BF16, kv_heads, ctx, hd);
     let vc = g.cache("v_cache", DType::BF16, kv_heads, ctx, hd);
     let pos = g.positions_input("pos", 1);
-    let o = g.attention("attention", q, kc, vc, pos, heads, 1.0 / (hd as f32).sqrt());
+    let o = g.attention(
+        "attention",
+        q,
+        kc,
+        vc,
+        pos,
+        pages,
+        heads,
+        1.0 / (hd as f32).sqrt(),
+    );
     let bytes = (2 * kv_heads * ctx * hd * 2) as f64;
+    fixed.push((pos.raw(), vec![(ctx - 1) as u32]));
     benches.push(Bench {
         name: "attention decode ctx 8192",
         graph: finish(g, o)?,
-        fixed: vec![(pos.raw(), vec![(ctx - 1) as u32])],
+        fixed,
         ops: 1,
         bytes,
         flops: None,
@@ -370,7 +395,9 @@ pub fn run(dev: &Device, reps: usize, profile: bool, only: Option<&str>) -> Resu
     // as a decode step's layers run them.
     let mut g = GraphBuilder::new();
     let mut q = g.act_input("q", 1, heads * hd);
+    let (pages, mut fixed) = one_sequence(&mut g, ctx);
     let pos = g.positions_input("pos", 1);
+    fixed.push((pos.raw(), vec![(ctx - 1) as u32]));
     for l in 0..layers {
         let kc = g.cache(&format!("k_cache.{l}"), DType::BF16, kv_heads, ctx, hd);
         let vc = g.cache(&format!("v_cache.{l}"), DType::BF16, kv_heads, ctx, hd);
@@ -380,6 +407,7 @@ pub fn run(dev: &Device, reps: usize, profile: bool, only: Option<&str>) -> Resu
             kc,
             vc,
             pos,
+            pages,
             heads,
             1.0 / (hd as f32).sqrt(),
         );
@@ -387,7 +415,7 @@ pub fn run(dev: &Device, reps: usize, profile: bool, only: Option<&str>) -> Resu
     benches.push(Bench {
         name: "attention decode ctx 8192, 4 layers",
         graph: finish(g, q)?,
-        fixed: vec![(pos.raw(), vec![(ctx - 1) as u32])],
+        fixed,
         ops: layers,
         bytes,
         flops: None,
@@ -399,15 +427,26 @@ pub fn run(dev: &Device, reps: usize, profile: bool, only: Option<&str>) -> Resu
     let (heads, kv_heads, hd, tokens) = (32, 4, 128, 4096);
     let mut g = GraphBuilder::new();
     let q = g.act_input("q", tokens, heads * hd);
+    let (pages, mut fixed) = one_sequence(&mut g, tokens);
     let kc = g.cache("k_cache", DType::BF16, kv_heads, tokens, hd);
     let vc = g.cache("v_cache", DType::BF16, kv_heads, tokens, hd);
     let pos = g.positions_input("pos", tokens);
-    let o = g.attention("attention", q, kc, vc, pos, heads, 1.0 / (hd as f32).sqrt());
+    let o = g.attention(
+        "attention",
+        q,
+        kc,
+        vc,
+        pos,
+        pages,
+        heads,
+        1.0 / (hd as f32).sqrt(),
+    );
     let visible = (tokens * (tokens + 1) / 2) as f64;
+    fixed.push((pos.raw(), (0..tokens as u32).collect()));
     benches.push(Bench {
         name: "attention prefill 4096 causal",
         graph: finish(g, o)?,
-        fixed: vec![(pos.raw(), (0..tokens as u32).collect())],
+        fixed,
         ops: 1,
         bytes: 0.0,
         flops: Some(4.0 * (hd * heads) as f64 * visible),

@@ -1,9 +1,12 @@
 //! Full attention with a KV cache: append keys and values at their positions (alone, or with
 //! the per-head norms and rotation of queries and keys in one op), then causal attention with
-//! grouped-query heads (query head h reads kv head h / (heads / kv_heads)).
+//! grouped-query heads (query head h reads kv head h / (heads / kv_heads)). Caches are pools of
+//! blocks of rows; each token finds its sequence's rows through the block table (`KvPages`).
+
+use std::collections::HashMap;
 
 use half::{bf16, f16};
-use kestrel_core::ir::Op;
+use kestrel_core::ir::{KvPages, Op};
 use kestrel_core::DType;
 use rayon::prelude::*;
 
@@ -37,31 +40,44 @@ fn store(cache: &mut [u8], dtype: DType, at: usize, src: &[f32]) -> OpResult {
     Ok(())
 }
 
+/// The cache row of each token's position (for appends) in caches of `rows` rows.
+fn token_rows(pages: &KvPages, v: &mut Views, positions: &[u32], rows: usize) -> Result<Vec<usize>, String> {
+    let (table, seq) = (v.read::<u32>(pages.table)?, v.read::<u32>(pages.seq)?);
+    positions
+        .iter()
+        .enumerate()
+        .map(|(t, &p)| {
+            let s = pages.seq_of(seq, t);
+            pages
+                .row(table, s, p as usize, rows)
+                .ok_or_else(|| format!("position {p} of sequence {s} is outside the cache"))
+        })
+        .collect()
+}
+
 pub fn exec(op: &Op, v: &mut Views) -> OpResult {
     match *op {
-        // k, v: [tokens, kv_heads, head_dim]; caches: [kv_heads, max_ctx, head_dim]
+        // k, v: [tokens, kv_heads, head_dim]; caches: [kv_heads, rows, head_dim]
         Op::KvAppend {
             k,
             v: val,
             positions,
             k_cache,
             v_cache,
+            pages,
             tokens,
             kv_heads,
             head_dim,
-            max_ctx,
+            rows,
         } => {
             let (k, val, pos) = (v.read::<f32>(k)?, v.read::<f32>(val)?, v.read::<u32>(positions)?);
+            let at = token_rows(&pages, v, pos, rows)?;
             let (kd, vd) = (v.dtype(k_cache), v.dtype(v_cache));
             let (kc, vc) = (v.write_bytes(k_cache)?, v.write_bytes(v_cache)?);
-            for t in 0..tokens {
-                let p = pos[t] as usize;
-                if p >= max_ctx {
-                    return Err(format!("position {p} outside a cache of {max_ctx}"));
-                }
+            for (t, &r) in at.iter().enumerate().take(tokens) {
                 for h in 0..kv_heads {
                     let src = (t * kv_heads + h) * head_dim;
-                    let dst = (h * max_ctx + p) * head_dim;
+                    let dst = (h * rows + r) * head_dim;
                     store(kc, kd, dst, &k[src..src + head_dim])?;
                     store(vc, vd, dst, &val[src..src + head_dim])?;
                 }
@@ -77,15 +93,17 @@ pub fn exec(op: &Op, v: &mut Views) -> OpResult {
             inv_freq,
             k_cache,
             v_cache,
+            pages,
             tokens,
             heads,
             kv_heads,
             head_dim,
             rot_dim,
             scaling,
-            max_ctx,
+            rows,
         } => {
             let (x, pos) = (v.read::<f32>(qkv)?, v.read::<u32>(positions)?);
+            let at = token_rows(&pages, v, pos, rows)?;
             let inv_freq = &v.read::<f32>(inv_freq)?[..rot_dim / 2];
             let norms = match norms {
                 Some(n) => Some((v.floats(n.q)?, v.floats(n.k)?, n.eps, n.kind)),
@@ -102,10 +120,6 @@ pub fn exec(op: &Op, v: &mut Views) -> OpResult {
             let cols = heads * q_stride + 2 * kv_heads * head_dim;
             let mut row = vec![0f32; head_dim];
             for t in 0..tokens {
-                let p = pos[t] as usize;
-                if p >= max_ctx {
-                    return Err(format!("position {p} outside a cache of {max_ctx}"));
-                }
                 let (cos, sin) = angles(pos[t], inv_freq, scaling);
                 let xt = &x[t * cols..(t + 1) * cols];
                 for h in 0..heads {
@@ -129,7 +143,7 @@ pub fn exec(op: &Op, v: &mut Views) -> OpResult {
                         None => row.copy_from_slice(src),
                     }
                     rotate(&mut row, &cos, &sin);
-                    let dst = (h * max_ctx + p) * head_dim;
+                    let dst = (h * rows + at[t]) * head_dim;
                     store(kc, kd, dst, &row)?;
                     store(vc, vd, dst, &values[h * head_dim..][..head_dim])?;
                 }
@@ -141,36 +155,49 @@ pub fn exec(op: &Op, v: &mut Views) -> OpResult {
             k_cache,
             v_cache,
             positions,
+            pages,
             out,
             heads,
             kv_heads,
             head_dim,
-            max_ctx,
+            rows,
             scale,
             ..
         } => {
             let (q, pos) = (v.read::<f32>(q)?, v.read::<u32>(positions)?);
+            let (table, seq) = (v.read::<u32>(pages.table)?, v.read::<u32>(pages.seq)?);
+            // Each sequence's rows, up to the furthest position a token of it reads.
+            let mut seq_rows: HashMap<usize, Vec<usize>> = HashMap::new();
+            for (t, &p) in pos.iter().enumerate() {
+                let s = pages.seq_of(seq, t);
+                let r = seq_rows.entry(s).or_default();
+                for j in r.len()..=p as usize {
+                    r.push(
+                        pages
+                            .row(table, s, j, rows)
+                            .ok_or_else(|| format!("position {j} of sequence {s} is outside the cache"))?,
+                    );
+                }
+            }
             let (kc, vc) = (v.floats(k_cache)?, v.floats(v_cache)?);
             let out = v.write::<f32>(out)?;
-            if let Some(&p) = pos.iter().find(|&&p| p as usize >= max_ctx) {
-                return Err(format!("position {p} outside a cache of {max_ctx}"));
-            }
             let group = heads / kv_heads;
             out.par_chunks_mut(head_dim).enumerate().for_each(|(row, o)| {
                 let (t, h) = (row / heads, row % heads);
                 let kvh = h / group;
                 let qv = &q[row * head_dim..(row + 1) * head_dim];
-                let n = pos[t] as usize + 1;
-                // scores over cache rows 0..n, softmax with the max subtracted.
-                let scores: Vec<f32> = (0..n)
-                    .map(|j| scale * kc.dot((kvh * max_ctx + j) * head_dim, qv))
+                let at = &seq_rows[&pages.seq_of(seq, t)][..=pos[t] as usize];
+                // scores over the token's rows, softmax with the max subtracted.
+                let scores: Vec<f32> = at
+                    .iter()
+                    .map(|&r| scale * kc.dot((kvh * rows + r) * head_dim, qv))
                     .collect();
                 let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let e: Vec<f32> = scores.iter().map(|s| (s - m).exp()).collect();
                 let sum: f32 = e.iter().sum();
                 o.fill(0.0);
-                for (j, p) in e.iter().enumerate() {
-                    let base = (kvh * max_ctx + j) * head_dim;
+                for (&r, p) in at.iter().zip(&e) {
+                    let base = (kvh * rows + r) * head_dim;
                     for (d, o) in o.iter_mut().enumerate() {
                         *o += p / sum * vc.get(base + d);
                     }

@@ -1,7 +1,7 @@
 //! KV-cache append (alone or with the per-head norms and rotation of q and k) and causal GQA
 //! attention: `kernels/attention.cu`.
 
-use kestrel_core::ir::{Buf, NormKind, Op};
+use kestrel_core::ir::{Buf, KvPages, NormKind, Op};
 use kestrel_core::DType;
 
 use super::common::{float_name, op_module, u32_arg, unsupported};
@@ -70,6 +70,35 @@ fn cache_dtype(enc: &Encoder, k_cache: Buf, v_cache: Buf) -> Result<DType> {
     Ok(cache)
 }
 
+/// The block table and sequence ids of `KvPages`, resolved, with the shape its kernels take.
+struct Pages {
+    table: Buffer,
+    seq: Buffer,
+    pages: KvPages,
+}
+
+impl Pages {
+    fn new(enc: &Encoder, pages: KvPages) -> Result<Self> {
+        if !pages.block.is_power_of_two() {
+            return Err(unsupported(format!("blocks of {} rows", pages.block)));
+        }
+        Ok(Pages {
+            table: enc.buf(pages.table)?.clone(),
+            seq: enc.buf(pages.seq)?.clone(),
+            pages,
+        })
+    }
+
+    /// The kernels' page arguments: table, seq, seq_step, max_blocks, shift.
+    fn args<'e>(&self, b: DispatchBuilder<'e>) -> Result<DispatchBuilder<'e>> {
+        Ok(b.read(&self.table)
+            .read(&self.seq)
+            .arg(u32::from(!self.pages.one_seq))
+            .arg(u32_arg(self.pages.max_blocks)?)
+            .arg(self.pages.block.trailing_zeros()))
+    }
+}
+
 /// An `Op::Attention` as its encoders use it: the buffers resolved, the cache's dtype (k and v
 /// caches alike, checked here), and the shape.
 struct Attn {
@@ -77,25 +106,31 @@ struct Attn {
     kc: Buffer,
     vc: Buffer,
     positions: Buffer,
+    pages: Pages,
     out: Buffer,
     cache: DType,
     tokens: usize,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
+    /// Rows of the caches.
+    rows: usize,
+    /// Positions a sequence holds (the range the kernels split).
     max_ctx: usize,
     scale: f32,
 }
 
 impl Attn {
     /// A dispatch of `kern` with the arguments every attention kernel starts with: q, the two
-    /// caches and the positions.
-    fn dispatch<'e>(&self, enc: &'e mut Encoder, kern: &Kernel) -> DispatchBuilder<'e> {
-        enc.dispatch(kern)
+    /// caches, the positions and the pages.
+    fn dispatch<'e>(&self, enc: &'e mut Encoder, kern: &Kernel) -> Result<DispatchBuilder<'e>> {
+        let b = enc
+            .dispatch(kern)
             .read(&self.q)
             .read(&self.kc)
             .read(&self.vc)
-            .read(&self.positions)
+            .read(&self.positions);
+        self.pages.args(b)
     }
 
     fn new(enc: &Encoder, op: &Op) -> Result<Self> {
@@ -104,12 +139,13 @@ impl Attn {
             k_cache,
             v_cache,
             positions,
+            pages,
             out,
             tokens,
             heads,
             kv_heads,
             head_dim,
-            max_ctx,
+            rows,
             scale,
         } = *op
         else {
@@ -121,13 +157,15 @@ impl Attn {
             kc: enc.buf(k_cache)?.clone(),
             vc: enc.buf(v_cache)?.clone(),
             positions: enc.buf(positions)?.clone(),
+            pages: Pages::new(enc, pages)?,
             out: enc.buf(out)?.clone(),
             cache,
             tokens,
             heads,
             kv_heads,
             head_dim,
-            max_ctx,
+            rows,
+            max_ctx: pages.max_ctx(),
             scale,
         })
     }
@@ -196,7 +234,7 @@ fn encode_flash(enc: &mut Encoder, a: &Attn) -> Result<()> {
     } else {
         [a.out.clone(), a.out.clone(), a.out.clone()]
     };
-    a.dispatch(enc, &kern)
+    a.dispatch(enc, &kern)?
         .grid((u32_arg(row_blocks)?, u32_arg(kv_heads)?, u32_arg(splits)?))
         .block(u32_arg(32 * FA_WARPS)?)
         .shared_mem(u32_arg(smem)?)
@@ -207,7 +245,7 @@ fn encode_flash(enc: &mut Encoder, a: &Attn) -> Result<()> {
         .arg(u32_arg(tokens)?)
         .arg(u32_arg(heads)?)
         .arg(u32_arg(kv_heads)?)
-        .arg(u32_arg(max_ctx)?)
+        .arg(u32_arg(a.rows)?)
         .arg(a.scale)
         .arg(u32_arg(chunk)?)
         .record();
@@ -239,16 +277,19 @@ fn encode_decode(enc: &mut Encoder, a: &Attn) -> Result<()> {
         .device
         .max_active_blocks(&kern, block, u32_arg(smem)?)?
         .min(enc.device.info().sm_count as usize);
-    let want = (wave / kv_heads).max(1);
+    // One z per token when each token has its own sequence, else one for all.
+    let zs = if a.pages.pages.one_seq { 1 } else { tokens };
+    let want = (wave / (kv_heads * zs)).max(1);
     let round = decode_warps(head_dim) * DA_KEYS;
     let chunk = max_ctx.div_ceil(want).div_ceil(round) * round;
     let splits = max_ctx.div_ceil(chunk);
-    // Per (KV head, split, row): the split's accumulator, then max and sum and two unused floats.
+    // Per (z, KV head, split, row): the split's accumulator, then max and sum and two unused
+    // floats; two counters per (z, KV head).
     let record = head_dim + 4;
-    let part = enc.workspace(DType::F32, kv_heads * splits * DA_ROWS * record)?;
-    let counters = enc.counters(2 * kv_heads)?;
-    a.dispatch(enc, &kern)
-        .grid((u32_arg(splits)?, u32_arg(kv_heads)?))
+    let part = enc.workspace(DType::F32, zs * kv_heads * splits * DA_ROWS * record)?;
+    let counters = enc.counters(2 * zs * kv_heads)?;
+    a.dispatch(enc, &kern)?
+        .grid((u32_arg(splits)?, u32_arg(kv_heads)?, u32_arg(zs)?))
         .block(block)
         .shared_mem(u32_arg(smem)?)
         .write(&a.out)
@@ -257,7 +298,7 @@ fn encode_decode(enc: &mut Encoder, a: &Attn) -> Result<()> {
         .arg(u32_arg(tokens)?)
         .arg(u32_arg(heads)?)
         .arg(u32_arg(kv_heads)?)
-        .arg(u32_arg(max_ctx)?)
+        .arg(u32_arg(a.rows)?)
         .arg(a.scale)
         .arg(u32_arg(chunk)?)
         .record();
@@ -298,7 +339,7 @@ fn encode_split(enc: &mut Encoder, a: &Attn) -> Result<()> {
     }
     let name = format!("attention_split_{}_{pl}", float_name(cache)?);
     let kern = enc.kernel(&MODULE, &name)?;
-    a.dispatch(enc, &kern)
+    a.dispatch(enc, &kern)?
         .grid((u32_arg(kv_heads * subgroups)?, u32_arg(splits)?, u32_arg(tokens)?))
         .block(u32_arg(32 * DEC_WARPS)?)
         .shared_mem(u32_arg(smem)?)
@@ -308,7 +349,7 @@ fn encode_split(enc: &mut Encoder, a: &Attn) -> Result<()> {
         .arg(u32_arg(heads)?)
         .arg(u32_arg(kv_heads)?)
         .arg(u32_arg(head_dim)?)
-        .arg(u32_arg(max_ctx)?)
+        .arg(u32_arg(a.rows)?)
         .arg(a.scale)
         .arg(u32_arg(chunk)?)
         .record();
@@ -368,12 +409,14 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             positions,
             k_cache,
             v_cache,
+            pages,
             tokens,
             kv_heads,
             head_dim,
-            max_ctx,
+            rows,
         } => {
             let name = float_name(cache_dtype(enc, k_cache, v_cache)?)?;
+            let pages = Pages::new(enc, pages)?;
             let kern = enc.kernel(&MODULE, &format!("kv_append_{name}"))?;
             let (k, v, p) = (
                 enc.buf(k)?.clone(),
@@ -381,17 +424,20 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 enc.buf(positions)?.clone(),
             );
             let (kc, vc) = (enc.buf(k_cache)?.clone(), enc.buf(v_cache)?.clone());
-            enc.dispatch(&kern)
+            let b = enc
+                .dispatch(&kern)
                 .cover(tokens * kv_heads * head_dim, 256)
                 .read(&k)
                 .read(&v)
                 .read(&p)
                 .read_write(&kc)
-                .read_write(&vc)
+                .read_write(&vc);
+            pages
+                .args(b)?
                 .arg(u32_arg(tokens)?)
                 .arg(u32_arg(kv_heads)?)
                 .arg(u32_arg(head_dim)?)
-                .arg(u32_arg(max_ctx)?)
+                .arg(u32_arg(rows)?)
                 .record();
         }
         Op::AttentionInputs {
@@ -403,14 +449,16 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             inv_freq,
             k_cache,
             v_cache,
+            pages,
             tokens,
             heads,
             kv_heads,
             head_dim,
             rot_dim,
             scaling,
-            max_ctx,
+            rows,
         } => {
+            let pages = Pages::new(enc, pages)?;
             let cache = float_name(cache_dtype(enc, k_cache, v_cache)?)?;
             if head_dim > MAX_HEAD_DIM {
                 return Err(unsupported(format!("head_dim {head_dim} > {MAX_HEAD_DIM}")));
@@ -458,49 +506,56 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                     .arg(i32::from(*kind == NormKind::ZeroCentered)),
                 None => b.arg(0u64).arg(0u64).arg(0f32).arg(0i32),
             };
-            b.read(&p)
-                .read(&f)
-                .read_write(&kc)
-                .read_write(&vc)
+            let b = b.read(&p).read(&f).read_write(&kc).read_write(&vc);
+            pages
+                .args(b)?
                 .arg(u32_arg(heads)?)
                 .arg(u32_arg(kv_heads)?)
                 .arg(u32_arg(head_dim)?)
                 .arg(u32_arg(q_stride)?)
                 .arg(u32_arg(rot_dim)?)
                 .arg(scaling)
-                .arg(u32_arg(max_ctx)?)
+                .arg(u32_arg(rows)?)
                 .record();
         }
         Op::Attention { .. } => {
             let a = Attn::new(enc, op)?;
-            let (cache, tokens, heads, kv_heads, head_dim, max_ctx) =
-                (a.cache, a.tokens, a.heads, a.kv_heads, a.head_dim, a.max_ctx);
+            let (cache, tokens, heads, kv_heads, head_dim) =
+                (a.cache, a.tokens, a.heads, a.kv_heads, a.head_dim);
+            let one_seq = a.pages.pages.one_seq || tokens == 1;
+            let hopper = enc.device.info().compute_capability.0 >= 9;
             if matches!(cache, DType::BF16 | DType::F16) && FLASH_HEAD_DIMS.contains(&head_dim) {
-                // One decode token's group (or a few tokens of a small group) in one kernel.
-                let rows = tokens * (heads / kv_heads);
-                if rows <= DA_ROWS && enc.device.info().compute_capability.0 >= 9 {
+                // One decode token's group (or a few tokens of a small group) in one kernel; with
+                // a sequence per token, each token's group alone.
+                let group = heads / kv_heads;
+                let rows = if one_seq { tokens * group } else { group };
+                if rows <= DA_ROWS && hopper {
                     return encode_decode(enc, &a);
                 }
-                return encode_flash(enc, &a);
+                if one_seq {
+                    return encode_flash(enc, &a);
+                }
             }
             // The split kernel when its shared memory fits (f32 caches up to head dim 128).
             let split_fits =
                 split_smem(head_dim, cache.size_in_bytes()) <= enc.device.info().max_shared_per_block;
-            if tokens <= SPLIT_MAX_TOKENS && head_dim % 8 == 0 && head_dim <= MAX_HEAD_DIM && split_fits {
+            // A sequence per token: the split kernel takes each token alone, whatever their number.
+            let few = tokens <= SPLIT_MAX_TOKENS || !one_seq;
+            if few && head_dim % 8 == 0 && head_dim <= MAX_HEAD_DIM && split_fits {
                 return encode_split(enc, &a);
             }
             if head_dim > MAX_HEAD_DIM {
                 return Err(unsupported(format!("head_dim {head_dim} > {MAX_HEAD_DIM}")));
             }
             let kern = enc.kernel(&MODULE, &format!("attention_{}", float_name(cache)?))?;
-            a.dispatch(enc, &kern)
+            a.dispatch(enc, &kern)?
                 .grid(u32_arg(tokens * heads)?)
                 .block(u32_arg(32 * WARPS)?)
                 .write(&a.out)
                 .arg(u32_arg(heads)?)
                 .arg(u32_arg(kv_heads)?)
                 .arg(u32_arg(head_dim)?)
-                .arg(u32_arg(max_ctx)?)
+                .arg(u32_arg(a.rows)?)
                 .arg(a.scale)
                 .record();
         }
