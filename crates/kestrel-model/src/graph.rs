@@ -12,6 +12,7 @@
 use std::collections::HashMap;
 
 use kestrel_core::expert_slots::{table_words, SlotPolicy};
+use kestrel_core::ir::BufKind;
 use kestrel_core::ir::{
     Buf, BufId, ExpertFormat, ExpertIds, ExpertLayout, ExpertWeights, Graph, KvPages, LinearWeight, Logits,
     NormKind, Normed, Op, PageTable, Positions, Residual, SeqIds, TokenIds, Tokens, Weight,
@@ -176,7 +177,7 @@ pub struct Forward {
     pub tokens: BufId<Tokens>,
     pub positions: BufId<Positions>,
     /// The block table of the KV caches and the sequence the tokens belong to: one sequence
-    /// over the whole cache, written once (see [`Forward::one_sequence`]).
+    /// over the whole cache, written once (see [`Forward::write_pages`]).
     pub page_table: BufId<PageTable>,
     pub seq: BufId<SeqIds>,
     pub logits: BufId<Logits>,
@@ -562,11 +563,22 @@ impl Forward {
         })
     }
 
-    /// The contents of `page_table` and `seq` for the one sequence this graph runs: blocks
-    /// `0, 1, 2, ...` (the caches are contiguous) and sequence 0.
-    pub fn one_sequence(&self) -> (Vec<u32>, Vec<u32>) {
+    /// Writes `page_table` and `seq` for the one sequence this graph runs into `program` (this
+    /// graph or a segment of it; where the segment reads them): blocks `0, 1, 2, ...` (the
+    /// caches are contiguous) and sequence 0. Once per program: inputs keep what was written.
+    pub fn write_pages<B: Backend>(&self, backend: &mut B, program: &mut B::Program) -> Result<()> {
         let blocks = self.graph.decl(self.page_table).elem_count() as u32;
-        ((0..blocks).collect(), vec![0])
+        let table: Vec<u32> = (0..blocks).collect();
+        let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
+        if B::graph(program).decl(self.page_table).kind == BufKind::Input {
+            backend
+                .upload(program, self.page_table, &table)
+                .map_err(backend_err)?;
+        }
+        if B::graph(program).decl(self.seq).kind == BufKind::Input {
+            backend.upload(program, self.seq, &[0u32]).map_err(backend_err)?;
+        }
+        Ok(())
     }
 
     /// Writes every weight into `program`'s buffers. Weights are shared by label between the

@@ -628,18 +628,9 @@ impl<B: Backend> Session<B> {
                 segments
             };
             let mut prog = Prog { f, segments, used: 0 };
-            // One sequence over the whole cache: its block table never changes, so it is written
-            // once (inputs keep what was last written).
-            let (table, seq) = prog.f.one_sequence();
+            // One sequence over the whole cache: its block table never changes.
             for p in &mut prog.segments {
-                if B::graph(p).decl(prog.f.page_table).kind == BufKind::Input {
-                    self.backend
-                        .upload(p, prog.f.page_table, &table)
-                        .map_err(backend_err)?;
-                }
-                if B::graph(p).decl(prog.f.seq).kind == BufKind::Input {
-                    self.backend.upload(p, prog.f.seq, &seq).map_err(backend_err)?;
-                }
+                prog.f.write_pages(&mut self.backend, p)?;
             }
             // Weights and states are shared by label: every segment declares them all.
             if !self.uploaded {

@@ -83,6 +83,7 @@ fn prefill_logits_with<B: Backend>(
     let positions: Vec<u32> = (0..tokens.len() as u32).collect();
     backend.upload(&mut p, f.tokens, tokens).unwrap();
     backend.upload(&mut p, f.positions, &positions).unwrap();
+    f.write_pages(&mut backend, &mut p).unwrap();
     backend.run(&mut p).unwrap();
     let mut out = vec![0u8; f.graph.decl(f.logits).byte_len()];
     backend.read_bytes(&p, f.logits.raw(), &mut out).unwrap();

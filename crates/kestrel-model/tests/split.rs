@@ -45,13 +45,7 @@ fn run(c: &ModelConfig, w: &Weights, tokens: &[u32], cuts: &dyn Fn(&Forward) -> 
             if g.decl(f.positions).kind == BufKind::Input {
                 cpu.upload(p, f.positions, &pos).unwrap();
             }
-            let (table, seq) = f.one_sequence();
-            if g.decl(f.page_table).kind == BufKind::Input {
-                cpu.upload(p, f.page_table, &table).unwrap();
-            }
-            if g.decl(f.seq).kind == BufKind::Input {
-                cpu.upload(p, f.seq, &seq).unwrap();
-            }
+            f.write_pages(&mut cpu, p).unwrap();
             cpu.run(p).unwrap();
         }
         let last = programs.last().unwrap();
