@@ -57,6 +57,22 @@ pub struct ForwardSpec {
     pub sampling: Option<SamplingParams>,
     /// Routed experts streamed through a cache of slots per MoE layer instead of all resident.
     pub streaming: Option<Streamed>,
+    /// The KV caches as a pool shared by many sequences (None: one sequence over `ctx`
+    /// positions, its blocks in order).
+    pub pool: Option<KvPool>,
+    /// The tokens are each the next of its own sequence of the pool (a batched decode step:
+    /// positions and sequences are inputs, every token's logits are computed), not a chunk of
+    /// one sequence.
+    pub batched: bool,
+}
+
+/// KV caches as a pool of `blocks` blocks of [`KV_BLOCK`] rows, shared by up to `seqs`
+/// sequences of up to `ForwardSpec::ctx` positions each, through a block table the caller
+/// writes (`Forward::page_table`, `[seqs, ctx / KV_BLOCK]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct KvPool {
+    pub seqs: usize,
+    pub blocks: usize,
 }
 
 /// How a forward graph streams its routed experts. Each MoE layer has a cache of `slots`
@@ -95,7 +111,14 @@ impl ForwardSpec {
             quant: None,
             sampling: None,
             streaming: None,
+            pool: None,
+            batched: false,
         }
+    }
+
+    /// Blocks a sequence's table row holds.
+    pub fn max_blocks(&self) -> usize {
+        self.ctx.div_ceil(KV_BLOCK)
     }
 }
 
@@ -228,6 +251,8 @@ struct Build<'a> {
     moe_steps: Vec<MoeStep>,
     host_experts: Vec<HostExperts>,
     expert_tables: Vec<Buf>,
+    /// Rows of the KV caches.
+    cache_rows: usize,
 }
 
 impl Build<'_> {
@@ -396,7 +421,7 @@ impl Build<'_> {
 impl Forward {
     /// The graph of `spec` for the model `c` whose tensors are `w`.
     pub fn build(c: &ModelConfig, w: &Weights, spec: ForwardSpec) -> Result<Forward> {
-        if spec.tokens == 0 || spec.past + spec.tokens > spec.ctx {
+        if spec.tokens == 0 || (!spec.batched && spec.past + spec.tokens > spec.ctx) {
             return Err(ModelError::Config {
                 key: "ctx".into(),
                 reason: format!(
@@ -428,6 +453,7 @@ impl Forward {
             moe_steps: Vec::new(),
             host_experts: Vec::new(),
             expert_tables: Vec::new(),
+            cache_rows: 0,
             norm: if c.arch.is_hybrid() {
                 NormKind::ZeroCentered
             } else {
@@ -441,10 +467,25 @@ impl Forward {
             .collect();
         let tokens = b.g.tokens_input("tokens", spec.tokens);
         let positions = b.g.positions_input("positions", spec.tokens);
-        // One sequence: a block table over the whole cache and every token in sequence 0.
-        let page_table = b.g.page_table_input("kv.table", 1, spec.ctx.div_ceil(KV_BLOCK));
-        let seq = b.g.seq_input("kv.seq", 1);
+        if spec.batched && (spec.pool.is_none() || c.arch.is_hybrid()) {
+            return Err(ModelError::Config {
+                key: "batch".into(),
+                reason: if spec.pool.is_none() {
+                    "a batched step needs a pool of KV blocks".into()
+                } else {
+                    "batched steps of hybrid models need recurrent-state slots, which are not built yet"
+                        .into()
+                },
+            });
+        }
+        // The block table (one sequence's blocks in order, or the pool's sequences) and the
+        // tokens' sequence (one for a chunk, one each for a batched step).
+        let (seqs, blocks) = spec.pool.map_or((1, spec.max_blocks()), |p| (p.seqs, p.blocks));
+        let page_table = b.g.page_table_input("kv.table", seqs, spec.max_blocks());
+        let seq =
+            b.g.seq_input("kv.seq", if spec.batched { spec.tokens } else { 1 });
         let pages = b.g.kv_pages("kv.pages", page_table, seq, KV_BLOCK);
+        b.cache_rows = blocks * KV_BLOCK;
         let embed = b.linear(&format!("{prefix}.embed_tokens"), c.vocab, c.hidden)?;
         let x: BufId<Residual> = b.g.embed("embed", &embed, tokens);
         // The first two MoE layers' experts, when whole layers are staged ahead.
@@ -506,8 +547,9 @@ impl Forward {
             Some(m) => b.g.add_rms_norm(&name, x, m, final_ln, eps, b.norm),
             None => b.g.rms_norm(&name, x, final_ln, eps, b.norm),
         };
-        // The lm_head runs on the last token's row only, unless every token's logits are wanted.
-        let h = if spec.all_logits || spec.tokens == 1 {
+        // The lm_head runs on the last token's row only, unless every token's logits are wanted
+        // (in a batched step, every token is the last of its sequence).
+        let h = if spec.all_logits || spec.batched || spec.tokens == 1 {
             h
         } else {
             b.g.last_row("last_row", h)
@@ -522,7 +564,7 @@ impl Forward {
         b.g.mark_output(logits);
         b.g.mark_output(argmax);
         let sampled = match spec.sampling {
-            Some(p) if !spec.all_logits && p.backend_candidates().is_some() => {
+            Some(p) if !spec.all_logits && !spec.batched && p.backend_candidates().is_some() => {
                 let counts = b.g.state("sampler.counts", DType::U32, [c.vocab]);
                 let rng = b.g.state("sampler.rng", DType::U32, [8]);
                 let token = b.g.sample("sample", logits, counts, rng, p);
@@ -703,7 +745,7 @@ fn attention(
     } else {
         None
     };
-    let rows = pages.max_ctx();
+    let rows = b.cache_rows;
     let kc = b.g.cache(&format!("{l}.k_cache"), spec.cache_dtype, kv, rows, hd);
     let vc = b.g.cache(&format!("{l}.v_cache"), spec.cache_dtype, kv, rows, hd);
     // Norms, rotation, the gate split and the cache append in one op.

@@ -27,8 +27,8 @@ pub use experts::{
     ExpertSource, PartSource,
 };
 pub use footprint::{footprint, Footprint};
-pub use graph::{Forward, ForwardSpec, HostExperts, MoeStep, Streamed};
+pub use graph::{Forward, ForwardSpec, HostExperts, KvPool, MoeStep, Streamed, KV_BLOCK};
 pub use quantize::{check_empty_dst, quantize_dir, write_model_dir, QuantizeReport};
-pub use session::{Output, Session, StageAhead, Want, MAX_PROGRAMS};
+pub use session::{batch_bucket, Output, Session, StageAhead, Want, MAX_PROGRAMS};
 pub use synthetic::{synthetic_model, synthetic_model_json, synthetic_weights, SYNTHETIC_MODELS};
 pub use weights::{FileIdent, FileSpan, OwnedTensor, Tensor, Weights};

@@ -26,7 +26,7 @@ use kestrel_core::expert_slots::{self, resolve, stage_sources, table_words};
 use crate::expert_cache::{CacheStats, Eviction};
 use crate::expert_disk::{DiskStats, ExpertReader};
 use crate::experts::{expert_copy_parts, expert_tensor_names, pack_expert, pack_experts_into, CopyPart};
-use crate::graph::{Forward, ForwardSpec, MoeStep, Streamed};
+use crate::graph::{Forward, ForwardSpec, KvPool, MoeStep, Streamed, KV_BLOCK};
 use crate::weights::Weights;
 
 /// What a caller wants from a [`Session::step`].
@@ -49,6 +49,8 @@ pub enum Want {
 pub enum Output {
     Logits(Vec<f32>),
     Token(u32),
+    /// A batched step's argmax ids, one per token.
+    Tokens(Vec<u32>),
 }
 
 impl Output {
@@ -56,7 +58,15 @@ impl Output {
     pub fn token(&self) -> Option<u32> {
         match self {
             Output::Token(t) => Some(*t),
-            Output::Logits(_) => None,
+            Output::Logits(_) | Output::Tokens(_) => None,
+        }
+    }
+
+    /// The ids of a batched step's [`Want::Argmax`].
+    pub fn into_tokens(self) -> Option<Vec<u32>> {
+        match self {
+            Output::Tokens(t) => Some(t),
+            Output::Logits(_) | Output::Token(_) => None,
         }
     }
 
@@ -64,7 +74,7 @@ impl Output {
     pub fn into_logits(self) -> Option<Vec<f32>> {
         match self {
             Output::Logits(l) => Some(l),
-            Output::Token(_) => None,
+            Output::Token(_) | Output::Tokens(_) => None,
         }
     }
 }
@@ -97,6 +107,13 @@ impl Outputs {
     }
 }
 
+fn no_pool() -> ModelError {
+    ModelError::Config {
+        key: "kv pool".into(),
+        reason: "the session's caches are not a pool (Session::with_kv_pool)".into(),
+    }
+}
+
 fn not_sampling() -> ModelError {
     ModelError::Config {
         key: "sampling".into(),
@@ -104,8 +121,35 @@ fn not_sampling() -> ModelError {
     }
 }
 
-/// A prepared program: (tokens, outputs, whole layers staged ahead).
-type Key = (usize, Outputs, bool);
+/// A prepared program: (tokens, outputs, whole layers staged ahead, a batched step).
+type Key = (usize, Outputs, bool, bool);
+
+/// KV caches as a pool of blocks shared by sequences (see [`Session::with_kv_pool`]).
+struct Pool {
+    /// Sequences and blocks the caller uses. The table has one more row, `seqs`, whose every
+    /// entry is block `blocks`, one more: where the padding tokens of a batched step go.
+    seqs: usize,
+    blocks: usize,
+    /// `[seqs + 1, max_blocks]`, and its version (bumped by every change).
+    table: Vec<u32>,
+    version: u64,
+    /// The sequence the chunks of [`Session::step`] belong to.
+    current: u32,
+}
+
+/// The batch sizes a batched step is padded to (one program each); past the last, multiples
+/// of it.
+const BATCH_BUCKETS: [usize; 9] = [1, 2, 4, 8, 16, 24, 32, 48, 64];
+
+/// The bucket `n` tokens are padded to.
+pub fn batch_bucket(n: usize) -> usize {
+    let top = BATCH_BUCKETS[BATCH_BUCKETS.len() - 1];
+    BATCH_BUCKETS
+        .iter()
+        .copied()
+        .find(|&b| b >= n)
+        .unwrap_or_else(|| n.div_ceil(top) * top)
+}
 
 /// Whether chunks long enough to use most of a layer's experts stage whole layers ahead (see
 /// [`Streamed`]): that copies every expert of the layer, which pays when the chunk uses most of
@@ -130,6 +174,10 @@ struct Prog<B: Backend> {
     segments: Vec<B::Program>,
     /// When it was last asked for ([`Session::clock`]).
     used: u64,
+    /// With a pool of KV blocks: the version of the block table its inputs hold (0: none),
+    /// and the sequence a chunk program's input names.
+    table_version: u64,
+    seq: Option<u32>,
 }
 
 /// Programs a session keeps at most: each holds its own activations, and steps of many
@@ -243,6 +291,8 @@ pub struct Session<B: Backend> {
     seeded: bool,
     /// Steps of more tokens run in chunks of at most this many (see [`Session::step`]).
     chunk: Option<usize>,
+    /// The KV caches as a pool shared by sequences.
+    pool: Option<Pool>,
 }
 
 impl<B: Backend> Session<B> {
@@ -277,7 +327,143 @@ impl<B: Backend> Session<B> {
             sampling: None,
             seeded: false,
             chunk: None,
+            pool: None,
         }
+    }
+
+    /// Lays the KV caches out as a pool of `blocks` blocks of [`KV_BLOCK`] rows shared by up to
+    /// `seqs` sequences of up to `ctx` positions each, through a block table the caller keeps
+    /// ([`Session::set_page_table`]); [`Session::select_seq`] says which sequence `step` runs,
+    /// [`Session::step_batch`] runs the next token of many. Models with recurrent states
+    /// (hybrids) hold one sequence's, so they are refused. Call before the first step.
+    pub fn with_kv_pool(mut self, seqs: usize, blocks: usize) -> Result<Session<B>> {
+        let bad = |reason: String| ModelError::Config {
+            key: "kv pool".into(),
+            reason,
+        };
+        if self.config.arch.is_hybrid() {
+            return Err(bad(
+                "hybrid models hold one sequence's recurrent state: several sequences at once need state slots, which are not built yet".into(),
+            ));
+        }
+        if seqs == 0 || blocks == 0 || !self.programs.is_empty() {
+            return Err(bad(format!(
+                "{seqs} sequences over {blocks} blocks, asked for before any step"
+            )));
+        }
+        let max_blocks = self.ctx.div_ceil(KV_BLOCK);
+        let mut table = vec![0u32; (seqs + 1) * max_blocks];
+        table[seqs * max_blocks..].fill(blocks as u32);
+        self.pool = Some(Pool {
+            seqs,
+            blocks,
+            table,
+            version: 1,
+            current: 0,
+        });
+        Ok(self)
+    }
+
+    /// Blocks a sequence's row of the page table holds (the context over [`KV_BLOCK`]).
+    pub fn max_blocks(&self) -> usize {
+        self.ctx.div_ceil(KV_BLOCK)
+    }
+
+    /// Sets the block table of the pool: `[seqs, max_blocks]`, every entry below `blocks`
+    /// (entries past what a sequence holds are never read).
+    pub fn set_page_table(&mut self, table: &[u32]) -> Result<()> {
+        let max_blocks = self.max_blocks();
+        let pool = self.pool.as_mut().ok_or_else(no_pool)?;
+        let n = pool.seqs * max_blocks;
+        if table.len() != n || table.iter().any(|&b| b as usize >= pool.blocks) {
+            return Err(ModelError::Config {
+                key: "page table".into(),
+                reason: format!(
+                    "{} entries, expected {n}, each below {} blocks",
+                    table.len(),
+                    pool.blocks
+                ),
+            });
+        }
+        pool.table[..n].copy_from_slice(table);
+        pool.version += 1;
+        Ok(())
+    }
+
+    /// The sequence of the pool the next [`Session::step`]s run.
+    pub fn select_seq(&mut self, seq: usize) -> Result<()> {
+        let pool = self.pool.as_mut().ok_or_else(no_pool)?;
+        if seq >= pool.seqs {
+            return Err(ModelError::Config {
+                key: "sequence".into(),
+                reason: format!("{seq} is not one of the pool's {} sequences", pool.seqs),
+            });
+        }
+        pool.current = seq as u32;
+        Ok(())
+    }
+
+    /// One token of each of several sequences of the pool: `ids[i]` at `positions[i]` of
+    /// sequence `seqs[i]` (each sequence at most once). Runs the program of the batch's bucket
+    /// ([`batch_bucket`]), the padding in a block of its own, and hands back each token's
+    /// argmax ([`Want::Argmax`]) or logits ([`Want::AllLogits`], `[ids.len(), vocab]`).
+    pub fn step_batch(&mut self, seqs: &[u32], ids: &[u32], positions: &[u32], want: Want) -> Result<Output> {
+        let pool = self.pool.as_ref().ok_or_else(no_pool)?;
+        let n = ids.len();
+        let bad = |reason: String| ModelError::Config {
+            key: "batch".into(),
+            reason,
+        };
+        if n == 0 || seqs.len() != n || positions.len() != n {
+            return Err(bad(format!(
+                "{n} tokens with {} sequences and {} positions",
+                seqs.len(),
+                positions.len()
+            )));
+        }
+        let mut seen = vec![false; pool.seqs];
+        for (&s, &p) in seqs.iter().zip(positions) {
+            if s as usize >= pool.seqs || std::mem::replace(&mut seen[s as usize], true) {
+                return Err(bad(format!("sequence {s} twice or not in the pool")));
+            }
+            if p as usize >= self.ctx {
+                return Err(bad(format!("position {p} past a context of {}", self.ctx)));
+            }
+        }
+        let bucket = batch_bucket(n);
+        let pad = bucket - n;
+        let scratch = pool.seqs as u32;
+        let ids: Vec<u32> = ids.iter().copied().chain(std::iter::repeat_n(0, pad)).collect();
+        let pos: Vec<u32> = positions
+            .iter()
+            .copied()
+            .chain(std::iter::repeat_n(0, pad))
+            .collect();
+        let seq: Vec<u32> = seqs
+            .iter()
+            .copied()
+            .chain(std::iter::repeat_n(scratch, pad))
+            .collect();
+        let outputs = match want {
+            Want::Argmax => Outputs::Last,
+            Want::AllLogits => Outputs::All,
+            _ => return Err(bad("a batched step gives argmax ids or logits".into())),
+        };
+        let key = self.run_tokens(&ids, &pos, Some(&seq), outputs)?;
+        let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
+        let prog = self.programs.get_mut(&key).expect("run above");
+        if want == Want::Argmax {
+            let argmax = prog.f.argmax;
+            let mut out = self
+                .backend
+                .download::<u32>(prog.last(), argmax)
+                .map_err(backend_err)?;
+            out.truncate(n);
+            return Ok(Output::Tokens(out));
+        }
+        let mut logits = self.logits_of(key)?;
+        logits.truncate(n * self.config.vocab);
+        Ok(Output::Logits(logits))
     }
 
     /// Samples the next token on the backend with `params` (`sample_next_token`), when the
@@ -302,7 +488,7 @@ impl<B: Backend> Session<B> {
     /// with the whole sequence before a turn's first sample.
     pub fn set_sample_history(&mut self, history: &[u32]) -> Result<()> {
         let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
-        let key = self.program(1, 0, Outputs::Sample)?;
+        let key = self.program(1, 0, Outputs::Sample, false)?;
         let prog = self.programs.get_mut(&key).expect("prepared above");
         let Some(s) = prog.f.sampled else {
             return Err(not_sampling());
@@ -574,14 +760,15 @@ impl<B: Backend> Session<B> {
                 reason: format!("{tokens} tokens do not fit a context of {}", self.ctx),
             });
         }
-        self.program(tokens, 0, Outputs::for_want(want)).map(|_| ())
+        self.program(tokens, 0, Outputs::for_want(want), false)
+            .map(|_| ())
     }
 
     /// The program for `tokens` tokens, built, prepared and (the first time) given the weights.
-    fn program(&mut self, tokens: usize, past: usize, outputs: Outputs) -> Result<Key> {
+    fn program(&mut self, tokens: usize, past: usize, outputs: Outputs, batched: bool) -> Result<Key> {
         let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
         let ahead = self.streaming.as_ref().is_some_and(|s| s.ahead == Some(true));
-        let key = (tokens, outputs, ahead);
+        let key = (tokens, outputs, ahead, batched);
         let all_logits = outputs == Outputs::All;
         if !self.programs.contains_key(&key) {
             let spec = ForwardSpec {
@@ -599,6 +786,12 @@ impl<B: Backend> Session<B> {
                     policy: s.policy,
                     stage_ahead: ahead,
                 }),
+                // The padding row and block past the caller's.
+                pool: self.pool.as_ref().map(|p| KvPool {
+                    seqs: p.seqs + 1,
+                    blocks: p.blocks + 1,
+                }),
+                batched,
             };
             let mut f = Forward::build(&self.config, &self.weights, spec)?;
             if self.streaming.as_ref().is_some_and(|s| !s.placed) {
@@ -627,10 +820,19 @@ impl<B: Backend> Session<B> {
                 }
                 segments
             };
-            let mut prog = Prog { f, segments, used: 0 };
-            // One sequence over the whole cache: its block table never changes.
-            for p in &mut prog.segments {
-                prog.f.write_pages(&mut self.backend, p)?;
+            let mut prog = Prog {
+                f,
+                segments,
+                used: 0,
+                table_version: 0,
+                seq: None,
+            };
+            // One sequence over the whole cache: its block table never changes. (A pool's
+            // table goes in before each run that finds it changed.)
+            if self.pool.is_none() {
+                for p in &mut prog.segments {
+                    prog.f.write_pages(&mut self.backend, p)?;
+                }
             }
             // Weights and states are shared by label: every segment declares them all.
             if !self.uploaded {
@@ -708,12 +910,6 @@ impl<B: Backend> Session<B> {
     /// Runs `ids` at positions `past..` through the program for their length (prepared on first
     /// use), leaving the outputs in its buffers; returns the program's key.
     fn run(&mut self, ids: &[u32], past: usize, outputs: Outputs) -> Result<Key> {
-        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= self.config.vocab) {
-            return Err(ModelError::Config {
-                key: "vocab_size".into(),
-                reason: format!("token {bad} is outside the vocabulary of {}", self.config.vocab),
-            });
-        }
         if ids.is_empty() || past + ids.len() > self.ctx {
             return Err(ModelError::Config {
                 key: "ctx".into(),
@@ -724,8 +920,21 @@ impl<B: Backend> Session<B> {
                 ),
             });
         }
+        let pos: Vec<u32> = (past..past + ids.len()).map(|p| p as u32).collect();
+        self.run_tokens(ids, &pos, None, outputs)
+    }
+
+    /// Runs `ids` at positions `pos` (a chunk of the selected sequence, or with `seq`, a
+    /// batched step: each token of its own sequence) through the program for their number.
+    fn run_tokens(&mut self, ids: &[u32], pos: &[u32], seq: Option<&[u32]>, outputs: Outputs) -> Result<Key> {
+        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= self.config.vocab) {
+            return Err(ModelError::Config {
+                key: "vocab_size".into(),
+                reason: format!("token {bad} is outside the vocabulary of {}", self.config.vocab),
+            });
+        }
         let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
-        let key = self.program(ids.len(), past, outputs)?;
+        let key = self.program(ids.len(), pos[0] as usize, outputs, seq.is_some())?;
         // The first chunk long enough to stage whole layers decides whether they are (Auto).
         let decide = self.streaming.as_ref().is_some_and(|st| {
             let n = ids.len() * self.config.moe.as_ref().map_or(0, |m| m.experts_per_token);
@@ -735,7 +944,23 @@ impl<B: Backend> Session<B> {
         let before = if decide { self.expert_stats()? } else { None };
         let prog = self.programs.get_mut(&key).expect("prepared above");
         let f = &prog.f;
-        let pos: Vec<u32> = (past..past + ids.len()).map(|p| p as u32).collect();
+        // With a pool: the table when it changed since this program's last run, the sequence
+        // of a chunk when it is another one, a batched step's sequences every time.
+        let (table, seq_now) = match &self.pool {
+            Some(pool) => {
+                let table = (prog.table_version != pool.version).then_some(&pool.table[..]);
+                let seq_now: Option<Vec<u32>> = match seq {
+                    Some(s) => Some(s.to_vec()),
+                    None => (prog.seq != Some(pool.current)).then(|| vec![pool.current]),
+                };
+                prog.table_version = pool.version;
+                if seq.is_none() {
+                    prog.seq = Some(pool.current);
+                }
+                (table, seq_now)
+            }
+            None => (None, None),
+        };
         let last = prog.segments.len() - 1;
         for (i, p) in prog.segments.iter_mut().enumerate() {
             // Each segment gets the inputs it reads.
@@ -743,7 +968,16 @@ impl<B: Backend> Session<B> {
                 self.backend.upload(p, f.tokens, ids).map_err(backend_err)?;
             }
             if B::graph(p).decl(f.positions).kind == BufKind::Input {
-                self.backend.upload(p, f.positions, &pos).map_err(backend_err)?;
+                self.backend.upload(p, f.positions, pos).map_err(backend_err)?;
+            }
+            if let Some(t) = table.filter(|_| B::graph(p).decl(f.page_table).kind == BufKind::Input) {
+                self.backend.upload(p, f.page_table, t).map_err(backend_err)?;
+            }
+            if let Some(s) = seq_now
+                .as_ref()
+                .filter(|_| B::graph(p).decl(f.seq).kind == BufKind::Input)
+            {
+                self.backend.upload(p, f.seq, s).map_err(backend_err)?;
             }
             self.backend.run(p).map_err(backend_err)?;
             if i < last {

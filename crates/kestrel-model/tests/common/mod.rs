@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod batch;
+
 use std::path::PathBuf;
 
 use kestrel_core::{Backend, DType};

@@ -1,0 +1,87 @@
+//! Batched decode equals decoding one sequence at a time on the CPU backend: sequences of
+//! mixed lengths in a pool of KV blocks scattered at random, joining and leaving the batch,
+//! every step's logits against the same sequence run alone (see `common/batch.rs`); the same
+//! on CUDA (skipped with a notice without a device, failing under `KESTREL_REQUIRE_GPU=1`); and
+//! the pool's bad uses are errors.
+
+mod common;
+
+use common::batch::batched_against_alone;
+use common::dir;
+use kestrel_core::DType;
+use kestrel_cpu::CpuBackend;
+use kestrel_cuda::{CudaBackend, RunMode};
+use kestrel_model::{Session, Want};
+use kestrel_testing::gpu::device_or_skip;
+
+/// The fixtures with attention only (hybrids hold one sequence's recurrent state).
+const ATTENTION_ONLY: [&str; 4] = ["llama", "qwen3", "qwen3_moe", "qwen3_moe_mlx_q4"];
+
+#[test]
+fn batched_decode_equals_one_sequence_at_a_time() {
+    let seed = kestrel_testing::seed("batched decode");
+    for name in ATTENTION_ONLY {
+        let found = batched_against_alone(name, &CpuBackend::new, DType::F32, seed);
+        println!(
+            "{name}: {} rows, max relative error {:e}, {} argmax differ",
+            found.rows, found.max_err, found.top1_differs
+        );
+        // Every row is computed alone on the CPU (no product mixes rows): the same f32 sums.
+        assert!(
+            found.max_err <= 1e-6,
+            "seed {seed} {name}: error {}",
+            found.max_err
+        );
+        assert_eq!(found.top1_differs, 0, "seed {seed} {name}");
+    }
+}
+
+/// The error's message ("" when there was none).
+fn err<T>(r: kestrel_model::Result<T>) -> String {
+    r.err().map(|e| e.to_string()).unwrap_or_default()
+}
+
+#[test]
+fn a_pool_refuses_what_it_cannot_hold() {
+    let open = |name: &str| Session::open(&dir(name), CpuBackend::new(), 64, DType::F32).unwrap();
+    assert!(err(open("qwen3_next").with_kv_pool(2, 8)).contains("recurrent"));
+    assert!(err(open("qwen3").with_kv_pool(2, 0)).contains("0 blocks"));
+    let mut s = open("qwen3").with_kv_pool(2, 8).unwrap();
+    // Table entries past the pool, the wrong length, a sequence outside it, twice in a batch.
+    assert!(err(s.set_page_table(&[8; 8])).contains("below 8 blocks"));
+    assert!(err(s.set_page_table(&[0; 3])).contains("3 entries"));
+    assert!(err(s.select_seq(2)).contains("pool's 2 sequences"));
+    let twice = s.step_batch(&[1, 1], &[5, 6], &[0, 0], Want::Argmax);
+    assert!(err(twice).contains("sequence 1 twice"));
+    let far = s.step_batch(&[0], &[5], &[64], Want::Argmax);
+    assert!(err(far).contains("position 64"));
+    // Without a pool, the batch calls say so.
+    let mut plain = open("qwen3");
+    assert!(err(plain.step_batch(&[0], &[5], &[0], Want::Argmax)).contains("not a pool"));
+}
+
+/// The same on CUDA (graph replay, bf16 caches): a batched step runs other kernels than one
+/// token does (the products of several rows, attention over a sequence per token), so rows
+/// agree within the rounding of bf16 activations, not bit for bit, and every argmax agrees
+/// (the feeds are the same, so a near-tie would show as a large error first).
+#[test]
+fn batched_decode_equals_one_sequence_at_a_time_on_cuda() {
+    let Some(dev) = device_or_skip("batched_decode_equals_one_sequence_at_a_time_on_cuda") else {
+        return;
+    };
+    let seed = kestrel_testing::seed("batched decode on cuda");
+    for name in ATTENTION_ONLY {
+        let backend = || CudaBackend::new(dev.clone(), RunMode::Graph);
+        let found = batched_against_alone(name, &backend, DType::BF16, seed);
+        println!(
+            "{name} on cuda: {} rows, max relative error {:e}, {} argmax differ",
+            found.rows, found.max_err, found.top1_differs
+        );
+        assert!(
+            found.max_err <= 2e-2,
+            "seed {seed} {name}: error {}",
+            found.max_err
+        );
+        assert_eq!(found.top1_differs, 0, "seed {seed} {name}");
+    }
+}

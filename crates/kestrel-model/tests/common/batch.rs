@@ -1,0 +1,163 @@
+//! Batched decode against one sequence at a time, on any backend: sequences of mixed lengths
+//! in a pool of KV blocks scattered at random, joining and leaving the batch at different
+//! steps, each step's logits compared with those of the same sequence run alone.
+
+use kestrel_core::rng::Rng;
+use kestrel_core::{Backend, DType};
+use kestrel_model::{Session, Want};
+
+use super::{dir, VOCAB};
+
+const CTX: usize = 64;
+
+/// One sequence of the schedule: its prompt, the step it joins the batch at (its prompt is
+/// prefilled just before), and the tokens it then decodes (fed, not sampled, so both runs see
+/// the same ones).
+struct Seq {
+    prompt: Vec<u32>,
+    join: usize,
+    fed: Vec<u32>,
+}
+
+fn schedule(tokens: &[u32], rng: &mut Rng) -> Vec<Seq> {
+    // Prompt lengths and decode lengths: mixed, one sequence of a single token, one joining late.
+    let shape = [(3, 0, 6), (12, 0, 2), (7, 1, 4), (1, 0, 6), (9, 3, 3)];
+    shape
+        .iter()
+        .enumerate()
+        .map(|(i, &(len, join, steps))| Seq {
+            prompt: (0..len).map(|j| tokens[(i + j) % tokens.len()]).collect(),
+            join,
+            fed: (0..steps).map(|_| rng.range(0, VOCAB) as u32).collect(),
+        })
+        .collect()
+}
+
+/// What a comparison found: the largest relative error of any logits row and how many rows'
+/// argmax differed (with the backend's argmax of a batched step checked against its logits).
+pub struct Found {
+    pub max_err: f32,
+    pub rows: usize,
+    pub top1_differs: usize,
+}
+
+fn rel_err(got: &[f32], want: &[f32]) -> f32 {
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    got.iter().zip(want).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    kestrel_core::sample::argmax(row)
+}
+
+/// Runs the schedule for fixture `name` both ways on backends from `backend`, with caches of
+/// `cache`.
+pub fn batched_against_alone<B: Backend>(
+    name: &str,
+    backend: &dyn Fn() -> B,
+    cache: DType,
+    seed: u64,
+) -> Found {
+    let mut rng = Rng::new(seed);
+    let (tokens, _, _) = super::reference(name);
+    let seqs = schedule(&tokens, &mut rng);
+
+    // Alone: each sequence in a session of its own, prompt then one token at a time.
+    let mut alone: Vec<Vec<Vec<f32>>> = Vec::new();
+    for s in &seqs {
+        let mut session = Session::open(&dir(name), backend(), CTX, cache).unwrap();
+        let mut rows = vec![session
+            .step(&s.prompt, 0, Want::LastLogits)
+            .unwrap()
+            .into_logits()
+            .unwrap()];
+        for (i, &t) in s.fed.iter().enumerate() {
+            let at = s.prompt.len() + i;
+            rows.push(
+                session
+                    .step(&[t], at, Want::LastLogits)
+                    .unwrap()
+                    .into_logits()
+                    .unwrap(),
+            );
+        }
+        alone.push(rows);
+    }
+
+    // Batched: one session, a pool with three spare blocks, every block somewhere at random.
+    let n = seqs.len();
+    let session = Session::open(&dir(name), backend(), CTX, cache).unwrap();
+    let max_blocks = session.max_blocks();
+    let blocks = n * max_blocks + 3;
+    let mut session = session.with_kv_pool(n, blocks).unwrap();
+    let mut pool: Vec<u32> = (0..blocks as u32).collect();
+    for i in (1..pool.len()).rev() {
+        pool.swap(i, rng.range(0, i + 1));
+    }
+    session.set_page_table(&pool[..n * max_blocks]).unwrap();
+
+    let mut found = Found {
+        max_err: 0.0,
+        rows: 0,
+        top1_differs: 0,
+    };
+    let check = |got: &[f32], want: &[f32], found: &mut Found| {
+        found.max_err = found.max_err.max(rel_err(got, want));
+        found.rows += 1;
+        if argmax(got) != argmax(want) {
+            found.top1_differs += 1;
+        }
+    };
+    let steps = seqs.iter().map(|s| s.join + s.fed.len()).max().unwrap();
+    for step in 0..steps {
+        // Sequences joining now: their prompts, each alone.
+        for (i, s) in seqs.iter().enumerate().filter(|(_, s)| s.join == step) {
+            session.select_seq(i).unwrap();
+            let logits = session
+                .step(&s.prompt, 0, Want::LastLogits)
+                .unwrap()
+                .into_logits()
+                .unwrap();
+            check(&logits, &alone[i][0], &mut found);
+        }
+        // Then one token of every sequence still decoding.
+        let live: Vec<usize> = (0..n)
+            .filter(|&i| step >= seqs[i].join && step - seqs[i].join < seqs[i].fed.len())
+            .collect();
+        if live.is_empty() {
+            continue;
+        }
+        let k = |i: usize| step - seqs[i].join;
+        let ids: Vec<u32> = live.iter().map(|&i| seqs[i].fed[k(i)]).collect();
+        let pos: Vec<u32> = live
+            .iter()
+            .map(|&i| (seqs[i].prompt.len() + k(i)) as u32)
+            .collect();
+        let sq: Vec<u32> = live.iter().map(|&i| i as u32).collect();
+        let logits = session
+            .step_batch(&sq, &ids, &pos, Want::AllLogits)
+            .unwrap()
+            .into_logits()
+            .unwrap();
+        assert_eq!(logits.len(), live.len() * VOCAB);
+        for (r, &i) in live.iter().enumerate() {
+            check(
+                &logits[r * VOCAB..(r + 1) * VOCAB],
+                &alone[i][k(i) + 1],
+                &mut found,
+            );
+        }
+        // The same step again for the backend's argmax (it writes the same cache rows again).
+        let picked = session
+            .step_batch(&sq, &ids, &pos, Want::Argmax)
+            .unwrap()
+            .into_tokens()
+            .unwrap();
+        let want: Vec<u32> = logits.chunks(VOCAB).map(argmax).collect();
+        assert_eq!(
+            picked, want,
+            "{name} step {step}: the batch's argmax against its logits"
+        );
+    }
+    found
+}
