@@ -49,8 +49,30 @@ pub enum Want {
 pub enum Output {
     Logits(Vec<f32>),
     Token(u32),
-    /// A batched step's argmax ids, one per token.
+}
+
+/// What a [`Session::step_batch`] hands back: each token's argmax, or each token's logits
+/// (`[tokens, vocab]`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum BatchOutput {
     Tokens(Vec<u32>),
+    Logits(Vec<f32>),
+}
+
+impl BatchOutput {
+    pub fn into_tokens(self) -> Option<Vec<u32>> {
+        match self {
+            BatchOutput::Tokens(t) => Some(t),
+            BatchOutput::Logits(_) => None,
+        }
+    }
+
+    pub fn into_logits(self) -> Option<Vec<f32>> {
+        match self {
+            BatchOutput::Logits(l) => Some(l),
+            BatchOutput::Tokens(_) => None,
+        }
+    }
 }
 
 impl Output {
@@ -58,15 +80,7 @@ impl Output {
     pub fn token(&self) -> Option<u32> {
         match self {
             Output::Token(t) => Some(*t),
-            Output::Logits(_) | Output::Tokens(_) => None,
-        }
-    }
-
-    /// The ids of a batched step's [`Want::Argmax`].
-    pub fn into_tokens(self) -> Option<Vec<u32>> {
-        match self {
-            Output::Tokens(t) => Some(t),
-            Output::Logits(_) | Output::Token(_) => None,
+            Output::Logits(_) => None,
         }
     }
 
@@ -74,7 +88,7 @@ impl Output {
     pub fn into_logits(self) -> Option<Vec<f32>> {
         match self {
             Output::Logits(l) => Some(l),
-            Output::Token(_) | Output::Tokens(_) => None,
+            Output::Token(_) => None,
         }
     }
 }
@@ -407,7 +421,13 @@ impl<B: Backend> Session<B> {
     /// sequence `seqs[i]` (each sequence at most once). Runs the program of the batch's bucket
     /// ([`batch_bucket`]), the padding in a block of its own, and hands back each token's
     /// argmax ([`Want::Argmax`]) or logits ([`Want::AllLogits`], `[ids.len(), vocab]`).
-    pub fn step_batch(&mut self, seqs: &[u32], ids: &[u32], positions: &[u32], want: Want) -> Result<Output> {
+    pub fn step_batch(
+        &mut self,
+        seqs: &[u32],
+        ids: &[u32],
+        positions: &[u32],
+        want: Want,
+    ) -> Result<BatchOutput> {
         let pool = self.pool.as_ref().ok_or_else(no_pool)?;
         let n = ids.len();
         let bad = |reason: String| ModelError::Config {
@@ -459,11 +479,11 @@ impl<B: Backend> Session<B> {
                 .download::<u32>(prog.last(), argmax)
                 .map_err(backend_err)?;
             out.truncate(n);
-            return Ok(Output::Tokens(out));
+            return Ok(BatchOutput::Tokens(out));
         }
         let mut logits = self.logits_of(key)?;
         logits.truncate(n * self.config.vocab);
-        Ok(Output::Logits(logits))
+        Ok(BatchOutput::Logits(logits))
     }
 
     /// Samples the next token on the backend with `params` (`sample_next_token`), when the
