@@ -10,7 +10,8 @@ use kestrel_core::{Config, DType};
 use kestrel_cpu::CpuBackend;
 use kestrel_cuda::{CudaBackend, Device, Exact, RunMode};
 use kestrel_model::{
-    CacheStats, DiskStats, Eviction, ModelConfig, Output, Session, StageAhead, Want, Weights,
+    CacheStats, DiskStats, Eviction, KvPool, ModelConfig, Output, Session, StageAhead, Want, Weights,
+    KV_BLOCK,
 };
 use kestrel_text::{Sampler, SamplingParams};
 
@@ -116,6 +117,14 @@ pub struct EngineOptions {
     pub host_mem: Option<u64>,
     /// Which cached expert leaves when a streamed one needs its slot.
     pub eviction: Eviction,
+    /// Sequences generated at once by a [`crate::Batcher`] (None or 1: one at a time). The KV
+    /// caches become a pool of blocks for that many sequences of `ctx` positions each; models
+    /// with recurrent states (hybrids) keep one sequence's, so they ignore it.
+    pub max_seqs: Option<usize>,
+    /// Blocks of [`KV_BLOCK`] positions in the pool (None: every sequence's whole context; at
+    /// least one sequence's). Fewer than that: sequences share them as they grow, and the
+    /// newest are preempted while too few are free.
+    pub kv_blocks: Option<usize>,
 }
 
 impl EngineOptions {
@@ -135,6 +144,8 @@ impl EngineOptions {
             gpu_mem: None,
             host_mem: None,
             eviction: Eviction::Lru,
+            max_seqs: None,
+            kv_blocks: None,
         }
     }
 }
@@ -183,6 +194,8 @@ pub struct Engine {
     pub(crate) label: String,
     pub(crate) text: ModelText,
     pub(crate) session: AnySession,
+    /// The KV caches as a pool for several sequences ([`crate::Batcher`]).
+    pub(crate) pool: Option<KvPool>,
     backend: BackendChoice,
     device: Option<Device>,
     /// Where the bytes went, when the model streams its experts.
@@ -230,6 +243,16 @@ impl Engine {
             ..Default::default()
         }))?;
         let cache = cache_dtype(backend, opts.precision);
+        // Several sequences: by default every one's whole context reserved in the pool, at
+        // least one sequence's (the padding of batched steps takes one block more).
+        let per_seq = opts.ctx.div_ceil(KV_BLOCK);
+        let pool = opts
+            .max_seqs
+            .filter(|&n| n > 1 && !model.config.arch.is_hybrid())
+            .map(|seqs| KvPool {
+                seqs,
+                blocks: opts.kv_blocks.unwrap_or(seqs * per_seq).max(per_seq),
+            });
         let device = match backend {
             BackendChoice::Cuda => Some(Device::open(config.device, config)?),
             BackendChoice::Cpu => None,
@@ -251,6 +274,7 @@ impl Engine {
                     cache_dtype: cache,
                     quant: opts.quant,
                     prefill_chunk: opts.prefill_chunk.unwrap_or(opts.ctx),
+                    pool,
                 };
                 let p = Placement::plan(&model.config, &model.weights, shape, gpu, opts.host_mem)?;
                 (!p.resident()).then_some(p)
@@ -268,8 +292,12 @@ impl Engine {
             s: Session<B>,
             opts: EngineOptions,
             placement: Option<&Placement>,
+            pool: Option<KvPool>,
         ) -> Result<Session<B>> {
             let mut s = s.with_quant(opts.quant);
+            if let Some(p) = pool {
+                s = s.with_kv_pool(p.seqs, p.blocks)?;
+            }
             if let Some(p) = placement {
                 s = s
                     .with_expert_cache(p.slots_per_layer, opts.eviction)?
@@ -297,7 +325,7 @@ impl Engine {
         let session = match &device {
             None => {
                 let s = Session::new(model_config, weights, CpuBackend::new(), ctx, cache);
-                AnySession::Cpu(configure(s, opts, placement.as_ref())?)
+                AnySession::Cpu(configure(s, opts, placement.as_ref(), pool)?)
             }
             Some(dev) => {
                 let exact = match precision {
@@ -306,7 +334,7 @@ impl Engine {
                 };
                 let cuda = CudaBackend::new(dev.clone(), RunMode::Graph).with_exact(exact);
                 let s = Session::new(model_config, weights, cuda, ctx, cache);
-                AnySession::Cuda(configure(s, opts, placement.as_ref())?)
+                AnySession::Cuda(configure(s, opts, placement.as_ref(), pool)?)
             }
         };
         let pick = if sampling.is_plain_greedy() {
@@ -320,6 +348,7 @@ impl Engine {
             label,
             text,
             session,
+            pool,
             backend,
             device,
             placement,

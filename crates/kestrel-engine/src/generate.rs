@@ -264,6 +264,15 @@ impl Engine {
     }
 }
 
+/// The log-probabilities of token `id` and of the `k` most likely tokens under `logits`.
+pub(crate) fn logprobs_of(logits: &[f32], k: usize, id: u32) -> TokenLogprobs {
+    let (lse, top) = logprobs(logits, k);
+    TokenLogprobs {
+        logprob: logits_at(logits, id, lse),
+        top,
+    }
+}
+
 /// The log-sum-exp of `logits` and its `k` most likely tokens with their log-probabilities.
 fn logprobs(logits: &[f32], k: usize) -> (f64, Vec<(u32, f32)>) {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);

@@ -9,8 +9,10 @@
 //! loop: reuse of what the caches hold, prefill, sampling, end-of-sequence and stop strings,
 //! text streamed to a callback, timings. For models larger than the GPU, [`Placement`] says
 //! where the bytes go (resident weights, a GPU cache of experts, host memory, disk) and
-//! [`expert_cache`] sums what the caches did.
+//! [`expert_cache`] sums what the caches did. A [`Batcher`] generates many sequences at once
+//! over an engine whose KV caches are a pool of blocks (continuous batching).
 
+mod batch;
 mod builtin;
 mod engine;
 mod error;
@@ -18,6 +20,7 @@ mod generate;
 mod model;
 pub mod placement;
 
+pub use batch::{Batcher, SeqEvent, SeqRequest, Sink};
 pub use engine::{
     cache_dtype, default_backend, BackendChoice, Engine, EngineOptions, Precision, TokenLogprobs,
 };

@@ -13,7 +13,7 @@ use kestrel_core::ir::{BufKind, Op};
 use kestrel_core::planner::Plan;
 use kestrel_core::quant::QuantFormat;
 use kestrel_core::DType;
-use kestrel_model::{Forward, ForwardSpec, ModelConfig, Weights};
+use kestrel_model::{Forward, ForwardSpec, KvPool, ModelConfig, Weights};
 
 use crate::error::{EngineError, Result};
 
@@ -81,6 +81,8 @@ pub struct RunShape {
     pub quant: Option<QuantFormat>,
     /// Tokens of a prefill chunk (its activations are the largest arena).
     pub prefill_chunk: usize,
+    /// The KV caches as a pool for several sequences.
+    pub pool: Option<KvPool>,
 }
 
 /// Where a model's bytes go under a GPU budget (and a host budget).
@@ -155,6 +157,7 @@ impl Placement {
             // f32 norm outputs (`new`'s): the larger plan (a CUDA prefill stores some as bf16).
             let spec = ForwardSpec {
                 quant: shape.quant,
+                pool: shape.pool,
                 ..ForwardSpec::new(tokens, shape.ctx, shape.cache_dtype)
             };
             Forward::build(config, weights, spec)

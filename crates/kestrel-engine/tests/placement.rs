@@ -15,6 +15,7 @@ const SHAPE: RunShape = RunShape {
     cache_dtype: DType::F32,
     quant: None,
     prefill_chunk: 16,
+    pool: None,
 };
 
 #[test]

@@ -404,6 +404,11 @@ impl<B: Backend> Session<B> {
         Ok(())
     }
 
+    /// Steps of more tokens run in chunks of at most this many (None: in one go).
+    pub fn prefill_chunk(&self) -> Option<usize> {
+        self.chunk
+    }
+
     /// The sequence of the pool the next [`Session::step`]s run.
     pub fn select_seq(&mut self, seq: usize) -> Result<()> {
         let pool = self.pool.as_mut().ok_or_else(no_pool)?;

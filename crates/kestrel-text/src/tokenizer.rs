@@ -168,9 +168,7 @@ impl Tokenizer {
     pub fn stream(&self) -> TextStream<'_> {
         TextStream {
             tokenizer: self,
-            ids: Vec::new(),
-            prefix: 0,
-            read: 0,
+            ids: IdStream::default(),
         }
     }
 }
@@ -180,17 +178,36 @@ impl Tokenizer {
 /// printed in halves), and decoding with a little left context, as the whole sequence would.
 pub struct TextStream<'a> {
     tokenizer: &'a Tokenizer,
+    ids: IdStream,
+}
+
+impl TextStream<'_> {
+    pub fn push(&mut self, id: u32) -> Result<String> {
+        self.ids.push(self.tokenizer, id)
+    }
+
+    /// Whatever is still held back (at the end of generation), replacement characters and all.
+    pub fn finish(&mut self) -> Result<String> {
+        self.ids.finish(self.tokenizer)
+    }
+}
+
+/// [`TextStream`]'s state without the tokenizer, which each call is given: for holders of
+/// many streams over one tokenizer (a batch of sequences).
+#[derive(Debug, Clone, Default)]
+pub struct IdStream {
     ids: Vec<u32>,
     /// `ids[prefix..read]` was printed already and is kept as context.
     prefix: usize,
     read: usize,
 }
 
-impl TextStream<'_> {
-    pub fn push(&mut self, id: u32) -> Result<String> {
+impl IdStream {
+    /// [`TextStream::push`].
+    pub fn push(&mut self, tokenizer: &Tokenizer, id: u32) -> Result<String> {
         self.ids.push(id);
-        let before = self.tokenizer.decode(&self.ids[self.prefix..self.read], true)?;
-        let now = self.tokenizer.decode(&self.ids[self.prefix..], true)?;
+        let before = tokenizer.decode(&self.ids[self.prefix..self.read], true)?;
+        let now = tokenizer.decode(&self.ids[self.prefix..], true)?;
         if now.len() > before.len() && !now.ends_with('\u{FFFD}') && now.starts_with(&before) {
             self.prefix = self.read;
             self.read = self.ids.len();
@@ -199,10 +216,10 @@ impl TextStream<'_> {
         Ok(String::new())
     }
 
-    /// Whatever is still held back (at the end of generation), replacement characters and all.
-    pub fn finish(&mut self) -> Result<String> {
-        let before = self.tokenizer.decode(&self.ids[self.prefix..self.read], true)?;
-        let now = self.tokenizer.decode(&self.ids[self.prefix..], true)?;
+    /// [`TextStream::finish`].
+    pub fn finish(&mut self, tokenizer: &Tokenizer) -> Result<String> {
+        let before = tokenizer.decode(&self.ids[self.prefix..self.read], true)?;
+        let now = tokenizer.decode(&self.ids[self.prefix..], true)?;
         self.prefix = self.ids.len();
         self.read = self.ids.len();
         Ok(now.get(before.len()..).unwrap_or_default().to_string())

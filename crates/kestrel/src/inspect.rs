@@ -124,6 +124,7 @@ pub fn run(a: InspectArgs) -> Result<std::process::ExitCode> {
                 cache_dtype: cache,
                 quant: a.quant.format()?,
                 prefill_chunk: chunk,
+                pool: None,
             };
             Some(Placement::plan(&c, &w, shape, gpu.0, a.host_mem.map(|h| h.0))?)
         }

@@ -1,0 +1,524 @@
+//! Many sequences generated at once (continuous batching). A [`Batcher`] holds an [`Engine`]
+//! whose KV caches are a pool of blocks ([`EngineOptions::max_seqs`]) and the sequences it is
+//! generating. Each [`Batcher::step`] admits waiting sequences into free slots, prefills one
+//! chunk of one sequence's prompt (so running sequences wait for at most one chunk), then runs
+//! the next token of every sequence that is decoding as one batched step. A sequence's blocks
+//! are taken as it grows and given back when it ends; when none is free, the sequence admitted
+//! last is preempted (its blocks freed, its tokens kept and prefilled again when a slot frees
+//! up), so a full cache slows generation down instead of failing it. Tokens come out as
+//! [`Engine::generate_pieces`] gives them: whole characters, stop strings held back, the
+//! end-of-sequence id not told; greedy sequences take the backend's argmax, the others sample
+//! on the host from their logits with their own settings and generator.
+//!
+//! [`EngineOptions::max_seqs`]: crate::EngineOptions::max_seqs
+
+use std::collections::VecDeque;
+
+use kestrel_model::{BatchOutput, Want, KV_BLOCK};
+use kestrel_text::{IdStream, Sampler, SamplingParams, StopStrings, Tokenizer};
+
+use crate::engine::{on_session, Engine};
+use crate::error::{EngineError, Result};
+use crate::generate::{logprobs_of, Piece, StopReason};
+
+/// Tokens of a prompt prefilled in one step, at most (unless the engine's prefill chunk is
+/// smaller): running sequences wait for no more than this between tokens.
+const PREFILL_CHUNK: usize = 512;
+
+/// One sequence to generate.
+#[derive(Debug, Clone)]
+pub struct SeqRequest {
+    /// The prompt's ids (at least one).
+    pub ids: Vec<u32>,
+    pub max_tokens: usize,
+    pub stops: Vec<String>,
+    pub sampling: SamplingParams,
+    /// Generate past end-of-sequence ids.
+    pub ignore_eos: bool,
+    /// Each token's log-probability and this many alternatives' (None: none).
+    pub logprobs: Option<usize>,
+}
+
+/// What a sequence tells its owner.
+#[derive(Debug)]
+pub enum SeqEvent<'a> {
+    /// A generated token and the text it completes, or text released without a token (see
+    /// [`Piece`]).
+    Piece(Piece<'a>),
+    /// The sequence ended: why, and how many tokens it generated.
+    Done { reason: StopReason, tokens: usize },
+    /// The sequence failed; nothing more comes.
+    Failed(&'a EngineError),
+}
+
+/// Where a sequence's events go; `false` means the owner is gone (the sequence is dropped).
+pub type Sink = Box<dyn FnMut(SeqEvent) -> bool>;
+
+struct Seq {
+    /// The slot (row of the block table) while admitted.
+    slot: Option<usize>,
+    /// Its blocks, in position order.
+    blocks: Vec<u32>,
+    /// The prompt and every token generated so far.
+    tokens: Vec<u32>,
+    /// Tokens whose keys and values the caches hold (from position 0).
+    cached: usize,
+    generated: usize,
+    max_tokens: usize,
+    stops: StopStrings,
+    stream: IdStream,
+    /// None: greedy, the backend's argmax.
+    sampler: Option<Sampler>,
+    logprobs: Option<usize>,
+    ignore_eos: bool,
+    sink: Sink,
+}
+
+impl Seq {
+    /// Whether the host needs its logits (to sample, or for log-probabilities).
+    fn wants_logits(&self) -> bool {
+        self.sampler.is_some() || self.logprobs.is_some()
+    }
+}
+
+/// How one sequence's step ended.
+enum Next {
+    Going,
+    /// Ended (its `Done` sent), or its owner went away.
+    Ended,
+}
+
+/// The sequences an [`Engine`] with a pool of KV blocks generates at once.
+pub struct Batcher {
+    engine: Engine,
+    tokenizer: Option<Tokenizer>,
+    /// Rows of the block table (sequences at once), and blocks a row holds.
+    slots: usize,
+    max_blocks: usize,
+    table: Vec<u32>,
+    table_changed: bool,
+    free_slots: Vec<usize>,
+    free_blocks: Vec<u32>,
+    blocks: usize,
+    /// Admitted sequences in the order they came in (the last is preempted first), and those
+    /// waiting for a slot (preempted ones first).
+    running: Vec<Seq>,
+    waiting: VecDeque<Seq>,
+    chunk: usize,
+    /// Sequences preempted so far.
+    preempted: u64,
+}
+
+impl Batcher {
+    /// The batcher of `engine`, or the engine back when its caches are not a pool (one
+    /// sequence at a time: [`crate::EngineOptions::max_seqs`] unset, or a hybrid model).
+    pub fn new(engine: Engine) -> std::result::Result<Batcher, Box<Engine>> {
+        let Some(pool) = engine.pool else {
+            return Err(Box::new(engine));
+        };
+        let max_blocks = engine.ctx().div_ceil(KV_BLOCK);
+        let chunk = on_session!(&engine.session, s => s.prefill_chunk())
+            .unwrap_or(PREFILL_CHUNK)
+            .min(PREFILL_CHUNK);
+        Ok(Batcher {
+            tokenizer: engine.text.tokenizer.clone(),
+            slots: pool.seqs,
+            max_blocks,
+            table: vec![0; pool.seqs * max_blocks],
+            table_changed: true,
+            free_slots: (0..pool.seqs).rev().collect(),
+            free_blocks: (0..pool.blocks as u32).rev().collect(),
+            blocks: pool.blocks,
+            running: Vec::new(),
+            waiting: VecDeque::new(),
+            chunk,
+            preempted: 0,
+            engine,
+        })
+    }
+
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    /// Sequences generated at once, at most.
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    /// Slots no sequence holds or waits for.
+    pub fn free_slots(&self) -> usize {
+        self.free_slots.len().saturating_sub(self.waiting.len())
+    }
+
+    /// Sequences admitted (holding a slot), and waiting for one.
+    pub fn counts(&self) -> (usize, usize) {
+        (self.running.len(), self.waiting.len())
+    }
+
+    /// KV blocks in use and in all, of [`KV_BLOCK`] positions each.
+    pub fn kv_blocks(&self) -> (usize, usize) {
+        (self.blocks - self.free_blocks.len(), self.blocks)
+    }
+
+    /// Sequences preempted so far (their blocks taken for others, their tokens run again).
+    pub fn preempted(&self) -> u64 {
+        self.preempted
+    }
+
+    /// Nothing to generate.
+    pub fn is_idle(&self) -> bool {
+        self.running.is_empty() && self.waiting.is_empty()
+    }
+
+    /// Queues a sequence; its events go to `sink`. A prompt that is empty or does not fit the
+    /// context with its tokens is refused here.
+    pub fn add(&mut self, req: SeqRequest, sink: Sink) -> Result<()> {
+        let ctx = self.engine.ctx();
+        if req.ids.is_empty() {
+            return Err(EngineError::Invalid("the prompt is empty".into()));
+        }
+        if req.ids.len() + req.max_tokens > ctx {
+            return Err(EngineError::Invalid(format!(
+                "{} prompt tokens and {} new ones do not fit a context of {ctx} (-c / --ctx)",
+                req.ids.len(),
+                req.max_tokens
+            )));
+        }
+        if let Some(&bad) = req
+            .ids
+            .iter()
+            .find(|&&t| t as usize >= self.engine.config().vocab)
+        {
+            return Err(EngineError::Invalid(format!(
+                "token {bad} is outside the vocabulary of {}",
+                self.engine.config().vocab
+            )));
+        }
+        let sampler = if req.sampling.is_plain_greedy() {
+            None
+        } else {
+            Some(Sampler::new(req.sampling)?)
+        };
+        let mut seq = Seq {
+            slot: None,
+            blocks: Vec::new(),
+            tokens: req.ids,
+            cached: 0,
+            generated: 0,
+            max_tokens: req.max_tokens,
+            stops: StopStrings::new(req.stops),
+            stream: IdStream::default(),
+            sampler,
+            logprobs: req.logprobs,
+            ignore_eos: req.ignore_eos,
+            sink,
+        };
+        if seq.max_tokens == 0 {
+            // Nothing to generate: the prompt need not run.
+            let _ = (seq.sink)(SeqEvent::Done {
+                reason: StopReason::Length,
+                tokens: 0,
+            });
+            return Ok(());
+        }
+        self.waiting.push_back(seq);
+        Ok(())
+    }
+
+    /// One step: admissions, one prefill chunk, one batched decode step. Failures end the
+    /// sequences they touch (told as [`SeqEvent::Failed`]), not the batcher.
+    pub fn step(&mut self) {
+        self.admit();
+        self.prefill_one();
+        self.decode();
+    }
+
+    /// Waiting sequences into free slots, in order.
+    fn admit(&mut self) {
+        while !self.free_slots.is_empty() {
+            let Some(mut seq) = self.waiting.pop_front() else {
+                break;
+            };
+            seq.slot = self.free_slots.pop();
+            self.running.push(seq);
+        }
+    }
+
+    /// Gives sequence `i`'s blocks the positions below `end`, preempting the sequences admitted
+    /// after it while none is free. False when even that leaves too few (the sequence itself
+    /// must wait).
+    fn grow(&mut self, i: usize, end: usize) -> bool {
+        let need = end.div_ceil(KV_BLOCK);
+        while self.running[i].blocks.len() < need {
+            let Some(b) = self.free_blocks.pop() else {
+                if self.running.len() - 1 > i {
+                    let last = self.running.len() - 1;
+                    self.preempt(last);
+                    continue;
+                }
+                return false;
+            };
+            let seq = &mut self.running[i];
+            let slot = seq.slot.expect("admitted");
+            self.table[slot * self.max_blocks + seq.blocks.len()] = b;
+            seq.blocks.push(b);
+            self.table_changed = true;
+        }
+        true
+    }
+
+    /// Sends running sequence `i` back to wait (first in line), its blocks and slot freed and
+    /// its tokens to be prefilled again.
+    fn preempt(&mut self, i: usize) {
+        let mut seq = self.running.remove(i);
+        self.release(&mut seq);
+        seq.cached = 0;
+        self.preempted += 1;
+        self.waiting.push_front(seq);
+    }
+
+    fn release(&mut self, seq: &mut Seq) {
+        self.free_blocks.append(&mut seq.blocks);
+        if let Some(slot) = seq.slot.take() {
+            self.free_slots.push(slot);
+        }
+    }
+
+    fn sync_table(&mut self) -> Result<()> {
+        if self.table_changed {
+            let table = &self.table;
+            on_session!(&mut self.engine.session, s => s.set_page_table(table))?;
+            self.table_changed = false;
+        }
+        Ok(())
+    }
+
+    /// Ends the sequences at `ids` (indices of `running`, ascending) with `e`.
+    fn fail(&mut self, ids: &[usize], e: &EngineError) {
+        for &i in ids.iter().rev() {
+            let mut seq = self.running.remove(i);
+            (seq.sink)(SeqEvent::Failed(e));
+            self.release(&mut seq);
+        }
+    }
+
+    /// The next chunk of the first sequence whose tokens are not all in the caches but for the
+    /// last one or more.
+    fn prefill_one(&mut self) {
+        let Some(i) = self.running.iter().position(|s| s.tokens.len() - s.cached > 1) else {
+            return;
+        };
+        let (start, len) = (self.running[i].cached, self.running[i].tokens.len());
+        let end = (start + self.chunk).min(len);
+        if !self.grow(i, end) {
+            // Not even this sequence's prompt fits what the others leave: it waits.
+            self.preempt(i);
+            return;
+        }
+        let outcome = (|| -> Result<kestrel_model::Output> {
+            self.sync_table()?;
+            let seq = &self.running[i];
+            let ids = &seq.tokens[start..end];
+            let want = if end == len && seq.wants_logits() {
+                Want::LastLogits
+            } else {
+                Want::Argmax
+            };
+            let slot = seq.slot.expect("admitted");
+            Ok(on_session!(&mut self.engine.session, s => {
+                s.select_seq(slot)?;
+                s.step(ids, start, want)
+            })?)
+        })();
+        let out = match outcome {
+            Ok(out) => out,
+            Err(e) => return self.fail(&[i], &e),
+        };
+        self.running[i].cached = end;
+        if end < len {
+            return;
+        }
+        // The prompt is in: its last token's output is the first generated token.
+        let next = match out {
+            kestrel_model::Output::Token(t) => self.accept(i, Some(t), None),
+            kestrel_model::Output::Logits(l) => self.accept(i, None, Some(&l)),
+        };
+        if let Next::Ended = next {
+            let mut seq = self.running.remove(i);
+            self.release(&mut seq);
+        }
+    }
+
+    /// The next token of every sequence with one token left to run, as one batched step.
+    fn decode(&mut self) {
+        let mut live: Vec<usize> = Vec::new();
+        for i in 0..self.running.len() {
+            if i >= self.running.len() {
+                break;
+            }
+            let seq = &self.running[i];
+            if seq.tokens.len() - seq.cached != 1 {
+                continue;
+            }
+            let end = seq.cached + 1;
+            // Growing may preempt sequences after this one (never one already in `live`).
+            if self.grow(i, end) {
+                live.push(i);
+            } else {
+                self.preempt(i);
+                break;
+            }
+        }
+        if live.is_empty() {
+            return;
+        }
+        let logits = live.iter().any(|&i| self.running[i].wants_logits());
+        let seqs: Vec<u32> = live
+            .iter()
+            .map(|&i| self.running[i].slot.expect("admitted") as u32)
+            .collect();
+        let ids: Vec<u32> = live
+            .iter()
+            .map(|&i| self.running[i].tokens[self.running[i].cached])
+            .collect();
+        let pos: Vec<u32> = live.iter().map(|&i| self.running[i].cached as u32).collect();
+        let outcome = (|| -> Result<BatchOutput> {
+            self.sync_table()?;
+            let want = if logits { Want::AllLogits } else { Want::Argmax };
+            Ok(on_session!(&mut self.engine.session, s => s.step_batch(&seqs, &ids, &pos, want))?)
+        })();
+        let out = match outcome {
+            Ok(out) => out,
+            Err(e) => return self.fail(&live, &e),
+        };
+        let vocab = self.engine.config().vocab;
+        let mut ended = Vec::new();
+        for (r, &i) in live.iter().enumerate() {
+            self.running[i].cached += 1;
+            let next = match &out {
+                BatchOutput::Tokens(t) => self.accept(i, Some(t[r]), None),
+                BatchOutput::Logits(l) => {
+                    let row = &l[r * vocab..(r + 1) * vocab];
+                    match self.running[i].wants_logits() {
+                        true => self.accept(i, None, Some(row)),
+                        false => self.accept(i, Some(kestrel_core::sample::argmax(row)), None),
+                    }
+                }
+            };
+            if let Next::Ended = next {
+                ended.push(i);
+            }
+        }
+        for &i in ended.iter().rev() {
+            let mut seq = self.running.remove(i);
+            self.release(&mut seq);
+        }
+    }
+
+    /// Takes sequence `i`'s next token: `id` when chosen on the backend, else chosen here from
+    /// `logits`; tells it, and ends the sequence at an end-of-sequence id, a stop string or
+    /// its token limit.
+    fn accept(&mut self, i: usize, id: Option<u32>, logits: Option<&[f32]>) -> Next {
+        let eos_ids = &self.engine.eos;
+        let tokenizer = self.tokenizer.as_ref();
+        let seq = &mut self.running[i];
+        let (id, lp) = match (id, logits) {
+            (Some(id), _) => (id, None),
+            (None, Some(logits)) => {
+                let mut l = logits.to_vec();
+                let id = match &mut seq.sampler {
+                    Some(s) => s.sample(&mut l, &seq.tokens),
+                    None => kestrel_core::sample::argmax(&l),
+                };
+                let lp = seq.logprobs.map(|k| logprobs_of(logits, k, id));
+                (id, lp)
+            }
+            (None, None) => unreachable!("a token or its logits"),
+        };
+        if !seq.ignore_eos && eos_ids.contains(&id) {
+            return finish(seq, tokenizer, StopReason::Eos);
+        }
+        seq.tokens.push(id);
+        seq.generated += 1;
+        let told = match tokenizer {
+            Some(t) => {
+                let text = match seq.stream.push(t, id) {
+                    Ok(text) => text,
+                    Err(e) => {
+                        let e = EngineError::from(e);
+                        (seq.sink)(SeqEvent::Failed(&e));
+                        return Next::Ended;
+                    }
+                };
+                let released = seq.stops.push(&text);
+                if released.stopped {
+                    let ok = released.text.is_empty()
+                        || (seq.sink)(SeqEvent::Piece(Piece {
+                            id: None,
+                            text: &released.text,
+                            logprobs: None,
+                        }));
+                    if !ok {
+                        return Next::Ended;
+                    }
+                    (seq.sink)(SeqEvent::Done {
+                        reason: StopReason::Stop,
+                        tokens: seq.generated,
+                    });
+                    return Next::Ended;
+                }
+                (seq.sink)(SeqEvent::Piece(Piece {
+                    id: Some(id),
+                    text: &released.text,
+                    logprobs: lp.as_ref(),
+                }))
+            }
+            None => (seq.sink)(SeqEvent::Piece(Piece {
+                id: Some(id),
+                text: "",
+                logprobs: lp.as_ref(),
+            })),
+        };
+        if !told {
+            return Next::Ended;
+        }
+        if seq.generated == seq.max_tokens {
+            return finish(seq, tokenizer, StopReason::Length);
+        }
+        Next::Going
+    }
+}
+
+/// Ends `seq` for `reason`: what its stream and stop strings held back, then `Done`.
+fn finish(seq: &mut Seq, tokenizer: Option<&Tokenizer>, reason: StopReason) -> Next {
+    if let Some(t) = tokenizer {
+        let tail = match seq.stream.finish(t) {
+            Ok(text) => text,
+            Err(e) => {
+                let e = EngineError::from(e);
+                (seq.sink)(SeqEvent::Failed(&e));
+                return Next::Ended;
+            }
+        };
+        let released = seq.stops.push(&tail);
+        let mut text = released.text;
+        if !released.stopped {
+            text.push_str(&seq.stops.finish());
+        }
+        if !text.is_empty()
+            && !(seq.sink)(SeqEvent::Piece(Piece {
+                id: None,
+                text: &text,
+                logprobs: None,
+            }))
+        {
+            return Next::Ended;
+        }
+    }
+    (seq.sink)(SeqEvent::Done {
+        reason,
+        tokens: seq.generated,
+    });
+    Next::Ended
+}

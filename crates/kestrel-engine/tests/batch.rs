@@ -1,0 +1,158 @@
+//! The batcher against one sequence at a time, on the CPU backend with the built-in model:
+//! more requests than slots, prompts of different lengths, greedy and sampled (each with its
+//! own seed), stop strings and token limits; every sequence's tokens and text equal what
+//! `Engine::generate_pieces` gives it alone. Once with every sequence's context reserved,
+//! once with a pool so small that sequences are preempted and run again.
+
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+
+use kestrel_core::Config;
+use kestrel_engine::{
+    BackendChoice, Batcher, Engine, EngineOptions, Model, ModelSource, SeqEvent, SeqRequest, StopReason,
+};
+use kestrel_text::SamplingParams;
+
+const CTX: usize = 128;
+
+/// What a sequence produced: its token ids, its text, why it ended.
+#[derive(Debug, Clone, PartialEq, Default)]
+struct Got {
+    ids: Vec<u32>,
+    text: String,
+    end: Option<StopReason>,
+}
+
+fn engine(max_seqs: Option<usize>, kv_blocks: Option<usize>) -> Engine {
+    let model = Model::open(&ModelSource::Builtin).unwrap();
+    let opts = EngineOptions {
+        backend: Some(BackendChoice::Cpu),
+        max_seqs,
+        kv_blocks,
+        ..EngineOptions::with_ctx(CTX)
+    };
+    Engine::new(model, &Config::default(), opts).unwrap()
+}
+
+fn requests(engine: &Engine) -> Vec<SeqRequest> {
+    let text = engine.text();
+    let prompts = [
+        "The quick brown fox",
+        "Once upon a time, in a land far away, there lived",
+        "1, 2, 3,",
+        "Hello",
+        "A long time ago in a galaxy far, far away, the rebels and the empire fought over",
+        "Q: what is the capital of France?\nA:",
+    ];
+    let mut out = Vec::new();
+    for i in 0..14 {
+        let ids = text
+            .encode_prompt(prompts[i % prompts.len()], None, true, &Default::default())
+            .unwrap();
+        let sampling = if i % 3 == 1 {
+            SamplingParams {
+                temperature: 0.8,
+                top_k: 20,
+                seed: 100 + i as u64,
+                ..Default::default()
+            }
+        } else {
+            SamplingParams {
+                temperature: 0.0,
+                ..Default::default()
+            }
+        };
+        out.push(SeqRequest {
+            ids,
+            max_tokens: [24, 5, 40, 1, 17][i % 5],
+            stops: if i % 4 == 3 {
+                vec![" the".into()]
+            } else {
+                Vec::new()
+            },
+            sampling,
+            ignore_eos: i % 2 == 0,
+            logprobs: (i % 5 == 2).then_some(3),
+        });
+    }
+    out
+}
+
+fn alone(req: &SeqRequest) -> Got {
+    let mut e = engine(None, None);
+    e.set_sampling(req.sampling).unwrap();
+    e.set_ignore_eos(req.ignore_eos);
+    e.set_logprobs(req.logprobs);
+    let mut got = Got::default();
+    let turn = e
+        .generate_pieces(
+            &req.ids,
+            req.max_tokens,
+            &req.stops,
+            &mut |p| {
+                got.ids.extend(p.id);
+                got.text.push_str(p.text);
+                Ok(())
+            },
+            &AtomicBool::new(false),
+        )
+        .unwrap();
+    got.end = Some(turn.stop_reason);
+    got
+}
+
+fn batched(max_seqs: usize, kv_blocks: Option<usize>, reqs: &[SeqRequest]) -> (Vec<Got>, u64) {
+    let mut b = Batcher::new(engine(Some(max_seqs), kv_blocks))
+        .ok()
+        .expect("a pool");
+    let got: Arc<Mutex<Vec<Got>>> = Arc::new(Mutex::new(vec![Got::default(); reqs.len()]));
+    for (i, r) in reqs.iter().enumerate() {
+        let got = got.clone();
+        b.add(
+            r.clone(),
+            Box::new(move |e| {
+                let mut g = got.lock().unwrap();
+                match e {
+                    SeqEvent::Piece(p) => {
+                        g[i].ids.extend(p.id);
+                        g[i].text.push_str(p.text);
+                    }
+                    SeqEvent::Done { reason, tokens } => {
+                        assert_eq!(tokens, g[i].ids.len(), "sequence {i}: Done's count");
+                        g[i].end = Some(reason);
+                    }
+                    SeqEvent::Failed(e) => panic!("sequence {i} failed: {e}"),
+                }
+                true
+            }),
+        )
+        .unwrap();
+    }
+    let mut steps = 0;
+    while !b.is_idle() {
+        b.step();
+        steps += 1;
+        assert!(steps < 10_000, "the batcher makes progress");
+    }
+    assert_eq!(b.kv_blocks().0, 0, "every block is back");
+    let out = got.lock().unwrap().clone();
+    (out, b.preempted())
+}
+
+#[test]
+fn batched_sequences_equal_each_sequence_alone() {
+    let reqs = requests(&engine(None, None));
+    let want: Vec<Got> = reqs.iter().map(alone).collect();
+    // Every sequence's context reserved: 4 slots for 14 sequences.
+    let (got, preempted) = batched(4, None, &reqs);
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g, w, "sequence {i} batched against alone");
+    }
+    assert_eq!(preempted, 0);
+    // One sequence's context of blocks shared by 6 slots: sequences wait and are preempted.
+    let (got, preempted) = batched(6, Some(CTX / kestrel_model::KV_BLOCK), &reqs);
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g, w, "sequence {i} batched in a small pool against alone");
+    }
+    assert!(preempted > 0, "a pool this small preempts");
+}
