@@ -361,6 +361,12 @@ impl Engine {
         })
     }
 
+    /// Sequences the engine's caches hold at once (1 unless they are a pool: see
+    /// [`EngineOptions::max_seqs`]).
+    pub fn max_seqs(&self) -> usize {
+        self.pool.map_or(1, |p| p.seqs)
+    }
+
     /// How messages name the model (its directory, or a description).
     pub fn label(&self) -> &str {
         &self.label

@@ -194,9 +194,9 @@ struct Prog<B: Backend> {
     seq: Option<u32>,
 }
 
-/// Programs a session keeps at most: each holds its own activations, and steps of many
-/// different lengths (a server's prompts) would otherwise keep one each. The least recently
-/// used one goes first.
+/// Programs of chunks a session keeps at most: each holds its own activations, and steps of
+/// many different lengths (a server's prompts) would otherwise keep one each. The least
+/// recently used one goes first. (Batched steps' programs, one per bucket, are kept apart.)
 pub const MAX_PROGRAMS: usize = 12;
 
 impl<B: Backend> Prog<B> {
@@ -876,8 +876,13 @@ impl<B: Backend> Session<B> {
                     .map_err(backend_err)?;
                 self.seeded = true;
             }
-            if self.programs.len() >= MAX_PROGRAMS {
-                let oldest = self.programs.iter().min_by_key(|(_, p)| p.used).map(|(k, _)| *k);
+            // Batched steps' programs (one a bucket, small activations) are not counted.
+            let chunks = self.programs.keys().filter(|k| !k.3).count();
+            if !batched && chunks >= MAX_PROGRAMS {
+                let oldest = (self.programs.iter())
+                    .filter(|(k, _)| !k.3)
+                    .min_by_key(|(_, p)| p.used)
+                    .map(|(k, _)| *k);
                 if let Some(k) = oldest {
                     self.programs.remove(&k);
                     // A sampling program built again starts its generator from the seed.

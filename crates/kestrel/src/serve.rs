@@ -35,6 +35,17 @@ pub struct ServeArgs {
     /// the model's trained length if shorter).
     #[arg(short = 'c', long)]
     ctx: Option<usize>,
+    /// Sequences generated at once (each choice of a request is one): their next tokens run
+    /// as one batched step. Each holds a context's KV cache (-c), so this times -c is the KV
+    /// memory reserved, unless --kv-blocks says less. Models with recurrent states (Qwen3-Next,
+    /// Qwen3.5) generate one sequence at a time.
+    #[arg(long, default_value_t = 16, value_parser = at_least_one)]
+    max_num_seqs: usize,
+    /// KV cache blocks of 16 positions shared by the sequences (default: every sequence's whole
+    /// context; at least one sequence's). Fewer let more sequences run while their lengths
+    /// allow; when they run out, the newest sequence is paused and recomputed later.
+    #[arg(long)]
+    kv_blocks: Option<usize>,
     /// Requests that may wait for the engine; more are answered 429.
     #[arg(long, default_value_t = 64, value_parser = at_least_one)]
     max_queue: usize,
@@ -85,6 +96,7 @@ pub fn run(config: &Config, a: ServeArgs) -> Result<std::process::ExitCode> {
     };
     let config = config.clone();
     let (backend, length, memory, ctx) = (a.backend, a.length, a.memory, a.ctx);
+    let (max_seqs, kv_blocks) = (a.max_num_seqs, a.kv_blocks);
     let load = move || -> Result<Engine, String> {
         let load = || -> Result<Engine> {
             let start = std::time::Instant::now();
@@ -103,11 +115,17 @@ pub fn run(config: &Config, a: ServeArgs) -> Result<std::process::ExitCode> {
             backend.apply(&mut opts);
             opts.quant = quant;
             memory.apply(&mut opts);
+            opts.max_seqs = Some(max_seqs);
+            opts.kv_blocks = kv_blocks;
             let mut engine = Engine::new(model, &config, opts).with_context(|| format!("opening {label}"))?;
             crate::progress::placement(&engine);
             engine.prepare(1, Want::LastLogits)?;
+            let at_once = match engine.max_seqs() {
+                1 => "one sequence at a time".to_string(),
+                n => format!("up to {n} sequences at once"),
+            };
             errln!(
-                "loaded {label} on {} in {:.2} s, context {ctx}",
+                "loaded {label} on {} in {:.2} s, context {ctx}, {at_once}",
                 engine.backend(),
                 start.elapsed().as_secs_f64()
             );

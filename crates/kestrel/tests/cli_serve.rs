@@ -206,9 +206,17 @@ fn greedy_answers_equal_run() {
     assert_eq!(got["choices"][0]["text"], want["text"]);
 }
 
+/// Sixteen requests at once against each alone: batched over 16 slots (the default), over 3
+/// (requests wait for slots), and one at a time (as models with recurrent states run).
 #[test]
 fn concurrent_requests_each_get_what_they_get_alone() {
-    let s = Server::start(&[]);
+    for args in [&[][..], &["--max-num-seqs", "3"], &["--max-num-seqs", "1"]] {
+        concurrent_against_alone(args);
+    }
+}
+
+fn concurrent_against_alone(args: &[&str]) {
+    let s = Server::start(args);
     let alone: Vec<String> = QUESTIONS
         .iter()
         .map(|q| content(&s.post("/v1/chat/completions", &chat_body(q, 16)).1).to_string())
@@ -228,7 +236,7 @@ fn concurrent_requests_each_get_what_they_get_alone() {
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
     for (i, text) in together {
-        assert_eq!(text, alone[i % QUESTIONS.len()], "request {i}");
+        assert_eq!(text, alone[i % QUESTIONS.len()], "{args:?}: request {i}");
     }
 }
 
@@ -378,7 +386,7 @@ fn an_api_key_is_required_when_set() {
 
 #[test]
 fn a_full_queue_answers_429() {
-    let s = Server::start(&["--max-queue", "1"]);
+    let s = Server::start(&["--max-queue", "1", "--max-num-seqs", "2"]);
     let long = |seed: u64| {
         let mut b = chat_body(QUESTIONS[3], 1500);
         b["stream"] = true.into();
@@ -386,7 +394,7 @@ fn a_full_queue_answers_429() {
         b["seed"] = seed.into();
         b
     };
-    // One request running, one waiting: the third is refused.
+    // Two requests running (each has sent its first line), one waiting: the fourth is refused.
     let open = |b: &Value| {
         let r = s
             .agent
@@ -396,10 +404,12 @@ fn a_full_queue_answers_429() {
         assert_eq!(r.status().as_u16(), 200);
         BufReader::new(r.into_body().into_reader())
     };
-    let mut first = open(&long(1));
     let mut line = String::new();
+    let mut first = open(&long(1));
     first.read_line(&mut line).unwrap();
-    let _second = open(&long(2));
+    let mut second = open(&long(2));
+    second.read_line(&mut line).unwrap();
+    let _third = open(&long(3));
     let (status, text) = s.post_raw(
         "/v1/chat/completions",
         chat_body(QUESTIONS[0], 2).to_string().as_bytes(),
