@@ -668,6 +668,7 @@ impl GraphBuilder {
         (s[0], s[1], s[2])
     }
 
+    #[allow(clippy::too_many_arguments)]
     pub fn kv_append(
         &mut self,
         name: &str,

@@ -41,8 +41,11 @@ pub struct ServeOptions {
     pub model_name: String,
     /// Bytes a request body may have (413 past it).
     pub max_body: usize,
-    /// Requests that may wait for the engine (429 past it).
+    /// Requests that may wait for the engine (429 past it), beyond those it runs.
     pub max_queue: usize,
+    /// Sequences the engine may run at once (its `max_seqs`; fewer when the model runs one at
+    /// a time): the queue holds these and `max_queue` more.
+    pub max_seqs: usize,
 }
 
 /// Serves until the process is interrupted (Ctrl-C), or returns the error that stopped it:
@@ -66,7 +69,7 @@ pub fn serve(
                 source,
             })?;
         let local = listener.local_addr()?;
-        let (jobs, queue) = sync_channel(opts.max_queue);
+        let (jobs, queue) = sync_channel(opts.max_queue + opts.max_seqs);
         let state = Arc::new(AppState {
             model_name: opts.model_name.clone(),
             api_key: opts.api_key.clone(),
@@ -97,6 +100,7 @@ pub fn serve(
                         text,
                         ctx: engine.ctx(),
                         vocab: engine.config().vocab,
+                        slots: engine.max_seqs(),
                     });
                     match ready {
                         Ok(r) => {

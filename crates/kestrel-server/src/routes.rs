@@ -51,6 +51,9 @@ pub struct Ready {
     pub text: ModelText,
     pub ctx: usize,
     pub vocab: usize,
+    /// Sequences the engine generates at once: requests up to this many run, `max_queue` more
+    /// wait.
+    pub slots: usize,
 }
 
 pub fn router(state: Arc<AppState>) -> Router {
@@ -297,7 +300,10 @@ async fn complete(
         arrived,
         events: tx,
     };
-    if s.metrics.waiting.fetch_add(1, Ordering::Relaxed) as usize >= s.max_queue {
+    // Requests beyond those running (at most one a slot) and those waiting are refused.
+    let running = s.metrics.running.load(Ordering::Relaxed) as usize;
+    let waiting = s.metrics.waiting.fetch_add(1, Ordering::Relaxed) as usize;
+    if waiting + running.min(ready.slots) >= s.max_queue + ready.slots {
         s.metrics.waiting.fetch_sub(1, Ordering::Relaxed);
         return Err(ApiError::queue_full(s.max_queue));
     }

@@ -17,6 +17,7 @@ fn options() -> ServeOptions {
         model_name: "tiny".into(),
         max_body: 1 << 20,
         max_queue: 4,
+        max_seqs: 1,
     }
 }
 

@@ -93,6 +93,7 @@ pub fn run(config: &Config, a: ServeArgs) -> Result<std::process::ExitCode> {
         model_name: name.clone(),
         max_body: a.max_body,
         max_queue: a.max_queue,
+        max_seqs: a.max_num_seqs,
     };
     let config = config.clone();
     let (backend, length, memory, ctx) = (a.backend, a.length, a.memory, a.ctx);
