@@ -5,7 +5,10 @@
 //! the next token of every sequence that is decoding as one batched step. A sequence's blocks
 //! are taken as it grows and given back when it ends; when none is free, the sequence admitted
 //! last is preempted (its blocks freed, its tokens kept and prefilled again when a slot frees
-//! up), so a full cache slows generation down instead of failing it. Tokens come out as
+//! up), so a full cache slows generation down instead of failing it. Full blocks are kept by the
+//! hash of the tokens up to their end ([`crate::blocks`]): a sequence admitted with the same
+//! first tokens as one before (a shared system prompt, the next turn of a conversation, a
+//! preempted sequence coming back) takes those blocks as they are and prefills only the rest. Tokens come out as
 //! [`Engine::generate_pieces`] gives them: whole characters, stop strings held back, the
 //! end-of-sequence id not told; greedy sequences take the backend's argmax, the others sample
 //! on the host from their logits with their own settings and generator.
@@ -13,6 +16,8 @@
 //! [`EngineOptions::max_seqs`]: crate::EngineOptions::max_seqs
 
 use std::collections::VecDeque;
+
+use crate::blocks::{Blocks, ROOT};
 
 use kestrel_model::{BatchOutput, Want, KV_BLOCK};
 use kestrel_text::{IdStream, Sampler, SamplingParams, StopStrings, Tokenizer};
@@ -46,7 +51,13 @@ pub enum SeqEvent<'a> {
     /// [`Piece`]).
     Piece(Piece<'a>),
     /// The sequence ended: why, and how many tokens it generated.
-    Done { reason: StopReason, tokens: usize },
+    /// The sequence ended: why, how many tokens it generated, and how many of its prompt's
+    /// it found in the caches (prefix caching).
+    Done {
+        reason: StopReason,
+        tokens: usize,
+        reused: usize,
+    },
     /// The sequence failed; nothing more comes.
     Failed(&'a EngineError),
 }
@@ -57,8 +68,11 @@ pub type Sink = Box<dyn FnMut(SeqEvent) -> bool>;
 struct Seq {
     /// The slot (row of the block table) while admitted.
     slot: Option<usize>,
-    /// Its blocks, in position order.
+    /// Its blocks, in position order, and the prefix hashes of those that are full.
     blocks: Vec<u32>,
+    hashes: Vec<u64>,
+    /// Prompt tokens found in the caches when it was first admitted.
+    reused: Option<usize>,
     /// The prompt and every token generated so far.
     tokens: Vec<u32>,
     /// Tokens whose keys and values the caches hold (from position 0).
@@ -98,8 +112,7 @@ pub struct Batcher {
     table: Vec<u32>,
     table_changed: bool,
     free_slots: Vec<usize>,
-    free_blocks: Vec<u32>,
-    blocks: usize,
+    blocks: Blocks,
     /// Admitted sequences in the order they came in (the last is preempted first), and those
     /// waiting for a slot (preempted ones first).
     running: Vec<Seq>,
@@ -127,8 +140,7 @@ impl Batcher {
             table: vec![0; pool.seqs * max_blocks],
             table_changed: true,
             free_slots: (0..pool.seqs).rev().collect(),
-            free_blocks: (0..pool.blocks as u32).rev().collect(),
-            blocks: pool.blocks,
+            blocks: Blocks::new(pool.blocks),
             running: Vec::new(),
             waiting: VecDeque::new(),
             chunk,
@@ -158,7 +170,7 @@ impl Batcher {
 
     /// KV blocks in use and in all, of [`KV_BLOCK`] positions each.
     pub fn kv_blocks(&self) -> (usize, usize) {
-        (self.blocks - self.free_blocks.len(), self.blocks)
+        (self.blocks.used(), self.blocks.total())
     }
 
     /// Sequences preempted so far (their blocks taken for others, their tokens run again).
@@ -203,6 +215,8 @@ impl Batcher {
         let mut seq = Seq {
             slot: None,
             blocks: Vec::new(),
+            hashes: Vec::new(),
+            reused: None,
             tokens: req.ids,
             cached: 0,
             generated: 0,
@@ -219,6 +233,7 @@ impl Batcher {
             let _ = (seq.sink)(SeqEvent::Done {
                 reason: StopReason::Length,
                 tokens: 0,
+                reused: 0,
             });
             return Ok(());
         }
@@ -234,14 +249,44 @@ impl Batcher {
         self.decode();
     }
 
-    /// Waiting sequences into free slots, in order.
+    /// Waiting sequences into free slots, in order, each with the blocks that hold its first
+    /// tokens already (all but the last token's: that one runs, to give the next token).
     fn admit(&mut self) {
         while !self.free_slots.is_empty() {
             let Some(mut seq) = self.waiting.pop_front() else {
                 break;
             };
-            seq.slot = self.free_slots.pop();
+            let slot = self.free_slots.pop().expect("checked above");
+            seq.slot = Some(slot);
+            let mut parent = ROOT;
+            for j in 0..(seq.tokens.len() - 1) / KV_BLOCK {
+                let Some((b, hash)) = self
+                    .blocks
+                    .find(parent, &seq.tokens[j * KV_BLOCK..(j + 1) * KV_BLOCK])
+                else {
+                    break;
+                };
+                self.table[slot * self.max_blocks + j] = b;
+                seq.blocks.push(b);
+                seq.hashes.push(hash);
+                parent = hash;
+                self.table_changed = true;
+            }
+            seq.cached = seq.blocks.len() * KV_BLOCK;
+            seq.reused.get_or_insert(seq.cached);
             self.running.push(seq);
+        }
+    }
+
+    /// Records sequence `i`'s blocks that its last step filled, for later sequences to find.
+    fn register_full(&mut self, i: usize) {
+        let seq = &mut self.running[i];
+        while (seq.hashes.len() + 1) * KV_BLOCK <= seq.cached {
+            let j = seq.hashes.len();
+            let parent = seq.hashes.last().copied().unwrap_or(ROOT);
+            let tokens = &seq.tokens[j * KV_BLOCK..(j + 1) * KV_BLOCK];
+            seq.hashes
+                .push(self.blocks.register(seq.blocks[j], parent, tokens));
         }
     }
 
@@ -251,7 +296,7 @@ impl Batcher {
     fn grow(&mut self, i: usize, end: usize) -> bool {
         let need = end.div_ceil(KV_BLOCK);
         while self.running[i].blocks.len() < need {
-            let Some(b) = self.free_blocks.pop() else {
+            let Some(b) = self.blocks.take() else {
                 if self.running.len() - 1 > i {
                     let last = self.running.len() - 1;
                     self.preempt(last);
@@ -279,7 +324,10 @@ impl Batcher {
     }
 
     fn release(&mut self, seq: &mut Seq) {
-        self.free_blocks.append(&mut seq.blocks);
+        for b in seq.blocks.drain(..) {
+            self.blocks.release(b);
+        }
+        seq.hashes.clear();
         if let Some(slot) = seq.slot.take() {
             self.free_slots.push(slot);
         }
@@ -336,6 +384,7 @@ impl Batcher {
             Err(e) => return self.fail(&[i], &e),
         };
         self.running[i].cached = end;
+        self.register_full(i);
         if end < len {
             return;
         }
@@ -396,6 +445,7 @@ impl Batcher {
         let mut ended = Vec::new();
         for (r, &i) in live.iter().enumerate() {
             self.running[i].cached += 1;
+            self.register_full(i);
             let next = match &out {
                 BatchOutput::Tokens(t) => self.accept(i, Some(t[r]), None),
                 BatchOutput::Logits(l) => {
@@ -465,6 +515,7 @@ impl Batcher {
                     (seq.sink)(SeqEvent::Done {
                         reason: StopReason::Stop,
                         tokens: seq.generated,
+                        reused: seq.reused.unwrap_or(0),
                     });
                     return Next::Ended;
                 }
@@ -519,6 +570,7 @@ fn finish(seq: &mut Seq, tokenizer: Option<&Tokenizer>, reason: StopReason) -> N
     (seq.sink)(SeqEvent::Done {
         reason,
         tokens: seq.generated,
+        reused: seq.reused.unwrap_or(0),
     });
     Next::Ended
 }

@@ -13,6 +13,7 @@
 //! over an engine whose KV caches are a pool of blocks (continuous batching).
 
 mod batch;
+mod blocks;
 mod builtin;
 mod engine;
 mod error;

@@ -2,7 +2,8 @@
 //! more requests than slots, prompts of different lengths, greedy and sampled (each with its
 //! own seed), stop strings and token limits; every sequence's tokens and text equal what
 //! `Engine::generate_pieces` gives it alone. Once with every sequence's context reserved,
-//! once with a pool so small that sequences are preempted and run again.
+//! once with a pool so small that sequences are preempted and run again; prompts that begin
+//! alike find the blocks of those before them (prefix caching) and still give the same.
 
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
@@ -22,6 +23,10 @@ struct Got {
     text: String,
     end: Option<StopReason>,
 }
+
+/// A prefix of more than two blocks that some prompts start with.
+const SHARED: &str =
+    "You are a helpful assistant. Answer briefly and truthfully, and say so when you do not know. ";
 
 fn engine(max_seqs: Option<usize>, kv_blocks: Option<usize>) -> Engine {
     let model = Model::open(&ModelSource::Builtin).unwrap();
@@ -46,8 +51,12 @@ fn requests(engine: &Engine) -> Vec<SeqRequest> {
     ];
     let mut out = Vec::new();
     for i in 0..14 {
+        let prompt = match i % 3 {
+            0 => format!("{SHARED}{}", prompts[i % prompts.len()]),
+            _ => prompts[i % prompts.len()].to_string(),
+        };
         let ids = text
-            .encode_prompt(prompts[i % prompts.len()], None, true, &Default::default())
+            .encode_prompt(&prompt, None, true, &Default::default())
             .unwrap();
         let sampling = if i % 3 == 1 {
             SamplingParams {
@@ -101,13 +110,16 @@ fn alone(req: &SeqRequest) -> Got {
     got
 }
 
-fn batched(max_seqs: usize, kv_blocks: Option<usize>, reqs: &[SeqRequest]) -> (Vec<Got>, u64) {
+/// Each sequence's output, the preemptions, and the prompt tokens found in the caches.
+fn batched(max_seqs: usize, kv_blocks: Option<usize>, reqs: &[SeqRequest]) -> (Vec<Got>, u64, usize) {
     let mut b = Batcher::new(engine(Some(max_seqs), kv_blocks))
         .ok()
         .expect("a pool");
     let got: Arc<Mutex<Vec<Got>>> = Arc::new(Mutex::new(vec![Got::default(); reqs.len()]));
+    let reused = Arc::new(Mutex::new(0));
     for (i, r) in reqs.iter().enumerate() {
         let got = got.clone();
+        let found = reused.clone();
         b.add(
             r.clone(),
             Box::new(move |e| {
@@ -117,9 +129,14 @@ fn batched(max_seqs: usize, kv_blocks: Option<usize>, reqs: &[SeqRequest]) -> (V
                         g[i].ids.extend(p.id);
                         g[i].text.push_str(p.text);
                     }
-                    SeqEvent::Done { reason, tokens } => {
+                    SeqEvent::Done {
+                        reason,
+                        tokens,
+                        reused,
+                    } => {
                         assert_eq!(tokens, g[i].ids.len(), "sequence {i}: Done's count");
                         g[i].end = Some(reason);
+                        *found.lock().unwrap() += reused;
                     }
                     SeqEvent::Failed(e) => panic!("sequence {i} failed: {e}"),
                 }
@@ -136,7 +153,8 @@ fn batched(max_seqs: usize, kv_blocks: Option<usize>, reqs: &[SeqRequest]) -> (V
     }
     assert_eq!(b.kv_blocks().0, 0, "every block is back");
     let out = got.lock().unwrap().clone();
-    (out, b.preempted())
+    let reused = *reused.lock().unwrap();
+    (out, b.preempted(), reused)
 }
 
 #[test]
@@ -144,13 +162,20 @@ fn batched_sequences_equal_each_sequence_alone() {
     let reqs = requests(&engine(None, None));
     let want: Vec<Got> = reqs.iter().map(alone).collect();
     // Every sequence's context reserved: 4 slots for 14 sequences.
-    let (got, preempted) = batched(4, None, &reqs);
+    let (got, preempted, reused) = batched(4, None, &reqs);
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         assert_eq!(g, w, "sequence {i} batched against alone");
     }
     assert_eq!(preempted, 0);
+    // Five prompts start with the shared prefix; the three admitted after the first one's
+    // prefill find at least its first block.
+    println!("prefix caching found {reused} prompt tokens");
+    assert!(
+        reused >= 3 * kestrel_model::KV_BLOCK,
+        "prefix caching found {reused} tokens"
+    );
     // One sequence's context of blocks shared by 6 slots: sequences wait and are preempted.
-    let (got, preempted) = batched(6, Some(CTX / kestrel_model::KV_BLOCK), &reqs);
+    let (got, preempted, _) = batched(6, Some(CTX / kestrel_model::KV_BLOCK), &reqs);
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         assert_eq!(g, w, "sequence {i} batched in a small pool against alone");
     }

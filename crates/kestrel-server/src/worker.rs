@@ -156,7 +156,11 @@ fn sink(
                         .map(|(id, lp)| named(tokenizer.as_ref().as_ref(), id, lp)),
                 }
             }
-            SeqEvent::Done { reason, tokens } => {
+            SeqEvent::Done {
+                reason,
+                tokens,
+                reused,
+            } => {
                 st.left -= 1;
                 metrics
                     .prompt_tokens
@@ -170,7 +174,7 @@ fn sink(
                     index,
                     reason,
                     tokens,
-                    reused: 0,
+                    reused,
                 }
             }
             SeqEvent::Failed(e) => {

@@ -738,3 +738,35 @@ fn bench_serve_measures_a_running_server_by_its_url() {
         String::from_utf8_lossy(&o.stderr)
     );
 }
+
+/// A request that begins as an earlier one did finds that beginning's KV blocks in the cache
+/// (`usage.prompt_tokens_details.cached_tokens`, whole blocks of 16) and answers as a server
+/// that had to compute them does.
+#[test]
+fn a_shared_beginning_is_found_in_the_cache() {
+    let system = "You are a careful assistant who answers questions about Python in one or two \
+                  sentences, with a short example when one helps.";
+    let body = |q: &str| {
+        json!({
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}],
+            "max_tokens": 12,
+            "temperature": 0,
+        })
+    };
+    let cached = |v: &Value| {
+        v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    let s = Server::start(&[]);
+    let (_, first) = s.post("/v1/chat/completions", &body(QUESTIONS[0]));
+    assert_eq!(cached(&first), 0, "{first}");
+    let (status, second) = s.post("/v1/chat/completions", &body(QUESTIONS[1]));
+    assert_eq!(status, 200, "{second}");
+    let found = cached(&second);
+    assert!(found >= 16 && found % 16 == 0, "cached tokens {found}: {second}");
+    let fresh = Server::start(&[]);
+    let (_, alone) = fresh.post("/v1/chat/completions", &body(QUESTIONS[1]));
+    assert_eq!(cached(&alone), 0);
+    assert_eq!(content(&second), content(&alone));
+}
