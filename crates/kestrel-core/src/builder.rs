@@ -1040,12 +1040,37 @@ impl GraphBuilder {
         );
     }
 
+    /// The rows of recurrent states of `seqs` sequences, each token's sequence in `seq` (one
+    /// entry: every token's, a chunk of one sequence).
+    pub fn state_rows(&mut self, seq: BufId<SeqIds>, seqs: usize) -> StateRows {
+        StateRows {
+            seq: seq.raw(),
+            one_seq: self.decl(seq).elem_count() == 1,
+            seqs,
+        }
+    }
+
+    /// Checks `rows` against the `tokens` of an op and returns the state rows it implies.
+    fn check_rows(&mut self, name: &str, rows: Option<StateRows>, tokens: usize) -> usize {
+        match rows {
+            None => 1,
+            Some(r) => {
+                if !r.one_seq {
+                    self.check_len(name, r.seq, tokens);
+                }
+                self.check_dtype(name, r.seq, &[DType::U32]);
+                r.seqs
+            }
+        }
+    }
+
     pub fn causal_conv1d(
         &mut self,
         name: &str,
         x: BufId<Act>,
         w: BufId<Weight>,
         state: BufId<State>,
+        rows: Option<StateRows>,
     ) -> BufId<Act> {
         let (tokens, channels) = self.rows_cols(x);
         let (wc, kernel) = self.rows_cols(w);
@@ -1054,7 +1079,8 @@ impl GraphBuilder {
         });
         self.check_dtype(name, w, &[DType::BF16, DType::F16, DType::F32]);
         self.check_dtype(name, state, &[DType::F32]);
-        self.check_len(name, state, channels * kernel.saturating_sub(1));
+        let seqs = self.check_rows(name, rows, tokens);
+        self.check_len(name, state, seqs * channels * kernel.saturating_sub(1));
         let out = self.transient(name, DType::F32, vec![tokens, channels]);
         self.push(
             name,
@@ -1062,6 +1088,7 @@ impl GraphBuilder {
                 x: x.raw(),
                 w: w.raw(),
                 state: state.raw(),
+                rows,
                 out: out.raw(),
                 tokens,
                 channels,
@@ -1115,6 +1142,7 @@ impl GraphBuilder {
         g: BufId<Act>,
         beta: BufId<Act>,
         state: BufId<State>,
+        rows: Option<StateRows>,
         k_heads: usize,
         k_dim: usize,
         v_heads: usize,
@@ -1127,7 +1155,8 @@ impl GraphBuilder {
         self.check_len(name, v, tokens * v_heads * v_dim);
         self.check_len(name, g, tokens * v_heads);
         self.check_len(name, beta, tokens * v_heads);
-        self.check_len(name, state, v_heads * k_dim * v_dim);
+        let seqs = self.check_rows(name, rows, tokens);
+        self.check_len(name, state, seqs * v_heads * k_dim * v_dim);
         self.check_dtype(name, state, &[DType::F32]);
         self.check(name, k_heads > 0 && v_heads % k_heads == 0, || {
             format!("{v_heads} value heads over {k_heads} key heads")
@@ -1145,6 +1174,7 @@ impl GraphBuilder {
                 g: g.raw(),
                 beta: beta.raw(),
                 state: state.raw(),
+                rows,
                 out: out.raw(),
                 tokens,
                 k_heads,

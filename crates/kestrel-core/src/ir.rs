@@ -368,6 +368,23 @@ impl KvPages {
     }
 }
 
+/// Which row of a recurrent state each token's sequence uses: the state holds `seqs` rows, token
+/// `t`'s is `seq[t]` (each token then the next of its own sequence: a batched decode step), or,
+/// when `one_seq`, every token's is `seq[0]` (a chunk of one sequence, in order).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StateRows {
+    pub seq: Buf,
+    pub one_seq: bool,
+    pub seqs: usize,
+}
+
+impl StateRows {
+    /// The row of token `t`, from the contents of `seq`.
+    pub fn row_of(&self, seq: &[u32], t: usize) -> usize {
+        seq[if self.one_seq { 0 } else { t }] as usize
+    }
+}
+
 /// Per-head RMS norms of queries and keys (`[head_dim]` weights each), as Qwen3 applies them
 /// before the rotation.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -622,11 +639,14 @@ pub enum Op {
         span: usize,
     },
     /// Depthwise causal conv1d over `x: [tokens, channels]` with `w: [channels, kernel]`, SiLU,
-    /// continuing from `state: [channels, kernel - 1]` (the previous inputs), which it updates.
+    /// continuing from `state: [channels, kernel - 1]` (the previous inputs), which it updates;
+    /// with `rows`, from and into each token's sequence's row of `state: [seqs, channels,
+    /// kernel - 1]`.
     CausalConv1d {
         x: Buf,
         w: Buf,
         state: Buf,
+        rows: Option<StateRows>,
         out: Buf,
         tokens: usize,
         channels: usize,
@@ -644,7 +664,8 @@ pub enum Op {
         heads: usize,
     },
     /// The gated delta rule over `tokens` from and into `state: [v_heads, k_dim, v_dim]`, with
-    /// L2-normalised q and k (eps 1e-6) and q scaled by `k_dim^-1/2`.
+    /// L2-normalised q and k (eps 1e-6) and q scaled by `k_dim^-1/2`; with `rows`, from and into
+    /// each token's sequence's row of `state: [seqs, v_heads, k_dim, v_dim]`.
     DeltaRule {
         q: Buf,
         k: Buf,
@@ -652,6 +673,7 @@ pub enum Op {
         g: Buf,
         beta: Buf,
         state: Buf,
+        rows: Option<StateRows>,
         out: Buf,
         tokens: usize,
         k_heads: usize,
@@ -803,7 +825,18 @@ impl Op {
                 staging,
                 ..
             } => (vec![*table, *src, *cache], vec![*table, *staging]),
-            CausalConv1d { x, w, state, out, .. } => (vec![*x, *w, *state], vec![*state, *out]),
+            CausalConv1d {
+                x,
+                w,
+                state,
+                rows,
+                out,
+                ..
+            } => {
+                let mut r = vec![*x, *w, *state];
+                r.extend(rows.map(|s| s.seq));
+                (r, vec![*state, *out])
+            }
             DeltaGates {
                 a,
                 b,
@@ -820,9 +853,14 @@ impl Op {
                 g,
                 beta,
                 state,
+                rows,
                 out,
                 ..
-            } => (vec![*q, *k, *v, *g, *beta, *state], vec![*state, *out]),
+            } => {
+                let mut r = vec![*q, *k, *v, *g, *beta, *state];
+                r.extend(rows.map(|s| s.seq));
+                (r, vec![*state, *out])
+            }
             Argmax { logits, out, .. } => (vec![*logits], vec![*out]),
             Sample {
                 logits,

@@ -7,6 +7,21 @@
 // form of the CPU reference, at the end.
 #include "kestrel.cuh"
 
+// States hold a row per sequence when the op has rows (`StateRows`): every kernel takes (seq,
+// seq_step) after the state. seq null: one row, every token from it; seq_step 0: every token
+// from row seq[0] (a chunk of one sequence); seq_step 1: token t alone from row seq[t] (a batched
+// decode step), a run per token along the grid's last dimension. The kernels' bodies see one
+// run: the entry points move the pointers to its row and first token.
+struct Run {
+    size_t row;
+    unsigned t0, tokens;
+};
+
+__device__ __forceinline__ Run run_of(const unsigned* seq, unsigned seq_step, unsigned tokens, unsigned z) {
+    const unsigned t0 = seq_step ? z : 0;
+    return Run{seq ? (size_t)seq[t0 * seq_step] : 0, t0, seq_step ? 1u : tokens};
+}
+
 // KERNEL_MAX (the longest convolution window), DC (tokens per chunk of delta_chunked_*), CP
 // (its threads to a state column), DELTA_REGS_THREADS (a delta_rule_regs_* block) and the
 // chunked kernels' shared-memory sizes (DELTA_CHUNK_SMEM_<DK>) come from the host
@@ -59,10 +74,13 @@ __device__ void gates(const float* a, const float* b, const A* a_log, const D* d
 }
 
 #define CONV(W, NAME)                                                                                       \
-    extern "C" __global__ void causal_conv1d_##NAME(const float* x, const W* w, float* state, float* out,   \
+    extern "C" __global__ void causal_conv1d_##NAME(const float* x, const W* w, float* state,               \
+                                                    const unsigned* seq, unsigned seq_step, float* out,      \
                                                     unsigned tokens, unsigned channels, unsigned kernel) {   \
         pdl_begin();                                                                                        \
-        conv1d(x, w, state, out, tokens, channels, kernel);                                                 \
+        const Run r = run_of(seq, seq_step, tokens, blockIdx.y);                                            \
+        const size_t at = (size_t)r.t0 * channels;                                                          \
+        conv1d(x + at, w, state + r.row * channels * (kernel - 1), out + at, r.tokens, channels, kernel);   \
     }
 
 CONV(float, f32)
@@ -85,11 +103,10 @@ GATES_FOR(bf16, bf16)
 GATES_FOR(f16, f16)
 
 // q, k: [tokens, k_heads, dk]; v, out: [tokens, v_heads, dv]; g, beta: [tokens, v_heads];
-// state: [v_heads, dk, dv]. Dynamic shared memory: (dk * dv + 2 * dk) floats.
-extern "C" __global__ void delta_rule_f32(const float* q, const float* k, const float* v, const float* g,
-                                          const float* beta, float* state, float* out, unsigned tokens,
-                                          unsigned k_heads, unsigned v_heads, unsigned dk, unsigned dv) {
-    pdl_begin();
+// state: [v_heads, dk, dv] (a run's row). Dynamic shared memory: (dk * dv + 2 * dk) floats.
+__device__ void delta_rule_smem(const float* q, const float* k, const float* v, const float* g, const float* beta,
+                                float* state, float* out, unsigned tokens, unsigned k_heads, unsigned v_heads,
+                                unsigned dk, unsigned dv) {
     extern __shared__ float smem[];
     __shared__ float scratch[32];
     float* S = smem;          // [dk, dv]
@@ -137,6 +154,27 @@ extern "C" __global__ void delta_rule_f32(const float* q, const float* k, const 
         __syncthreads();  // qs and ks are reloaded for the next token
     }
     for (unsigned i = threadIdx.x; i < dk * dv; i += blockDim.x) st[i] = S[i];
+}
+
+// Moves the delta rule's pointers to run `r` (see `Run`): its state row and first token.
+#define DELTA_RUN(r, dk)                                                                                    \
+    q += (size_t)(r).t0 * k_heads * (dk);                                                                   \
+    k += (size_t)(r).t0 * k_heads * (dk);                                                                   \
+    v += (size_t)(r).t0 * v_heads * dv;                                                                     \
+    out += (size_t)(r).t0 * v_heads * dv;                                                                   \
+    g += (size_t)(r).t0 * v_heads;                                                                          \
+    beta += (size_t)(r).t0 * v_heads;                                                                       \
+    state += (r).row * v_heads * (dk) * dv
+
+// Grid (v_heads, runs).
+extern "C" __global__ void delta_rule_f32(const float* q, const float* k, const float* v, const float* g,
+                                          const float* beta, float* state, const unsigned* seq,
+                                          unsigned seq_step, float* out, unsigned tokens, unsigned k_heads,
+                                          unsigned v_heads, unsigned dk, unsigned dv) {
+    pdl_begin();
+    const Run r = run_of(seq, seq_step, tokens, blockIdx.y);
+    DELTA_RUN(r, dk);
+    delta_rule_smem(q, k, v, g, beta, state, out, r.tokens, k_heads, v_heads, dk, dv);
 }
 
 // The same recurrence with the state in registers and each value head spread over blocks of
@@ -227,9 +265,12 @@ static_assert(DELTA_REGS_THREADS == 128, "delta_rule_regs: four threads to each 
 #define DELTA_REGS(R)                                                                                      \
     extern "C" __global__ void __launch_bounds__(DELTA_REGS_THREADS) delta_rule_regs_##R(                 \
         const float* q, const float* k, const float* v, const float* g, const float* beta, float* state,  \
-        float* out, unsigned tokens, unsigned k_heads, unsigned v_heads, unsigned dv) {                    \
+        const unsigned* seq, unsigned seq_step, float* out, unsigned tokens, unsigned k_heads,             \
+        unsigned v_heads, unsigned dv) {                                                                   \
         pdl_begin();                                                                                       \
-        delta_rule_regs<R>(q, k, v, g, beta, state, out, tokens, k_heads, v_heads, dv);                    \
+        const Run r = run_of(seq, seq_step, tokens, blockIdx.z);                                           \
+        DELTA_RUN(r, 4 * R);                                                                               \
+        delta_rule_regs<R>(q, k, v, g, beta, state, out, r.tokens, k_heads, v_heads, dv);                  \
     }
 DELTA_REGS(16)
 DELTA_REGS(32)
@@ -431,9 +472,12 @@ __device__ void delta_chunked(const float* q, const float* k, const float* v, co
 #define DELTA_CHUNKED(DKV)                                                                                 \
     extern "C" __global__ void __launch_bounds__(32 * CP) delta_chunked_##DKV(                                \
         const float* q, const float* k, const float* v, const float* g, const float* beta, float* state,  \
-        float* out, unsigned tokens, unsigned k_heads, unsigned v_heads, unsigned dv) {                    \
+        const unsigned* seq, unsigned seq_step, float* out, unsigned tokens, unsigned k_heads,             \
+        unsigned v_heads, unsigned dv) {                                                                   \
         pdl_begin();                                                                                       \
-        delta_chunked<DKV>(q, k, v, g, beta, state, out, tokens, k_heads, v_heads, dv);                    \
+        const Run r = run_of(seq, seq_step, tokens, blockIdx.z);                                           \
+        DELTA_RUN(r, DKV);                                                                                 \
+        delta_chunked<DKV>(q, k, v, g, beta, state, out, r.tokens, k_heads, v_heads, dv);                  \
     }
 DELTA_CHUNKED(64)
 DELTA_CHUNKED(128)

@@ -106,6 +106,8 @@ enum Next {
 pub struct Batcher {
     engine: Engine,
     tokenizer: Option<Tokenizer>,
+    /// The model has recurrent states (a row per slot, zeroed at admission; no prefix caching).
+    hybrid: bool,
     /// Rows of the block table (sequences at once), and blocks a row holds.
     slots: usize,
     max_blocks: usize,
@@ -124,7 +126,7 @@ pub struct Batcher {
 
 impl Batcher {
     /// The batcher of `engine`, or the engine back when its caches are not a pool (one
-    /// sequence at a time: [`crate::EngineOptions::max_seqs`] unset, or a hybrid model).
+    /// sequence at a time: [`crate::EngineOptions::max_seqs`] unset or 1).
     pub fn new(engine: Engine) -> std::result::Result<Batcher, Box<Engine>> {
         let Some(pool) = engine.pool else {
             return Err(Box::new(engine));
@@ -135,6 +137,7 @@ impl Batcher {
             .min(PREFILL_CHUNK);
         Ok(Batcher {
             tokenizer: engine.text.tokenizer.clone(),
+            hybrid: engine.config().arch.is_hybrid(),
             slots: pool.seqs,
             max_blocks,
             table: vec![0; pool.seqs * max_blocks],
@@ -258,8 +261,23 @@ impl Batcher {
             };
             let slot = self.free_slots.pop().expect("checked above");
             seq.slot = Some(slot);
+            // Recurrent states start from zero; they hold no block boundary's state, so a
+            // hybrid's sequence computes its whole prompt.
+            if self.hybrid {
+                if let Err(e) = on_session!(&mut self.engine.session, s => s.reset_seq(slot)) {
+                    let e = EngineError::from(e);
+                    (seq.sink)(SeqEvent::Failed(&e));
+                    self.release(&mut seq);
+                    continue;
+                }
+            }
             let mut parent = ROOT;
-            for j in 0..(seq.tokens.len() - 1) / KV_BLOCK {
+            let shareable = if self.hybrid {
+                0
+            } else {
+                (seq.tokens.len() - 1) / KV_BLOCK
+            };
+            for j in 0..shareable {
                 let Some((b, hash)) = self
                     .blocks
                     .find(parent, &seq.tokens[j * KV_BLOCK..(j + 1) * KV_BLOCK])

@@ -118,8 +118,8 @@ pub struct EngineOptions {
     /// Which cached expert leaves when a streamed one needs its slot.
     pub eviction: Eviction,
     /// Sequences generated at once by a [`crate::Batcher`] (None or 1: one at a time). The KV
-    /// caches become a pool of blocks for that many sequences of `ctx` positions each; models
-    /// with recurrent states (hybrids) keep one sequence's, so they ignore it.
+    /// caches become a pool of blocks for that many sequences of `ctx` positions each, and
+    /// recurrent states (hybrids) a row per sequence.
     pub max_seqs: Option<usize>,
     /// Blocks of [`KV_BLOCK`] positions in the pool (None: every sequence's whole context; at
     /// least one sequence's). Fewer than that: sequences share them as they grow, and the
@@ -246,13 +246,10 @@ impl Engine {
         // Several sequences: by default every one's whole context reserved in the pool, at
         // least one sequence's (the padding of batched steps takes one block more).
         let per_seq = opts.ctx.div_ceil(KV_BLOCK);
-        let pool = opts
-            .max_seqs
-            .filter(|&n| n > 1 && !model.config.arch.is_hybrid())
-            .map(|seqs| KvPool {
-                seqs,
-                blocks: opts.kv_blocks.unwrap_or(seqs * per_seq).max(per_seq),
-            });
+        let pool = opts.max_seqs.filter(|&n| n > 1).map(|seqs| KvPool {
+            seqs,
+            blocks: opts.kv_blocks.unwrap_or(seqs * per_seq).max(per_seq),
+        });
         let device = match backend {
             BackendChoice::Cuda => Some(Device::open(config.device, config)?),
             BackendChoice::Cpu => None,

@@ -181,3 +181,76 @@ fn batched_sequences_equal_each_sequence_alone() {
     }
     assert!(preempted > 0, "a pool this small preempts");
 }
+
+/// A hybrid model (recurrent states a row per slot, zeroed for each sequence admitted; no
+/// prefix caching): more sequences than slots, each slot used by several in turn, every
+/// sequence's tokens equal to its own alone.
+#[test]
+fn a_hybrid_models_sequences_equal_each_alone() {
+    let dir = kestrel_testing::fixtures::path("crates/kestrel-model/tests/parity").join("qwen3_next");
+    let open = |max_seqs: Option<usize>| {
+        let model = Model::open(&ModelSource::Dir(dir.clone())).unwrap();
+        let opts = EngineOptions {
+            backend: Some(BackendChoice::Cpu),
+            max_seqs,
+            ..EngineOptions::with_ctx(64)
+        };
+        Engine::new(model, &Config::default(), opts).unwrap()
+    };
+    let reqs: Vec<SeqRequest> = (0..8u32)
+        .map(|i| SeqRequest {
+            ids: (0..3 + 5 * (i as usize % 4))
+                .map(|j| (i * 37 + j as u32 * 11) % 200 + 1)
+                .collect(),
+            max_tokens: 6 + i as usize % 3,
+            stops: Vec::new(),
+            sampling: SamplingParams {
+                temperature: 0.0,
+                ..Default::default()
+            },
+            ignore_eos: true,
+            logprobs: None,
+        })
+        .collect();
+    let alone: Vec<Vec<u32>> = reqs
+        .iter()
+        .map(|r| {
+            let mut e = open(None);
+            e.set_ignore_eos(true);
+            let mut ids = Vec::new();
+            e.generate_pieces(
+                &r.ids,
+                r.max_tokens,
+                &[],
+                &mut |p| {
+                    ids.extend(p.id);
+                    Ok(())
+                },
+                &AtomicBool::new(false),
+            )
+            .unwrap();
+            ids
+        })
+        .collect();
+    let mut b = Batcher::new(open(Some(3))).ok().expect("a pool");
+    let got: Arc<Mutex<Vec<Vec<u32>>>> = Arc::new(Mutex::new(vec![Vec::new(); reqs.len()]));
+    for (i, r) in reqs.iter().enumerate() {
+        let got = got.clone();
+        b.add(
+            r.clone(),
+            Box::new(move |e| {
+                match e {
+                    SeqEvent::Piece(p) => got.lock().unwrap()[i].extend(p.id),
+                    SeqEvent::Done { reused, .. } => assert_eq!(reused, 0, "no prefix caching"),
+                    SeqEvent::Failed(e) => panic!("sequence {i} failed: {e}"),
+                }
+                true
+            }),
+        )
+        .unwrap();
+    }
+    while !b.is_idle() {
+        b.step();
+    }
+    assert_eq!(*got.lock().unwrap(), alone);
+}

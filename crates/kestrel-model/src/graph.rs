@@ -15,7 +15,7 @@ use kestrel_core::expert_slots::{table_words, SlotPolicy};
 use kestrel_core::ir::BufKind;
 use kestrel_core::ir::{
     Buf, BufId, ExpertFormat, ExpertIds, ExpertLayout, ExpertWeights, Graph, KvPages, LinearWeight, Logits,
-    NormKind, Normed, Op, PageTable, Positions, Residual, SeqIds, TokenIds, Tokens, Weight,
+    NormKind, Normed, Op, PageTable, Positions, Residual, SeqIds, StateRows, TokenIds, Tokens, Weight,
 };
 use kestrel_core::quant::{QuantFormat, QuantMatrix};
 use kestrel_core::rope::RopeTable;
@@ -253,6 +253,8 @@ struct Build<'a> {
     expert_tables: Vec<Buf>,
     /// Rows of the KV caches.
     cache_rows: usize,
+    /// With a pool: the rows of the recurrent states, one a sequence.
+    state_rows: Option<StateRows>,
 }
 
 impl Build<'_> {
@@ -454,6 +456,7 @@ impl Forward {
             host_experts: Vec::new(),
             expert_tables: Vec::new(),
             cache_rows: 0,
+            state_rows: None,
             norm: if c.arch.is_hybrid() {
                 NormKind::ZeroCentered
             } else {
@@ -467,15 +470,10 @@ impl Forward {
             .collect();
         let tokens = b.g.tokens_input("tokens", spec.tokens);
         let positions = b.g.positions_input("positions", spec.tokens);
-        if spec.batched && (spec.pool.is_none() || c.arch.is_hybrid()) {
+        if spec.batched && spec.pool.is_none() {
             return Err(ModelError::Config {
                 key: "batch".into(),
-                reason: if spec.pool.is_none() {
-                    "a batched step needs a pool of KV blocks".into()
-                } else {
-                    "batched steps of hybrid models need recurrent-state slots, which are not built yet"
-                        .into()
-                },
+                reason: "a batched step needs a pool of KV blocks".into(),
             });
         }
         // The block table (one sequence's blocks in order, or the pool's sequences) and the
@@ -486,6 +484,8 @@ impl Forward {
             b.g.seq_input("kv.seq", if spec.batched { spec.tokens } else { 1 });
         let pages = b.g.kv_pages("kv.pages", page_table, seq, KV_BLOCK);
         b.cache_rows = blocks * KV_BLOCK;
+        // With a pool, recurrent states hold a row per sequence, found as the pages are.
+        b.state_rows = spec.pool.map(|p| b.g.state_rows(seq, p.seqs));
         let embed = b.linear(&format!("{prefix}.embed_tokens"), c.vocab, c.hidden)?;
         let x: BufId<Residual> = b.g.embed("embed", &embed, tokens);
         // The first two MoE layers' experts, when whole layers are staged ahead.
@@ -830,13 +830,25 @@ fn linear_attention(b: &mut Build, l: &str, h: BufId<Normed>) -> Result<BufId<ke
     let dt_bias = b.tensor(&format!("{p}.dt_bias"), &[nv])?;
     let norm_w = b.tensor(&format!("{p}.norm.weight"), &[dv])?;
     let out_w = b.linear(&format!("{p}.out_proj"), c.hidden, value_dim)?;
-    let conv_state =
-        b.g.state(&format!("{l}.conv_state"), DType::F32, [conv_dim, kernel - 1]);
-    let state =
-        b.g.state(&format!("{l}.recurrent_state"), DType::F32, [nv, dk, dv]);
+    // With a pool, a row of each state per sequence.
+    let rows = b.state_rows;
+    let per_seq = |shape: &[usize]| match rows {
+        Some(r) => [&[r.seqs][..], shape].concat(),
+        None => shape.to_vec(),
+    };
+    let conv_state = b.g.state(
+        &format!("{l}.conv_state"),
+        DType::F32,
+        per_seq(&[conv_dim, kernel - 1]),
+    );
+    let state = b.g.state(
+        &format!("{l}.recurrent_state"),
+        DType::F32,
+        per_seq(&[nv, dk, dv]),
+    );
     b.states.extend([conv_state.raw(), state.raw()]);
     let conv =
-        b.g.causal_conv1d(&format!("{p}.conv1d"), mixed, conv_w, conv_state);
+        b.g.causal_conv1d(&format!("{p}.conv1d"), mixed, conv_w, conv_state, rows);
     let qkv =
         b.g.split(&format!("{p}.qkv"), conv, 1, &[key_dim, key_dim, value_dim]);
     let (g, beta) =
@@ -849,6 +861,7 @@ fn linear_attention(b: &mut Build, l: &str, h: BufId<Normed>) -> Result<BufId<ke
         g,
         beta,
         state,
+        rows,
         nk,
         dk,
         nv,

@@ -348,18 +348,14 @@ impl<B: Backend> Session<B> {
     /// Lays the KV caches out as a pool of `blocks` blocks of [`KV_BLOCK`] rows shared by up to
     /// `seqs` sequences of up to `ctx` positions each, through a block table the caller keeps
     /// ([`Session::set_page_table`]); [`Session::select_seq`] says which sequence `step` runs,
-    /// [`Session::step_batch`] runs the next token of many. Models with recurrent states
-    /// (hybrids) hold one sequence's, so they are refused. Call before the first step.
+    /// [`Session::step_batch`] runs the next token of many. Recurrent states (hybrids) hold a
+    /// row per sequence, which [`Session::reset_seq`] zeroes for a new one. Call before the
+    /// first step.
     pub fn with_kv_pool(mut self, seqs: usize, blocks: usize) -> Result<Session<B>> {
         let bad = |reason: String| ModelError::Config {
             key: "kv pool".into(),
             reason,
         };
-        if self.config.arch.is_hybrid() {
-            return Err(bad(
-                "hybrid models hold one sequence's recurrent state: several sequences at once need state slots, which are not built yet".into(),
-            ));
-        }
         if seqs == 0 || blocks == 0 || !self.programs.is_empty() {
             return Err(bad(format!(
                 "{seqs} sequences over {blocks} blocks, asked for before any step"
@@ -401,6 +397,33 @@ impl<B: Backend> Session<B> {
         }
         pool.table[..n].copy_from_slice(table);
         pool.version += 1;
+        Ok(())
+    }
+
+    /// Starts sequence `seq` of the pool afresh: its rows of the recurrent and convolution
+    /// states go back to zero (KV caches need nothing: positions say which rows count).
+    pub fn reset_seq(&mut self, seq: usize) -> Result<()> {
+        let seqs = self.pool.as_ref().ok_or_else(no_pool)?.seqs;
+        if seq >= seqs {
+            return Err(ModelError::Config {
+                key: "sequence".into(),
+                reason: format!("{seq} is not one of the pool's {seqs} sequences"),
+            });
+        }
+        if self.programs.is_empty() {
+            self.program(1, 0, Outputs::Last, false)?;
+        }
+        let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
+        // States are shared by label: zeroing them through one program zeroes them for all.
+        let prog = self.programs.values_mut().next().expect("prepared above");
+        for &b in &prog.f.states {
+            let d = prog.f.graph.decl(b);
+            let row = d.byte_len() / d.shape[0];
+            let p = prog.segments.last_mut().expect("a program has a segment");
+            self.backend
+                .write_bytes(p, b, seq * row, &vec![0u8; row])
+                .map_err(backend_err)?;
+        }
         Ok(())
     }
 

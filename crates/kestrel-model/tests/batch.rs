@@ -7,26 +7,24 @@
 mod common;
 
 use common::batch::batched_against_alone;
-use common::dir;
+use common::{dir, FIXTURES};
 use kestrel_core::DType;
 use kestrel_cpu::CpuBackend;
 use kestrel_cuda::{CudaBackend, RunMode};
 use kestrel_model::{Session, Want};
 use kestrel_testing::gpu::device_or_skip;
 
-/// The fixtures with attention only (hybrids hold one sequence's recurrent state).
-const ATTENTION_ONLY: [&str; 4] = ["llama", "qwen3", "qwen3_moe", "qwen3_moe_mlx_q4"];
-
 #[test]
 fn batched_decode_equals_one_sequence_at_a_time() {
     let seed = kestrel_testing::seed("batched decode");
-    for name in ATTENTION_ONLY {
+    for name in FIXTURES {
         let found = batched_against_alone(name, &CpuBackend::new, DType::F32, seed);
         println!(
             "{name}: {} rows, max relative error {:e}, {} argmax differ",
             found.rows, found.max_err, found.top1_differs
         );
-        // Every row is computed alone on the CPU (no product mixes rows): the same f32 sums.
+        // Every row is computed alone on the CPU (no product mixes rows, each recurrent state
+        // row is its sequence's): the same f32 sums.
         assert!(
             found.max_err <= 1e-6,
             "seed {seed} {name}: error {}",
@@ -44,7 +42,6 @@ fn err<T>(r: kestrel_model::Result<T>) -> String {
 #[test]
 fn a_pool_refuses_what_it_cannot_hold() {
     let open = |name: &str| Session::open(&dir(name), CpuBackend::new(), 64, DType::F32).unwrap();
-    assert!(err(open("qwen3_next").with_kv_pool(2, 8)).contains("recurrent"));
     assert!(err(open("qwen3").with_kv_pool(2, 0)).contains("0 blocks"));
     let mut s = open("qwen3").with_kv_pool(2, 8).unwrap();
     // Table entries past the pool, the wrong length, a sequence outside it, twice in a batch.
@@ -70,7 +67,7 @@ fn batched_decode_equals_one_sequence_at_a_time_on_cuda() {
         return;
     };
     let seed = kestrel_testing::seed("batched decode on cuda");
-    for name in ATTENTION_ONLY {
+    for name in FIXTURES {
         let backend = || CudaBackend::new(dev.clone(), RunMode::Graph);
         let found = batched_against_alone(name, &backend, DType::BF16, seed);
         println!(

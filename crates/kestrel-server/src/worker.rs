@@ -1,7 +1,7 @@
 //! The engine's thread: it owns the [`Engine`] and runs the queued [`Job`]s, sending every
 //! generated token's text back to the request's handler as it comes. With a pool of KV blocks
 //! (the engine's `max_seqs`) a [`Batcher`] generates every choice of every job it has room for
-//! at once, taking jobs from the queue while slots are free; otherwise (hybrid models) jobs run
+//! at once, taking jobs from the queue while slots are free; otherwise (`max_seqs` 1) jobs run
 //! one at a time, choice after choice. A handler that has gone (its client disconnected) makes
 //! the next send fail, and its sequences end there, within one step.
 

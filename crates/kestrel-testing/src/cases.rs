@@ -1303,7 +1303,9 @@ fn moe_case(
     ))
 }
 
-/// Conv1d from a random state, the gates, and the delta rule from a random state with `algo`.
+/// Conv1d from a random state, the gates, and the delta rule from a random state with `algo`:
+/// states of one row, or a row per sequence with the tokens one sequence's chunk (from a row
+/// picked at random) or each the next of its own sequence (a batched decode step, rows shuffled).
 pub fn deltanet(rng: Rng, algo: DeltaAlgo) -> Case {
     let mut c = CaseBuilder::new(rng);
     let k_heads = c.rng.range(1, 3);
@@ -1314,13 +1316,48 @@ pub fn deltanet(rng: Rng, algo: DeltaAlgo) -> Case {
         pick(&mut c.rng, &[16, 48, 64, 128]),
         pick(&mut c.rng, &[16, 40, 72, 128]),
     );
-    let tokens = pick(&mut c.rng, &[1, 5, 7, 64, 70, 100]);
+    // 0: one row; 1: one sequence's chunk among several rows; 2: a token per sequence.
+    let mode = c.rng.range(0, 3);
+    let tokens = if mode == 2 {
+        pick(&mut c.rng, &[1, 3, 7])
+    } else {
+        pick(&mut c.rng, &[1, 5, 7, 64, 70, 100])
+    };
+    let seqs = match mode {
+        0 => 1,
+        1 => c.rng.range(2, 5),
+        _ => tokens + c.rng.range(0, 3),
+    };
+    let mut order: Vec<usize> = (0..seqs).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, c.rng.range(0, i + 1));
+    }
+    // (row, its tokens in order)
+    let runs: Vec<(usize, Vec<usize>)> = match mode {
+        0 => vec![(0, (0..tokens).collect())],
+        1 => vec![(order[0], (0..tokens).collect())],
+        _ => (0..tokens).map(|t| (order[t], vec![t])).collect(),
+    };
+    let rows = match mode {
+        0 => None,
+        _ => {
+            let ids: Vec<u32> = if mode == 1 {
+                vec![order[0] as u32]
+            } else {
+                order[..tokens].iter().map(|&r| r as u32).collect()
+            };
+            let seq = c.g.seq_input("seq", ids.len());
+            c.set(seq, bytemuck::cast_slice(&ids).to_vec());
+            Some(c.g.state_rows(seq, seqs))
+        }
+    };
     let kernel = 4;
+    let hist = kernel - 1;
     let channels = 2 * k_heads * dk + v_heads * dv;
     let (x, xf) = c.act("mixed", tokens, channels, 1.0);
     let (w, wf) = c.weight("conv", DType::BF16, &[channels, kernel], 0.5);
-    let (cs, csf) = c.state("conv_state", &[channels, kernel - 1], 1.0);
-    let conv = c.g.causal_conv1d("conv", x, w, cs);
+    let (cs, csf) = c.state("conv_state", &[seqs, channels, hist], 1.0);
+    let conv = c.g.causal_conv1d("conv", x, w, cs, rows);
     let parts =
         c.g.split("qkv", conv, 1, &[k_heads * dk, k_heads * dk, v_heads * dv]);
     let (a, af) = c.act("a", tokens, v_heads, 1.0);
@@ -1333,25 +1370,28 @@ pub fn deltanet(rng: Rng, algo: DeltaAlgo) -> Case {
     let (alog, alf) = c.weight("A_log", ad, &[v_heads], 1.0);
     let (dt, dtf) = c.weight("dt_bias", dd, &[v_heads], 1.0);
     let (g, beta) = c.g.delta_gates("gates", a, b, alog, dt);
-    let (st, stf) = c.state("state", &[v_heads, dk, dv], 0.3);
+    let (st, stf) = c.state("state", &[seqs, v_heads, dk, dv], 0.3);
     let out = c.g.delta_rule(
-        "delta", parts[0], parts[1], parts[2], g, beta, st, k_heads, dk, v_heads, dv, algo,
+        "delta", parts[0], parts[1], parts[2], g, beta, st, rows, k_heads, dk, v_heads, dv, algo,
     );
 
-    // conv reference
-    let hist = kernel - 1;
+    // conv reference, run by run from each run's row
     let mut conv_f = vec![0f64; tokens * channels];
-    let mut new_cs = vec![0f64; channels * hist];
-    for ch in 0..channels {
-        let seq: Vec<f64> = csf[ch * hist..(ch + 1) * hist]
-            .iter()
-            .copied()
-            .chain((0..tokens).map(|t| xf[t * channels + ch]))
-            .collect();
-        for t in 0..tokens {
-            conv_f[t * channels + ch] = r::silu((0..kernel).map(|j| wf[ch * kernel + j] * seq[t + j]).sum());
+    let mut new_cs = csf.clone();
+    for (row, ts) in &runs {
+        let cs_row = &mut new_cs[row * channels * hist..(row + 1) * channels * hist];
+        for ch in 0..channels {
+            let seq: Vec<f64> = cs_row[ch * hist..(ch + 1) * hist]
+                .iter()
+                .copied()
+                .chain(ts.iter().map(|&t| xf[t * channels + ch]))
+                .collect();
+            for (i, &t) in ts.iter().enumerate() {
+                conv_f[t * channels + ch] =
+                    r::silu((0..kernel).map(|j| wf[ch * kernel + j] * seq[i + j]).sum());
+            }
+            cs_row[ch * hist..(ch + 1) * hist].copy_from_slice(&seq[seq.len() - hist..]);
         }
-        new_cs[ch * hist..(ch + 1) * hist].copy_from_slice(&seq[seq.len() - hist..]);
     }
     let gf: Vec<f64> = (0..tokens * v_heads)
         .map(|i| -alf[i % v_heads].exp() * r::softplus(af[i] + dtf[i % v_heads]))
@@ -1360,31 +1400,29 @@ pub fn deltanet(rng: Rng, algo: DeltaAlgo) -> Case {
     let mut state = stf.clone();
     let mut expect = vec![0f64; tokens * v_heads * dv];
     let ratio = v_heads / k_heads;
-    for h in 0..v_heads {
-        let kh = h / ratio;
-        let qs: Vec<Vec<f64>> = (0..tokens)
-            .map(|t| conv_f[t * channels + kh * dk..][..dk].to_vec())
-            .collect();
-        let ks: Vec<Vec<f64>> = (0..tokens)
-            .map(|t| conv_f[t * channels + k_heads * dk + kh * dk..][..dk].to_vec())
-            .collect();
-        let vs: Vec<Vec<f64>> = (0..tokens)
-            .map(|t| conv_f[t * channels + 2 * k_heads * dk + h * dv..][..dv].to_vec())
-            .collect();
-        let gh: Vec<f64> = (0..tokens).map(|t| gf[t * v_heads + h]).collect();
-        let bh: Vec<f64> = (0..tokens).map(|t| betaf[t * v_heads + h]).collect();
-        let outs = r::delta_head(
-            &qs,
-            &ks,
-            &vs,
-            &gh,
-            &bh,
-            &mut state[h * dk * dv..(h + 1) * dk * dv],
-            dk,
-            dv,
-        );
-        for (t, o) in outs.iter().enumerate() {
-            expect[(t * v_heads + h) * dv..][..dv].copy_from_slice(o);
+    let size = v_heads * dk * dv;
+    for (row, ts) in &runs {
+        for h in 0..v_heads {
+            let kh = h / ratio;
+            let qs: Vec<Vec<f64>> = ts
+                .iter()
+                .map(|&t| conv_f[t * channels + kh * dk..][..dk].to_vec())
+                .collect();
+            let ks: Vec<Vec<f64>> = ts
+                .iter()
+                .map(|&t| conv_f[t * channels + k_heads * dk + kh * dk..][..dk].to_vec())
+                .collect();
+            let vs: Vec<Vec<f64>> = ts
+                .iter()
+                .map(|&t| conv_f[t * channels + 2 * k_heads * dk + h * dv..][..dv].to_vec())
+                .collect();
+            let gh: Vec<f64> = ts.iter().map(|&t| gf[t * v_heads + h]).collect();
+            let bh: Vec<f64> = ts.iter().map(|&t| betaf[t * v_heads + h]).collect();
+            let at = row * size + h * dk * dv;
+            let outs = r::delta_head(&qs, &ks, &vs, &gh, &bh, &mut state[at..at + dk * dv], dk, dv);
+            for (&t, o) in ts.iter().zip(&outs) {
+                expect[(t * v_heads + h) * dv..][..dv].copy_from_slice(o);
+            }
         }
     }
     c.check_floats(conv, conv_f);
@@ -1393,8 +1431,9 @@ pub fn deltanet(rng: Rng, algo: DeltaAlgo) -> Case {
     c.check_floats(out, expect);
     c.checks.push((cs.raw(), Expect::Floats(new_cs)));
     c.checks.push((st.raw(), Expect::Floats(state)));
+    let kind = ["one row", "one sequence of several", "a token per sequence"][mode];
     c.finish(format!(
-        "deltanet t{tokens} heads {k_heads}/{v_heads} dk{dk} dv{dv} {algo:?}"
+        "deltanet t{tokens} heads {k_heads}/{v_heads} dk{dk} dv{dv} {algo:?}, {kind} ({seqs} rows)"
     ))
 }
 

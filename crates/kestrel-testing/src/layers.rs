@@ -193,7 +193,7 @@ impl Layer<'_> {
         let p = self.c.g.split("qkvz", qkvz, nk, &[dk, dk, r * dv, r * dv]);
         let bap = self.c.g.split("ba", ba, nk, &[r, r]);
         let mixed = self.c.g.concat("mixed_qkv", &[p[0], p[1], p[2]]);
-        let conv = self.c.g.causal_conv1d("conv1d", mixed, conv_w, conv_state);
+        let conv = self.c.g.causal_conv1d("conv1d", mixed, conv_w, conv_state, None);
         let qkv = self.c.g.split("qkv", conv, 1, &[key_dim, key_dim, value_dim]);
         let (g, beta) = self.c.g.delta_gates("gates", bap[1], bap[0], a_log, dt);
         let o = self.c.g.delta_rule(
@@ -204,6 +204,7 @@ impl Layer<'_> {
             g,
             beta,
             state,
+            None,
             nk,
             dk,
             nv,

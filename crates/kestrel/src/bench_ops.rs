@@ -488,7 +488,9 @@ pub fn run(dev: &Device, reps: usize, profile: bool, only: Option<&str>) -> Resu
         let decay = g.act_input("g", tokens, v_heads);
         let beta = g.act_input("beta", tokens, v_heads);
         let st = g.state("state", DType::F32, [v_heads, dk, dv]);
-        let o = g.delta_rule("delta", q, k, v, decay, beta, st, k_heads, dk, v_heads, dv, algo);
+        let o = g.delta_rule(
+            "delta", q, k, v, decay, beta, st, None, k_heads, dk, v_heads, dv, algo,
+        );
         benches.push(Bench {
             name,
             graph: finish(g, o)?,

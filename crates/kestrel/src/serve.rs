@@ -37,8 +37,8 @@ pub struct ServeArgs {
     ctx: Option<usize>,
     /// Sequences generated at once (each choice of a request is one): their next tokens run
     /// as one batched step. Each holds a context's KV cache (-c), so this times -c is the KV
-    /// memory reserved, unless --kv-blocks says less. Models with recurrent states (Qwen3-Next,
-    /// Qwen3.5) generate one sequence at a time.
+    /// memory reserved, unless --kv-blocks says less (models with recurrent states, Qwen3-Next
+    /// and Qwen3.5, also keep those states for each).
     #[arg(long, default_value_t = 16, value_parser = at_least_one)]
     max_num_seqs: usize,
     /// KV cache blocks of 16 positions shared by the sequences (default: every sequence's whole

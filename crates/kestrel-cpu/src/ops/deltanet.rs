@@ -2,11 +2,11 @@
 //! decay and write-strength gates, and the gated delta rule, both as a per-token recurrence and
 //! as the chunked form (a triangular solve per chunk) that prefill uses. The two must agree.
 
-use kestrel_core::ir::{DeltaAlgo, Op};
+use kestrel_core::ir::{DeltaAlgo, Op, StateRows};
 use rayon::prelude::*;
 
 use super::{sigmoid, silu, OpResult};
-use crate::views::Views;
+use crate::views::{Floats, Views};
 
 /// `log(1 + exp(x))`, linear above 20 as torch's softplus.
 pub fn softplus(x: f32) -> f32 {
@@ -153,33 +153,144 @@ fn chunked(h: &Head, s: &mut [f32], dk: usize, dv: usize, chunk: usize, out: &mu
     }
 }
 
+/// The runs of an op's tokens over its state's rows: (row, the tokens that run from it in
+/// order). Without rows, or for one sequence, every token from one row; else each token from
+/// its own sequence's row (each row at most once).
+fn runs(rows: Option<StateRows>, v: &mut Views, tokens: usize) -> Result<Vec<(usize, Vec<usize>)>, String> {
+    let Some(r) = rows else {
+        return Ok(vec![(0, (0..tokens).collect())]);
+    };
+    let seq = v.read::<u32>(r.seq)?;
+    let out: Vec<(usize, Vec<usize>)> = if r.one_seq {
+        vec![(r.row_of(seq, 0), (0..tokens).collect())]
+    } else {
+        (0..tokens).map(|t| (r.row_of(seq, t), vec![t])).collect()
+    };
+    let mut seen = vec![false; r.seqs];
+    for (row, _) in &out {
+        if *row >= r.seqs || std::mem::replace(&mut seen[*row], true) {
+            return Err(format!("state row {row} of {} twice or past them", r.seqs));
+        }
+    }
+    Ok(out)
+}
+
+/// The convolution of tokens `ts` (in order) from and into one sequence's state `st: [channels,
+/// kernel - 1]`.
+fn conv_run(
+    x: &[f32],
+    w: &Floats,
+    st: &mut [f32],
+    ts: &[usize],
+    channels: usize,
+    kernel: usize,
+    out: &mut [f32],
+) {
+    let hist = kernel - 1;
+    for c in 0..channels {
+        // The channel's sequence: the previous inputs, then this run's.
+        let seq: Vec<f32> = st[c * hist..(c + 1) * hist]
+            .iter()
+            .copied()
+            .chain(ts.iter().map(|&t| x[t * channels + c]))
+            .collect();
+        for (i, &t) in ts.iter().enumerate() {
+            let acc: f32 = (0..kernel).map(|j| w.get(c * kernel + j) * seq[i + j]).sum();
+            out[t * channels + c] = silu(acc);
+        }
+        st[c * hist..(c + 1) * hist].copy_from_slice(&seq[seq.len() - hist..]);
+    }
+}
+
+/// What one run of the delta rule reads.
+struct DeltaIn<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    g: &'a [f32],
+    beta: &'a [f32],
+    k_heads: usize,
+    v_heads: usize,
+    dk: usize,
+    dv: usize,
+    algo: DeltaAlgo,
+}
+
+/// The delta rule over tokens `ts` (in order) from and into one sequence's state `st: [v_heads,
+/// dk, dv]`, writing their rows of `out`.
+fn delta_run(d: &DeltaIn, st: &mut [f32], ts: &[usize], out: &mut [f32]) {
+    let (k_heads, v_heads, dk, dv) = (d.k_heads, d.v_heads, d.dk, d.dv);
+    let ratio = v_heads / k_heads;
+    let scale = 1.0 / (dk as f32).sqrt();
+    let n = ts.len();
+    let per_head: Vec<Vec<f32>> = st
+        .par_chunks_mut(dk * dv)
+        .enumerate()
+        .map(|(h, s)| {
+            let kh = h / ratio;
+            let mut head = Head {
+                q: Vec::with_capacity(n * dk),
+                k: Vec::with_capacity(n * dk),
+                v: Vec::with_capacity(n * dv),
+                g: Vec::new(),
+                beta: Vec::new(),
+            };
+            for &t in ts {
+                let mut qt = d.q[(t * k_heads + kh) * dk..][..dk].to_vec();
+                let mut kt = d.k[(t * k_heads + kh) * dk..][..dk].to_vec();
+                l2_normalize(&mut qt);
+                l2_normalize(&mut kt);
+                qt.iter_mut().for_each(|x| *x *= scale);
+                head.q.extend(qt);
+                head.k.extend(kt);
+                head.v.extend_from_slice(&d.v[(t * v_heads + h) * dv..][..dv]);
+                head.g.push(d.g[t * v_heads + h]);
+                head.beta.push(d.beta[t * v_heads + h]);
+            }
+            let mut o = vec![0f32; n * dv];
+            match d.algo {
+                DeltaAlgo::Recurrent => recurrent(&head, s, dk, dv, &mut o),
+                DeltaAlgo::Auto if n == 1 => recurrent(&head, s, dk, dv, &mut o),
+                DeltaAlgo::Auto => chunked(&head, s, dk, dv, 64, &mut o),
+                DeltaAlgo::Chunked { chunk } => chunked(&head, s, dk, dv, chunk, &mut o),
+            }
+            o
+        })
+        .collect();
+    for (h, o) in per_head.iter().enumerate() {
+        for (i, &t) in ts.iter().enumerate() {
+            out[(t * v_heads + h) * dv..][..dv].copy_from_slice(&o[i * dv..(i + 1) * dv]);
+        }
+    }
+}
+
 pub fn exec(op: &Op, v: &mut Views) -> OpResult {
     match *op {
-        // x, out: [tokens, channels]; w: [channels, kernel]; state: [channels, kernel - 1]
+        // x, out: [tokens, channels]; w: [channels, kernel]; state: [rows, channels, kernel - 1]
         Op::CausalConv1d {
             x,
             w,
             state,
+            rows,
             out,
             tokens,
             channels,
             kernel,
         } => {
+            let runs = runs(rows, v, tokens)?;
             let (x, w) = (v.read::<f32>(x)?, v.floats(w)?);
             let (st, out) = (v.write::<f32>(state)?, v.write::<f32>(out)?);
-            let hist = kernel - 1;
-            for c in 0..channels {
-                // The channel's sequence: the previous inputs, then this call's.
-                let seq: Vec<f32> = st[c * hist..(c + 1) * hist]
-                    .iter()
-                    .copied()
-                    .chain((0..tokens).map(|t| x[t * channels + c]))
-                    .collect();
-                for t in 0..tokens {
-                    let acc: f32 = (0..kernel).map(|j| w.get(c * kernel + j) * seq[t + j]).sum();
-                    out[t * channels + c] = silu(acc);
-                }
-                st[c * hist..(c + 1) * hist].copy_from_slice(&seq[seq.len() - hist..]);
+            let size = channels * (kernel - 1);
+            for (row, ts) in &runs {
+                conv_run(
+                    x,
+                    &w,
+                    &mut st[row * size..(row + 1) * size],
+                    ts,
+                    channels,
+                    kernel,
+                    out,
+                );
             }
         }
         // a, b, g, beta: [tokens, heads]
@@ -207,7 +318,7 @@ pub fn exec(op: &Op, v: &mut Views) -> OpResult {
             }
         }
         // q, k: [tokens, k_heads, k_dim]; v, out: [tokens, v_heads, v_dim]; g, beta: [tokens, v_heads];
-        // state: [v_heads, k_dim, v_dim]
+        // state: [rows, v_heads, k_dim, v_dim]
         Op::DeltaRule {
             q,
             k,
@@ -215,6 +326,7 @@ pub fn exec(op: &Op, v: &mut Views) -> OpResult {
             g,
             beta,
             state,
+            rows,
             out,
             tokens,
             k_heads,
@@ -223,54 +335,23 @@ pub fn exec(op: &Op, v: &mut Views) -> OpResult {
             v_dim: dv,
             algo,
         } => {
-            let (q, k, val, g, beta) = (
-                v.read::<f32>(q)?,
-                v.read::<f32>(k)?,
-                v.read::<f32>(val)?,
-                v.read::<f32>(g)?,
-                v.read::<f32>(beta)?,
-            );
+            let runs = runs(rows, v, tokens)?;
+            let d = DeltaIn {
+                q: v.read::<f32>(q)?,
+                k: v.read::<f32>(k)?,
+                v: v.read::<f32>(val)?,
+                g: v.read::<f32>(g)?,
+                beta: v.read::<f32>(beta)?,
+                k_heads,
+                v_heads,
+                dk,
+                dv,
+                algo,
+            };
             let (st, out) = (v.write::<f32>(state)?, v.write::<f32>(out)?);
-            let ratio = v_heads / k_heads;
-            let scale = 1.0 / (dk as f32).sqrt();
-            let per_head: Vec<Vec<f32>> = st
-                .par_chunks_mut(dk * dv)
-                .enumerate()
-                .map(|(h, s)| {
-                    let kh = h / ratio;
-                    let mut head = Head {
-                        q: Vec::with_capacity(tokens * dk),
-                        k: Vec::with_capacity(tokens * dk),
-                        v: Vec::with_capacity(tokens * dv),
-                        g: Vec::new(),
-                        beta: Vec::new(),
-                    };
-                    for t in 0..tokens {
-                        let mut qt = q[(t * k_heads + kh) * dk..][..dk].to_vec();
-                        let mut kt = k[(t * k_heads + kh) * dk..][..dk].to_vec();
-                        l2_normalize(&mut qt);
-                        l2_normalize(&mut kt);
-                        qt.iter_mut().for_each(|x| *x *= scale);
-                        head.q.extend(qt);
-                        head.k.extend(kt);
-                        head.v.extend_from_slice(&val[(t * v_heads + h) * dv..][..dv]);
-                        head.g.push(g[t * v_heads + h]);
-                        head.beta.push(beta[t * v_heads + h]);
-                    }
-                    let mut o = vec![0f32; tokens * dv];
-                    match algo {
-                        DeltaAlgo::Recurrent => recurrent(&head, s, dk, dv, &mut o),
-                        DeltaAlgo::Auto if tokens == 1 => recurrent(&head, s, dk, dv, &mut o),
-                        DeltaAlgo::Auto => chunked(&head, s, dk, dv, 64, &mut o),
-                        DeltaAlgo::Chunked { chunk } => chunked(&head, s, dk, dv, chunk, &mut o),
-                    }
-                    o
-                })
-                .collect();
-            for (h, o) in per_head.iter().enumerate() {
-                for t in 0..tokens {
-                    out[(t * v_heads + h) * dv..][..dv].copy_from_slice(&o[t * dv..(t + 1) * dv]);
-                }
+            let size = v_heads * dk * dv;
+            for (row, ts) in &runs {
+                delta_run(&d, &mut st[row * size..(row + 1) * size], ts, out);
             }
         }
         _ => return Err(format!("{} is not a DeltaNet op", op.name())),

@@ -5,10 +5,10 @@
 //! measures faster on an H200 for now (BENCHMARKS.md). A head is spread over blocks of 32 state
 //! columns in the register and chunked kernels.
 
-use kestrel_core::ir::{DeltaAlgo, Op};
+use kestrel_core::ir::{DeltaAlgo, Op, StateRows};
 
 use super::common::{float_name, op_module, u32_arg, unsupported};
-use kestrel_cuda_rt::{ModuleSource, Result};
+use kestrel_cuda_rt::{Buffer, DispatchBuilder, ModuleSource, Result};
 
 use crate::encoder::Encoder;
 
@@ -43,17 +43,52 @@ pub(crate) const MODULE: ModuleSource = op_module(
     ],
 );
 
+/// A state op's rows, resolved: the sequence ids (None: one row) and the runs the kernels'
+/// grids take (one per token when each token has its own sequence, else one).
+struct Rows {
+    seq: Option<Buffer>,
+    step: u32,
+    runs: usize,
+}
+
+impl Rows {
+    fn new(enc: &Encoder, rows: Option<StateRows>, tokens: usize) -> Result<Rows> {
+        Ok(match rows {
+            None => Rows {
+                seq: None,
+                step: 0,
+                runs: 1,
+            },
+            Some(r) => Rows {
+                seq: Some(enc.buf(r.seq)?.clone()),
+                step: u32::from(!r.one_seq),
+                runs: if r.one_seq { 1 } else { tokens },
+            },
+        })
+    }
+
+    /// The kernels' (seq, seq_step) arguments.
+    fn args<'e>(&self, b: DispatchBuilder<'e>) -> DispatchBuilder<'e> {
+        match &self.seq {
+            Some(s) => b.read(s).arg(self.step),
+            None => b.arg(0u64).arg(0u32),
+        }
+    }
+}
+
 pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
     match *op {
         Op::CausalConv1d {
             x,
             w,
             state,
+            rows,
             out,
             tokens,
             channels,
             kernel,
         } => {
+            let rows = Rows::new(enc, rows, tokens)?;
             if kernel > KERNEL_MAX {
                 return Err(unsupported(format!("conv kernel {kernel} > {KERNEL_MAX}")));
             }
@@ -64,11 +99,14 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 enc.buf(state)?.clone(),
                 enc.buf(out)?.clone(),
             );
-            enc.dispatch(&kern)
-                .cover(channels, 128)
+            let b = enc
+                .dispatch(&kern)
+                .grid((u32_arg(channels.div_ceil(128))?, u32_arg(rows.runs)?))
+                .block(128)
                 .read(&x)
                 .read(&w)
-                .read_write(&s)
+                .read_write(&s);
+            rows.args(b)
                 .write(&o)
                 .arg(u32_arg(tokens)?)
                 .arg(u32_arg(channels)?)
@@ -118,6 +156,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             g,
             beta,
             state,
+            rows,
             out,
             tokens,
             k_heads,
@@ -126,6 +165,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             v_dim,
             algo,
         } => {
+            let rows = Rows::new(enc, rows, tokens)?;
             let (q, k, v) = (enc.buf(q)?.clone(), enc.buf(k)?.clone(), enc.buf(v)?.clone());
             let (g, b, s, o) = (
                 enc.buf(g)?.clone(),
@@ -136,8 +176,10 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             // Chunked when asked for, where the key size allows (`Auto` takes the recurrence: the
             // chunked kernel still measures slower); otherwise the state in registers, each
             // head over dv / 32 blocks, where the key size allows.
-            let chunked =
-                tokens > 1 && matches!(algo, DeltaAlgo::Chunked { .. }) && matches!(k_dim, 64 | 128);
+            let chunked = tokens > 1
+                && rows.runs == 1
+                && matches!(algo, DeltaAlgo::Chunked { .. })
+                && matches!(k_dim, 64 | 128);
             if chunked || matches!(k_dim, 64 | 128 | 256) {
                 let (name, smem) = if chunked {
                     (format!("delta_chunked_{k_dim}"), chunk_smem(k_dim))
@@ -145,8 +187,13 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                     (format!("delta_rule_regs_{}", k_dim / 4), 0)
                 };
                 let kern = enc.kernel(&MODULE, &name)?;
-                enc.dispatch(&kern)
-                    .grid((u32_arg(v_heads)?, u32_arg(v_dim.div_ceil(BLOCK_COLUMNS))?))
+                let d = enc
+                    .dispatch(&kern)
+                    .grid((
+                        u32_arg(v_heads)?,
+                        u32_arg(v_dim.div_ceil(BLOCK_COLUMNS))?,
+                        u32_arg(rows.runs)?,
+                    ))
                     .block(u32_arg(if chunked {
                         CHUNK_THREADS_PER_COLUMN * BLOCK_COLUMNS
                     } else {
@@ -158,7 +205,8 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                     .read(&v)
                     .read(&g)
                     .read(&b)
-                    .read_write(&s)
+                    .read_write(&s);
+                rows.args(d)
                     .write(&o)
                     .arg(u32_arg(tokens)?)
                     .arg(u32_arg(k_heads)?)
@@ -174,8 +222,9 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 )));
             }
             let kern = enc.kernel(&MODULE, "delta_rule_f32")?;
-            enc.dispatch(&kern)
-                .grid(u32_arg(v_heads)?)
+            let d = enc
+                .dispatch(&kern)
+                .grid((u32_arg(v_heads)?, u32_arg(rows.runs)?))
                 .block(128)
                 .shared_mem(u32_arg(shared)?)
                 .read(&q)
@@ -183,7 +232,8 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 .read(&v)
                 .read(&g)
                 .read(&b)
-                .read_write(&s)
+                .read_write(&s);
+            rows.args(d)
                 .write(&o)
                 .arg(u32_arg(tokens)?)
                 .arg(u32_arg(k_heads)?)

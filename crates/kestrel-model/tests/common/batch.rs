@@ -1,6 +1,7 @@
 //! Batched decode against one sequence at a time, on any backend: sequences of mixed lengths
-//! in a pool of KV blocks scattered at random, joining and leaving the batch at different
-//! steps, each step's logits compared with those of the same sequence run alone.
+//! in a pool of KV blocks scattered at random (and, for hybrids, a recurrent-state row each),
+//! joining and leaving the batch at different steps, each step's logits compared with those of
+//! the same sequence run alone.
 
 use kestrel_core::rng::Rng;
 use kestrel_core::{Backend, DType};
@@ -60,6 +61,10 @@ pub fn batched_against_alone<B: Backend>(
 ) -> Found {
     let mut rng = Rng::new(seed);
     let (tokens, _, _) = super::reference(name);
+    let hybrid = kestrel_model::ModelConfig::from_dir(&dir(name))
+        .unwrap()
+        .arch
+        .is_hybrid();
     let seqs = schedule(&tokens, &mut rng);
 
     // Alone: each sequence in a session of its own, prompt then one token at a time.
@@ -147,7 +152,11 @@ pub fn batched_against_alone<B: Backend>(
                 &mut found,
             );
         }
-        // The same step again for the backend's argmax (it writes the same cache rows again).
+        // The same step again for the backend's argmax (it writes the same cache rows again;
+        // recurrent states would advance twice, so not for hybrids).
+        if hybrid {
+            continue;
+        }
         let picked = session
             .step_batch(&sq, &ids, &pos, Want::Argmax)
             .unwrap()
