@@ -369,7 +369,8 @@ impl KvPages {
 }
 
 /// Which row of a recurrent state each token's sequence uses: the state holds `seqs` rows, token
-/// `t`'s is `seq[t]` (each token then the next of its own sequence: a batched decode step), or,
+/// `t`'s is `seq[t]` (each token then the next of its own sequence: a batched decode step; a row
+/// two tokens name, as the padding of such a step does, holds something unspecified after), or,
 /// when `one_seq`, every token's is `seq[0]` (a chunk of one sequence, in order).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StateRows {

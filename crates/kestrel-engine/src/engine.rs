@@ -10,8 +10,8 @@ use kestrel_core::{Config, DType};
 use kestrel_cpu::CpuBackend;
 use kestrel_cuda::{CudaBackend, Device, Exact, RunMode};
 use kestrel_model::{
-    CacheStats, DiskStats, Eviction, KvPool, ModelConfig, Output, Session, StageAhead, Want, Weights,
-    KV_BLOCK,
+    BatchOutput, CacheStats, DiskStats, Eviction, KvPool, ModelConfig, Output, Session, StageAhead, Want,
+    Weights, KV_BLOCK,
 };
 use kestrel_text::{Sampler, SamplingParams};
 
@@ -481,6 +481,31 @@ impl Engine {
     /// this: call [`Engine::reset`] before generating after stepping by hand.
     pub fn step(&mut self, ids: &[u32], past: usize, want: Want) -> Result<Output> {
         Ok(on_session!(&mut self.session, s => s.step(ids, past, want))?)
+    }
+
+    /// With several sequences ([`EngineOptions::max_seqs`]): the sequence whose tokens the next
+    /// [`Engine::step`]s run, starting afresh (its recurrent states zeroed) when `fresh`. Until
+    /// a [`crate::Batcher`] takes the caches over, sequence `s` holds its own range of blocks.
+    pub fn select_seq(&mut self, seq: usize, fresh: bool) -> Result<()> {
+        on_session!(&mut self.session, s => {
+            s.select_seq(seq)?;
+            if fresh {
+                s.reset_seq(seq)?;
+            }
+        });
+        Ok(())
+    }
+
+    /// With several sequences: the next token of each sequence `seqs[i]`, `ids[i]` at
+    /// `positions[i]`, as one batched step (see [`kestrel_model::Session::step_batch`]).
+    pub fn step_batch(
+        &mut self,
+        seqs: &[u32],
+        ids: &[u32],
+        positions: &[u32],
+        want: Want,
+    ) -> Result<BatchOutput> {
+        Ok(on_session!(&mut self.session, s => s.step_batch(seqs, ids, positions, want))?)
     }
 
     /// Prepares the program for `tokens` tokens with `want`'s outputs, uploading the weights

@@ -27,6 +27,6 @@ pub use engine::{
 };
 pub use error::{EngineError, Result};
 pub use generate::{Piece, StopReason, Turn};
-pub use kestrel_model::{expert_cache, Output, Want, KV_BLOCK};
+pub use kestrel_model::{expert_cache, BatchOutput, Output, Want, KV_BLOCK};
 pub use model::{Model, ModelSource, ModelText, SamplingOverrides};
 pub use placement::{ByteSize, Placement, RunShape};

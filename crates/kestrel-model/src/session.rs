@@ -347,7 +347,8 @@ impl<B: Backend> Session<B> {
 
     /// Lays the KV caches out as a pool of `blocks` blocks of [`KV_BLOCK`] rows shared by up to
     /// `seqs` sequences of up to `ctx` positions each, through a block table the caller keeps
-    /// ([`Session::set_page_table`]); [`Session::select_seq`] says which sequence `step` runs,
+    /// ([`Session::set_page_table`]; until then sequence `s` holds blocks `s * max_blocks`, ...
+    /// in order); [`Session::select_seq`] says which sequence `step` runs,
     /// [`Session::step_batch`] runs the next token of many. Recurrent states (hybrids) hold a
     /// row per sequence, which [`Session::reset_seq`] zeroes for a new one. Call before the
     /// first step.
@@ -362,8 +363,10 @@ impl<B: Backend> Session<B> {
             )));
         }
         let max_blocks = self.ctx.div_ceil(KV_BLOCK);
-        let mut table = vec![0u32; (seqs + 1) * max_blocks];
-        table[seqs * max_blocks..].fill(blocks as u32);
+        // Until the caller says otherwise, sequence s holds blocks s * max_blocks, ... in order
+        // (each its own range when the pool holds every sequence's whole context).
+        let mut table: Vec<u32> = (0..seqs * max_blocks).map(|i| (i % blocks) as u32).collect();
+        table.extend(std::iter::repeat_n(blocks as u32, max_blocks));
         self.pool = Some(Pool {
             seqs,
             blocks,

@@ -41,6 +41,11 @@ pub struct ModelBenchArgs {
     /// Timed runs of each test (the median is reported).
     #[arg(short = 'r', long, default_value_t = 5)]
     reps: usize,
+    /// Sequences decoded at once by the generation tests, comma separated: each count above 1
+    /// adds tests (`tg128 x64`) that run the next token of that many sequences as one batched
+    /// step, each after its own `-d` tokens, reporting the tokens of all of them per second.
+    #[arg(short = 'b', long, value_delimiter = ',', default_value = "1")]
+    batch: Vec<usize>,
     /// Prefill in chunks of at most this many tokens (default: the whole prompt at once).
     #[arg(long)]
     prefill_chunk: Option<usize>,
@@ -79,6 +84,8 @@ struct TestRow {
     name: String,
     n_prompt: usize,
     n_gen: usize,
+    /// Sequences generating at once (each `n_gen` tokens).
+    batch: usize,
     samples: Vec<f64>,
     /// When experts stream, the bytes each generation run copied into the caches per token
     /// (runs differ: each is fed its own tokens, and the caches carry over between runs).
@@ -87,7 +94,7 @@ struct TestRow {
 
 impl TestRow {
     fn tokens(&self) -> usize {
-        self.n_prompt + self.n_gen
+        self.n_prompt + self.n_gen * self.batch
     }
 
     fn median_tps(&self) -> f64 {
@@ -165,6 +172,7 @@ fn run_tests(e: &mut Engine, a: &ModelBenchArgs, rng: &mut Rng) -> Result<Vec<Te
             name: at_depth(format!("pp{pp}"), a.depth),
             n_prompt: pp,
             n_gen: 0,
+            batch: 1,
             samples,
             copied: Vec::new(),
         });
@@ -195,9 +203,65 @@ fn run_tests(e: &mut Engine, a: &ModelBenchArgs, rng: &mut Rng) -> Result<Vec<Te
             name: at_depth(format!("tg{tg}"), a.depth),
             n_prompt: 0,
             n_gen: tg,
+            batch: 1,
             samples,
             copied,
         });
+    }
+    Ok(rows)
+}
+
+/// One timed run of a batched generation test: `b` sequences started afresh, each holding
+/// `depth` random tokens (untimed), then `n` batched steps of every sequence's next token; the
+/// seconds of the steps.
+fn batched_run(
+    e: &mut Engine,
+    (b, depth, n): (usize, usize, usize),
+    input: TgInput,
+    rng: &mut Rng,
+) -> Result<f64> {
+    let vocab = e.config().vocab;
+    for s in 0..b {
+        e.select_seq(s, true)?;
+        if depth > 0 {
+            e.step(&ids(rng, vocab, depth), 0, Want::Argmax)?;
+        }
+    }
+    let seqs: Vec<u32> = (0..b as u32).collect();
+    let mut fed = ids(rng, vocab, b);
+    let start = Instant::now();
+    for i in 0..n {
+        let at = vec![(depth + i) as u32; b];
+        let chosen = e
+            .step_batch(&seqs, &fed, &at, Want::Argmax)?
+            .into_tokens()
+            .context("the batched step returned no tokens")?;
+        fed = match input {
+            TgInput::Random => ids(rng, vocab, b),
+            TgInput::Greedy => chosen,
+        };
+    }
+    Ok(start.elapsed().as_secs_f64())
+}
+
+/// The batched generation tests (`-b` counts above 1), after a warm-up run each.
+fn run_batched(e: &mut Engine, a: &ModelBenchArgs, rng: &mut Rng) -> Result<Vec<TestRow>> {
+    let mut rows = Vec::new();
+    for &b in a.batch.iter().filter(|&&b| b > 1) {
+        for &tg in a.n_gen.iter().filter(|&&n| n > 0) {
+            batched_run(e, (b, a.depth, tg.min(4)), a.tg_input, rng)?;
+            let samples = (0..a.reps)
+                .map(|_| batched_run(e, (b, a.depth, tg), a.tg_input, rng))
+                .collect::<Result<Vec<f64>>>()?;
+            rows.push(TestRow {
+                name: at_depth(format!("tg{tg} x{b}"), a.depth),
+                n_prompt: 0,
+                n_gen: tg,
+                batch: b,
+                samples,
+                copied: Vec::new(),
+            });
+        }
     }
     Ok(rows)
 }
@@ -335,6 +399,7 @@ fn source(a: &ModelBenchArgs) -> Result<ModelSource> {
 
 pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode> {
     ensure!(a.reps >= 1, "-r must be at least 1");
+    ensure!(!a.batch.contains(&0), "-b counts must be at least 1");
     ensure!(a.prefill_chunk != Some(0), "--prefill-chunk must be at least 1");
     let source = source(&a)?;
     let start = Instant::now();
@@ -366,11 +431,13 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
     opts.progress = Some(Box::new(crate::progress::loading(&label)));
     let start = Instant::now();
     a.memory.apply(&mut opts);
+    opts.max_seqs = a.batch.iter().copied().max().filter(|&b| b > 1);
     let mut engine = Engine::new(model, config, opts).with_context(|| format!("opening {label}"))?;
     crate::progress::placement(&engine);
     let backend = engine.backend();
     let disk = disk_probe(&mut engine)?;
-    let rows = run_tests(&mut engine, &a, &mut rng)?;
+    let mut rows = run_tests(&mut engine, &a, &mut rng)?;
+    rows.extend(run_batched(&mut engine, &a, &mut rng)?);
     let tg = a.n_gen.iter().copied().max().unwrap_or(0);
     let experts = if tg > 0 {
         expert_extras(&mut engine, (a.depth, tg), a.tg_input, &mut rng)?
@@ -397,11 +464,12 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
                     "test": r.name,
                     "n_prompt": r.n_prompt,
                     "n_gen": r.n_gen,
+                    "n_batch": r.batch,
                     "n_depth": a.depth,
                     "tokens_per_s": r.median_tps(),
                     "samples_tokens_per_s": tps,
                 });
-                if let (true, Some(floor)) = (r.n_gen > 0, floor_tps) {
+                if let (true, Some(floor)) = (r.n_gen > 0 && r.batch == 1, floor_tps) {
                     v["of_floor"] = (r.median_tps() / floor).into();
                 }
                 if !r.copied.is_empty() {
@@ -462,7 +530,7 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
         let (lo, hi) = tps
             .iter()
             .fold((f64::MAX, f64::MIN), |(lo, hi), &v| (lo.min(v), hi.max(v)));
-        let floor = if let (true, Some(floor)) = (r.n_gen > 0, floor_tps) {
+        let floor = if let (true, Some(floor)) = (r.n_gen > 0 && r.batch == 1, floor_tps) {
             format!("{:.1}%", 100.0 * r.median_tps() / floor)
         } else {
             String::new()

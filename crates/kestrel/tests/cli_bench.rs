@@ -118,6 +118,45 @@ fn tests_run_at_a_depth() {
     }
 }
 
+/// `-b` adds batched generation tests after the others, named by their batch, their rate
+/// counting every sequence's tokens; for a hybrid model (a state row per sequence) as for one
+/// with attention only. A batch of 0 is refused.
+#[test]
+fn batched_generation_tests_run_at_each_batch() {
+    for name in ["qwen3_next", "qwen3_moe"] {
+        let dir = kestrel_testing::fixtures::path("crates/kestrel-model/tests/parity").join(name);
+        let v = bench(&[
+            "-m",
+            dir.to_str().unwrap(),
+            "-p",
+            "0",
+            "-n",
+            "3",
+            "-b",
+            "1,2,5",
+            "-d",
+            "7",
+            "-r",
+            "2",
+        ]);
+        let names: Vec<String> = rates(&v).into_iter().map(|t| t.0).collect();
+        assert_eq!(names, ["tg3 @ d7", "tg3 x2 @ d7", "tg3 x5 @ d7"], "{name}");
+        let batches: Vec<u64> = v["results"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["n_batch"].as_u64().unwrap())
+            .collect();
+        assert_eq!(batches, [1, 2, 5], "{name}");
+    }
+    let o = Command::new(env!("CARGO_BIN_EXE_kestrel"))
+        .args(["bench", "-b", "0", "-n", "2"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("-b counts"));
+}
+
 /// With experts streamed (about the smallest budget `inspect` names, so steps evict), each
 /// generation run reports the bytes it copied per token beside its rate, and the one-run cache
 /// statistics are there.

@@ -155,7 +155,8 @@ fn chunked(h: &Head, s: &mut [f32], dk: usize, dv: usize, chunk: usize, out: &mu
 
 /// The runs of an op's tokens over its state's rows: (row, the tokens that run from it in
 /// order). Without rows, or for one sequence, every token from one row; else each token from
-/// its own sequence's row (each row at most once).
+/// its own sequence's row (a row named twice, as the padding of a batched step does, is run
+/// in token order here; what it holds after is unspecified).
 fn runs(rows: Option<StateRows>, v: &mut Views, tokens: usize) -> Result<Vec<(usize, Vec<usize>)>, String> {
     let Some(r) = rows else {
         return Ok(vec![(0, (0..tokens).collect())]);
@@ -166,11 +167,8 @@ fn runs(rows: Option<StateRows>, v: &mut Views, tokens: usize) -> Result<Vec<(us
     } else {
         (0..tokens).map(|t| (r.row_of(seq, t), vec![t])).collect()
     };
-    let mut seen = vec![false; r.seqs];
-    for (row, _) in &out {
-        if *row >= r.seqs || std::mem::replace(&mut seen[*row], true) {
-            return Err(format!("state row {row} of {} twice or past them", r.seqs));
-        }
+    if let Some((row, _)) = out.iter().find(|(row, _)| *row >= r.seqs) {
+        return Err(format!("state row {row} past the {} rows", r.seqs));
     }
     Ok(out)
 }

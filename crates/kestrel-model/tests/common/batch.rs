@@ -21,8 +21,9 @@ struct Seq {
 }
 
 fn schedule(tokens: &[u32], rng: &mut Rng) -> Vec<Seq> {
-    // Prompt lengths and decode lengths: mixed, one sequence of a single token, one joining late.
-    let shape = [(3, 0, 6), (12, 0, 2), (7, 1, 4), (1, 0, 6), (9, 3, 3)];
+    // Prompt lengths, joining steps and decode lengths: mixed, one sequence of a single token,
+    // some joining late; five at once at step 3 (a bucket of 8, three tokens of padding).
+    let shape = [(3, 0, 6), (12, 0, 2), (7, 1, 4), (1, 0, 6), (9, 3, 3), (5, 2, 4)];
     shape
         .iter()
         .enumerate()
