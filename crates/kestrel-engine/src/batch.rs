@@ -1,8 +1,9 @@
 //! Many sequences generated at once (continuous batching). A [`Batcher`] holds an [`Engine`]
 //! whose KV caches are a pool of blocks ([`EngineOptions::max_seqs`]) and the sequences it is
-//! generating. Each [`Batcher::step`] admits waiting sequences into free slots, prefills one
-//! chunk of one sequence's prompt (so running sequences wait for at most one chunk), then runs
-//! the next token of every sequence that is decoding as one batched step. A sequence's blocks
+//! generating. Each [`Batcher::step`] admits waiting sequences into free slots, prefills up to
+//! one chunk's worth of prompt tokens (a long prompt's next chunk, or several short prompts),
+//! so running sequences wait for at most one chunk, then runs the next token of every sequence
+//! that is decoding as one batched step. A sequence's blocks
 //! are taken as it grows and given back when it ends; when none is free, the sequence admitted
 //! last is preempted (its blocks freed, its tokens kept and prefilled again when a slot frees
 //! up), so a full cache slows generation down instead of failing it. Full blocks are kept by the
@@ -26,7 +27,7 @@ use crate::engine::{on_session, Engine};
 use crate::error::{EngineError, Result};
 use crate::generate::{logprobs_of, Piece, StopReason};
 
-/// Tokens of a prompt prefilled in one step, at most (unless the engine's prefill chunk is
+/// Prompt tokens prefilled in one step, at most (unless the engine's prefill chunk is
 /// smaller): running sequences wait for no more than this between tokens.
 const PREFILL_CHUNK: usize = 512;
 
@@ -244,11 +245,18 @@ impl Batcher {
         Ok(())
     }
 
-    /// One step: admissions, one prefill chunk, one batched decode step. Failures end the
-    /// sequences they touch (told as [`SeqEvent::Failed`]), not the batcher.
+    /// One step: admissions, up to a chunk's worth of prompt tokens prefilled (prompts in the
+    /// order they came, a prompt per run), one batched decode step. Failures end the sequences
+    /// they touch (told as [`SeqEvent::Failed`]), not the batcher.
     pub fn step(&mut self) {
         self.admit();
-        self.prefill_one();
+        let mut budget = self.chunk;
+        while budget > 0 {
+            match self.prefill_one(budget) {
+                0 => break,
+                n => budget -= n,
+            }
+        }
         self.decode();
     }
 
@@ -369,18 +377,18 @@ impl Batcher {
         }
     }
 
-    /// The next chunk of the first sequence whose tokens are not all in the caches but for the
-    /// last one or more.
-    fn prefill_one(&mut self) {
+    /// The next chunk, of at most `limit` tokens, of the first sequence whose tokens are not
+    /// all in the caches but for the last one or more; the tokens it ran (0: none).
+    fn prefill_one(&mut self, limit: usize) -> usize {
         let Some(i) = self.running.iter().position(|s| s.tokens.len() - s.cached > 1) else {
-            return;
+            return 0;
         };
         let (start, len) = (self.running[i].cached, self.running[i].tokens.len());
-        let end = (start + self.chunk).min(len);
+        let end = (start + limit).min(len);
         if !self.grow(i, end) {
             // Not even this sequence's prompt fits what the others leave: it waits.
             self.preempt(i);
-            return;
+            return 0;
         }
         let outcome = (|| -> Result<kestrel_model::Output> {
             self.sync_table()?;
@@ -399,12 +407,15 @@ impl Batcher {
         })();
         let out = match outcome {
             Ok(out) => out,
-            Err(e) => return self.fail(&[i], &e),
+            Err(e) => {
+                self.fail(&[i], &e);
+                return end - start;
+            }
         };
         self.running[i].cached = end;
         self.register_full(i);
         if end < len {
-            return;
+            return end - start;
         }
         // The prompt is in: its last token's output is the first generated token.
         let next = match out {
@@ -415,6 +426,7 @@ impl Batcher {
             let mut seq = self.running.remove(i);
             self.release(&mut seq);
         }
+        end - start
     }
 
     /// The next token of every sequence with one token left to run, as one batched step.
