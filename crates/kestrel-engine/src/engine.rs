@@ -243,13 +243,6 @@ impl Engine {
             ..Default::default()
         }))?;
         let cache = cache_dtype(backend, opts.precision);
-        // Several sequences: by default every one's whole context reserved in the pool, at
-        // least one sequence's (the padding of batched steps takes one block more).
-        let per_seq = opts.ctx.div_ceil(KV_BLOCK);
-        let pool = opts.max_seqs.filter(|&n| n > 1).map(|seqs| KvPool {
-            seqs,
-            blocks: opts.kv_blocks.unwrap_or(seqs * per_seq).max(per_seq),
-        });
         let device = match backend {
             BackendChoice::Cuda => Some(Device::open(config.device, config)?),
             BackendChoice::Cpu => None,
@@ -264,15 +257,37 @@ impl Engine {
             }
             (None, None) => None,
         };
+        let shape = RunShape {
+            ctx: opts.ctx,
+            cache_dtype: cache,
+            quant: opts.quant,
+            prefill_chunk: opts.prefill_chunk.unwrap_or(opts.ctx),
+            pool: None,
+        };
+        // Several sequences: the caller's blocks (at least one sequence's whole context), else
+        // every sequence's whole context, or under a GPU budget what fits beside the model.
+        let per_seq = opts.ctx.div_ceil(KV_BLOCK);
+        let pool = match (opts.max_seqs.filter(|&n| n > 1), opts.kv_blocks, budget) {
+            (None, _, _) => None,
+            (Some(seqs), Some(blocks), _) => Some(KvPool {
+                seqs,
+                blocks: blocks.max(per_seq),
+            }),
+            (Some(seqs), None, None) => Some(KvPool {
+                seqs,
+                blocks: seqs * per_seq,
+            }),
+            (Some(seqs), None, Some(gpu)) => Some(Placement::kv_pool(
+                &model.config,
+                &model.weights,
+                shape,
+                seqs,
+                gpu,
+            )?),
+        };
         let placement = match budget {
             Some(gpu) => {
-                let shape = RunShape {
-                    ctx: opts.ctx,
-                    cache_dtype: cache,
-                    quant: opts.quant,
-                    prefill_chunk: opts.prefill_chunk.unwrap_or(opts.ctx),
-                    pool,
-                };
+                let shape = RunShape { pool, ..shape };
                 let p = Placement::plan(&model.config, &model.weights, shape, gpu, opts.host_mem)?;
                 (!p.resident()).then_some(p)
             }
@@ -362,6 +377,11 @@ impl Engine {
     /// [`EngineOptions::max_seqs`]).
     pub fn max_seqs(&self) -> usize {
         self.pool.map_or(1, |p| p.seqs)
+    }
+
+    /// The pool of KV blocks, when the caches are one.
+    pub fn kv_pool(&self) -> Option<KvPool> {
+        self.pool
     }
 
     /// How messages name the model (its directory, or a description).

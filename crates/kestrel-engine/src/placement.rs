@@ -13,7 +13,7 @@ use kestrel_core::ir::{BufKind, Op};
 use kestrel_core::planner::Plan;
 use kestrel_core::quant::QuantFormat;
 use kestrel_core::DType;
-use kestrel_model::{Forward, ForwardSpec, KvPool, ModelConfig, Weights};
+use kestrel_model::{Forward, ForwardSpec, KvPool, LayerKind, ModelConfig, Weights, KV_BLOCK};
 
 use crate::error::{EngineError, Result};
 
@@ -140,6 +140,69 @@ impl Placement {
         self.resident_bytes
             + self.experts_per_layer as u64 * self.expert_span
             + (self.moe_layers * self.top_k) as u64 * self.expert_span
+    }
+
+    /// The pool of KV blocks for `seqs` sequences of `shape.ctx` positions under `gpu_bytes`:
+    /// every sequence's whole context when the model fits with it, else as many blocks as the
+    /// memory left beside every expert holds, at least one sequence's whole context; when the
+    /// model does not fit even so (its experts stream), one sequence's (the experts' cache
+    /// gets the rest).
+    pub fn kv_pool(
+        config: &ModelConfig,
+        weights: &Weights,
+        shape: RunShape,
+        seqs: usize,
+        gpu_bytes: u64,
+    ) -> Result<KvPool> {
+        let per_seq = shape.ctx.div_ceil(KV_BLOCK);
+        let whole = KvPool {
+            seqs,
+            blocks: seqs * per_seq,
+        };
+        let least = KvPool {
+            seqs,
+            blocks: per_seq,
+        };
+        let with = |pool: KvPool| {
+            Placement::plan(
+                config,
+                weights,
+                RunShape {
+                    pool: Some(pool),
+                    ..shape
+                },
+                gpu_bytes,
+                None,
+            )
+        };
+        // (Too little memory for the whole pool even with the experts streamed is no answer
+        // yet: a smaller pool may fit.)
+        if matches!(with(whole), Ok(p) if p.resident()) {
+            return Ok(whole);
+        }
+        let p = with(least)?;
+        if !p.resident() {
+            return Ok(least);
+        }
+        // What a block costs: its rows in every attention layer's K and V caches.
+        let attention = config
+            .layer_kinds
+            .iter()
+            .filter(|k| **k == LayerKind::FullAttention)
+            .count();
+        let block = (2
+            * attention
+            * config.kv_heads
+            * config.head_dim
+            * KV_BLOCK
+            * shape.cache_dtype.size_in_bytes())
+        .max(1) as u64;
+        let spare = gpu_bytes.saturating_sub(p.resident_bytes + p.expert_bytes);
+        let blocks = per_seq + (spare / block) as usize;
+        Ok(KvPool {
+            seqs,
+            blocks: blocks.min(whole.blocks),
+        })
     }
 
     /// Where the bytes of `config`'s model go for a run of `shape` with `gpu_bytes` of GPU

@@ -93,3 +93,40 @@ fn a_budget_below_the_staging_and_a_tokens_slots_names_the_minimum() {
         .to_string();
     assert!(err.contains("give at least"), "{err}");
 }
+
+/// A pool for several sequences gets every sequence's whole context when it fits beside the
+/// model, else the blocks the memory left holds (at least one sequence's), and one sequence's
+/// when the experts stream anyway.
+#[test]
+fn a_pool_takes_what_is_left_beside_the_model() {
+    use kestrel_engine::KV_BLOCK;
+    let m = model();
+    let (c, w) = (&m.config, &m.weights);
+    let per_seq = SHAPE.ctx.div_ceil(KV_BLOCK);
+    let pool = Placement::kv_pool(c, w, SHAPE, 8, u64::MAX / 2).unwrap();
+    assert_eq!((pool.seqs, pool.blocks), (8, 8 * per_seq));
+    // One sequence's blocks, the model resident: then three blocks more.
+    let least = kestrel_model::KvPool {
+        seqs: 8,
+        blocks: per_seq,
+    };
+    let p = Placement::plan(
+        c,
+        w,
+        RunShape {
+            pool: Some(least),
+            ..SHAPE
+        },
+        u64::MAX / 2,
+        None,
+    )
+    .unwrap();
+    let block = (2 * c.layers * c.kv_heads * c.head_dim * KV_BLOCK * 4) as u64;
+    let fits = p.resident_bytes + p.expert_bytes + 3 * block + block / 2;
+    let pool = Placement::kv_pool(c, w, SHAPE, 8, fits).unwrap();
+    assert_eq!(pool.blocks, per_seq + 3);
+    // Less than the experts need: they stream, and the pool keeps one sequence's.
+    let streams = (p.min_gpu_bytes() + p.resident_bytes + p.expert_bytes) / 2;
+    let pool = Placement::kv_pool(c, w, SHAPE, 8, streams).unwrap();
+    assert_eq!(pool.blocks, per_seq);
+}

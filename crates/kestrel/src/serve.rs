@@ -42,8 +42,9 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 16, value_parser = at_least_one)]
     max_num_seqs: usize,
     /// KV cache blocks of 16 positions shared by the sequences (default: every sequence's whole
-    /// context; at least one sequence's). Fewer let more sequences run while their lengths
-    /// allow; when they run out, the newest sequence is paused and recomputed later.
+    /// context, or on a GPU as much of it as fits beside the model; at least one sequence's).
+    /// Fewer let more sequences run while their lengths allow; when they run out, the newest
+    /// sequence is paused and recomputed later.
     #[arg(long)]
     kv_blocks: Option<usize>,
     /// Requests that may wait for the engine; more are answered 429.
@@ -121,9 +122,13 @@ pub fn run(config: &Config, a: ServeArgs) -> Result<std::process::ExitCode> {
             let mut engine = Engine::new(model, &config, opts).with_context(|| format!("opening {label}"))?;
             crate::progress::placement(&engine);
             engine.prepare(1, Want::LastLogits)?;
-            let at_once = match engine.max_seqs() {
-                1 => "one sequence at a time".to_string(),
-                n => format!("up to {n} sequences at once"),
+            let at_once = match engine.kv_pool() {
+                None => "one sequence at a time".to_string(),
+                Some(p) => format!(
+                    "up to {} sequences at once, a KV cache of {} positions",
+                    p.seqs,
+                    p.blocks * kestrel_engine::KV_BLOCK
+                ),
             };
             errln!(
                 "loaded {label} on {} in {:.2} s, context {ctx}, {at_once}",
