@@ -106,6 +106,10 @@ impl Tokenizer {
         json_path: &Path,
         config_path: &Path,
     ) -> Result<Tokenizer> {
+        // Valid JSON first: the tokenizers crate panics (instead of failing) on some invalid
+        // JSON inside its `decoder` section.
+        serde_json::from_slice::<serde::de::IgnoredAny>(json)
+            .map_err(|e| bad(json_path, format!("not valid JSON: {e}")))?;
         let inner = tokenizers::Tokenizer::from_bytes(json).map_err(|e| bad(json_path, e.to_string()))?;
         let config = match config {
             Some(text) => TokenizerConfig::parse(text, config_path)?,

@@ -131,3 +131,23 @@ fn config_gives_special_tokens_and_template() {
     assert!(err.contains("tokenizer.json"), "{err}");
     std::fs::remove_dir_all(&broken).unwrap();
 }
+
+/// Invalid JSON inside the `decoder` section, where the tokenizers crate panics instead of
+/// failing, is an error naming the file.
+#[test]
+fn invalid_json_in_the_decoder_is_an_error_not_a_panic() {
+    let json = std::fs::read_to_string(dir().join("tokenizer.json")).unwrap();
+    let at = json.find("\"decoder\"").expect("a decoder section");
+    let type_at = at + json[at..].find("\"type\"").unwrap();
+    let mut bad = json.into_bytes();
+    bad[type_at] = 0x01;
+    let path = dir().join("tokenizer.json");
+    let e = Tokenizer::from_bytes(&bad, None, &path, &dir().join("tokenizer_config.json"))
+        .err()
+        .expect("an error");
+    let text = e.to_string();
+    assert!(
+        text.contains("tokenizer.json") && text.contains("not valid JSON"),
+        "{text}"
+    );
+}
