@@ -254,3 +254,97 @@ fn a_hybrid_models_sequences_equal_each_alone() {
     }
     assert_eq!(*got.lock().unwrap(), alone);
 }
+
+/// Batching with the routed experts streamed through small caches of slots (a GPU budget just
+/// over the smallest that streams): every sequence equals itself alone under the same budget.
+#[test]
+fn batched_sequences_with_streamed_experts_equal_each_alone() {
+    let dir = kestrel_testing::fixtures::path("crates/kestrel-model/tests/parity").join("qwen3_moe");
+    let model = || Model::open(&ModelSource::Dir(dir.clone())).unwrap();
+    // Just over the smallest budget that streams, for one sequence's caches and for a pool.
+    let m = model();
+    let budget = |pool: Option<kestrel_model::KvPool>| {
+        let shape = kestrel_engine::RunShape {
+            ctx: 64,
+            cache_dtype: kestrel_core::DType::F32,
+            quant: None,
+            prefill_chunk: 64,
+            pool,
+        };
+        let p = kestrel_engine::Placement::plan(&m.config, &m.weights, shape, u64::MAX / 2, None).unwrap();
+        p.min_gpu_bytes() + 2 * p.expert_span
+    };
+    let open = |max_seqs: Option<usize>| {
+        let pool = max_seqs.map(|seqs| kestrel_model::KvPool {
+            seqs,
+            blocks: seqs * 64 / kestrel_model::KV_BLOCK,
+        });
+        let opts = EngineOptions {
+            backend: Some(BackendChoice::Cpu),
+            max_seqs,
+            kv_blocks: pool.map(|p| p.blocks),
+            gpu_mem: Some(budget(pool)),
+            ..EngineOptions::with_ctx(64)
+        };
+        Engine::new(model(), &Config::default(), opts).unwrap()
+    };
+    let reqs: Vec<SeqRequest> = (0..6u32)
+        .map(|i| SeqRequest {
+            ids: (0..2 + 7 * (i as usize % 3))
+                .map(|j| (i * 53 + j as u32 * 7) % 250 + 1)
+                .collect(),
+            max_tokens: 5 + i as usize % 4,
+            stops: Vec::new(),
+            sampling: SamplingParams {
+                temperature: 0.0,
+                ..Default::default()
+            },
+            ignore_eos: true,
+            logprobs: None,
+        })
+        .collect();
+    let alone: Vec<Vec<u32>> = reqs
+        .iter()
+        .map(|r| {
+            let mut e = open(None);
+            assert!(e.placement().is_some(), "the experts stream");
+            e.set_ignore_eos(true);
+            let mut ids = Vec::new();
+            e.generate_pieces(
+                &r.ids,
+                r.max_tokens,
+                &[],
+                &mut |p| {
+                    ids.extend(p.id);
+                    Ok(())
+                },
+                &AtomicBool::new(false),
+            )
+            .unwrap();
+            ids
+        })
+        .collect();
+    let engine = open(Some(4));
+    assert!(engine.placement().is_some(), "the experts stream");
+    let mut b = Batcher::new(engine).ok().expect("a pool");
+    let got: Arc<Mutex<Vec<Vec<u32>>>> = Arc::new(Mutex::new(vec![Vec::new(); reqs.len()]));
+    for (i, r) in reqs.iter().enumerate() {
+        let got = got.clone();
+        b.add(
+            r.clone(),
+            Box::new(move |e| {
+                match e {
+                    SeqEvent::Piece(p) => got.lock().unwrap()[i].extend(p.id),
+                    SeqEvent::Done { .. } => {}
+                    SeqEvent::Failed(e) => panic!("sequence {i} failed: {e}"),
+                }
+                true
+            }),
+        )
+        .unwrap();
+    }
+    while !b.is_idle() {
+        b.step();
+    }
+    assert_eq!(*got.lock().unwrap(), alone);
+}
