@@ -876,7 +876,7 @@ struct DaShape {
     static constexpr int REC = HD + 4;                          // a part record: acc, max, sum, 2 unused
 };
 
-// Keys a token at `position` sees in a cache of max_ctx rows.
+// Keys a token at `position` sees in a sequence of at most max_ctx positions.
 __device__ __forceinline__ unsigned keys_seen(unsigned position, unsigned max_ctx) {
     return min(position, max_ctx - 1) + 1;
 }
