@@ -137,6 +137,15 @@ seed_cli_flags() {
     seed cli_flags prefill-chunk-joined < <(printf '\207+18446744073709551616')
 }
 
+seed_tokenizer_json() {
+    # The tests' byte-level BPE (the built-in model's), and small ones of other kinds.
+    seed tokenizer_json tests <"$TEXT_TESTS/tokenizer/tokenizer.json"
+    printf '{"version": "1.0", "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "a": 1, "b": 2}, "unk_token": "[UNK]"}, "pre_tokenizer": {"type": "Whitespace"}, "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": true}}' |
+        seed tokenizer_json word-level
+    printf '{"version": "1.0", "model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2, "<0x41>": 3}, "merges": ["a b"], "byte_fallback": true}, "normalizer": {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "x"}, {"type": "Replace", "pattern": {"String": " "}, "content": "_"}]}, "decoder": {"type": "Sequence", "decoders": [{"type": "ByteFallback"}, {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]}, "added_tokens": [{"id": 4, "content": "<s>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}]}' |
+        seed tokenizer_json bpe-byte-fallback
+}
+
 seed_openai_request() {
     # The first byte: bit 0 the endpoint (0 chat, 1 completions), bits 1-3 the splitter's
     # settings (thinking, opened, tools), the high bits the piece size less one.

@@ -19,4 +19,4 @@ pub use sample::{argmax, Sampler, SamplingParams};
 pub use sandbox::BoundedAlloc;
 pub use stop::{Released, StopStrings};
 pub use template::{ChatInput, ChatTemplate, RenderLimits, MAX_ABANDONED};
-pub use tokenizer::{IdStream, TextStream, Tokenizer, TokenizerConfig};
+pub use tokenizer::{IdStream, TextStream, Tokenizer, TokenizerConfig, MAX_TOKENIZER_BYTES};

@@ -75,12 +75,23 @@ impl TokenizerConfig {
     }
 }
 
+/// The largest `tokenizer.json` read (published ones are tens of MiB at most): its parse holds a
+/// few times its size.
+pub const MAX_TOKENIZER_BYTES: usize = 256 << 20;
+
 impl Tokenizer {
     /// The tokenizer of model directory `dir`, or None when it has no `tokenizer.json`.
     pub fn from_dir(dir: &Path) -> Result<Option<Tokenizer>> {
         let path = dir.join("tokenizer.json");
         if !path.exists() {
             return Ok(None);
+        }
+        let size = std::fs::metadata(&path).map_err(io(&path))?.len();
+        if size > MAX_TOKENIZER_BYTES as u64 {
+            return Err(bad(
+                &path,
+                format!("{size} bytes, more than a tokenizer holds (at most {MAX_TOKENIZER_BYTES})"),
+            ));
         }
         let json = std::fs::read(&path).map_err(io(&path))?;
         let config_path = dir.join("tokenizer_config.json");
@@ -106,11 +117,22 @@ impl Tokenizer {
         json_path: &Path,
         config_path: &Path,
     ) -> Result<Tokenizer> {
-        // Valid JSON first: the tokenizers crate panics (instead of failing) on some invalid
-        // JSON inside its `decoder` section.
-        serde_json::from_slice::<serde::de::IgnoredAny>(json)
-            .map_err(|e| bad(json_path, format!("not valid JSON: {e}")))?;
-        let inner = tokenizers::Tokenizer::from_bytes(json).map_err(|e| bad(json_path, e.to_string()))?;
+        if json.len() > MAX_TOKENIZER_BYTES {
+            return Err(bad(
+                json_path,
+                format!(
+                    "{} bytes, more than a tokenizer holds (at most {MAX_TOKENIZER_BYTES})",
+                    json.len()
+                ),
+            ));
+        }
+        // Parsed as JSON first, then read by the tokenizers crate from the parsed value: from
+        // the bytes it panics (instead of failing) on some invalid JSON (bytes that are not
+        // UTF-8, bad escapes) inside its `decoder` section.
+        let value: Value =
+            serde_json::from_slice(json).map_err(|e| bad(json_path, format!("not valid JSON: {e}")))?;
+        let inner: tokenizers::Tokenizer =
+            serde_json::from_value(value).map_err(|e| bad(json_path, e.to_string()))?;
         let config = match config {
             Some(text) => TokenizerConfig::parse(text, config_path)?,
             None => TokenizerConfig::default(),

@@ -151,3 +151,34 @@ fn invalid_json_in_the_decoder_is_an_error_not_a_panic() {
         "{text}"
     );
 }
+
+/// Bytes that are not UTF-8 inside a string of the `decoder` section (a fuzzing find: they
+/// passed a check that skipped strings, then the tokenizers crate panicked on them) are an error
+/// naming the file.
+#[test]
+fn bytes_that_are_not_utf8_in_the_decoder_are_an_error_not_a_panic() {
+    let mut json = br#"{"version": "1.0", "model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2}, "merges": ["a b"]}, "decoder": {"type": "Sequence", "decoders": [{"type": "Strip", "content": " ", "star##t": 0, "stop": 0}]}}"#.to_vec();
+    let at = json.windows(2).position(|w| w == b"##").unwrap();
+    json[at] = 0xff;
+    json[at + 1] = 0xfe;
+    let path = dir().join("tokenizer.json");
+    let e = Tokenizer::from_bytes(&json, None, &path, &dir().join("tokenizer_config.json"))
+        .err()
+        .expect("an error");
+    let text = e.to_string();
+    assert!(
+        text.contains("tokenizer.json") && text.contains("not valid JSON"),
+        "{text}"
+    );
+}
+
+/// A `tokenizer.json` larger than any tokenizer is refused before it is parsed.
+#[test]
+fn a_tokenizer_past_the_size_bound_is_refused() {
+    let json = vec![b' '; kestrel_text::MAX_TOKENIZER_BYTES + 1];
+    let path = dir().join("tokenizer.json");
+    let e = Tokenizer::from_bytes(&json, None, &path, &dir().join("tokenizer_config.json"))
+        .err()
+        .expect("an error");
+    assert!(e.to_string().contains("more than a tokenizer holds"), "{e}");
+}
