@@ -182,6 +182,79 @@ fn batched_sequences_equal_each_sequence_alone() {
     assert!(preempted > 0, "a pool this small preempts");
 }
 
+/// `n` greedy requests of random ids below `vocab`, past end-of-sequence ids, of mixed lengths.
+fn greedy_requests(n: u32, vocab: u32) -> Vec<SeqRequest> {
+    (0..n)
+        .map(|i| SeqRequest {
+            ids: (0..2 + 5 * (i as usize % 4))
+                .map(|j| (i * 37 + j as u32 * 11) % vocab + 1)
+                .collect(),
+            max_tokens: 5 + i as usize % 4,
+            stops: Vec::new(),
+            sampling: SamplingParams {
+                temperature: 0.0,
+                ..Default::default()
+            },
+            ignore_eos: true,
+            logprobs: None,
+        })
+        .collect()
+}
+
+/// Each request's ids generated alone on an engine of its own.
+fn ids_alone(open: &dyn Fn() -> Engine, reqs: &[SeqRequest]) -> Vec<Vec<u32>> {
+    reqs.iter()
+        .map(|r| {
+            let mut e = open();
+            e.set_ignore_eos(r.ignore_eos);
+            let mut ids = Vec::new();
+            e.generate_pieces(
+                &r.ids,
+                r.max_tokens,
+                &r.stops,
+                &mut |p| {
+                    ids.extend(p.id);
+                    Ok(())
+                },
+                &AtomicBool::new(false),
+            )
+            .unwrap();
+            ids
+        })
+        .collect()
+}
+
+/// Every request's ids generated together by a batcher over `engine`, with the prompt tokens
+/// each found in the caches.
+fn ids_batched(engine: Engine, reqs: &[SeqRequest]) -> (Vec<Vec<u32>>, Vec<usize>) {
+    let mut b = Batcher::new(engine).ok().expect("a pool");
+    let got = Arc::new(Mutex::new((
+        vec![Vec::<u32>::new(); reqs.len()],
+        vec![0usize; reqs.len()],
+    )));
+    for (i, r) in reqs.iter().enumerate() {
+        let got = got.clone();
+        b.add(
+            r.clone(),
+            Box::new(move |e| {
+                let mut g = got.lock().unwrap();
+                match e {
+                    SeqEvent::Piece(p) => g.0[i].extend(p.id),
+                    SeqEvent::Done { reused, .. } => g.1[i] = reused,
+                    SeqEvent::Failed(e) => panic!("sequence {i} failed: {e}"),
+                }
+                true
+            }),
+        )
+        .unwrap();
+    }
+    while !b.is_idle() {
+        b.step();
+    }
+    let out = got.lock().unwrap().clone();
+    out
+}
+
 /// A hybrid model (recurrent states a row per slot, zeroed for each sequence admitted; no
 /// prefix caching): more sequences than slots, each slot used by several in turn, every
 /// sequence's tokens equal to its own alone.
@@ -197,62 +270,11 @@ fn a_hybrid_models_sequences_equal_each_alone() {
         };
         Engine::new(model, &Config::default(), opts).unwrap()
     };
-    let reqs: Vec<SeqRequest> = (0..8u32)
-        .map(|i| SeqRequest {
-            ids: (0..3 + 5 * (i as usize % 4))
-                .map(|j| (i * 37 + j as u32 * 11) % 200 + 1)
-                .collect(),
-            max_tokens: 6 + i as usize % 3,
-            stops: Vec::new(),
-            sampling: SamplingParams {
-                temperature: 0.0,
-                ..Default::default()
-            },
-            ignore_eos: true,
-            logprobs: None,
-        })
-        .collect();
-    let alone: Vec<Vec<u32>> = reqs
-        .iter()
-        .map(|r| {
-            let mut e = open(None);
-            e.set_ignore_eos(true);
-            let mut ids = Vec::new();
-            e.generate_pieces(
-                &r.ids,
-                r.max_tokens,
-                &[],
-                &mut |p| {
-                    ids.extend(p.id);
-                    Ok(())
-                },
-                &AtomicBool::new(false),
-            )
-            .unwrap();
-            ids
-        })
-        .collect();
-    let mut b = Batcher::new(open(Some(3))).ok().expect("a pool");
-    let got: Arc<Mutex<Vec<Vec<u32>>>> = Arc::new(Mutex::new(vec![Vec::new(); reqs.len()]));
-    for (i, r) in reqs.iter().enumerate() {
-        let got = got.clone();
-        b.add(
-            r.clone(),
-            Box::new(move |e| {
-                match e {
-                    SeqEvent::Piece(p) => got.lock().unwrap()[i].extend(p.id),
-                    SeqEvent::Done { reused, .. } => assert_eq!(reused, 0, "no prefix caching"),
-                    SeqEvent::Failed(e) => panic!("sequence {i} failed: {e}"),
-                }
-                true
-            }),
-        )
-        .unwrap();
-    }
-    while !b.is_idle() {
-        b.step();
-    }
-    assert_eq!(*got.lock().unwrap(), alone);
+    let reqs = greedy_requests(8, 200);
+    let alone = ids_alone(&|| open(None), &reqs);
+    let (got, reused) = ids_batched(open(Some(3)), &reqs);
+    assert_eq!(got, alone);
+    assert!(reused.iter().all(|&r| r == 0), "no prefix caching: {reused:?}");
 }
 
 /// Batching with the routed experts streamed through small caches of slots (a GPU budget just
@@ -286,65 +308,11 @@ fn batched_sequences_with_streamed_experts_equal_each_alone() {
             gpu_mem: Some(budget(pool)),
             ..EngineOptions::with_ctx(64)
         };
-        Engine::new(model(), &Config::default(), opts).unwrap()
+        let e = Engine::new(model(), &Config::default(), opts).unwrap();
+        assert!(e.placement().is_some(), "the experts stream");
+        e
     };
-    let reqs: Vec<SeqRequest> = (0..6u32)
-        .map(|i| SeqRequest {
-            ids: (0..2 + 7 * (i as usize % 3))
-                .map(|j| (i * 53 + j as u32 * 7) % 250 + 1)
-                .collect(),
-            max_tokens: 5 + i as usize % 4,
-            stops: Vec::new(),
-            sampling: SamplingParams {
-                temperature: 0.0,
-                ..Default::default()
-            },
-            ignore_eos: true,
-            logprobs: None,
-        })
-        .collect();
-    let alone: Vec<Vec<u32>> = reqs
-        .iter()
-        .map(|r| {
-            let mut e = open(None);
-            assert!(e.placement().is_some(), "the experts stream");
-            e.set_ignore_eos(true);
-            let mut ids = Vec::new();
-            e.generate_pieces(
-                &r.ids,
-                r.max_tokens,
-                &[],
-                &mut |p| {
-                    ids.extend(p.id);
-                    Ok(())
-                },
-                &AtomicBool::new(false),
-            )
-            .unwrap();
-            ids
-        })
-        .collect();
-    let engine = open(Some(4));
-    assert!(engine.placement().is_some(), "the experts stream");
-    let mut b = Batcher::new(engine).ok().expect("a pool");
-    let got: Arc<Mutex<Vec<Vec<u32>>>> = Arc::new(Mutex::new(vec![Vec::new(); reqs.len()]));
-    for (i, r) in reqs.iter().enumerate() {
-        let got = got.clone();
-        b.add(
-            r.clone(),
-            Box::new(move |e| {
-                match e {
-                    SeqEvent::Piece(p) => got.lock().unwrap()[i].extend(p.id),
-                    SeqEvent::Done { .. } => {}
-                    SeqEvent::Failed(e) => panic!("sequence {i} failed: {e}"),
-                }
-                true
-            }),
-        )
-        .unwrap();
-    }
-    while !b.is_idle() {
-        b.step();
-    }
-    assert_eq!(*got.lock().unwrap(), alone);
+    let reqs = greedy_requests(6, 250);
+    let alone = ids_alone(&|| open(None), &reqs);
+    assert_eq!(ids_batched(open(Some(4)), &reqs).0, alone);
 }

@@ -416,15 +416,29 @@ impl<B: Backend> Session<B> {
         if self.programs.is_empty() {
             self.program(1, 0, Outputs::Last, false)?;
         }
+        self.zero_states(Some(seq))
+    }
+
+    /// Zeroes the recurrent and convolution states: row `row` of each (a pool's sequence), or
+    /// all of them. States are shared by label: zeroing them through one program zeroes them
+    /// for all (with no program yet, there is nothing to zero).
+    fn zero_states(&mut self, row: Option<usize>) -> Result<()> {
         let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
-        // States are shared by label: zeroing them through one program zeroes them for all.
-        let prog = self.programs.values_mut().next().expect("prepared above");
+        let Some(prog) = self.programs.values_mut().next() else {
+            return Ok(());
+        };
         for &b in &prog.f.states {
             let d = prog.f.graph.decl(b);
-            let row = d.byte_len() / d.shape[0];
+            let (at, len) = match row {
+                Some(r) => {
+                    let len = d.byte_len() / d.shape[0];
+                    (r * len, len)
+                }
+                None => (0, d.byte_len()),
+            };
             let p = prog.segments.last_mut().expect("a program has a segment");
             self.backend
-                .write_bytes(p, b, seq * row, &vec![0u8; row])
+                .write_bytes(p, b, at, &vec![0u8; len])
                 .map_err(backend_err)?;
         }
         Ok(())
@@ -789,17 +803,7 @@ impl<B: Backend> Session<B> {
     /// back to zero. (KV caches need nothing: positions say which rows count.) Call it before
     /// running from position 0 again.
     pub fn reset_states(&mut self) -> Result<()> {
-        let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
-        // States are shared by label: zeroing them through one program zeroes them for all.
-        let Some(prog) = self.programs.values_mut().next() else {
-            return Ok(());
-        };
-        for &b in &prog.f.states {
-            let zeros = vec![0u8; prog.f.graph.decl(b).byte_len()];
-            let p = prog.segments.last_mut().expect("a program has a segment");
-            self.backend.write_bytes(p, b, 0, &zeros).map_err(backend_err)?;
-        }
-        Ok(())
+        self.zero_states(None)
     }
 
     /// Prepares the program for chunks of `tokens` with `want`'s outputs (uploading the weights
@@ -1002,12 +1006,14 @@ impl<B: Backend> Session<B> {
         let f = &prog.f;
         // With a pool: the table when it changed since this program's last run, the sequence
         // of a chunk when it is another one, a batched step's sequences every time.
+        let current;
         let (table, seq_now) = match &self.pool {
             Some(pool) => {
                 let table = (prog.table_version != pool.version).then_some(&pool.table[..]);
-                let seq_now: Option<Vec<u32>> = match seq {
-                    Some(s) => Some(s.to_vec()),
-                    None => (prog.seq != Some(pool.current)).then(|| vec![pool.current]),
+                current = [pool.current];
+                let seq_now: Option<&[u32]> = match seq {
+                    Some(s) => Some(s),
+                    None => (prog.seq != Some(pool.current)).then_some(&current[..]),
                 };
                 prog.table_version = pool.version;
                 if seq.is_none() {

@@ -132,6 +132,15 @@ fn config_gives_special_tokens_and_template() {
     std::fs::remove_dir_all(&broken).unwrap();
 }
 
+/// The error `Tokenizer::from_bytes` gives `json` as the tests' `tokenizer.json` (it must fail).
+fn load_error(json: &[u8]) -> String {
+    let path = dir().join("tokenizer.json");
+    Tokenizer::from_bytes(json, None, &path, &dir().join("tokenizer_config.json"))
+        .err()
+        .expect("an error")
+        .to_string()
+}
+
 /// Invalid JSON inside the `decoder` section, where the tokenizers crate panics instead of
 /// failing, is an error naming the file.
 #[test]
@@ -141,14 +150,10 @@ fn invalid_json_in_the_decoder_is_an_error_not_a_panic() {
     let type_at = at + json[at..].find("\"type\"").unwrap();
     let mut bad = json.into_bytes();
     bad[type_at] = 0x01;
-    let path = dir().join("tokenizer.json");
-    let e = Tokenizer::from_bytes(&bad, None, &path, &dir().join("tokenizer_config.json"))
-        .err()
-        .expect("an error");
-    let text = e.to_string();
+    let e = load_error(&bad);
     assert!(
-        text.contains("tokenizer.json") && text.contains("not valid JSON"),
-        "{text}"
+        e.contains("tokenizer.json") && e.contains("not valid JSON"),
+        "{e}"
     );
 }
 
@@ -161,24 +166,16 @@ fn bytes_that_are_not_utf8_in_the_decoder_are_an_error_not_a_panic() {
     let at = json.windows(2).position(|w| w == b"##").unwrap();
     json[at] = 0xff;
     json[at + 1] = 0xfe;
-    let path = dir().join("tokenizer.json");
-    let e = Tokenizer::from_bytes(&json, None, &path, &dir().join("tokenizer_config.json"))
-        .err()
-        .expect("an error");
-    let text = e.to_string();
+    let e = load_error(&json);
     assert!(
-        text.contains("tokenizer.json") && text.contains("not valid JSON"),
-        "{text}"
+        e.contains("tokenizer.json") && e.contains("not valid JSON"),
+        "{e}"
     );
 }
 
 /// A `tokenizer.json` larger than any tokenizer is refused before it is parsed.
 #[test]
 fn a_tokenizer_past_the_size_bound_is_refused() {
-    let json = vec![b' '; kestrel_text::MAX_TOKENIZER_BYTES + 1];
-    let path = dir().join("tokenizer.json");
-    let e = Tokenizer::from_bytes(&json, None, &path, &dir().join("tokenizer_config.json"))
-        .err()
-        .expect("an error");
-    assert!(e.to_string().contains("more than a tokenizer holds"), "{e}");
+    let e = load_error(&vec![b' '; kestrel_text::MAX_TOKENIZER_BYTES + 1]);
+    assert!(e.contains("more than a tokenizer holds"), "{e}");
 }
