@@ -5,10 +5,10 @@
 //
 // moe_sort (one block) counts the (token, slot) pairs per expert from the router's ids, orders
 // them by expert (`order[pos] = slot`; the order inside an expert does not matter, every row is
-// computed on its own) and writes a tile table: one (expert, first pos, rows) entry per GT_ROWS
-// rows of an expert, the unused entries of the fixed-size table marked with NO_TILE. The GEMMs
-// launch one block per table entry (times the column tiles) and read their work from it, so no
-// count ever returns to the host.
+// computed on its own) and writes a tile table: one (expert, first pos, rows) entry per tile of
+// rows of an expert (GT_ROWS here; skinny.cu's products take smaller tiles), the unused entries
+// of the fixed-size table marked with NO_TILE. The GEMMs launch one block per table entry (times
+// the column tiles) and read their work from it, so no count ever returns to the host.
 //
 // moe_gemm_gate_up: act[pos] = silu(gate_e x_t) * (up_e x_t) for the rows of a tile, x gathered
 // from the bf16 copy of the activations, act written as bf16 in sorted order.
@@ -71,11 +71,12 @@ __device__ __forceinline__ void load_ids8(const unsigned* ids, unsigned s0, unsi
     }
 }
 
-// tiles: [max_tiles][3] = (expert, first pos, rows). Ids >= experts are left out (never produced
-// by the router; moe_combine skips them too).
+// tiles: [max_tiles][3] = (expert, first pos, rows), at most tile_rows rows a tile (GT_ROWS for
+// the GEMMs here, fewer for skinny.cu's). Ids >= experts are left out (never produced by the
+// router; moe_combine skips them too).
 extern "C" __global__ void __launch_bounds__(SORT_THREADS)
     moe_sort(const unsigned* ids, unsigned* order, unsigned* tiles, unsigned slots, unsigned experts,
-             unsigned max_tiles) {
+             unsigned max_tiles, unsigned tile_rows) {
     pdl_begin();
     __shared__ unsigned count[SORT_THREADS], offset[SORT_THREADS], cursor[SORT_THREADS], scratch[SORT_THREADS];
     const unsigned tid = threadIdx.x;
@@ -92,14 +93,14 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
     __syncthreads();
     const unsigned c = count[tid];
     offset[tid] = block_scan(c, scratch) - c;
-    const unsigned ntiles = (c + GT_ROWS - 1) / GT_ROWS;
+    const unsigned ntiles = (c + tile_rows - 1) / tile_rows;
     const unsigned tile0 = block_scan(ntiles, scratch) - ntiles;
     const unsigned total = scratch[SORT_THREADS - 1];
     for (unsigned i = 0; i < ntiles; i++) {
         unsigned* t = tiles + 3 * (tile0 + i);
         t[0] = tid;
-        t[1] = offset[tid] + i * GT_ROWS;
-        t[2] = min(GT_ROWS, c - i * GT_ROWS);
+        t[1] = offset[tid] + i * tile_rows;
+        t[2] = min(tile_rows, c - i * tile_rows);
     }
     for (unsigned i = total + tid; i < max_tiles; i += SORT_THREADS) tiles[3 * i] = NO_TILE;
     for (unsigned s0 = 0; s0 < slots; s0 += 8 * SORT_THREADS) {
@@ -109,38 +110,6 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
         for (int j = 0; j < 8; j++)
             if (e[j] < experts) order[offset[e[j]] + atomicAdd(&cursor[e[j]], 1u)] = s0 + j * SORT_THREADS + tid;
     }
-}
-
-__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
-    unsigned d;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-    return d;
-}
-
-__device__ __forceinline__ __nv_bfloat162 as_bf162(unsigned u) { return *reinterpret_cast<__nv_bfloat162*>(&u); }
-__device__ __forceinline__ unsigned as_u32(__nv_bfloat162 v) { return *reinterpret_cast<unsigned*>(&v); }
-
-// Eight 4-bit values of one word (lowest bits first) as four bf16 pairs in order. Each nibble
-// pair (v_j, v_j+4) is placed in the mantissas of 128.0 (0x4300: 128 + v exactly), 128 is
-// subtracted (exact), then one bf16x2 fma with the group's scale and bias (a single rounding).
-__device__ __forceinline__ uint4 dequant_q4(unsigned w, __nv_bfloat162 s, __nv_bfloat162 b) {
-    const __nv_bfloat162 k128 = as_bf162(0x43004300u);
-    unsigned d[4];
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-        const unsigned t = and_or(w >> (4 * j), 0x000F000Fu, 0x43004300u);
-        d[j] = as_u32(__hfma2(__hsub2(as_bf162(t), k128), s, b));
-    }
-    return make_uint4(prmt(d[0], d[1], 0x5410), prmt(d[2], d[3], 0x5410), prmt(d[0], d[1], 0x7632),
-                      prmt(d[2], d[3], 0x7632));
-}
-
-// Four 8-bit values of one word as two bf16 pairs, through f32 (128 + v is not exact in bf16).
-__device__ __forceinline__ uint2 dequant_q8(unsigned w, float s, float b) {
-    float v[4];
-#pragma unroll
-    for (int j = 0; j < 4; j++) v[j] = masked_value(w >> (8 * j), 0xFFu) * s + b;
-    return make_uint2(pack2<bf16>(v[0], v[1]), pack2<bf16>(v[2], v[3]));
 }
 
 // One B matrix of an expert: weight rows [n][K] (BITS per value), bf16 scales/biases per group.

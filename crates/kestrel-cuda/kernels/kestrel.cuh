@@ -376,6 +376,45 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
            ((unsigned)*reinterpret_cast<const unsigned short*>(&h) << 16);
 }
 
+// ---- quantised weights as bf16 (the tensor-core products of gemm.cu and skinny.cu) ----
+
+__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
+    unsigned d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+
+__device__ __forceinline__ __nv_bfloat162 as_bf162(unsigned u) { return *reinterpret_cast<__nv_bfloat162*>(&u); }
+__device__ __forceinline__ unsigned as_u32(__nv_bfloat162 v) { return *reinterpret_cast<unsigned*>(&v); }
+
+// Eight 4-bit values of one word (lowest bits first) as the four bf16 pairs (v_j, v_j+4), j = 0..3.
+// Each nibble pair is placed in the mantissas of 128.0 (0x4300: 128 + v exactly), 128 is
+// subtracted (exact), then one bf16x2 fma with the group's scale and bias (a single rounding).
+__device__ __forceinline__ void dequant_q4_pairs(unsigned w, __nv_bfloat162 s, __nv_bfloat162 b, unsigned d[4]) {
+    const __nv_bfloat162 k128 = as_bf162(0x43004300u);
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const unsigned t = and_or(w >> (4 * j), 0x000F000Fu, 0x43004300u);
+        d[j] = as_u32(__hfma2(__hsub2(as_bf162(t), k128), s, b));
+    }
+}
+
+// The same eight values as four bf16 pairs in order.
+__device__ __forceinline__ uint4 dequant_q4(unsigned w, __nv_bfloat162 s, __nv_bfloat162 b) {
+    unsigned d[4];
+    dequant_q4_pairs(w, s, b, d);
+    return make_uint4(prmt(d[0], d[1], 0x5410), prmt(d[2], d[3], 0x5410), prmt(d[0], d[1], 0x7632),
+                      prmt(d[2], d[3], 0x7632));
+}
+
+// Four 8-bit values of one word as two bf16 pairs, through f32 (128 + v is not exact in bf16).
+__device__ __forceinline__ uint2 dequant_q8(unsigned w, float s, float b) {
+    float v[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) v[j] = masked_value(w >> (8 * j), 0xFFu) * s + b;
+    return make_uint2(pack2<bf16>(v[0], v[1]), pack2<bf16>(v[2], v[3]));
+}
+
 __device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 
 // ---- thread block clusters (sm_90) ----

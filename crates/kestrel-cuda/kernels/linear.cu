@@ -163,15 +163,16 @@ matvec_bf16(const float* x, const bf16* w, float* out, unsigned in_dim, unsigned
     matvec<16>(x, w, nullptr, nullptr, out, in_dim, out_dim, 1);
 }
 
-// Quantised weights on f32 activations (x not rounded): the exact one-token path, for the logits a
-// router picks experts from. Dynamic shared memory: padded_len(in_dim) + in_dim / VALS floats.
+// Quantised weights on f32 activations (x not rounded): the exact path of a few tokens (one per
+// grid row y), for the logits a router picks experts from. Dynamic shared memory: padded_len(in_dim) + in_dim / VALS floats.
 #define MATVEC_EXACT(BITS)                                                                                  \
     extern "C" __global__ void __launch_bounds__(32 * VEC_WARPS, VEC_BLOCKS_PER_SM)                        \
         matvec_q##BITS##_exact(                                                                             \
         const float* x, const unsigned* w, const bf16* scales, const bf16* biases, float* out,             \
         unsigned in_dim, unsigned out_dim, unsigned group) {                                                \
         pdl_begin();                                                                                        \
-        matvec<BITS>(x, w, scales, biases, out, in_dim, out_dim, group);                                    \
+        matvec<BITS>(x + (size_t)blockIdx.y * in_dim, w, scales, biases, out + (size_t)blockIdx.y * out_dim, \
+                     in_dim, out_dim, group);                                                               \
     }
 MATVEC_EXACT(4)
 MATVEC_EXACT(8)

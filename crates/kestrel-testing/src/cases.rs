@@ -670,6 +670,17 @@ pub fn linear(rng: Rng) -> Case {
     ))
 }
 
+/// A quantised projection of `tokens` tokens at a given shape, on f32 activations.
+pub fn linear_shape(rng: Rng, tokens: usize, (in_dim, out_dim): (usize, usize), format: QuantFormat) -> Case {
+    let mut c = CaseBuilder::new(rng);
+    let (w, wf) = c.linear_weight("w", out_dim, in_dim, Some(format), DType::BF16);
+    let (x, xf) = c.act("x", tokens, in_dim, 1.0);
+    let y = c.g.linear("proj", x, &w);
+    c.rounded_activations = true;
+    c.check_floats(y, r::linear(&xf, &wf, in_dim, out_dim));
+    c.finish(format!("linear {tokens}x{in_dim}->{out_dim} {format:?}"))
+}
+
 pub fn elementwise(rng: Rng) -> Case {
     let mut c = CaseBuilder::new(rng);
     let (rows, groups) = (c.rng.range(1, 6), c.rng.range(1, 5));
@@ -1241,6 +1252,27 @@ pub fn moe_decode_wide_shape(rng: Rng) -> Case {
     )
 }
 
+/// Routed experts of several tokens at a shape CUDA's skinny products take in each of their
+/// forms: 32 experts, top-8, hidden 1,024 and expert width 640; `tokens` sets the rows an expert
+/// gets on average (2: a half, 12: 3, 30: 7.5, 80: 20), and with them the row tiles a warp takes
+/// and whether warps split K. The router's 8-bit product in front, as a batched step runs it.
+pub fn moe_batch_shape(rng: Rng, tokens: usize, format: QuantFormat) -> Case {
+    let layout = ExpertLayout {
+        experts: 32,
+        hidden: 1024,
+        inter: 640,
+        format: ExpertFormat::Quant(format),
+    };
+    moe_case(
+        CaseBuilder::new(rng),
+        layout,
+        tokens,
+        8,
+        true,
+        Some(Some(QuantFormat::Q8)),
+    )
+}
+
 /// `router`: None takes random logits; Some(format) computes them from x with a router weight
 /// of that format (None: bf16).
 fn moe_case(
@@ -1272,8 +1304,8 @@ fn moe_case(
     let eb = c.g.weight("experts", DType::U8, [layout.total_bytes()]);
     c.set(eb, blob);
     let out = c.g.moe_experts("experts", x, ids, weights, eb, layout);
-    // CUDA rounds activations to int8 for quantised experts on few tokens, and to bf16 for the
-    // grouped tensor-core GEMMs of many tokens.
+    // CUDA rounds activations to int8 for quantised experts on one token, and to bf16 for the
+    // skinny products and grouped tensor-core GEMMs of several.
     c.rounded_activations = format != ExpertFormat::Bf16 || tokens >= 16;
     let (exp_ids, exp_w) = expected_choice(&lf, experts, k, normalize);
     let mut expect = vec![0f64; tokens * hidden];

@@ -14,7 +14,7 @@ use anyhow::{bail, ensure, Context, Result};
 use clap::Args;
 use kestrel_core::rng::Rng;
 use kestrel_core::Config;
-use kestrel_cuda::RunMode;
+use kestrel_cuda::{Device, RunMode};
 use kestrel_engine::{Engine, EngineOptions, Model, ModelSource, Want};
 use kestrel_model::{footprint, SYNTHETIC_MODELS};
 
@@ -333,11 +333,11 @@ fn expert_extras(
 }
 
 /// On CUDA: host synchronisations, graph launches and bytes read back per generated token,
-/// counted over one more generation run; and with `profile`, the per-kernel table of an eager
-/// run. Null on the CPU.
+/// counted over one more generation run; and with `profile`, the per-kernel tables of an eager
+/// run, and of an eager batched run at the largest `-b` count above 1. Null on the CPU.
 fn cuda_extras(
     e: &mut Engine,
-    (depth, tg): (usize, usize),
+    (depth, tg, batch): (usize, usize, Option<usize>),
     (profile, input): (bool, TgInput),
     rng: &mut Rng,
 ) -> Result<serde_json::Value> {
@@ -358,31 +358,52 @@ fn cuda_extras(
         "bytes_d2h_per_token": per(d.bytes_d2h),
     });
     if profile {
-        let set_mode = |e: &mut Engine, mode| {
-            if let Some(s) = e.cuda_session() {
-                s.backend.set_mode(mode);
-            }
-        };
-        set_mode(e, RunMode::Eager);
-        start_at(e, rng, depth)?;
-        generate(e, first, depth, tg.min(4), tg_tokens(input, rng).as_mut())?;
-        start_at(e, rng, depth)?;
+        let label = format!("tg{tg}");
+        profiled(e, &dev, (&label, tg), |e, n| {
+            start_at(e, rng, depth)?;
+            generate(e, first, depth, n, tg_tokens(input, rng).as_mut()).map(drop)
+        })?;
+        if let Some(b) = batch.filter(|&b| b > 1) {
+            let label = format!("tg{tg} x{b}");
+            profiled(e, &dev, (&label, tg * b), |e, n| {
+                batched_run(e, (b, depth, n / b), input, rng).map(drop)
+            })?;
+        }
+    }
+    Ok(counters)
+}
+
+/// Runs `run(e, n)` (which generates `n` tokens) eagerly with every dispatch timed by CUDA
+/// events, after an untimed run of a few tokens, and prints the per-kernel table.
+fn profiled(
+    e: &mut Engine,
+    dev: &Device,
+    (label, tokens): (&str, usize),
+    mut run: impl FnMut(&mut Engine, usize) -> Result<()>,
+) -> Result<()> {
+    let set_mode = |e: &mut Engine, mode| {
+        if let Some(s) = e.cuda_session() {
+            s.backend.set_mode(mode);
+        }
+    };
+    set_mode(e, RunMode::Eager);
+    let outcome = run(e, tokens.min(4)).and_then(|()| {
         dev.take_profile()?;
         dev.set_profiling(true);
         let start = Instant::now();
-        let outcome = generate(e, first, depth, tg, tg_tokens(input, rng).as_mut());
+        let outcome = run(e, tokens);
         dev.set_profiling(false);
-        set_mode(e, RunMode::Graph);
-        outcome?;
-        let secs = start.elapsed().as_secs_f64();
-        errln!(
-            "profile: tg{tg} run eagerly, every dispatch timed with CUDA events ({:.1} tokens/s \
-             with the timing's own cost); totals over the {tg} tokens:\n{}",
-            tg as f64 / secs,
-            dev.take_profile()?.table()
-        );
-    }
-    Ok(counters)
+        outcome.map(|()| start.elapsed().as_secs_f64())
+    });
+    set_mode(e, RunMode::Graph);
+    let secs = outcome?;
+    errln!(
+        "profile: {label} run eagerly, every dispatch timed with CUDA events ({:.1} tokens/s \
+         with the timing's own cost); totals over its {tokens} tokens:\n{}",
+        tokens as f64 / secs,
+        dev.take_profile()?.table()
+    );
+    Ok(())
 }
 
 /// The model to measure.
@@ -445,7 +466,13 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
         serde_json::Value::Null
     };
     let counters = if tg > 0 {
-        cuda_extras(&mut engine, (a.depth, tg), (a.profile, a.tg_input), &mut rng)?
+        let batch = a.batch.iter().copied().max();
+        cuda_extras(
+            &mut engine,
+            (a.depth, tg, batch),
+            (a.profile, a.tg_input),
+            &mut rng,
+        )?
     } else {
         serde_json::Value::Null
     };

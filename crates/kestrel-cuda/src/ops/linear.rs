@@ -2,12 +2,15 @@
 //! many tokens through `kernels/gemm.cu`.
 //!
 //! A product takes the first path that fits:
+//! - 2 to `skinny::LINEAR_MAX_TOKENS` (64) tokens of 4- or 8-bit weights, outside router logits
+//!   and unless rounded activations are switched off: `skinny.cu`'s `linear_skinny_*` on x
+//!   rounded to bf16;
 //! - from `GEMM_MIN_TOKENS` (16) tokens, outside router logits (`Encoder::precise`) and unless
 //!   rounded activations are switched off (`Exact::projections`): bf16 weights
 //!   through cuBLAS on x rounded to bf16, quantised weights in whole tiles (64 columns, K in steps
 //!   of 64) through `gemm.cu`'s `linear_gemm_*`;
-//! - one token: the matvecs (`matvec_bf16`, `matvec_q*_dp4a`; router logits from quantised
-//!   weights through `matvec_q*_exact`, on x in f32);
+//! - one token: the matvecs (`matvec_bf16`, `matvec_q*_dp4a`); router logits of up to 256 tokens
+//!   from quantised weights through `matvec_q*_exact`, one token a grid row, on x in f32;
 //! - every other shape: `linear_*`.
 
 use kestrel_core::ir::{Buf, LinearWeight, Op};
@@ -18,6 +21,7 @@ use kestrel_cuda_rt::{Buffer, ModuleSource, Result};
 use super::common::{float_name, op_module, padded_len, u32_arg, unsupported};
 use super::elementwise::{self, round_bf16};
 use super::gemm::{self, mma_smem, GT_COLS, GT_K, GT_ROWS, GT_THREADS, WG_SMEM};
+use super::skinny;
 use crate::encoder::Encoder;
 
 pub(crate) const MODULE: ModuleSource = op_module(
@@ -156,23 +160,35 @@ fn encode_matvec(
     Ok(true)
 }
 
-/// The one-token product of a quantised weight on f32 activations (nothing rounded beyond f32
-/// arithmetic), for the logits a router decides from. Returns false (and records nothing) when
-/// the format's 16-byte vectors do not tile the groups.
+/// Up to this many tokens, router logits from quantised weights run as one exact matvec per token
+/// (`matvec_q*_exact`, grid row y a token); the weights are small enough to come from L2 after
+/// the first.
+const EXACT_MAX_TOKENS: usize = 256;
+
+/// The product of a quantised weight and 1 to `EXACT_MAX_TOKENS` tokens of f32 activations
+/// (nothing rounded beyond f32 arithmetic), for the logits a router decides from. Returns false
+/// (and records nothing) for more tokens, and when the format's 16-byte vectors do not tile the
+/// groups.
+#[allow(clippy::too_many_arguments)]
 fn encode_matvec_exact(
     enc: &mut Encoder,
     x: &Buffer,
     w: &LinearWeight,
     out: Buf,
+    tokens: usize,
     in_dim: usize,
     out_dim: usize,
 ) -> Result<bool> {
     let LinearWeight::Quant { format, .. } = w else {
         return Ok(false);
     };
+    if tokens > EXACT_MAX_TOKENS {
+        return Ok(false);
+    }
     // x staged, then each 16-byte vector's plain sum; x is read as float4s.
     let vals = 128 / format.bits as usize;
     let smem = (padded_len(in_dim) + in_dim / vals) * 4;
+    // in_dim a multiple of 16-byte vectors keeps every token's row of x 16-byte aligned too.
     if format.group_size % vals != 0
         || in_dim % vals != 0
         || x.device_ptr() % 16 != 0
@@ -184,12 +200,13 @@ fn encode_matvec_exact(
     let k = enc.kernel(&MODULE, &format!("matvec_{name}_exact"))?;
     let out = enc.buf(out)?.clone();
     let sms = enc.device.info().sm_count as usize;
+    // Blocks per token: the persistent blocks shared out among the tokens.
     let blocks = out_dim
         .div_ceil(VEC_WARPS * VEC_ROWS)
-        .min(VEC_BLOCKS_PER_SM * sms);
+        .min((VEC_BLOCKS_PER_SM * sms).div_ceil(tokens));
     let mut b = enc
         .dispatch(&k)
-        .grid(u32_arg(blocks)?)
+        .grid((u32_arg(blocks)?, u32_arg(tokens)?))
         .block(u32_arg(32 * VEC_WARPS)?)
         .shared_mem(u32_arg(smem)?)
         .read(x);
@@ -210,7 +227,7 @@ pub(crate) const GEMM_MIN_TOKENS: usize = 16;
 
 /// The activations `x` (`[tokens, in_dim]`) as bf16 for a tensor-core product: the buffer itself
 /// when it is bf16 (a norm wrote it rounded), else rounded into a workspace.
-fn bf16_activations(enc: &mut Encoder, x: Buf, tokens: usize, in_dim: usize) -> Result<Buffer> {
+pub(super) fn bf16_activations(enc: &mut Encoder, x: Buf, tokens: usize, in_dim: usize) -> Result<Buffer> {
     let xb = enc.buf(x)?.clone();
     match enc.dtype(x) {
         DType::BF16 => Ok(xb),
@@ -318,6 +335,9 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
         } => {
             // Router logits, or every product when rounded activations are switched off.
             let precise = enc.precise || enc.exact.projections;
+            if !precise && skinny::encode_linear(enc, *x, w, *out, *tokens, *in_dim, *out_dim)? {
+                return Ok(());
+            }
             if *tokens >= GEMM_MIN_TOKENS
                 && !precise
                 && encode_tensor_core(enc, *x, w, *out, *tokens, *in_dim, *out_dim)?
@@ -331,7 +351,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             if *tokens == 1 && (!precise || exact) && encode_matvec(enc, &x, w, *out, *in_dim, *out_dim)? {
                 return Ok(());
             }
-            if *tokens == 1 && precise && encode_matvec_exact(enc, &x, w, *out, *in_dim, *out_dim)? {
+            if precise && encode_matvec_exact(enc, &x, w, *out, *tokens, *in_dim, *out_dim)? {
                 return Ok(());
             }
             let grid = (

@@ -11,6 +11,7 @@ mod head;
 mod linear;
 mod moe;
 mod norm;
+mod skinny;
 mod stream;
 
 pub(crate) use linear::GEMM_MIN_TOKENS;
@@ -30,6 +31,7 @@ pub const MODULES: &[ModuleSource] = &[
     attention::MODULE,
     moe::MODULE,
     gemm::MODULE,
+    skinny::MODULE,
     deltanet::MODULE,
     head::MODULE,
     stream::MODULE,

@@ -1,8 +1,9 @@
-//! Router and routed experts: `kernels/moe.cu` and `kernels/gemm.cu`. Few tokens: gate/up
-//! per (token, slot) into scratch activations `[tokens * k, inter]` (int8 for quantised
-//! experts), then down with the weighted, ordered combine. Many tokens: the slots sorted by
-//! expert on the device, grouped tensor-core GEMMs over each expert's rows, then the same
-//! ordered combine.
+//! Router and routed experts: `kernels/moe.cu`, `kernels/skinny.cu` and `kernels/gemm.cu`. One
+//! token (and bf16 experts for fewer than `GROUPED_MIN_TOKENS`): gate/up per (token, slot) into
+//! scratch activations `[tokens * k, inter]` (int8 for quantised experts), then down with the
+//! weighted, ordered combine. More tokens: the slots sorted by expert on the device, each
+//! expert's rows through skinny products while an expert gets a few rows on average (4- and
+//! 8-bit experts), else through grouped tensor-core GEMMs, then the same ordered combine.
 
 use kestrel_core::expert_slots::{book_words, HEADER, USE};
 use kestrel_core::ir::{ExpertFormat, LinearWeight, MatrixSpan, NormKind, Op};
@@ -14,6 +15,7 @@ use super::common::{op_module, padded_len, u32_arg, unsupported};
 use super::elementwise::round_bf16;
 use super::gemm::{self, mma_smem, GT_COLS, GT_K, GT_ROWS, GT_THREADS, SORT_MAX_EXPERTS, WG_SMEM};
 use super::linear::weight_parts;
+use super::skinny;
 use crate::encoder::Encoder;
 
 pub(crate) const MODULE: ModuleSource = op_module(
@@ -61,8 +63,16 @@ fn grouped_fits(layout: &kestrel_core::ir::ExpertLayout) -> bool {
     group_ok && layout.hidden % GT_K == 0 && layout.inter % GT_K == 0 && layout.experts <= SORT_MAX_EXPERTS
 }
 
-/// Many tokens: sort slots by expert, grouped GEMMs for gate/up (SwiGLU, bf16 activations) and
-/// down (weighted, bf16 per slot), then the ordered f32 combine into `out`.
+/// How experts grouped by expert run: as `gemm.cu`'s tensor-core tiles of `GT_ROWS` rows, or as
+/// `skinny.cu`'s products on row tiles of `8 * nt` (4- or 8-bit experts).
+#[derive(Clone, Copy)]
+enum Grouped {
+    Tiles,
+    Skinny { nt: usize, bits: u32 },
+}
+
+/// Sort slots by expert, gate/up (SwiGLU, bf16 activations) and down (weighted, bf16 per slot)
+/// over each expert's rows as `how` says, then the ordered f32 combine into `out`.
 #[allow(clippy::too_many_arguments)]
 fn encode_grouped(
     enc: &mut Encoder,
@@ -73,10 +83,15 @@ fn encode_grouped(
     o: &Buffer,
     layout: &kestrel_core::ir::ExpertLayout,
     (tokens, k, name, group): (usize, usize, &str, usize),
+    how: Grouped,
 ) -> Result<()> {
     let (h, i) = (layout.hidden, layout.inter);
     let slots = tokens * k;
-    let max_tiles = slots.div_ceil(GT_ROWS) + layout.experts;
+    let tile_rows = match how {
+        Grouped::Tiles => GT_ROWS,
+        Grouped::Skinny { nt, .. } => 8 * nt,
+    };
+    let max_tiles = slots.div_ceil(tile_rows) + layout.experts;
     let xb = round_bf16(enc, x, tokens, h)?;
     let (order, tiles, act, ys) = (
         enc.workspace(DType::U32, slots)?,
@@ -94,21 +109,49 @@ fn encode_grouped(
         .arg(u32_arg(slots)?)
         .arg(u32_arg(layout.experts)?)
         .arg(u32_arg(max_tiles)?)
+        .arg(u32_arg(tile_rows)?)
         .record();
     let span = layout.span_bytes() as u64;
     let (g, u, d) = (layout.gate(), layout.up(), layout.down());
-    // Hopper: both products on wgmma tiles of 128 columns (down where hidden divides).
-    let wg = enc.device.wgmma();
-    let (gu_name, gu_smem) = if wg {
-        (format!("moe_gemm_gate_up_{name}_wg"), WG_SMEM)
-    } else {
-        (format!("moe_gemm_gate_up_{name}"), mma_smem(2))
+    // The launches of gate/up and down: kernel, grid x, block and shared memory.
+    let (gate_up, down) = match how {
+        Grouped::Tiles => {
+            // Hopper: both products on wgmma tiles of 128 columns (down where hidden divides).
+            let wg = enc.device.wgmma();
+            let gate_up = match wg {
+                true => (format!("moe_gemm_gate_up_{name}_wg"), i / GT_COLS, WG_SMEM),
+                false => (format!("moe_gemm_gate_up_{name}"), i / GT_COLS, mma_smem(2)),
+            };
+            // 128 output columns a block where hidden allows.
+            let nb = if h % (2 * GT_COLS) == 0 { 2 } else { 1 };
+            let down = match (wg, nb) {
+                (true, 2) => (format!("moe_gemm_down_{name}_wg"), h / (2 * GT_COLS), WG_SMEM),
+                _ => (
+                    format!("moe_gemm_down_{name}_{nb}"),
+                    h / (nb * GT_COLS),
+                    mma_smem(nb),
+                ),
+            };
+            ((gate_up, GT_THREADS), (down, GT_THREADS))
+        }
+        Grouped::Skinny { nt, bits } => {
+            // The tiles that hold rows: at most one per expert or per slot (for the split of K).
+            let used = slots.min(layout.experts);
+            let (gu, gu_x) = skinny::launch(enc, "moe_skinny_gate_up", bits, nt, i, used);
+            let (dn, dn_x) = skinny::launch(enc, "moe_skinny_down", bits, nt, h, used);
+            (((gu, gu_x, 0), skinny::THREADS), ((dn, dn_x, 0), skinny::THREADS))
+        }
     };
-    let gate_up = enc.kernel(&gemm::MODULE, &gu_name)?;
+    let module = match how {
+        Grouped::Tiles => &gemm::MODULE,
+        Grouped::Skinny { .. } => &skinny::MODULE,
+    };
+    let ((gu_name, gu_x, gu_smem), gu_threads) = gate_up;
+    let kern = enc.kernel(module, &gu_name)?;
     let b = enc
-        .dispatch(&gate_up)
-        .grid((u32_arg(i / GT_COLS)?, u32_arg(max_tiles)?))
-        .block(GT_THREADS)
+        .dispatch(&kern)
+        .grid((u32_arg(gu_x)?, u32_arg(max_tiles)?))
+        .block(gu_threads)
         .shared_mem(u32_arg(gu_smem)?)
         .read(&xb)
         .read(&order)
@@ -116,16 +159,11 @@ fn encode_grouped(
         .read(e)
         .write(&act);
     expert_args(b, (h, i, k), span, &[g, u], group)?.record();
-    // 128 output columns a block where hidden allows.
-    let nb = if h % (2 * GT_COLS) == 0 { 2 } else { 1 };
-    let (down_name, down_smem) = match (wg, nb) {
-        (true, 2) => (format!("moe_gemm_down_{name}_wg"), WG_SMEM),
-        _ => (format!("moe_gemm_down_{name}_{nb}"), mma_smem(nb)),
-    };
-    let down = enc.kernel(&gemm::MODULE, &down_name)?;
-    enc.dispatch(&down)
-        .grid((u32_arg(h / (nb * GT_COLS))?, u32_arg(max_tiles)?))
-        .block(GT_THREADS)
+    let ((down_name, down_x, down_smem), down_threads) = down;
+    let kern = enc.kernel(module, &down_name)?;
+    enc.dispatch(&kern)
+        .grid((u32_arg(down_x)?, u32_arg(max_tiles)?))
+        .block(down_threads)
         .shared_mem(u32_arg(down_smem)?)
         .read(&act)
         .read(&order)
@@ -515,9 +553,20 @@ fn encode_experts(op: &Op, enc: &mut Encoder, stream: Option<(&Buffer, &Buffer)>
             // bf16 experts keep f32 activations when their rounding is switched off
             // (`Exact::experts`); quantised ones have no f32 kernel.
             let exact = enc.exact.experts && group == 0;
-            if stream.is_none() && tokens >= GROUPED_MIN_TOKENS && grouped_fits(&layout) && !exact {
-                let args = (tokens, k, name, group);
-                encode_grouped(enc, &x, &ids, &w, &e, &o, &layout, args)?;
+            // Skinny products for a few rows an expert, from two tokens on.
+            let skinny = match layout.format {
+                ExpertFormat::Quant(q) if tokens >= 2 && skinny::moe_fits(&layout, &e) => {
+                    skinny::moe_row_tiles(tokens * k, layout.experts)
+                        .map(|nt| Grouped::Skinny { nt, bits: q.bits })
+                }
+                _ => None,
+            };
+            let args = (tokens, k, name, group);
+            let sortable = stream.is_none() && layout.experts <= SORT_MAX_EXPERTS;
+            if let (Some(how), true) = (skinny, sortable) {
+                encode_grouped(enc, &x, &ids, &w, &e, &o, &layout, args, how)?;
+            } else if stream.is_none() && tokens >= GROUPED_MIN_TOKENS && grouped_fits(&layout) && !exact {
+                encode_grouped(enc, &x, &ids, &w, &e, &o, &layout, args, Grouped::Tiles)?;
             } else if group == 0 {
                 encode_bf16(enc, &x, &ids, &w, &e, &o, &layout, (tokens, k), stream)?;
             } else {

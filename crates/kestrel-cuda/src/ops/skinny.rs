@@ -1,0 +1,150 @@
+//! Skinny tensor-core products (`kernels/skinny.cu`): a few rows of activations against 4- or
+//! 8-bit weights, each weight read once straight into registers. `linear.rs` runs quantised
+//! projections of 2 to `LINEAR_MAX_TOKENS` tokens through them, `moe.rs` the routed experts of
+//! batched decode steps and short chunks (tiles of `moe_sort`'s table of 8, 16 or 32 rows).
+
+use kestrel_core::ir::{Buf, ExpertFormat, ExpertLayout, LinearWeight};
+
+use kestrel_cuda_rt::{Buffer, ModuleSource, Result};
+
+use super::common::{op_module, u32_arg};
+use super::linear::{bf16_activations, weight_parts};
+use crate::encoder::Encoder;
+
+/// Warps of a block.
+const SK_WARPS: usize = 4;
+
+pub(crate) const MODULE: ModuleSource = op_module(
+    "skinny",
+    include_str!("../../kernels/skinny.cu"),
+    &[("SK_WARPS", SK_WARPS as i64)],
+);
+
+/// Up to this many tokens, quantised projections run skinny; from there on, as `gemm.cu`'s tiles.
+pub(crate) const LINEAR_MAX_TOKENS: usize = 64;
+
+/// Values of a row one lane loads at once (16 bytes), and of a run of four lanes: the K step,
+/// which the reduction dimension must be a multiple of.
+fn lane_values(bits: u32) -> usize {
+    128 / bits as usize
+}
+
+/// Whether a 4- or 8-bit matrix of `k` values a row, grouped by `group`, fits the kernels: whole
+/// runs of K, each lane's values inside one group.
+fn quant_fits(bits: u32, group: usize, k: usize) -> bool {
+    (bits == 4 || bits == 8)
+        && k % (4 * lane_values(bits)) == 0
+        && group % lane_values(bits) == 0
+        && k % group == 0
+}
+
+/// Warps along K per group of 16 features: 4 when the product has too few (features / 16 x row
+/// tiles) warps to keep every SM busy with 8, else 1.
+fn k_shares(enc: &Encoder, features: usize, tiles: usize) -> usize {
+    let warps = features.div_ceil(16) * tiles;
+    if warps < 8 * enc.device.info().sm_count as usize {
+        4
+    } else {
+        1
+    }
+}
+
+/// Row tiles of 8 per warp for the routed experts of `slots` (token, expert) pairs over `experts`:
+/// by the rows an expert gets on average, or None when there are enough for the tiles of
+/// `gemm.cu` (more than 24 on average).
+pub(crate) fn moe_row_tiles(slots: usize, experts: usize) -> Option<usize> {
+    let mean = slots as f64 / experts.max(1) as f64;
+    match mean {
+        m if m <= 4.0 => Some(1),
+        m if m <= 10.0 => Some(2),
+        m if m <= 24.0 => Some(4),
+        _ => None,
+    }
+}
+
+/// Whether the experts fit the skinny kernels: quantised to 4 or 8 bits in whole runs of K both
+/// ways, every matrix of a span 16-byte aligned.
+pub(crate) fn moe_fits(layout: &ExpertLayout, experts: &Buffer) -> bool {
+    let ExpertFormat::Quant(q) = layout.format else {
+        return false;
+    };
+    let (h, i) = (layout.hidden, layout.inter);
+    let aligned = layout.span_bytes() % 16 == 0
+        && experts.device_ptr() % 16 == 0
+        && [layout.gate(), layout.up(), layout.down()]
+            .iter()
+            .all(|m| m.weight % 16 == 0 && m.scales % 2 == 0 && m.biases % 2 == 0);
+    aligned
+        && quant_fits(q.bits, q.group_size, h)
+        && quant_fits(q.bits, q.group_size, i)
+        && h % 16 == 0
+        && i % 16 == 0
+}
+
+/// The skinny kernel `<kernel>_q<bits>_<nt>_<ks>` and its grid's x for `features` output rows,
+/// `tiles` row tiles.
+pub(crate) fn launch(
+    enc: &Encoder,
+    kernel: &str,
+    bits: u32,
+    nt: usize,
+    features: usize,
+    tiles: usize,
+) -> (String, usize) {
+    let ks = k_shares(enc, features, tiles);
+    (
+        format!("{kernel}_q{bits}_{nt}_{ks}"),
+        features.div_ceil(16 * SK_WARPS / ks),
+    )
+}
+
+/// Threads of a block.
+pub(crate) const THREADS: u32 = 32 * SK_WARPS as u32;
+
+/// `out = x W^T` for 2 to `LINEAR_MAX_TOKENS` tokens of a 4- or 8-bit `w`, on x rounded to bf16
+/// (`bf16_activations`). Returns false (and records nothing) for other weights and shapes.
+pub(crate) fn encode_linear(
+    enc: &mut Encoder,
+    x: Buf,
+    w: &LinearWeight,
+    out: Buf,
+    tokens: usize,
+    in_dim: usize,
+    out_dim: usize,
+) -> Result<bool> {
+    let LinearWeight::Quant { format, .. } = w else {
+        return Ok(false);
+    };
+    if !(2..=LINEAR_MAX_TOKENS).contains(&tokens)
+        || !quant_fits(format.bits, format.group_size, in_dim)
+        || out_dim % 16 != 0
+    {
+        return Ok(false);
+    }
+    let (_, parts, _) = weight_parts(enc, w)?;
+    if parts[0].device_ptr() % 16 != 0 || parts[1].device_ptr() % 2 != 0 || parts[2].device_ptr() % 2 != 0 {
+        return Ok(false);
+    }
+    // Up to 32 rows a tile: beyond, the activations a warp reads per weight outgrow what L1
+    // delivers.
+    let nt = [1, 2, 4].into_iter().find(|&n| tokens <= 8 * n).unwrap_or(4);
+    let tiles = tokens.div_ceil(8 * nt);
+    let (name, grid_x) = launch(enc, "linear_skinny", format.bits, nt, out_dim, tiles);
+    let out = enc.buf(out)?.clone();
+    let xb = bf16_activations(enc, x, tokens, in_dim)?;
+    let k = enc.kernel(&MODULE, &name)?;
+    enc.dispatch(&k)
+        .grid((u32_arg(grid_x)?, u32_arg(tiles)?))
+        .block(THREADS)
+        .read(&xb)
+        .read(&parts[0])
+        .read(&parts[1])
+        .read(&parts[2])
+        .write(&out)
+        .arg(u32_arg(tokens)?)
+        .arg(u32_arg(in_dim)?)
+        .arg(u32_arg(out_dim)?)
+        .arg(u32_arg(format.group_size)?)
+        .record();
+    Ok(true)
+}
