@@ -227,7 +227,7 @@ pub(crate) const GEMM_MIN_TOKENS: usize = 16;
 
 /// The activations `x` (`[tokens, in_dim]`) as bf16 for a tensor-core product: the buffer itself
 /// when it is bf16 (a norm wrote it rounded), else rounded into a workspace.
-pub(super) fn bf16_activations(enc: &mut Encoder, x: Buf, tokens: usize, in_dim: usize) -> Result<Buffer> {
+fn bf16_activations(enc: &mut Encoder, x: Buf, tokens: usize, in_dim: usize) -> Result<Buffer> {
     let xb = enc.buf(x)?.clone();
     match enc.dtype(x) {
         DType::BF16 => Ok(xb),
@@ -252,6 +252,31 @@ fn f32_activations(enc: &mut Encoder, x: Buf) -> Result<Buffer> {
         .arg(u32_arg(n)?)
         .record();
     Ok(xf)
+}
+
+/// 2 to `skinny::LINEAR_MAX_TOKENS` tokens of a 4- or 8-bit weight as `skinny.cu`'s products,
+/// over x as bf16 (`bf16_activations`). Returns false (and records nothing) for other weights
+/// and shapes.
+fn encode_skinny(
+    enc: &mut Encoder,
+    x: Buf,
+    w: &LinearWeight,
+    out: Buf,
+    tokens: usize,
+    in_dim: usize,
+    out_dim: usize,
+) -> Result<bool> {
+    let LinearWeight::Quant { format, .. } = w else {
+        return Ok(false);
+    };
+    let (_, parts, _) = weight_parts(enc, w)?;
+    if !skinny::linear_fits(*format, tokens, (in_dim, out_dim), &parts) {
+        return Ok(false);
+    }
+    let out = enc.buf(out)?.clone();
+    let xb = bf16_activations(enc, x, tokens, in_dim)?;
+    skinny::encode_linear(enc, &xb, (*format, &parts), &out, (tokens, in_dim, out_dim))?;
+    Ok(true)
 }
 
 /// Many tokens on tensor cores, over x as bf16 (`bf16_activations`): bf16 weights through
@@ -335,7 +360,7 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
         } => {
             // Router logits, or every product when rounded activations are switched off.
             let precise = enc.precise || enc.exact.projections;
-            if !precise && skinny::encode_linear(enc, *x, w, *out, *tokens, *in_dim, *out_dim)? {
+            if !precise && encode_skinny(enc, *x, w, *out, *tokens, *in_dim, *out_dim)? {
                 return Ok(());
             }
             if *tokens >= GEMM_MIN_TOKENS

@@ -3,12 +3,12 @@
 //! projections of 2 to `LINEAR_MAX_TOKENS` tokens through them, `moe.rs` the routed experts of
 //! batched decode steps and short chunks (tiles of `moe_sort`'s table of 8, 16 or 32 rows).
 
-use kestrel_core::ir::{Buf, ExpertFormat, ExpertLayout, LinearWeight};
+use kestrel_core::ir::{ExpertFormat, ExpertLayout};
+use kestrel_core::quant::QuantFormat;
 
 use kestrel_cuda_rt::{Buffer, ModuleSource, Result};
 
 use super::common::{op_module, u32_arg};
-use super::linear::{bf16_activations, weight_parts};
 use crate::encoder::Encoder;
 
 /// Warps of a block.
@@ -101,50 +101,49 @@ pub(crate) fn launch(
 /// Threads of a block.
 pub(crate) const THREADS: u32 = 32 * SK_WARPS as u32;
 
-/// `out = x W^T` for 2 to `LINEAR_MAX_TOKENS` tokens of a 4- or 8-bit `w`, on x rounded to bf16
-/// (`bf16_activations`). Returns false (and records nothing) for other weights and shapes.
+/// Whether a projection of `tokens` tokens with a `format` weight (its words, scales and biases
+/// `parts`) runs skinny: 2 to `LINEAR_MAX_TOKENS` tokens, whole runs of K, 16 outputs at a time,
+/// 16-byte loads of the words and 2-byte ones of the scales and biases.
+pub(crate) fn linear_fits(
+    format: QuantFormat,
+    tokens: usize,
+    (in_dim, out_dim): (usize, usize),
+    parts: &[Buffer],
+) -> bool {
+    (2..=LINEAR_MAX_TOKENS).contains(&tokens)
+        && quant_fits(format.bits, format.group_size, in_dim)
+        && out_dim % 16 == 0
+        && parts[0].device_ptr() % 16 == 0
+        && parts[1].device_ptr() % 2 == 0
+        && parts[2].device_ptr() % 2 == 0
+}
+
+/// `out = x W^T` on the bf16 activations `xb` for a weight `linear_fits` accepts.
 pub(crate) fn encode_linear(
     enc: &mut Encoder,
-    x: Buf,
-    w: &LinearWeight,
-    out: Buf,
-    tokens: usize,
-    in_dim: usize,
-    out_dim: usize,
-) -> Result<bool> {
-    let LinearWeight::Quant { format, .. } = w else {
-        return Ok(false);
-    };
-    if !(2..=LINEAR_MAX_TOKENS).contains(&tokens)
-        || !quant_fits(format.bits, format.group_size, in_dim)
-        || out_dim % 16 != 0
-    {
-        return Ok(false);
-    }
-    let (_, parts, _) = weight_parts(enc, w)?;
-    if parts[0].device_ptr() % 16 != 0 || parts[1].device_ptr() % 2 != 0 || parts[2].device_ptr() % 2 != 0 {
-        return Ok(false);
-    }
+    xb: &Buffer,
+    (format, parts): (QuantFormat, &[Buffer]),
+    out: &Buffer,
+    (tokens, in_dim, out_dim): (usize, usize, usize),
+) -> Result<()> {
     // Up to 32 rows a tile: beyond, the activations a warp reads per weight outgrow what L1
     // delivers.
     let nt = [1, 2, 4].into_iter().find(|&n| tokens <= 8 * n).unwrap_or(4);
     let tiles = tokens.div_ceil(8 * nt);
     let (name, grid_x) = launch(enc, "linear_skinny", format.bits, nt, out_dim, tiles);
-    let out = enc.buf(out)?.clone();
-    let xb = bf16_activations(enc, x, tokens, in_dim)?;
     let k = enc.kernel(&MODULE, &name)?;
     enc.dispatch(&k)
         .grid((u32_arg(grid_x)?, u32_arg(tiles)?))
         .block(THREADS)
-        .read(&xb)
+        .read(xb)
         .read(&parts[0])
         .read(&parts[1])
         .read(&parts[2])
-        .write(&out)
+        .write(out)
         .arg(u32_arg(tokens)?)
         .arg(u32_arg(in_dim)?)
         .arg(u32_arg(out_dim)?)
         .arg(u32_arg(format.group_size)?)
         .record();
-    Ok(true)
+    Ok(())
 }
