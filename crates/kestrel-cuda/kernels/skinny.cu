@@ -9,18 +9,20 @@
 // takes the q-th 16-byte piece of every 64-byte run of a row (32 4-bit or 16 8-bit values), and
 // the activations of the same values. Which of the 16 K values of an mma a lane holds is up to us
 // as long as A and B agree: a 4-bit word gives the bf16 pairs (v_j, v_j+4) its cheap
-// dequantisation makes (dequant_q4_pairs), and the activations are paired the same way with one
-// byte permute each; an 8-bit word gives (v0, v1), (v2, v3), the activations' own order.
+// dequantisation makes (dequant_q4_pairs), and the activations are paired the same way, with one
+// byte permute each or, for the experts, stored paired (px_index); an 8-bit word gives (v0, v1),
+// (v2, v3), the activations' own order.
 // Dequantisation is the one gemm.cu uses, so both paths round every weight the same way.
 //
 // A block is SK_WARPS warps: SK_WARPS / KS groups of 16 features, each split over KS warps along
 // K (partial sums added through shared memory) when a product has too few features x tiles to
 // fill the GPU otherwise.
 //
-// moe_skinny_gate_up_*: act[pos] = silu(gate_e x_t) * (up_e x_t), bf16, for the rows of a tile of
-//   moe_sort's table (tiles of 8 * NT rows), x gathered from its bf16 copy;
+// skinny_permute_x_*: x rounded to bf16 in the layout the expert kernels read (px_index);
+// moe_skinny_gate_up_*: act[pos] = silu(gate_e x_t) * (up_e x_t), bf16 in that layout, for the
+//   rows of a tile of moe_sort's table (tiles of 8 * NT rows), x gathered from its permuted copy;
 // moe_skinny_down_*: ys[slot] = weight[slot] * (down_e act[pos]), bf16 (then moe_combine);
-// linear_skinny_*: out = x W^T in f32, x from its bf16 copy, 8 * NT tokens a block.
+// linear_skinny_*: out = x W^T in f32, x from its plain bf16 copy, 8 * NT tokens a block.
 // Names: <kernel>_{q4,q8}_<NT>_<KS>.
 #include "kestrel.cuh"
 
@@ -35,6 +37,19 @@ struct QMat {
     const bf16* s;
     const bf16* b;
 };
+
+// Where value k of a row of activations lies in the skinny kernels' own layout ("PX"), in which
+// the 16-byte pieces a lane takes of a run of 4 * VALS values are stored so that the four lanes of
+// a weight row load 64 contiguous bytes at once, and a 4-bit word's activation pairs (v_e, v_e+4)
+// are already side by side: value VALS q + 8 i + e of a run goes to piece 4 i + q, place e (8-bit)
+// or 2 e, 2 (e - 4) + 1 (4-bit).
+template <int BITS>
+__device__ __forceinline__ unsigned px_index(unsigned k) {
+    constexpr unsigned VALS = 128 / BITS, RUN = 4 * VALS;
+    const unsigned kr = k % RUN, q = kr / VALS, i = kr % VALS / 8, e = kr % 8;
+    const unsigned p = BITS == 4 ? (e < 4 ? 2 * e : 2 * (e - 4) + 1) : e;
+    return k - kr + 8 * (4 * i + q) + p;
+}
 
 // A 16-byte load of weights, which are read once: not kept in L1, where the activations live.
 __device__ __forceinline__ uint4 ld_once(const unsigned char* p) {
@@ -66,7 +81,7 @@ __host__ __device__ constexpr int ahead() {
 // K values [kbeg, kend) (multiples of the 64-byte run). xrow[nt]: the row of the activations
 // this lane's B fragment takes (row g of tile nt). Weights are loaded D runs at a time, the next
 // D while the current D are computed.
-template <int BITS, int M, int NT>
+template <int BITS, int M, int NT, bool PX>
 __device__ __forceinline__ void skinny_product(float (&acc)[M][NT][4], const QMat (&mats)[M], unsigned f0,
                                                unsigned K, unsigned group, const bf16* const (&xrow)[NT],
                                                unsigned kbeg, unsigned kend) {
@@ -116,7 +131,9 @@ __device__ __forceinline__ void skinny_product(float (&acc)[M][NT][4], const QMa
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-                for (int i = 0; i < (int)VALS / 8; i++) xv[nt][i] = __ldg(reinterpret_cast<const uint4*>(xrow[nt] + k) + i);
+                for (int i = 0; i < (int)VALS / 8; i++)
+                    xv[nt][i] = PX ? __ldg(reinterpret_cast<const uint4*>(xrow[nt] + k - q * VALS) + 4 * i + q)
+                                   : __ldg(reinterpret_cast<const uint4*>(xrow[nt] + k) + i);
 #pragma unroll
             for (int j = 0; j < 4; j++) {
                 unsigned wd[M][2];
@@ -140,10 +157,17 @@ __device__ __forceinline__ void skinny_product(float (&acc)[M][NT][4], const QMa
 #pragma unroll
                     for (int nt = 0; nt < NT; nt++) {
                         const uint4 X = xv[nt][j];
-                        xp[nt][0] = prmt(X.x, X.z, 0x5410);
-                        xp[nt][1] = prmt(X.x, X.z, 0x7632);
-                        xp[nt][2] = prmt(X.y, X.w, 0x5410);
-                        xp[nt][3] = prmt(X.y, X.w, 0x7632);
+                        if constexpr (PX) {
+                            xp[nt][0] = X.x;
+                            xp[nt][1] = X.y;
+                            xp[nt][2] = X.z;
+                            xp[nt][3] = X.w;
+                        } else {
+                            xp[nt][0] = prmt(X.x, X.z, 0x5410);
+                            xp[nt][1] = prmt(X.x, X.z, 0x7632);
+                            xp[nt][2] = prmt(X.y, X.w, 0x5410);
+                            xp[nt][3] = prmt(X.y, X.w, 0x7632);
+                        }
                     }
 #pragma unroll
                     for (int h = 0; h < 2; h++)
@@ -181,7 +205,7 @@ __device__ __forceinline__ void skinny_product(float (&acc)[M][NT][4], const QMa
 // the (w % KS)-th share of K; the shares are summed into the first warp of each group, which then
 // calls out(feature, tile row, v[M]) for every value (feature < 16 from f0, row < 8 * NT). Warps
 // whose features lie past `features` compute nothing. Every thread of the block must call it.
-template <int BITS, int M, int NT, int KS, class Rows, class Out>
+template <int BITS, int M, int NT, int KS, bool PX, class Rows, class Out>
 __device__ __forceinline__ void skinny_block(const QMat (&mats)[M], unsigned features, unsigned K, unsigned group,
                                              Rows xrow_of, Out out) {
     static_assert(SK_WARPS % KS == 0, "K shares divide the block's warps");
@@ -201,7 +225,7 @@ __device__ __forceinline__ void skinny_block(const QMat (&mats)[M], unsigned fea
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) xrow[nt] = xrow_of(nt * 8 + lane / 4);
         const unsigned runs = K / RUN;
-        skinny_product<BITS, M, NT>(acc, mats, f0, K, group, xrow, runs * ks / KS * RUN, runs * (ks + 1) / KS * RUN);
+        skinny_product<BITS, M, NT, PX>(acc, mats, f0, K, group, xrow, runs * ks / KS * RUN, runs * (ks + 1) / KS * RUN);
     }
     if constexpr (KS > 1) {
         __shared__ float part[SK_WARPS][M * NT * 4][32];
@@ -256,11 +280,11 @@ __device__ void skinny_gate_up(const bf16* xb, const unsigned* order, const unsi
     const unsigned pos0 = tile[1], rows = tile[2];
     const unsigned char* sp = experts + (size_t)e * span;
     const QMat mats[2] = {qmat(sp, gw, gs, gb), qmat(sp, uw, us, ub)};
-    skinny_block<BITS, 2, NT, KS>(
+    skinny_block<BITS, 2, NT, KS, true>(
         mats, inter, hidden, group,
         [&](unsigned r) { return xb + (size_t)(order[pos0 + min(r, rows - 1)] / k) * hidden; },
         [&](unsigned f, unsigned r, const float (&v)[2]) {
-            if (r < rows) act[(size_t)(pos0 + r) * inter + f] = __float2bfloat16_rn(silu(v[0]) * v[1]);
+            if (r < rows) act[(size_t)(pos0 + r) * inter + px_index<BITS>(f)] = __float2bfloat16_rn(silu(v[0]) * v[1]);
         });
 }
 
@@ -276,7 +300,7 @@ __device__ void skinny_down(const bf16* act, const unsigned* order, const unsign
     if (e == NO_TILE) return;
     const unsigned pos0 = tile[1], rows = tile[2];
     const QMat mats[1] = {qmat(experts + (size_t)e * span, dw, ds, db)};
-    skinny_block<BITS, 1, NT, KS>(
+    skinny_block<BITS, 1, NT, KS, true>(
         mats, hidden, inter, group, [&](unsigned r) { return act + (size_t)(pos0 + min(r, rows - 1)) * inter; },
         [&](unsigned f, unsigned r, const float (&v)[1]) {
             if (r >= rows) return;
@@ -292,11 +316,42 @@ __device__ void skinny_linear(const bf16* xb, const unsigned char* w, const bf16
                               float* out, unsigned tokens, unsigned in_dim, unsigned out_dim, unsigned group) {
     const unsigned m0 = blockIdx.y * 8 * NT, rows = min(8u * NT, tokens - m0);
     const QMat mats[1] = {QMat{w, scales, biases}};
-    skinny_block<BITS, 1, NT, KS>(
+    skinny_block<BITS, 1, NT, KS, false>(
         mats, out_dim, in_dim, group, [&](unsigned r) { return xb + (size_t)(m0 + min(r, rows - 1)) * in_dim; },
         [&](unsigned f, unsigned r, const float (&v)[1]) {
             if (r < rows) out[(size_t)(m0 + r) * out_dim + f] = v[0];
         });
+}
+
+// x (f32 [rows, K]) rounded to bf16 in the PX layout for BITS-bit weights: one 16-byte piece of
+// the output a thread (rows * K / 8 threads; K a multiple of the run).
+template <int BITS>
+__device__ void permute_x(const float* x, bf16* out, unsigned rows, unsigned K) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)rows * K / 8) return;
+    // Piece u of its run holds the eight consecutive values VALS q + 8 i' .. of the run, with
+    // u = 4 i' + q; their place in the piece as px_index says.
+    constexpr unsigned VALS = 128 / BITS, RUN = 4 * VALS;
+    const size_t base = i * 8 - i * 8 % RUN;
+    const unsigned u = i % (RUN / 8), q = u % 4, ii = u / 4;
+    const float4* src = reinterpret_cast<const float4*>(x + base + VALS * q + 8 * ii);
+    const float4 a = src[0], b = src[1];
+    uint4 v;
+    if constexpr (BITS == 4) {
+        v = make_uint4(pack2<bf16>(a.x, b.x), pack2<bf16>(a.y, b.y), pack2<bf16>(a.z, b.z), pack2<bf16>(a.w, b.w));
+    } else {
+        v = make_uint4(pack2<bf16>(a.x, a.y), pack2<bf16>(a.z, a.w), pack2<bf16>(b.x, b.y), pack2<bf16>(b.z, b.w));
+    }
+    reinterpret_cast<uint4*>(out)[i] = v;
+}
+
+extern "C" __global__ void skinny_permute_x_q4(const float* x, bf16* out, unsigned rows, unsigned K) {
+    pdl_begin();
+    permute_x<4>(x, out, rows, K);
+}
+extern "C" __global__ void skinny_permute_x_q8(const float* x, bf16* out, unsigned rows, unsigned K) {
+    pdl_begin();
+    permute_x<8>(x, out, rows, K);
 }
 
 #define SKINNY_MOE(BITS, NT, KS)                                                                             \

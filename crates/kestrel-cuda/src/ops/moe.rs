@@ -92,7 +92,10 @@ fn encode_grouped(
         Grouped::Skinny { nt, .. } => 8 * nt,
     };
     let max_tiles = slots.div_ceil(tile_rows) + layout.experts;
-    let xb = round_bf16(enc, x, tokens, h)?;
+    let xb = match how {
+        Grouped::Tiles => round_bf16(enc, x, tokens, h)?,
+        Grouped::Skinny { bits, .. } => skinny::permuted_x(enc, x, tokens, h, bits)?,
+    };
     let (order, tiles, act, ys) = (
         enc.workspace(DType::U32, slots)?,
         enc.workspace(DType::U32, 3 * max_tiles)?,
@@ -555,7 +558,7 @@ fn encode_experts(op: &Op, enc: &mut Encoder, stream: Option<(&Buffer, &Buffer)>
             let exact = enc.exact.experts && group == 0;
             // Skinny products for a few rows an expert, from two tokens on.
             let skinny = match layout.format {
-                ExpertFormat::Quant(q) if tokens >= 2 && skinny::moe_fits(&layout, &e) => {
+                ExpertFormat::Quant(q) if tokens >= 2 && skinny::moe_fits(&layout, &e, &x) => {
                     skinny::moe_row_tiles(tokens * k, layout.experts)
                         .map(|nt| Grouped::Skinny { nt, bits: q.bits })
                 }

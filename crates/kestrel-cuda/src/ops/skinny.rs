@@ -5,6 +5,7 @@
 
 use kestrel_core::ir::{ExpertFormat, ExpertLayout};
 use kestrel_core::quant::QuantFormat;
+use kestrel_core::DType;
 
 use kestrel_cuda_rt::{Buffer, ModuleSource, Result};
 
@@ -63,14 +64,15 @@ pub(crate) fn moe_row_tiles(slots: usize, experts: usize) -> Option<usize> {
 }
 
 /// Whether the experts fit the skinny kernels: quantised to 4 or 8 bits in whole runs of K both
-/// ways, every matrix of a span 16-byte aligned.
-pub(crate) fn moe_fits(layout: &ExpertLayout, experts: &Buffer) -> bool {
+/// ways, every matrix of a span 16-byte aligned, and x read as float4s.
+pub(crate) fn moe_fits(layout: &ExpertLayout, experts: &Buffer, x: &Buffer) -> bool {
     let ExpertFormat::Quant(q) = layout.format else {
         return false;
     };
     let (h, i) = (layout.hidden, layout.inter);
     let aligned = layout.span_bytes() % 16 == 0
         && experts.device_ptr() % 16 == 0
+        && x.device_ptr() % 16 == 0
         && [layout.gate(), layout.up(), layout.down()]
             .iter()
             .all(|m| m.weight % 16 == 0 && m.scales % 2 == 0 && m.biases % 2 == 0);
@@ -96,6 +98,21 @@ pub(crate) fn launch(
         format!("{kernel}_q{bits}_{nt}_{ks}"),
         features.div_ceil(16 * SK_WARPS / ks),
     )
+}
+
+/// x (f32 `[rows, k]`, 16-byte aligned) rounded to bf16 in the layout the expert kernels of
+/// `bits`-bit weights read (`px_index` in skinny.cu).
+pub(crate) fn permuted_x(enc: &mut Encoder, x: &Buffer, rows: usize, k: usize, bits: u32) -> Result<Buffer> {
+    let out = enc.workspace(DType::BF16, [rows, k])?;
+    let kern = enc.kernel(&MODULE, &format!("skinny_permute_x_q{bits}"))?;
+    enc.dispatch(&kern)
+        .cover(rows * k / 8, 256)
+        .read(x)
+        .write(&out)
+        .arg(u32_arg(rows)?)
+        .arg(u32_arg(k)?)
+        .record();
+    Ok(out)
 }
 
 /// Threads of a block.
