@@ -127,7 +127,7 @@ fn moe_decode_at_model_shape_matches_the_cpu_backend() {
 }
 
 /// Quantised products of a few tokens, which CUDA runs as skinny tensor-core products
-/// (projections of 2 to 64 tokens; experts with a few rows each), at shapes that take every
+/// (projections of 2 to 128 tokens; experts with a few rows each), at shapes that take every
 /// count of row tiles a warp holds and both ways of splitting K over warps: narrow and wide
 /// projections (17,600 outputs fill the GPU without a split), groups of 32 to 128, and experts
 /// with a half to 20 rows each behind the router's exact 8-bit product of as many tokens.
@@ -149,7 +149,7 @@ fn skinny_products_match_the_cpu_backend() {
             group_size: 128,
         },
     ];
-    for (round, tokens) in [2, 7, 13, 29, 64].into_iter().enumerate() {
+    for (round, tokens) in [2, 7, 13, 29, 64, 101].into_iter().enumerate() {
         for format in formats {
             let in_dim = 128 * rng.range(1, 4);
             let out_dim = if rng.range(0, 2) == 0 {

@@ -2,7 +2,7 @@
 //! many tokens through `kernels/gemm.cu`.
 //!
 //! A product takes the first path that fits:
-//! - 2 to `skinny::LINEAR_MAX_TOKENS` (64) tokens of 4- or 8-bit weights, outside router logits
+//! - 2 to `skinny::LINEAR_MAX_TOKENS` (128) tokens of 4- or 8-bit weights, outside router logits
 //!   and unless rounded activations are switched off: `skinny.cu`'s `linear_skinny_*` on x
 //!   rounded to bf16;
 //! - from `GEMM_MIN_TOKENS` (16) tokens, outside router logits (`Encoder::precise`) and unless

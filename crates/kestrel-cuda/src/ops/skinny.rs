@@ -22,7 +22,9 @@ pub(crate) const MODULE: ModuleSource = op_module(
 );
 
 /// Up to this many tokens, quantised projections run skinny; from there on, as `gemm.cu`'s tiles.
-pub(crate) const LINEAR_MAX_TOKENS: usize = 64;
+/// Measured on the H200 at Qwen3-30B-A3B's shapes: a batched step of 128 sequences 10% faster
+/// skinny (4 tiles of 32 rows), one of 256 8% slower (the lm_head alone 1.56 ms against 0.39).
+pub(crate) const LINEAR_MAX_TOKENS: usize = 128;
 
 /// Values of a row one lane loads at once (16 bytes), and of a run of four lanes: the K step,
 /// which the reduction dimension must be a multiple of.
