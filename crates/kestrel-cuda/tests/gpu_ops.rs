@@ -6,7 +6,6 @@
 //! both), except quantised products, which CUDA computes on activations rounded to int8 (one
 //! token) or to bf16 (several tokens) (relative L2 error 2e-2); selected ids equal.
 
-use kestrel_core::quant::QuantFormat;
 use kestrel_core::rng::Rng;
 use kestrel_core::{Backend, DType, GraphBuilder};
 use kestrel_cpu::CpuBackend;
@@ -137,18 +136,7 @@ fn skinny_products_match_the_cpu_backend() {
         return;
     };
     let (mut rng, seed) = Rng::from_time();
-    let formats = [
-        QuantFormat::Q4,
-        QuantFormat::Q8,
-        QuantFormat {
-            bits: 4,
-            group_size: 32,
-        },
-        QuantFormat {
-            bits: 8,
-            group_size: 128,
-        },
-    ];
+    let formats = kestrel_testing::cases::QUANT_FORMATS;
     for (round, tokens) in [2, 7, 13, 29, 64, 101].into_iter().enumerate() {
         for format in formats {
             let in_dim = 128 * rng.range(1, 4);

@@ -608,18 +608,24 @@ pub fn rope(rng: Rng) -> Case {
     ))
 }
 
+/// The quantised formats cases draw from: MLX's 4- and 8-bit defaults (groups of 64), 4-bit in
+/// groups of 32 and 8-bit in groups of 128.
+pub const QUANT_FORMATS: [QuantFormat; 4] = [
+    QuantFormat::Q4,
+    QuantFormat::Q8,
+    QuantFormat {
+        bits: 4,
+        group_size: 32,
+    },
+    QuantFormat {
+        bits: 8,
+        group_size: 128,
+    },
+];
+
 pub fn linear(rng: Rng) -> Case {
     let mut c = CaseBuilder::new(rng);
-    let (q4g32, q8g128) = (
-        QuantFormat {
-            bits: 4,
-            group_size: 32,
-        },
-        QuantFormat {
-            bits: 8,
-            group_size: 128,
-        },
-    );
+    let [_, _, q4g32, q8g128] = QUANT_FORMATS;
     let format = pick(
         &mut c.rng,
         &[
