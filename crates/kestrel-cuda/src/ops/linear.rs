@@ -9,8 +9,9 @@
 //!   rounded activations are switched off (`Exact::projections`): bf16 weights
 //!   through cuBLAS on x rounded to bf16, quantised weights in whole tiles (64 columns, K in steps
 //!   of 64) through `gemm.cu`'s `linear_gemm_*`;
-//! - one token: the matvecs (`matvec_bf16`, `matvec_q*_dp4a`); router logits of up to 256 tokens
-//!   from quantised weights through `matvec_q*_exact`, one token a grid row, on x in f32;
+//! - one token: the matvecs (`matvec_bf16`, `matvec_q*_dp4a`); router logits, and outputs
+//!   narrower than 16, of up to 256 tokens from quantised weights through `matvec_q*_exact`, one
+//!   token a grid row, on x in f32;
 //! - every other shape: `linear_*`.
 
 use kestrel_core::ir::{Buf, LinearWeight, Op};
@@ -160,13 +161,19 @@ fn encode_matvec(
     Ok(true)
 }
 
+/// Fewer outputs than this (the skinny products take 16 at a time), of up to `EXACT_MAX_TOKENS`
+/// tokens: the exact matvec per token too. A shared expert's gate (one output) of 64 tokens took
+/// 23 µs through `linear_q8` on the H200.
+const NARROW_OUT: usize = 16;
+
 /// Up to this many tokens, router logits from quantised weights run as one exact matvec per token
 /// (`matvec_q*_exact`, grid row y a token); the weights are small enough to come from L2 after
 /// the first.
 const EXACT_MAX_TOKENS: usize = 256;
 
 /// The product of a quantised weight and 1 to `EXACT_MAX_TOKENS` tokens of f32 activations
-/// (nothing rounded beyond f32 arithmetic), for the logits a router decides from. Returns false
+/// (nothing rounded beyond f32 arithmetic), for the logits a router decides from and for outputs
+/// too narrow for the skinny products. Returns false
 /// (and records nothing) for more tokens, and when the format's 16-byte vectors do not tile the
 /// groups.
 #[allow(clippy::too_many_arguments)]
@@ -376,7 +383,10 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             if *tokens == 1 && (!precise || exact) && encode_matvec(enc, &x, w, *out, *in_dim, *out_dim)? {
                 return Ok(());
             }
-            if precise && encode_matvec_exact(enc, &x, w, *out, *tokens, *in_dim, *out_dim)? {
+            // Router logits, and outputs too narrow for the skinny products (a shared expert's
+            // one-column gate): per token on f32 activations.
+            let narrow = *out_dim < NARROW_OUT;
+            if (precise || narrow) && encode_matvec_exact(enc, &x, w, *out, *tokens, *in_dim, *out_dim)? {
                 return Ok(());
             }
             let grid = (
