@@ -9,9 +9,9 @@
 //!   rounded activations are switched off (`Exact::projections`): bf16 weights
 //!   through cuBLAS on x rounded to bf16, quantised weights in whole tiles (64 columns, K in steps
 //!   of 64) through `gemm.cu`'s `linear_gemm_*`;
-//! - one token: the matvecs (`matvec_bf16`, `matvec_q*_dp4a`); router logits, and outputs
-//!   narrower than 16, of up to 256 tokens from quantised weights through `matvec_q*_exact`, one
-//!   token a grid row, on x in f32;
+//! - one token: the matvecs (`matvec_bf16`, `matvec_q*_dp4a`);
+//! - router logits, and outputs narrower than 16, of up to 256 tokens from quantised weights:
+//!   `matvec_q*_exact`, one token a grid row, on x in f32;
 //! - every other shape: `linear_*`.
 
 use kestrel_core::ir::{Buf, LinearWeight, Op};
@@ -166,16 +166,15 @@ fn encode_matvec(
 /// 23 µs through `linear_q8` on the H200.
 const NARROW_OUT: usize = 16;
 
-/// Up to this many tokens, router logits from quantised weights run as one exact matvec per token
-/// (`matvec_q*_exact`, grid row y a token); the weights are small enough to come from L2 after
-/// the first.
+/// Up to this many tokens, router logits and narrow outputs from quantised weights run as one
+/// exact matvec per token (`matvec_q*_exact`, grid row y a token); the weights are small enough
+/// to come from L2 after the first.
 const EXACT_MAX_TOKENS: usize = 256;
 
 /// The product of a quantised weight and 1 to `EXACT_MAX_TOKENS` tokens of f32 activations
 /// (nothing rounded beyond f32 arithmetic), for the logits a router decides from and for outputs
-/// too narrow for the skinny products. Returns false
-/// (and records nothing) for more tokens, and when the format's 16-byte vectors do not tile the
-/// groups.
+/// too narrow for the skinny products. Returns false (and records nothing) for more tokens, and
+/// when the format's 16-byte vectors do not tile the groups.
 #[allow(clippy::too_many_arguments)]
 fn encode_matvec_exact(
     enc: &mut Encoder,

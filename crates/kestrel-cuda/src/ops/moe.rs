@@ -71,6 +71,15 @@ enum Grouped {
     Skinny { nt: usize, bits: u32 },
 }
 
+/// One of a grouped layer's two products (gate/up, down): its kernel, the grid's x (column
+/// blocks; y is the tile table), threads and shared memory of a block.
+struct Launch {
+    kernel: String,
+    grid_x: usize,
+    threads: u32,
+    smem: usize,
+}
+
 /// Sort slots by expert, gate/up (SwiGLU, bf16 activations) and down (weighted, bf16 per slot)
 /// over each expert's rows as `how` says, then the ordered f32 combine into `out`.
 #[allow(clippy::too_many_arguments)]
@@ -116,58 +125,63 @@ fn encode_grouped(
         .record();
     let span = layout.span_bytes() as u64;
     let (g, u, d) = (layout.gate(), layout.up(), layout.down());
-    // The launches of gate/up and down: kernel, grid x, block and shared memory.
-    let (gate_up, down) = match how {
+    let (module, gate_up, down) = match how {
         Grouped::Tiles => {
             // Hopper: both products on wgmma tiles of 128 columns (down where hidden divides).
             let wg = enc.device.wgmma();
+            let tiles = |kernel: String, grid_x, smem| Launch {
+                kernel,
+                grid_x,
+                threads: GT_THREADS,
+                smem,
+            };
             let gate_up = match wg {
-                true => (format!("moe_gemm_gate_up_{name}_wg"), i / GT_COLS, WG_SMEM),
-                false => (format!("moe_gemm_gate_up_{name}"), i / GT_COLS, mma_smem(2)),
+                true => tiles(format!("moe_gemm_gate_up_{name}_wg"), i / GT_COLS, WG_SMEM),
+                false => tiles(format!("moe_gemm_gate_up_{name}"), i / GT_COLS, mma_smem(2)),
             };
             // 128 output columns a block where hidden allows.
             let nb = if h % (2 * GT_COLS) == 0 { 2 } else { 1 };
             let down = match (wg, nb) {
-                (true, 2) => (format!("moe_gemm_down_{name}_wg"), h / (2 * GT_COLS), WG_SMEM),
-                _ => (
+                (true, 2) => tiles(format!("moe_gemm_down_{name}_wg"), h / (2 * GT_COLS), WG_SMEM),
+                _ => tiles(
                     format!("moe_gemm_down_{name}_{nb}"),
                     h / (nb * GT_COLS),
                     mma_smem(nb),
                 ),
             };
-            ((gate_up, GT_THREADS), (down, GT_THREADS))
+            (&gemm::MODULE, gate_up, down)
         }
         Grouped::Skinny { nt, bits } => {
             // The tiles that hold rows: at most one per expert or per slot (for the split of K).
             let used = slots.min(layout.experts);
-            let (gu, gu_x) = skinny::launch(enc, "moe_skinny_gate_up", bits, nt, i, used);
-            let (dn, dn_x) = skinny::launch(enc, "moe_skinny_down", bits, nt, h, used);
-            (((gu, gu_x, 0), skinny::THREADS), ((dn, dn_x, 0), skinny::THREADS))
+            let as_launch = |(kernel, grid_x)| Launch {
+                kernel,
+                grid_x,
+                threads: skinny::THREADS,
+                smem: 0,
+            };
+            let gate_up = as_launch(skinny::launch(enc, "moe_skinny_gate_up", bits, nt, i, used));
+            let down = as_launch(skinny::launch(enc, "moe_skinny_down", bits, nt, h, used));
+            (&skinny::MODULE, gate_up, down)
         }
     };
-    let module = match how {
-        Grouped::Tiles => &gemm::MODULE,
-        Grouped::Skinny { .. } => &skinny::MODULE,
-    };
-    let ((gu_name, gu_x, gu_smem), gu_threads) = gate_up;
-    let kern = enc.kernel(module, &gu_name)?;
+    let kern = enc.kernel(module, &gate_up.kernel)?;
     let b = enc
         .dispatch(&kern)
-        .grid((u32_arg(gu_x)?, u32_arg(max_tiles)?))
-        .block(gu_threads)
-        .shared_mem(u32_arg(gu_smem)?)
+        .grid((u32_arg(gate_up.grid_x)?, u32_arg(max_tiles)?))
+        .block(gate_up.threads)
+        .shared_mem(u32_arg(gate_up.smem)?)
         .read(&xb)
         .read(&order)
         .read(&tiles)
         .read(e)
         .write(&act);
     expert_args(b, (h, i, k), span, &[g, u], group)?.record();
-    let ((down_name, down_x, down_smem), down_threads) = down;
-    let kern = enc.kernel(module, &down_name)?;
+    let kern = enc.kernel(module, &down.kernel)?;
     enc.dispatch(&kern)
-        .grid((u32_arg(down_x)?, u32_arg(max_tiles)?))
-        .block(down_threads)
-        .shared_mem(u32_arg(down_smem)?)
+        .grid((u32_arg(down.grid_x)?, u32_arg(max_tiles)?))
+        .block(down.threads)
+        .shared_mem(u32_arg(down.smem)?)
         .read(&act)
         .read(&order)
         .read(&tiles)
