@@ -359,26 +359,27 @@ fn cuda_extras(
     });
     if profile {
         let label = format!("tg{tg}");
-        profiled(e, &dev, (&label, tg), |e, n| {
+        profiled(e, &dev, (&label, tg, 1), |e, n| {
             start_at(e, rng, depth)?;
             generate(e, first, depth, n, tg_tokens(input, rng).as_mut()).map(drop)
         })?;
         if let Some(b) = batch.filter(|&b| b > 1) {
             let label = format!("tg{tg} x{b}");
-            profiled(e, &dev, (&label, tg * b), |e, n| {
-                batched_run(e, (b, depth, n / b), input, rng).map(drop)
+            profiled(e, &dev, (&label, tg, b), |e, n| {
+                batched_run(e, (b, depth, n), input, rng).map(drop)
             })?;
         }
     }
     Ok(counters)
 }
 
-/// Runs `run(e, n)` (which generates `n` tokens) eagerly with every dispatch timed by CUDA
-/// events, after an untimed run of a few tokens, and prints the per-kernel table.
+/// Runs `run(e, n)` (which takes `n` steps of `per_step` tokens each) for `steps` steps eagerly,
+/// every dispatch timed by CUDA events, after an untimed run of a few steps, and prints the
+/// per-kernel table.
 fn profiled(
     e: &mut Engine,
     dev: &Device,
-    (label, tokens): (&str, usize),
+    (label, steps, per_step): (&str, usize, usize),
     mut run: impl FnMut(&mut Engine, usize) -> Result<()>,
 ) -> Result<()> {
     let set_mode = |e: &mut Engine, mode| {
@@ -387,11 +388,12 @@ fn profiled(
         }
     };
     set_mode(e, RunMode::Eager);
-    let outcome = run(e, tokens.min(4)).and_then(|()| {
+    let tokens = steps * per_step;
+    let outcome = run(e, steps.min(4)).and_then(|()| {
         dev.take_profile()?;
         dev.set_profiling(true);
         let start = Instant::now();
-        let outcome = run(e, tokens);
+        let outcome = run(e, steps);
         dev.set_profiling(false);
         outcome.map(|()| start.elapsed().as_secs_f64())
     });
