@@ -16,7 +16,8 @@
 // block.
 // moe_combine: out[t] = sum over j in order of ys[t * k + j].
 // linear_gemm_{q4,q8}_{1,2}: out = x W^T for a quantised W, x from its bf16 copy, f32 out; a block
-// takes GT_ROWS tokens and 64 or 128 output columns.
+// takes GT_ROWS tokens and 64 or 128 output columns, and all of K or, when the tiles are too few
+// to fill the GPU, one of several equal ranges of it (the partial tiles added in a fixed order).
 // The `_wg` forms of the GEMMs (moe_gemm_gate_up_*_wg, moe_gemm_down_*_wg, linear_gemm_q*_wg) run
 // the same blocks of 128 columns on wgmma.
 //
@@ -203,6 +204,16 @@ __device__ __forceinline__ void b_fetch(BRegs<BITS>& r, BCursor<BITS>& c, unsign
     }
 }
 
+// The cursor moved on by k0 values (a multiple of GT_K): where a split of K starts.
+template <int BITS>
+__device__ __forceinline__ void b_skip(BCursor<BITS>& c, unsigned k0, unsigned group) {
+    c.w += k0 / 32 * BITS;
+    c.rem += k0;
+    c.s += c.rem / group;
+    c.b += c.rem / group;
+    c.rem %= group;
+}
+
 // This thread's share of every A step: GT_ROWS rows x 64 bf16 values, row r from
 // `rows_src[r]` (null: zeros), addressed once.
 #define A_PIECES (GT_ROWS * 8 / GT_THREADS)
@@ -246,7 +257,8 @@ __device__ __forceinline__ void b_copy(bf16* bs, const BMat& m, unsigned n0, uns
 // them skip the tensor-core work (the loads are shared, so every warp still takes part in them).
 template <int BITS, int NB>
 __device__ __forceinline__ void tile_gemm(float acc[2][NB][4][4], const bf16* const* rows_src, const BMat* mats,
-                                          unsigned n0, unsigned K, unsigned group, unsigned rows, bf16* smem) {
+                                          unsigned n0, unsigned K, unsigned group, unsigned rows, bf16* smem,
+                                          unsigned k0, unsigned steps) {
     bf16* as = smem;                            // [2][GT_ROWS][GT_STRIDE]
     bf16* bs = as + 2 * GT_ROWS * GT_STRIDE;    // [2][NB][GT_COLS][GT_STRIDE]
     const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -260,18 +272,20 @@ __device__ __forceinline__ void tile_gemm(float acc[2][NB][4][4], const bf16* co
 #pragma unroll
             for (int nt = 0; nt < 4; nt++) acc[mt][b][nt][0] = acc[mt][b][nt][1] = acc[mt][b][nt][2] = acc[mt][b][nt][3] = 0.0f;
 
-    const unsigned steps = K / GT_K;
     const ACursor ac = a_cursor<false>(rows_src);
     BCursor<BITS> bc[NB];  // quantised B only
     if constexpr (BITS != 16) {
 #pragma unroll
-        for (int b = 0; b < NB; b++) bc[b] = b_cursor<BITS>(mats[b], n0, K, group);
+        for (int b = 0; b < NB; b++) {
+            bc[b] = b_cursor<BITS>(mats[b], n0, K, group);
+            b_skip<BITS>(bc[b], k0, group);
+        }
     }
     // Step 0.
-    a_issue(ac, as, 0);
+    a_issue(ac, as, k0);
     if constexpr (BITS == 16) {
 #pragma unroll
-        for (int b = 0; b < NB; b++) b_copy<false>(bs + b * GT_COLS * GT_STRIDE, mats[b], n0, 0, K);
+        for (int b = 0; b < NB; b++) b_copy<false>(bs + b * GT_COLS * GT_STRIDE, mats[b], n0, k0, K);
     } else {
         BRegs<BITS> r[NB];
 #pragma unroll
@@ -287,10 +301,10 @@ __device__ __forceinline__ void tile_gemm(float acc[2][NB][4][4], const bf16* co
         const bool more = st + 1 < steps;
         BRegs<BITS> r[NB];
         if (more) {
-            a_issue(ac, as + nxt * GT_ROWS * GT_STRIDE, (st + 1) * GT_K);
+            a_issue(ac, as + nxt * GT_ROWS * GT_STRIDE, k0 + (st + 1) * GT_K);
             if constexpr (BITS == 16) {
 #pragma unroll
-                for (int b = 0; b < NB; b++) b_copy<false>(bs + nxt * BSTEP + b * GT_COLS * GT_STRIDE, mats[b], n0, (st + 1) * GT_K, K);
+                for (int b = 0; b < NB; b++) b_copy<false>(bs + nxt * BSTEP + b * GT_COLS * GT_STRIDE, mats[b], n0, k0 + (st + 1) * GT_K, K);
             } else {
 #pragma unroll
                 for (int b = 0; b < NB; b++) b_fetch<BITS>(r[b], bc[b], group);
@@ -343,8 +357,10 @@ struct MmaTile {
     float acc[2][NB][4][4];
 
     __device__ __forceinline__ void run(const bf16* const* rows_src, const BMat* mats, unsigned n0, unsigned K,
-                                        unsigned group, unsigned rows, unsigned char* smem) {
-        tile_gemm<BITS, NB>(acc, rows_src, mats, n0, K, group, rows, reinterpret_cast<bf16*>(smem));
+                                        unsigned group, unsigned rows, unsigned char* smem, unsigned k0 = 0,
+                                        unsigned steps = 0) {
+        tile_gemm<BITS, NB>(acc, rows_src, mats, n0, K, group, rows, reinterpret_cast<bf16*>(smem), k0,
+                            steps ? steps : K / GT_K);
     }
 
     template <class F>
@@ -415,27 +431,31 @@ struct WgTile {
     float acc[64];
 
     __device__ __forceinline__ void run(const bf16* const* rows_src, const BMat* mats, unsigned n0, unsigned K,
-                                        unsigned group, unsigned rows, unsigned char* smem_raw) {
+                                        unsigned group, unsigned rows, unsigned char* smem_raw, unsigned k0 = 0,
+                                        unsigned nsteps = 0) {
         bf16* smem = reinterpret_cast<bf16*>(smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u));
         // Both warpgroups run every product whatever `rows` says (rows past it are zeros): a
         // branch around wgmma makes ptxas serialise them.
         const unsigned wg = threadIdx.x / 128;
 #pragma unroll
         for (int i = 0; i < 64; i++) acc[i] = 0.0f;
-        const unsigned steps = K / GT_K;
+        const unsigned steps = nsteps ? nsteps : K / GT_K;
         const ACursor ac = a_cursor<true>(rows_src);
         BCursor<BITS> bc[2];  // quantised B only
         if constexpr (BITS != 16) {
 #pragma unroll
-            for (int b = 0; b < 2; b++) bc[b] = b_cursor<BITS>(mats[b], n0, K, group);
+            for (int b = 0; b < 2; b++) {
+                bc[b] = b_cursor<BITS>(mats[b], n0, K, group);
+                b_skip<BITS>(bc[b], k0, group);
+            }
         }
         // Step s's A tile, then its B tile (matrix b's 64 rows at b * 64).
         auto a_tile = [&](unsigned s) { return smem + (s & 1) * 2 * WG_TILE; };
         auto b_tile = [&](unsigned s) { return smem + (s & 1) * 2 * WG_TILE + WG_TILE; };
-        a_issue(ac, a_tile(0), 0);
+        a_issue(ac, a_tile(0), k0);
         if constexpr (BITS == 16) {
 #pragma unroll
-            for (int b = 0; b < 2; b++) b_copy<true>(b_tile(0) + b * 64 * GT_K, mats[b], n0, 0, K);
+            for (int b = 0; b < 2; b++) b_copy<true>(b_tile(0) + b * 64 * GT_K, mats[b], n0, k0, K);
         } else {
             BRegs<BITS> r[2];
 #pragma unroll
@@ -458,10 +478,10 @@ struct WgTile {
             const bool more = st + 1 < steps;
             BRegs<BITS> r[2];
             if (more) {
-                a_issue(ac, a_tile(st + 1), (st + 1) * GT_K);
+                a_issue(ac, a_tile(st + 1), k0 + (st + 1) * GT_K);
                 if constexpr (BITS == 16) {
 #pragma unroll
-                    for (int b = 0; b < 2; b++) b_copy<true>(b_tile(st + 1) + b * 64 * GT_K, mats[b], n0, (st + 1) * GT_K, K);
+                    for (int b = 0; b < 2; b++) b_copy<true>(b_tile(st + 1) + b * 64 * GT_K, mats[b], n0, k0 + (st + 1) * GT_K, K);
                 } else {
 #pragma unroll
                     for (int b = 0; b < 2; b++) b_fetch<BITS>(r[b], bc[b], group);
@@ -620,28 +640,80 @@ extern "C" __global__ void moe_combine(const bf16* ys, const unsigned* ids, floa
     dst[1] = make_float4(a[4], a[5], a[6], a[7]);
 }
 
-// Grid (ceil(tokens / GT_ROWS), out_dim / (64 * NB)). xb: [tokens, in_dim] bf16; out: [tokens,
-// out_dim] f32; W: [out_dim][in_dim] quantised rows, group scales and biases.
+// Grid (ceil(tokens / GT_ROWS), out_dim / (64 * NB), splits). xb: [tokens, in_dim] bf16; out:
+// [tokens, out_dim] f32; W: [out_dim][in_dim] quantised rows, group scales and biases. With more
+// than one split (too few tiles to fill the GPU), block z takes the z-th of `splits` equal
+// ranges of K and writes its partial tile to `part` ([splits][tiles][GT_ROWS][64 * NB]); the
+// last block of a tile to finish (counted in counters[tile], left at zero again) adds the splits'
+// partials in order of z, so the sum is the same whichever finishes last.
 template <class Tile, int BITS>
 __device__ void gemm_linear(const bf16* xb, const unsigned char* w, const bf16* scales, const bf16* biases,
-                            float* out, unsigned tokens, unsigned in_dim, unsigned out_dim, unsigned group) {
+                            float* out, float* part, unsigned* counters, unsigned tokens, unsigned in_dim,
+                            unsigned out_dim, unsigned group) {
     constexpr int NB = Tile::NB;
+    constexpr unsigned WIDTH = GT_COLS * NB;
     extern __shared__ __align__(16) unsigned char gt_smem[];
     __shared__ const bf16* rows_src[GT_ROWS];
-    const unsigned m0 = blockIdx.x * GT_ROWS, rows = min(GT_ROWS, tokens - m0), n0 = blockIdx.y * GT_COLS * NB;
+    __shared__ bool last;
+    const unsigned m0 = blockIdx.x * GT_ROWS, rows = min(GT_ROWS, tokens - m0), n0 = blockIdx.y * WIDTH;
+    const unsigned splits = gridDim.z, z = blockIdx.z, kc = in_dim / splits;
     for (unsigned r = threadIdx.x; r < GT_ROWS; r += blockDim.x)
         rows_src[r] = r < rows ? xb + (size_t)(m0 + r) * in_dim : nullptr;
     __syncthreads();
     BMat mats[NB];
     b_mats<NB>(mats, BMat{w, scales, biases}, (size_t)in_dim * BITS / 8, in_dim / group);
     Tile t;
-    t.run(rows_src, mats, n0, in_dim, group, rows, gt_smem);
+    t.run(rows_src, mats, n0, in_dim, group, rows, gt_smem, z * kc, kc / GT_K);
+    if (splits == 1) {
+        t.each([&](unsigned r, unsigned c, const float (&v)[NB][2]) {
+            if (r >= rows) return;
+#pragma unroll
+            for (int b = 0; b < NB; b++)
+                *reinterpret_cast<float2*>(out + (size_t)(m0 + r) * out_dim + n0 + b * GT_COLS + c) =
+                    make_float2(v[b][0], v[b][1]);
+        });
+        return;
+    }
+    const unsigned tile = blockIdx.y * gridDim.x + blockIdx.x, tiles = gridDim.x * gridDim.y;
+    auto partial = [&](unsigned zz) { return part + ((size_t)zz * tiles + tile) * GT_ROWS * WIDTH; };
+    float* mine = partial(z);
     t.each([&](unsigned r, unsigned c, const float (&v)[NB][2]) {
         if (r >= rows) return;
 #pragma unroll
         for (int b = 0; b < NB; b++)
-            *reinterpret_cast<float2*>(out + (size_t)(m0 + r) * out_dim + n0 + b * GT_COLS + c) = make_float2(v[b][0], v[b][1]);
+            __stcg(reinterpret_cast<float2*>(mine + r * WIDTH + b * GT_COLS + c), make_float2(v[b][0], v[b][1]));
     });
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(counters + tile, 1u) == splits - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    // Every thread adds N4 float4s of the tile over the splits, all of a split's loads issued
+    // before any add (a load at a time would wait out L2's latency splits * N4 times).
+    constexpr unsigned N4 = GT_ROWS * WIDTH / 4 / GT_THREADS;
+    float4 sum[N4];
+#pragma unroll
+    for (unsigned i = 0; i < N4; i++) sum[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (unsigned zz = 0; zz < splits; zz++) {
+        const float4* p = reinterpret_cast<const float4*>(partial(zz));
+        float4 v[N4];
+#pragma unroll
+        for (unsigned i = 0; i < N4; i++) v[i] = __ldcg(p + threadIdx.x + i * GT_THREADS);
+#pragma unroll
+        for (unsigned i = 0; i < N4; i++) {
+            sum[i].x += v[i].x;
+            sum[i].y += v[i].y;
+            sum[i].z += v[i].z;
+            sum[i].w += v[i].w;
+        }
+    }
+#pragma unroll
+    for (unsigned i = 0; i < N4; i++) {
+        const unsigned e = 4 * (threadIdx.x + i * GT_THREADS), r = e / WIDTH, c = e % WIDTH;
+        if (r < rows) *reinterpret_cast<float4*>(out + (size_t)(m0 + r) * out_dim + n0 + c) = sum[i];
+    }
+    if (threadIdx.x == 0) counters[tile] = 0;
 }
 
 // Kernel names: linear_gemm_q{4,8}_{1,2}, moe_gemm_gate_up_{q4,q8,bf16}, moe_gemm_down_{..}_{1,2};
@@ -649,9 +721,9 @@ __device__ void gemm_linear(const bf16* xb, const unsigned char* w, const bf16* 
 #define LINEAR_GEMM(BITS, SUFFIX, TILE)                                                                       \
     extern "C" __global__ void __launch_bounds__(GT_THREADS) linear_gemm_q##BITS##_##SUFFIX(                  \
         const bf16* xb, const unsigned char* w, const bf16* scales, const bf16* biases, float* out,          \
-        unsigned tokens, unsigned in_dim, unsigned out_dim, unsigned group) {                                \
+        float* part, unsigned* counters, unsigned tokens, unsigned in_dim, unsigned out_dim, unsigned group) { \
         pdl_begin();                                                                                          \
-        gemm_linear<TILE, BITS>(xb, w, scales, biases, out, tokens, in_dim, out_dim, group);                  \
+        gemm_linear<TILE, BITS>(xb, w, scales, biases, out, part, counters, tokens, in_dim, out_dim, group);  \
     }
 #define DOWN(BITS, NAME, SUFFIX, TILE)                                                                      \
     extern "C" __global__ void __launch_bounds__(GT_THREADS) moe_gemm_down_##NAME##_##SUFFIX(               \

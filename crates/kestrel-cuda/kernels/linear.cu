@@ -6,7 +6,8 @@
 // x itself in shared memory:
 // - matvec_bf16 and matvec_q{4,8}_exact: x in f32 (padded, pre-scaled, and for quantised weights
 //   each 16-byte vector's plain sum), warps taking tiles of 4 rows. Nothing is rounded beyond f32
-//   arithmetic, so _exact serves the logits a router chooses from (matvec_bf16 serves them too).
+//   arithmetic, so _exact serves the logits a router chooses from (matvec_bf16 serves them too);
+//   _exact_tokens is the same arithmetic for many tokens, several a block.
 // - matvec_q{4,8}_dp4a: x rounded to int8 per block of 32 inside every block, products by dp4a.
 //   Each warp streams its items (4 rows x 64 vectors) with their group scales and biases through
 //   a 4-slot cp.async ring in shared memory, the first items started before the programmatic
@@ -14,10 +15,11 @@
 #include "kestrel.cuh"
 
 // The launch geometry comes from the host (`ops/linear.rs`) as -D definitions: TOKENS (linear_*),
-// VEC_WARPS, VEC_ROWS, VEC_BLOCKS_PER_SM (matvec_bf16, _exact), DP_WARPS, DP_ROWS, DP_STAGES,
-// DP_BLOCKS_PER_SM (_dp4a).
+// VEC_WARPS, VEC_ROWS, VEC_BLOCKS_PER_SM (matvec_bf16, _exact), EX_TOKENS (_exact_tokens),
+// DP_WARPS, DP_ROWS, DP_STAGES, DP_BLOCKS_PER_SM (_dp4a).
 #if !defined(TOKENS) || !defined(VEC_WARPS) || !defined(VEC_ROWS) || !defined(VEC_BLOCKS_PER_SM) || \
-    !defined(DP_WARPS) || !defined(DP_ROWS) || !defined(DP_STAGES) || !defined(DP_BLOCKS_PER_SM)
+    !defined(EX_TOKENS) || !defined(DP_WARPS) || !defined(DP_ROWS) || !defined(DP_STAGES) ||         \
+    !defined(DP_BLOCKS_PER_SM)
 #error "linear.cu is compiled with the launch geometry of ops/linear.rs as -D definitions"
 #endif
 
@@ -176,6 +178,84 @@ matvec_bf16(const float* x, const bf16* w, float* out, unsigned in_dim, unsigned
     }
 MATVEC_EXACT(4)
 MATVEC_EXACT(8)
+
+// The exact path for many tokens: matvec_q*_exact's arithmetic, EX_TOKENS tokens a block (grid
+// row y), so each weight vector a warp loads serves all of them. Every (token, row) adds the same
+// terms in the same order as rows_dot and warp_sum, so a token's logits are bit for bit those it
+// gets alone. Dynamic shared memory: EX_TOKENS * exact_stride(in_dim) floats.
+__host__ __device__ constexpr unsigned exact_stride(unsigned in_dim, unsigned vals) {
+    return (padded_len(in_dim) + in_dim / vals + 3) / 4 * 4;
+}
+
+template <int BITS>
+__device__ void matvec_exact_tokens(const float* x, const void* w, const bf16* scales, const bf16* biases,
+                                    float* out, unsigned tokens, unsigned in_dim, unsigned out_dim,
+                                    unsigned group) {
+    constexpr unsigned VALS = VecFormat<BITS>::VALS, U = 2;
+    extern __shared__ __align__(16) float xs[];
+    const unsigned stride = exact_stride(in_dim, VALS);
+    const unsigned t0 = blockIdx.y * EX_TOKENS, nt = min((unsigned)EX_TOKENS, tokens - t0);
+    for (unsigned t = 0; t < nt; t++)
+        stage_x_sums<BITS>(x + (size_t)(t0 + t) * in_dim, xs + t * stride, xs + t * stride + padded_len(in_dim),
+                           in_dim);
+    const unsigned lane = threadIdx.x % 32;
+    const unsigned nvec = in_dim / VALS, groups = in_dim / group;
+    const unsigned tiles = (out_dim + VEC_ROWS - 1) / VEC_ROWS;
+    const uint4* W = reinterpret_cast<const uint4*>(w);
+    for (unsigned tile = blockIdx.x * VEC_WARPS + threadIdx.x / 32; tile < tiles; tile += gridDim.x * VEC_WARPS) {
+        const unsigned row0 = tile * VEC_ROWS;
+        float acc[EX_TOKENS][VEC_ROWS];
+#pragma unroll
+        for (int t = 0; t < EX_TOKENS; t++)
+#pragma unroll
+            for (int r = 0; r < VEC_ROWS; r++) acc[t][r] = 0.0f;
+        // rows_dot's walk over the lane's vectors, each vector taken against every token.
+        for (unsigned u0 = lane; u0 < nvec; u0 += 32 * U) {
+            uint4 v[U][VEC_ROWS];
+#pragma unroll
+            for (unsigned i = 0; i < U; i++)
+#pragma unroll
+                for (int r = 0; r < VEC_ROWS; r++)
+                    if (u0 + 32 * i < nvec && row0 + r < out_dim)
+                        v[i][r] = __ldcs(W + (size_t)(row0 + r) * nvec + u0 + 32 * i);
+#pragma unroll
+            for (unsigned i = 0; i < U; i++) {
+                const unsigned u = u0 + 32 * i;
+                if (u >= nvec) break;
+#pragma unroll
+                for (int r = 0; r < VEC_ROWS; r++) {
+                    if (row0 + r >= out_dim) continue;
+                    const size_t gi = (size_t)(row0 + r) * groups + (u * VALS) / group;
+                    const float scale = to_f32(scales[gi]), bias = to_f32(biases[gi]);
+#pragma unroll
+                    for (int t = 0; t < EX_TOKENS; t++) {
+                        if (t >= nt) break;
+                        const float* xt = xs + t * stride;
+                        vec_dot_exact<BITS>(acc[t][r], v[i][r], xt, u, scale, bias, xt[padded_len(in_dim) + u]);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < EX_TOKENS; t++)
+#pragma unroll
+            for (int r = 0; r < VEC_ROWS; r++) {
+                const float s = warp_sum(acc[t][r]);
+                if (lane == 0 && t < nt && row0 + r < out_dim) out[(size_t)(t0 + t) * out_dim + row0 + r] = s;
+            }
+    }
+}
+
+#define MATVEC_EXACT_TOKENS(BITS)                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * VEC_WARPS)                                           \
+        matvec_q##BITS##_exact_tokens(const float* x, const unsigned* w, const bf16* scales,                \
+                                      const bf16* biases, float* out, unsigned tokens, unsigned in_dim,     \
+                                      unsigned out_dim, unsigned group) {                                   \
+        pdl_begin();                                                                                        \
+        matvec_exact_tokens<BITS>(x, w, scales, biases, out, tokens, in_dim, out_dim, group);               \
+    }
+MATVEC_EXACT_TOKENS(4)
+MATVEC_EXACT_TOKENS(8)
 
 
 

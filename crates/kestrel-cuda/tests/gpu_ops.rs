@@ -6,6 +6,7 @@
 //! both), except quantised products, which CUDA computes on activations rounded to int8 (one
 //! token) or to bf16 (several tokens) (relative L2 error 2e-2); selected ids equal.
 
+use kestrel_core::quant::QuantFormat;
 use kestrel_core::rng::Rng;
 use kestrel_core::{Backend, DType, GraphBuilder};
 use kestrel_cpu::CpuBackend;
@@ -158,6 +159,71 @@ fn skinny_products_match_the_cpu_backend() {
         for format in &formats[..2] {
             let case = kestrel_testing::cases::moe_batch_shape(Rng::new(rng.next_u64()), tokens, *format);
             compare(&dev, &case, seed, round);
+        }
+    }
+}
+
+/// Quantised products of more tokens than the skinny ones take, as tensor-core tiles, at shapes
+/// whose tiles are too few to fill the GPU, so K is split over blocks and the partial tiles added
+/// (ranges that start inside a group of 128 too): 150 to 333 tokens, every quantised format.
+#[test]
+fn tensor_core_products_with_k_split_match_the_cpu_backend() {
+    let Some(dev) = device_or_skip("tensor_core_products_with_k_split_match_the_cpu_backend") else {
+        return;
+    };
+    let (mut rng, seed) = Rng::from_time();
+    let shapes = [
+        (150, 640, 128),
+        (150, 4096, 2048),
+        (333, 2048, 5120),
+        (200, 1024, 320),
+    ];
+    for (round, (tokens, in_dim, out_dim)) in shapes.into_iter().enumerate() {
+        for format in kestrel_testing::cases::QUANT_FORMATS {
+            let case = kestrel_testing::cases::linear_shape(
+                Rng::new(rng.next_u64()),
+                tokens,
+                (in_dim, out_dim),
+                format,
+            );
+            compare(&dev, &case, seed, round);
+        }
+    }
+}
+
+/// Router logits of many tokens (the exact product, several tokens a block) against the CPU
+/// backend, and each token's row bit for bit what the same token gets alone (the one-token exact
+/// product), so a sequence's routing does not depend on what it is batched with: 2 to 700
+/// tokens, 4- and 8-bit weights.
+#[test]
+fn router_logits_of_many_tokens_equal_one_token_at_a_time() {
+    let Some(dev) = device_or_skip("router_logits_of_many_tokens_equal_one_token_at_a_time") else {
+        return;
+    };
+    let (mut rng, seed) = Rng::from_time();
+    for (round, tokens) in [2, 9, 64, 301, 700].into_iter().enumerate() {
+        for format in [QuantFormat::Q8, QuantFormat::Q4] {
+            let s = rng.next_u64();
+            let many = kestrel_testing::cases::router_shape(Rng::new(s), tokens, format);
+            compare(&dev, &many, seed, round);
+            let mut one = kestrel_testing::cases::router_shape(Rng::new(s), 1, format);
+            let label = |c: &Case, b| c.graph.decl(b).label.clone();
+            let x = |c: &Case| c.data.iter().position(|(b, _)| label(c, *b) == "x").expect("x");
+            let (xm, xo) = (x(&many), x(&one));
+            let row = one.data[xo].1.len();
+            let mut cuda = CudaBackend::new(dev.clone(), RunMode::Graph);
+            let all = f32s(&run_cuda(&mut cuda, &many)[0]);
+            let width = all.len() / tokens;
+            for t in [0, tokens / 2, tokens - 1] {
+                one.data[xo].1 = many.data[xm].1[t * row..(t + 1) * row].to_vec();
+                let alone = f32s(&run_cuda(&mut cuda, &one)[0]);
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&alone),
+                    bits(&all[t * width..(t + 1) * width]),
+                    "seed {seed}: token {t} of {tokens} ({format:?}) against alone"
+                );
+            }
         }
     }
 }

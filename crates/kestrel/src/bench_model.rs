@@ -63,8 +63,8 @@ pub struct ModelBenchArgs {
     /// Seed of the synthetic weights and of the benchmark's token ids.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// On CUDA, also run one generation test eagerly with every dispatch timed and print the
-    /// per-kernel table (to stderr).
+    /// On CUDA, also run the longest prompt test, one generation test and the largest batched
+    /// one eagerly with every dispatch timed, and print their per-kernel tables (to stderr).
     #[arg(long)]
     profile: bool,
     /// Print one JSON object instead of the table.
@@ -467,6 +467,19 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
     } else {
         serde_json::Value::Null
     };
+    if let (true, Some(&pp), Some(dev)) = (a.profile, a.n_prompt.iter().max(), engine.device().cloned()) {
+        if pp > 0 {
+            let vocab = engine.config().vocab;
+            profiled(&mut engine, &dev, (&format!("pp{pp}"), 1, pp), |e, n| {
+                for _ in 0..n {
+                    let prompt = ids(&mut rng, vocab, pp);
+                    start_at(e, &mut rng, a.depth)?;
+                    e.step(&prompt, a.depth, Want::Argmax)?;
+                }
+                Ok(())
+            })?;
+        }
+    }
     let counters = if tg > 0 {
         let batch = a.batch.iter().copied().max();
         cuda_extras(

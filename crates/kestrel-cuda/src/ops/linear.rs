@@ -10,8 +10,9 @@
 //!   through cuBLAS on x rounded to bf16, quantised weights in whole tiles (64 columns, K in steps
 //!   of 64) through `gemm.cu`'s `linear_gemm_*`;
 //! - one token: the matvecs (`matvec_bf16`, `matvec_q*_dp4a`);
-//! - router logits, and outputs narrower than 16, of up to 256 tokens from quantised weights:
-//!   `matvec_q*_exact`, one token a grid row, on x in f32;
+//! - router logits, and outputs narrower than 16, from quantised weights: `matvec_q*_exact`
+//!   (one token, or up to 256 of narrow outputs, a grid row each) or `matvec_q*_exact_tokens`
+//!   (8 tokens a block), on x in f32;
 //! - every other shape: `linear_*`.
 
 use kestrel_core::ir::{Buf, LinearWeight, Op};
@@ -33,6 +34,7 @@ pub(crate) const MODULE: ModuleSource = op_module(
         ("VEC_WARPS", VEC_WARPS as i64),
         ("VEC_ROWS", VEC_ROWS as i64),
         ("VEC_BLOCKS_PER_SM", VEC_BLOCKS_PER_SM as i64),
+        ("EX_TOKENS", EX_TOKENS as i64),
         ("DP_WARPS", DP_WARPS as i64),
         ("DP_ROWS", DP_ROWS as i64),
         ("DP_STAGES", DP_STAGES as i64),
@@ -161,20 +163,27 @@ fn encode_matvec(
     Ok(true)
 }
 
-/// Fewer outputs than this (the skinny products take 16 at a time), of up to `EXACT_MAX_TOKENS`
+/// Fewer outputs than this (the skinny products take 16 at a time), of up to `NARROW_MAX_TOKENS`
 /// tokens: the exact matvec per token too. A shared expert's gate (one output) of 64 tokens took
 /// 23 µs through `linear_q8` on the H200.
 const NARROW_OUT: usize = 16;
 
-/// Up to this many tokens, router logits and narrow outputs from quantised weights run as one
-/// exact matvec per token (`matvec_q*_exact`, grid row y a token); the weights are small enough
-/// to come from L2 after the first.
-const EXACT_MAX_TOKENS: usize = 256;
+/// Up to this many tokens, outputs narrower than `NARROW_OUT` run as one exact matvec per token
+/// (`matvec_q*_exact`, grid row y a token, the persistent blocks shared out among them): a block
+/// staging several tokens' x would have too few rows to spread that work over.
+const NARROW_MAX_TOKENS: usize = 256;
 
-/// The product of a quantised weight and 1 to `EXACT_MAX_TOKENS` tokens of f32 activations
-/// (nothing rounded beyond f32 arithmetic), for the logits a router decides from and for outputs
-/// too narrow for the skinny products. Returns false (and records nothing) for more tokens, and
-/// when the format's 16-byte vectors do not tile the groups.
+/// Tokens a block of `matvec_q*_exact_tokens` takes (staging each one's x in shared memory).
+/// Router logits of 512 tokens took 78.5 µs a layer through `linear_q8`, 65 µs as 512 rows of
+/// `matvec_q8_exact`.
+const EX_TOKENS: usize = 8;
+
+/// The product of a quantised weight and f32 activations with nothing rounded beyond f32
+/// arithmetic, for the logits a router decides from (a token's logits the same, bit for bit,
+/// whatever the number of tokens) and for outputs too narrow for the skinny products: one token
+/// (or a few narrow ones) through `matvec_q*_exact`, more through `matvec_q*_exact_tokens`.
+/// Returns false (and records nothing) when the format's 16-byte vectors do not tile the groups
+/// or x does not fit shared memory.
 #[allow(clippy::too_many_arguments)]
 fn encode_matvec_exact(
     enc: &mut Encoder,
@@ -188,12 +197,14 @@ fn encode_matvec_exact(
     let LinearWeight::Quant { format, .. } = w else {
         return Ok(false);
     };
-    if tokens > EXACT_MAX_TOKENS {
-        return Ok(false);
-    }
-    // x staged, then each 16-byte vector's plain sum; x is read as float4s.
+    let per_token = tokens == 1 || (out_dim < NARROW_OUT && tokens <= NARROW_MAX_TOKENS);
+    // x staged (padded, pre-scaled), then each 16-byte vector's plain sum; x is read as float4s.
     let vals = 128 / format.bits as usize;
-    let smem = (padded_len(in_dim) + in_dim / vals) * 4;
+    let smem = if per_token {
+        (padded_len(in_dim) + in_dim / vals) * 4
+    } else {
+        EX_TOKENS * (padded_len(in_dim) + in_dim / vals).next_multiple_of(4) * 4
+    };
     // in_dim a multiple of 16-byte vectors keeps every token's row of x 16-byte aligned too.
     if format.group_size % vals != 0
         || in_dim % vals != 0
@@ -203,29 +214,41 @@ fn encode_matvec_exact(
         return Ok(false);
     }
     let (name, parts, _) = weight_parts(enc, w)?;
-    let k = enc.kernel(&MODULE, &format!("matvec_{name}_exact"))?;
     let out = enc.buf(out)?.clone();
-    let sms = enc.device.info().sm_count as usize;
-    // Blocks per token: the persistent blocks shared out among the tokens.
-    let blocks = out_dim
-        .div_ceil(VEC_WARPS * VEC_ROWS)
-        .min((VEC_BLOCKS_PER_SM * sms).div_ceil(tokens));
+    // Blocks per grid row: the persistent blocks shared out among the rows (tokens, or groups
+    // of EX_TOKENS), each walking tiles of VEC_ROWS rows a warp.
+    let tiles = out_dim.div_ceil(VEC_WARPS * VEC_ROWS);
+    let persistent = VEC_BLOCKS_PER_SM * enc.device.info().sm_count as usize;
+    let (kernel, rows) = match per_token {
+        true => (format!("matvec_{name}_exact"), tokens),
+        false => (format!("matvec_{name}_exact_tokens"), tokens.div_ceil(EX_TOKENS)),
+    };
+    let grid = (u32_arg(tiles.min(persistent.div_ceil(rows)))?, u32_arg(rows)?);
+    let k = enc.kernel(&MODULE, &kernel)?;
     let mut b = enc
         .dispatch(&k)
-        .grid((u32_arg(blocks)?, u32_arg(tokens)?))
+        .grid(grid)
         .block(u32_arg(32 * VEC_WARPS)?)
         .shared_mem(u32_arg(smem)?)
         .read(x);
     for part in &parts {
         b = b.read(part);
     }
-    b.write(&out)
-        .arg(u32_arg(in_dim)?)
+    b = b.write(&out);
+    if !per_token {
+        b = b.arg(u32_arg(tokens)?);
+    }
+    b.arg(u32_arg(in_dim)?)
         .arg(u32_arg(out_dim)?)
         .arg(u32_arg(format.group_size)?)
         .record();
     Ok(true)
 }
+
+/// The most ranges a quantised tensor-core product splits K into, and the fewest steps of
+/// `GT_K` each range takes.
+const MAX_K_SPLITS: usize = 8;
+const MIN_SPLIT_STEPS: usize = 4;
 
 /// From this many tokens, bf16 projections run as cuBLAS products on bf16 activations, quantised
 /// ones as tensor-core tiles (`gemm.cu`).
@@ -334,11 +357,31 @@ fn encode_tensor_core(
         _ => (format!("linear_gemm_q{bits}_{nb}"), mma_smem(nb)),
     };
     let k = enc.kernel(&gemm::MODULE, &name)?;
+    // K split in equal ranges of whole steps while the blocks are at most half the
+    // multiprocessors: a tile's K loop is latency-bound, and the GPU would half idle (the o_proj
+    // of 256 tokens is 32 tiles). Counting the two blocks a multiprocessor holds split more and
+    // lost at 512 tokens (46 µs a product became 67 on the H200).
+    let (row_tiles, col_tiles) = (tokens.div_ceil(GT_ROWS), out_dim / (nb * GT_COLS));
+    let tiles = row_tiles * col_tiles;
+    let sms = enc.device.info().sm_count as usize;
+    let steps = in_dim / GT_K;
+    let mut splits = 1;
+    while splits < MAX_K_SPLITS
+        && 2 * tiles * splits <= sms
+        && steps % (2 * splits) == 0
+        && steps / (2 * splits) >= MIN_SPLIT_STEPS
+    {
+        splits *= 2;
+    }
+    // With one split the partial-tile arguments are unused; the output stands in for them.
+    let (part, counters) = if splits > 1 {
+        let part = enc.workspace(DType::F32, splits * tiles * GT_ROWS * nb * GT_COLS)?;
+        (part, enc.counters(tiles)?)
+    } else {
+        (out.clone(), enc.counters(1)?)
+    };
     enc.dispatch(&k)
-        .grid((
-            u32_arg(tokens.div_ceil(GT_ROWS))?,
-            u32_arg(out_dim / (nb * GT_COLS))?,
-        ))
+        .grid((u32_arg(row_tiles)?, u32_arg(col_tiles)?, u32_arg(splits)?))
         .block(GT_THREADS)
         .shared_mem(u32_arg(smem)?)
         .read(&xb)
@@ -346,6 +389,8 @@ fn encode_tensor_core(
         .read(&parts[1])
         .read(&parts[2])
         .write(&out)
+        .write(&part)
+        .read_write(&counters)
         .arg(u32_arg(tokens)?)
         .arg(u32_arg(in_dim)?)
         .arg(u32_arg(out_dim)?)
