@@ -663,6 +663,27 @@ impl GraphBuilder {
         out
     }
 
+    /// The first `n` rows of `x` (f32), as their own buffer.
+    pub fn first_rows<R: Activation>(&mut self, name: &str, x: BufId<R>, n: usize) -> BufId<R> {
+        self.check_dtype(name, x, &[DType::F32]);
+        let (rows, cols) = self.rows_cols(x);
+        self.check(name, n >= 1 && n <= rows, || {
+            format!("the first {n} of {rows} rows")
+        });
+        let out = self.transient(name, DType::F32, vec![n, cols]);
+        self.push(
+            name,
+            Op::CopyRows {
+                x: x.raw(),
+                out: out.raw(),
+                start: 0,
+                rows: n,
+                cols,
+            },
+        );
+        out
+    }
+
     fn cache_dims(&self, c: BufId<Cache>) -> (usize, usize, usize) {
         let s = &self.decl(c).shape;
         (s[0], s[1], s[2])
@@ -801,6 +822,23 @@ impl GraphBuilder {
         heads: usize,
         scale: f32,
     ) -> BufId<Act> {
+        self.attention_chunked(name, q, (k_cache, v_cache), positions, pages, heads, scale, None)
+    }
+
+    /// [`GraphBuilder::attention`] whose queries from token `chunk` on attend to the sequence of
+    /// that token (see [`Op::Attention`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_chunked<R: Activation>(
+        &mut self,
+        name: &str,
+        q: BufId<R>,
+        (k_cache, v_cache): (BufId<Cache>, BufId<Cache>),
+        positions: BufId<Positions>,
+        pages: KvPages,
+        heads: usize,
+        scale: f32,
+        chunk: Option<usize>,
+    ) -> BufId<Act> {
         let (kv_heads, rows, head_dim) = self.cache_dims(k_cache);
         self.check_dtype(name, q, &[DType::F32]);
         let (tokens, _) = self.rows_cols(q);
@@ -810,6 +848,9 @@ impl GraphBuilder {
         });
         self.check_len(name, positions, tokens);
         self.check_pages(name, &pages, rows, tokens);
+        self.check(name, chunk.is_none_or(|c| c < tokens && !pages.one_seq), || {
+            format!("a chunk from token {chunk:?} of {tokens} (of sequences of their own)")
+        });
         let out = self.transient(name, DType::F32, vec![tokens, heads * head_dim]);
         self.push(
             name,
@@ -826,6 +867,7 @@ impl GraphBuilder {
                 head_dim,
                 rows,
                 scale,
+                chunk,
             },
         );
         out

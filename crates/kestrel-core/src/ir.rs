@@ -555,7 +555,10 @@ pub enum Op {
         rows: usize,
     },
     /// Causal attention with GQA: query token t attends to positions `0 ..= positions[t]` of
-    /// its sequence.
+    /// its sequence; with `chunk: Some(c)`, the queries from token `c` on all attend to the
+    /// sequence of token `c` (a prompt's chunk after a batched step's tokens of their own
+    /// sequences, so backends may share each key between its queries; padding after the chunk
+    /// reads that sequence too).
     Attention {
         q: Buf,
         k_cache: Buf,
@@ -569,6 +572,7 @@ pub enum Op {
         head_dim: usize,
         rows: usize,
         scale: f32,
+        chunk: Option<usize>,
     },
     /// Softmax over `experts`, top `k` (ties to the lower index), optional renormalisation.
     Router {

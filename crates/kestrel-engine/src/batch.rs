@@ -1,9 +1,10 @@
 //! Many sequences generated at once (continuous batching). A [`Batcher`] holds an [`Engine`]
 //! whose KV caches are a pool of blocks ([`EngineOptions::max_seqs`]) and the sequences it is
-//! generating. Each [`Batcher::step`] admits waiting sequences into free slots, prefills up to
-//! one chunk's worth of prompt tokens (a long prompt's next chunk, or several short prompts),
-//! so running sequences wait for at most one chunk, then runs the next token of every sequence
-//! that is decoding as one batched step. A sequence's blocks
+//! generating. Each [`Batcher::step`] admits waiting sequences into free slots, then runs the
+//! next token of every sequence that is decoding and the next chunk of one prompt as one step,
+//! so the weights are read once for both and running sequences wait for at most one chunk. (Models with recurrent
+//! states take one token a sequence a step: their prompts run first, each in its own chunks,
+//! then the decoding sequences' batched step.) A sequence's blocks
 //! are taken as it grows and given back when it ends; when none is free, the sequence admitted
 //! last is preempted (its blocks freed, its tokens kept and prefilled again when a slot frees
 //! up), so a full cache slows generation down instead of failing it. Full blocks are kept by the
@@ -245,11 +246,16 @@ impl Batcher {
         Ok(())
     }
 
-    /// One step: admissions, up to a chunk's worth of prompt tokens prefilled (prompts in the
-    /// order they came, a prompt per run), one batched decode step. Failures end the sequences
-    /// they touch (told as [`SeqEvent::Failed`]), not the batcher.
+    /// One step: admissions, then the decoding sequences' next tokens and up to a chunk's
+    /// worth of prompt tokens (prompts in the order they came) as one step, or for models with
+    /// recurrent states, the prompt tokens first (a prompt per run) and then one batched decode
+    /// step. Failures end the sequences they touch (told as [`SeqEvent::Failed`]), not the
+    /// batcher.
     pub fn step(&mut self) {
         self.admit();
+        if !self.hybrid {
+            return self.mixed();
+        }
         let mut budget = self.chunk;
         while budget > 0 {
             match self.prefill_one(budget) {
@@ -258,6 +264,110 @@ impl Batcher {
             }
         }
         self.decode();
+    }
+
+    /// One step of every sequence with tokens to run: a decoding sequence's next token, and the
+    /// next chunk of the first prompt not all in the caches (one prompt a step: the step's
+    /// attention takes one sequence's chunk). The tokens that end a sequence's run of its tokens
+    /// (its next token to choose) come first, as the step's outputs.
+    fn mixed(&mut self) {
+        // (sequence, first token, end) of each sequence that runs.
+        let mut runs: Vec<(usize, usize, usize)> = Vec::new();
+        let mut chunked = false;
+        let mut i = 0;
+        while i < self.running.len() {
+            let seq = &self.running[i];
+            let (start, len) = (seq.cached, seq.tokens.len());
+            let end = match len - start {
+                0 => {
+                    i += 1;
+                    continue;
+                }
+                1 => start + 1,
+                _ if chunked => {
+                    i += 1;
+                    continue;
+                }
+                left => {
+                    chunked = true;
+                    start + left.min(self.chunk)
+                }
+            };
+            // Growing may preempt sequences after this one (never one already taken).
+            if !self.grow(i, end) {
+                // Not even this sequence fits what the ones before it leave: it waits.
+                self.preempt(i);
+                break;
+            }
+            runs.push((i, start, end));
+            i += 1;
+        }
+        if runs.is_empty() {
+            return;
+        }
+        let outs: Vec<usize> = (0..runs.len())
+            .filter(|&r| runs[r].2 == self.running[runs[r].0].tokens.len())
+            .collect();
+        let (mut seqs, mut ids, mut pos) = (Vec::new(), Vec::new(), Vec::new());
+        let mut push = |seq: &Seq, p: usize| {
+            seqs.push(seq.slot.expect("admitted") as u32);
+            ids.push(seq.tokens[p]);
+            pos.push(p as u32);
+        };
+        for &r in &outs {
+            let (i, _, end) = runs[r];
+            push(&self.running[i], end - 1);
+        }
+        for &(i, start, end) in &runs {
+            let seq = &self.running[i];
+            let last = if end == seq.tokens.len() { end - 1 } else { end };
+            for p in start..last {
+                push(seq, p);
+            }
+        }
+        let logits = outs.iter().any(|&r| self.running[runs[r].0].wants_logits());
+        // A step gives at least one output: when every run is a prompt's chunk short of its end,
+        // the first token stands as one (nothing is chosen from it).
+        let n = outs.len().max(1);
+        let outcome = (|| -> Result<BatchOutput> {
+            self.sync_table()?;
+            let want = if logits { Want::AllLogits } else { Want::Argmax };
+            Ok(on_session!(&mut self.engine.session, s => s.step_mixed(&seqs, &ids, &pos, n, want))?)
+        })();
+        let out = match outcome {
+            Ok(out) => out,
+            Err(e) => {
+                let ids: Vec<usize> = runs.iter().map(|r| r.0).collect();
+                return self.fail(&ids, &e);
+            }
+        };
+        for &(i, _, end) in &runs {
+            self.running[i].cached = end;
+            self.register_full(i);
+        }
+        let vocab = self.engine.config().vocab;
+        let mut ended = Vec::new();
+        for (o, &r) in outs.iter().enumerate() {
+            let i = runs[r].0;
+            let next = match &out {
+                BatchOutput::Tokens(t) => self.accept(i, Some(t[o]), None),
+                BatchOutput::Logits(l) => {
+                    let row = &l[o * vocab..(o + 1) * vocab];
+                    match self.running[i].wants_logits() {
+                        true => self.accept(i, None, Some(row)),
+                        false => self.accept(i, Some(kestrel_core::sample::argmax(row)), None),
+                    }
+                }
+            };
+            if let Next::Ended = next {
+                ended.push(i);
+            }
+        }
+        ended.sort_unstable();
+        for &i in ended.iter().rev() {
+            let mut seq = self.running.remove(i);
+            self.release(&mut seq);
+        }
     }
 
     /// Waiting sequences into free slots, in order, each with the blocks that hold its first

@@ -60,10 +60,13 @@ pub struct ForwardSpec {
     /// The KV caches as a pool shared by many sequences (None: one sequence over `ctx`
     /// positions, its blocks in order).
     pub pool: Option<KvPool>,
-    /// The tokens are each the next of its own sequence of the pool (a batched decode step:
-    /// positions and sequences are inputs, every token's logits are computed), not a chunk of
-    /// one sequence.
+    /// The tokens each belong to a sequence of the pool (a batched step: positions and
+    /// sequences are inputs, every token's logits are computed unless `logit_rows` says
+    /// otherwise), not a chunk of one sequence.
     pub batched: bool,
+    /// In a batched step, the logits of only the first this many tokens: the others only fill
+    /// the caches (a prompt's chunk riding along with other sequences' next tokens).
+    pub logit_rows: Option<usize>,
 }
 
 /// KV caches as a pool of `blocks` blocks of [`KV_BLOCK`] rows, shared by up to `seqs`
@@ -113,6 +116,7 @@ impl ForwardSpec {
             streaming: None,
             pool: None,
             batched: false,
+            logit_rows: None,
         }
     }
 
@@ -476,6 +480,14 @@ impl Forward {
                 reason: "a batched step needs a pool of KV blocks".into(),
             });
         }
+        if let Some(r) = spec.logit_rows {
+            if !spec.batched || r == 0 || r > spec.tokens {
+                return Err(ModelError::Config {
+                    key: "batch".into(),
+                    reason: format!("logits of {r} rows of {} tokens", spec.tokens),
+                });
+            }
+        }
         // The block table (one sequence's blocks in order, or the pool's sequences) and the
         // tokens' sequence (one for a chunk, one each for a batched step).
         let (seqs, blocks) = spec.pool.map_or((1, spec.max_blocks()), |p| (p.seqs, p.blocks));
@@ -548,11 +560,12 @@ impl Forward {
             None => b.g.rms_norm(&name, x, final_ln, eps, b.norm),
         };
         // The lm_head runs on the last token's row only, unless every token's logits are wanted
-        // (in a batched step, every token is the last of its sequence).
-        let h = if spec.all_logits || spec.batched || spec.tokens == 1 {
-            h
-        } else {
-            b.g.last_row("last_row", h)
+        // (in a batched step, every token is the last of its sequence, or the first
+        // `logit_rows` are).
+        let h = match spec.logit_rows {
+            Some(r) if r < spec.tokens => b.g.first_rows("logit_rows", h, r),
+            _ if spec.all_logits || spec.batched || spec.tokens == 1 => h,
+            _ => b.g.last_row("last_row", h),
         };
         let head = if c.tie_embeddings && !w.contains("lm_head.weight") {
             embed
@@ -762,15 +775,17 @@ fn attention(
         vc,
         pages,
     );
-    let mut o = b.g.attention(
+    // A batched step's tokens past its outputs are one prompt's chunk.
+    let chunk = spec.logit_rows.filter(|&r| spec.batched && r < spec.tokens);
+    let mut o = b.g.attention_chunked(
         &format!("{a}.attention"),
         q,
-        kc,
-        vc,
+        (kc, vc),
         pos,
         pages,
         heads,
         1.0 / (hd as f32).sqrt(),
+        chunk,
     );
     if let Some(gate) = gate {
         o = b.g.sigmoid_gate(&format!("{a}.gate"), o, gate);

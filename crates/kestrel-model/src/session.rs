@@ -135,8 +135,9 @@ fn not_sampling() -> ModelError {
     }
 }
 
-/// A prepared program: (tokens, outputs, whole layers staged ahead, a batched step).
-type Key = (usize, Outputs, bool, bool);
+/// A prepared program: (tokens, outputs, whole layers staged ahead, a batched step's rows of
+/// logits (None: a chunk of one sequence)).
+type Key = (usize, Outputs, bool, Option<usize>);
 
 /// KV caches as a pool of blocks shared by sequences (see [`Session::with_kv_pool`]).
 struct Pool {
@@ -196,8 +197,10 @@ struct Prog<B: Backend> {
 
 /// Programs of chunks a session keeps at most: each holds its own activations, and steps of
 /// many different lengths (a server's prompts) would otherwise keep one each. The least
-/// recently used one goes first. (Batched steps' programs, one per bucket, are kept apart.)
+/// recently used one goes first. Batched steps' programs (one per pair of buckets of tokens
+/// and of rows of logits) are counted apart, up to `MAX_BATCH_PROGRAMS`.
 pub const MAX_PROGRAMS: usize = 12;
+pub const MAX_BATCH_PROGRAMS: usize = 16;
 
 impl<B: Backend> Prog<B> {
     /// The segment holding the outputs (and, like every segment, the states).
@@ -414,7 +417,7 @@ impl<B: Backend> Session<B> {
             });
         }
         if self.programs.is_empty() {
-            self.program(1, 0, Outputs::Last, false)?;
+            self.program(1, 0, Outputs::Last, None)?;
         }
         self.zero_states(Some(seq))
     }
@@ -463,14 +466,34 @@ impl<B: Backend> Session<B> {
     }
 
     /// One token of each of several sequences of the pool: `ids[i]` at `positions[i]` of
-    /// sequence `seqs[i]` (each sequence at most once). Runs the program of the batch's bucket
-    /// ([`batch_bucket`]), the padding in a block of its own, and hands back each token's
-    /// argmax ([`Want::Argmax`]) or logits ([`Want::AllLogits`], `[ids.len(), vocab]`).
+    /// sequence `seqs[i]` (each sequence at most once), each token's argmax ([`Want::Argmax`])
+    /// or logits ([`Want::AllLogits`], `[ids.len(), vocab]`): [`Session::step_mixed`] with
+    /// every token an output.
     pub fn step_batch(
         &mut self,
         seqs: &[u32],
         ids: &[u32],
         positions: &[u32],
+        want: Want,
+    ) -> Result<BatchOutput> {
+        self.step_mixed(seqs, ids, positions, ids.len(), want)
+    }
+
+    /// Tokens of several sequences of the pool as one step: `ids[i]` at `positions[i]` of
+    /// sequence `seqs[i]`. The first `outputs` tokens give their argmax ([`Want::Argmax`]) or
+    /// logits ([`Want::AllLogits`], `[outputs, vocab]`); the others, all of one sequence, only
+    /// fill the caches (the chunk of a prompt whose last token is an output, or whose rest comes
+    /// in a later step). A sequence may have several tokens, at distinct positions, in models
+    /// without recurrent states (their state advances one token a step: one token a sequence
+    /// there); a token sees its sequence's positions before it, in the caches or in this step.
+    /// Runs the program of the step's buckets ([`batch_bucket`] of the outputs, and of all the
+    /// tokens), the padding in a block of its own.
+    pub fn step_mixed(
+        &mut self,
+        seqs: &[u32],
+        ids: &[u32],
+        positions: &[u32],
+        outputs: usize,
         want: Want,
     ) -> Result<BatchOutput> {
         let pool = self.pool.as_ref().ok_or_else(no_pool)?;
@@ -479,42 +502,59 @@ impl<B: Backend> Session<B> {
             key: "batch".into(),
             reason,
         };
-        if n == 0 || seqs.len() != n || positions.len() != n {
+        if n == 0 || seqs.len() != n || positions.len() != n || outputs == 0 || outputs > n {
             return Err(bad(format!(
-                "{n} tokens with {} sequences and {} positions",
+                "{n} tokens with {} sequences, {} positions and {outputs} outputs",
                 seqs.len(),
                 positions.len()
             )));
         }
-        let mut seen = vec![false; pool.seqs];
+        let recurrent = self.config.arch.is_hybrid();
+        let mut seen = std::collections::HashSet::with_capacity(n);
         for (&s, &p) in seqs.iter().zip(positions) {
-            if s as usize >= pool.seqs || std::mem::replace(&mut seen[s as usize], true) {
-                return Err(bad(format!("sequence {s} twice or not in the pool")));
+            if s as usize >= pool.seqs {
+                return Err(bad(format!("sequence {s} is not in the pool")));
             }
             if p as usize >= self.ctx {
                 return Err(bad(format!("position {p} past a context of {}", self.ctx)));
             }
+            if !seen.insert((s, if recurrent { 0 } else { p })) {
+                return Err(bad(match recurrent {
+                    true => format!("sequence {s} twice (its recurrent state takes one token a step)"),
+                    false => format!("sequence {s} twice at position {p}"),
+                }));
+            }
         }
-        let bucket = batch_bucket(n);
-        let pad = bucket - n;
+        // The chunk's attention reads one sequence (see `Op::Attention`).
+        if let Some(&first) = seqs.get(outputs) {
+            if let Some(&other) = seqs[outputs..].iter().find(|&&s| s != first) {
+                return Err(bad(format!(
+                    "the tokens past the outputs are one sequence's chunk, not of {first} and {other}"
+                )));
+            }
+        }
+        // Outputs padded to their bucket, then the other tokens, the whole padded to its own.
+        let rows = batch_bucket(outputs);
+        let total = match n - outputs {
+            0 => rows,
+            rest => batch_bucket(rows + rest),
+        };
         let scratch = pool.seqs as u32;
-        let ids: Vec<u32> = ids.iter().copied().chain(std::iter::repeat_n(0, pad)).collect();
-        let pos: Vec<u32> = positions
-            .iter()
-            .copied()
-            .chain(std::iter::repeat_n(0, pad))
-            .collect();
-        let seq: Vec<u32> = seqs
-            .iter()
-            .copied()
-            .chain(std::iter::repeat_n(scratch, pad))
-            .collect();
-        let outputs = match want {
+        let padded = |v: &[u32], fill: u32| -> Vec<u32> {
+            let mut out = Vec::with_capacity(total);
+            out.extend_from_slice(&v[..outputs]);
+            out.resize(rows, fill);
+            out.extend_from_slice(&v[outputs..]);
+            out.resize(total, fill);
+            out
+        };
+        let (ids, pos, seq) = (padded(ids, 0), padded(positions, 0), padded(seqs, scratch));
+        let out_kind = match want {
             Want::Argmax => Outputs::Last,
             Want::AllLogits => Outputs::All,
             _ => return Err(bad("a batched step gives argmax ids or logits".into())),
         };
-        let key = self.run_tokens(&ids, &pos, Some(&seq), outputs)?;
+        let key = self.run_tokens(&ids, &pos, Some((&seq, rows)), out_kind)?;
         let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
         let prog = self.programs.get_mut(&key).expect("run above");
         if want == Want::Argmax {
@@ -523,11 +563,11 @@ impl<B: Backend> Session<B> {
                 .backend
                 .download::<u32>(prog.last(), argmax)
                 .map_err(backend_err)?;
-            out.truncate(n);
+            out.truncate(outputs);
             return Ok(BatchOutput::Tokens(out));
         }
         let mut logits = self.logits_of(key)?;
-        logits.truncate(n * self.config.vocab);
+        logits.truncate(outputs * self.config.vocab);
         Ok(BatchOutput::Logits(logits))
     }
 
@@ -553,7 +593,7 @@ impl<B: Backend> Session<B> {
     /// with the whole sequence before a turn's first sample.
     pub fn set_sample_history(&mut self, history: &[u32]) -> Result<()> {
         let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
-        let key = self.program(1, 0, Outputs::Sample, false)?;
+        let key = self.program(1, 0, Outputs::Sample, None)?;
         let prog = self.programs.get_mut(&key).expect("prepared above");
         let Some(s) = prog.f.sampled else {
             return Err(not_sampling());
@@ -815,12 +855,18 @@ impl<B: Backend> Session<B> {
                 reason: format!("{tokens} tokens do not fit a context of {}", self.ctx),
             });
         }
-        self.program(tokens, 0, Outputs::for_want(want), false)
-            .map(|_| ())
+        self.program(tokens, 0, Outputs::for_want(want), None).map(|_| ())
     }
 
-    /// The program for `tokens` tokens, built, prepared and (the first time) given the weights.
-    fn program(&mut self, tokens: usize, past: usize, outputs: Outputs, batched: bool) -> Result<Key> {
+    /// The program for `tokens` tokens (with `batched`, a batched step's, the logits of its
+    /// first rows), built, prepared and (the first time) given the weights.
+    fn program(
+        &mut self,
+        tokens: usize,
+        past: usize,
+        outputs: Outputs,
+        batched: Option<usize>,
+    ) -> Result<Key> {
         let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
         let ahead = self.streaming.as_ref().is_some_and(|s| s.ahead == Some(true));
         let key = (tokens, outputs, ahead, batched);
@@ -846,7 +892,8 @@ impl<B: Backend> Session<B> {
                     seqs: p.seqs + 1,
                     blocks: p.blocks + 1,
                 }),
-                batched,
+                batched: batched.is_some(),
+                logit_rows: batched,
             };
             let mut f = Forward::build(&self.config, &self.weights, spec)?;
             if self.streaming.as_ref().is_some_and(|s| !s.placed) {
@@ -906,11 +953,17 @@ impl<B: Backend> Session<B> {
                     .map_err(backend_err)?;
                 self.seeded = true;
             }
-            // Batched steps' programs (one a bucket, small activations) are not counted.
-            let chunks = self.programs.keys().filter(|k| !k.3).count();
-            if !batched && chunks >= MAX_PROGRAMS {
+            // Chunks' programs and batched steps' are counted apart.
+            let kind = |k: &Key| k.3.is_some() == batched.is_some();
+            let held = self.programs.keys().filter(|k| kind(k)).count();
+            let most = if batched.is_some() {
+                MAX_BATCH_PROGRAMS
+            } else {
+                MAX_PROGRAMS
+            };
+            if held >= most {
                 let oldest = (self.programs.iter())
-                    .filter(|(k, _)| !k.3)
+                    .filter(|(k, _)| kind(k))
                     .min_by_key(|(_, p)| p.used)
                     .map(|(k, _)| *k);
                 if let Some(k) = oldest {
@@ -984,9 +1037,17 @@ impl<B: Backend> Session<B> {
         self.run_tokens(ids, &pos, None, outputs)
     }
 
-    /// Runs `ids` at positions `pos` (a chunk of the selected sequence, or with `seq`, a
-    /// batched step: each token of its own sequence) through the program for their number.
-    fn run_tokens(&mut self, ids: &[u32], pos: &[u32], seq: Option<&[u32]>, outputs: Outputs) -> Result<Key> {
+    /// Runs `ids` at positions `pos` (a chunk of the selected sequence, or with `batch`, a
+    /// batched step: each token's sequence, and the rows of logits) through the program for
+    /// their number.
+    fn run_tokens(
+        &mut self,
+        ids: &[u32],
+        pos: &[u32],
+        batch: Option<(&[u32], usize)>,
+        outputs: Outputs,
+    ) -> Result<Key> {
+        let seq = batch.map(|b| b.0);
         if let Some(&bad) = ids.iter().find(|&&t| t as usize >= self.config.vocab) {
             return Err(ModelError::Config {
                 key: "vocab_size".into(),
@@ -994,7 +1055,7 @@ impl<B: Backend> Session<B> {
             });
         }
         let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
-        let key = self.program(ids.len(), pos[0] as usize, outputs, seq.is_some())?;
+        let key = self.program(ids.len(), pos[0] as usize, outputs, batch.map(|b| b.1))?;
         // The first chunk long enough to stage whole layers decides whether they are (Auto).
         let decide = self.streaming.as_ref().is_some_and(|st| {
             let n = ids.len() * self.config.moe.as_ref().map_or(0, |m| m.experts_per_token);

@@ -755,7 +755,19 @@ impl PagedTokens {
     /// blocks, so no sequence's rows are contiguous by chance. `long` allows caches of hundreds of
     /// positions.
     fn new(c: &mut CaseBuilder, tokens: usize, batched: bool, long: bool) -> PagedTokens {
-        let seqs = if batched { tokens } else { c.rng.range(1, 3) };
+        Self::with_chunk(c, tokens, batched.then_some(tokens), long)
+    }
+
+    /// With `own: Some(n)`, the first `n` tokens each of its own sequence and the others a chunk
+    /// of one more (a mixed step; `n == tokens`: a batched decode step); else as `new` without
+    /// `batched`.
+    fn with_chunk(c: &mut CaseBuilder, tokens: usize, own: Option<usize>, long: bool) -> PagedTokens {
+        let batched = own.is_some();
+        let seqs = match own {
+            Some(n) if n < tokens => n + 1,
+            Some(n) => n,
+            None => c.rng.range(1, 3),
+        };
         let past: Vec<usize> = (0..seqs)
             .map(|_| {
                 if long && c.rng.range(0, 2) == 0 {
@@ -765,8 +777,13 @@ impl PagedTokens {
                 }
             })
             .collect();
-        let (seq, pos): (Vec<usize>, Vec<u32>) = if batched {
-            (0..tokens).map(|t| (t, past[t] as u32)).unzip()
+        let (seq, pos): (Vec<usize>, Vec<u32>) = if let Some(n) = own {
+            (0..tokens)
+                .map(|t| match t < n {
+                    true => (t, past[t] as u32),
+                    false => (n, (past[n] + t - n) as u32),
+                })
+                .unzip()
         } else {
             (0..tokens)
                 .map(|t| (seqs - 1, (past[seqs - 1] + t) as u32))
@@ -857,14 +874,23 @@ pub fn attention(rng: Rng) -> Case {
     let heads = kv_heads * c.rng.range(1, 13);
     // 16 and 40: head sizes without a tensor-core kernel, which half caches send to the others.
     let hd = pick(&mut c.rng, &[64, 128, 96, 256, 16, 40]);
-    let batched = c.rng.range(0, 3) == 0;
-    let tokens = if batched {
-        pick(&mut c.rng, &[2, 5, 9])
-    } else {
-        pick(&mut c.rng, &[1, 1, 3, 19, 70])
+    // One sequence's tokens, a token of each of several, or a mixed step: tokens of their own
+    // sequences, then a chunk of one more (whose queries the op is told share a sequence).
+    let kind = c.rng.range(0, 4);
+    let (tokens, own) = match kind {
+        0 => {
+            let n = pick(&mut c.rng, &[2, 5, 9]);
+            (n, Some(n))
+        }
+        1 => {
+            let n = pick(&mut c.rng, &[1, 2, 5]);
+            (n + pick(&mut c.rng, &[3, 19, 70]), Some(n))
+        }
+        _ => (pick(&mut c.rng, &[1, 1, 3, 19, 70]), None),
     };
+    let chunk = own.filter(|&n| n < tokens);
     // Sometimes a longer cache, so decode spans several tiles and splits.
-    let pt = PagedTokens::new(&mut c, tokens, batched, batched || tokens <= 3);
+    let pt = PagedTokens::with_chunk(&mut c, tokens, own, own.is_some() || tokens <= 3);
     let rows = pt.rows;
     let dtype = pick(&mut c.rng, &[DType::F32, DType::BF16, DType::F16]);
     // Every row holds something: earlier tokens, or rows no token may read.
@@ -885,7 +911,7 @@ pub fn attention(rng: Rng) -> Case {
     c.rounded_activations = dtype != DType::F32;
     let scale = 1.0 / (hd as f32).sqrt();
     let out =
-        c.g.attention("attn", q, kcache, vcache, p, pt.pages, heads, scale);
+        c.g.attention_chunked("attn", q, (kcache, vcache), p, pt.pages, heads, scale, chunk);
     // The appended rows as the cache stores them.
     let round = |x: f64| -> f64 {
         match dtype {
@@ -933,9 +959,10 @@ pub fn attention(rng: Rng) -> Case {
     }
     c.check_floats(out, expect);
     c.finish(format!(
-        "attention t{tokens} at {:?} ({}) h{heads}/{kv_heads} d{hd} {dtype}",
+        "attention t{tokens} at {:?} ({}{}) h{heads}/{kv_heads} d{hd} {dtype}",
         &pt.pos[..pt.pos.len().min(4)],
-        pt.describe()
+        pt.describe(),
+        chunk.map_or(String::new(), |n| format!(", a chunk from token {n}"))
     ))
 }
 

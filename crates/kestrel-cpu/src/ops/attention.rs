@@ -162,14 +162,23 @@ pub fn exec(op: &Op, v: &mut Views) -> OpResult {
             head_dim,
             rows,
             scale,
+            chunk,
             ..
         } => {
             let (q, pos) = (v.read::<f32>(q)?, v.read::<u32>(positions)?);
             let (table, seq) = (v.read::<u32>(pages.table)?, v.read::<u32>(pages.seq)?);
+            // The sequence a query reads: its own, or from the chunk on, the chunk's.
+            let seq_of = |t: usize| {
+                let from = match chunk {
+                    Some(c) if t >= c => c,
+                    _ => t,
+                };
+                pages.seq_of(seq, from)
+            };
             // Each sequence's rows, up to the furthest position a token of it reads.
             let mut seq_rows: HashMap<usize, Vec<usize>> = HashMap::new();
             for (t, &p) in pos.iter().enumerate() {
-                let s = pages.seq_of(seq, t);
+                let s = seq_of(t);
                 let r = seq_rows.entry(s).or_default();
                 for j in r.len()..=p as usize {
                     r.push(
@@ -186,7 +195,7 @@ pub fn exec(op: &Op, v: &mut Views) -> OpResult {
                 let (t, h) = (row / heads, row % heads);
                 let kvh = h / group;
                 let qv = &q[row * head_dim..(row + 1) * head_dim];
-                let at = &seq_rows[&pages.seq_of(seq, t)][..=pos[t] as usize];
+                let at = &seq_rows[&seq_of(t)][..=pos[t] as usize];
                 // scores over the token's rows, softmax with the max subtracted.
                 let scores: Vec<f32> = at
                     .iter()

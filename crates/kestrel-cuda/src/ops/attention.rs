@@ -118,6 +118,8 @@ struct Attn {
     /// Positions a sequence holds (the range the kernels split).
     max_ctx: usize,
     scale: f32,
+    /// Queries from this token on attend to its sequence (see `Op::Attention`).
+    chunk: Option<usize>,
 }
 
 impl Attn {
@@ -147,6 +149,7 @@ impl Attn {
             head_dim,
             rows,
             scale,
+            chunk,
         } = *op
         else {
             unreachable!("called for attention")
@@ -167,6 +170,31 @@ impl Attn {
             rows,
             max_ctx: pages.max_ctx(),
             scale,
+            chunk,
+        })
+    }
+
+    /// The queries `from..to` alone, as attention of their own: every one of its own sequence,
+    /// or with `one_seq`, all of the sequence of the first.
+    fn rows(&self, from: usize, to: usize, one_seq: bool) -> Result<Attn> {
+        let (n, width) = (to - from, self.heads * self.head_dim);
+        Ok(Attn {
+            q: self.q.slice(from * width, n * width)?,
+            kc: self.kc.clone(),
+            vc: self.vc.clone(),
+            positions: self.positions.slice(from, n)?,
+            pages: Pages {
+                table: self.pages.table.clone(),
+                seq: self.pages.seq.slice(from, n)?,
+                pages: KvPages {
+                    one_seq,
+                    ..self.pages.pages
+                },
+            },
+            out: self.out.slice(from * width, n * width)?,
+            tokens: n,
+            chunk: None,
+            ..*self
         })
     }
 }
@@ -527,46 +555,57 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
         }
         Op::Attention { .. } => {
             let a = Attn::new(enc, op)?;
-            let (cache, tokens, heads, kv_heads, head_dim) =
-                (a.cache, a.tokens, a.heads, a.kv_heads, a.head_dim);
-            let one_seq = a.pages.pages.one_seq || tokens == 1;
-            let hopper = enc.device.info().compute_capability.0 >= 9;
-            if matches!(cache, DType::BF16 | DType::F16) && FLASH_HEAD_DIMS.contains(&head_dim) {
-                // One decode token's group (or a few tokens of a small group) in one kernel; with
-                // a sequence per token, each token's group alone.
-                let group = heads / kv_heads;
-                let rows = if one_seq { tokens * group } else { group };
-                if rows <= DA_ROWS && hopper {
-                    return encode_decode(enc, &a);
+            match a.chunk {
+                // The batched step's own tokens as decode, the chunk as one sequence's prefill.
+                Some(c) if !a.pages.pages.one_seq && c > 0 && c < a.tokens => {
+                    encode_attention(enc, &a.rows(0, c, false)?)?;
+                    encode_attention(enc, &a.rows(c, a.tokens, true)?)?;
                 }
-                if one_seq {
-                    return encode_flash(enc, &a);
-                }
+                _ => encode_attention(enc, &a)?,
             }
-            // The split kernel when its shared memory fits (f32 caches up to head dim 128).
-            let split_fits =
-                split_smem(head_dim, cache.size_in_bytes()) <= enc.device.info().max_shared_per_block;
-            // A sequence per token: the split kernel takes each token alone, whatever their number.
-            let few = tokens <= SPLIT_MAX_TOKENS || !one_seq;
-            if few && head_dim % 8 == 0 && head_dim <= MAX_HEAD_DIM && split_fits {
-                return encode_split(enc, &a);
-            }
-            if head_dim > MAX_HEAD_DIM {
-                return Err(unsupported(format!("head_dim {head_dim} > {MAX_HEAD_DIM}")));
-            }
-            let kern = enc.kernel(&MODULE, &format!("attention_{}", float_name(cache)?))?;
-            a.dispatch(enc, &kern)?
-                .grid(u32_arg(tokens * heads)?)
-                .block(u32_arg(32 * WARPS)?)
-                .write(&a.out)
-                .arg(u32_arg(heads)?)
-                .arg(u32_arg(kv_heads)?)
-                .arg(u32_arg(head_dim)?)
-                .arg(u32_arg(a.rows)?)
-                .arg(a.scale)
-                .record();
         }
         _ => unreachable!("dispatched by ops::encode"),
     }
+    Ok(())
+}
+
+/// Attention of `a`'s queries by the first kernel that fits their shape.
+fn encode_attention(enc: &mut Encoder, a: &Attn) -> Result<()> {
+    let (cache, tokens, heads, kv_heads, head_dim) = (a.cache, a.tokens, a.heads, a.kv_heads, a.head_dim);
+    let one_seq = a.pages.pages.one_seq || tokens == 1;
+    let hopper = enc.device.info().compute_capability.0 >= 9;
+    if matches!(cache, DType::BF16 | DType::F16) && FLASH_HEAD_DIMS.contains(&head_dim) {
+        // One decode token's group (or a few tokens of a small group) in one kernel; with
+        // a sequence per token, each token's group alone.
+        let group = heads / kv_heads;
+        let rows = if one_seq { tokens * group } else { group };
+        if rows <= DA_ROWS && hopper {
+            return encode_decode(enc, a);
+        }
+        if one_seq {
+            return encode_flash(enc, a);
+        }
+    }
+    // The split kernel when its shared memory fits (f32 caches up to head dim 128).
+    let split_fits = split_smem(head_dim, cache.size_in_bytes()) <= enc.device.info().max_shared_per_block;
+    // A sequence per token: the split kernel takes each token alone, whatever their number.
+    let few = tokens <= SPLIT_MAX_TOKENS || !one_seq;
+    if few && head_dim % 8 == 0 && head_dim <= MAX_HEAD_DIM && split_fits {
+        return encode_split(enc, a);
+    }
+    if head_dim > MAX_HEAD_DIM {
+        return Err(unsupported(format!("head_dim {head_dim} > {MAX_HEAD_DIM}")));
+    }
+    let kern = enc.kernel(&MODULE, &format!("attention_{}", float_name(cache)?))?;
+    a.dispatch(enc, &kern)?
+        .grid(u32_arg(tokens * heads)?)
+        .block(u32_arg(32 * WARPS)?)
+        .write(&a.out)
+        .arg(u32_arg(heads)?)
+        .arg(u32_arg(kv_heads)?)
+        .arg(u32_arg(head_dim)?)
+        .arg(u32_arg(a.rows)?)
+        .arg(a.scale)
+        .record();
     Ok(())
 }
