@@ -26,11 +26,13 @@
 // MAX_PER_LANE (attention_*), GROUP and DEC_WARPS (attention_split_*), COMBINE_WARPS,
 // COMBINE_LOADS, COMBINE_THREADS and MAX_SPLITS (attention_combine_*), FA_WARPS, FA_KEYS and
 // FA_KEYS_WIDE (flash_attention_*), DA_ROWS, DA_KEYS, DA_STAGES, DA_WARPS and DA_WARPS_WIDE
-// (decode_attention_*), and WIDE_HEAD_DIM, over which heads take the wide shapes.
+// (decode_attention_*), AI_WARPS (attention_inputs_*), and WIDE_HEAD_DIM, over which heads take
+// the wide shapes.
 #if !defined(WARPS) || !defined(MAX_PER_LANE) || !defined(GROUP) || !defined(DEC_WARPS) ||                 \
     !defined(COMBINE_WARPS) || !defined(COMBINE_LOADS) || !defined(COMBINE_THREADS) || !defined(MAX_SPLITS) || \
     !defined(FA_WARPS) || !defined(FA_KEYS) || !defined(FA_KEYS_WIDE) || !defined(WIDE_HEAD_DIM) ||         \
-    !defined(DA_ROWS) || !defined(DA_KEYS) || !defined(DA_STAGES) || !defined(DA_WARPS) || !defined(DA_WARPS_WIDE)
+    !defined(DA_ROWS) || !defined(DA_KEYS) || !defined(DA_STAGES) || !defined(DA_WARPS) ||                 \
+    !defined(DA_WARPS_WIDE) || !defined(AI_WARPS)
 #error "attention.cu is compiled with the launch geometry of ops/attention.rs as -D definitions"
 #endif
 
@@ -74,19 +76,26 @@ __device__ void kv_append(const float* k, const float* v, const unsigned* positi
 
 // The inputs of attention for new tokens in one kernel, from the fused projection qkv (a row: each
 // query head's head_dim values, followed by its gate's when q_stride = 2 * head_dim; then the keys;
-// then the values). One block per (token, row), the rows being the heads of q, then of k, then
-// of v. A head is staged in shared memory, RMS-normalised when norm weights are given (q and k),
-// rotated (neox halves, angle position * inv_freq in f32 as rope_f32 computes it) and stored: q
-// (and its gate, copied) to q and gate, k and v into the caches at the token's position.
-// head_dim <= 256; blockDim.x a multiple of 32.
-template <typename T, typename W>
+// then the values). A block per (token, row), the rows being the heads of q, then of k, then of
+// v (decode: the most threads on a head), or with WARP a warp per (token, row), AI_WARPS a block
+// (many tokens: the fewest blocks). A head is staged in shared memory, RMS-normalised when norm
+// weights are given (q and k), rotated (neox halves, angle position * inv_freq in f32 as
+// rope_f32 computes it) and stored: q (and its gate, copied) to q and gate, k and v into the
+// caches at the token's position. head_dim <= 256; blockDim.x a multiple of 32 (32 * AI_WARPS
+// with WARP).
+template <typename T, typename W, bool WARP>
 __device__ void attention_inputs(const float* qkv, float* q, float* gate, const W* q_norm, const W* k_norm,
                                  float eps, int zero_centered, const unsigned* positions, const float* inv_freq,
                                  T* k_cache, T* v_cache, PAGE_PARAMS, unsigned heads, unsigned kv_heads,
                                  unsigned head_dim, unsigned q_stride, unsigned rot_dim, float scaling, unsigned rows) {
-    __shared__ float row[256];
+    __shared__ float rows_s[WARP ? AI_WARPS : 1][256];
     __shared__ float scratch[32];
-    const unsigned t = blockIdx.x, r = blockIdx.y;
+    const unsigned warp = threadIdx.x / 32;
+    // This thread's first value of the head and the step to its next (a warp's lanes, or the block's threads).
+    const unsigned first = WARP ? threadIdx.x % 32 : threadIdx.x, step = WARP ? 32 : blockDim.x;
+    const unsigned t = blockIdx.x, r = WARP ? blockIdx.y * AI_WARPS + warp : blockIdx.y;
+    if (r >= heads + 2 * kv_heads) return;  // warps only: a block-wide barrier follows otherwise
+    float* row = rows_s[WARP ? warp : 0];
     const unsigned p = positions[t];
     const bool is_q = r < heads, is_k = !is_q && r < heads + kv_heads;
     const unsigned h = is_q ? r : (is_k ? r - heads : r - heads - kv_heads);
@@ -94,23 +103,27 @@ __device__ void attention_inputs(const float* qkv, float* q, float* gate, const 
     const float* x = qkv + t * cols;
     const float* src = is_q ? x + (size_t)h * q_stride
                             : x + (size_t)heads * q_stride + (is_k ? 0 : (size_t)kv_heads * head_dim) + (size_t)h * head_dim;
-    for (unsigned i = threadIdx.x; i < head_dim; i += blockDim.x) row[i] = src[i];
+    for (unsigned i = first; i < head_dim; i += step) row[i] = src[i];
     if (is_q && gate != nullptr) {
         float* g = gate + ((size_t)t * heads + h) * head_dim;
-        for (unsigned i = threadIdx.x; i < head_dim; i += blockDim.x) g[i] = src[head_dim + i];
+        for (unsigned i = first; i < head_dim; i += step) g[i] = src[head_dim + i];
     }
     const W* w = is_q ? q_norm : k_norm;
     if (w != nullptr && (is_q || is_k)) {
+        // Each thread norms the values it loaded: no other thread's are read before the barrier.
         float ss = 0.0f;
-        for (unsigned i = threadIdx.x; i < head_dim; i += blockDim.x) ss += row[i] * row[i];
-        ss = block_sum(ss, scratch);
+        for (unsigned i = first; i < head_dim; i += step) ss += row[i] * row[i];
+        ss = WARP ? warp_sum(ss) : block_sum(ss, scratch);
         const float inv = 1.0f / sqrtf(ss / (float)head_dim + eps);
-        for (unsigned i = threadIdx.x; i < head_dim; i += blockDim.x) {
+        for (unsigned i = first; i < head_dim; i += step) {
             const float s = zero_centered ? 1.0f + to_f32(w[i]) : to_f32(w[i]);
             row[i] = row[i] * inv * s;
         }
     }
-    __syncthreads();
+    if constexpr (WARP)
+        __syncwarp();
+    else
+        __syncthreads();
     const Pages pg = pages_of(PAGE_ARGS, t);
     // The host checks lengths before any work; never write outside the cache.
     const unsigned cache_row = !is_q && p < pg.max_ctx ? pg.row(p) : rows;
@@ -118,7 +131,7 @@ __device__ void attention_inputs(const float* qkv, float* q, float* gate, const 
     const unsigned half = (is_q || is_k) ? rot_dim / 2 : 0;
     float* qh = q + ((size_t)t * heads + h) * head_dim;
     const size_t at = ((size_t)h * rows + cache_row) * head_dim;
-    for (unsigned i = threadIdx.x; i < head_dim; i += blockDim.x) {
+    for (unsigned i = first; i < head_dim; i += step) {
         float out;
         if (i < half) {
             float sn, c;
@@ -222,18 +235,21 @@ ATTN(float, f32)
 ATTN(bf16, bf16)
 ATTN(f16, f16)
 
-// attention_inputs_{cache}_{norm weights}; without norms (or gates) the pointers are null.
-#define INPUTS(T, NAME, W, WNAME)                                                                           \
-    extern "C" __global__ void attention_inputs_##NAME##_##WNAME(                                           \
+// attention_inputs_{cache}_{norm weights} (a block a head) and attention_inputs_warps_* (a warp a
+// head, AI_WARPS a block); without norms (or gates) the pointers are null.
+#define INPUTS(T, NAME, W, WNAME, WARP, KIND)                                                               \
+    extern "C" __global__ void attention_inputs_##KIND##NAME##_##WNAME(                                     \
         const float* qkv, float* q, float* gate, const W* q_norm, const W* k_norm, float eps,              \
         int zero_centered, const unsigned* positions, const float* inv_freq, T* k_cache, T* v_cache,        \
         PAGE_PARAMS, unsigned heads, unsigned kv_heads, unsigned head_dim, unsigned q_stride,               \
         unsigned rot_dim, float scaling, unsigned rows) {                                                   \
         pdl_begin();                                                                                        \
-        attention_inputs(qkv, q, gate, q_norm, k_norm, eps, zero_centered, positions, inv_freq, k_cache,    \
-                         v_cache, PAGE_ARGS, heads, kv_heads, head_dim, q_stride, rot_dim, scaling, rows);  \
+        attention_inputs<T, W, WARP>(qkv, q, gate, q_norm, k_norm, eps, zero_centered, positions, inv_freq, \
+                                     k_cache, v_cache, PAGE_ARGS, heads, kv_heads, head_dim, q_stride,      \
+                                     rot_dim, scaling, rows);                                               \
     }
-#define INPUTS_ALL(T, NAME) INPUTS(T, NAME, float, f32) INPUTS(T, NAME, bf16, bf16) INPUTS(T, NAME, f16, f16)
+#define INPUTS_BOTH(T, NAME, W, WNAME) INPUTS(T, NAME, W, WNAME, false, ) INPUTS(T, NAME, W, WNAME, true, warps_)
+#define INPUTS_ALL(T, NAME) INPUTS_BOTH(T, NAME, float, f32) INPUTS_BOTH(T, NAME, bf16, bf16) INPUTS_BOTH(T, NAME, f16, f16)
 INPUTS_ALL(float, f32)
 INPUTS_ALL(bf16, bf16)
 INPUTS_ALL(f16, f16)

@@ -30,6 +30,7 @@ pub(crate) const MODULE: ModuleSource = op_module(
         ("DA_STAGES", DA_STAGES as i64),
         ("DA_WARPS", DA_WARPS as i64),
         ("DA_WARPS_WIDE", DA_WARPS_WIDE as i64),
+        ("AI_WARPS", AI_WARPS as i64),
     ],
 );
 
@@ -41,6 +42,12 @@ const MAX_HEAD_DIM: usize = 32 * MAX_PER_LANE;
 /// Head dims over this take the wide-head shapes of `flash_attention_*` and
 /// `decode_attention_*`.
 const WIDE_HEAD_DIM: usize = 128;
+
+/// `attention_inputs_warps_*`: heads a block takes, a warp each, from `AI_WARPS_MIN_TOKENS`
+/// tokens (a 512-token prefill's 20,480 blocks of one head each took 29 µs a layer on the H200,
+/// 18 µs so; a decode token's 40 heads lost 2% of tg128 so, against a block a head).
+const AI_WARPS: usize = 4;
+const AI_WARPS_MIN_TOKENS: usize = 16;
 
 /// f32 caches: decode-sized batches take the split-over-context path.
 const SPLIT_MAX_TOKENS: usize = 4;
@@ -233,9 +240,11 @@ fn encode_flash(enc: &mut Encoder, a: &Attn) -> Result<()> {
         (a.cache, a.tokens, a.heads, a.kv_heads, a.head_dim, a.max_ctx);
     let bn = flash_tile_keys(head_dim);
     let pairs = tokens * (heads / kv_heads);
-    // Two row tiles per warp (each K/V fragment used twice) when there are rows for them and
-    // registers allow.
-    let mt = if head_dim <= 128 && pairs > 16 * FA_WARPS {
+    // Two row tiles per warp (each K/V fragment used twice) when registers allow and the blocks
+    // still number two a multiprocessor (below that, more blocks of one tile won: pp256 16,531
+    // to 17,648 tok/s, pp512 +3% on the H200).
+    let sms = enc.device.info().sm_count as usize;
+    let mt = if head_dim <= 128 && pairs.div_ceil(2 * 16 * FA_WARPS) * kv_heads >= 2 * sms {
         2
     } else {
         1
@@ -246,7 +255,6 @@ fn encode_flash(enc: &mut Encoder, a: &Attn) -> Result<()> {
     // Split only when the blocks would leave more than half the multiprocessors idle: merging
     // the splits of a 512-token prefill (128 blocks, 3 splits) cost 17 µs a layer on the H200, more
     // than the split saved.
-    let sms = enc.device.info().sm_count as usize;
     let want = if 2 * blocks >= sms {
         1
     } else {
@@ -505,7 +513,9 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 Some(n) => float_name(enc.dtype(n.q))?,
                 None => "f32",
             };
-            let kern = enc.kernel(&MODULE, &format!("attention_inputs_{cache}_{weights}"))?;
+            let warps = tokens >= AI_WARPS_MIN_TOKENS;
+            let kind = if warps { "warps_" } else { "" };
+            let kern = enc.kernel(&MODULE, &format!("attention_inputs_{kind}{cache}_{weights}"))?;
             let (x, q_out, p, f) = (
                 enc.buf(qkv)?.clone(),
                 enc.buf(q)?.clone(),
@@ -522,10 +532,17 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 None => None,
             };
             let q_stride = if gate.is_some() { 2 * head_dim } else { head_dim };
+            let (grid_y, block) = match warps {
+                true => ((heads + 2 * kv_heads).div_ceil(AI_WARPS), 32 * AI_WARPS),
+                false => (
+                    heads + 2 * kv_heads,
+                    ((head_dim / 2).div_ceil(32) * 32).clamp(32, 128),
+                ),
+            };
             let b = enc
                 .dispatch(&kern)
-                .grid((u32_arg(tokens)?, u32_arg(heads + 2 * kv_heads)?))
-                .block(((head_dim / 2).div_ceil(32) * 32).clamp(32, 128) as u32)
+                .grid((u32_arg(tokens)?, u32_arg(grid_y)?))
+                .block(u32_arg(block)?)
                 .read(&x)
                 .write(&q_out);
             // Absent gates and norm weights are null pointers.
