@@ -977,10 +977,11 @@ pub fn attention_inputs(rng: Rng) -> Case {
     let hd = pick(&mut c.rng, &[64, 128, 256, 40]);
     let partial = pick(&mut c.rng, &[1.0, 0.25, 0.5]);
     let batched = c.rng.range(0, 3) == 0;
+    // From 128 tokens CUDA takes a head a warp rather than a block.
     let tokens = if batched {
-        pick(&mut c.rng, &[2, 7])
+        pick(&mut c.rng, &[2, 7, 130])
     } else {
-        pick(&mut c.rng, &[1, 1, 3, 19])
+        pick(&mut c.rng, &[1, 1, 3, 19, 150])
     };
     let pt = PagedTokens::new(&mut c, tokens, batched, false);
     let rows = pt.rows;
