@@ -45,6 +45,13 @@ pub struct ServeBenchArgs {
     /// Tokens of each answer.
     #[arg(long, default_value_t = 128, value_parser = crate::args::at_least_one)]
     output_len: usize,
+    /// Sampling temperature of every request (0: greedy; the server checks the range); each
+    /// request's seed is its index.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Top-k of every request (0: the server's default; sampled requests only).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
     /// Seed of the prompts' ids.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -250,19 +257,24 @@ pub fn run(a: ServeBenchArgs) -> Result<std::process::ExitCode> {
                 .collect()
         })
         .collect();
-    let body = |ids: &[u32]| {
-        json!({
+    let body = |ids: &[u32], seed: usize| {
+        let mut b = json!({
             "model": model,
             "prompt": ids,
             "max_tokens": a.output_len,
             "ignore_eos": true,
-            "temperature": 0,
+            "temperature": a.temperature,
+            "seed": seed,
             "stream": true,
             "stream_options": {"include_usage": true},
-        })
+        });
+        if a.top_k > 0 {
+            b["top_k"] = a.top_k.into();
+        }
+        b
     };
     // One request first, so the server's programs for these lengths exist before timing.
-    one_request(&agent, &base, key, &body(&prompts[0])).context("the warm-up request")?;
+    one_request(&agent, &base, key, &body(&prompts[0], 0)).context("the warm-up request")?;
     let next = AtomicUsize::new(0);
     let timings = Mutex::new(Vec::with_capacity(num));
     let failures = Mutex::new(Vec::new());
@@ -276,7 +288,7 @@ pub fn run(a: ServeBenchArgs) -> Result<std::process::ExitCode> {
                     if i >= num {
                         break;
                     }
-                    match one_request(&agent, &base, key, &body(&prompts[i])) {
+                    match one_request(&agent, &base, key, &body(&prompts[i], i)) {
                         Ok(t) => timings.lock().unwrap_or_else(|p| p.into_inner()).push(t),
                         Err(e) => failures
                             .lock()
@@ -306,6 +318,8 @@ pub fn run(a: ServeBenchArgs) -> Result<std::process::ExitCode> {
         "concurrency": a.concurrency,
         "prompt_len": a.prompt_len,
         "output_len": a.output_len,
+        "temperature": a.temperature,
+        "top_k": a.top_k,
         "requests": num,
         "completed": timings.len(),
         "failed": failures.len(),
@@ -322,10 +336,15 @@ pub fn run(a: ServeBenchArgs) -> Result<std::process::ExitCode> {
         outln!("{report}")?;
     } else {
         outln!(
-            "{model} at {base}: {} clients, prompts {} tokens, answers {} tokens",
+            "{model} at {base}: {} clients, prompts {} tokens, answers {} tokens{}",
             a.concurrency,
             a.prompt_len,
-            a.output_len
+            a.output_len,
+            match (a.temperature > 0.0, a.top_k) {
+                (false, _) => String::new(),
+                (true, 0) => format!(", sampled at temperature {}", a.temperature),
+                (true, k) => format!(", sampled at temperature {} from the top {k}", a.temperature),
+            }
         )?;
         outln!(
             "requests: {} of {num} completed in {wall:.2} s ({:.2} requests/s)",
