@@ -166,14 +166,20 @@ pub fn distribution(logits: &[f32], p: &SamplingParams) -> Vec<(u32, f64)> {
     }
     let t = p.temperature as f64;
     let max = logits[best as usize] as f64;
-    if let Some(head) = top_k_by_logit(logits, p.top_k, |l| ((l as f64 - max) / t).exp()) {
+    // exp is 0 below -745.2 (the least subnormal is e^-744.4); the slow path of its underflow
+    // cost 3 ms a row of a wide vocabulary.
+    let weight = |l: f32| match (l as f64 - max) / t {
+        x if x < -746.0 => 0.0,
+        x => x.exp(),
+    };
+    if let Some(head) = top_k_by_logit(logits, p.top_k, weight) {
         return cut(head, p);
     }
     let cand: Vec<(u32, f64)> = logits
         .iter()
         .enumerate()
         .filter(|(_, &l)| !l.is_nan())
-        .map(|(i, &l)| (i as u32, ((l as f64 - max) / t).exp()))
+        .map(|(i, &l)| (i as u32, weight(l)))
         .collect();
     let likelier = |a: &(u32, f64), b: &(u32, f64)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
     // The `n` most likely, most likely first.
@@ -266,8 +272,10 @@ const LOGIT_HEAD_MAX: usize = 256;
 /// The `k` most likely tokens (most likely first, the lower id on ties) with their weights
 /// `weight(logit)`, found by logit without weighing the whole vocabulary; None when `k` is 0,
 /// larger than `LOGIT_HEAD_MAX` or not below the vocabulary, or when two logits of the head (or
-/// the first left out) weigh the same, or the last weighs nothing (then the order by weight, which
-/// breaks those ties by id, may differ from the order by logit).
+/// the first left out) weigh the same but differ (the order by weight breaks such ties by id,
+/// the order by logit would not). When fewer than `k` tokens weigh anything (a wide spread of
+/// logits at a low temperature), the rest of the head is the lowest ids among those weighing
+/// nothing, as the order by weight has them.
 fn top_k_by_logit(logits: &[f32], k: usize, weight: impl Fn(f32) -> f64) -> Option<Vec<(u32, f64)>> {
     if k == 0 || k > LOGIT_HEAD_MAX || k >= logits.len() {
         return None;
@@ -283,11 +291,24 @@ fn top_k_by_logit(logits: &[f32], k: usize, weight: impl Fn(f32) -> f64) -> Opti
         best.truncate(k + 1);
     }
     let weighed: Vec<(f32, u32, f64)> = best.iter().map(|&(l, i)| (l, i, weight(l))).collect();
-    let ambiguous = weighed.windows(2).any(|w| w[0].2 == w[1].2 && w[0].0 != w[1].0);
-    if ambiguous || weighed.get(k - 1).is_none_or(|w| w.2 == 0.0) {
+    // Those weighing anything come first (weight grows with the logit), and are all of the
+    // vocabulary's when fewer than k + 1.
+    let positive = weighed.iter().take_while(|w| w.2 > 0.0).count();
+    let ranked = &weighed[..positive.min(k + 1)];
+    if ranked.windows(2).any(|w| w[0].2 == w[1].2 && w[0].0 != w[1].0) {
         return None;
     }
-    Some(weighed[..k].iter().map(|&(_, i, w)| (i, w)).collect())
+    let mut head: Vec<(u32, f64)> = ranked.iter().take(k).map(|&(_, i, w)| (i, w)).collect();
+    if head.len() < k {
+        let zeros = logits
+            .iter()
+            .enumerate()
+            .filter(|&(_, &l)| !l.is_nan() && weight(l) == 0.0)
+            .map(|(i, _)| (i as u32, 0.0))
+            .take(k - head.len());
+        head.extend(zeros);
+    }
+    (head.len() == k).then_some(head)
 }
 
 /// A draw from `dist` (as [`distribution`] returns it): one number from `rng` unless a single
