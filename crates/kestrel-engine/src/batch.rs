@@ -357,6 +357,7 @@ impl Batcher {
         }
         let rows: Vec<usize> = outs.iter().map(|&r| runs[r].0).collect();
         let mut ended = self.take_outputs(&rows, &out);
+        on_session!(&mut self.engine.session, s => s.recycle(out));
         ended.sort_unstable();
         for &i in ended.iter().rev() {
             let mut seq = self.running.remove(i);
@@ -580,6 +581,7 @@ impl Batcher {
             self.register_full(i);
         }
         let ended = self.take_outputs(&live, &out);
+        on_session!(&mut self.engine.session, s => s.recycle(out));
         for &i in ended.iter().rev() {
             let mut seq = self.running.remove(i);
             self.release(&mut seq);
