@@ -122,6 +122,15 @@ pub fn run(config: &Config, a: ServeArgs) -> Result<std::process::ExitCode> {
             let mut engine = Engine::new(model, &config, opts).with_context(|| format!("opening {label}"))?;
             crate::progress::placement(&engine);
             engine.prepare(1, Want::LastLogits)?;
+            // Every kernel module now, not when a request first needs it: NVRTC took seconds
+            // over the first request of a new shape (from the disk cache it is quick).
+            if let Some(dev) = engine.device() {
+                for module in kestrel_cuda::MODULES {
+                    dev.registry()
+                        .load_module(module)
+                        .with_context(|| format!("compiling the {} kernels", module.name))?;
+                }
+            }
             let at_once = match engine.kv_pool() {
                 None => "one sequence at a time".to_string(),
                 Some(p) => format!(
