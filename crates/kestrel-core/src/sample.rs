@@ -173,9 +173,10 @@ pub fn distribution(logits: &[f32], p: &SamplingParams) -> Vec<(u32, f64)> {
         x => x.exp(),
     };
     if let Some(head) = top_k_by_logit(logits, p.top_k, weight) {
-        return cut(head, p);
+        let total = head.iter().map(|c| c.1).sum();
+        return cut(head, p, total);
     }
-    let cand: Vec<(u32, f64)> = logits
+    let mut cand: Vec<(u32, f64)> = logits
         .iter()
         .enumerate()
         .filter(|(_, &l)| !l.is_nan())
@@ -193,47 +194,28 @@ pub fn distribution(logits: &[f32], p: &SamplingParams) -> Vec<(u32, f64)> {
         h
     };
     if p.top_k > 0 {
-        return cut(head(&cand, p.top_k), p);
+        let h = head(&cand, p.top_k);
+        let total = h.iter().map(|c| c.1).sum();
+        return cut(h, p, total);
     }
-    let mut kept: Option<Vec<(u32, f64)>> = None;
     if p.top_p < 1.0 {
-        let total: f64 = match &kept {
-            Some(k) => k.iter().map(|c| c.1).sum(),
-            None => cand.iter().map(|c| c.1).sum(),
-        };
-        // The smallest head reaching top_p: ranked a growing number at a time.
+        // The smallest head reaching top_p of the whole vocabulary's mass: ranked a growing
+        // number at a time.
+        let total = cand.iter().map(|c| c.1).sum();
         let mut n = 64;
-        kept = Some(loop {
-            let h = match &kept {
-                Some(k) => k.clone(),
-                None => head(&cand, n),
-            };
-            let mut acc = 0.0;
-            if let Some(i) = h.iter().position(|c| {
-                acc += c.1 / total;
-                acc >= p.top_p as f64
-            }) {
-                break h[..=i].to_vec();
-            }
-            if kept.is_some() || n >= cand.len() {
-                break h;
+        loop {
+            let h = head(&cand, n);
+            if n >= cand.len() || reach(&h, total, p.top_p).is_some() {
+                return cut(h, p, total);
             }
             n *= 4;
-        });
+        }
     }
     if p.min_p > 0.0 {
-        // The first candidate is the argmax, of weight 1.
-        let floor = match &kept {
-            Some(k) => k[0].1,
-            None => 1.0,
-        } * p.min_p as f64;
-        match &mut kept {
-            Some(k) => k.retain(|c| c.1 >= floor),
-            None => kept = Some(cand.iter().copied().filter(|c| c.1 >= floor).collect()),
-        }
-        // Without a cut the survivors stay in token order, and are summed so.
+        // No cut: the argmax weighs 1, and the survivors stay in token order, summed so.
+        cand.retain(|c| c.1 >= p.min_p as f64);
     }
-    normalised(kept.unwrap_or(cand))
+    normalised(cand)
 }
 
 /// The candidates as probabilities (summed in their order), in ascending token order.
@@ -246,17 +228,19 @@ fn normalised(mut out: Vec<(u32, f64)>) -> Vec<(u32, f64)> {
     out
 }
 
-/// Top-p and min-p over the top-k head `head` (most likely first), then the distribution.
-fn cut(mut head: Vec<(u32, f64)>, p: &SamplingParams) -> Vec<(u32, f64)> {
+/// Where the mass of `head` (most likely first) first reaches `top_p` of `total`.
+fn reach(head: &[(u32, f64)], total: f64, top_p: f32) -> Option<usize> {
+    let mut acc = 0.0;
+    head.iter().position(|c| {
+        acc += c.1 / total;
+        acc >= top_p as f64
+    })
+}
+
+/// Top-p (against `total`) and min-p over `head` (most likely first), then the distribution.
+fn cut(mut head: Vec<(u32, f64)>, p: &SamplingParams, total: f64) -> Vec<(u32, f64)> {
     if p.top_p < 1.0 {
-        let total: f64 = head.iter().map(|c| c.1).sum();
-        let mut acc = 0.0;
-        let keep = (head.iter())
-            .position(|c| {
-                acc += c.1 / total;
-                acc >= p.top_p as f64
-            })
-            .map_or(head.len(), |i| i + 1);
+        let keep = reach(&head, total, p.top_p).map_or(head.len(), |i| i + 1);
         head.truncate(keep.max(1));
     }
     if p.min_p > 0.0 {

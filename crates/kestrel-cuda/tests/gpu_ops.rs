@@ -137,24 +137,16 @@ fn skinny_products_match_the_cpu_backend() {
         return;
     };
     let (mut rng, seed) = Rng::from_time();
-    let formats = kestrel_testing::cases::QUANT_FORMATS;
-    for (round, tokens) in [2, 7, 13, 29, 64, 101].into_iter().enumerate() {
-        for format in formats {
+    let shapes: Vec<_> = [2, 7, 13, 29, 64, 101]
+        .into_iter()
+        .map(|tokens| {
             let in_dim = 128 * rng.range(1, 4);
-            let out_dim = if rng.range(0, 2) == 0 {
-                17600
-            } else {
-                16 * rng.range(1, 40)
-            };
-            let case = kestrel_testing::cases::linear_shape(
-                Rng::new(rng.next_u64()),
-                tokens,
-                (in_dim, out_dim),
-                format,
-            );
-            compare(&dev, &case, seed, round);
-        }
-    }
+            let wide = rng.range(0, 2) == 0;
+            (tokens, in_dim, if wide { 17600 } else { 16 * rng.range(1, 40) })
+        })
+        .collect();
+    linear_products(&dev, &mut rng, seed, &shapes);
+    let formats = kestrel_testing::cases::QUANT_FORMATS;
     for (round, tokens) in [2, 12, 30, 80].into_iter().enumerate() {
         for format in &formats[..2] {
             let case = kestrel_testing::cases::moe_batch_shape(Rng::new(rng.next_u64()), tokens, *format);
@@ -178,15 +170,16 @@ fn tensor_core_products_with_k_split_match_the_cpu_backend() {
         (333, 2048, 5120),
         (200, 1024, 320),
     ];
-    for (round, (tokens, in_dim, out_dim)) in shapes.into_iter().enumerate() {
+    linear_products(&dev, &mut rng, seed, &shapes);
+}
+
+/// Quantised products of (tokens, in, out) in every quantised format, against the CPU backend.
+fn linear_products(dev: &kestrel_cuda::Device, rng: &mut Rng, seed: u64, shapes: &[(usize, usize, usize)]) {
+    for (round, &(tokens, in_dim, out_dim)) in shapes.iter().enumerate() {
         for format in kestrel_testing::cases::QUANT_FORMATS {
-            let case = kestrel_testing::cases::linear_shape(
-                Rng::new(rng.next_u64()),
-                tokens,
-                (in_dim, out_dim),
-                format,
-            );
-            compare(&dev, &case, seed, round);
+            let case_rng = Rng::new(rng.next_u64());
+            let case = kestrel_testing::cases::linear_shape(case_rng, tokens, (in_dim, out_dim), format);
+            compare(dev, &case, seed, round);
         }
     }
 }

@@ -101,7 +101,7 @@ impl Seq {
 /// What choosing one sequence's next token from its logits takes: the row, the sampler (None:
 /// greedy), the tokens so far (for penalties) and the log-probabilities asked for.
 struct Pick<'a> {
-    row: &'a [f32],
+    row: &'a mut [f32],
     sampler: Option<&'a mut Sampler>,
     history: &'a [u32],
     logprobs: Option<usize>,
@@ -344,7 +344,7 @@ impl Batcher {
             let want = if logits { Want::AllLogits } else { Want::Argmax };
             Ok(on_session!(&mut self.engine.session, s => s.step_mixed(&seqs, &ids, &pos, n, want))?)
         })();
-        let out = match outcome {
+        let mut out = match outcome {
             Ok(out) => out,
             Err(e) => {
                 let ids: Vec<usize> = runs.iter().map(|r| r.0).collect();
@@ -356,7 +356,7 @@ impl Batcher {
             self.register_full(i);
         }
         let rows: Vec<usize> = outs.iter().map(|&r| runs[r].0).collect();
-        let mut ended = self.take_outputs(&rows, &out);
+        let mut ended = self.take_outputs(&rows, &mut out);
         on_session!(&mut self.engine.session, s => s.recycle(out));
         ended.sort_unstable();
         for &i in ended.iter().rev() {
@@ -523,11 +523,11 @@ impl Batcher {
             return end - start;
         }
         // The prompt is in: its last token's output is the first generated token.
-        let out = match out {
+        let mut out = match out {
             kestrel_model::Output::Token(t) => BatchOutput::Tokens(vec![t]),
             kestrel_model::Output::Logits(l) => BatchOutput::Logits(l),
         };
-        if !self.take_outputs(&[i], &out).is_empty() {
+        if !self.take_outputs(&[i], &mut out).is_empty() {
             let mut seq = self.running.remove(i);
             self.release(&mut seq);
         }
@@ -572,7 +572,7 @@ impl Batcher {
             let want = if logits { Want::AllLogits } else { Want::Argmax };
             Ok(on_session!(&mut self.engine.session, s => s.step_batch(&seqs, &ids, &pos, want))?)
         })();
-        let out = match outcome {
+        let mut out = match outcome {
             Ok(out) => out,
             Err(e) => return self.fail(&live, &e),
         };
@@ -580,7 +580,7 @@ impl Batcher {
             self.running[i].cached += 1;
             self.register_full(i);
         }
-        let ended = self.take_outputs(&live, &out);
+        let ended = self.take_outputs(&live, &mut out);
         on_session!(&mut self.engine.session, s => s.recycle(out));
         for &i in ended.iter().rev() {
             let mut seq = self.running.remove(i);
@@ -592,7 +592,7 @@ impl Batcher {
     /// step: the backend's argmax, or a token chosen here from its row of logits (sampled and
     /// its log-probabilities found on all cores at once: a vocabulary of 152k takes a core
     /// 0.3-1.4 ms a row). The indices of those that ended, ascending.
-    fn take_outputs(&mut self, rows: &[usize], out: &BatchOutput) -> Vec<usize> {
+    fn take_outputs(&mut self, rows: &[usize], out: &mut BatchOutput) -> Vec<usize> {
         use rayon::prelude::*;
         let vocab = self.engine.config().vocab;
         let picks: Vec<(u32, Option<TokenLogprobs>)> = match out {
@@ -601,11 +601,12 @@ impl Batcher {
                 // Each row's sampler and history, borrowed apart from the rest of its sequence.
                 let mut work: Vec<Pick> = Vec::new();
                 let mut at = 0;
+                let mut chunks = l.chunks_mut(vocab);
                 for (i, seq) in self.running.iter_mut().enumerate() {
                     if rows.get(at) != Some(&i) {
                         continue;
                     }
-                    let row = &l[at * vocab..(at + 1) * vocab];
+                    let row = chunks.next().expect("a row of logits an output");
                     work.push(Pick {
                         row,
                         sampler: seq.sampler.as_mut(),
@@ -617,7 +618,9 @@ impl Batcher {
                 work.into_par_iter()
                     .map(|p| {
                         let id = match p.sampler {
-                            Some(s) => s.sample(&mut p.row.to_vec(), p.history),
+                            // Penalties change the logits; log-probabilities are the model's.
+                            Some(s) if s.params.has_penalties() => s.sample(&mut p.row.to_vec(), p.history),
+                            Some(s) => s.sample(p.row, p.history),
                             None => kestrel_core::sample::argmax(p.row),
                         };
                         (id, p.logprobs.map(|k| logprobs_of(p.row, k, id)))

@@ -373,14 +373,17 @@ fn encode_tensor_core(
     {
         splits *= 2;
     }
-    // With one split the partial-tile arguments are unused; the output stands in for them.
-    let (part, counters) = if splits > 1 {
-        let part = enc.workspace(DType::F32, splits * tiles * GT_ROWS * nb * GT_COLS)?;
-        (part, enc.counters(tiles)?)
-    } else {
-        (out.clone(), enc.counters(1)?)
+    // With one split the partial tiles and their counters are unused: null pointers, so the
+    // dispatch declares no access to the counters other kernels take turns on.
+    let scratch = match splits {
+        1 => None,
+        _ => Some((
+            enc.workspace(DType::F32, splits * tiles * GT_ROWS * nb * GT_COLS)?,
+            enc.counters(tiles)?,
+        )),
     };
-    enc.dispatch(&k)
+    let b = enc
+        .dispatch(&k)
         .grid((u32_arg(row_tiles)?, u32_arg(col_tiles)?, u32_arg(splits)?))
         .block(GT_THREADS)
         .shared_mem(u32_arg(smem)?)
@@ -388,10 +391,12 @@ fn encode_tensor_core(
         .read(&parts[0])
         .read(&parts[1])
         .read(&parts[2])
-        .write(&out)
-        .write(&part)
-        .read_write(&counters)
-        .arg(u32_arg(tokens)?)
+        .write(&out);
+    let b = match &scratch {
+        Some((part, counters)) => b.write(part).read_write(counters),
+        None => b.arg(0u64).arg(0u64),
+    };
+    b.arg(u32_arg(tokens)?)
         .arg(u32_arg(in_dim)?)
         .arg(u32_arg(out_dim)?)
         .arg(u32_arg(group)?)
