@@ -1278,6 +1278,37 @@ impl GraphBuilder {
         out
     }
 
+    /// Each row's sampling settings and generator, supplied by the host before each run
+    /// ([`Op::SampleRows`]).
+    pub fn draws_input(&mut self, label: &str, rows: usize) -> BufId<Draws> {
+        self.declare(
+            label,
+            DType::U32,
+            vec![rows, crate::sample::DRAW_WORDS],
+            BufKind::Input,
+        )
+    }
+
+    /// The next token of each row of `logits`, drawn with that row's settings and generator
+    /// in `draws` ([`Op::SampleRows`]); each output row is the token and the generator after it.
+    pub fn sample_rows(&mut self, name: &str, logits: BufId<Logits>, draws: BufId<Draws>) -> BufId<Drawn> {
+        let (rows, cols) = self.rows_cols(logits);
+        self.check_dtype(name, draws, &[DType::U32]);
+        self.check_len(name, draws, rows * crate::sample::DRAW_WORDS);
+        let out = self.transient(name, DType::U32, vec![rows, crate::sample::DRAWN_WORDS]);
+        self.push(
+            name,
+            Op::SampleRows {
+                logits: logits.raw(),
+                draws: draws.raw(),
+                out: out.raw(),
+                rows,
+                cols,
+            },
+        );
+        out
+    }
+
     pub fn top_k(&mut self, name: &str, logits: BufId<Logits>, k: usize) -> (BufId<TokenIds>, BufId<Act>) {
         let (rows, cols) = self.rows_cols(logits);
         self.check(name, k >= 1 && k <= cols, || format!("top-{k} of {cols}"));

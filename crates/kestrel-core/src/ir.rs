@@ -91,6 +91,11 @@ roles!(
     Logits,
     /// Selected token ids, u32.
     TokenIds,
+    /// Each row's sampling settings and generator, u32 `[rows, DRAW_WORDS]` (see
+    /// [`crate::sample::draw_words`]).
+    Draws,
+    /// Each row's drawn token and generator after the draw, u32 `[rows, DRAWN_WORDS]`.
+    Drawn,
 );
 
 /// A typed buffer id: the index plus the role the builder checks at compile time.
@@ -708,6 +713,20 @@ pub enum Op {
         cols: usize,
         params: crate::sample::SamplingParams,
     },
+    /// The next token of each row of `logits`, each with its own settings and generator: row
+    /// `r` draws with `draws[r]` (`u32 [rows, DRAW_WORDS]`, see [`crate::sample::draw_words`]:
+    /// temperature, top-k, top-p, min-p, no penalties) and writes its token and the generator
+    /// state after the draw to `out[r]` (`u32 [rows, DRAWN_WORDS]`), as
+    /// [`crate::sample::draw_row`] does. The generators live with the caller, so the op keeps
+    /// no state. A backend may bound top-k (CUDA: 1 to 64, or temperature 0; see
+    /// [`crate::sample::backend_draws`]).
+    SampleRows {
+        logits: Buf,
+        draws: Buf,
+        out: Buf,
+        rows: usize,
+        cols: usize,
+    },
     /// The `k` largest logits of each row, descending (lower index first on ties).
     TopK {
         logits: Buf,
@@ -874,6 +893,9 @@ impl Op {
                 out,
                 ..
             } => (vec![*logits, *counts, *rng], vec![*out, *counts, *rng]),
+            SampleRows {
+                logits, draws, out, ..
+            } => (vec![*logits, *draws], vec![*out]),
             TopK {
                 logits, ids, values, ..
             } => (vec![*logits], vec![*ids, *values]),
@@ -909,6 +931,7 @@ impl Op {
             DeltaRule { .. } => "delta_rule",
             Argmax { .. } => "argmax",
             Sample { .. } => "sample",
+            SampleRows { .. } => "sample_rows",
             TopK { .. } => "top_k",
         }
     }

@@ -312,6 +312,56 @@ pub fn draw(dist: &[(u32, f64)], rng: &mut Rng) -> u32 {
     dist.last().expect("a non-empty distribution").0
 }
 
+/// Words of one row's settings in a `SampleRows` op's `draws`: temperature, top-k, top-p and
+/// min-p (the floats as their bits), then the generator state as [`rng_words`] stores it.
+pub const DRAW_WORDS: usize = 12;
+
+/// Words of one row of a `SampleRows` op's output: the token, then the generator state after
+/// the draw.
+pub const DRAWN_WORDS: usize = 9;
+
+/// Whether a backend's `SampleRows` op draws with `params` as the host does: no penalties (the
+/// op keeps no token counts) and candidates it can keep ([`SamplingParams::backend_candidates`]).
+pub fn backend_draws(params: &SamplingParams) -> bool {
+    !params.has_penalties() && params.backend_candidates().is_some()
+}
+
+/// One row's settings for a `SampleRows` op: `params` (penalties left out) and the generator
+/// `state` to draw with.
+pub fn draw_words(params: &SamplingParams, state: [u64; 4]) -> [u32; DRAW_WORDS] {
+    let mut w = [0u32; DRAW_WORDS];
+    w[0] = params.temperature.to_bits();
+    w[1] = params.top_k.min(u32::MAX as usize) as u32;
+    w[2] = params.top_p.to_bits();
+    w[3] = params.min_p.to_bits();
+    w[4..].copy_from_slice(&rng_words(state));
+    w
+}
+
+/// The settings and generator state [`draw_words`] stored.
+pub fn draw_settings(words: &[u32]) -> (SamplingParams, [u64; 4]) {
+    let params = SamplingParams {
+        temperature: f32::from_bits(words[0]),
+        top_k: words[1] as usize,
+        top_p: f32::from_bits(words[2]),
+        min_p: f32::from_bits(words[3]),
+        ..Default::default()
+    };
+    (params, rng_state(&words[4..DRAW_WORDS]))
+}
+
+/// One row of a `SampleRows` op: the token drawn from `logits` with the settings `words`
+/// ([`draw_words`]) and the generator state after the draw, as [`DRAWN_WORDS`] words.
+pub fn draw_row(logits: &[f32], words: &[u32]) -> [u32; DRAWN_WORDS] {
+    let (params, state) = draw_settings(words);
+    let mut rng = Rng::from_state(state);
+    let token = draw(&distribution(logits, &params), &mut rng);
+    let mut out = [0u32; DRAWN_WORDS];
+    out[0] = token;
+    out[1..].copy_from_slice(&rng_words(rng.state()));
+    out
+}
+
 /// A generator state as a `Sample` op stores it: `u32 [8]`, each word's low half first.
 pub fn rng_words(state: [u64; 4]) -> [u32; 8] {
     let mut w = [0u32; 8];

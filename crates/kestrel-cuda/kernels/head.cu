@@ -102,8 +102,9 @@ extern "C" __global__ void top_k_f32(const float* logits, unsigned* ids, float* 
 // (u32 [8]), which it advances; counts[token] += 1.
 // SAMPLE_CHUNK, the logits a block of sample_partial_f32 takes, comes from the host (`ops/head.rs`)
 // as a -D definition.
-#ifndef SAMPLE_CHUNK
-#error "head.cu is compiled with SAMPLE_CHUNK from ops/head.rs"
+// SAMPLE_MAX_K, the most candidates a draw keeps, is kestrel_core::sample::BACKEND_MAX_TOP_K.
+#if !defined(SAMPLE_CHUNK) || !defined(SAMPLE_MAX_K)
+#error "head.cu is compiled with SAMPLE_CHUNK and SAMPLE_MAX_K from ops/head.rs"
 #endif
 
 __device__ __forceinline__ float penalised(float l, unsigned n, float rep, float presence, float frequency) {
@@ -148,23 +149,16 @@ extern "C" __global__ void sample_partial_f32(const float* logits, const unsigne
 
 __device__ __forceinline__ unsigned long long rotl64(unsigned long long x, int r) { return (x << r) | (x >> (64 - r)); }
 
-extern "C" __global__ void sample_final_f32(const float* part_v, const unsigned* part_i, unsigned* counts,
-                                            unsigned* rng, unsigned* out, unsigned n, unsigned k, float temperature,
-                                            float top_p, float min_p) {
-    pdl_begin();
-    extern __shared__ float cand[];  // n values, then n indices
-    unsigned* cand_i = reinterpret_cast<unsigned*>(cand + n);
-    __shared__ float top_v[64];
-    __shared__ unsigned top_i[64];
-    for (unsigned i = threadIdx.x; i < n; i += blockDim.x) { cand[i] = part_v[i]; cand_i[i] = part_i[i]; }
-    __syncthreads();
-    pick_best(cand, cand_i, 0, n, k, top_v, top_i);
-    if (threadIdx.x != 0) return;
-    unsigned m = 0;
-    while (m < k && top_i[m] != 0xffffffffu) m++;
+// The token drawn from the m best candidates (top_v / top_i, most likely first): f64 weights,
+// top-p and min-p in the host's order, a draw with the xoshiro state rng_in (u32 [8]), the state
+// after it to rng_out (the same or another place; copied when no draw was needed). One thread.
+__device__ unsigned draw_from_head(const float* top_v, unsigned* top_i, unsigned m, float temperature, float top_p,
+                                   float min_p, const unsigned* rng_in, unsigned* rng_out) {
+    unsigned long long s[4];
+    for (int i = 0; i < 4; i++) s[i] = (unsigned long long)rng_in[2 * i] | ((unsigned long long)rng_in[2 * i + 1] << 32);
     unsigned token = top_i[0];
     if (temperature != 0.0f && m > 1) {
-        double w[64];
+        double w[SAMPLE_MAX_K];
         const double t = (double)temperature, max = (double)top_v[0];
         double total = 0.0;
         for (unsigned j = 0; j < m; j++) { w[j] = exp(((double)top_v[j] - max) / t); total += w[j]; }
@@ -193,11 +187,8 @@ extern "C" __global__ void sample_final_f32(const float* part_v, const unsigned*
             }
         token = top_i[0];
         if (keep > 1) {
-            unsigned long long s[4];
-            for (int i = 0; i < 4; i++) s[i] = (unsigned long long)rng[2 * i] | ((unsigned long long)rng[2 * i + 1] << 32);
             const unsigned long long r = rotl64(s[1] * 5, 7) * 9, sh = s[1] << 17;
             s[2] ^= s[0]; s[3] ^= s[1]; s[1] ^= s[2]; s[0] ^= s[3]; s[2] ^= sh; s[3] = rotl64(s[3], 45);
-            for (int i = 0; i < 4; i++) { rng[2 * i] = (unsigned)s[i]; rng[2 * i + 1] = (unsigned)(s[i] >> 32); }
             const double u = (double)((float)(r >> 40) * (1.0f / 16777216.0f));
             double acc = 0.0;
             token = top_i[keep - 1];
@@ -207,6 +198,80 @@ extern "C" __global__ void sample_final_f32(const float* part_v, const unsigned*
             }
         }
     }
+    for (int i = 0; i < 4; i++) { rng_out[2 * i] = (unsigned)s[i]; rng_out[2 * i + 1] = (unsigned)(s[i] >> 32); }
+    return token;
+}
+
+extern "C" __global__ void sample_final_f32(const float* part_v, const unsigned* part_i, unsigned* counts,
+                                            unsigned* rng, unsigned* out, unsigned n, unsigned k, float temperature,
+                                            float top_p, float min_p) {
+    pdl_begin();
+    extern __shared__ float cand[];  // n values, then n indices
+    unsigned* cand_i = reinterpret_cast<unsigned*>(cand + n);
+    __shared__ float top_v[SAMPLE_MAX_K];
+    __shared__ unsigned top_i[SAMPLE_MAX_K];
+    for (unsigned i = threadIdx.x; i < n; i += blockDim.x) { cand[i] = part_v[i]; cand_i[i] = part_i[i]; }
+    __syncthreads();
+    pick_best(cand, cand_i, 0, n, k, top_v, top_i);
+    if (threadIdx.x != 0) return;
+    unsigned m = 0;
+    while (m < k && top_i[m] != 0xffffffffu) m++;
+    const unsigned token = draw_from_head(top_v, top_i, m, temperature, top_p, min_p, rng, rng);
     counts[token] += 1;
     out[0] = token;
+}
+
+// ---- sampling each row with its own settings (Op::SampleRows; no penalties) ----
+// draws: u32 [rows, DRAW_WORDS] (temperature, top-k, top-p, min-p as bits, then the generator);
+// out: u32 [rows, DRAWN_WORDS] (the token, then the generator after the draw). A row keeps
+// k = 1 at temperature 0, else its top-k (clamped to 1..SAMPLE_MAX_K: the host sends only rows the op
+// takes). sample_rows_partial_f32: grid (parts, rows), each block's k best of SAMPLE_CHUNK
+// logits to part_v / part_i [rows, parts, SAMPLE_MAX_K]; sample_rows_final_f32: grid (rows), the k best
+// of the row's parts, then draw_from_head.
+// DRAW_WORDS and DRAWN_WORDS come from kestrel_core::sample through ops/head.rs.
+#if !defined(DRAW_WORDS) || !defined(DRAWN_WORDS)
+#error "head.cu is compiled with DRAW_WORDS and DRAWN_WORDS from ops/head.rs"
+#endif
+
+__device__ __forceinline__ unsigned row_candidates(const unsigned* d) {
+    if (__uint_as_float(d[0]) == 0.0f) return 1;
+    return min(max(d[1], 1u), (unsigned)SAMPLE_MAX_K);
+}
+
+extern "C" __global__ void sample_rows_partial_f32(const float* logits, const unsigned* draws, float* part_v,
+                                                   unsigned* part_i, unsigned cols) {
+    pdl_begin();
+    __shared__ float vals[SAMPLE_CHUNK];
+    const unsigned row = blockIdx.y, k = row_candidates(draws + (size_t)row * DRAW_WORDS);
+    const unsigned c0 = blockIdx.x * SAMPLE_CHUNK, n = min(cols - c0, (unsigned)SAMPLE_CHUNK);
+    const float* l = logits + (size_t)row * cols + c0;
+    for (unsigned i = threadIdx.x; i < n; i += blockDim.x) vals[i] = l[i];
+    __syncthreads();
+    const size_t at = ((size_t)row * gridDim.x + blockIdx.x) * SAMPLE_MAX_K;
+    pick_best(vals, nullptr, c0, n, k, part_v + at, part_i + at);
+}
+
+extern "C" __global__ void sample_rows_final_f32(const float* part_v, const unsigned* part_i, const unsigned* draws,
+                                                 unsigned* out, unsigned parts) {
+    pdl_begin();
+    extern __shared__ float cand[];  // parts * k values, then as many indices
+    __shared__ float top_v[SAMPLE_MAX_K];
+    __shared__ unsigned top_i[SAMPLE_MAX_K];
+    const unsigned row = blockIdx.x;
+    const unsigned* d = draws + (size_t)row * DRAW_WORDS;
+    const unsigned k = row_candidates(d), n = parts * k;
+    unsigned* cand_i = reinterpret_cast<unsigned*>(cand + n);
+    for (unsigned i = threadIdx.x; i < n; i += blockDim.x) {
+        const size_t at = ((size_t)row * parts + i / k) * SAMPLE_MAX_K + i % k;
+        cand[i] = part_v[at];
+        cand_i[i] = part_i[at];
+    }
+    __syncthreads();
+    pick_best(cand, cand_i, 0, n, k, top_v, top_i);
+    if (threadIdx.x != 0) return;
+    unsigned m = 0;
+    while (m < k && top_i[m] != 0xffffffffu) m++;
+    unsigned* o = out + (size_t)row * DRAWN_WORDS;
+    o[0] = draw_from_head(top_v, top_i, m, __uint_as_float(d[0]), __uint_as_float(d[2]), __uint_as_float(d[3]),
+                          d + 4, o + 1);
 }

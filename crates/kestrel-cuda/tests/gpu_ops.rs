@@ -417,6 +417,89 @@ fn decode_attention_over_a_long_cache_matches_the_cpu_backend_run_after_run() {
     }
 }
 
+/// Each row drawn with its own settings (`SampleRows`): CUDA's tokens and generators equal the
+/// CPU's (the host algorithm's) bit for bit, rows of every kind in one op: greedy, top-k 1,
+/// 20 and 64, top-p, min-p, temperatures low and high; logits with ties; vocabularies below one
+/// block's chunk, of real size, and large enough that the merge's candidates pass 48 KB of
+/// shared memory; eagerly and as a graph, the output poisoned before each run.
+#[test]
+fn gpu_row_sampler_equals_the_cpu_sampler() {
+    use kestrel_core::sample::{draw_words, SamplingParams, DRAWN_WORDS};
+    let Some(dev) = device_or_skip("gpu_row_sampler_equals_the_cpu_sampler") else {
+        return;
+    };
+    let (mut rng, seed) = Rng::from_time();
+    let kinds = [
+        SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        },
+        SamplingParams {
+            temperature: 0.7,
+            top_k: 20,
+            top_p: 0.95,
+            ..Default::default()
+        },
+        SamplingParams {
+            temperature: 1.3,
+            top_k: 64,
+            min_p: 0.05,
+            ..Default::default()
+        },
+        SamplingParams {
+            temperature: 0.2,
+            top_k: 1,
+            ..Default::default()
+        },
+        SamplingParams {
+            temperature: 1.0,
+            top_k: 40,
+            top_p: 0.5,
+            min_p: 0.1,
+            ..Default::default()
+        },
+    ];
+    for (vocab, rows) in [(1500, 7), (151_936, 13), (248_320, 5)] {
+        let mut g = GraphBuilder::new();
+        let logits = g.logits_input("logits", rows, vocab);
+        let draws = g.draws_input("draws", rows);
+        let out = g.sample_rows("sample_rows", logits, draws);
+        g.mark_output(out);
+        let graph = g.finish().unwrap();
+        let params: Vec<SamplingParams> = (0..rows).map(|r| kinds[(r + rows) % kinds.len()]).collect();
+        for mode in [RunMode::Eager, RunMode::Graph] {
+            let mut cpu = CpuBackend::new();
+            let mut cuda = CudaBackend::new(dev.clone(), mode);
+            let mut pc = cpu.prepare(&graph).unwrap();
+            let mut pg = cuda.prepare(&graph).unwrap();
+            let mut states: Vec<[u64; 4]> = (0..rows).map(|r| Rng::new(seed ^ r as u64).state()).collect();
+            for step in 0..12 {
+                let row: Vec<f32> = (0..rows * vocab)
+                    .map(|_| (rng.symmetric() * 40.0).round() / 8.0)
+                    .collect();
+                let words: Vec<u32> = (params.iter().zip(&states))
+                    .flat_map(|(p, s)| draw_words(p, *s))
+                    .collect();
+                cpu.upload(&mut pc, logits, &row).unwrap();
+                cpu.upload(&mut pc, draws, &words).unwrap();
+                cpu.run(&mut pc).unwrap();
+                cuda.poison(&pg).unwrap();
+                cuda.upload(&mut pg, logits, &row).unwrap();
+                cuda.upload(&mut pg, draws, &words).unwrap();
+                cuda.run(&mut pg).unwrap();
+                let (a, b) = (
+                    cpu.download::<u32>(&pc, out).unwrap(),
+                    cuda.download::<u32>(&pg, out).unwrap(),
+                );
+                assert_eq!(b, a, "seed {seed} {mode:?} vocab {vocab} step {step}");
+                for (s, o) in states.iter_mut().zip(a.chunks(DRAWN_WORDS)) {
+                    *s = kestrel_core::sample::rng_state(&o[1..]);
+                }
+            }
+        }
+    }
+}
+
 /// The backend's sampler: on the same logits, step after step, CUDA picks the tokens the CPU
 /// picks (the same algorithm, the same generator), with penalties from the counts both keep;
 /// vocabularies below one block's chunk and of real size, eagerly and as a graph.

@@ -12,9 +12,12 @@
 //! first tokens as one before (a shared system prompt, the next turn of a conversation, a
 //! preempted sequence coming back) takes those blocks as they are and prefills only the rest. Tokens come out as
 //! [`Engine::generate_pieces`] gives them: whole characters, stop strings held back, the
-//! end-of-sequence id not told; greedy sequences take the backend's argmax, the others sample
-//! on the host from their logits with their own settings and generator, all rows at once on
-//! the host's cores.
+//! end-of-sequence id not told; greedy sequences take the backend's argmax, sampled ones are
+//! drawn on the backend, each with its own settings and generator (kept here, sent with the
+//! step and taken back after it). When some sequence's settings are ones the backend does not
+//! draw with (penalties, top-k 0 or above 64) or it wants log-probabilities, the step's logits
+//! come back and every row is chosen on the host, all rows at once on the host's cores, with
+//! the same algorithm and generators.
 //!
 //! [`EngineOptions::max_seqs`]: crate::EngineOptions::max_seqs
 
@@ -22,6 +25,7 @@ use std::collections::VecDeque;
 
 use crate::blocks::{Blocks, ROOT};
 
+use kestrel_core::sample::backend_draws;
 use kestrel_model::{BatchOutput, Want, KV_BLOCK};
 use kestrel_text::{IdStream, Sampler, SamplingParams, StopStrings, Tokenizer};
 
@@ -96,6 +100,12 @@ impl Seq {
     fn wants_logits(&self) -> bool {
         self.sampler.is_some() || self.logprobs.is_some()
     }
+
+    /// Whether a batched step must bring its logits to the host: log-probabilities, or settings
+    /// the backend does not draw with (penalties, top-k 0 or past the backend's bound).
+    fn needs_host(&self) -> bool {
+        self.logprobs.is_some() || self.sampler.as_ref().is_some_and(|s| !backend_draws(&s.params))
+    }
 }
 
 /// What choosing one sequence's next token from its logits takes: the row, the sampler (None:
@@ -105,6 +115,17 @@ struct Pick<'a> {
     sampler: Option<&'a mut Sampler>,
     history: &'a [u32],
     logprobs: Option<usize>,
+}
+
+/// How a batcher's steps chose their tokens, counted since it began.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepKinds {
+    /// Every output greedy: the backend's argmax.
+    pub argmax: u64,
+    /// Some output sampled, every one drawn on the backend.
+    pub drawn: u64,
+    /// The logits came back and the host chose every output.
+    pub host: u64,
 }
 
 /// How one sequence's step ended.
@@ -134,6 +155,7 @@ pub struct Batcher {
     chunk: usize,
     /// Sequences preempted so far.
     preempted: u64,
+    kinds: StepKinds,
 }
 
 impl Batcher {
@@ -160,6 +182,7 @@ impl Batcher {
             waiting: VecDeque::new(),
             chunk,
             preempted: 0,
+            kinds: StepKinds::default(),
             engine,
         })
     }
@@ -191,6 +214,11 @@ impl Batcher {
     /// Sequences preempted so far (their blocks taken for others, their tokens run again).
     pub fn preempted(&self) -> u64 {
         self.preempted
+    }
+
+    /// How the batched steps so far chose their tokens.
+    pub fn step_kinds(&self) -> StepKinds {
+        self.kinds
     }
 
     /// Nothing to generate.
@@ -335,16 +363,8 @@ impl Batcher {
                 push(seq, p);
             }
         }
-        let logits = outs.iter().any(|&r| self.running[runs[r].0].wants_logits());
-        // A step gives at least one output: when every run is a prompt's chunk short of its end,
-        // the first token stands as one (nothing is chosen from it).
-        let n = outs.len().max(1);
-        let outcome = (|| -> Result<BatchOutput> {
-            self.sync_table()?;
-            let want = if logits { Want::AllLogits } else { Want::Argmax };
-            Ok(on_session!(&mut self.engine.session, s => s.step_mixed(&seqs, &ids, &pos, n, want))?)
-        })();
-        let mut out = match outcome {
+        let rows: Vec<usize> = outs.iter().map(|&r| runs[r].0).collect();
+        let mut out = match self.run_step(&rows, &seqs, &ids, &pos) {
             Ok(out) => out,
             Err(e) => {
                 let ids: Vec<usize> = runs.iter().map(|r| r.0).collect();
@@ -355,7 +375,6 @@ impl Batcher {
             self.running[i].cached = end;
             self.register_full(i);
         }
-        let rows: Vec<usize> = outs.iter().map(|&r| runs[r].0).collect();
         let mut ended = self.take_outputs(&rows, &mut out);
         on_session!(&mut self.engine.session, s => s.recycle(out));
         ended.sort_unstable();
@@ -557,7 +576,6 @@ impl Batcher {
         if live.is_empty() {
             return;
         }
-        let logits = live.iter().any(|&i| self.running[i].wants_logits());
         let seqs: Vec<u32> = live
             .iter()
             .map(|&i| self.running[i].slot.expect("admitted") as u32)
@@ -567,12 +585,7 @@ impl Batcher {
             .map(|&i| self.running[i].tokens[self.running[i].cached])
             .collect();
         let pos: Vec<u32> = live.iter().map(|&i| self.running[i].cached as u32).collect();
-        let outcome = (|| -> Result<BatchOutput> {
-            self.sync_table()?;
-            let want = if logits { Want::AllLogits } else { Want::Argmax };
-            Ok(on_session!(&mut self.engine.session, s => s.step_batch(&seqs, &ids, &pos, want))?)
-        })();
-        let mut out = match outcome {
+        let mut out = match self.run_step(&live, &seqs, &ids, &pos) {
             Ok(out) => out,
             Err(e) => return self.fail(&live, &e),
         };
@@ -586,6 +599,46 @@ impl Batcher {
             let mut seq = self.running.remove(i);
             self.release(&mut seq);
         }
+    }
+
+    /// Runs a batched step whose first `rows.len()` tokens (at least one) are outputs, for the
+    /// sequences `rows` (indices of `running`; none: the step's first token stands as one and
+    /// nothing is chosen from it). The tokens are drawn on the backend when some output samples
+    /// and every output's settings allow it (each sequence's generator goes there and back);
+    /// else they are the backend's argmax, or the logits come back when some output needs them.
+    fn run_step(&mut self, rows: &[usize], seqs: &[u32], ids: &[u32], pos: &[u32]) -> Result<BatchOutput> {
+        self.sync_table()?;
+        let n = rows.len().max(1);
+        let host = rows.iter().any(|&i| self.running[i].needs_host());
+        if host || rows.iter().all(|&i| self.running[i].sampler.is_none()) {
+            let want = if host { Want::AllLogits } else { Want::Argmax };
+            *(if host {
+                &mut self.kinds.host
+            } else {
+                &mut self.kinds.argmax
+            }) += 1;
+            return Ok(on_session!(&mut self.engine.session, s => s.step_mixed(seqs, ids, pos, n, want))?);
+        }
+        let greedy = SamplingParams {
+            temperature: 0.0,
+            ..SamplingParams::default()
+        };
+        let (mut params, mut states) = (vec![greedy; n], vec![[0u64; 4]; n]);
+        for (o, &i) in rows.iter().enumerate() {
+            if let Some(s) = &self.running[i].sampler {
+                (params[o], states[o]) = (s.params, s.rng_state());
+            }
+        }
+        let tokens = on_session!(&mut self.engine.session, s => {
+            s.step_mixed_drawn(seqs, ids, pos, &params, &mut states)
+        })?;
+        for (&i, state) in rows.iter().zip(states) {
+            if let Some(s) = &mut self.running[i].sampler {
+                s.set_rng_state(state);
+            }
+        }
+        self.kinds.drawn += 1;
+        Ok(BatchOutput::Tokens(tokens))
     }
 
     /// Each of the sequences `rows[o]` (indices of `running`, ascending) takes output `o` of a

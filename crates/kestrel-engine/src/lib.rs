@@ -21,7 +21,7 @@ mod generate;
 mod model;
 pub mod placement;
 
-pub use batch::{Batcher, SeqEvent, SeqRequest, Sink};
+pub use batch::{Batcher, SeqEvent, SeqRequest, Sink, StepKinds};
 pub use engine::{
     cache_dtype, default_backend, BackendChoice, Engine, EngineOptions, Precision, TokenLogprobs,
 };

@@ -10,7 +10,8 @@ use std::sync::{Arc, Mutex};
 
 use kestrel_core::Config;
 use kestrel_engine::{
-    BackendChoice, Batcher, Engine, EngineOptions, Model, ModelSource, SeqEvent, SeqRequest, StopReason,
+    BackendChoice, Batcher, Engine, EngineOptions, Model, ModelSource, SeqEvent, SeqRequest, StepKinds,
+    StopReason,
 };
 use kestrel_text::SamplingParams;
 
@@ -58,7 +59,24 @@ fn requests(engine: &Engine) -> Vec<SeqRequest> {
         let ids = text
             .encode_prompt(&prompt, None, true, &Default::default())
             .unwrap();
-        let sampling = if i % 3 == 1 {
+        // Sampled with settings the backend draws with, and (5, 12, 13) with ones it does not:
+        // penalties, or the whole vocabulary under top-p.
+        let sampling = if i == 13 {
+            SamplingParams {
+                temperature: 0.9,
+                top_p: 0.9,
+                seed: 100 + i as u64,
+                ..Default::default()
+            }
+        } else if i % 7 == 5 {
+            SamplingParams {
+                temperature: 0.9,
+                top_k: 40,
+                repetition_penalty: 1.3,
+                seed: 100 + i as u64,
+                ..Default::default()
+            }
+        } else if i % 3 == 1 {
             SamplingParams {
                 temperature: 0.8,
                 top_k: 20,
@@ -111,7 +129,11 @@ fn alone(req: &SeqRequest) -> Got {
 }
 
 /// Each sequence's output, the preemptions, and the prompt tokens found in the caches.
-fn batched(max_seqs: usize, kv_blocks: Option<usize>, reqs: &[SeqRequest]) -> (Vec<Got>, u64, usize) {
+fn batched(
+    max_seqs: usize,
+    kv_blocks: Option<usize>,
+    reqs: &[SeqRequest],
+) -> (Vec<Got>, u64, usize, StepKinds) {
     let mut b = Batcher::new(engine(Some(max_seqs), kv_blocks))
         .ok()
         .expect("a pool");
@@ -152,9 +174,11 @@ fn batched(max_seqs: usize, kv_blocks: Option<usize>, reqs: &[SeqRequest]) -> (V
         assert!(steps < 10_000, "the batcher makes progress");
     }
     assert_eq!(b.kv_blocks().0, 0, "every block is back");
+    let kinds = b.step_kinds();
+    println!("steps: {kinds:?}");
     let out = got.lock().unwrap().clone();
     let reused = *reused.lock().unwrap();
-    (out, b.preempted(), reused)
+    (out, b.preempted(), reused, kinds)
 }
 
 #[test]
@@ -162,11 +186,12 @@ fn batched_sequences_equal_each_sequence_alone() {
     let reqs = requests(&engine(None, None));
     let want: Vec<Got> = reqs.iter().map(alone).collect();
     // Every sequence's context reserved: 4 slots for 14 sequences.
-    let (got, preempted, reused) = batched(4, None, &reqs);
+    let (got, preempted, reused, kinds) = batched(4, None, &reqs);
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         assert_eq!(g, w, "sequence {i} batched against alone");
     }
     assert_eq!(preempted, 0);
+    assert!(kinds.host > 0, "{kinds:?}");
     // Five prompts start with the shared prefix; the three admitted after the first one's
     // prefill find at least its first block.
     println!("prefix caching found {reused} prompt tokens");
@@ -175,11 +200,22 @@ fn batched_sequences_equal_each_sequence_alone() {
         "prefix caching found {reused} tokens"
     );
     // One sequence's context of blocks shared by 6 slots: sequences wait and are preempted.
-    let (got, preempted, _) = batched(6, Some(CTX / kestrel_model::KV_BLOCK), &reqs);
+    let (got, preempted, _, _) = batched(6, Some(CTX / kestrel_model::KV_BLOCK), &reqs);
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         assert_eq!(g, w, "sequence {i} batched in a small pool against alone");
     }
     assert!(preempted > 0, "a pool this small preempts");
+    // Without the requests whose tokens the host must choose, every sampled step is drawn on
+    // the backend, each sequence with its own generator, and still equals it alone.
+    let on_backend: Vec<usize> = (0..reqs.len())
+        .filter(|&i| reqs[i].logprobs.is_none() && kestrel_core::sample::backend_draws(&reqs[i].sampling))
+        .collect();
+    let subset: Vec<SeqRequest> = on_backend.iter().map(|&i| reqs[i].clone()).collect();
+    let (got, _, _, kinds) = batched(4, None, &subset);
+    for (g, &i) in got.iter().zip(&on_backend) {
+        assert_eq!(g, &want[i], "sequence {i} drawn on the backend against alone");
+    }
+    assert!(kinds.host == 0 && kinds.drawn > 10, "{kinds:?}");
 }
 
 /// `n` greedy requests of random ids below `vocab`, past end-of-sequence ids, of mixed lengths.

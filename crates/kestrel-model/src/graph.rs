@@ -14,8 +14,9 @@ use std::collections::HashMap;
 use kestrel_core::expert_slots::{table_words, SlotPolicy};
 use kestrel_core::ir::BufKind;
 use kestrel_core::ir::{
-    Buf, BufId, ExpertFormat, ExpertIds, ExpertLayout, ExpertWeights, Graph, KvPages, LinearWeight, Logits,
-    NormKind, Normed, Op, PageTable, Positions, Residual, SeqIds, StateRows, TokenIds, Tokens, Weight,
+    Buf, BufId, Drawn, Draws, ExpertFormat, ExpertIds, ExpertLayout, ExpertWeights, Graph, KvPages,
+    LinearWeight, Logits, NormKind, Normed, Op, PageTable, Positions, Residual, SeqIds, StateRows, TokenIds,
+    Tokens, Weight,
 };
 use kestrel_core::quant::{QuantFormat, QuantMatrix};
 use kestrel_core::rope::RopeTable;
@@ -67,6 +68,9 @@ pub struct ForwardSpec {
     /// In a batched step, the logits of only the first this many tokens: the others only fill
     /// the caches (a prompt's chunk riding along with other sequences' next tokens).
     pub logit_rows: Option<usize>,
+    /// In a batched step, also draw each logits row's next token on the backend with that
+    /// row's own settings and generator (`Op::SampleRows`; see [`Forward::drawn`]).
+    pub draw_rows: bool,
 }
 
 /// KV caches as a pool of `blocks` blocks of [`KV_BLOCK`] rows, shared by up to `seqs`
@@ -117,6 +121,7 @@ impl ForwardSpec {
             pool: None,
             batched: false,
             logit_rows: None,
+            draw_rows: false,
         }
     }
 
@@ -214,6 +219,9 @@ pub struct Forward {
     /// The sampled next token, with the token counts and generator state the sampler keeps
     /// (states shared by every program of a session), when `spec.sampling` asked for it.
     pub sampled: Option<Sampled>,
+    /// With `spec.draw_rows`: each row's settings and generator (an input written before each
+    /// run, `u32 [rows, DRAW_WORDS]`), and each row's token and generator after the draw.
+    pub drawn: Option<(BufId<Draws>, BufId<Drawn>)>,
     pub spec: ForwardSpec,
     /// The recurrent and convolution states of the linear-attention layers (not the KV caches):
     /// what a new sequence must start from zero.
@@ -586,6 +594,13 @@ impl Forward {
             }
             _ => None,
         };
+        let drawn = spec.draw_rows.then(|| {
+            let rows = b.g.decl(logits).shape[0];
+            let draws = b.g.draws_input("draws", rows);
+            let out = b.g.sample_rows("sample_rows", logits, draws);
+            b.g.mark_output(out);
+            (draws, out)
+        });
         let graph = b.g.finish().map_err(|e| ModelError::Config {
             key: "graph".into(),
             reason: e.to_string(),
@@ -609,6 +624,7 @@ impl Forward {
             logits,
             argmax,
             sampled,
+            drawn,
             spec,
             states: b.states,
             moe_steps,

@@ -16,7 +16,10 @@ use std::time::Instant;
 use kestrel_core::ir::BufKind;
 use kestrel_core::quant::QuantFormat;
 use kestrel_core::rng::Rng;
-use kestrel_core::sample::{counts_of, rng_words, SamplingParams};
+use kestrel_core::sample::{
+    backend_draws, counts_of, draw_words, rng_state, rng_words, SamplingParams, BACKEND_MAX_TOP_K,
+    DRAWN_WORDS, DRAW_WORDS,
+};
 use kestrel_core::{Backend, DType};
 
 use crate::config::ModelConfig;
@@ -101,6 +104,8 @@ enum Outputs {
     All,
     Last,
     Sample,
+    /// A batched step's rows, each also drawn with its own settings (`Op::SampleRows`).
+    Draw,
 }
 
 impl Outputs {
@@ -125,6 +130,13 @@ fn no_pool() -> ModelError {
     ModelError::Config {
         key: "kv pool".into(),
         reason: "the session's caches are not a pool (Session::with_kv_pool)".into(),
+    }
+}
+
+fn bad_batch(reason: String) -> ModelError {
+    ModelError::Config {
+        key: "batch".into(),
+        reason,
     }
 }
 
@@ -500,14 +512,92 @@ impl<B: Backend> Session<B> {
         outputs: usize,
         want: Want,
     ) -> Result<BatchOutput> {
+        let kind = match want {
+            Want::Argmax => Outputs::Last,
+            Want::AllLogits => Outputs::All,
+            _ => return Err(bad_batch("a batched step gives argmax ids or logits".into())),
+        };
+        let key = self.run_batch(seqs, ids, positions, outputs, kind, None)?;
+        let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
+        let prog = self.programs.get_mut(&key).expect("run above");
+        if want == Want::Argmax {
+            let argmax = prog.f.argmax;
+            let mut out = self
+                .backend
+                .download::<u32>(prog.last(), argmax)
+                .map_err(backend_err)?;
+            out.truncate(outputs);
+            return Ok(BatchOutput::Tokens(out));
+        }
+        // The outputs' rows only, into the memory of an earlier step's when given back.
+        let mut logits = std::mem::take(&mut self.spare_logits);
+        logits.resize(outputs * self.config.vocab, 0.0);
+        let buf = prog.f.logits.raw();
+        self.backend
+            .read_bytes(prog.last(), buf, bytemuck::cast_slice_mut(&mut logits))
+            .map_err(backend_err)?;
+        Ok(BatchOutput::Logits(logits))
+    }
+
+    /// [`Session::step_mixed`] whose `params.len()` outputs are drawn on the backend: output `o`
+    /// with `params[o]` (which [`backend_draws`] must accept; temperature 0 is the argmax) and
+    /// the generator state `states[o]`, which moves on as the host [`Rng`] would have. Only the
+    /// tokens and the generators come back, not the logits.
+    pub fn step_mixed_drawn(
+        &mut self,
+        seqs: &[u32],
+        ids: &[u32],
+        positions: &[u32],
+        params: &[SamplingParams],
+        states: &mut [[u64; 4]],
+    ) -> Result<Vec<u32>> {
+        let outputs = params.len();
+        if states.len() != outputs {
+            return Err(bad_batch(format!(
+                "{outputs} outputs' settings with {} generators",
+                states.len()
+            )));
+        }
+        if let Some(p) = params.iter().find(|p| !backend_draws(p)) {
+            return Err(bad_batch(format!(
+                "the backend does not draw with {p:?} (penalties, or more than {BACKEND_MAX_TOP_K} candidates)"
+            )));
+        }
+        // Padding rows draw nothing: temperature 0.
+        let mut words = vec![0u32; batch_bucket(outputs.max(1)) * DRAW_WORDS];
+        for ((w, p), s) in words.chunks_mut(DRAW_WORDS).zip(params).zip(states.iter()) {
+            w.copy_from_slice(&draw_words(p, *s));
+        }
+        let key = self.run_batch(seqs, ids, positions, outputs, Outputs::Draw, Some(&words))?;
+        let prog = self.programs.get_mut(&key).expect("run above");
+        let (_, out) = prog.f.drawn.expect("a drawing program");
+        let drawn = self
+            .backend
+            .download::<u32>(prog.last(), out)
+            .map_err(|e| ModelError::Backend(Box::new(e)))?;
+        let mut tokens = Vec::with_capacity(outputs);
+        for (row, state) in drawn.chunks(DRAWN_WORDS).zip(states.iter_mut()) {
+            tokens.push(row[0]);
+            *state = rng_state(&row[1..]);
+        }
+        Ok(tokens)
+    }
+
+    /// Checks a batched step, pads it to its buckets and runs it (with `draws`, the rows'
+    /// settings, for [`Outputs::Draw`]); the program's key.
+    fn run_batch(
+        &mut self,
+        seqs: &[u32],
+        ids: &[u32],
+        positions: &[u32],
+        outputs: usize,
+        kind: Outputs,
+        draws: Option<&[u32]>,
+    ) -> Result<Key> {
         let pool = self.pool.as_ref().ok_or_else(no_pool)?;
         let n = ids.len();
-        let bad = |reason: String| ModelError::Config {
-            key: "batch".into(),
-            reason,
-        };
         if n == 0 || seqs.len() != n || positions.len() != n || outputs == 0 || outputs > n {
-            return Err(bad(format!(
+            return Err(bad_batch(format!(
                 "{n} tokens with {} sequences, {} positions and {outputs} outputs",
                 seqs.len(),
                 positions.len()
@@ -517,13 +607,13 @@ impl<B: Backend> Session<B> {
         let mut seen = std::collections::HashSet::with_capacity(n);
         for (&s, &p) in seqs.iter().zip(positions) {
             if s as usize >= pool.seqs {
-                return Err(bad(format!("sequence {s} is not in the pool")));
+                return Err(bad_batch(format!("sequence {s} is not in the pool")));
             }
             if p as usize >= self.ctx {
-                return Err(bad(format!("position {p} past a context of {}", self.ctx)));
+                return Err(bad_batch(format!("position {p} past a context of {}", self.ctx)));
             }
             if !seen.insert((s, if recurrent { 0 } else { p })) {
-                return Err(bad(match recurrent {
+                return Err(bad_batch(match recurrent {
                     true => format!("sequence {s} twice (its recurrent state takes one token a step)"),
                     false => format!("sequence {s} twice at position {p}"),
                 }));
@@ -532,7 +622,7 @@ impl<B: Backend> Session<B> {
         // The chunk's attention reads one sequence (see `Op::Attention`).
         if let Some(&first) = seqs.get(outputs) {
             if let Some(&other) = seqs[outputs..].iter().find(|&&s| s != first) {
-                return Err(bad(format!(
+                return Err(bad_batch(format!(
                     "the tokens past the outputs are one sequence's chunk, not of {first} and {other}"
                 )));
             }
@@ -553,31 +643,7 @@ impl<B: Backend> Session<B> {
             out
         };
         let (ids, pos, seq) = (padded(ids, 0), padded(positions, 0), padded(seqs, scratch));
-        let out_kind = match want {
-            Want::Argmax => Outputs::Last,
-            Want::AllLogits => Outputs::All,
-            _ => return Err(bad("a batched step gives argmax ids or logits".into())),
-        };
-        let key = self.run_tokens(&ids, &pos, Some((&seq, rows)), out_kind)?;
-        let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
-        let prog = self.programs.get_mut(&key).expect("run above");
-        if want == Want::Argmax {
-            let argmax = prog.f.argmax;
-            let mut out = self
-                .backend
-                .download::<u32>(prog.last(), argmax)
-                .map_err(backend_err)?;
-            out.truncate(outputs);
-            return Ok(BatchOutput::Tokens(out));
-        }
-        // The outputs' rows only, into the memory of an earlier step's when given back.
-        let mut logits = std::mem::take(&mut self.spare_logits);
-        logits.resize(outputs * self.config.vocab, 0.0);
-        let buf = prog.f.logits.raw();
-        self.backend
-            .read_bytes(prog.last(), buf, bytemuck::cast_slice_mut(&mut logits))
-            .map_err(backend_err)?;
-        Ok(BatchOutput::Logits(logits))
+        self.run_tokens(&ids, &pos, Some((&seq, rows)), kind, draws)
     }
 
     /// Takes back a batched step's output once read, so the next step's logits reuse its
@@ -913,6 +979,7 @@ impl<B: Backend> Session<B> {
                 }),
                 batched: batched.is_some(),
                 logit_rows: batched,
+                draw_rows: outputs == Outputs::Draw,
             };
             let mut f = Forward::build(&self.config, &self.weights, spec)?;
             if self.streaming.as_ref().is_some_and(|s| !s.placed) {
@@ -1053,7 +1120,7 @@ impl<B: Backend> Session<B> {
             });
         }
         let pos: Vec<u32> = (past..past + ids.len()).map(|p| p as u32).collect();
-        self.run_tokens(ids, &pos, None, outputs)
+        self.run_tokens(ids, &pos, None, outputs, None)
     }
 
     /// Runs `ids` at positions `pos` (a chunk of the selected sequence, or with `batch`, a
@@ -1065,6 +1132,7 @@ impl<B: Backend> Session<B> {
         pos: &[u32],
         batch: Option<(&[u32], usize)>,
         outputs: Outputs,
+        draws: Option<&[u32]>,
     ) -> Result<Key> {
         let seq = batch.map(|b| b.0);
         if let Some(&bad) = ids.iter().find(|&&t| t as usize >= self.config.vocab) {
@@ -1120,6 +1188,11 @@ impl<B: Backend> Session<B> {
                 .filter(|_| B::graph(p).decl(f.seq).kind == BufKind::Input)
             {
                 self.backend.upload(p, f.seq, s).map_err(backend_err)?;
+            }
+            if let (Some(d), Some((input, _))) = (draws, f.drawn) {
+                if B::graph(p).decl(input).kind == BufKind::Input {
+                    self.backend.upload(p, input, d).map_err(backend_err)?;
+                }
             }
             self.backend.run(p).map_err(backend_err)?;
             if i < last {

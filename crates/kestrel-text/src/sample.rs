@@ -38,6 +38,17 @@ impl Sampler {
         distribution(logits, &self.params)
     }
 
+    /// The generator's state (for a backend that draws in its place: see
+    /// `kestrel_core::sample::draw_words`).
+    pub fn rng_state(&self) -> [u64; 4] {
+        self.rng.state()
+    }
+
+    /// Takes the generator's state after a backend drew in its place.
+    pub fn set_rng_state(&mut self, state: [u64; 4]) {
+        self.rng = Rng::from_state(state);
+    }
+
     /// The next token: penalties for `history`, then a draw from [`Self::distribution`].
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
         self.penalize(logits, history);

@@ -1,9 +1,12 @@
 //! The output head's selections: argmax and top-k per row (the lower index wins ties), and
-//! sampling one token with `kestrel_core::sample`'s algorithm.
+//! sampling with `kestrel_core::sample`'s algorithm (one token with penalties, or each row with
+//! its own settings and generator).
 
 use kestrel_core::ir::Op;
 use kestrel_core::rng::Rng;
-use kestrel_core::sample::{distribution, draw, penalize, rng_state, rng_words};
+use kestrel_core::sample::{
+    distribution, draw, draw_row, penalize, rng_state, rng_words, DRAWN_WORDS, DRAW_WORDS,
+};
 
 use super::OpResult;
 use crate::views::Views;
@@ -35,6 +38,20 @@ pub fn exec(op: &Op, v: &mut Views) -> OpResult {
             words.copy_from_slice(&rng_words(r.state()));
             counts[t as usize] += 1;
             v.write::<u32>(out)?[0] = t;
+        }
+        Op::SampleRows {
+            logits,
+            draws,
+            out,
+            cols,
+            ..
+        } => {
+            let (l, d) = (v.read::<f32>(logits)?, v.read::<u32>(draws)?);
+            let o = v.write::<u32>(out)?;
+            let rows = l.chunks(cols).zip(d.chunks(DRAW_WORDS));
+            for (o, (row, words)) in o.chunks_mut(DRAWN_WORDS).zip(rows) {
+                o.copy_from_slice(&draw_row(row, words));
+            }
         }
         Op::Argmax {
             logits, out, cols, ..

@@ -1,6 +1,7 @@
 //! Argmax, top-k and sampling over logits: `kernels/head.cu`.
 
 use kestrel_core::ir::Op;
+use kestrel_core::sample::{DRAWN_WORDS, DRAW_WORDS};
 use kestrel_core::DType;
 
 use super::common::{op_module, u32_arg, unsupported};
@@ -18,8 +19,17 @@ const SAMPLE_CHUNK: usize = 2048;
 pub(crate) const MODULE: ModuleSource = op_module(
     "head",
     include_str!("../../kernels/head.cu"),
-    &[("SAMPLE_CHUNK", SAMPLE_CHUNK as i64)],
+    &[
+        ("SAMPLE_CHUNK", SAMPLE_CHUNK as i64),
+        ("SAMPLE_MAX_K", ROW_CANDIDATES as i64),
+        ("DRAW_WORDS", DRAW_WORDS as i64),
+        ("DRAWN_WORDS", DRAWN_WORDS as i64),
+    ],
 );
+
+/// The most candidates a draw keeps (the largest top-k), and the stride of a part's candidates
+/// in `sample_rows_partial_f32`'s output.
+const ROW_CANDIDATES: usize = kestrel_core::sample::BACKEND_MAX_TOP_K;
 
 pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
     match *op {
@@ -119,6 +129,43 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 .arg(params.temperature)
                 .arg(params.top_p)
                 .arg(params.min_p)
+                .record();
+        }
+        Op::SampleRows {
+            logits,
+            draws,
+            out,
+            rows,
+            cols,
+        } => {
+            let parts = cols.div_ceil(SAMPLE_CHUNK);
+            let (l, d, o) = (
+                enc.buf(logits)?.clone(),
+                enc.buf(draws)?.clone(),
+                enc.buf(out)?.clone(),
+            );
+            let part_v = enc.workspace(DType::F32, [rows, parts, ROW_CANDIDATES])?;
+            let part_i = enc.workspace(DType::U32, [rows, parts, ROW_CANDIDATES])?;
+            let partial = enc.kernel(&MODULE, "sample_rows_partial_f32")?;
+            enc.dispatch(&partial)
+                .grid((u32_arg(parts)?, u32_arg(rows)?))
+                .block(256)
+                .read(&l)
+                .read(&d)
+                .write(&part_v)
+                .write(&part_i)
+                .arg(u32_arg(cols)?)
+                .record();
+            let last = enc.kernel(&MODULE, "sample_rows_final_f32")?;
+            enc.dispatch(&last)
+                .grid(u32_arg(rows)?)
+                .block(256)
+                .shared_mem(u32_arg(parts * ROW_CANDIDATES * 8)?)
+                .read(&part_v)
+                .read(&part_i)
+                .read(&d)
+                .write(&o)
+                .arg(u32_arg(parts)?)
                 .record();
         }
         Op::TopK {
