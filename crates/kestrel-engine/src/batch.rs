@@ -11,7 +11,7 @@
 //! hash of the tokens up to their end ([`crate::blocks`]): a sequence admitted with the same
 //! first tokens as one before (a shared system prompt, the next turn of a conversation, a
 //! preempted sequence coming back) takes those blocks as they are and prefills only the rest. Tokens come out as
-//! [`Engine::generate_pieces`] gives them: whole characters, stop strings held back, the
+//! [`Batcher::generate_pieces`] gives them: whole characters, stop strings held back, the
 //! end-of-sequence id not told; greedy sequences take the backend's argmax, sampled ones are
 //! drawn on the backend, each with its own settings and generator (kept here, sent with the
 //! step and taken back after it). When some sequence's settings are ones the backend does not
@@ -31,11 +31,46 @@ use kestrel_text::{IdStream, Sampler, SamplingParams, StopStrings, Tokenizer};
 
 use crate::engine::{on_session, Engine, TokenLogprobs};
 use crate::error::{EngineError, Result};
-use crate::generate::{logprobs_of, Piece, StopReason};
 
-/// Prompt tokens prefilled in one step, at most (unless the engine's prefill chunk is
-/// smaller): running sequences wait for no more than this between tokens.
+/// Prompt tokens prefilled in one step beside decoding sequences, at most (unless the engine's
+/// prefill chunk is smaller): running sequences wait for no more than this between tokens.
+/// With none decoding, a step takes the engine's prefill chunk (this many when it has none).
 const PREFILL_CHUNK: usize = 512;
+
+/// What a sequence is told of each generated token.
+#[derive(Debug, Clone, Copy)]
+pub struct Piece<'a> {
+    /// The token; None for text released without a token of its own.
+    pub id: Option<u32>,
+    /// The text it completes (possibly empty).
+    pub text: &'a str,
+    /// Its log-probabilities, when [`Engine::set_logprobs`] asked for them.
+    pub logprobs: Option<&'a TokenLogprobs>,
+}
+
+/// Why a turn ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    /// The token limit.
+    Length,
+    /// An end-of-sequence id.
+    Eos,
+    /// A stop string.
+    Stop,
+    /// The caller's cancel flag.
+    Interrupted,
+}
+
+impl StopReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StopReason::Length => "length",
+            StopReason::Eos => "eos",
+            StopReason::Stop => "stop",
+            StopReason::Interrupted => "interrupted",
+        }
+    }
+}
 
 /// One sequence to generate.
 #[derive(Debug, Clone)]
@@ -117,6 +152,17 @@ struct Pick<'a> {
     logprobs: Option<usize>,
 }
 
+/// A sequence that ended, kept with its slot, its blocks and the tokens its caches and states
+/// hold, so that a sequence continuing it (a conversation's next turn) goes on from there: the
+/// only reuse a model with recurrent states has, and for the others the last block that no
+/// hash finds. Given back, oldest first, when a slot or a block is needed.
+struct Parked {
+    slot: usize,
+    blocks: Vec<u32>,
+    hashes: Vec<u64>,
+    tokens: Vec<u32>,
+}
+
 /// How a batcher's steps chose their tokens, counted since it began.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StepKinds {
@@ -152,24 +198,24 @@ pub struct Batcher {
     /// waiting for a slot (preempted ones first).
     running: Vec<Seq>,
     waiting: VecDeque<Seq>,
+    parked: VecDeque<Parked>,
+    /// Prompt tokens a step runs beside decoding sequences, and with none decoding.
     chunk: usize,
+    lone_chunk: usize,
     /// Sequences preempted so far.
     preempted: u64,
     kinds: StepKinds,
 }
 
 impl Batcher {
-    /// The batcher of `engine`, or the engine back when its caches are not a pool (one
-    /// sequence at a time: [`crate::EngineOptions::max_seqs`] unset or 1).
-    pub fn new(engine: Engine) -> std::result::Result<Batcher, Box<Engine>> {
-        let Some(pool) = engine.pool else {
-            return Err(Box::new(engine));
-        };
+    /// The batcher of `engine`, generating up to its [`crate::EngineOptions::max_seqs`]
+    /// sequences at once.
+    pub fn new(engine: Engine) -> Batcher {
+        let pool = engine.pool;
         let max_blocks = engine.ctx().div_ceil(KV_BLOCK);
-        let chunk = on_session!(&engine.session, s => s.prefill_chunk())
-            .unwrap_or(PREFILL_CHUNK)
-            .min(PREFILL_CHUNK);
-        Ok(Batcher {
+        let lone_chunk = on_session!(&engine.session, s => s.prefill_chunk()).unwrap_or(PREFILL_CHUNK);
+        let chunk = lone_chunk.min(PREFILL_CHUNK);
+        Batcher {
             tokenizer: engine.text.tokenizer.clone(),
             hybrid: engine.config().arch.is_hybrid(),
             slots: pool.seqs,
@@ -180,15 +226,23 @@ impl Batcher {
             blocks: Blocks::new(pool.blocks),
             running: Vec::new(),
             waiting: VecDeque::new(),
+            parked: VecDeque::new(),
             chunk,
+            lone_chunk,
             preempted: 0,
             kinds: StepKinds::default(),
             engine,
-        })
+        }
     }
 
     pub fn engine(&self) -> &Engine {
         &self.engine
+    }
+
+    /// The engine, for what does not generate (statistics, device). Stepping it by hand
+    /// changes the caches behind the batcher's back.
+    pub fn engine_mut(&mut self) -> &mut Engine {
+        &mut self.engine
     }
 
     /// Sequences generated at once, at most.
@@ -196,9 +250,10 @@ impl Batcher {
         self.slots
     }
 
-    /// Slots no sequence holds or waits for.
+    /// Slots no sequence holds or waits for (those of ended sequences kept for a continuation
+    /// count as free).
     pub fn free_slots(&self) -> usize {
-        self.free_slots.len().saturating_sub(self.waiting.len())
+        (self.free_slots.len() + self.parked.len()).saturating_sub(self.waiting.len())
     }
 
     /// Sequences admitted (holding a slot), and waiting for one.
@@ -206,9 +261,21 @@ impl Batcher {
         (self.running.len(), self.waiting.len())
     }
 
-    /// KV blocks in use and in all, of [`KV_BLOCK`] positions each.
+    /// KV blocks in use and in all, of [`KV_BLOCK`] positions each (blocks only ended sequences
+    /// keep for a continuation are not in use: they are given back when needed).
     pub fn kv_blocks(&self) -> (usize, usize) {
-        (self.blocks.used(), self.blocks.total())
+        let mut parked = std::collections::HashMap::new();
+        for &b in self.parked.iter().flat_map(|p| &p.blocks) {
+            *parked.entry(b).or_insert(0) += 1;
+        }
+        let only = parked.iter().filter(|&(&b, &n)| self.blocks.uses(b) == n).count();
+        (self.blocks.used() - only, self.blocks.total())
+    }
+
+    /// Forgets the ended sequences kept for a continuation: what comes next starts afresh
+    /// (but for the blocks prefix caching finds).
+    pub fn forget(&mut self) {
+        while self.reclaim() {}
     }
 
     /// Sequences preempted so far (their blocks taken for others, their tokens run again).
@@ -255,7 +322,7 @@ impl Batcher {
         } else {
             Some(Sampler::new(req.sampling)?)
         };
-        let mut seq = Seq {
+        let seq = Seq {
             slot: None,
             blocks: Vec::new(),
             hashes: Vec::new(),
@@ -271,17 +338,48 @@ impl Batcher {
             ignore_eos: req.ignore_eos,
             sink,
         };
-        if seq.max_tokens == 0 {
-            // Nothing to generate: the prompt need not run.
-            let _ = (seq.sink)(SeqEvent::Done {
-                reason: StopReason::Length,
-                tokens: 0,
-                reused: 0,
-            });
-            return Ok(());
-        }
+        // With no token asked for the prompt still runs: its time is a prefill's, and the
+        // caches hold it for what comes next.
         self.waiting.push_back(seq);
         Ok(())
+    }
+
+    /// Prepares the programs the first step of a lone prompt of `tokens` tokens runs with the
+    /// engine's sampling settings (uploading the weights with the first), so that a caller can
+    /// time loading apart from the prompt.
+    pub fn prepare(&mut self, tokens: usize) -> Result<()> {
+        let n = tokens.clamp(1, self.lone_chunk);
+        let params = self.engine.sampling;
+        let want = if params.is_plain_greedy() {
+            Want::Argmax
+        } else if backend_draws(&params) {
+            Want::Sample
+        } else {
+            Want::AllLogits
+        };
+        on_session!(&mut self.engine.session, s => {
+            if self.hybrid {
+                // A hybrid's prompt runs as one sequence's chunks.
+                let want = if want == Want::Argmax { Want::Argmax } else { Want::LastLogits };
+                s.prepare(n, want)?;
+            } else {
+                s.prepare_mixed(1, n, want)?;
+            }
+        });
+        Ok(())
+    }
+
+    /// Ends every sequence now, as a cancel would: what each held back is released and it is
+    /// told `Done` with [`StopReason::Interrupted`]; admitted ones are kept for a continuation.
+    pub fn interrupt(&mut self) {
+        for mut seq in std::mem::take(&mut self.running) {
+            finish(&mut seq, self.tokenizer.as_ref(), StopReason::Interrupted);
+            self.retire(seq);
+        }
+        for mut seq in std::mem::take(&mut self.waiting) {
+            finish(&mut seq, self.tokenizer.as_ref(), StopReason::Interrupted);
+            self.release(&mut seq);
+        }
     }
 
     /// One step: admissions, then the decoding sequences' next tokens and up to a chunk's
@@ -294,7 +392,8 @@ impl Batcher {
         if !self.hybrid {
             return self.mixed();
         }
-        let mut budget = self.chunk;
+        let decoding = self.running.iter().any(|s| s.tokens.len() - s.cached == 1);
+        let mut budget = if decoding { self.chunk } else { self.lone_chunk };
         while budget > 0 {
             match self.prefill_one(budget) {
                 0 => break,
@@ -311,6 +410,9 @@ impl Batcher {
     fn mixed(&mut self) {
         // (sequence, first token, end) of each sequence that runs.
         let mut runs: Vec<(usize, usize, usize)> = Vec::new();
+        // With nothing decoding, nobody waits for the chunk.
+        let decoding = self.running.iter().any(|s| s.tokens.len() - s.cached == 1);
+        let limit = if decoding { self.chunk } else { self.lone_chunk };
         let mut chunked = false;
         let mut i = 0;
         while i < self.running.len() {
@@ -328,7 +430,7 @@ impl Batcher {
                 }
                 left => {
                     chunked = true;
-                    start + left.min(self.chunk)
+                    start + left.min(limit)
                 }
             };
             // Growing may preempt sequences after this one (never one already taken).
@@ -374,23 +476,40 @@ impl Batcher {
         for &(i, _, end) in &runs {
             self.running[i].cached = end;
             self.register_full(i);
+            let len = self.running[i].tokens.len();
+            if end < len {
+                on_session!(&mut self.engine.session, s => s.report_progress(end, len));
+            }
         }
         let mut ended = self.take_outputs(&rows, &mut out);
         on_session!(&mut self.engine.session, s => s.recycle(out));
         ended.sort_unstable();
         for &i in ended.iter().rev() {
-            let mut seq = self.running.remove(i);
-            self.release(&mut seq);
+            let seq = self.running.remove(i);
+            self.retire(seq);
         }
     }
 
     /// Waiting sequences into free slots, in order, each with the blocks that hold its first
     /// tokens already (all but the last token's: that one runs, to give the next token).
     fn admit(&mut self) {
-        while !self.free_slots.is_empty() {
-            let Some(mut seq) = self.waiting.pop_front() else {
+        while let Some(mut seq) = self.waiting.pop_front() {
+            // A kept sequence this one continues: its slot, blocks and states as they are.
+            let continued = (self.parked.iter().enumerate())
+                .filter(|(_, p)| p.tokens.len() < seq.tokens.len() && seq.tokens.starts_with(&p.tokens))
+                .max_by_key(|(_, p)| p.tokens.len())
+                .map(|(j, _)| j);
+            if let Some(p) = continued.and_then(|j| self.parked.remove(j)) {
+                seq.slot = Some(p.slot);
+                (seq.blocks, seq.hashes, seq.cached) = (p.blocks, p.hashes, p.tokens.len());
+                seq.reused.get_or_insert(seq.cached);
+                self.running.push(seq);
+                continue;
+            }
+            if self.free_slots.is_empty() && !self.reclaim() {
+                self.waiting.push_front(seq);
                 break;
-            };
+            }
             let slot = self.free_slots.pop().expect("checked above");
             seq.slot = Some(slot);
             // Recurrent states start from zero; they hold no block boundary's state, so a
@@ -428,6 +547,35 @@ impl Batcher {
         }
     }
 
+    /// Gives back the slot and blocks of the ended sequence kept longest; false when none is.
+    fn reclaim(&mut self) -> bool {
+        let Some(p) = self.parked.pop_front() else {
+            return false;
+        };
+        for b in p.blocks {
+            self.blocks.release(b);
+        }
+        self.free_slots.push(p.slot);
+        true
+    }
+
+    /// Ends `seq`: kept with what its caches hold, for a sequence that continues it, or given
+    /// back when they hold nothing.
+    fn retire(&mut self, mut seq: Seq) {
+        match seq.slot {
+            Some(slot) if seq.cached > 0 => {
+                seq.tokens.truncate(seq.cached);
+                self.parked.push_back(Parked {
+                    slot,
+                    blocks: std::mem::take(&mut seq.blocks),
+                    hashes: std::mem::take(&mut seq.hashes),
+                    tokens: std::mem::take(&mut seq.tokens),
+                });
+            }
+            _ => self.release(&mut seq),
+        }
+    }
+
     /// Records sequence `i`'s blocks that its last step filled, for later sequences to find.
     fn register_full(&mut self, i: usize) {
         let seq = &mut self.running[i];
@@ -447,6 +595,9 @@ impl Batcher {
         let need = end.div_ceil(KV_BLOCK);
         while self.running[i].blocks.len() < need {
             let Some(b) = self.blocks.take() else {
+                if self.reclaim() {
+                    continue;
+                }
                 if self.running.len() - 1 > i {
                     let last = self.running.len() - 1;
                     self.preempt(last);
@@ -539,6 +690,7 @@ impl Batcher {
         self.running[i].cached = end;
         self.register_full(i);
         if end < len {
+            on_session!(&mut self.engine.session, s => s.report_progress(end, len));
             return end - start;
         }
         // The prompt is in: its last token's output is the first generated token.
@@ -547,8 +699,8 @@ impl Batcher {
             kestrel_model::Output::Logits(l) => BatchOutput::Logits(l),
         };
         if !self.take_outputs(&[i], &mut out).is_empty() {
-            let mut seq = self.running.remove(i);
-            self.release(&mut seq);
+            let seq = self.running.remove(i);
+            self.retire(seq);
         }
         end - start
     }
@@ -596,8 +748,8 @@ impl Batcher {
         let ended = self.take_outputs(&live, &mut out);
         on_session!(&mut self.engine.session, s => s.recycle(out));
         for &i in ended.iter().rev() {
-            let mut seq = self.running.remove(i);
-            self.release(&mut seq);
+            let seq = self.running.remove(i);
+            self.retire(seq);
         }
     }
 
@@ -696,6 +848,9 @@ impl Batcher {
         let eos_ids = &self.engine.eos;
         let tokenizer = self.tokenizer.as_ref();
         let seq = &mut self.running[i];
+        if seq.max_tokens == 0 {
+            return finish(seq, tokenizer, StopReason::Length);
+        }
         if !seq.ignore_eos && eos_ids.contains(&id) {
             return finish(seq, tokenizer, StopReason::Eos);
         }
@@ -783,4 +938,37 @@ fn finish(seq: &mut Seq, tokenizer: Option<&Tokenizer>, reason: StopReason) -> N
         reused: seq.reused.unwrap_or(0),
     });
     Next::Ended
+}
+
+/// The log-probabilities of token `id` and of the `k` most likely tokens under `logits`.
+pub(crate) fn logprobs_of(logits: &[f32], k: usize, id: u32) -> TokenLogprobs {
+    let (lse, top) = logprobs(logits, k);
+    TokenLogprobs {
+        logprob: logits_at(logits, id, lse),
+        top,
+    }
+}
+
+/// The log-sum-exp of `logits` and its `k` most likely tokens with their log-probabilities.
+fn logprobs(logits: &[f32], k: usize) -> (f64, Vec<(u32, f32)>) {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
+    let lse = f64::from(max) + sum.ln();
+    let mut order: Vec<u32> = (0..logits.len() as u32).collect();
+    let k = k.min(order.len());
+    if k > 0 {
+        order.select_nth_unstable_by(k - 1, |&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
+    }
+    order.truncate(k);
+    order.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
+    let top = order
+        .into_iter()
+        .map(|t| (t, (f64::from(logits[t as usize]) - lse) as f32))
+        .collect();
+    (lse, top)
+}
+
+/// The log-probability of `id` given the log-sum-exp of the (unpenalised) logits.
+fn logits_at(logits: &[f32], id: u32, lse: f64) -> f32 {
+    (f64::from(logits[id as usize]) - lse) as f32
 }

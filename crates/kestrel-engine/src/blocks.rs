@@ -15,9 +15,13 @@ use kestrel_model::KV_BLOCK;
 pub const ROOT: u64 = 0;
 
 pub struct Blocks {
-    /// Free blocks, least recently freed first.
+    total: usize,
+    /// Blocks from this one on were never taken: they are taken first, in order, and the books
+    /// grow as they are (a pool's books cost nothing before it is used).
+    fresh: usize,
+    /// Free blocks taken before, least recently freed first.
     free: VecDeque<u32>,
-    /// Sequences using each block.
+    /// Sequences using each block taken so far.
     refs: Vec<u32>,
     /// What each full block holds, when it was registered: its prefix's hash, the hash before
     /// it and its tokens (a hash found is checked against them).
@@ -30,21 +34,23 @@ pub struct Blocks {
 impl Blocks {
     pub fn new(blocks: usize) -> Blocks {
         Blocks {
-            free: (0..blocks as u32).collect(),
-            refs: vec![0; blocks],
-            held: vec![None; blocks],
+            total: blocks,
+            fresh: 0,
+            free: VecDeque::new(),
+            refs: Vec::new(),
+            held: Vec::new(),
             by_hash: HashMap::new(),
             keys: RandomState::new(),
         }
     }
 
     pub fn total(&self) -> usize {
-        self.refs.len()
+        self.total
     }
 
     /// Blocks some sequence uses.
     pub fn used(&self) -> usize {
-        self.refs.len() - self.free.len()
+        self.fresh - self.free.len()
     }
 
     /// The hash of the prefix ending with `tokens` (one block's) after the prefix `parent`.
@@ -58,6 +64,12 @@ impl Blocks {
 
     /// A free block for a sequence (forgetting what it held), or None when none is free.
     pub fn take(&mut self) -> Option<u32> {
+        if self.fresh < self.total {
+            self.fresh += 1;
+            self.refs.push(1);
+            self.held.push(None);
+            return Some(self.fresh as u32 - 1);
+        }
         let b = self.free.pop_front()?;
         if let Some((hash, _, _)) = self.held[b as usize].take() {
             if self.by_hash.get(&hash) == Some(&b) {
@@ -97,6 +109,11 @@ impl Blocks {
         self.held[b as usize] = Some((hash, parent, t));
         self.by_hash.entry(hash).or_insert(b);
         hash
+    }
+
+    /// Sequences using block `b`.
+    pub fn uses(&self, b: u32) -> u32 {
+        self.refs[b as usize]
     }
 
     /// One use of block `b` less; unused, it is free (and still holds its prefix).

@@ -13,7 +13,7 @@ use kestrel_model::{
     BatchOutput, CacheStats, DiskStats, Eviction, KvPool, ModelConfig, Output, Session, StageAhead, Want,
     Weights, KV_BLOCK,
 };
-use kestrel_text::{Sampler, SamplingParams};
+use kestrel_text::SamplingParams;
 
 use crate::error::{EngineError, Result};
 use crate::model::{Model, ModelText};
@@ -98,7 +98,7 @@ pub struct EngineOptions {
     pub quant: Option<QuantFormat>,
     /// Steps of more tokens run in chunks of at most this many (None: in one go).
     pub prefill_chunk: Option<usize>,
-    /// How [`Engine::generate`] picks tokens: greedy when None.
+    /// How generation ([`crate::Batcher::generate`]) picks tokens: greedy when None.
     pub sampling: Option<SamplingParams>,
     /// Generation does not stop at the model's end-of-sequence tokens.
     pub ignore_eos: bool,
@@ -117,9 +117,9 @@ pub struct EngineOptions {
     pub host_mem: Option<u64>,
     /// Which cached expert leaves when a streamed one needs its slot.
     pub eviction: Eviction,
-    /// Sequences generated at once by a [`crate::Batcher`] (None or 1: one at a time). The KV
-    /// caches become a pool of blocks for that many sequences of `ctx` positions each, and
-    /// recurrent states (hybrids) a row per sequence.
+    /// Sequences generated at once by a [`crate::Batcher`] (None: 1). The KV caches are a pool
+    /// of blocks for that many sequences of `ctx` positions each, and recurrent states
+    /// (hybrids) a row per sequence.
     pub max_seqs: Option<usize>,
     /// Blocks of [`KV_BLOCK`] positions in the pool (None: every sequence's whole context; at
     /// least one sequence's). Fewer than that: sequences share them as they grow, and the
@@ -167,17 +167,6 @@ macro_rules! on_session {
 }
 pub(crate) use on_session;
 
-/// Where the next token of a generation is chosen.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Pick {
-    /// Greedy without penalties: the backend's argmax.
-    Argmax,
-    /// The backend's sampler (the session samples with the same settings).
-    BackendSampler,
-    /// The logits come back and the host samples (settings the backend's sampler cannot take).
-    HostSampler,
-}
-
 /// The log-probabilities of one generated token under the model (the raw logits' softmax,
 /// before sampling settings).
 #[derive(Debug, Clone, PartialEq)]
@@ -188,27 +177,23 @@ pub struct TokenLogprobs {
     pub top: Vec<(u32, f32)>,
 }
 
-/// A model opened on a backend: one [`Engine::step`] for running tokens, one
-/// [`Engine::generate`] for generating text.
+/// A model opened on a backend: [`Engine::step`] runs tokens; generation goes through a
+/// [`crate::Batcher`] over the engine, for one sequence as for many.
 pub struct Engine {
     pub(crate) label: String,
     pub(crate) text: ModelText,
     pub(crate) session: AnySession,
-    /// The KV caches as a pool for several sequences ([`crate::Batcher`]).
-    pub(crate) pool: Option<KvPool>,
+    /// The KV caches: a pool of blocks for the sequences a [`crate::Batcher`] generates.
+    pub(crate) pool: KvPool,
     backend: BackendChoice,
     device: Option<Device>,
     /// Where the bytes went, when the model streams its experts.
     placement: Option<Placement>,
-    pub(crate) sampler: Sampler,
-    pub(crate) pick: Pick,
+    /// Generation's settings unless a request gives its own.
+    pub(crate) sampling: SamplingParams,
+    pub(crate) ignore_eos: bool,
+    /// The model's end-of-sequence ids.
     pub(crate) eos: Vec<u32>,
-    /// The ids the caches and states hold, from position 0.
-    pub(crate) held: Vec<u32>,
-    /// How many of the most likely tokens' log-probabilities generation reports (None: none).
-    pub(crate) logprobs: Option<usize>,
-    /// The last chosen token's log-probabilities, until generation hands them on.
-    pub(crate) last_logprobs: Option<TokenLogprobs>,
 }
 
 impl Engine {
@@ -233,15 +218,13 @@ impl Engine {
             )));
         }
         let backend = opts.backend.unwrap_or_else(default_backend);
-        let eos = if opts.ignore_eos {
-            Vec::new()
-        } else {
-            model.text.eos_ids()
-        };
-        let sampler = Sampler::new(opts.sampling.unwrap_or(SamplingParams {
+        let eos = model.text.eos_ids();
+        let sampling = opts.sampling.unwrap_or(SamplingParams {
             temperature: 0.0,
             ..Default::default()
-        }))?;
+        });
+        sampling.validate().map_err(EngineError::Invalid)?;
+        let ignore_eos = opts.ignore_eos;
         let cache = cache_dtype(backend, opts.precision);
         let device = match backend {
             BackendChoice::Cuda => Some(Device::open(config.device, config)?),
@@ -264,30 +247,29 @@ impl Engine {
             prefill_chunk: opts.prefill_chunk.unwrap_or(opts.ctx),
             pool: None,
         };
-        // Several sequences: the caller's blocks (at least one sequence's whole context), else
-        // every sequence's whole context, or under a GPU budget what fits beside the model.
+        // The caller's blocks (at least one sequence's whole context), else every sequence's
+        // whole context, or for several under a GPU budget what fits beside the model.
         let per_seq = opts.ctx.div_ceil(KV_BLOCK);
-        let pool = match (opts.max_seqs.filter(|&n| n > 1), opts.kv_blocks, budget) {
-            (None, _, _) => None,
-            (Some(seqs), Some(blocks), _) => Some(KvPool {
+        let seqs = opts.max_seqs.unwrap_or(1).max(1);
+        let pool = match (opts.kv_blocks, budget) {
+            (Some(blocks), _) => KvPool {
                 seqs,
                 blocks: blocks.max(per_seq),
-            }),
-            (Some(seqs), None, None) => Some(KvPool {
+            },
+            (None, Some(gpu)) if seqs > 1 => {
+                Placement::kv_pool(&model.config, &model.weights, shape, seqs, gpu)?
+            }
+            (None, _) => KvPool {
                 seqs,
                 blocks: seqs * per_seq,
-            }),
-            (Some(seqs), None, Some(gpu)) => Some(Placement::kv_pool(
-                &model.config,
-                &model.weights,
-                shape,
-                seqs,
-                gpu,
-            )?),
+            },
         };
         let placement = match budget {
             Some(gpu) => {
-                let shape = RunShape { pool, ..shape };
+                let shape = RunShape {
+                    pool: Some(pool),
+                    ..shape
+                };
                 let p = Placement::plan(&model.config, &model.weights, shape, gpu, opts.host_mem)?;
                 (!p.resident()).then_some(p)
             }
@@ -304,12 +286,9 @@ impl Engine {
             s: Session<B>,
             opts: EngineOptions,
             placement: Option<&Placement>,
-            pool: Option<KvPool>,
+            pool: KvPool,
         ) -> Result<Session<B>> {
-            let mut s = s.with_quant(opts.quant);
-            if let Some(p) = pool {
-                s = s.with_kv_pool(p.seqs, p.blocks)?;
-            }
+            let mut s = s.with_quant(opts.quant).with_kv_pool(pool.seqs, pool.blocks)?;
             if let Some(p) = placement {
                 s = s
                     .with_expert_cache(p.slots_per_layer, opts.eviction)?
@@ -320,9 +299,6 @@ impl Engine {
                         StageAhead::Off
                     });
             }
-            if let Some(params) = opts.sampling {
-                s = s.with_sampling(params);
-            }
             if let Some(p) = opts.progress {
                 s = s.with_progress(p);
             }
@@ -331,7 +307,6 @@ impl Engine {
             }
             Ok(s.with_prefill_chunk(opts.prefill_chunk)?)
         }
-        let sampling = sampler.params;
         let ctx = opts.ctx;
         let precision = opts.precision;
         let session = match &device {
@@ -349,13 +324,6 @@ impl Engine {
                 AnySession::Cuda(configure(s, opts, placement.as_ref(), pool)?)
             }
         };
-        let pick = if sampling.is_plain_greedy() {
-            Pick::Argmax
-        } else if on_session!(&session, s => s.samples_on_backend()) {
-            Pick::BackendSampler
-        } else {
-            Pick::HostSampler
-        };
         Ok(Engine {
             label,
             text,
@@ -364,23 +332,19 @@ impl Engine {
             backend,
             device,
             placement,
-            sampler,
-            pick,
+            sampling,
+            ignore_eos,
             eos,
-            held: Vec::new(),
-            logprobs: None,
-            last_logprobs: None,
         })
     }
 
-    /// Sequences the engine's caches hold at once (1 unless they are a pool: see
-    /// [`EngineOptions::max_seqs`]).
+    /// Sequences the engine's caches hold at once ([`EngineOptions::max_seqs`]).
     pub fn max_seqs(&self) -> usize {
-        self.pool.map_or(1, |p| p.seqs)
+        self.pool.seqs
     }
 
-    /// The pool of KV blocks, when the caches are one.
-    pub fn kv_pool(&self) -> Option<KvPool> {
+    /// The pool of KV blocks.
+    pub fn kv_pool(&self) -> KvPool {
         self.pool
     }
 
@@ -444,47 +408,14 @@ impl Engine {
         self.device.as_ref()
     }
 
-    /// Whether generation reports each token's log-probability and those of the `k` most likely
-    /// tokens (Some(k)), through [`Engine::generate_pieces`]; the logits then come back to the
-    /// host every token.
-    pub fn set_logprobs(&mut self, top: Option<usize>) {
-        self.logprobs = top;
-        self.last_logprobs = None;
-    }
-
-    /// Whether generation goes on past the model's end-of-sequence ids (a request's
-    /// `ignore_eos`).
-    pub fn set_ignore_eos(&mut self, ignore: bool) {
-        self.eos = if ignore { Vec::new() } else { self.text.eos_ids() };
-    }
-
-    /// Positions of the caches generation holds tokens in (what a next turn can reuse).
-    pub fn positions_held(&self) -> usize {
-        self.held.len()
-    }
-
     /// Positions the KV caches hold.
     pub fn ctx(&self) -> usize {
         on_session!(&self.session, s => s.ctx)
     }
 
-    /// The sampling settings generation uses.
+    /// The sampling settings generation uses unless a request gives its own.
     pub fn sampling(&self) -> SamplingParams {
-        self.sampler.params
-    }
-
-    /// Generation from now on samples with `params` (a request's own settings), the generator
-    /// starting from `params.seed`: plain greedy takes the backend's argmax, other settings are
-    /// drawn on the host from the logits (the same tokens the backend's sampler draws for a
-    /// seed, see `kestrel_core::sample`).
-    pub fn set_sampling(&mut self, params: SamplingParams) -> Result<()> {
-        self.sampler = Sampler::new(params)?;
-        self.pick = if params.is_plain_greedy() {
-            Pick::Argmax
-        } else {
-            Pick::HostSampler
-        };
-        Ok(())
+        self.sampling
     }
 
     /// The session on the CUDA backend (for run-mode switches and counters), if that is where
@@ -497,8 +428,8 @@ impl Engine {
     }
 
     /// Runs `ids` at positions `past..` (in chunks of the prefill chunk) and hands back what
-    /// `want` asks for. Generation's record of what the caches hold is not kept up to date by
-    /// this: call [`Engine::reset`] before generating after stepping by hand.
+    /// `want` asks for, in the first sequence of the pool. A [`crate::Batcher`] keeps its own
+    /// record of what the caches hold: do not step by hand an engine it generates with.
     pub fn step(&mut self, ids: &[u32], past: usize, want: Want) -> Result<Output> {
         Ok(on_session!(&mut self.session, s => s.step(ids, past, want))?)
     }
@@ -534,10 +465,8 @@ impl Engine {
         Ok(on_session!(&mut self.session, s => s.prepare(tokens, want))?)
     }
 
-    /// Starts a new sequence: generation forgets what the caches hold, and the linear-attention
-    /// states go back to zero.
+    /// Starts a new sequence for [`Engine::step`]: the linear-attention states go back to zero.
     pub fn reset(&mut self) -> Result<()> {
-        self.held.clear();
         Ok(on_session!(&mut self.session, s => s.reset_states())?)
     }
 }

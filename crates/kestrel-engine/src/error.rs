@@ -15,6 +15,9 @@ pub enum EngineError {
     /// A request the engine cannot carry out as given (an empty prompt, a context too small).
     #[error("{0}")]
     Invalid(String),
+    /// A sequence of a batched step failed; the message names the cause.
+    #[error("{0}")]
+    Sequence(String),
     /// The caller's text callback failed (for example stdout was closed).
     #[error("writing the generated text: {0}")]
     Output(#[source] std::io::Error),

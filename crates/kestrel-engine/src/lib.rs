@@ -5,12 +5,13 @@
 //! real configuration's shapes. [`Engine::new`] picks the backend (CUDA when a device is
 //! present, else the CPU, unless the caller says) and the KV-cache type in one place and holds
 //! the model's [`Session`](kestrel_model::Session) on it. [`Engine::step`] runs tokens and
-//! hands back what the caller asked for ([`Want`]); [`Engine::generate`] is the generation
-//! loop: reuse of what the caches hold, prefill, sampling, end-of-sequence and stop strings,
-//! text streamed to a callback, timings. For models larger than the GPU, [`Placement`] says
-//! where the bytes go (resident weights, a GPU cache of experts, host memory, disk) and
-//! [`expert_cache`] sums what the caches did. A [`Batcher`] generates many sequences at once
-//! over an engine whose KV caches are a pool of blocks (continuous batching).
+//! hands back what the caller asked for ([`Want`]). A [`Batcher`] over the engine is the one
+//! generation path (continuous batching over the engine's pool of KV blocks): many sequences
+//! at once for the server, or one turn at a time ([`Batcher::generate`]) for `run` and `chat`:
+//! reuse of what the caches hold, prefill, sampling, end-of-sequence and stop strings, text
+//! streamed to a callback, timings. For models larger than the GPU, [`Placement`] says where
+//! the bytes go (resident weights, a GPU cache of experts, host memory, disk) and
+//! [`expert_cache`] sums what the caches did.
 
 mod batch;
 mod blocks;
@@ -21,12 +22,12 @@ mod generate;
 mod model;
 pub mod placement;
 
-pub use batch::{Batcher, SeqEvent, SeqRequest, Sink, StepKinds};
+pub use batch::{Batcher, Piece, SeqEvent, SeqRequest, Sink, StepKinds, StopReason};
 pub use engine::{
     cache_dtype, default_backend, BackendChoice, Engine, EngineOptions, Precision, TokenLogprobs,
 };
 pub use error::{EngineError, Result};
-pub use generate::{Piece, StopReason, Turn};
+pub use generate::Turn;
 pub use kestrel_model::{expert_cache, BatchOutput, Output, Want, KV_BLOCK};
 pub use model::{Model, ModelSource, ModelText, SamplingOverrides};
 pub use placement::{ByteSize, Placement, RunShape};

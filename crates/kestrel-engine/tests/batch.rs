@@ -5,15 +5,15 @@
 //! once with a pool so small that sequences are preempted and run again; prompts that begin
 //! alike find the blocks of those before them (prefix caching) and still give the same.
 
-use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 
 use kestrel_core::Config;
+use kestrel_engine::Want;
 use kestrel_engine::{
     BackendChoice, Batcher, Engine, EngineOptions, Model, ModelSource, SeqEvent, SeqRequest, StepKinds,
     StopReason,
 };
-use kestrel_text::SamplingParams;
+use kestrel_text::{Sampler, SamplingParams, StopStrings};
 
 const CTX: usize = 128;
 
@@ -106,25 +106,64 @@ fn requests(engine: &Engine) -> Vec<SeqRequest> {
 }
 
 fn alone(req: &SeqRequest) -> Got {
-    let mut e = engine(None, None);
-    e.set_sampling(req.sampling).unwrap();
-    e.set_ignore_eos(req.ignore_eos);
-    e.set_logprobs(req.logprobs);
+    reference(&mut engine(None, None), req)
+}
+
+/// What `req` generates when its tokens are run one step after another through
+/// [`Engine::step`] (a chunk of one sequence, not the batcher's steps) and chosen on the host
+/// with the same algorithm and generator: the reference the batcher is held to.
+fn reference(e: &mut Engine, req: &SeqRequest) -> Got {
+    let eos = if req.ignore_eos {
+        Vec::new()
+    } else {
+        e.text().eos_ids()
+    };
+    let tokenizer = e.text().tokenizer.clone();
+    let mut stream = tokenizer.as_ref().map(|t| t.stream());
+    let mut stops = StopStrings::new(req.stops.iter().cloned());
+    let mut sampler = Sampler::new(req.sampling).unwrap();
+    let mut history = req.ids.clone();
     let mut got = Got::default();
-    let turn = e
-        .generate_pieces(
-            &req.ids,
-            req.max_tokens,
-            &req.stops,
-            &mut |p| {
-                got.ids.extend(p.id);
-                got.text.push_str(p.text);
-                Ok(())
-            },
-            &AtomicBool::new(false),
-        )
+    let mut logits = e
+        .step(&req.ids, 0, Want::LastLogits)
+        .unwrap()
+        .into_logits()
         .unwrap();
-    got.end = Some(turn.stop_reason);
+    let end = loop {
+        if req.max_tokens == 0 {
+            break StopReason::Length;
+        }
+        let id = sampler.sample(&mut logits, &history);
+        if eos.contains(&id) {
+            break StopReason::Eos;
+        }
+        got.ids.push(id);
+        history.push(id);
+        if let Some(stream) = &mut stream {
+            let released = stops.push(&stream.push(id).unwrap());
+            got.text.push_str(&released.text);
+            if released.stopped {
+                got.end = Some(StopReason::Stop);
+                return got;
+            }
+        }
+        if got.ids.len() == req.max_tokens {
+            break StopReason::Length;
+        }
+        logits = e
+            .step(&[id], history.len() - 1, Want::LastLogits)
+            .unwrap()
+            .into_logits()
+            .unwrap();
+    };
+    if let Some(stream) = &mut stream {
+        let released = stops.push(&stream.finish().unwrap());
+        got.text.push_str(&released.text);
+        if !released.stopped {
+            got.text.push_str(&stops.finish());
+        }
+    }
+    got.end = Some(end);
     got
 }
 
@@ -134,9 +173,7 @@ fn batched(
     kv_blocks: Option<usize>,
     reqs: &[SeqRequest],
 ) -> (Vec<Got>, u64, usize, StepKinds) {
-    let mut b = Batcher::new(engine(Some(max_seqs), kv_blocks))
-        .ok()
-        .expect("a pool");
+    let mut b = Batcher::new(engine(Some(max_seqs), kv_blocks));
     let got: Arc<Mutex<Vec<Got>>> = Arc::new(Mutex::new(vec![Got::default(); reqs.len()]));
     let reused = Arc::new(Mutex::new(0));
     for (i, r) in reqs.iter().enumerate() {
@@ -237,33 +274,15 @@ fn greedy_requests(n: u32, vocab: u32) -> Vec<SeqRequest> {
         .collect()
 }
 
-/// Each request's ids generated alone on an engine of its own.
+/// Each request's ids generated alone on an engine of its own (see [`reference`]).
 fn ids_alone(open: &dyn Fn() -> Engine, reqs: &[SeqRequest]) -> Vec<Vec<u32>> {
-    reqs.iter()
-        .map(|r| {
-            let mut e = open();
-            e.set_ignore_eos(r.ignore_eos);
-            let mut ids = Vec::new();
-            e.generate_pieces(
-                &r.ids,
-                r.max_tokens,
-                &r.stops,
-                &mut |p| {
-                    ids.extend(p.id);
-                    Ok(())
-                },
-                &AtomicBool::new(false),
-            )
-            .unwrap();
-            ids
-        })
-        .collect()
+    reqs.iter().map(|r| reference(&mut open(), r).ids).collect()
 }
 
 /// Every request's ids generated together by a batcher over `engine`, with the prompt tokens
 /// each found in the caches.
 fn ids_batched(engine: Engine, reqs: &[SeqRequest]) -> (Vec<Vec<u32>>, Vec<usize>) {
-    let mut b = Batcher::new(engine).ok().expect("a pool");
+    let mut b = Batcher::new(engine);
     let got = Arc::new(Mutex::new((
         vec![Vec::<u32>::new(); reqs.len()],
         vec![0usize; reqs.len()],
@@ -351,4 +370,75 @@ fn batched_sequences_with_streamed_experts_equal_each_alone() {
     let reqs = greedy_requests(6, 250);
     let alone = ids_alone(&|| open(None), &reqs);
     assert_eq!(ids_batched(open(Some(4)), &reqs).0, alone);
+}
+
+/// One sequence at a time through the batcher, as `run` and `chat` generate: a turn that
+/// extends the sequence the last turn left continues it in the same slot (the recurrent states
+/// of a hybrid as they are, the last partial block of the others), prefilling only what is new,
+/// and generates what the sequence gets from scratch; a turn that does not starts afresh; a
+/// turn of no tokens still runs its prompt, for the next to continue; `forget` drops what was
+/// kept.
+#[test]
+fn a_turn_that_extends_the_last_one_continues_it() {
+    for name in ["qwen3", "qwen3_next"] {
+        let dir = kestrel_testing::fixtures::path("crates/kestrel-model/tests/parity").join(name);
+        let open = || {
+            let model = Model::open(&ModelSource::Dir(dir.clone())).unwrap();
+            let opts = EngineOptions {
+                backend: Some(BackendChoice::Cpu),
+                ignore_eos: true,
+                ..EngineOptions::with_ctx(96)
+            };
+            Engine::new(model, &Config::default(), opts).unwrap()
+        };
+        let hybrid = open().config().arch.is_hybrid();
+        let req = |ids: &[u32], max_tokens| SeqRequest {
+            ids: ids.to_vec(),
+            max_tokens,
+            stops: Vec::new(),
+            sampling: SamplingParams {
+                temperature: 0.0,
+                ..Default::default()
+            },
+            ignore_eos: true,
+            logprobs: None,
+        };
+        let mut b = Batcher::new(open());
+        let turn = |b: &mut Batcher, ids: &[u32], n| {
+            let t = b
+                .generate(
+                    ids,
+                    n,
+                    &[],
+                    &mut |_| Ok(()),
+                    &std::sync::atomic::AtomicBool::new(false),
+                )
+                .unwrap();
+            assert_eq!(t.tokens, reference(&mut open(), &req(ids, n)).ids, "{name}");
+            assert_eq!(t.reused + t.prefilled, ids.len(), "{name}");
+            t
+        };
+        let first: Vec<u32> = (1..20).collect();
+        let t1 = turn(&mut b, &first, 5);
+        assert_eq!(t1.reused, 0, "{name}");
+        // The next turn: what the first left (its last token never ran), then new tokens.
+        let mut next = first.clone();
+        next.extend(&t1.tokens);
+        next.extend([7, 8, 9]);
+        let t2 = turn(&mut b, &next, 6);
+        assert_eq!(t2.reused, first.len() + t1.tokens.len() - 1, "{name}");
+        // Another sequence: a hybrid starts over; prefix caching finds nothing of it either.
+        let other: Vec<u32> = (30..45).rev().collect();
+        assert_eq!(turn(&mut b, &other, 4).reused, 0, "{name}");
+        // No tokens asked for: the prompt runs, and the next turn continues all of it.
+        let t = turn(&mut b, &first, 0);
+        assert!(t.tokens.is_empty() && t.prefill_s > 0.0, "{name}");
+        let longer: Vec<u32> = first.iter().copied().chain([3, 4]).collect();
+        assert_eq!(turn(&mut b, &longer, 3).reused, first.len(), "{name}");
+        // Forgotten: only the full blocks prefix caching finds, and for a hybrid nothing.
+        b.forget();
+        let t = turn(&mut b, &next, 2);
+        let blocks = (next.len() - 1) / kestrel_model::KV_BLOCK * kestrel_model::KV_BLOCK;
+        assert_eq!(t.reused, if hybrid { 0 } else { blocks }, "{name}");
+    }
 }

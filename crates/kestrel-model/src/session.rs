@@ -853,6 +853,14 @@ impl<B: Backend> Session<B> {
         self
     }
 
+    /// Tells the step progress callback ([`Session::with_step_progress`]) that `done` of `total`
+    /// tokens have run: for callers that run a prompt in chunks of their own.
+    pub fn report_progress(&mut self, done: usize, total: usize) {
+        if let Some(f) = &mut self.step_progress {
+            f(done, total);
+        }
+    }
+
     /// Runs `ids` at positions `past..past + ids.len()` and hands back what `want` asks for.
     /// Longer than the prefill chunk (see [`Session::with_prefill_chunk`]), they run in chunks
     /// (one program per chunk length, caches and states carrying over); only the last chunk
@@ -941,6 +949,34 @@ impl<B: Backend> Session<B> {
             });
         }
         self.program(tokens, 0, Outputs::for_want(want), None).map(|_| ())
+    }
+
+    /// Prepares the program of a batched step ([`Session::step_mixed`]) of `tokens` tokens
+    /// whose first `outputs` give `want` ([`Want::Argmax`], [`Want::AllLogits`], or
+    /// [`Want::Sample`] for [`Session::step_mixed_drawn`]), uploading the weights with the first
+    /// program, so that a caller can time the step apart from building it.
+    pub fn prepare_mixed(&mut self, outputs: usize, tokens: usize, want: Want) -> Result<()> {
+        if self.pool.is_none() {
+            return Err(no_pool());
+        }
+        if outputs == 0 || outputs > tokens || tokens > self.ctx {
+            return Err(bad_batch(format!(
+                "{tokens} tokens with {outputs} outputs in a context of {}",
+                self.ctx
+            )));
+        }
+        let kind = match want {
+            Want::Argmax => Outputs::Last,
+            Want::AllLogits => Outputs::All,
+            Want::Sample => Outputs::Draw,
+            Want::LastLogits => return Err(bad_batch("a batched step gives argmax ids or logits".into())),
+        };
+        let rows = batch_bucket(outputs);
+        let total = match tokens - outputs {
+            0 => rows,
+            rest => batch_bucket(rows + rest),
+        };
+        self.program(total, 0, kind, Some(rows)).map(|_| ())
     }
 
     /// The program for `tokens` tokens (with `batched`, a batched step's, the logits of its

@@ -1,20 +1,18 @@
 //! The engine's thread: it owns the [`Engine`] and runs the queued [`Job`]s, sending every
-//! generated token's text back to the request's handler as it comes. With a pool of KV blocks
-//! (the engine's `max_seqs`) a [`Batcher`] generates every choice of every job it has room for
-//! at once, taking jobs from the queue while slots are free; otherwise (`max_seqs` 1) jobs run
-//! one at a time, choice after choice. A handler that has gone (its client disconnected) makes
-//! the next send fail, and its sequences end there, within one step.
+//! generated token's text back to the request's handler as it comes. A [`Batcher`] generates
+//! every choice of every job it has room for at once (the engine's `max_seqs` slots; with one,
+//! choice after choice), taking jobs from the queue while slots are free. A handler that has
+//! gone (its client disconnected) makes the next send fail, and its sequences end there,
+//! within one step.
 
 use std::cell::RefCell;
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::Arc;
 use std::time::Instant;
 
-use kestrel_engine::{
-    Batcher, Engine, EngineError, Piece, SeqEvent, SeqRequest, StopReason, TokenLogprobs, KV_BLOCK,
-};
+use kestrel_engine::{Batcher, Engine, SeqEvent, SeqRequest, StopReason, TokenLogprobs, KV_BLOCK};
 use kestrel_text::{SamplingParams, Tokenizer};
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -84,13 +82,10 @@ fn named(tokenizer: Option<&Tokenizer>, id: u32, lp: &TokenLogprobs) -> Logprobs
     }
 }
 
-/// Runs jobs from `jobs` until every sender is gone: batched when the engine's caches are a
-/// pool, else one at a time.
+/// Runs jobs from `jobs` until every sender is gone, as many sequences at once as the engine's
+/// pool has slots for (one at a time with `max_seqs` 1).
 pub fn run(engine: Engine, jobs: Receiver<Job>, metrics: Arc<Metrics>) {
-    match Batcher::new(engine) {
-        Ok(batcher) => run_batched(batcher, jobs, metrics),
-        Err(engine) => run_sequential(*engine, jobs, metrics),
-    }
+    run_batched(Batcher::new(engine), jobs, metrics)
 }
 
 /// A job's progress while its choices run in the batcher.
@@ -262,101 +257,4 @@ fn run_batched(mut b: Batcher, jobs: Receiver<Job>, metrics: Arc<Metrics>) {
         let (used, _) = b.kv_blocks();
         metrics.kv_used.store((used * KV_BLOCK) as u64, Ordering::Relaxed);
     }
-}
-
-/// Runs jobs from `jobs` one at a time until every sender is gone.
-fn run_sequential(mut engine: Engine, jobs: Receiver<Job>, metrics: Arc<Metrics>) {
-    metrics.kv_total.store(engine.ctx() as u64, Ordering::Relaxed);
-    // The engine is busy generating while tokens are named.
-    let tokenizer = engine.text().tokenizer.clone();
-    while let Ok(job) = jobs.recv() {
-        metrics.waiting.fetch_sub(1, Ordering::Relaxed);
-        metrics.running.fetch_add(1, Ordering::Relaxed);
-        let outcome = run_job(&mut engine, &job, &metrics, tokenizer.as_ref());
-        // The counters are up to date before the handler hears the end.
-        metrics.running.fetch_sub(1, Ordering::Relaxed);
-        match outcome {
-            Ok(Some(last)) => {
-                metrics.requests_ok.fetch_add(1, Ordering::Relaxed);
-                metrics.request_latency(job.arrived.elapsed().as_secs_f64());
-                let _ = job.events.send(last);
-            }
-            Ok(None) => {
-                metrics.requests_cancelled.fetch_add(1, Ordering::Relaxed);
-            }
-            Err(e) => {
-                metrics.requests_failed.fetch_add(1, Ordering::Relaxed);
-                let _ = job.events.send(Event::Failed(e.to_string()));
-            }
-        }
-    }
-}
-
-/// Runs every choice of `job`, sending all but the last choice's end: that one comes back for
-/// the caller to send (None when the handler went away first).
-fn run_job(
-    engine: &mut Engine,
-    job: &Job,
-    metrics: &Metrics,
-    tokenizer: Option<&Tokenizer>,
-) -> Result<Option<Event>, EngineError> {
-    let cancel = AtomicBool::new(false);
-    engine.set_ignore_eos(job.ignore_eos);
-    engine.set_logprobs(job.logprobs);
-    for (index, params) in job.sampling.iter().enumerate() {
-        engine.set_sampling(*params)?;
-        let mut last = None::<Instant>;
-        let mut gone = false;
-        let mut on_piece = |p: Piece| -> std::io::Result<()> {
-            if p.id.is_some() {
-                let now = Instant::now();
-                match last {
-                    None if index == 0 => metrics.time_to_first_token(job.arrived.elapsed().as_secs_f64()),
-                    None => {}
-                    Some(t) => metrics.inter_token(now.duration_since(t).as_secs_f64()),
-                }
-                last = Some(now);
-                metrics.generation_tokens.fetch_add(1, Ordering::Relaxed);
-            }
-            let piece = Event::Piece {
-                index,
-                text: p.text.to_string(),
-                logprobs: p.id.zip(p.logprobs).map(|(id, lp)| named(tokenizer, id, lp)),
-            };
-            job.events.send(piece).map_err(|_| {
-                gone = true;
-                std::io::Error::new(std::io::ErrorKind::BrokenPipe, "the client went away")
-            })
-        };
-        let turn = engine.generate_pieces(&job.ids, job.max_tokens, &job.stop, &mut on_piece, &cancel);
-        metrics
-            .kv_used
-            .store(engine.positions_held() as u64, Ordering::Relaxed);
-        let turn = match turn {
-            // The sequence stops here; the caches keep what it ran, for a next request that
-            // shares its beginning.
-            Err(_) if gone => return Ok(None),
-            Ok(t) => t,
-            Err(e) => {
-                engine.reset()?;
-                return Err(e);
-            }
-        };
-        metrics
-            .prompt_tokens
-            .fetch_add(job.ids.len() as u64, Ordering::Relaxed);
-        let done = Event::Done {
-            index,
-            reason: turn.stop_reason,
-            tokens: turn.tokens.len(),
-            reused: turn.reused,
-        };
-        if index + 1 == job.sampling.len() {
-            return Ok(Some(done));
-        }
-        if job.events.send(done).is_err() {
-            return Ok(None);
-        }
-    }
-    Ok(None)
 }

@@ -12,7 +12,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::Args;
 use kestrel_core::Config;
-use kestrel_engine::{Engine, EngineOptions, Model, Want};
+use kestrel_engine::{Batcher, Engine, EngineOptions, Model};
 use rustyline::error::ReadlineError;
 use serde_json::{json, Value};
 
@@ -154,9 +154,10 @@ pub fn run(config: &Config, a: ChatArgs) -> Result<std::process::ExitCode> {
     opts.progress = Some(Box::new(crate::progress::loading(&label)));
     let load = Instant::now();
     a.memory.apply(&mut opts);
-    let mut engine = Engine::new(model, config, opts).with_context(|| format!("opening {label}"))?;
+    let engine = Engine::new(model, config, opts).with_context(|| format!("opening {label}"))?;
     crate::progress::placement(&engine);
-    engine.prepare(1, Want::LastLogits)?;
+    let mut batcher = Batcher::new(engine);
+    batcher.prepare(1)?;
     errln!(
         "loaded {label} in {:.2} s; /help for commands",
         load.elapsed().as_secs_f64()
@@ -189,13 +190,13 @@ pub fn run(config: &Config, a: ChatArgs) -> Result<std::process::ExitCode> {
                 "help" => errln!("{HELP}"),
                 "clear" => {
                     messages = start(&system);
-                    engine.reset()?;
+                    batcher.forget();
                     errln!("(conversation cleared)");
                 }
                 "system" => {
                     system = (!rest.trim().is_empty()).then(|| rest.trim().to_string());
                     messages = start(&system);
-                    engine.reset()?;
+                    batcher.forget();
                     errln!("(system message set; conversation cleared)");
                 }
                 other => errln!("unknown command /{other}; /help lists them"),
@@ -203,7 +204,7 @@ pub fn run(config: &Config, a: ChatArgs) -> Result<std::process::ExitCode> {
             continue;
         }
         messages.push(json!({"role": "user", "content": line}));
-        let ids = engine.text().encode_chat(&messages, &extra)?;
+        let ids = batcher.engine().text().encode_chat(&messages, &extra)?;
         cancel.store(false, Ordering::Relaxed);
         // An answer needs room for at least one token after the conversation so far.
         if ids.len() >= ctx {
@@ -216,7 +217,7 @@ pub fn run(config: &Config, a: ChatArgs) -> Result<std::process::ExitCode> {
             continue;
         }
         let n = a.n_predict.min(ctx - ids.len());
-        let turn = match engine.generate(&ids, n, &a.stop, &mut stdout, &cancel) {
+        let turn = match batcher.generate(&ids, n, &a.stop, &mut stdout, &cancel) {
             Ok(t) => t,
             // Stdout is gone: nobody reads the answers any more.
             Err(e @ kestrel_engine::EngineError::Output(_)) => return Err(e.into()),
@@ -237,8 +238,8 @@ pub fn run(config: &Config, a: ChatArgs) -> Result<std::process::ExitCode> {
             turn.stop_reason.as_str()
         );
         messages.push(json!({"role": "assistant", "content": turn.text.unwrap_or_default()}));
-        if !warned && engine.host_tier_note().is_some() {
-            crate::progress::host_tier_warning(&engine);
+        if !warned && batcher.engine().host_tier_note().is_some() {
+            crate::progress::host_tier_warning(batcher.engine());
             warned = true;
         }
     }

@@ -15,7 +15,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use kestrel_core::Config;
-use kestrel_engine::{Engine, EngineOptions, Model, Want};
+use kestrel_engine::{Batcher, Engine, EngineOptions, Model};
 
 use crate::args::{
     at_least_one, BackendArgs, LengthArgs, MemoryArgs, ModelArgs, QuantArgs, SamplingArgs, TemplateArgs,
@@ -175,12 +175,13 @@ pub fn run(config: &Config, a: RunArgs) -> Result<std::process::ExitCode> {
     a.backend.apply(&mut opts);
     opts.quant = a.quant.format()?;
     opts.allow_long_context = a.length.allow_long_context;
+    // A prompt runs in one go unless it is long (or `--prefill-chunk` says otherwise).
     let chunk = match a.prefill_chunk {
         Some(c) => Some(c),
         None if prompt.len() > LONG_PROMPT => Some(PROGRESS_CHUNK),
         None => None,
     };
-    opts.prefill_chunk = chunk;
+    opts.prefill_chunk = Some(chunk.unwrap_or(prompt.len()));
     if chunk.is_some_and(|c| c < prompt.len()) {
         opts.prefill_progress = Some(Box::new(crate::progress::prefill()));
     }
@@ -188,11 +189,11 @@ pub fn run(config: &Config, a: RunArgs) -> Result<std::process::ExitCode> {
     opts.ignore_eos = a.ignore_eos;
     opts.progress = Some(Box::new(crate::progress::loading(&label)));
     a.memory.apply(&mut opts);
-    let mut engine = Engine::new(model, config, opts).with_context(|| format!("opening {label}"))?;
+    let engine = Engine::new(model, config, opts).with_context(|| format!("opening {label}"))?;
     crate::progress::placement(&engine);
     // The weights go to the backend with the first program.
-    let chunk = chunk.unwrap_or(prompt.len());
-    engine.prepare(chunk.min(prompt.len()), Want::LastLogits)?;
+    let mut batcher = Batcher::new(engine);
+    batcher.prepare(prompt.len())?;
     let load_s = load.elapsed().as_secs_f64();
     let mut stdout = |s: &str| -> std::io::Result<()> {
         if a.json {
@@ -201,8 +202,9 @@ pub fn run(config: &Config, a: RunArgs) -> Result<std::process::ExitCode> {
             crate::out::stdout_text(s)
         }
     };
-    let t = engine.generate(&prompt, n_predict, &a.stop, &mut stdout, &AtomicBool::new(false))?;
+    let t = batcher.generate(&prompt, n_predict, &a.stop, &mut stdout, &AtomicBool::new(false))?;
     let total_s = load.elapsed().as_secs_f64();
+    let engine = batcher.engine();
     let backend = engine.backend();
     // Decode speed over the tokens after the first (the first comes with the prefill).
     let decode_tps = t.decode_tps();
@@ -241,6 +243,6 @@ pub fn run(config: &Config, a: RunArgs) -> Result<std::process::ExitCode> {
             t.stop_reason.as_str()
         );
     }
-    crate::progress::host_tier_warning(&engine);
+    crate::progress::host_tier_warning(engine);
     Ok(std::process::ExitCode::SUCCESS)
 }

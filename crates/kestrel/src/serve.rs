@@ -131,11 +131,11 @@ pub fn run(config: &Config, a: ServeArgs) -> Result<std::process::ExitCode> {
                         .with_context(|| format!("compiling the {} kernels", module.name))?;
                 }
             }
-            let at_once = match engine.kv_pool() {
-                None => "one sequence at a time".to_string(),
-                Some(p) => format!(
-                    "up to {} sequences at once, a KV cache of {} positions",
-                    p.seqs,
+            let p = engine.kv_pool();
+            let at_once = match p.seqs {
+                1 => "one sequence at a time".to_string(),
+                n => format!(
+                    "up to {n} sequences at once, a KV cache of {} positions",
                     p.blocks * kestrel_engine::KV_BLOCK
                 ),
             };
