@@ -43,6 +43,19 @@ pub trait Backend {
         bytes: &[u8],
     ) -> Result<(), Self::Error>;
 
+    /// Sets `len` bytes of `buf` from `offset` on to zero (a new sequence's recurrent states).
+    /// Bounds are checked by the caller. By default it writes zeros from the host; a device
+    /// backend sets them where they are.
+    fn zero_bytes(
+        &mut self,
+        program: &mut Self::Program,
+        buf: Buf,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), Self::Error> {
+        self.write_bytes(program, buf, offset, &vec![0u8; len])
+    }
+
     /// Copies the first `out.len()` bytes of `buf`. Bounds are checked by the caller.
     fn read_bytes(&mut self, program: &Self::Program, buf: Buf, out: &mut [u8]) -> Result<(), Self::Error>;
 

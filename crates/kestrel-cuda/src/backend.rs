@@ -267,6 +267,15 @@ impl Backend for CudaBackend {
         self.device.compute().upload(&view, bytes)
     }
 
+    /// A memset on the compute stream: a hybrid model's recurrent states are tens of megabytes
+    /// a sequence, which a write of host zeros would bring over the link.
+    fn zero_bytes(&mut self, p: &mut CudaProgram, buf: Buf, offset: usize, len: usize) -> Result<()> {
+        match byte_view(p, buf, offset, len)? {
+            Some(view) => self.device.compute().fill(&view, 0),
+            None => Ok(()),
+        }
+    }
+
     /// Page-locked, so copies from it run on the copy engine at the link's speed.
     fn alloc_host(&mut self, bytes: usize) -> Result<PinnedBuffer<u8>> {
         self.device.pinned::<u8>(bytes)

@@ -202,9 +202,11 @@ struct Prog<B: Backend> {
     /// When it was last asked for ([`Session::clock`]).
     used: u64,
     /// With a pool of KV blocks: the version of the block table its inputs hold (0: none),
-    /// and the sequence a chunk program's input names.
+    /// the sequence a chunk program's input names, and a batched program's tokens' sequences
+    /// (each input written only when it changes: a copy to the device costs a round trip).
     table_version: u64,
     seq: Option<u32>,
+    seqs: Vec<u32>,
 }
 
 /// Programs of chunks a session keeps at most: each holds its own activations, and steps of
@@ -456,9 +458,7 @@ impl<B: Backend> Session<B> {
                 None => (0, d.byte_len()),
             };
             let p = prog.segments.last_mut().expect("a program has a segment");
-            self.backend
-                .write_bytes(p, b, at, &vec![0u8; len])
-                .map_err(backend_err)?;
+            self.backend.zero_bytes(p, b, at, len).map_err(backend_err)?;
         }
         Ok(())
     }
@@ -1050,6 +1050,7 @@ impl<B: Backend> Session<B> {
                 used: 0,
                 table_version: 0,
                 seq: None,
+                seqs: Vec::new(),
             };
             // One sequence over the whole cache: its block table never changes. (A pool's
             // table goes in before each run that finds it changed.)
@@ -1196,7 +1197,7 @@ impl<B: Backend> Session<B> {
                 let table = (prog.table_version != pool.version).then_some(&pool.table[..]);
                 current = [pool.current];
                 let seq_now: Option<&[u32]> = match seq {
-                    Some(s) => Some(s),
+                    Some(s) => (prog.seqs != s).then_some(s),
                     None => (prog.seq != Some(pool.current)).then_some(&current[..]),
                 };
                 prog.table_version = pool.version;
@@ -1231,6 +1232,11 @@ impl<B: Backend> Session<B> {
                 }
             }
             self.backend.run(p).map_err(backend_err)?;
+            if let (Some(s), true) = (seq, i == last) {
+                if prog.seqs != s {
+                    prog.seqs = s.to_vec();
+                }
+            }
             if i < last {
                 let streaming = self.streaming.as_mut().expect("segments only when streaming");
                 bring_experts(&mut self.backend, p, &f.moe_steps[i], streaming, &self.weights)?;
