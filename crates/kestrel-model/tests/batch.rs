@@ -98,9 +98,13 @@ fn a_pool_refuses_what_it_cannot_hold() {
 /// agree within the rounding of bf16 activations, not bit for bit, and every argmax agrees.
 /// Mixed steps put a prompt of a few tokens, which runs on f32 activations alone, through the
 /// products of 16 or more rows on bf16 ones: that rounding can move a MoE layer's choice of
-/// experts, so their rows are checked with every rounding fast path off (`Exact::ALL`), where
-/// they must agree to f32 arithmetic (quantised experts have no f32 kernel: that model's rows
-/// only print), and the fast run only for finite logits.
+/// experts, so their rows are checked with every rounding fast path off (`Exact::ALL`) and f32
+/// caches (as `Precision::Exact` runs), where they must agree to f32 arithmetic (quantised
+/// experts have no f32 kernel: that model's rows only print), and the fast run only for finite
+/// logits. On f32 caches the rows agree to 4e-7 (1.3e-6 with quantised experts); on bf16 caches,
+/// where attention rounds queries and probabilities to bf16, some schedules differed by 1.3e-5
+/// to 1.7e-4 (seeds 11 and 13 among them), a failure rate near one run in two that this test
+/// had on bf16 caches.
 #[test]
 fn batched_decode_equals_one_sequence_at_a_time_on_cuda() {
     let Some(dev) = device_or_skip("batched_decode_equals_one_sequence_at_a_time_on_cuda") else {
@@ -122,7 +126,7 @@ fn batched_decode_equals_one_sequence_at_a_time_on_cuda() {
         assert!(found.max_err.is_finite(), "seed {seed} {name} (mixed {mixed})");
         if found.mixed {
             let exact = || CudaBackend::new(dev.clone(), RunMode::Graph).with_exact(Exact::ALL);
-            let found = batched_against_alone(name, &exact, DType::BF16, seed, true);
+            let found = batched_against_alone(name, &exact, DType::F32, seed, true);
             println!(
                 "{name} (mixed steps) on cuda, exact: max relative error {:e}, {} argmax differ, \
                  {} of them near-ties",
