@@ -1244,40 +1244,6 @@ impl GraphBuilder {
         out
     }
 
-    /// The next token sampled from one row of logits ([`Op::Sample`]); `counts` (`u32 [cols]`)
-    /// and `rng` (`u32 [8]`) are states the op updates.
-    pub fn sample(
-        &mut self,
-        name: &str,
-        logits: BufId<Logits>,
-        counts: BufId<State>,
-        rng: BufId<State>,
-        params: crate::sample::SamplingParams,
-    ) -> BufId<TokenIds> {
-        let (rows, cols) = self.rows_cols(logits);
-        self.check(name, rows == 1, || format!("samples one row, not {rows}"));
-        self.check_dtype(name, counts, &[DType::U32]);
-        self.check_len(name, counts, cols);
-        self.check_dtype(name, rng, &[DType::U32]);
-        self.check_len(name, rng, 8);
-        if let Err(e) = params.validate() {
-            self.fail(name, e);
-        }
-        let out = self.transient(name, DType::U32, vec![1]);
-        self.push(
-            name,
-            Op::Sample {
-                logits: logits.raw(),
-                counts: counts.raw(),
-                rng: rng.raw(),
-                out: out.raw(),
-                cols,
-                params,
-            },
-        );
-        out
-    }
-
     /// Each row's sampling settings and generator, supplied by the host before each run
     /// ([`Op::SampleRows`]).
     pub fn draws_input(&mut self, label: &str, rows: usize) -> BufId<Draws> {
@@ -1290,17 +1256,31 @@ impl GraphBuilder {
     }
 
     /// The next token of each row of `logits`, drawn with that row's settings and generator
-    /// in `draws` ([`Op::SampleRows`]); each output row is the token and the generator after it.
-    pub fn sample_rows(&mut self, name: &str, logits: BufId<Logits>, draws: BufId<Draws>) -> BufId<Drawn> {
+    /// in `draws` ([`Op::SampleRows`]) and penalised by its sequence's row of `counts` (`u32
+    /// [seqs, cols]`, a state the op keeps up to date); each output row is the token and the
+    /// generator after it.
+    pub fn sample_rows(
+        &mut self,
+        name: &str,
+        logits: BufId<Logits>,
+        draws: BufId<Draws>,
+        counts: BufId<State>,
+    ) -> BufId<Drawn> {
         let (rows, cols) = self.rows_cols(logits);
         self.check_dtype(name, draws, &[DType::U32]);
         self.check_len(name, draws, rows * crate::sample::DRAW_WORDS);
+        self.check_dtype(name, counts, &[DType::U32]);
+        let c = self.decl(counts).shape.clone();
+        self.check(name, c.len() == 2 && c[1] == cols, || {
+            format!("token counts of shape {c:?} for {cols} logits a row")
+        });
         let out = self.transient(name, DType::U32, vec![rows, crate::sample::DRAWN_WORDS]);
         self.push(
             name,
             Op::SampleRows {
                 logits: logits.raw(),
                 draws: draws.raw(),
+                counts: counts.raw(),
                 out: out.raw(),
                 rows,
                 cols,

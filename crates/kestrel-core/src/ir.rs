@@ -699,30 +699,19 @@ pub enum Op {
         rows: usize,
         cols: usize,
     },
-    /// The next token after one row of `logits`, sampled as [`crate::sample`] samples: penalties
-    /// from `counts` (`u32 [cols]`, how often each token was seen), then the distribution of
-    /// `params` and a draw from the xoshiro generator whose state `rng` holds (`u32 [8]`: the
-    /// four state words, little-endian). `out` gets the token, `counts[token]` grows by one and
-    /// `rng` advances, so decoding can sample every step without the host. A backend may bound
-    /// `params.top_k` (CUDA: 1 to 64, or temperature 0).
-    Sample {
-        logits: Buf,
-        counts: Buf,
-        rng: Buf,
-        out: Buf,
-        cols: usize,
-        params: crate::sample::SamplingParams,
-    },
     /// The next token of each row of `logits`, each with its own settings and generator: row
     /// `r` draws with `draws[r]` (`u32 [rows, DRAW_WORDS]`, see [`crate::sample::draw_words`]:
-    /// temperature, top-k, top-p, min-p, no penalties) and writes its token and the generator
-    /// state after the draw to `out[r]` (`u32 [rows, DRAWN_WORDS]`), as
-    /// [`crate::sample::draw_row`] does. The generators live with the caller, so the op keeps
-    /// no state. A backend may bound top-k (CUDA: 1 to 64, or temperature 0; see
+    /// temperature, top-k, top-p, min-p, the penalties and the row of `counts` its sequence
+    /// keeps) and writes its token and the generator state after the draw to `out[r]` (`u32
+    /// [rows, DRAWN_WORDS]`), as [`crate::sample::draw_row`] does. `counts` (`u32 [seqs,
+    /// cols]`, a state) holds how often each sequence has seen each token: a row that names one
+    /// is penalised by it and counts its drawn token there. The generators live with the
+    /// caller. A backend may bound top-k (CUDA: 1 to 64, or temperature 0; see
     /// [`crate::sample::backend_draws`]).
     SampleRows {
         logits: Buf,
         draws: Buf,
+        counts: Buf,
         out: Buf,
         rows: usize,
         cols: usize,
@@ -886,16 +875,13 @@ impl Op {
                 (r, vec![*state, *out])
             }
             Argmax { logits, out, .. } => (vec![*logits], vec![*out]),
-            Sample {
+            SampleRows {
                 logits,
+                draws,
                 counts,
-                rng,
                 out,
                 ..
-            } => (vec![*logits, *counts, *rng], vec![*out, *counts, *rng]),
-            SampleRows {
-                logits, draws, out, ..
-            } => (vec![*logits, *draws], vec![*out]),
+            } => (vec![*logits, *draws, *counts], vec![*out, *counts]),
             TopK {
                 logits, ids, values, ..
             } => (vec![*logits], vec![*ids, *values]),
@@ -930,7 +916,6 @@ impl Op {
             DeltaGates { .. } => "delta_gates",
             DeltaRule { .. } => "delta_rule",
             Argmax { .. } => "argmax",
-            Sample { .. } => "sample",
             SampleRows { .. } => "sample_rows",
             TopK { .. } => "top_k",
         }

@@ -1,4 +1,4 @@
-//! The sampling algorithm, shared by the host sampler and the backends' `Sample` op, so both
+//! The sampling algorithm, shared by the host sampler and the backends' `SampleRows` op, so both
 //! pick the same tokens: penalties from token counts (repetition, presence, frequency), then
 //! temperature, top-k, top-p and min-p in the order transformers applies them, then a draw from
 //! the remaining distribution with the seeded xoshiro generator. Temperature 0 is the argmax
@@ -84,7 +84,7 @@ impl SamplingParams {
         self.temperature == 0.0 && !self.has_penalties()
     }
 
-    /// How many candidates a backend's `Sample` op must keep to sample as the host does (1 at
+    /// How many candidates a backend's `SampleRows` op must keep to sample as the host does (1 at
     /// temperature 0, else top-k), or None when that is over [`BACKEND_MAX_TOP_K`] (top-k 0
     /// means all tokens): then the logits go to the host.
     pub fn backend_candidates(&self) -> Option<usize> {
@@ -102,7 +102,7 @@ impl SamplingParams {
     }
 }
 
-/// The largest top-k a backend's `Sample` op takes.
+/// The largest top-k a backend's `SampleRows` op takes.
 pub const BACKEND_MAX_TOP_K: usize = 64;
 
 /// How many times each token of a vocabulary of `vocab` occurs in `history` (ids past the
@@ -312,57 +312,81 @@ pub fn draw(dist: &[(u32, f64)], rng: &mut Rng) -> u32 {
     dist.last().expect("a non-empty distribution").0
 }
 
-/// Words of one row's settings in a `SampleRows` op's `draws`: temperature, top-k, top-p and
-/// min-p (the floats as their bits), then the generator state as [`rng_words`] stores it.
-pub const DRAW_WORDS: usize = 12;
+/// Words of one row's settings in a `SampleRows` op's `draws`: temperature, top-k, top-p,
+/// min-p, repetition, presence and frequency penalty (the floats as their bits), the row of the
+/// op's token counts the row's sequence keeps ([`NO_COUNTS`]: none), then the generator state
+/// as [`rng_words`] stores it.
+pub const DRAW_WORDS: usize = 16;
 
 /// Words of one row of a `SampleRows` op's output: the token, then the generator state after
 /// the draw.
 pub const DRAWN_WORDS: usize = 9;
 
-/// Whether a backend's `SampleRows` op draws with `params` as the host does: no penalties (the
-/// op keeps no token counts) and candidates it can keep ([`SamplingParams::backend_candidates`]).
+/// The counts row of a row whose sequence keeps none (no penalties): nothing is read or counted.
+pub const NO_COUNTS: u32 = u32::MAX;
+
+/// Whether a backend's `SampleRows` op draws with `params` as the host does: it keeps the
+/// candidates they need ([`SamplingParams::backend_candidates`]). Penalties need a counts row.
 pub fn backend_draws(params: &SamplingParams) -> bool {
-    !params.has_penalties() && params.backend_candidates().is_some()
+    params.backend_candidates().is_some()
 }
 
-/// One row's settings for a `SampleRows` op: `params` (penalties left out) and the generator
-/// `state` to draw with.
-pub fn draw_words(params: &SamplingParams, state: [u64; 4]) -> [u32; DRAW_WORDS] {
+/// One row's settings for a `SampleRows` op: `params`, the generator `state` to draw with, and
+/// the row of the op's counts that holds how often the row's sequence has seen each token (it
+/// is read for the penalties and counts the drawn token; None: no penalties apply).
+pub fn draw_words(params: &SamplingParams, state: [u64; 4], counts_row: Option<u32>) -> [u32; DRAW_WORDS] {
     let mut w = [0u32; DRAW_WORDS];
     w[0] = params.temperature.to_bits();
     w[1] = params.top_k.min(u32::MAX as usize) as u32;
     w[2] = params.top_p.to_bits();
     w[3] = params.min_p.to_bits();
-    w[4..].copy_from_slice(&rng_words(state));
+    w[4] = params.repetition_penalty.to_bits();
+    w[5] = params.presence_penalty.to_bits();
+    w[6] = params.frequency_penalty.to_bits();
+    w[7] = counts_row.unwrap_or(NO_COUNTS);
+    w[8..].copy_from_slice(&rng_words(state));
     w
 }
 
-/// The settings and generator state [`draw_words`] stored.
-pub fn draw_settings(words: &[u32]) -> (SamplingParams, [u64; 4]) {
+/// The settings, generator state and counts row [`draw_words`] stored.
+pub fn draw_settings(words: &[u32]) -> (SamplingParams, [u64; 4], Option<u32>) {
     let params = SamplingParams {
         temperature: f32::from_bits(words[0]),
         top_k: words[1] as usize,
         top_p: f32::from_bits(words[2]),
         min_p: f32::from_bits(words[3]),
-        ..Default::default()
+        repetition_penalty: f32::from_bits(words[4]),
+        presence_penalty: f32::from_bits(words[5]),
+        frequency_penalty: f32::from_bits(words[6]),
+        seed: 0,
     };
-    (params, rng_state(&words[4..DRAW_WORDS]))
+    let row = (words[7] != NO_COUNTS).then_some(words[7]);
+    (params, rng_state(&words[8..DRAW_WORDS]), row)
 }
 
 /// One row of a `SampleRows` op: the token drawn from `logits` with the settings `words`
-/// ([`draw_words`]) and the generator state after the draw, as [`DRAWN_WORDS`] words.
-pub fn draw_row(logits: &[f32], words: &[u32]) -> [u32; DRAWN_WORDS] {
-    let (params, state) = draw_settings(words);
+/// ([`draw_words`]), penalised by `counts` (the row's counts, when it names one), and the
+/// generator state after the draw, as [`DRAWN_WORDS`] words; the drawn token is counted.
+pub fn draw_row(logits: &[f32], words: &[u32], counts: Option<&mut [u32]>) -> [u32; DRAWN_WORDS] {
+    let (params, state, _) = draw_settings(words);
     let mut rng = Rng::from_state(state);
-    let token = draw(&distribution(logits, &params), &mut rng);
+    let token = match counts {
+        Some(counts) => {
+            let mut row = logits.to_vec();
+            penalize(&mut row, counts, &params);
+            let token = draw(&distribution(&row, &params), &mut rng);
+            counts[token as usize] += 1;
+            token
+        }
+        None => draw(&distribution(logits, &params), &mut rng),
+    };
     let mut out = [0u32; DRAWN_WORDS];
     out[0] = token;
     out[1..].copy_from_slice(&rng_words(rng.state()));
     out
 }
 
-/// A generator state as a `Sample` op stores it: `u32 [8]`, each word's low half first.
+/// A generator state as a `SampleRows` op stores it: `u32 [8]`, each word's low half first.
 pub fn rng_words(state: [u64; 4]) -> [u32; 8] {
     let mut w = [0u32; 8];
     for (i, s) in state.iter().enumerate() {

@@ -83,20 +83,22 @@ fn chunked_delta_rule_equals_recurrent_steps() {
     }
 }
 
-/// The `Sample` op, run step after step with fresh logits, picks what the host algorithm picks
-/// with the same seed, keeping the token counts (penalties) and the generator state between runs.
+/// The `SampleRows` op, run step after step with fresh logits, picks for each row what the host
+/// algorithm picks with the same generator, penalised by the row's counts where it names one,
+/// and keeps those counts (the drawn token counted) between runs.
 #[test]
-fn sample_op_follows_the_host_algorithm() {
-    use kestrel_core::sample::{distribution, draw, penalize, rng_words, SamplingParams};
+fn sample_rows_follow_the_host_algorithm() {
+    use kestrel_core::sample::{
+        counts_of, distribution, draw, draw_words, penalize, rng_state, SamplingParams, DRAWN_WORDS,
+    };
     use kestrel_core::{Backend, DType, GraphBuilder};
     let (mut rng, seed) = Rng::from_time();
-    for params in [
+    let params = [
         SamplingParams {
             temperature: 0.8,
             top_k: 40,
             top_p: 0.9,
             min_p: 0.02,
-            seed: 3,
             ..Default::default()
         },
         SamplingParams {
@@ -105,7 +107,6 @@ fn sample_op_follows_the_host_algorithm() {
             repetition_penalty: 1.3,
             presence_penalty: 0.4,
             frequency_penalty: 0.2,
-            seed: 9,
             ..Default::default()
         },
         SamplingParams {
@@ -113,37 +114,70 @@ fn sample_op_follows_the_host_algorithm() {
             repetition_penalty: 1.5,
             ..Default::default()
         },
-    ] {
-        let vocab = 3000;
-        let mut g = GraphBuilder::new();
-        let logits = g.logits_input("logits", 1, vocab);
-        let counts = g.state("counts", DType::U32, [vocab]);
-        let state = g.state("rng", DType::U32, [8]);
-        let token = g.sample("sample", logits, counts, state, params);
-        g.mark_output(token);
-        let graph = g.finish().unwrap();
-        let mut cpu = CpuBackend::new();
-        let mut p = cpu.prepare(&graph).unwrap();
-        let history: Vec<u32> = (0..20).map(|_| rng.range(0, vocab) as u32).collect();
-        let mut host_counts = kestrel_core::sample::counts_of(&history, vocab);
-        cpu.upload(&mut p, counts, &host_counts).unwrap();
-        let mut host_rng = Rng::new(params.seed);
-        cpu.upload(&mut p, state, &rng_words(host_rng.state())).unwrap();
-        for step in 0..30 {
-            let row: Vec<f32> = (0..vocab).map(|_| rng.symmetric() * 5.0).collect();
-            cpu.upload(&mut p, logits, &row).unwrap();
-            cpu.run(&mut p).unwrap();
-            let got = cpu.download::<u32>(&p, token).unwrap()[0];
-            let mut l = row.clone();
-            penalize(&mut l, &host_counts, &params);
-            let want = draw(&distribution(&l, &params), &mut host_rng);
-            assert_eq!(got, want, "seed {seed} step {step} {params:?}");
-            host_counts[want as usize] += 1;
+    ];
+    let (vocab, rows) = (3000, params.len());
+    let mut g = GraphBuilder::new();
+    let logits = g.logits_input("logits", rows, vocab);
+    let draws = g.draws_input("draws", rows);
+    // Rows 1 and 2 keep their counts in rows 2 and 0 of the state.
+    let counts = g.state("counts", DType::U32, [3, vocab]);
+    let out = g.sample_rows("sample_rows", logits, draws, counts);
+    g.mark_output(out);
+    let graph = g.finish().unwrap();
+    let mut cpu = CpuBackend::new();
+    let mut p = cpu.prepare(&graph).unwrap();
+    let counts_row = [None, Some(2u32), Some(0)];
+    let mut history: Vec<Vec<u32>> = (0..rows)
+        .map(|_| (0..20).map(|_| rng.range(0, vocab) as u32).collect())
+        .collect();
+    for (r, row) in counts_row.iter().enumerate() {
+        if let Some(c) = row {
+            cpu.upload_at(
+                &mut p,
+                counts,
+                *c as usize * vocab,
+                &counts_of(&history[r], vocab),
+            )
+            .unwrap();
         }
-        assert_eq!(
-            cpu.download::<u32>(&p, counts).unwrap(),
-            host_counts,
-            "counts kept"
-        );
     }
+    let mut states: Vec<Rng> = (0..rows).map(|r| Rng::new(seed ^ r as u64)).collect();
+    for step in 0..30 {
+        let l: Vec<f32> = (0..rows * vocab).map(|_| rng.symmetric() * 5.0).collect();
+        let words: Vec<u32> = (0..rows)
+            .flat_map(|r| draw_words(&params[r], states[r].state(), counts_row[r]))
+            .collect();
+        cpu.upload(&mut p, logits, &l).unwrap();
+        cpu.upload(&mut p, draws, &words).unwrap();
+        cpu.run(&mut p).unwrap();
+        let got = cpu.download::<u32>(&p, out).unwrap();
+        for r in 0..rows {
+            let mut row = l[r * vocab..(r + 1) * vocab].to_vec();
+            if counts_row[r].is_some() {
+                penalize(&mut row, &counts_of(&history[r], vocab), &params[r]);
+            }
+            let want = draw(&distribution(&row, &params[r]), &mut states[r]);
+            let o = &got[r * DRAWN_WORDS..(r + 1) * DRAWN_WORDS];
+            assert_eq!(o[0], want, "seed {seed} step {step} row {r}");
+            assert_eq!(
+                rng_state(&o[1..]),
+                states[r].state(),
+                "seed {seed} step {step} row {r}"
+            );
+            history[r].push(want);
+        }
+    }
+    let kept = cpu.download::<u32>(&p, counts).unwrap();
+    for (r, row) in counts_row.iter().enumerate() {
+        if let Some(c) = row {
+            let c = *c as usize;
+            assert_eq!(
+                kept[c * vocab..(c + 1) * vocab],
+                counts_of(&history[r], vocab),
+                "row {r}"
+            );
+        }
+    }
+    // The row no sequence's counts were kept in was never written.
+    assert!(kept[vocab..2 * vocab].iter().all(|&n| n == 0));
 }

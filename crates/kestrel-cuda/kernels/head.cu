@@ -94,14 +94,9 @@ extern "C" __global__ void top_k_f32(const float* logits, unsigned* ids, float* 
     }
 }
 
-// ---- sampling one token (see kestrel_core::sample; the same arithmetic, so the same token) ----
-// sample_partial_f32: grid (parts), a block takes `chunk` logits, applies the penalties (f32, as
-// the host does) and leaves its k best candidates in (value descending, index ascending) order.
-// sample_final_f32: one block picks the k best of all parts, then its first thread computes the
-// f64 weights, top-p and min-p in the host's order and draws with the xoshiro state in `rng`
-// (u32 [8]), which it advances; counts[token] += 1.
-// SAMPLE_CHUNK, the logits a block of sample_partial_f32 takes, comes from the host (`ops/head.rs`)
-// as a -D definition.
+// ---- sampling (see kestrel_core::sample; the same arithmetic, so the same token) ----
+// SAMPLE_CHUNK, the logits a block of sample_rows_partial_f32 takes, comes from the host
+// (`ops/head.rs`) as a -D definition.
 // SAMPLE_MAX_K, the most candidates a draw keeps, is kestrel_core::sample::BACKEND_MAX_TOP_K.
 #if !defined(SAMPLE_CHUNK) || !defined(SAMPLE_MAX_K)
 #error "head.cu is compiled with SAMPLE_CHUNK and SAMPLE_MAX_K from ops/head.rs"
@@ -133,18 +128,6 @@ __device__ void pick_best(float* vals, const unsigned* idx, unsigned base, unsig
         if (threadIdx.x == 0) { out_v[j] = v; out_i[j] = id; }
         __syncthreads();
     }
-}
-
-extern "C" __global__ void sample_partial_f32(const float* logits, const unsigned* counts, float* part_v,
-                                              unsigned* part_i, unsigned cols, unsigned k, float rep,
-                                              float presence, float frequency) {
-    pdl_begin();
-    __shared__ float vals[SAMPLE_CHUNK];
-    const unsigned c0 = blockIdx.x * SAMPLE_CHUNK, n = min(cols - c0, (unsigned)SAMPLE_CHUNK);
-    for (unsigned i = threadIdx.x; i < n; i += blockDim.x)
-        vals[i] = penalised(logits[c0 + i], counts[c0 + i], rep, presence, frequency);
-    __syncthreads();
-    pick_best(vals, nullptr, c0, n, k, part_v + (size_t)blockIdx.x * k, part_i + (size_t)blockIdx.x * k);
 }
 
 __device__ __forceinline__ unsigned long long rotl64(unsigned long long x, int r) { return (x << r) | (x >> (64 - r)); }
@@ -202,35 +185,19 @@ __device__ unsigned draw_from_head(const float* top_v, unsigned* top_i, unsigned
     return token;
 }
 
-extern "C" __global__ void sample_final_f32(const float* part_v, const unsigned* part_i, unsigned* counts,
-                                            unsigned* rng, unsigned* out, unsigned n, unsigned k, float temperature,
-                                            float top_p, float min_p) {
-    pdl_begin();
-    extern __shared__ float cand[];  // n values, then n indices
-    unsigned* cand_i = reinterpret_cast<unsigned*>(cand + n);
-    __shared__ float top_v[SAMPLE_MAX_K];
-    __shared__ unsigned top_i[SAMPLE_MAX_K];
-    for (unsigned i = threadIdx.x; i < n; i += blockDim.x) { cand[i] = part_v[i]; cand_i[i] = part_i[i]; }
-    __syncthreads();
-    pick_best(cand, cand_i, 0, n, k, top_v, top_i);
-    if (threadIdx.x != 0) return;
-    unsigned m = 0;
-    while (m < k && top_i[m] != 0xffffffffu) m++;
-    const unsigned token = draw_from_head(top_v, top_i, m, temperature, top_p, min_p, rng, rng);
-    counts[token] += 1;
-    out[0] = token;
-}
-
-// ---- sampling each row with its own settings (Op::SampleRows; no penalties) ----
-// draws: u32 [rows, DRAW_WORDS] (temperature, top-k, top-p, min-p as bits, then the generator);
-// out: u32 [rows, DRAWN_WORDS] (the token, then the generator after the draw). A row keeps
-// k = 1 at temperature 0, else its top-k (clamped to 1..SAMPLE_MAX_K: the host sends only rows the op
-// takes). sample_rows_partial_f32: grid (parts, rows), each block's k best of SAMPLE_CHUNK
-// logits to part_v / part_i [rows, parts, SAMPLE_MAX_K]; sample_rows_final_f32: grid (rows), the k best
-// of the row's parts, then draw_from_head.
+// ---- sampling each row with its own settings (Op::SampleRows) ----
+// draws: u32 [rows, DRAW_WORDS] (temperature, top-k, top-p, min-p, repetition, presence and
+// frequency penalty as bits, the row's counts row or NO_COUNTS, then the generator); counts:
+// u32 [seqs, cols]; out: u32 [rows, DRAWN_WORDS] (the token, then the generator after the draw).
+// A row keeps k = 1 at temperature 0, else its top-k (clamped to 1..SAMPLE_MAX_K: the host
+// sends only rows the op takes); a counts row past `seqs` is read as none.
+// sample_rows_partial_f32: grid (parts, rows), each block penalises SAMPLE_CHUNK logits by the
+// row's counts (f32, as the host does) and leaves its k best to part_v / part_i [rows, parts,
+// SAMPLE_MAX_K]; sample_rows_final_f32: grid (rows), the k best of the row's parts, then
+// draw_from_head, and the drawn token counted in the row's counts.
 // DRAW_WORDS and DRAWN_WORDS come from kestrel_core::sample through ops/head.rs.
-#if !defined(DRAW_WORDS) || !defined(DRAWN_WORDS)
-#error "head.cu is compiled with DRAW_WORDS and DRAWN_WORDS from ops/head.rs"
+#if !defined(DRAW_WORDS) || !defined(DRAWN_WORDS) || !defined(NO_COUNTS)
+#error "head.cu is compiled with DRAW_WORDS, DRAWN_WORDS and NO_COUNTS from ops/head.rs"
 #endif
 
 __device__ __forceinline__ unsigned row_candidates(const unsigned* d) {
@@ -238,21 +205,32 @@ __device__ __forceinline__ unsigned row_candidates(const unsigned* d) {
     return min(max(d[1], 1u), (unsigned)SAMPLE_MAX_K);
 }
 
-extern "C" __global__ void sample_rows_partial_f32(const float* logits, const unsigned* draws, float* part_v,
-                                                   unsigned* part_i, unsigned cols) {
+// The row of `counts` a draw names, or null.
+__device__ __forceinline__ unsigned* counts_row(unsigned* counts, const unsigned* d, unsigned seqs, unsigned cols) {
+    return d[7] != NO_COUNTS && d[7] < seqs ? counts + (size_t)d[7] * cols : nullptr;
+}
+
+extern "C" __global__ void sample_rows_partial_f32(const float* logits, const unsigned* draws, unsigned* counts,
+                                                   float* part_v, unsigned* part_i, unsigned cols, unsigned seqs) {
     pdl_begin();
     __shared__ float vals[SAMPLE_CHUNK];
-    const unsigned row = blockIdx.y, k = row_candidates(draws + (size_t)row * DRAW_WORDS);
+    const unsigned row = blockIdx.y;
+    const unsigned* d = draws + (size_t)row * DRAW_WORDS;
+    const unsigned k = row_candidates(d);
     const unsigned c0 = blockIdx.x * SAMPLE_CHUNK, n = min(cols - c0, (unsigned)SAMPLE_CHUNK);
     const float* l = logits + (size_t)row * cols + c0;
-    for (unsigned i = threadIdx.x; i < n; i += blockDim.x) vals[i] = l[i];
+    const unsigned* c = counts_row(counts, d, seqs, cols);
+    const float rep = __uint_as_float(d[4]), presence = __uint_as_float(d[5]), frequency = __uint_as_float(d[6]);
+    for (unsigned i = threadIdx.x; i < n; i += blockDim.x)
+        vals[i] = c ? penalised(l[i], c[c0 + i], rep, presence, frequency) : l[i];
     __syncthreads();
     const size_t at = ((size_t)row * gridDim.x + blockIdx.x) * SAMPLE_MAX_K;
     pick_best(vals, nullptr, c0, n, k, part_v + at, part_i + at);
 }
 
 extern "C" __global__ void sample_rows_final_f32(const float* part_v, const unsigned* part_i, const unsigned* draws,
-                                                 unsigned* out, unsigned parts) {
+                                                 unsigned* counts, unsigned* out, unsigned parts, unsigned cols,
+                                                 unsigned seqs) {
     pdl_begin();
     extern __shared__ float cand[];  // parts * k values, then as many indices
     __shared__ float top_v[SAMPLE_MAX_K];
@@ -272,6 +250,9 @@ extern "C" __global__ void sample_rows_final_f32(const float* part_v, const unsi
     unsigned m = 0;
     while (m < k && top_i[m] != 0xffffffffu) m++;
     unsigned* o = out + (size_t)row * DRAWN_WORDS;
-    o[0] = draw_from_head(top_v, top_i, m, __uint_as_float(d[0]), __uint_as_float(d[2]), __uint_as_float(d[3]),
-                          d + 4, o + 1);
+    const unsigned token = draw_from_head(top_v, top_i, m, __uint_as_float(d[0]), __uint_as_float(d[2]),
+                                          __uint_as_float(d[3]), d + 8, o + 1);
+    o[0] = token;
+    unsigned* c = counts_row(counts, d, seqs, cols);
+    if (c) c[token] += 1;
 }

@@ -15,7 +15,7 @@
 //! end-of-sequence id not told; greedy sequences take the backend's argmax, sampled ones are
 //! drawn on the backend, each with its own settings and generator (kept here, sent with the
 //! step and taken back after it). When some sequence's settings are ones the backend does not
-//! draw with (penalties, top-k 0 or above 64) or it wants log-probabilities, the step's logits
+//! draw with (top-k 0 or above 64) or it wants log-probabilities, the step's logits
 //! come back and every row is chosen on the host, all rows at once on the host's cores, with
 //! the same algorithm and generators.
 //!
@@ -125,6 +125,8 @@ struct Seq {
     stream: IdStream,
     /// None: greedy, the backend's argmax.
     sampler: Option<Sampler>,
+    /// The backend's token counts for its slot are those of `tokens` (penalties drawn there).
+    counts_synced: bool,
     logprobs: Option<usize>,
     ignore_eos: bool,
     sink: Sink,
@@ -137,7 +139,7 @@ impl Seq {
     }
 
     /// Whether a batched step must bring its logits to the host: log-probabilities, or settings
-    /// the backend does not draw with (penalties, top-k 0 or past the backend's bound).
+    /// the backend does not draw with (top-k 0 or past the backend's bound).
     fn needs_host(&self) -> bool {
         self.logprobs.is_some() || self.sampler.as_ref().is_some_and(|s| !backend_draws(&s.params))
     }
@@ -334,6 +336,7 @@ impl Batcher {
             stops: StopStrings::new(req.stops),
             stream: IdStream::default(),
             sampler,
+            counts_synced: false,
             logprobs: req.logprobs,
             ignore_eos: req.ignore_eos,
             sink,
@@ -620,6 +623,8 @@ impl Batcher {
         let mut seq = self.running.remove(i);
         self.release(&mut seq);
         seq.cached = 0;
+        // Its next slot's counts are another sequence's.
+        seq.counts_synced = false;
         self.preempted += 1;
         self.waiting.push_front(seq);
     }
@@ -769,7 +774,21 @@ impl Batcher {
             } else {
                 &mut self.kinds.argmax
             }) += 1;
+            // Tokens chosen here are not in the backend's counts.
+            for &i in rows {
+                self.running[i].counts_synced = false;
+            }
             return Ok(on_session!(&mut self.engine.session, s => s.step_mixed(seqs, ids, pos, n, want))?);
+        }
+        // Penalised sequences' counts on the backend, where they are not up to date.
+        for &i in rows {
+            let seq = &mut self.running[i];
+            if seq.counts_synced || !seq.sampler.as_ref().is_some_and(|s| s.params.has_penalties()) {
+                continue;
+            }
+            let slot = seq.slot.expect("admitted");
+            on_session!(&mut self.engine.session, s => s.set_draw_counts(slot, &seq.tokens))?;
+            seq.counts_synced = true;
         }
         let greedy = SamplingParams {
             temperature: 0.0,

@@ -218,9 +218,11 @@ impl Placement {
     ) -> Result<Placement> {
         let graph = |tokens: usize| {
             // f32 norm outputs (`new`'s): the larger plan (a CUDA prefill stores some as bf16).
+            // With a pool, the sampler's token counts (a row a sequence) are resident too.
             let spec = ForwardSpec {
                 quant: shape.quant,
                 pool: shape.pool,
+                draw_rows: shape.pool.is_some(),
                 ..ForwardSpec::new(tokens, shape.ctx, shape.cache_dtype)
             };
             Forward::build(config, weights, spec)

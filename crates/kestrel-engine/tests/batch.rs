@@ -59,8 +59,8 @@ fn requests(engine: &Engine) -> Vec<SeqRequest> {
         let ids = text
             .encode_prompt(&prompt, None, true, &Default::default())
             .unwrap();
-        // Sampled with settings the backend draws with, and (5, 12, 13) with ones it does not:
-        // penalties, or the whole vocabulary under top-p.
+        // Sampled with settings the backend draws with (5 and 12 with penalties, from the token
+        // counts it keeps), and (13) with ones it does not: the whole vocabulary under top-p.
         let sampling = if i == 13 {
             SamplingParams {
                 temperature: 0.9,

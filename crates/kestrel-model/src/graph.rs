@@ -20,7 +20,6 @@ use kestrel_core::ir::{
 };
 use kestrel_core::quant::{QuantFormat, QuantMatrix};
 use kestrel_core::rope::RopeTable;
-use kestrel_core::sample::SamplingParams;
 use kestrel_core::{Backend, DType, GraphBuilder};
 
 use crate::config::{LayerKind, MlpKind, ModelConfig};
@@ -53,9 +52,6 @@ pub struct ForwardSpec {
     /// and the shared-expert gate at 8 bits, as MLX does; matrices whose rows do not divide into
     /// groups stay dense). Already-quantised tensors keep their own format.
     pub quant: Option<QuantFormat>,
-    /// Also sample the next token on the backend with these settings (when the backend can:
-    /// see `SamplingParams::backend_candidates`; last-token logits only).
-    pub sampling: Option<SamplingParams>,
     /// Routed experts streamed through a cache of slots per MoE layer instead of all resident.
     pub streaming: Option<Streamed>,
     /// The KV caches as a pool shared by many sequences (None: one sequence over `ctx`
@@ -68,8 +64,9 @@ pub struct ForwardSpec {
     /// In a batched step, the logits of only the first this many tokens: the others only fill
     /// the caches (a prompt's chunk riding along with other sequences' next tokens).
     pub logit_rows: Option<usize>,
-    /// In a batched step, also draw each logits row's next token on the backend with that
-    /// row's own settings and generator (`Op::SampleRows`; see [`Forward::drawn`]).
+    /// Also draw each logits row's next token on the backend with that row's own settings and
+    /// generator (`Op::SampleRows`; see [`Forward::drawn`]), with a row of token counts for
+    /// each sequence of the pool (`sampler.counts`, a state) for the penalties.
     pub draw_rows: bool,
 }
 
@@ -116,7 +113,6 @@ impl ForwardSpec {
             projection_inputs: DType::F32,
             all_logits: false,
             quant: None,
-            sampling: None,
             streaming: None,
             pool: None,
             batched: false,
@@ -193,14 +189,17 @@ enum Held {
     OnLoad(QuantFormat),
 }
 
-/// The backend's sampler in a forward graph.
+/// The backend's sampler in a forward graph (`ForwardSpec::draw_rows`).
 #[derive(Debug, Clone, Copy)]
-pub struct Sampled {
-    pub token: BufId<TokenIds>,
-    /// How often each token was seen (`u32 [vocab]`).
+pub struct Drawing {
+    /// Each row's settings and generator, an input written before each run (`u32 [rows,
+    /// DRAW_WORDS]`).
+    pub draws: BufId<Draws>,
+    /// How often each sequence has seen each token (`u32 [seqs, vocab]`, a state every program
+    /// shares), for the penalties.
     pub counts: BufId<kestrel_core::ir::State>,
-    /// The xoshiro state (`u32 [8]`).
-    pub rng: BufId<kestrel_core::ir::State>,
+    /// Each row's token and generator after the draw (`u32 [rows, DRAWN_WORDS]`).
+    pub out: BufId<Drawn>,
 }
 
 /// A built forward graph and what it needs before it runs.
@@ -216,12 +215,8 @@ pub struct Forward {
     /// The most likely next token of each logits row (lower id on ties), computed on the
     /// backend, so greedy decoding reads back one id instead of the vocabulary's logits.
     pub argmax: BufId<TokenIds>,
-    /// The sampled next token, with the token counts and generator state the sampler keeps
-    /// (states shared by every program of a session), when `spec.sampling` asked for it.
-    pub sampled: Option<Sampled>,
-    /// With `spec.draw_rows`: each row's settings and generator (an input written before each
-    /// run, `u32 [rows, DRAW_WORDS]`), and each row's token and generator after the draw.
-    pub drawn: Option<(BufId<Draws>, BufId<Drawn>)>,
+    /// With `spec.draw_rows`: what the backend's sampler reads and writes.
+    pub drawn: Option<Drawing>,
     pub spec: ForwardSpec,
     /// The recurrent and convolution states of the linear-attention layers (not the KV caches):
     /// what a new sequence must start from zero.
@@ -584,22 +579,14 @@ impl Forward {
         let argmax = b.g.argmax("argmax", logits);
         b.g.mark_output(logits);
         b.g.mark_output(argmax);
-        let sampled = match spec.sampling {
-            Some(p) if !spec.all_logits && !spec.batched && p.backend_candidates().is_some() => {
-                let counts = b.g.state("sampler.counts", DType::U32, [c.vocab]);
-                let rng = b.g.state("sampler.rng", DType::U32, [8]);
-                let token = b.g.sample("sample", logits, counts, rng, p);
-                b.g.mark_output(token);
-                Some(Sampled { token, counts, rng })
-            }
-            _ => None,
-        };
         let drawn = spec.draw_rows.then(|| {
             let rows = b.g.decl(logits).shape[0];
+            let seqs = spec.pool.map_or(1, |p| p.seqs);
             let draws = b.g.draws_input("draws", rows);
-            let out = b.g.sample_rows("sample_rows", logits, draws);
+            let counts = b.g.state("sampler.counts", DType::U32, [seqs, c.vocab]);
+            let out = b.g.sample_rows("sample_rows", logits, draws, counts);
             b.g.mark_output(out);
-            (draws, out)
+            Drawing { draws, counts, out }
         });
         let graph = b.g.finish().map_err(|e| ModelError::Config {
             key: "graph".into(),
@@ -623,7 +610,6 @@ impl Forward {
             seq,
             logits,
             argmax,
-            sampled,
             drawn,
             spec,
             states: b.states,

@@ -15,10 +15,9 @@ use std::time::Instant;
 
 use kestrel_core::ir::BufKind;
 use kestrel_core::quant::QuantFormat;
-use kestrel_core::rng::Rng;
 use kestrel_core::sample::{
-    backend_draws, counts_of, draw_words, rng_state, rng_words, SamplingParams, BACKEND_MAX_TOP_K,
-    DRAWN_WORDS, DRAW_WORDS,
+    backend_draws, counts_of, draw_words, rng_state, SamplingParams, BACKEND_MAX_TOP_K, DRAWN_WORDS,
+    DRAW_WORDS, NO_COUNTS,
 };
 use kestrel_core::{Backend, DType};
 
@@ -41,8 +40,9 @@ pub enum Want {
     LastLogits,
     /// The most likely next token, chosen on the backend (only its id is read back).
     Argmax,
-    /// The next token drawn by the backend's sampler (see [`Session::with_sampling`]); the
-    /// sampler's counts and generator advance.
+    /// Tokens drawn on the backend, each output with its own settings and generator
+    /// ([`Session::step_mixed_drawn`], [`Session::prepare_mixed`]); a chunk of one sequence
+    /// ([`Session::step`]) does not take it.
     Sample,
 }
 
@@ -79,7 +79,7 @@ impl BatchOutput {
 }
 
 impl Output {
-    /// The token id, for [`Want::Argmax`] and [`Want::Sample`].
+    /// The token id, for [`Want::Argmax`].
     pub fn token(&self) -> Option<u32> {
         match self {
             Output::Token(t) => Some(*t),
@@ -96,14 +96,12 @@ impl Output {
     }
 }
 
-/// What a program computes at its end: every token's logits, the last token's (and its
-/// argmax), or those and the backend's sample (which advances the sampler's state, so only the
-/// step that wants a sample runs it).
+/// What a program computes at its end: every token's logits, or the last token's (and its
+/// argmax), or a batched step's rows drawn on the backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum Outputs {
     All,
     Last,
-    Sample,
     /// A batched step's rows, each also drawn with its own settings (`Op::SampleRows`).
     Draw,
 }
@@ -117,11 +115,12 @@ impl Outputs {
         }
     }
 
-    fn for_want(want: Want) -> Outputs {
+    /// What a chunk of one sequence computes for `want`.
+    fn for_want(want: Want) -> Result<Outputs> {
         match want {
-            Want::AllLogits => Outputs::All,
-            Want::LastLogits | Want::Argmax => Outputs::Last,
-            Want::Sample => Outputs::Sample,
+            Want::AllLogits => Ok(Outputs::All),
+            Want::LastLogits | Want::Argmax => Ok(Outputs::Last),
+            Want::Sample => Err(not_sampling()),
         }
     }
 }
@@ -143,7 +142,9 @@ fn bad_batch(reason: String) -> ModelError {
 fn not_sampling() -> ModelError {
     ModelError::Config {
         key: "sampling".into(),
-        reason: "the backend does not sample with these settings".into(),
+        reason: "a chunk of one sequence gives logits or its argmax; tokens drawn on the backend \
+                 come from a batched step (Session::step_mixed_drawn)"
+            .into(),
     }
 }
 
@@ -316,10 +317,6 @@ pub struct Session<B: Backend> {
     progress: Option<Box<dyn FnMut(u64, u64)>>,
     /// Told (tokens done, tokens in all) after each chunk of a step that runs in chunks.
     step_progress: Option<Box<dyn FnMut(usize, usize)>>,
-    /// Sample on the backend with these settings (see [`Session::with_sampling`]).
-    sampling: Option<SamplingParams>,
-    /// The backend sampler's generator was seeded.
-    seeded: bool,
     /// A batched step's logits go here, when a caller gave one back (see [`Session::recycle`]):
     /// fresh memory of 39 MB a step (64 rows of 152k) is a page fault every 4 KB.
     spare_logits: Vec<f32>,
@@ -358,8 +355,6 @@ impl<B: Backend> Session<B> {
             streaming: None,
             progress: None,
             step_progress: None,
-            sampling: None,
-            seeded: false,
             spare_logits: Vec::new(),
             chunk: None,
             pool: None,
@@ -541,8 +536,10 @@ impl<B: Backend> Session<B> {
 
     /// [`Session::step_mixed`] whose `params.len()` outputs are drawn on the backend: output `o`
     /// with `params[o]` (which [`backend_draws`] must accept; temperature 0 is the argmax) and
-    /// the generator state `states[o]`, which moves on as the host [`Rng`] would have. Only the
-    /// tokens and the generators come back, not the logits.
+    /// the generator state `states[o]`, which moves on as the host's `Rng` would have. An
+    /// output with penalties is penalised by the token counts the backend keeps for its
+    /// sequence (see [`Session::set_draw_counts`]), which count the token drawn. Only the tokens
+    /// and the generators come back, not the logits.
     pub fn step_mixed_drawn(
         &mut self,
         seqs: &[u32],
@@ -560,17 +557,21 @@ impl<B: Backend> Session<B> {
         }
         if let Some(p) = params.iter().find(|p| !backend_draws(p)) {
             return Err(bad_batch(format!(
-                "the backend does not draw with {p:?} (penalties, or more than {BACKEND_MAX_TOP_K} candidates)"
+                "the backend does not draw with {p:?} (more than {BACKEND_MAX_TOP_K} candidates)"
             )));
         }
-        // Padding rows draw nothing: temperature 0.
+        // Padding rows draw nothing: temperature 0, no counts.
         let mut words = vec![0u32; batch_bucket(outputs.max(1)) * DRAW_WORDS];
-        for ((w, p), s) in words.chunks_mut(DRAW_WORDS).zip(params).zip(states.iter()) {
-            w.copy_from_slice(&draw_words(p, *s));
+        for w in words.chunks_mut(DRAW_WORDS).skip(outputs) {
+            w[7] = NO_COUNTS;
+        }
+        for (o, (w, p)) in words.chunks_mut(DRAW_WORDS).zip(params).enumerate() {
+            let counts = p.has_penalties().then(|| seqs[o]);
+            w.copy_from_slice(&draw_words(p, states[o], counts));
         }
         let key = self.run_batch(seqs, ids, positions, outputs, Outputs::Draw, Some(&words))?;
         let prog = self.programs.get_mut(&key).expect("run above");
-        let (_, out) = prog.f.drawn.expect("a drawing program");
+        let out = prog.f.drawn.expect("a drawing program").out;
         let drawn = self
             .backend
             .download::<u32>(prog.last(), out)
@@ -656,37 +657,32 @@ impl<B: Backend> Session<B> {
         }
     }
 
-    /// Samples the next token on the backend with `params` (`sample_next_token`), when the
-    /// backend's sampler can keep the candidates they need; check [`Session::samples_on_backend`].
-    pub fn with_sampling(mut self, params: SamplingParams) -> Session<B> {
-        self.sampling = Some(params);
-        self
-    }
-
     /// How many programs (one a step length and output) the session holds now: at most
     /// [`MAX_PROGRAMS`].
     pub fn programs_held(&self) -> usize {
         self.programs.len()
     }
 
-    /// Whether `sample_next_token` is available.
-    pub fn samples_on_backend(&self) -> bool {
-        self.sampling.is_some_and(|p| p.backend_candidates().is_some())
-    }
-
-    /// Tells the backend's sampler which tokens the sequence holds (for the penalties): call it
-    /// with the whole sequence before a turn's first sample.
-    pub fn set_sample_history(&mut self, history: &[u32]) -> Result<()> {
-        let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
-        let key = self.program(1, 0, Outputs::Sample, None)?;
-        let prog = self.programs.get_mut(&key).expect("prepared above");
-        let Some(s) = prog.f.sampled else {
-            return Err(not_sampling());
+    /// Sets the token counts the backend's sampler keeps for sequence `seq` of the pool to
+    /// those of `history`, for the penalties of [`Session::step_mixed_drawn`]: call it before a
+    /// sequence with penalties is first drawn there, and again when its tokens were chosen
+    /// elsewhere since (a drawn step counts the token it draws).
+    pub fn set_draw_counts(&mut self, seq: usize, history: &[u32]) -> Result<()> {
+        let seqs = self.pool.as_ref().ok_or_else(no_pool)?.seqs;
+        if seq >= seqs {
+            return Err(bad_batch(format!("sequence {seq} is not in the pool")));
+        }
+        // The counts are a state every drawing program shares.
+        let key = match self.programs.keys().find(|k| k.1 == Outputs::Draw) {
+            Some(&k) => k,
+            None => self.program(1, 0, Outputs::Draw, Some(1))?,
         };
-        let counts = counts_of(history, self.config.vocab);
+        let vocab = self.config.vocab;
+        let prog = self.programs.get_mut(&key).expect("prepared above");
+        let counts = prog.f.drawn.expect("a drawing program").counts;
         self.backend
-            .upload(prog.last(), s.counts, &counts)
-            .map_err(backend_err)
+            .upload_at(prog.last(), counts, seq * vocab, &counts_of(history, vocab))
+            .map_err(|e| ModelError::Backend(Box::new(e)))
     }
 
     /// Calls `f(bytes done, bytes in all)` as the weights go to the backend.
@@ -908,18 +904,7 @@ impl<B: Backend> Session<B> {
                     .map_err(backend_err)?;
                 Ok(Output::Token(ids[0]))
             }
-            Want::Sample => {
-                let key = self.run(tail, at, Outputs::Sample)?;
-                let prog = self.programs.get_mut(&key).expect("run above");
-                let Some(s) = prog.f.sampled else {
-                    return Err(not_sampling());
-                };
-                let token = self
-                    .backend
-                    .download::<u32>(prog.last(), s.token)
-                    .map_err(backend_err)?;
-                Ok(Output::Token(token[0]))
-            }
+            Want::Sample => Err(not_sampling()),
         }
     }
 
@@ -948,7 +933,8 @@ impl<B: Backend> Session<B> {
                 reason: format!("{tokens} tokens do not fit a context of {}", self.ctx),
             });
         }
-        self.program(tokens, 0, Outputs::for_want(want), None).map(|_| ())
+        self.program(tokens, 0, Outputs::for_want(want)?, None)
+            .map(|_| ())
     }
 
     /// Prepares the program of a batched step ([`Session::step_mixed`]) of `tokens` tokens
@@ -1001,7 +987,6 @@ impl<B: Backend> Session<B> {
                 projection_inputs: self.backend.projection_input_dtype(tokens),
                 all_logits,
                 quant: self.quant,
-                sampling: self.sampling.filter(|_| outputs == Outputs::Sample),
                 streaming: self.streaming.as_ref().map(|s| Streamed {
                     slots: s.slots,
                     host_layers: s.host_layers,
@@ -1068,14 +1053,6 @@ impl<B: Backend> Session<B> {
                 }
                 self.uploaded = true;
             }
-            // The sampler's generator starts from the seed, once per session.
-            if let (Some(s), Some(params), false) = (prog.f.sampled, self.sampling, self.seeded) {
-                let words = rng_words(Rng::new(params.seed).state());
-                self.backend
-                    .upload(prog.last(), s.rng, &words)
-                    .map_err(backend_err)?;
-                self.seeded = true;
-            }
             // Chunks' programs and batched steps' are counted apart.
             let kind = |k: &Key| k.3.is_some() == batched.is_some();
             let held = self.programs.keys().filter(|k| kind(k)).count();
@@ -1091,10 +1068,6 @@ impl<B: Backend> Session<B> {
                     .map(|(k, _)| *k);
                 if let Some(k) = oldest {
                     self.programs.remove(&k);
-                    // A sampling program built again starts its generator from the seed.
-                    if k.1 == Outputs::Sample {
-                        self.seeded = false;
-                    }
                 }
             }
             self.programs.insert(key, prog);
@@ -1226,9 +1199,9 @@ impl<B: Backend> Session<B> {
             {
                 self.backend.upload(p, f.seq, s).map_err(backend_err)?;
             }
-            if let (Some(d), Some((input, _))) = (draws, f.drawn) {
-                if B::graph(p).decl(input).kind == BufKind::Input {
-                    self.backend.upload(p, input, d).map_err(backend_err)?;
+            if let (Some(d), Some(drawing)) = (draws, f.drawn) {
+                if B::graph(p).decl(drawing.draws).kind == BufKind::Input {
+                    self.backend.upload(p, drawing.draws, d).map_err(backend_err)?;
                 }
             }
             self.backend.run(p).map_err(backend_err)?;

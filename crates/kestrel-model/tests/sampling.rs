@@ -1,6 +1,6 @@
-//! A session sampling on its backend draws the tokens the host algorithm draws from the logits
-//! the session returns, with the same seed and penalties, over a generated sequence (CPU
-//! backend, every fixture architecture).
+//! A session drawing on its backend picks the tokens the host algorithm picks from the logits
+//! the session returns, with the same generators and penalties, over generated sequences (CPU
+//! backend, every fixture architecture; CUDA when a device is present).
 
 mod common;
 
@@ -11,72 +11,12 @@ use kestrel_core::DType;
 use kestrel_cpu::CpuBackend;
 use kestrel_model::{Session, Want};
 
-#[test]
-fn backend_sampling_equals_host_sampling() {
-    let params = SamplingParams {
-        temperature: 0.9,
-        top_k: 30,
-        top_p: 0.95,
-        repetition_penalty: 1.2,
-        frequency_penalty: 0.1,
-        seed: 42,
-        ..Default::default()
-    };
-    for name in FIXTURES {
-        let (prompt, _, _) = reference(name);
-        // On the backend.
-        let mut s = Session::open(&dir(name), CpuBackend::new(), 64, DType::F32)
-            .unwrap()
-            .with_sampling(params)
-            .with_prefill_chunk(Some(5))
-            .unwrap();
-        assert!(s.samples_on_backend());
-        s.set_sample_history(&prompt).unwrap();
-        let sample = |s: &mut Session<CpuBackend>, ids: &[u32], at| {
-            s.step(ids, at, Want::Sample).unwrap().token().unwrap()
-        };
-        let mut got = vec![sample(&mut s, &prompt, 0)];
-        for i in 0..15 {
-            let at = prompt.len() + i;
-            got.push(sample(&mut s, &[got[i]], at));
-        }
-        // On the host, from the logits.
-        let mut h = Session::open(&dir(name), CpuBackend::new(), 64, DType::F32)
-            .unwrap()
-            .with_prefill_chunk(Some(5))
-            .unwrap();
-        let mut rng = Rng::new(params.seed);
-        let mut history = prompt.clone();
-        let mut logits = h
-            .step(&prompt, 0, Want::LastLogits)
-            .unwrap()
-            .into_logits()
-            .unwrap();
-        let mut want = Vec::new();
-        for i in 0..16 {
-            let counts = counts_of(&history, logits.len());
-            penalize(&mut logits, &counts, &params);
-            let t = draw(&distribution(&logits, &params), &mut rng);
-            want.push(t);
-            history.push(t);
-            if i < 15 {
-                logits = h
-                    .step(&[t], prompt.len() + i, Want::LastLogits)
-                    .unwrap()
-                    .into_logits()
-                    .unwrap();
-            }
-        }
-        assert_eq!(got, want, "{name}");
-    }
-}
-
 /// A batched step drawn on the backend (`step_mixed_drawn`: each output row with its own
 /// settings and generator) picks what the host picks from the same step's logits with the
 /// same generators, and hands back the generators as the host leaves them: several sequences
 /// of a pool with different settings (greedy among them), each fed its draws, a prompt's chunk
-/// riding along where the model allows it, padding rows in the bucket (three outputs pad to
-/// four).
+/// riding along where the model allows it, padding rows in the bucket (five outputs pad to
+/// eight), one row with penalties from the token counts the backend keeps for its sequence.
 #[test]
 fn batched_draws_equal_host_draws_from_the_logits() {
     draws_against_host(&CpuBackend::new, DType::F32);
@@ -117,16 +57,33 @@ fn draws_against_host<B: kestrel_core::Backend>(backend: &dyn Fn() -> B, cache: 
             seed: 2,
             ..Default::default()
         },
+        SamplingParams {
+            temperature: 0.9,
+            top_k: 30,
+            top_p: 0.95,
+            repetition_penalty: 1.4,
+            presence_penalty: 0.5,
+            frequency_penalty: 0.3,
+            seed: 3,
+            ..Default::default()
+        },
+        SamplingParams {
+            temperature: 0.5,
+            top_k: 5,
+            seed: 4,
+            ..Default::default()
+        },
     ];
+    let rows = params.len();
     assert!(params.iter().all(backend_draws));
     for name in FIXTURES {
         let (prompt, _, _) = reference(name);
         let open = || {
             let mut s = Session::open(&dir(name), backend(), 64, cache)
                 .unwrap()
-                .with_kv_pool(4, 16)
+                .with_kv_pool(6, 24)
                 .unwrap();
-            let table: Vec<u32> = (0..4 * s.max_blocks() as u32).map(|b| b % 16).collect();
+            let table: Vec<u32> = (0..6 * s.max_blocks() as u32).map(|b| b % 24).collect();
             s.set_page_table(&table).unwrap();
             s
         };
@@ -134,14 +91,18 @@ fn draws_against_host<B: kestrel_core::Backend>(backend: &dyn Fn() -> B, cache: 
         let hybrid = drawn.config.arch.is_hybrid();
         let mut states: Vec<[u64; 4]> = params.iter().map(|p| Rng::new(p.seed).state()).collect();
         let mut host_rngs: Vec<Rng> = params.iter().map(|p| Rng::new(p.seed)).collect();
-        // Sequences 0-2 start from one prompt token each; sequence 3's prompt runs as a chunk
-        // beside them (models without recurrent states).
-        let mut next: Vec<u32> = (0..3).map(|i| prompt[i]).collect();
+        // Sequences 0-4 start from one prompt token each (the penalised one's counts set from
+        // it); sequence 5's prompt runs as a chunk beside them (models without recurrent
+        // states).
+        let mut next: Vec<u32> = (0..rows).map(|i| prompt[i]).collect();
+        let mut history: Vec<Vec<u32>> = next.iter().map(|&t| vec![t]).collect();
+        drawn.set_draw_counts(3, &history[3]).unwrap();
         for step in 0..8 {
-            let (mut seqs, mut ids, mut pos) = (vec![0, 1, 2], next.clone(), vec![step as u32; 3]);
+            let mut seqs: Vec<u32> = (0..rows as u32).collect();
+            let (mut ids, mut pos) = (next.clone(), vec![step as u32; rows]);
             if !hybrid && step < 2 {
                 for p in 0..4 {
-                    seqs.push(3);
+                    seqs.push(rows as u32);
                     ids.push(prompt[p % prompt.len()]);
                     pos.push((step * 4 + p) as u32);
                 }
@@ -150,22 +111,24 @@ fn draws_against_host<B: kestrel_core::Backend>(backend: &dyn Fn() -> B, cache: 
                 .step_mixed_drawn(&seqs, &ids, &pos, &params, &mut states)
                 .unwrap();
             let logits = host
-                .step_mixed(&seqs, &ids, &pos, 3, Want::AllLogits)
+                .step_mixed(&seqs, &ids, &pos, rows, Want::AllLogits)
                 .unwrap()
                 .into_logits()
                 .unwrap();
             let vocab = host.config.vocab;
-            let want: Vec<u32> = (0..3)
+            let want: Vec<u32> = (0..rows)
                 .map(|r| {
-                    draw(
-                        &distribution(&logits[r * vocab..(r + 1) * vocab], &params[r]),
-                        &mut host_rngs[r],
-                    )
+                    let mut row = logits[r * vocab..(r + 1) * vocab].to_vec();
+                    penalize(&mut row, &counts_of(&history[r], vocab), &params[r]);
+                    draw(&distribution(&row, &params[r]), &mut host_rngs[r])
                 })
                 .collect();
             assert_eq!(got, want, "{name} step {step}");
             for (r, (s, h)) in states.iter().zip(&host_rngs).enumerate() {
                 assert_eq!(*s, h.state(), "{name} step {step} row {r}: the generator");
+            }
+            for (h, &t) in history.iter_mut().zip(&got) {
+                h.push(t);
             }
             next = got;
         }
@@ -173,12 +136,12 @@ fn draws_against_host<B: kestrel_core::Backend>(backend: &dyn Fn() -> B, cache: 
         assert_eq!(states[1], Rng::new(params[1].seed).state());
         assert_ne!(states[0], Rng::new(params[0].seed).state());
         // Settings the backend does not draw with are refused by name.
-        let penalised = SamplingParams {
-            repetition_penalty: 1.2,
+        let whole = SamplingParams {
+            top_k: 0,
             ..params[0]
         };
         let e = drawn
-            .step_mixed_drawn(&[0], &[next[0]], &[8], &[penalised], &mut [[0; 4]])
+            .step_mixed_drawn(&[0], &[next[0]], &[8], &[whole], &mut [[0; 4]])
             .unwrap_err();
         assert!(e.to_string().contains("does not draw"), "{e}");
     }

@@ -1,5 +1,5 @@
 //! Choosing the next token from a row of logits on the host, with the algorithm of
-//! `kestrel_core::sample` (the one a backend's `Sample` op follows too): penalties (repetition,
+//! `kestrel_core::sample` (the one a backend's `SampleRows` op follows too): penalties (repetition,
 //! presence, frequency), then temperature, top-k, top-p and min-p in the order transformers
 //! applies them, then a draw from the remaining distribution with Kestrel's seeded generator
 //! (xoshiro256**), so a seed gives the same tokens on every machine. Temperature 0 is the argmax

@@ -1,12 +1,8 @@
 //! The output head's selections: argmax and top-k per row (the lower index wins ties), and
-//! sampling with `kestrel_core::sample`'s algorithm (one token with penalties, or each row with
-//! its own settings and generator).
+//! sampling each row with its own settings and generator by `kestrel_core::sample`'s algorithm.
 
 use kestrel_core::ir::Op;
-use kestrel_core::rng::Rng;
-use kestrel_core::sample::{
-    distribution, draw, draw_row, penalize, rng_state, rng_words, DRAWN_WORDS, DRAW_WORDS,
-};
+use kestrel_core::sample::{draw_row, draw_settings, DRAWN_WORDS, DRAW_WORDS};
 
 use super::OpResult;
 use crate::views::Views;
@@ -21,36 +17,24 @@ pub fn top_k(row: &[f32], k: usize) -> Vec<usize> {
 
 pub fn exec(op: &Op, v: &mut Views) -> OpResult {
     match *op {
-        Op::Sample {
-            logits,
-            counts,
-            rng,
-            out,
-            cols,
-            params,
-        } => {
-            let mut row = v.read::<f32>(logits)?[..cols].to_vec();
-            let counts = v.write::<u32>(counts)?;
-            let words = v.write::<u32>(rng)?;
-            penalize(&mut row, counts, &params);
-            let mut r = Rng::from_state(rng_state(words));
-            let t = draw(&distribution(&row, &params), &mut r);
-            words.copy_from_slice(&rng_words(r.state()));
-            counts[t as usize] += 1;
-            v.write::<u32>(out)?[0] = t;
-        }
         Op::SampleRows {
             logits,
             draws,
+            counts,
             out,
             cols,
             ..
         } => {
             let (l, d) = (v.read::<f32>(logits)?, v.read::<u32>(draws)?);
+            let counts = v.write::<u32>(counts)?;
             let o = v.write::<u32>(out)?;
             let rows = l.chunks(cols).zip(d.chunks(DRAW_WORDS));
             for (o, (row, words)) in o.chunks_mut(DRAWN_WORDS).zip(rows) {
-                o.copy_from_slice(&draw_row(row, words));
+                // A row past the counts is read as none, as the CUDA kernel reads it.
+                let c = draw_settings(words)
+                    .2
+                    .and_then(|r| counts.get_mut(r as usize * cols..(r as usize + 1) * cols));
+                o.copy_from_slice(&draw_row(row, words, c));
             }
         }
         Op::Argmax {

@@ -29,7 +29,7 @@ pub fn exec(op: &Op, v: &mut Views) -> OpResult {
         Router { .. } | MoeExperts { .. } => moe::exec(op, v),
         ExpertFetch { .. } | ExpertStage { .. } | ExpertStageAll { .. } => stream::exec(op, v),
         CausalConv1d { .. } | DeltaGates { .. } | DeltaRule { .. } => deltanet::exec(op, v),
-        Argmax { .. } | TopK { .. } | Sample { .. } | SampleRows { .. } => head::exec(op, v),
+        Argmax { .. } | TopK { .. } | SampleRows { .. } => head::exec(op, v),
     }
 }
 

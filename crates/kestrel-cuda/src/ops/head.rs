@@ -1,10 +1,10 @@
 //! Argmax, top-k and sampling over logits: `kernels/head.cu`.
 
 use kestrel_core::ir::Op;
-use kestrel_core::sample::{DRAWN_WORDS, DRAW_WORDS};
+use kestrel_core::sample::{DRAWN_WORDS, DRAW_WORDS, NO_COUNTS};
 use kestrel_core::DType;
 
-use super::common::{op_module, u32_arg, unsupported};
+use super::common::{op_module, u32_arg};
 use kestrel_cuda_rt::{ModuleSource, Result};
 
 use crate::encoder::Encoder;
@@ -13,7 +13,7 @@ use crate::encoder::Encoder;
 const ARGMAX_ONE_BLOCK: usize = 8192;
 /// Columns per block of the two-pass argmax (8 per thread of 256).
 const ARGMAX_CHUNK: usize = 2048;
-/// Logits per block of `sample_partial_f32` (`SAMPLE_CHUNK` in head.cu).
+/// Logits per block of `sample_rows_partial_f32` (`SAMPLE_CHUNK` in head.cu).
 const SAMPLE_CHUNK: usize = 2048;
 
 pub(crate) const MODULE: ModuleSource = op_module(
@@ -24,6 +24,7 @@ pub(crate) const MODULE: ModuleSource = op_module(
         ("SAMPLE_MAX_K", ROW_CANDIDATES as i64),
         ("DRAW_WORDS", DRAW_WORDS as i64),
         ("DRAWN_WORDS", DRAWN_WORDS as i64),
+        ("NO_COUNTS", NO_COUNTS as i64),
     ],
 );
 
@@ -75,75 +76,22 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 .arg(u32_arg(parts)?)
                 .record();
         }
-        Op::Sample {
-            logits,
-            counts,
-            rng,
-            out,
-            cols,
-            params,
-        } => {
-            let Some(k) = params.backend_candidates() else {
-                return Err(unsupported(format!(
-                    "sampling with top-k {} at temperature {} keeps more than {} candidates",
-                    params.top_k,
-                    params.temperature,
-                    kestrel_core::sample::BACKEND_MAX_TOP_K
-                )));
-            };
-            let parts = cols.div_ceil(SAMPLE_CHUNK);
-            let (l, c, r, o) = (
-                enc.buf(logits)?.clone(),
-                enc.buf(counts)?.clone(),
-                enc.buf(rng)?.clone(),
-                enc.buf(out)?.clone(),
-            );
-            let part_v = enc.workspace(DType::F32, [parts * k])?;
-            let part_i = enc.workspace(DType::U32, [parts * k])?;
-            let partial = enc.kernel(&MODULE, "sample_partial_f32")?;
-            enc.dispatch(&partial)
-                .grid(u32_arg(parts)?)
-                .block(256)
-                .read(&l)
-                .read(&c)
-                .write(&part_v)
-                .write(&part_i)
-                .arg(u32_arg(cols)?)
-                .arg(u32_arg(k)?)
-                .arg(params.repetition_penalty)
-                .arg(params.presence_penalty)
-                .arg(params.frequency_penalty)
-                .record();
-            let last = enc.kernel(&MODULE, "sample_final_f32")?;
-            enc.dispatch(&last)
-                .grid(1u32)
-                .block(256)
-                .shared_mem(u32_arg(parts * k * 8)?)
-                .read(&part_v)
-                .read(&part_i)
-                .read_write(&c)
-                .read_write(&r)
-                .write(&o)
-                .arg(u32_arg(parts * k)?)
-                .arg(u32_arg(k)?)
-                .arg(params.temperature)
-                .arg(params.top_p)
-                .arg(params.min_p)
-                .record();
-        }
         Op::SampleRows {
             logits,
             draws,
+            counts,
             out,
             rows,
             cols,
         } => {
             let parts = cols.div_ceil(SAMPLE_CHUNK);
-            let (l, d, o) = (
+            let (l, d, c, o) = (
                 enc.buf(logits)?.clone(),
                 enc.buf(draws)?.clone(),
+                enc.buf(counts)?.clone(),
                 enc.buf(out)?.clone(),
             );
+            let seqs = c.elem_count() / cols.max(1);
             let part_v = enc.workspace(DType::F32, [rows, parts, ROW_CANDIDATES])?;
             let part_i = enc.workspace(DType::U32, [rows, parts, ROW_CANDIDATES])?;
             let partial = enc.kernel(&MODULE, "sample_rows_partial_f32")?;
@@ -152,9 +100,11 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 .block(256)
                 .read(&l)
                 .read(&d)
+                .read(&c)
                 .write(&part_v)
                 .write(&part_i)
                 .arg(u32_arg(cols)?)
+                .arg(u32_arg(seqs)?)
                 .record();
             let last = enc.kernel(&MODULE, "sample_rows_final_f32")?;
             enc.dispatch(&last)
@@ -164,8 +114,11 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 .read(&part_v)
                 .read(&part_i)
                 .read(&d)
+                .read_write(&c)
                 .write(&o)
                 .arg(u32_arg(parts)?)
+                .arg(u32_arg(cols)?)
+                .arg(u32_arg(seqs)?)
                 .record();
         }
         Op::TopK {

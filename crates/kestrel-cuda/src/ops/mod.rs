@@ -82,6 +82,6 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
         Router { .. } | MoeExperts { .. } => moe::encode(op, enc),
         ExpertFetch { .. } | ExpertStage { .. } | ExpertStageAll { .. } => stream::encode(op, enc),
         CausalConv1d { .. } | DeltaGates { .. } | DeltaRule { .. } => deltanet::encode(op, enc),
-        Argmax { .. } | TopK { .. } | Sample { .. } | SampleRows { .. } => head::encode(op, enc),
+        Argmax { .. } | TopK { .. } | SampleRows { .. } => head::encode(op, enc),
     }
 }
