@@ -44,7 +44,7 @@ pub struct Piece<'a> {
     pub id: Option<u32>,
     /// The text it completes (possibly empty).
     pub text: &'a str,
-    /// Its log-probabilities, when [`Engine::set_logprobs`] asked for them.
+    /// Its log-probabilities, when the request asked for them ([`SeqRequest::logprobs`]).
     pub logprobs: Option<&'a TokenLogprobs>,
 }
 

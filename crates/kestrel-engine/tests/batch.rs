@@ -1,9 +1,11 @@
 //! The batcher against one sequence at a time, on the CPU backend with the built-in model:
 //! more requests than slots, prompts of different lengths, greedy and sampled (each with its
-//! own seed), stop strings and token limits; every sequence's tokens and text equal what
-//! `Engine::generate_pieces` gives it alone. Once with every sequence's context reserved,
-//! once with a pool so small that sequences are preempted and run again; prompts that begin
-//! alike find the blocks of those before them (prefix caching) and still give the same.
+//! own seed, some with penalties), stop strings and token limits; every sequence's tokens and
+//! text equal what it gets alone from `Engine::step`, chunk after chunk, with the host
+//! sampler (`reference`). Once with every sequence's context reserved, once with a pool so
+//! small that sequences are preempted and run again; prompts that begin alike find the blocks
+//! of those before them (prefix caching) and still give the same. And one sequence at a time
+//! through the batcher, as `run` and `chat` generate, a turn continuing the last.
 
 use std::sync::{Arc, Mutex};
 

@@ -549,10 +549,11 @@ impl<B: Backend> Session<B> {
         states: &mut [[u64; 4]],
     ) -> Result<Vec<u32>> {
         let outputs = params.len();
-        if states.len() != outputs {
+        if states.len() != outputs || outputs > seqs.len() {
             return Err(bad_batch(format!(
-                "{outputs} outputs' settings with {} generators",
-                states.len()
+                "{outputs} outputs' settings with {} generators for {} tokens",
+                states.len(),
+                seqs.len()
             )));
         }
         if let Some(p) = params.iter().find(|p| !backend_draws(p)) {

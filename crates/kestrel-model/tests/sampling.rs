@@ -144,5 +144,14 @@ fn draws_against_host<B: kestrel_core::Backend>(backend: &dyn Fn() -> B, cache: 
             .step_mixed_drawn(&[0], &[next[0]], &[8], &[whole], &mut [[0; 4]])
             .unwrap_err();
         assert!(e.to_string().contains("does not draw"), "{e}");
+        // More outputs than tokens, or generators than outputs: refused, not a panic.
+        let e = drawn
+            .step_mixed_drawn(&[0], &[next[0]], &[8], &params[..2], &mut [[0; 4]; 2])
+            .unwrap_err();
+        assert!(e.to_string().contains("for 1 tokens"), "{e}");
+        let e = drawn
+            .step_mixed_drawn(&[0], &[next[0]], &[8], &params[..1], &mut [[0; 4]; 2])
+            .unwrap_err();
+        assert!(e.to_string().contains("2 generators"), "{e}");
     }
 }
