@@ -347,9 +347,10 @@ impl Batcher {
         Ok(())
     }
 
-    /// Prepares the programs the first step of a lone prompt of `tokens` tokens runs with the
-    /// engine's sampling settings (uploading the weights with the first), so that a caller can
-    /// time loading apart from the prompt.
+    /// Prepares the programs a lone sequence runs with the engine's sampling settings: its
+    /// prompt's first step (of `tokens` tokens) and its one-token steps (uploading the weights
+    /// with the first), so that a caller can time loading apart from the prompt and the decode
+    /// (building and capturing a 48-layer step's graph takes milliseconds).
     pub fn prepare(&mut self, tokens: usize) -> Result<()> {
         let n = tokens.clamp(1, self.lone_chunk);
         let params = self.engine.sampling;
@@ -363,11 +364,12 @@ impl Batcher {
         on_session!(&mut self.engine.session, s => {
             if self.hybrid {
                 // A hybrid's prompt runs as one sequence's chunks.
-                let want = if want == Want::Argmax { Want::Argmax } else { Want::LastLogits };
-                s.prepare(n, want)?;
+                let first = if want == Want::Argmax { Want::Argmax } else { Want::LastLogits };
+                s.prepare(n, first)?;
             } else {
                 s.prepare_mixed(1, n, want)?;
             }
+            s.prepare_mixed(1, 1, want)?;
         });
         Ok(())
     }
