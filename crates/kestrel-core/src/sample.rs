@@ -84,19 +84,6 @@ impl SamplingParams {
         self.temperature == 0.0 && !self.has_penalties()
     }
 
-    /// How many candidates a backend's `SampleRows` op must keep to sample as the host does (1 at
-    /// temperature 0, else top-k), or None when that is over [`BACKEND_MAX_TOP_K`] (top-k 0
-    /// means all tokens): then the logits go to the host.
-    pub fn backend_candidates(&self) -> Option<usize> {
-        if self.temperature == 0.0 {
-            Some(1)
-        } else {
-            (1..=BACKEND_MAX_TOP_K)
-                .contains(&self.top_k)
-                .then_some(self.top_k)
-        }
-    }
-
     pub fn has_penalties(&self) -> bool {
         self.repetition_penalty != 1.0 || self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
     }
@@ -326,9 +313,10 @@ pub const DRAWN_WORDS: usize = 9;
 pub const NO_COUNTS: u32 = u32::MAX;
 
 /// Whether a backend's `SampleRows` op draws with `params` as the host does: it keeps the
-/// candidates they need ([`SamplingParams::backend_candidates`]). Penalties need a counts row.
+/// candidates they need, 1 at temperature 0, else the top-k, at most [`BACKEND_MAX_TOP_K`] (top-k
+/// 0 means the whole vocabulary: then the logits go to the host). Penalties need a counts row.
 pub fn backend_draws(params: &SamplingParams) -> bool {
-    params.backend_candidates().is_some()
+    params.temperature == 0.0 || (1..=BACKEND_MAX_TOP_K).contains(&params.top_k)
 }
 
 /// One row's settings for a `SampleRows` op: `params`, the generator `state` to draw with, and

@@ -21,7 +21,7 @@
 //!
 //! [`EngineOptions::max_seqs`]: crate::EngineOptions::max_seqs
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 
 use crate::blocks::{Blocks, ROOT};
 
@@ -201,6 +201,8 @@ pub struct Batcher {
     running: Vec<Seq>,
     waiting: VecDeque<Seq>,
     parked: VecDeque<Parked>,
+    /// How many kept sequences hold each block they hold (for [`Batcher::kv_blocks`]).
+    parked_uses: HashMap<u32, u32>,
     /// Prompt tokens a step runs beside decoding sequences, and with none decoding.
     chunk: usize,
     lone_chunk: usize,
@@ -229,6 +231,7 @@ impl Batcher {
             running: Vec::new(),
             waiting: VecDeque::new(),
             parked: VecDeque::new(),
+            parked_uses: HashMap::new(),
             chunk,
             lone_chunk,
             preempted: 0,
@@ -239,12 +242,6 @@ impl Batcher {
 
     pub fn engine(&self) -> &Engine {
         &self.engine
-    }
-
-    /// The engine, for what does not generate (statistics, device). Stepping it by hand
-    /// changes the caches behind the batcher's back.
-    pub fn engine_mut(&mut self) -> &mut Engine {
-        &mut self.engine
     }
 
     /// Sequences generated at once, at most.
@@ -266,11 +263,9 @@ impl Batcher {
     /// KV blocks in use and in all, of [`KV_BLOCK`] positions each (blocks only ended sequences
     /// keep for a continuation are not in use: they are given back when needed).
     pub fn kv_blocks(&self) -> (usize, usize) {
-        let mut parked = std::collections::HashMap::new();
-        for &b in self.parked.iter().flat_map(|p| &p.blocks) {
-            *parked.entry(b).or_insert(0) += 1;
-        }
-        let only = parked.iter().filter(|&(&b, &n)| self.blocks.uses(b) == n).count();
+        let only = (self.parked_uses.iter())
+            .filter(|&(&b, &n)| self.blocks.uses(b) == n)
+            .count();
         (self.blocks.used() - only, self.blocks.total())
     }
 
@@ -505,6 +500,7 @@ impl Batcher {
                 .max_by_key(|(_, p)| p.tokens.len())
                 .map(|(j, _)| j);
             if let Some(p) = continued.and_then(|j| self.parked.remove(j)) {
+                self.unpark_blocks(&p.blocks);
                 seq.slot = Some(p.slot);
                 (seq.blocks, seq.hashes, seq.cached) = (p.blocks, p.hashes, p.tokens.len());
                 seq.reused.get_or_insert(seq.cached);
@@ -557,11 +553,24 @@ impl Batcher {
         let Some(p) = self.parked.pop_front() else {
             return false;
         };
+        self.unpark_blocks(&p.blocks);
         for b in p.blocks {
             self.blocks.release(b);
         }
         self.free_slots.push(p.slot);
         true
+    }
+
+    /// A kept sequence's `blocks` leave the kept ones' books.
+    fn unpark_blocks(&mut self, blocks: &[u32]) {
+        for b in blocks {
+            if let Some(n) = self.parked_uses.get_mut(b) {
+                *n -= 1;
+                if *n == 0 {
+                    self.parked_uses.remove(b);
+                }
+            }
+        }
     }
 
     /// Ends `seq`: kept with what its caches hold, for a sequence that continues it, or given
@@ -570,6 +579,9 @@ impl Batcher {
         match seq.slot {
             Some(slot) if seq.cached > 0 => {
                 seq.tokens.truncate(seq.cached);
+                for &b in &seq.blocks {
+                    *self.parked_uses.entry(b).or_insert(0) += 1;
+                }
                 self.parked.push_back(Parked {
                     slot,
                     blocks: std::mem::take(&mut seq.blocks),
