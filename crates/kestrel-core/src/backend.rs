@@ -56,6 +56,22 @@ pub trait Backend {
         self.write_bytes(program, buf, offset, &vec![0u8; len])
     }
 
+    /// Copies `len` bytes of `buf` from offset `src` to offset `dst` (ranges that do not
+    /// overlap; a recurrent state's row into a snapshot's and back). Bounds are checked by the
+    /// caller. By default through the host; a device backend copies where they are.
+    fn copy_bytes(
+        &mut self,
+        program: &mut Self::Program,
+        buf: Buf,
+        src: usize,
+        dst: usize,
+        len: usize,
+    ) -> Result<(), Self::Error> {
+        let mut bytes = vec![0u8; src + len];
+        self.read_bytes(program, buf, &mut bytes)?;
+        self.write_bytes(program, buf, dst, &bytes[src..])
+    }
+
     /// Copies the first `out.len()` bytes of `buf`. Bounds are checked by the caller.
     fn read_bytes(&mut self, program: &Self::Program, buf: Buf, out: &mut [u8]) -> Result<(), Self::Error>;
 

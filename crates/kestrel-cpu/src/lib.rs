@@ -109,6 +109,40 @@ impl CpuBackend {
     }
 }
 
+/// The bytes of `buf` in program `p` (or among the persistent buffers), and its label.
+fn bytes_mut<'a>(
+    persistent: &'a mut HashMap<String, (String, Storage)>,
+    p: &'a mut CpuProgram,
+    buf: Buf,
+) -> (&'a mut [u8], String) {
+    let d = p.graph.decl(buf).clone();
+    let bytes: &mut [u8] = match p.plan.slots[buf.index()] {
+        Slot::Persistent => persistent
+            .get_mut(&d.label)
+            .expect("allocated in prepare")
+            .1
+            .bytes_mut(),
+        Slot::Dedicated => p
+            .dedicated
+            .get_mut(&buf)
+            .expect("allocated in prepare")
+            .bytes_mut(),
+        Slot::Arena { offset: o } => &mut p.arena.bytes_mut()[o..o + d.byte_len()],
+        Slot::Unused => &mut [],
+    };
+    (bytes, d.label)
+}
+
+fn out_of_bounds(label: String, offset: usize, len: usize, capacity: usize) -> CpuError {
+    CoreError::OutOfBounds {
+        label,
+        offset,
+        len,
+        capacity,
+    }
+    .into()
+}
+
 impl Backend for CpuBackend {
     type Program = CpuProgram;
     type Error = CpuError;
@@ -198,32 +232,20 @@ impl Backend for CpuBackend {
     }
 
     fn write_bytes(&mut self, p: &mut CpuProgram, buf: Buf, offset: usize, bytes: &[u8]) -> Result<()> {
-        let d = p.graph.decl(buf).clone();
-        let dst: &mut [u8] = match p.plan.slots[buf.index()] {
-            Slot::Persistent => self
-                .persistent
-                .get_mut(&d.label)
-                .expect("allocated in prepare")
-                .1
-                .bytes_mut(),
-            Slot::Dedicated => p
-                .dedicated
-                .get_mut(&buf)
-                .expect("allocated in prepare")
-                .bytes_mut(),
-            Slot::Arena { offset: o } => &mut p.arena.bytes_mut()[o..o + d.byte_len()],
-            Slot::Unused => &mut [],
-        };
+        let (dst, label) = bytes_mut(&mut self.persistent, p, buf);
         if offset + bytes.len() > dst.len() {
-            return Err(CoreError::OutOfBounds {
-                label: d.label,
-                offset,
-                len: bytes.len(),
-                capacity: dst.len(),
-            }
-            .into());
+            return Err(out_of_bounds(label, offset, bytes.len(), dst.len()));
         }
         dst[offset..offset + bytes.len()].copy_from_slice(bytes);
+        Ok(())
+    }
+
+    fn copy_bytes(&mut self, p: &mut CpuProgram, buf: Buf, src: usize, dst: usize, len: usize) -> Result<()> {
+        let (bytes, label) = bytes_mut(&mut self.persistent, p, buf);
+        if src.max(dst) + len > bytes.len() {
+            return Err(out_of_bounds(label, src.max(dst), len, bytes.len()));
+        }
+        bytes.copy_within(src..src + len, dst);
         Ok(())
     }
 

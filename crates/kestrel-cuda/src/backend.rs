@@ -276,6 +276,20 @@ impl Backend for CudaBackend {
         }
     }
 
+    fn copy_bytes(
+        &mut self,
+        p: &mut CudaProgram,
+        buf: Buf,
+        src: usize,
+        dst: usize,
+        len: usize,
+    ) -> Result<()> {
+        match (byte_view(p, buf, src, len)?, byte_view(p, buf, dst, len)?) {
+            (Some(from), Some(to)) => self.device.compute().copy(&to, &from),
+            _ => Ok(()),
+        }
+    }
+
     /// Page-locked, so copies from it run on the copy engine at the link's speed.
     fn alloc_host(&mut self, bytes: usize) -> Result<PinnedBuffer<u8>> {
         self.device.pinned::<u8>(bytes)

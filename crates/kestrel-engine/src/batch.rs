@@ -10,7 +10,12 @@
 //! up), so a full cache slows generation down instead of failing it. Full blocks are kept by the
 //! hash of the tokens up to their end ([`crate::blocks`]): a sequence admitted with the same
 //! first tokens as one before (a shared system prompt, the next turn of a conversation, a
-//! preempted sequence coming back) takes those blocks as they are and prefills only the rest. Tokens come out as
+//! preempted sequence coming back) takes those blocks as they are and prefills only the rest.
+//! A model with recurrent states needs their values at the block boundary too: with
+//! [`EngineOptions::state_snapshots`], a prompt's states are copied aside where its chunks end
+//! on a block boundary and at its last full block, and a sequence whose first blocks are found
+//! goes on from the deepest of them with a snapshot (least recently used snapshots give way).
+//! Tokens come out as
 //! [`Batcher::generate_pieces`] gives them: whole characters, stop strings held back, the
 //! end-of-sequence id not told; greedy sequences take the backend's argmax, sampled ones are
 //! drawn on the backend, each with its own settings and generator (kept here, sent with the
@@ -20,6 +25,7 @@
 //! the same algorithm and generators.
 //!
 //! [`EngineOptions::max_seqs`]: crate::EngineOptions::max_seqs
+//! [`EngineOptions::state_snapshots`]: crate::EngineOptions::state_snapshots
 
 use std::collections::{HashMap, VecDeque};
 
@@ -165,6 +171,71 @@ struct Parked {
     tokens: Vec<u32>,
 }
 
+/// Copies of recurrent states at block boundaries of prompts (the session's snapshot rows),
+/// each found by the prefix hash of the block that ends there and checked against the prefix's
+/// tokens.
+struct Snapshots {
+    /// Rows the session holds, and those holding nothing.
+    rows: usize,
+    free: Vec<usize>,
+    /// By prefix hash: the row and the prefix's tokens.
+    held: HashMap<u64, (usize, Vec<u32>)>,
+    /// The hashes held, least recently used first.
+    order: VecDeque<u64>,
+}
+
+impl Snapshots {
+    fn new(rows: usize) -> Snapshots {
+        Snapshots {
+            rows,
+            free: (0..rows).rev().collect(),
+            held: HashMap::new(),
+            order: VecDeque::new(),
+        }
+    }
+
+    fn touch(&mut self, hash: u64) {
+        self.order.retain(|&h| h != hash);
+        self.order.push_back(hash);
+    }
+
+    /// The row holding the states after `prefix` (whose last block's hash is `hash`), if one does.
+    fn find(&mut self, hash: u64, prefix: &[u32]) -> Option<usize> {
+        let row = match self.held.get(&hash) {
+            Some((row, tokens)) if tokens[..] == *prefix => *row,
+            _ => return None,
+        };
+        self.touch(hash);
+        Some(row)
+    }
+
+    /// A row to copy the states after `prefix` into: None when one holds them already (or
+    /// there are no rows); else a free row or the least recently used one's.
+    fn take(&mut self, hash: u64, prefix: &[u32]) -> Option<usize> {
+        if self.rows == 0 || self.find(hash, prefix).is_some() {
+            return None;
+        }
+        let row = match self.free.pop() {
+            Some(row) => row,
+            None => {
+                let old = self.order.pop_front().expect("every row is held");
+                self.held.remove(&old).expect("ordered hashes are held").0
+            }
+        };
+        self.held.insert(hash, (row, prefix.to_vec()));
+        self.order.push_back(hash);
+        Some(row)
+    }
+
+    /// The row taken for `hash` holds nothing after all (its copy failed).
+    fn drop_row(&mut self, hash: u64) {
+        if let Some((row, _)) = self.held.remove(&hash) {
+            self.free.push(row);
+        }
+        self.order.retain(|&h| h != hash);
+    }
+}
+
 /// How a batcher's steps chose their tokens, counted since it began.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StepKinds {
@@ -187,7 +258,8 @@ enum Next {
 pub struct Batcher {
     engine: Engine,
     tokenizer: Option<Tokenizer>,
-    /// The model has recurrent states (a row per slot, zeroed at admission; no prefix caching).
+    /// The model has recurrent states (a row per slot, zeroed or loaded from a snapshot at
+    /// admission).
     hybrid: bool,
     /// Rows of the block table (sequences at once), and blocks a row holds.
     slots: usize,
@@ -203,6 +275,8 @@ pub struct Batcher {
     parked: VecDeque<Parked>,
     /// How many kept sequences hold each block they hold (for [`Batcher::kv_blocks`]).
     parked_uses: HashMap<u32, u32>,
+    /// Hybrids: recurrent states kept at prompts' block boundaries.
+    snapshots: Snapshots,
     /// Prompt tokens a step runs beside decoding sequences, and with none decoding.
     chunk: usize,
     lone_chunk: usize,
@@ -232,6 +306,7 @@ impl Batcher {
             waiting: VecDeque::new(),
             parked: VecDeque::new(),
             parked_uses: HashMap::new(),
+            snapshots: Snapshots::new(pool.snapshots),
             chunk,
             lone_chunk,
             preempted: 0,
@@ -513,21 +588,11 @@ impl Batcher {
             }
             let slot = self.free_slots.pop().expect("checked above");
             seq.slot = Some(slot);
-            // Recurrent states start from zero; they hold no block boundary's state, so a
-            // hybrid's sequence computes its whole prompt.
-            if self.hybrid {
-                if let Err(e) = on_session!(&mut self.engine.session, s => s.reset_seq(slot)) {
-                    let e = EngineError::from(e);
-                    (seq.sink)(SeqEvent::Failed(&e));
-                    self.release(&mut seq);
-                    continue;
-                }
-            }
             let mut parent = ROOT;
-            let shareable = if self.hybrid {
-                0
-            } else {
-                (seq.tokens.len() - 1) / KV_BLOCK
+            // A hybrid's found blocks are of use only up to a boundary whose states are kept.
+            let shareable = match self.hybrid && self.snapshots.rows == 0 {
+                true => 0,
+                false => (seq.tokens.len() - 1) / KV_BLOCK,
             };
             for j in 0..shareable {
                 let Some((b, hash)) = self
@@ -542,10 +607,55 @@ impl Batcher {
                 parent = hash;
                 self.table_changed = true;
             }
+            if self.hybrid {
+                if let Err(e) = self.start_states(&mut seq, slot) {
+                    (seq.sink)(SeqEvent::Failed(&e));
+                    self.release(&mut seq);
+                    continue;
+                }
+            }
             seq.cached = seq.blocks.len() * KV_BLOCK;
             seq.reused.get_or_insert(seq.cached);
             self.running.push(seq);
         }
+    }
+
+    /// A hybrid's new sequence in `slot`: its states are those kept at the deepest of its found
+    /// blocks that has a snapshot (the blocks past it given back), or zero (none kept).
+    fn start_states(&mut self, seq: &mut Seq, slot: usize) -> Result<()> {
+        let kept = (1..=seq.hashes.len()).rev().find_map(|j| {
+            let row = self
+                .snapshots
+                .find(seq.hashes[j - 1], &seq.tokens[..j * KV_BLOCK])?;
+            Some((j, row))
+        });
+        let j = kept.map_or(0, |(j, _)| j);
+        for b in seq.blocks.drain(j..) {
+            self.blocks.release(b);
+        }
+        seq.hashes.truncate(j);
+        match kept {
+            Some((_, row)) => on_session!(&mut self.engine.session, s => s.load_states(row, slot))?,
+            None => on_session!(&mut self.engine.session, s => s.reset_seq(slot))?,
+        }
+        Ok(())
+    }
+
+    /// Keeps a copy of hybrid sequence `i`'s states, now at block boundary `end` of its prompt.
+    fn snapshot(&mut self, i: usize, end: usize) -> Result<()> {
+        let seq = &self.running[i];
+        let Some(&hash) = seq.hashes.get(end / KV_BLOCK - 1) else {
+            return Ok(());
+        };
+        let Some(row) = self.snapshots.take(hash, &seq.tokens[..end]) else {
+            return Ok(());
+        };
+        let slot = seq.slot.expect("admitted");
+        let saved = on_session!(&mut self.engine.session, s => s.save_states(slot, row));
+        if saved.is_err() {
+            self.snapshots.drop_row(hash);
+        }
+        Ok(saved?)
     }
 
     /// Gives back the slot and blocks of the ended sequence kept longest; false when none is.
@@ -678,7 +788,13 @@ impl Batcher {
             return 0;
         };
         let (start, len) = (self.running[i].cached, self.running[i].tokens.len());
-        let end = (start + limit).min(len);
+        let mut end = (start + limit).min(len);
+        // With snapshots, a prompt stops first at its last block boundary, to keep its states
+        // there (the tokens after it run next).
+        let boundary = (len - 1) / KV_BLOCK * KV_BLOCK;
+        if self.snapshots.rows > 0 && end == len && boundary > start {
+            end = boundary;
+        }
         if !self.grow(i, end) {
             // Not even this sequence's prompt fits what the others leave: it waits.
             self.preempt(i);
@@ -708,6 +824,12 @@ impl Batcher {
         };
         self.running[i].cached = end;
         self.register_full(i);
+        if self.snapshots.rows > 0 && end % KV_BLOCK == 0 {
+            if let Err(e) = self.snapshot(i, end) {
+                self.fail(&[i], &e);
+                return end - start;
+            }
+        }
         if end < len {
             on_session!(&mut self.engine.session, s => s.report_progress(end, len));
             return end - start;
@@ -1004,4 +1126,30 @@ fn logprobs(logits: &[f32], k: usize) -> (f64, Vec<(u32, f32)>) {
 /// The log-probability of `id` given the log-sum-exp of the (unpenalised) logits.
 fn logits_at(logits: &[f32], id: u32, lse: f64) -> f32 {
     (f64::from(logits[id as usize]) - lse) as f32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Snapshots;
+
+    #[test]
+    fn snapshots_are_found_by_hash_and_tokens_and_give_way_least_recently_used_first() {
+        let mut s = Snapshots::new(2);
+        let (a, b, c) = ([1u32, 2], [3u32, 4], [5u32, 6]);
+        let ra = s.take(10, &a).expect("a free row");
+        let rb = s.take(20, &b).expect("the other free row");
+        assert_ne!(ra, rb);
+        assert_eq!(s.take(10, &a), None, "held already: nothing to copy");
+        assert_eq!(s.find(10, &a), Some(ra));
+        assert_eq!(s.find(10, &b), None, "the same hash over other tokens is not it");
+        // a was used last: b gives way.
+        assert_eq!(s.take(30, &c), Some(rb));
+        assert_eq!(s.find(20, &b), None);
+        assert_eq!(s.find(10, &a), Some(ra));
+        // A failed copy frees its row for the next.
+        s.drop_row(30);
+        assert_eq!(s.find(30, &c), None);
+        assert_eq!(s.take(20, &b), Some(rb));
+        assert_eq!(Snapshots::new(0).take(10, &a), None, "no rows: nothing kept");
+    }
 }

@@ -125,6 +125,10 @@ pub struct EngineOptions {
     /// least one sequence's). Fewer than that: sequences share them as they grow, and the
     /// newest are preempted while too few are free.
     pub kv_blocks: Option<usize>,
+    /// For models with recurrent states (hybrids): copies of a sequence's states kept at block
+    /// boundaries of its prompt, so that a later sequence starting with the same tokens goes on
+    /// from there (prefix caching for hybrids; 0: none). Each holds one sequence's states.
+    pub state_snapshots: usize,
 }
 
 impl EngineOptions {
@@ -146,6 +150,7 @@ impl EngineOptions {
             eviction: Eviction::Lru,
             max_seqs: None,
             kv_blocks: None,
+            state_snapshots: 0,
         }
     }
 }
@@ -251,17 +256,24 @@ impl Engine {
         // whole context, or for several under a GPU budget what fits beside the model.
         let per_seq = opts.ctx.div_ceil(KV_BLOCK);
         let seqs = opts.max_seqs.unwrap_or(1).max(1);
+        // Snapshots only where there are states to copy.
+        let snapshots = match model.config.arch.is_hybrid() {
+            true => opts.state_snapshots,
+            false => 0,
+        };
         let pool = match (opts.kv_blocks, budget) {
             (Some(blocks), _) => KvPool {
                 seqs,
                 blocks: blocks.max(per_seq),
+                snapshots,
             },
             (None, Some(gpu)) if seqs > 1 => {
-                Placement::kv_pool(&model.config, &model.weights, shape, seqs, gpu)?
+                Placement::kv_pool(&model.config, &model.weights, shape, seqs, snapshots, gpu)?
             }
             (None, _) => KvPool {
                 seqs,
                 blocks: seqs * per_seq,
+                snapshots,
             },
         };
         let placement = match budget {
@@ -288,7 +300,10 @@ impl Engine {
             placement: Option<&Placement>,
             pool: KvPool,
         ) -> Result<Session<B>> {
-            let mut s = s.with_quant(opts.quant).with_kv_pool(pool.seqs, pool.blocks)?;
+            let mut s = s
+                .with_quant(opts.quant)
+                .with_kv_pool(pool.seqs, pool.blocks)?
+                .with_state_snapshots(pool.snapshots)?;
             if let Some(p) = placement {
                 s = s
                     .with_expert_cache(p.slots_per_layer, opts.eviction)?

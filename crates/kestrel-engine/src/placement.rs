@@ -152,16 +152,19 @@ impl Placement {
         weights: &Weights,
         shape: RunShape,
         seqs: usize,
+        snapshots: usize,
         gpu_bytes: u64,
     ) -> Result<KvPool> {
         let per_seq = shape.ctx.div_ceil(KV_BLOCK);
         let whole = KvPool {
             seqs,
             blocks: seqs * per_seq,
+            snapshots,
         };
         let least = KvPool {
             seqs,
             blocks: per_seq,
+            snapshots,
         };
         let with = |pool: KvPool| {
             Placement::plan(
@@ -202,6 +205,7 @@ impl Placement {
         Ok(KvPool {
             seqs,
             blocks: blocks.min(whole.blocks),
+            snapshots,
         })
     }
 

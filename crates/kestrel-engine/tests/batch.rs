@@ -357,6 +357,7 @@ fn batched_sequences_with_streamed_experts_equal_each_alone() {
         let pool = max_seqs.map(|seqs| kestrel_model::KvPool {
             seqs,
             blocks: seqs * 64 / kestrel_model::KV_BLOCK,
+            snapshots: 0,
         });
         let opts = EngineOptions {
             backend: Some(BackendChoice::Cpu),
@@ -443,4 +444,77 @@ fn a_turn_that_extends_the_last_one_continues_it() {
         let blocks = (next.len() - 1) / kestrel_model::KV_BLOCK * kestrel_model::KV_BLOCK;
         assert_eq!(t.reused, if hybrid { 0 } else { blocks }, "{name}");
     }
+}
+
+/// Prefix caching for a hybrid: with state snapshots, a prompt's states are kept where its
+/// chunks end on a block boundary and at its last full block, and a later sequence whose prompt
+/// begins with those blocks goes on from the deepest one kept (the least recently used
+/// snapshot giving way when the rows are full), generating exactly what it gets from scratch;
+/// without snapshots it computes its whole prompt.
+#[test]
+fn a_hybrid_goes_on_from_states_kept_at_a_block_boundary() {
+    let dir = kestrel_testing::fixtures::path("crates/kestrel-model/tests/parity").join("qwen3_next");
+    let open = |snapshots| {
+        let model = Model::open(&ModelSource::Dir(dir.clone())).unwrap();
+        let opts = EngineOptions {
+            backend: Some(BackendChoice::Cpu),
+            prefill_chunk: Some(32),
+            state_snapshots: snapshots,
+            ..EngineOptions::with_ctx(128)
+        };
+        Engine::new(model, &Config::default(), opts).unwrap()
+    };
+    let greedy = |ids: &[u32], max_tokens| SeqRequest {
+        ids: ids.to_vec(),
+        max_tokens,
+        stops: Vec::new(),
+        sampling: SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        },
+        ignore_eos: true,
+        logprobs: None,
+    };
+    // Each turn starts afresh (nothing kept from the last), so only snapshots give reuse.
+    let turn = |b: &mut Batcher, ids: &[u32]| {
+        b.forget();
+        let t = b
+            .generate(
+                ids,
+                8,
+                &[],
+                &mut |_| Ok(()),
+                &std::sync::atomic::AtomicBool::new(false),
+            )
+            .unwrap();
+        assert_eq!(t.tokens, reference(&mut open(0), &greedy(ids, 8)).ids);
+        assert_eq!(t.reused + t.prefilled, ids.len());
+        t.reused
+    };
+    let base: Vec<u32> = (1..60).map(|j| (j * 37) % 190 + 1).collect();
+    let a = &base[..50];
+    // Shares 40 tokens with `a`: two blocks (32 tokens), the end of `a`'s first chunk.
+    let b_ids: Vec<u32> = base[..40].iter().copied().chain([191, 192, 193]).collect();
+    // Extends `a`'s prompt: three blocks, `a`'s last full block.
+    let c_ids: Vec<u32> = a.iter().copied().chain([3, 4, 5]).collect();
+
+    let mut b = Batcher::new(open(4));
+    assert_eq!(turn(&mut b, a), 0);
+    assert_eq!(turn(&mut b, &b_ids), 32);
+    assert_eq!(turn(&mut b, &c_ids), 48);
+    assert_eq!(turn(&mut b, a), 48, "the same prompt again");
+
+    // One row: `b_ids`' own chunk end (32) replaces `a`'s last block (48).
+    let mut b = Batcher::new(open(1));
+    assert_eq!(turn(&mut b, a), 0);
+    assert_eq!(
+        turn(&mut b, &b_ids),
+        0,
+        "the snapshot at 32 gave way to the one at 48"
+    );
+    assert_eq!(turn(&mut b, &c_ids), 32);
+
+    let mut b = Batcher::new(open(0));
+    assert_eq!(turn(&mut b, a), 0);
+    assert_eq!(turn(&mut b, &c_ids), 0, "no snapshots: no reuse");
 }

@@ -103,12 +103,13 @@ fn a_pool_takes_what_is_left_beside_the_model() {
     let m = model();
     let (c, w) = (&m.config, &m.weights);
     let per_seq = SHAPE.ctx.div_ceil(KV_BLOCK);
-    let pool = Placement::kv_pool(c, w, SHAPE, 8, u64::MAX / 2).unwrap();
+    let pool = Placement::kv_pool(c, w, SHAPE, 8, 0, u64::MAX / 2).unwrap();
     assert_eq!((pool.seqs, pool.blocks), (8, 8 * per_seq));
     // One sequence's blocks, the model resident: then three blocks more.
     let least = kestrel_model::KvPool {
         seqs: 8,
         blocks: per_seq,
+        snapshots: 0,
     };
     let p = Placement::plan(
         c,
@@ -123,10 +124,45 @@ fn a_pool_takes_what_is_left_beside_the_model() {
     .unwrap();
     let block = (2 * c.layers * c.kv_heads * c.head_dim * KV_BLOCK * 4) as u64;
     let fits = p.resident_bytes + p.expert_bytes + 3 * block + block / 2;
-    let pool = Placement::kv_pool(c, w, SHAPE, 8, fits).unwrap();
+    let pool = Placement::kv_pool(c, w, SHAPE, 8, 0, fits).unwrap();
     assert_eq!(pool.blocks, per_seq + 3);
     // Less than the experts need: they stream, and the pool keeps one sequence's.
     let streams = (p.min_gpu_bytes() + p.resident_bytes + p.expert_bytes) / 2;
-    let pool = Placement::kv_pool(c, w, SHAPE, 8, streams).unwrap();
+    let pool = Placement::kv_pool(c, w, SHAPE, 8, 0, streams).unwrap();
     assert_eq!(pool.blocks, per_seq);
+}
+
+/// A hybrid's state snapshots are resident memory: each holds one sequence's recurrent and
+/// convolution states (a model without them has nothing to copy).
+#[test]
+fn state_snapshots_are_counted_as_resident() {
+    let dir = kestrel_testing::fixtures::path("crates/kestrel-model/tests/parity/qwen3_next");
+    let m = Model::open(&ModelSource::Dir(dir)).unwrap();
+    let resident = |seqs, snapshots| {
+        let pool = kestrel_model::KvPool {
+            seqs,
+            blocks: 8,
+            snapshots,
+        };
+        let shape = RunShape {
+            pool: Some(pool),
+            ..SHAPE
+        };
+        Placement::plan(&m.config, &m.weights, shape, u64::MAX / 2, None)
+            .unwrap()
+            .resident_bytes
+    };
+    // One sequence's states: each linear-attention layer's f32 convolution state (the last
+    // kernel - 1 inputs of its q, k and v channels) and recurrent state (a dk x dv matrix a head).
+    let la = m.config.linear_attn.as_ref().unwrap();
+    let layers = (m.config.layer_kinds.iter())
+        .filter(|k| **k == kestrel_model::LayerKind::LinearAttention)
+        .count();
+    let conv =
+        (2 * la.key_heads * la.key_head_dim + la.value_heads * la.value_head_dim) * (la.conv_kernel - 1);
+    let recurrent = la.value_heads * la.key_head_dim * la.value_head_dim;
+    let states = (layers * (conv + recurrent) * 4) as u64;
+    assert!(layers > 0 && states > 0);
+    assert_eq!(resident(2, 5) - resident(2, 0), 5 * states);
+    assert_eq!(resident(2, 1) - resident(2, 0), states);
 }

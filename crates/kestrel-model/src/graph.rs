@@ -72,11 +72,14 @@ pub struct ForwardSpec {
 
 /// KV caches as a pool of `blocks` blocks of [`KV_BLOCK`] rows, shared by up to `seqs`
 /// sequences of up to `ForwardSpec::ctx` positions each, through a block table the caller
-/// writes (`Forward::page_table`, `[seqs, ctx / KV_BLOCK]`).
+/// writes (`Forward::page_table`, `[seqs, ctx / KV_BLOCK]`). The recurrent states (hybrids)
+/// hold a row per sequence and `snapshots` rows more, which no step reads or writes: copies of
+/// a sequence's states at a block boundary, for a later sequence with the same prefix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct KvPool {
     pub seqs: usize,
     pub blocks: usize,
+    pub snapshots: usize,
 }
 
 /// How a forward graph streams its routed experts. Each MoE layer has a cache of `slots`
@@ -500,7 +503,7 @@ impl Forward {
         let pages = b.g.kv_pages("kv.pages", page_table, seq, KV_BLOCK);
         b.cache_rows = blocks * KV_BLOCK;
         // With a pool, recurrent states hold a row per sequence, found as the pages are.
-        b.state_rows = spec.pool.map(|p| b.g.state_rows(seq, p.seqs));
+        b.state_rows = spec.pool.map(|p| b.g.state_rows(seq, p.seqs + p.snapshots));
         let embed = b.linear(&format!("{prefix}.embed_tokens"), c.vocab, c.hidden)?;
         let x: BufId<Residual> = b.g.embed("embed", &embed, tokens);
         // The first two MoE layers' experts, when whole layers are staged ahead.

@@ -160,6 +160,8 @@ struct Pool {
     blocks: usize,
     /// `[seqs + 1, max_blocks]`, and its version (bumped by every change).
     table: Vec<u32>,
+    /// Rows of the recurrent states past the sequences' and the padding row's: snapshots.
+    snapshots: usize,
     version: u64,
     /// The sequence the chunks of [`Session::step`] belong to.
     current: u32,
@@ -386,11 +388,76 @@ impl<B: Backend> Session<B> {
         self.pool = Some(Pool {
             seqs,
             blocks,
+            snapshots: 0,
             table,
             version: 1,
             current: 0,
         });
         Ok(self)
+    }
+
+    /// Gives the pool's recurrent states `n` rows more, snapshots: [`Session::save_states`]
+    /// copies a sequence's states into one, [`Session::load_states`] copies one back into a
+    /// sequence's. Call after [`Session::with_kv_pool`], before the first step.
+    pub fn with_state_snapshots(mut self, n: usize) -> Result<Session<B>> {
+        let early = self.programs.is_empty();
+        match self.pool.as_mut() {
+            Some(pool) if early => pool.snapshots = n,
+            _ => {
+                return Err(ModelError::Config {
+                    key: "state snapshots".into(),
+                    reason: format!("{n} asked for without a pool or after a step"),
+                })
+            }
+        }
+        Ok(self)
+    }
+
+    /// Copies sequence `seq`'s recurrent and convolution states into snapshot `snap`.
+    pub fn save_states(&mut self, seq: usize, snap: usize) -> Result<()> {
+        let (seq_row, snap_row) = self.state_rows(seq, snap)?;
+        self.copy_state_row(seq_row, snap_row)
+    }
+
+    /// Sets sequence `seq`'s recurrent and convolution states to those of snapshot `snap`.
+    pub fn load_states(&mut self, snap: usize, seq: usize) -> Result<()> {
+        let (seq_row, snap_row) = self.state_rows(seq, snap)?;
+        self.copy_state_row(snap_row, seq_row)
+    }
+
+    /// The state rows of sequence `seq` and of snapshot `snap` (past the padding row).
+    fn state_rows(&self, seq: usize, snap: usize) -> Result<(usize, usize)> {
+        let pool = self.pool.as_ref().ok_or_else(no_pool)?;
+        if seq >= pool.seqs || snap >= pool.snapshots {
+            return Err(ModelError::Config {
+                key: "state snapshot".into(),
+                reason: format!(
+                    "sequence {seq} and snapshot {snap}: the pool has {} and {}",
+                    pool.seqs, pool.snapshots
+                ),
+            });
+        }
+        Ok((seq, pool.seqs + 1 + snap))
+    }
+
+    /// Copies row `from` of every recurrent and convolution state into row `to`.
+    fn copy_state_row(&mut self, from: usize, to: usize) -> Result<()> {
+        if self.programs.is_empty() {
+            self.program(1, 0, Outputs::Last, None)?;
+        }
+        let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
+        let prog = self.programs.values_mut().next().expect("built above");
+        for &b in &prog.f.states {
+            let len = {
+                let d = prog.f.graph.decl(b);
+                d.byte_len() / d.shape[0]
+            };
+            let p = prog.segments.last_mut().expect("a program has a segment");
+            self.backend
+                .copy_bytes(p, b, from * len, to * len, len)
+                .map_err(backend_err)?;
+        }
+        Ok(())
     }
 
     /// Blocks a sequence's row of the page table holds (the context over [`KV_BLOCK`]).
@@ -998,6 +1065,7 @@ impl<B: Backend> Session<B> {
                 pool: self.pool.as_ref().map(|p| KvPool {
                     seqs: p.seqs + 1,
                     blocks: p.blocks + 1,
+                    snapshots: p.snapshots,
                 }),
                 batched: batched.is_some(),
                 logit_rows: batched,

@@ -162,3 +162,82 @@ fn batched_decode_equals_one_sequence_at_a_time_on_cuda() {
         assert_eq!(found.top1_differs + found.near_ties, 0, "seed {seed} {name}");
     }
 }
+
+/// Each hybrid fixture: a prompt run on sequence 0 to a block boundary, its recurrent states
+/// saved into a snapshot and loaded into sequence 1 (whose rows held another prompt's states),
+/// whose block table starts with sequence 0's blocks; then the same tokens on each. The logits
+/// of the two are returned.
+fn continued_from_a_snapshot<B: kestrel_core::Backend>(
+    backend: &dyn Fn() -> B,
+    name: &str,
+) -> (Vec<f32>, Vec<f32>)
+where
+    B::Error: 'static,
+{
+    let mut s = Session::open(&dir(name), backend(), 64, DType::F32)
+        .unwrap()
+        .with_kv_pool(2, 8)
+        .unwrap()
+        .with_state_snapshots(1)
+        .unwrap();
+    let prompt: Vec<u32> = (0..40).map(|j| (j * 29 + 3) % 150 + 1).collect();
+    s.set_page_table(&[0, 1, 2, 3, 4, 5, 6, 7]).unwrap();
+    s.reset_seq(1).unwrap();
+    s.select_seq(1).unwrap();
+    s.step(
+        &[9, 8, 7, 6, 5, 4, 3, 2, 1, 9, 8, 7, 6, 5, 4, 3, 2, 1, 9],
+        0,
+        Want::Argmax,
+    )
+    .unwrap();
+    s.reset_seq(0).unwrap();
+    s.select_seq(0).unwrap();
+    s.step(&prompt[..32], 0, Want::Argmax).unwrap();
+    s.save_states(0, 0).unwrap();
+    s.set_page_table(&[0, 1, 2, 3, 0, 1, 6, 7]).unwrap();
+    s.load_states(0, 1).unwrap();
+    let mut rest = |seq| {
+        s.select_seq(seq).unwrap();
+        s.step(&prompt[32..], 32, Want::LastLogits)
+            .unwrap()
+            .into_logits()
+            .unwrap()
+    };
+    (rest(0), rest(1))
+}
+
+/// Saved and loaded recurrent states continue a sequence exactly (the same kernels over the
+/// same states and caches: equal bits), on the CPU and on CUDA; and a snapshot outside the
+/// pool's is an error.
+#[test]
+fn states_loaded_from_a_snapshot_continue_the_sequence() {
+    let hybrids: Vec<&str> = FIXTURES
+        .into_iter()
+        .filter(|n| {
+            kestrel_model::ModelConfig::from_dir(&dir(n))
+                .unwrap()
+                .arch
+                .is_hybrid()
+        })
+        .collect();
+    assert!(!hybrids.is_empty());
+    for name in &hybrids {
+        let (a, b) = continued_from_a_snapshot(&CpuBackend::new, name);
+        assert_eq!(a, b, "{name} on the cpu");
+    }
+    let mut s = Session::open(&dir(hybrids[0]), CpuBackend::new(), 64, DType::F32)
+        .unwrap()
+        .with_kv_pool(2, 8)
+        .unwrap()
+        .with_state_snapshots(1)
+        .unwrap();
+    assert!(err(s.save_states(0, 1)).contains("snapshot 1"));
+    assert!(err(s.load_states(0, 2)).contains("sequence 2"));
+    let Some(dev) = device_or_skip("states_loaded_from_a_snapshot_continue_the_sequence") else {
+        return;
+    };
+    for name in &hybrids {
+        let (a, b) = continued_from_a_snapshot(&|| CudaBackend::new(dev.clone(), RunMode::Graph), name);
+        assert_eq!(a, b, "{name} on cuda");
+    }
+}

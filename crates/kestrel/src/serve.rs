@@ -47,6 +47,12 @@ pub struct ServeArgs {
     /// sequence is paused and recomputed later.
     #[arg(long)]
     kv_blocks: Option<usize>,
+    /// For models with recurrent states (Qwen3-Next, Qwen3.5): copies of a prompt's states kept
+    /// at block boundaries (its chunks' ends and its last full block), so that a later request
+    /// starting with the same tokens skips them, as prefix caching does for the KV cache. Each
+    /// holds one sequence's states (about 75 MB for Qwen3-Next-80B-A3B); 0 turns it off.
+    #[arg(long, default_value_t = 16)]
+    state_snapshots: usize,
     /// Requests that may wait for the engine; more are answered 429.
     #[arg(long, default_value_t = 64, value_parser = at_least_one)]
     max_queue: usize,
@@ -98,7 +104,7 @@ pub fn run(config: &Config, a: ServeArgs) -> Result<std::process::ExitCode> {
     };
     let config = config.clone();
     let (backend, length, memory, ctx) = (a.backend, a.length, a.memory, a.ctx);
-    let (max_seqs, kv_blocks) = (a.max_num_seqs, a.kv_blocks);
+    let (max_seqs, kv_blocks, snapshots) = (a.max_num_seqs, a.kv_blocks, a.state_snapshots);
     let load = move || -> Result<Engine, String> {
         let load = || -> Result<Engine> {
             let start = std::time::Instant::now();
@@ -119,6 +125,7 @@ pub fn run(config: &Config, a: ServeArgs) -> Result<std::process::ExitCode> {
             memory.apply(&mut opts);
             opts.max_seqs = Some(max_seqs);
             opts.kv_blocks = kv_blocks;
+            opts.state_snapshots = snapshots;
             let mut engine = Engine::new(model, &config, opts).with_context(|| format!("opening {label}"))?;
             crate::progress::placement(&engine);
             engine.prepare(1, Want::LastLogits)?;
