@@ -3,7 +3,7 @@
 # sanitizer), and the build of the fuzz targets into fuzz/target.
 
 FUZZ_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-FUZZ_TARGETS=(safetensors safetensors_index config_json generation_config tokenizer_config tokenizer_json chat_template cli_flags openai_request)
+FUZZ_TARGETS=(safetensors gguf safetensors_index config_json generation_config tokenizer_config tokenizer_json chat_template cli_flags openai_request)
 
 # The instrumentation cargo-fuzz passes: libFuzzer's coverage counters and comparison tracing,
 # and `cfg(fuzzing)`. Debug assertions and overflow checks come from the release profile in
@@ -88,6 +88,7 @@ fuzz_is_target() {
 fuzz_dict() {
     case "$1" in
         safetensors) echo "$FUZZ_DIR/dict/safetensors.dict" ;;
+        gguf) echo "$FUZZ_DIR/dict/gguf.dict" ;;
         chat_template) echo "$FUZZ_DIR/dict/chat_template.dict" ;;
         cli_flags) echo "$FUZZ_DIR/dict/cli_flags.dict" ;;
         *) echo "$FUZZ_DIR/dict/json.dict" ;;

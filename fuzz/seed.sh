@@ -49,6 +49,21 @@ seed_safetensors() {
         seed safetensors overlap
 }
 
+seed_gguf() {
+    # llama.cpp's writer's file (every value type, seven tensor types, alignment 64), and a
+    # small one by hand: no metadata, one F32 tensor of four values at the default alignment.
+    seed gguf reader <"$ROOT/crates/kestrel-model/tests/gguf/reader.gguf"
+    {
+        printf 'GGUF\x03\x00\x00\x00'
+        printf '\x01\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00'
+        printf '\x01\x00\x00\x00\x00\x00\x00\x00t'
+        printf '\x01\x00\x00\x00\x04\x00\x00\x00\x00\x00\x00\x00'
+        printf '\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00'
+        printf '\x00%.0s' $(seq 1 7)
+        printf '\x00\x00\x80\x3f%.0s' 1 2 3 4
+    } | seed gguf one-tensor
+}
+
 seed_safetensors_index() {
     # The target's directory holds model-00001-of-00002.safetensors (model.embed_tokens.weight,
     # model.norm.weight) and model-00002-of-00002.safetensors (lm_head.weight, model.ids).

@@ -10,6 +10,7 @@ pub mod expert_cache;
 pub mod expert_disk;
 pub mod experts;
 pub mod footprint;
+pub mod gguf;
 pub mod graph;
 pub mod quantize;
 pub mod session;

@@ -1,0 +1,37 @@
+//! Fuzz target: a GGUF file's header, metadata and tensor infos (`Gguf::parse`, every count,
+//! length and offset checked against the bytes), then every key's value looked at through the
+//! typed getters and every tensor's bytes read.
+
+#![no_main]
+
+use kestrel_model::gguf::{Gguf, Value};
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    let Ok(g) = Gguf::parse(data) else {
+        return;
+    };
+    let mut sum = g.alignment.wrapping_add(g.data_start);
+    for key in g.keys() {
+        let v = g.get(key).expect("every key listed has a value");
+        sum = sum.wrapping_add(v.as_u64().unwrap_or(0));
+        if let Some(a) = v.as_array() {
+            sum = sum.wrapping_add(a.len() as u64);
+            sum = sum.wrapping_add(a.ints().map_or(0, |v| v.len() as u64));
+            sum = sum.wrapping_add(a.floats().map_or(0, |v| v.len() as u64));
+            sum = sum.wrapping_add(a.strings().map_or(0, |v| v.len() as u64));
+        }
+        let _ = (g.u64(key), g.str(key), v.as_f64(), matches!(v, Value::Bool(true)));
+    }
+    for t in &g.tensors {
+        assert!(g.tensor(&t.name).is_some());
+        let bytes = t.data(data);
+        assert_eq!(bytes.len() as u64, t.bytes);
+        // The first and the last byte: a range past the input shows up under ASan.
+        if let (Some(first), Some(last)) = (bytes.first(), bytes.last()) {
+            sum = sum.wrapping_add(u64::from(*first) + u64::from(*last));
+        }
+        sum = sum.wrapping_add(t.elem_count()).wrapping_add(t.dims.len() as u64);
+    }
+    std::hint::black_box(sum);
+});
