@@ -50,9 +50,11 @@ seed_safetensors() {
 }
 
 seed_gguf() {
-    # llama.cpp's writer's file (every value type, seven tensor types, alignment 64), and a
-    # small one by hand: no metadata, one F32 tensor of four values at the default alignment.
+    # llama.cpp's writer's files (every value type, seven tensor types, alignment 64; a
+    # tokenizer as its converter writes one), and a small one by hand: no metadata, one F32
+    # tensor of four values at the default alignment.
     seed gguf reader <"$ROOT/crates/kestrel-model/tests/gguf/reader.gguf"
+    seed gguf tokenizer <"$ROOT/crates/kestrel-model/tests/gguf/tokenizer.gguf"
     {
         printf 'GGUF\x03\x00\x00\x00'
         printf '\x01\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00'

@@ -1,6 +1,7 @@
 //! Fuzz target: a GGUF file's header, metadata and tensor infos (`Gguf::parse`, every count,
 //! length and offset checked against the bytes), then every key's value looked at through the
-//! typed getters and every tensor's bytes read.
+//! typed getters, every tensor's bytes read, and the tokenizer built as a `tokenizer.json` value
+//! where the metadata holds one.
 
 #![no_main]
 
@@ -32,6 +33,9 @@ fuzz_target!(|data: &[u8]| {
             sum = sum.wrapping_add(u64::from(*first) + u64::from(*last));
         }
         sum = sum.wrapping_add(t.elem_count()).wrapping_add(t.dims.len() as u64);
+    }
+    if let Ok(json) = g.tokenizer_json() {
+        sum = sum.wrapping_add(json["model"]["vocab"].as_object().map_or(0, |v| v.len() as u64));
     }
     std::hint::black_box(sum);
 });

@@ -612,6 +612,147 @@ impl Gguf {
     }
 }
 
+/// Token types of `tokenizer.ggml.token_type` (llama.cpp's `llama_token_type`).
+const TOKEN_CONTROL: i64 = 3;
+const TOKEN_USER_DEFINED: i64 = 4;
+
+/// The byte-level BPE pre-tokenisers GGUF names in `tokenizer.ggml.pre` that Kestrel reads, with
+/// the split pattern of their models' `tokenizer.json`, and whether merges are skipped for a
+/// piece that is itself a token (Llama 3's `ignore_merges`).
+const BPE_PRE: &[(&str, &str, bool)] = &[
+    (
+        "qwen2",
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+        false,
+    ),
+    (
+        "qwen35",
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+        false,
+    ),
+    (
+        "llama-bpe",
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+        true,
+    ),
+];
+
+impl Gguf {
+    /// The file's tokenizer as a Hugging Face `tokenizer.json` value, for the tokenizer the engine
+    /// reads from one: `tokenizer.ggml.model` "gpt2" (byte-level BPE) with `tokens`, `merges`,
+    /// `token_type` (control tokens special, user-defined ones added but not special) and a
+    /// pre-tokeniser `tokenizer.ggml.pre` names (qwen2, qwen35, llama-bpe), and the beginning
+    /// token added in front when `tokenizer.ggml.add_bos_token` says so.
+    pub fn tokenizer_json(&self) -> Result<serde_json::Value> {
+        use serde_json::{json, Map, Value as Json};
+        let model = self.str("tokenizer.ggml.model")?;
+        if model != "gpt2" {
+            return Err(invalid(
+                "tokenizer.ggml.model",
+                format!("{model:?}: only \"gpt2\" (byte-level BPE) tokenizers are read"),
+            ));
+        }
+        let pre = self.str("tokenizer.ggml.pre")?;
+        let &(_, pattern, ignore_merges) = BPE_PRE.iter().find(|p| p.0 == pre).ok_or_else(|| {
+            let known: Vec<&str> = BPE_PRE.iter().map(|p| p.0).collect();
+            invalid(
+                "tokenizer.ggml.pre",
+                format!(
+                    "{pre:?} is not a pre-tokenizer Kestrel reads ({})",
+                    known.join(", ")
+                ),
+            )
+        })?;
+        let strings = |key: &str| -> Result<&[String]> {
+            self.get(key)
+                .and_then(Value::as_array)
+                .and_then(Array::strings)
+                .ok_or_else(|| invalid(format!("key {key:?}"), "missing, or not an array of strings"))
+        };
+        let tokens = strings("tokenizer.ggml.tokens")?;
+        let merges = strings("tokenizer.ggml.merges")?;
+        let types = match self.get("tokenizer.ggml.token_type") {
+            None => vec![1; tokens.len()],
+            Some(v) => v
+                .as_array()
+                .and_then(Array::ints)
+                .ok_or_else(|| invalid("tokenizer.ggml.token_type", "not an array of integers"))?,
+        };
+        if types.len() != tokens.len() {
+            return Err(invalid(
+                "tokenizer.ggml.token_type",
+                format!("{} types for {} tokens", types.len(), tokens.len()),
+            ));
+        }
+        let mut vocab = Map::with_capacity(tokens.len());
+        let mut added = Vec::new();
+        for (id, (token, &ty)) in tokens.iter().zip(&types).enumerate() {
+            if vocab.insert(token.clone(), json!(id)).is_some() {
+                return Err(invalid(
+                    "tokenizer.ggml.tokens",
+                    format!("{token:?} is listed twice"),
+                ));
+            }
+            if ty == TOKEN_CONTROL || ty == TOKEN_USER_DEFINED {
+                added.push(json!({
+                    "id": id, "content": token, "single_word": false, "lstrip": false,
+                    "rstrip": false, "normalized": false, "special": ty == TOKEN_CONTROL,
+                }));
+            }
+        }
+        let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false});
+        let token_id = |key: &str| -> Result<Option<(u32, &str)>> {
+            let Some(v) = self.get(key) else { return Ok(None) };
+            let id = v
+                .as_u64()
+                .filter(|&i| (i as usize) < tokens.len())
+                .ok_or_else(|| {
+                    invalid(
+                        format!("key {key:?}"),
+                        format!("{v:?} is not a token id below {}", tokens.len()),
+                    )
+                })?;
+            Ok(Some((id as u32, tokens[id as usize].as_str())))
+        };
+        let add_bos = matches!(self.get("tokenizer.ggml.add_bos_token"), Some(Value::Bool(true)));
+        let post = match (add_bos, token_id("tokenizer.ggml.bos_token_id")?) {
+            (true, Some((id, bos))) => json!({
+                "type": "TemplateProcessing",
+                "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                         {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                "special_tokens": {bos: {"id": bos, "ids": [id], "tokens": [bos]}},
+            }),
+            (true, None) => {
+                return Err(invalid(
+                    "tokenizer.ggml.add_bos_token",
+                    "true, but no tokenizer.ggml.bos_token_id",
+                ))
+            }
+            (false, _) => byte_level.clone(),
+        };
+        Ok(json!({
+            "version": "1.0",
+            "truncation": Json::Null,
+            "padding": Json::Null,
+            "added_tokens": added,
+            "normalizer": Json::Null,
+            "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false},
+                byte_level,
+            ]},
+            "post_processor": post,
+            "decoder": byte_level,
+            "model": {
+                "type": "BPE", "dropout": Json::Null, "unk_token": Json::Null,
+                "continuing_subword_prefix": Json::Null, "end_of_word_suffix": Json::Null,
+                "fuse_unk": false, "byte_fallback": false, "ignore_merges": ignore_merges,
+                "vocab": vocab, "merges": merges,
+            },
+        }))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

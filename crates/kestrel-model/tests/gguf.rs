@@ -106,3 +106,94 @@ fn the_reader_finds_what_llama_cpps_reader_finds() {
         );
     }
 }
+
+/// The tokenizer llama.cpp's converter writes into a GGUF file (`tests/gguf/tokenizer.gguf`, by
+/// `scripts/gguf/make-tokenizer-fixture.py` from kestrel-text's test tokenizer: byte-level BPE,
+/// Qwen2's pre-tokenizer, control tokens) read back as a tokenizer: every text, multilingual and
+/// with special tokens, encodes to the ids `tokenizer.json` gives and decodes back alike. (This
+/// vocabulary has no token of two digits, so how Qwen2's and Llama 3's patterns group digits is
+/// not told apart here; the patterns are those of the models' `tokenizer.json`, as llama.cpp's
+/// `llama-vocab.cpp` quotes them.)
+#[test]
+fn a_gguf_tokenizer_encodes_as_its_tokenizer_json_does() {
+    use kestrel_text::Tokenizer;
+    let dir = kestrel_testing::fixtures::path("crates/kestrel-model/tests/gguf");
+    let text_dir = kestrel_testing::fixtures::path("crates/kestrel-text/tests/tokenizer");
+    let g = Gguf::parse(&std::fs::read(dir.join("tokenizer.gguf")).unwrap()).unwrap();
+    let json = serde_json::to_vec(&g.tokenizer_json().unwrap()).unwrap();
+    let path = dir.join("tokenizer.gguf");
+    let from_gguf = Tokenizer::from_bytes(&json, None, &path, &path).unwrap();
+    let reference = Tokenizer::from_dir(&text_dir).unwrap().unwrap();
+    assert_eq!(from_gguf.vocab_size(), reference.vocab_size());
+    let encodings: Json =
+        serde_json::from_str(&std::fs::read_to_string(text_dir.join("encodings.json")).unwrap()).unwrap();
+    let mut texts: Vec<String> = (encodings.as_array().unwrap().iter())
+        .map(|e| e["text"].as_str().unwrap().to_string())
+        .collect();
+    texts.extend(
+        [
+            "Grüße aus Köln, naïve café — 東京で会いましょう。Привет, мир! 안녕하세요 مرحبا 🦙🚀 3.14159 x**2",
+            "<|im_start|>user\nWhat's 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n4<|im_end|>",
+            "  leading spaces\t\ttabs\r\nCRLF   trailing   ",
+            "I've been 'told he's there, 'RE you sure? We'Ve a'lL",
+        ]
+        .map(String::from),
+    );
+    for t in &texts {
+        for special in [false, true] {
+            let ids = reference.encode(t, special).unwrap();
+            assert_eq!(
+                from_gguf.encode(t, special).unwrap(),
+                ids,
+                "{t:?} (special tokens {special})"
+            );
+            for skip in [false, true] {
+                assert_eq!(
+                    from_gguf.decode(&ids, skip).unwrap(),
+                    reference.decode(&ids, skip).unwrap(),
+                    "{t:?}"
+                );
+            }
+        }
+    }
+    for token in ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>"] {
+        assert_eq!(from_gguf.token_id(token), reference.token_id(token), "{token}");
+    }
+}
+
+/// Tokenizers Kestrel does not read from GGUF metadata are refused with what it reads named.
+#[test]
+fn an_unknown_gguf_tokenizer_is_refused_by_name() {
+    let dir = kestrel_testing::fixtures::path("crates/kestrel-model/tests/gguf");
+    let mut bytes = std::fs::read(dir.join("tokenizer.gguf")).unwrap();
+    // "qwen2" -> "qwen9" where the pre-tokenizer's name is stored.
+    let at = bytes.windows(5).position(|w| w == b"qwen2").unwrap();
+    bytes[at + 4] = b'9';
+    let e = Gguf::parse(&bytes)
+        .unwrap()
+        .tokenizer_json()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("\"qwen9\" is not a pre-tokenizer Kestrel reads (qwen2, qwen35, llama-bpe)"),
+        "{e}"
+    );
+    // Another tokenizer model: "gpt2" -> "bert" (the value after the key, its type and length).
+    let key = b"tokenizer.ggml.model";
+    let at = bytes.windows(key.len()).position(|w| w == key).unwrap() + key.len() + 12;
+    assert_eq!(&bytes[at..at + 4], b"gpt2");
+    bytes[at..at + 4].copy_from_slice(b"bert");
+    let e = Gguf::parse(&bytes)
+        .unwrap()
+        .tokenizer_json()
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("\"bert\": only \"gpt2\" (byte-level BPE)"), "{e}");
+    // The reader's own fixture names no pre-tokenizer.
+    let g = Gguf::parse(&std::fs::read(dir.join("reader.gguf")).unwrap()).unwrap();
+    let e = g.tokenizer_json().unwrap_err().to_string();
+    assert!(
+        e.contains("\"tokenizer.ggml.pre\"") && e.contains("missing"),
+        "{e}"
+    );
+}
