@@ -670,7 +670,12 @@ impl Gguf {
                 .ok_or_else(|| invalid(format!("key {key:?}"), "missing, or not an array of strings"))
         };
         let tokens = strings("tokenizer.ggml.tokens")?;
-        let merges = strings("tokenizer.ggml.merges")?;
+        // A vocabulary of single symbols has no merges, and llama.cpp's converter then writes
+        // no key.
+        let merges = match self.get("tokenizer.ggml.merges") {
+            None => &[][..],
+            Some(_) => strings("tokenizer.ggml.merges")?,
+        };
         let types = match self.get("tokenizer.ggml.token_type") {
             None => vec![1; tokens.len()],
             Some(v) => v

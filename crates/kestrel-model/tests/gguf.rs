@@ -1,8 +1,9 @@
-//! The GGUF reader against llama.cpp's own Python writer and reader (`gguf` on PyPI): the
-//! fixture `tests/gguf/reader.gguf` (made by `scripts/gguf/make-reader-fixture.py`) holds
-//! metadata of every value type, a custom alignment and tensors of seven ggml types; every key's
-//! type and value, every tensor's dims, type, place and bytes (CRC-32) equal what `GGUFReader`
-//! found (`reader.json`).
+//! GGUF files as llama.cpp writes them, read by Kestrel: the reader against llama.cpp's own
+//! Python writer and reader (`gguf` on PyPI) on `tests/gguf/reader.gguf` (every value type, a
+//! custom alignment, seven tensor types); a tokenizer as llama.cpp's converter writes one
+//! (`tokenizer.gguf`) against the same tokenizer's `tokenizer.json`; and the parity models as
+//! llama.cpp's converter writes them (`NAME-TYPE.gguf`). The scripts that made each are in
+//! `scripts/gguf/`.
 
 use kestrel_model::gguf::{Array, Gguf, Value};
 use serde_json::Value as Json;
@@ -196,4 +197,91 @@ fn an_unknown_gguf_tokenizer_is_refused_by_name() {
         e.contains("\"tokenizer.ggml.pre\"") && e.contains("missing"),
         "{e}"
     );
+}
+
+/// The parity fixtures as llama.cpp's own converter writes them (`tests/gguf/NAME-TYPE.gguf`, by
+/// `scripts/gguf/make-model-fixtures.py`; each given a byte-level tokenizer of its 256 tokens
+/// first): every file reads, names the architecture llama.cpp gives the model, has the layers,
+/// widths and experts of the model's `config.json`, its tensors of the types its file type
+/// implies, and a tokenizer that encodes text as its UTF-8 bytes (token i is byte i).
+#[test]
+fn llama_cpps_conversions_of_the_parity_models_read() {
+    use kestrel_text::Tokenizer;
+    let dir = kestrel_testing::fixtures::path("crates/kestrel-model/tests/gguf");
+    let parity = kestrel_testing::fixtures::path("crates/kestrel-model/tests/parity");
+    let cases = [
+        ("llama", "f16", "llama"),
+        ("llama", "q8_0", "llama"),
+        ("qwen3", "bf16", "qwen3"),
+        ("qwen3_next", "f16", "qwen3next"),
+        ("qwen3_next", "q8_0", "qwen3next"),
+        ("qwen3_5_moe", "f16", "qwen35moe"),
+        ("qwen3_5_moe", "q8_0", "qwen35moe"),
+    ];
+    for (name, ty, arch) in cases {
+        let path = dir.join(format!("{name}-{ty}.gguf"));
+        let bytes = std::fs::read(&path).unwrap();
+        let g = Gguf::parse(&bytes).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let config: Json =
+            serde_json::from_str(&std::fs::read_to_string(parity.join(name).join("config.json")).unwrap())
+                .unwrap();
+        let text = if config["text_config"].is_object() {
+            &config["text_config"]
+        } else {
+            &config
+        };
+        let key = |k: &str| g.u64(&format!("{arch}.{k}")).unwrap();
+        assert_eq!(g.str("general.architecture").unwrap(), arch, "{name}");
+        assert_eq!(
+            key("block_count"),
+            text["num_hidden_layers"].as_u64().unwrap(),
+            "{name}"
+        );
+        assert_eq!(
+            key("embedding_length"),
+            text["hidden_size"].as_u64().unwrap(),
+            "{name}"
+        );
+        assert_eq!(
+            key("attention.head_count"),
+            text["num_attention_heads"].as_u64().unwrap(),
+            "{name}"
+        );
+        assert_eq!(
+            key("attention.head_count_kv"),
+            text["num_key_value_heads"].as_u64().unwrap(),
+            "{name}"
+        );
+        if let Some(experts) = text["num_experts"].as_u64() {
+            assert_eq!(key("expert_count"), experts, "{name}");
+            assert_eq!(
+                key("expert_used_count"),
+                text["num_experts_per_tok"].as_u64().unwrap(),
+                "{name}"
+            );
+            // Experts stacked: [in, out, experts] in ggml's order.
+            let down = g.tensor("blk.0.ffn_down_exps.weight").unwrap();
+            let inter = text["moe_intermediate_size"].as_u64().unwrap();
+            assert_eq!(
+                down.dims,
+                [inter, text["hidden_size"].as_u64().unwrap(), experts],
+                "{name}"
+            );
+        }
+        // Matrices in the file's type; norms, biases and small vectors stay F32.
+        let want = ty.to_uppercase();
+        let embed = g.tensor("token_embd.weight").unwrap();
+        assert_eq!(embed.ty.name, want, "{name}");
+        assert!(
+            g.tensors.iter().all(|t| t.ty.name == want || t.ty.name == "F32"),
+            "{name}"
+        );
+        assert!(g.tensors.iter().any(|t| t.ty.name == "F32"), "{name}");
+        let json = serde_json::to_vec(&g.tokenizer_json().unwrap()).unwrap();
+        let tok = Tokenizer::from_bytes(&json, None, &path, &path).unwrap();
+        let s = "Grüße, 東京! x**2";
+        let ids: Vec<u32> = s.bytes().map(u32::from).collect();
+        assert_eq!(tok.encode(s, false).unwrap(), ids, "{name}");
+        assert_eq!(tok.decode(&ids, false).unwrap(), s, "{name}");
+    }
 }
