@@ -257,21 +257,29 @@ fn batched_sequences_equal_each_sequence_alone() {
     assert!(kinds.host == 0 && kinds.drawn > 10, "{kinds:?}");
 }
 
+/// A greedy request for `max_tokens` tokens after `ids`, past end-of-sequence ids.
+fn greedy(ids: &[u32], max_tokens: usize) -> SeqRequest {
+    SeqRequest {
+        ids: ids.to_vec(),
+        max_tokens,
+        stops: Vec::new(),
+        sampling: SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        },
+        ignore_eos: true,
+        logprobs: None,
+    }
+}
+
 /// `n` greedy requests of random ids below `vocab`, past end-of-sequence ids, of mixed lengths.
 fn greedy_requests(n: u32, vocab: u32) -> Vec<SeqRequest> {
     (0..n)
-        .map(|i| SeqRequest {
-            ids: (0..2 + 5 * (i as usize % 4))
+        .map(|i| {
+            let ids: Vec<u32> = (0..2 + 5 * (i as usize % 4))
                 .map(|j| (i * 37 + j as u32 * 11) % vocab + 1)
-                .collect(),
-            max_tokens: 5 + i as usize % 4,
-            stops: Vec::new(),
-            sampling: SamplingParams {
-                temperature: 0.0,
-                ..Default::default()
-            },
-            ignore_eos: true,
-            logprobs: None,
+                .collect();
+            greedy(&ids, 5 + i as usize % 4)
         })
         .collect()
 }
@@ -395,17 +403,6 @@ fn a_turn_that_extends_the_last_one_continues_it() {
             Engine::new(model, &Config::default(), opts).unwrap()
         };
         let hybrid = open().config().arch.is_hybrid();
-        let req = |ids: &[u32], max_tokens| SeqRequest {
-            ids: ids.to_vec(),
-            max_tokens,
-            stops: Vec::new(),
-            sampling: SamplingParams {
-                temperature: 0.0,
-                ..Default::default()
-            },
-            ignore_eos: true,
-            logprobs: None,
-        };
         let mut b = Batcher::new(open());
         let turn = |b: &mut Batcher, ids: &[u32], n| {
             let t = b
@@ -417,7 +414,7 @@ fn a_turn_that_extends_the_last_one_continues_it() {
                     &std::sync::atomic::AtomicBool::new(false),
                 )
                 .unwrap();
-            assert_eq!(t.tokens, reference(&mut open(), &req(ids, n)).ids, "{name}");
+            assert_eq!(t.tokens, reference(&mut open(), &greedy(ids, n)).ids, "{name}");
             assert_eq!(t.reused + t.prefilled, ids.len(), "{name}");
             t
         };
@@ -463,17 +460,6 @@ fn a_hybrid_goes_on_from_states_kept_at_a_block_boundary() {
             ..EngineOptions::with_ctx(128)
         };
         Engine::new(model, &Config::default(), opts).unwrap()
-    };
-    let greedy = |ids: &[u32], max_tokens| SeqRequest {
-        ids: ids.to_vec(),
-        max_tokens,
-        stops: Vec::new(),
-        sampling: SamplingParams {
-            temperature: 0.0,
-            ..Default::default()
-        },
-        ignore_eos: true,
-        logprobs: None,
     };
     // Each turn starts afresh (nothing kept from the last), so only snapshots give reuse.
     let turn = |b: &mut Batcher, ids: &[u32]| {
