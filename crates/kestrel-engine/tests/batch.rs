@@ -272,6 +272,19 @@ fn greedy(ids: &[u32], max_tokens: usize) -> SeqRequest {
     }
 }
 
+/// One turn through [`Batcher::generate`] as `run` takes it: `ids`, then up to `n` tokens with
+/// the engine's sampling, no stop strings, nothing told as it comes.
+fn greedy_turn(b: &mut Batcher, ids: &[u32], n: usize) -> kestrel_engine::Turn {
+    b.generate(
+        ids,
+        n,
+        &[],
+        &mut |_| Ok(()),
+        &std::sync::atomic::AtomicBool::new(false),
+    )
+    .unwrap()
+}
+
 /// `n` greedy requests of random ids below `vocab`, past end-of-sequence ids, of mixed lengths.
 fn greedy_requests(n: u32, vocab: u32) -> Vec<SeqRequest> {
     (0..n)
@@ -405,15 +418,7 @@ fn a_turn_that_extends_the_last_one_continues_it() {
         let hybrid = open().config().arch.is_hybrid();
         let mut b = Batcher::new(open());
         let turn = |b: &mut Batcher, ids: &[u32], n| {
-            let t = b
-                .generate(
-                    ids,
-                    n,
-                    &[],
-                    &mut |_| Ok(()),
-                    &std::sync::atomic::AtomicBool::new(false),
-                )
-                .unwrap();
+            let t = greedy_turn(b, ids, n);
             assert_eq!(t.tokens, reference(&mut open(), &greedy(ids, n)).ids, "{name}");
             assert_eq!(t.reused + t.prefilled, ids.len(), "{name}");
             t
@@ -464,15 +469,7 @@ fn a_hybrid_goes_on_from_states_kept_at_a_block_boundary() {
     // Each turn starts afresh (nothing kept from the last), so only snapshots give reuse.
     let turn = |b: &mut Batcher, ids: &[u32]| {
         b.forget();
-        let t = b
-            .generate(
-                ids,
-                8,
-                &[],
-                &mut |_| Ok(()),
-                &std::sync::atomic::AtomicBool::new(false),
-            )
-            .unwrap();
+        let t = greedy_turn(b, ids, 8);
         assert_eq!(t.tokens, reference(&mut open(0), &greedy(ids, 8)).ids);
         assert_eq!(t.reused + t.prefilled, ids.len());
         t.reused
