@@ -28,6 +28,10 @@ pub enum RopeScaling {
         mscale_all_dim: Option<f64>,
         truncate: bool,
     },
+    /// Each frequency divided by its own factor, `rot_dim / 2` of them: how GGUF files of Llama 3
+    /// carry its scaling (llama.cpp's `rope_freqs` tensor, computed by its converter from the
+    /// Llama 3 parameters, which the file then leaves out).
+    Factors(Vec<f32>),
 }
 
 /// Inverse frequencies for the rotated part of a head, and the cos/sin scaling factor.
@@ -54,6 +58,10 @@ impl RopeTable {
         let (inv_freq, attention_scaling) = match *scaling {
             RopeScaling::None => (default, 1.0),
             RopeScaling::Linear { factor } => (default.iter().map(|f| f / factor as f32).collect(), 1.0),
+            RopeScaling::Factors(ref factors) => {
+                assert_eq!(factors.len(), default.len(), "one factor a rotated frequency");
+                (default.iter().zip(factors).map(|(f, d)| f / d).collect(), 1.0)
+            }
             RopeScaling::Llama3 {
                 factor,
                 low_freq_factor,

@@ -16,7 +16,7 @@ use crate::error::{EngineError, Result};
 /// Where a model comes from.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ModelSource {
-    /// A Hugging Face or MLX model directory.
+    /// A Hugging Face or MLX model directory, or a GGUF file (the first or any split of one).
     Dir(PathBuf),
     /// The small model built into the binary (`models/kestrel-tiny` in the repository).
     Builtin,
@@ -61,15 +61,21 @@ impl Model {
     /// Reads the model `source` names. A directory that does not exist is an error saying so.
     pub fn open(source: &ModelSource) -> Result<Model> {
         match source {
+            ModelSource::Dir(file) if file.is_file() => open_gguf_file(file),
             ModelSource::Dir(dir) => {
                 if !dir.is_dir() {
                     let what = if dir.exists() {
-                        "is not a directory"
+                        "is neither a directory nor a file"
                     } else {
                         "does not exist"
                     };
+                    let kind = if dir.extension().is_some_and(|e| e == "gguf") {
+                        "file"
+                    } else {
+                        "directory"
+                    };
                     return Err(EngineError::Invalid(format!(
-                        "the model directory {} {what}",
+                        "the model {kind} {} {what}",
                         dir.display()
                     )));
                 }
@@ -106,6 +112,32 @@ impl Model {
             }
         }
     }
+}
+
+/// A GGUF file: its config, weights, tokenizer, chat template and special tokens, all from the
+/// file (nothing beside it is read).
+fn open_gguf_file(path: &Path) -> Result<Model> {
+    let m = kestrel_model::open_gguf(path)?;
+    let label = path.display().to_string();
+    let tokenizer = match &m.tokenizer {
+        Some(json) => {
+            let json = serde_json::to_vec(json).map_err(|e| EngineError::Invalid(format!("{label}: {e}")))?;
+            let config = m.tokenizer_config.to_string();
+            Some(Tokenizer::from_bytes(&json, Some(&config), path, path)?)
+        }
+        None => None,
+    };
+    let generation =
+        GenerationConfig::from_json(&m.generation_config.to_string()).map_err(|reason| TextError::File {
+            path: path.to_path_buf(),
+            reason,
+        })?;
+    Ok(Model {
+        config: m.config,
+        weights: m.weights,
+        text: ModelText::new(&label, tokenizer, generation)?,
+        label,
+    })
 }
 
 /// The built-in model's files, read from the binary.

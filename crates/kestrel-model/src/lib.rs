@@ -11,6 +11,8 @@ pub mod expert_disk;
 pub mod experts;
 pub mod footprint;
 pub mod gguf;
+pub mod gguf_dequant;
+pub mod gguf_model;
 pub mod graph;
 pub mod quantize;
 pub mod session;
@@ -28,8 +30,9 @@ pub use experts::{
     ExpertSource, PartSource,
 };
 pub use footprint::{footprint, Footprint};
+pub use gguf_model::{open_gguf, GgufModel};
 pub use graph::{Forward, ForwardSpec, HostExperts, KvPool, MoeStep, Streamed, KV_BLOCK};
 pub use quantize::{check_empty_dst, quantize_dir, write_model_dir, QuantizeReport};
 pub use session::{batch_bucket, BatchOutput, Output, Session, StageAhead, Want, MAX_PROGRAMS};
 pub use synthetic::{synthetic_model, synthetic_model_json, synthetic_weights, SYNTHETIC_MODELS};
-pub use weights::{FileIdent, FileSpan, OwnedTensor, Tensor, Weights};
+pub use weights::{FileIdent, FileSpan, FileTensor, MappedFile, OwnedTensor, Tensor, Weights};

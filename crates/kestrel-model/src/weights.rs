@@ -114,6 +114,42 @@ pub(crate) fn st_dtype(d: DType) -> Dtype {
     }
 }
 
+/// A weight file mapped into memory (read-only), with what it was when mapped.
+pub struct MappedFile {
+    pub path: PathBuf,
+    map: Mmap,
+    pub ident: FileIdent,
+}
+
+impl MappedFile {
+    /// Maps the file at `path`.
+    pub fn open(path: &Path) -> Result<MappedFile> {
+        let file = File::open(path).map_err(io(path))?;
+        // SAFETY: as for a safetensors shard (see `Shard::open`): read-only, and model files are
+        // not modified while a model is loaded.
+        let map = unsafe { Mmap::map(&file) }.map_err(io(path))?;
+        let ident = FileIdent::of(&file.metadata().map_err(io(path))?);
+        Ok(MappedFile {
+            path: path.to_path_buf(),
+            map,
+            ident,
+        })
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        &self.map
+    }
+}
+
+/// A tensor lying in file `file` of [`Weights::from_files`], from byte `start` of the file.
+pub struct FileTensor {
+    pub name: String,
+    pub file: usize,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    pub start: usize,
+}
+
 /// Every tensor of a model directory by name.
 pub struct Weights {
     dir: PathBuf,
@@ -343,6 +379,66 @@ impl Weights {
             });
         }
         Ok(Weights { dir, shards, by_name })
+    }
+
+    /// Tensors lying in mapped files (`views`, read in place) and tensors held in memory
+    /// (`owned`), under `label` (the file or directory named in messages): how a model file in
+    /// another format than safetensors (GGUF) is read. A name given twice, or a tensor whose bytes
+    /// pass its file's end, is an error.
+    pub fn from_files(
+        label: &Path,
+        files: Vec<MappedFile>,
+        views: Vec<FileTensor>,
+        owned: Vec<OwnedTensor>,
+    ) -> Result<Weights> {
+        let mut shards: Vec<Shard> = files
+            .into_iter()
+            .map(|f| Shard {
+                path: f.path,
+                map: Storage::Mapped(f.map),
+                data_start: 0,
+                ident: Some(f.ident),
+            })
+            .collect();
+        let mut by_name = HashMap::new();
+        for t in views {
+            let shard = shards
+                .get(t.file)
+                .ok_or_else(|| bad_file(label, format!("tensor {}: no file {}", t.name, t.file)))?;
+            let len = t
+                .shape
+                .iter()
+                .try_fold(t.dtype.size_in_bytes(), |a, &d| a.checked_mul(d));
+            let end = len.and_then(|l| t.start.checked_add(l));
+            if end.is_none_or(|e| e > shard.map.len()) || by_name.contains_key(&t.name) {
+                return Err(bad_file(
+                    &shard.path,
+                    format!(
+                        "tensor {} ({:?} of {} from byte {}) passes the file's end or is given twice",
+                        t.name, t.shape, t.dtype, t.start
+                    ),
+                ));
+            }
+            let info = TensorInfo {
+                dtype: st_dtype(t.dtype),
+                shape: t.shape,
+                data_offsets: (t.start, end.expect("checked above")),
+            };
+            by_name.insert(t.name, (t.file, info));
+        }
+        let held = Weights::from_memory(&label.display().to_string(), owned)?;
+        for (name, (i, info)) in held.by_name {
+            if by_name.contains_key(&name) {
+                return Err(bad_file(label, format!("tensor {name} is given twice")));
+            }
+            by_name.insert(name, (shards.len() + i, info));
+        }
+        shards.extend(held.shards);
+        Ok(Weights {
+            dir: label.to_path_buf(),
+            shards,
+            by_name,
+        })
     }
 
     /// The tensor called `name`, or an error naming it and the directory.

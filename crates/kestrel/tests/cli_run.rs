@@ -37,25 +37,81 @@ fn run(args: &[&str]) -> Vec<u64> {
         .collect()
 }
 
+/// The fixture's prompt and transformers' greedy continuation of it.
+fn greedy_reference(name: &str) -> (Vec<String>, Vec<u64>) {
+    let greedy: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture(name).join("reference/greedy.json")).unwrap())
+            .unwrap();
+    let prompt = greedy["prompt"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.to_string())
+        .collect();
+    let want = greedy["continuation"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect();
+    (prompt, want)
+}
+
+/// `run -m FILE.gguf` reads everything from the file: the float conversions of the fixtures by
+/// llama.cpp's converter continue as transformers does, and a text prompt goes through the
+/// file's own tokenizer (the fixtures' is byte-level over their 256 tokens: token i is byte i).
+#[test]
+fn gguf_files_generate_as_their_directories() {
+    let dir = kestrel_testing::fixtures::path("crates/kestrel-model/tests/gguf");
+    for (name, ty) in [
+        ("llama", "f16"),
+        ("qwen3", "bf16"),
+        ("qwen3_next", "f16"),
+        ("qwen3_5_moe", "f16"),
+    ] {
+        let (prompt, want) = greedy_reference(name);
+        let file = dir.join(format!("{name}-{ty}.gguf"));
+        let file = file.to_str().unwrap();
+        let args = [
+            "-m",
+            file,
+            "-n",
+            "24",
+            "--temperature",
+            "0",
+            "--backend",
+            "cpu",
+            "--json",
+        ];
+        let got = run(&[&args[..], &["--prompt-tokens", &prompt.join(",")]].concat());
+        assert_eq!(got, want, "{name}-{ty}");
+    }
+    let file = dir.join("llama-q8_0.gguf");
+    let o = Command::new(env!("CARGO_BIN_EXE_kestrel"))
+        .args([
+            "run",
+            "-m",
+            file.to_str().unwrap(),
+            "-p",
+            "Grüße",
+            "--raw",
+            "-n",
+            "3",
+        ])
+        .args(["--backend", "cpu", "--json"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let stdout = String::from_utf8(o.stdout).unwrap();
+    let v: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(v["prompt_tokens"], "Grüße".len(), "{v}");
+    assert_eq!(v["tokens"].as_array().unwrap().len(), 3, "{v}");
+}
+
 #[test]
 fn greedy_generation_matches_transformers_for_every_fixture() {
     for name in FIXTURES {
-        let greedy: serde_json::Value = serde_json::from_str(
-            &std::fs::read_to_string(fixture(name).join("reference/greedy.json")).unwrap(),
-        )
-        .unwrap();
-        let prompt: Vec<String> = greedy["prompt"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.to_string())
-            .collect();
-        let want: Vec<u64> = greedy["continuation"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_u64().unwrap())
-            .collect();
+        let (prompt, want) = greedy_reference(name);
         let model = fixture(name);
         let got = run(&[
             "--model",

@@ -1,0 +1,868 @@
+//! A GGUF file (or the splits of one, `NAME-00001-of-0000N.gguf`) as a model: its metadata as a
+//! `config.json` ([`ModelConfig`]), its tensors under the Hugging Face names the graph reads, with
+//! what llama.cpp's converter changed undone (stacked experts split per expert, Llama's rotary
+//! row order, Qwen3-Next's fused `in_proj_qkvz`, Qwen3.5's value heads in tiled order, the
+//! hybrids' `1 + w` norms and `-exp(A_log)`), and its tokenizer, chat template and special
+//! tokens as `tokenizer.json`, `tokenizer_config.json` and `generation_config.json` values.
+//!
+//! Float tensors (F32, F16, BF16) that need no change are read in place from the map; block-
+//! quantised ones are dequantised to f32 exactly (`gguf_dequant`), so the model computes what
+//! the file holds. Every tensor of the file must be used: one the mapping does not know is an
+//! error naming it, never silently left out.
+
+use std::borrow::Cow;
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+
+use kestrel_core::rope::RopeScaling;
+use kestrel_core::DType;
+use serde_json::{json, Map, Value as Json};
+
+use crate::config::{Arch, ModelConfig};
+use crate::error::{ModelError, Result};
+use crate::gguf::{Gguf, TensorInfo, Value};
+use crate::gguf_dequant::dequantize;
+use crate::weights::{FileTensor, MappedFile, OwnedTensor, Weights};
+
+/// A GGUF model read: what a model directory's files would give.
+pub struct GgufModel {
+    pub config: ModelConfig,
+    pub weights: Weights,
+    /// The tokenizer as a `tokenizer.json` value, when the file has one.
+    pub tokenizer: Option<Json>,
+    /// The special tokens' text and the chat template, as a `tokenizer_config.json` value.
+    pub tokenizer_config: Json,
+    /// The beginning and end token ids, as a `generation_config.json` value.
+    pub generation_config: Json,
+}
+
+/// llama.cpp's architecture names and Kestrel's.
+const ARCHS: &[(&str, Arch)] = &[
+    ("llama", Arch::Llama),
+    ("qwen3", Arch::Qwen3),
+    ("qwen3moe", Arch::Qwen3Moe),
+    ("qwen3next", Arch::Qwen3Next),
+    ("qwen35moe", Arch::Qwen35Moe),
+];
+
+fn bad(path: &Path, reason: impl Into<String>) -> ModelError {
+    ModelError::Weights {
+        path: path.to_path_buf(),
+        reason: reason.into(),
+    }
+}
+
+/// The splits of the model `path` names: itself, or every `-0000i-of-0000N` file beside it.
+fn split_paths(path: &Path) -> Vec<PathBuf> {
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    let Some(stem) = name.strip_suffix(".gguf") else {
+        return vec![path.to_path_buf()];
+    };
+    // NAME-00001-of-00003
+    let parts: Vec<&str> = stem.rsplitn(4, '-').collect();
+    if parts.len() == 4 && parts[1] == "of" && parts[0].len() == 5 && parts[2].len() == 5 {
+        if let (Ok(n), Ok(_)) = (parts[0].parse::<usize>(), parts[2].parse::<usize>()) {
+            if (1..=9999).contains(&n) {
+                let base = parts[3];
+                return (1..=n)
+                    .map(|i| path.with_file_name(format!("{base}-{i:05}-of-{n:05}.gguf")))
+                    .collect();
+            }
+        }
+    }
+    vec![path.to_path_buf()]
+}
+
+/// Opens the GGUF model at `path` (a file, or the first or any split of one).
+pub fn open_gguf(path: &Path) -> Result<GgufModel> {
+    let paths = split_paths(path);
+    let mut files = Vec::with_capacity(paths.len());
+    let mut ggufs = Vec::with_capacity(paths.len());
+    for p in &paths {
+        if !p.is_file() {
+            return Err(bad(p, "this split of the model is missing"));
+        }
+        let f = MappedFile::open(p)?;
+        let g = Gguf::parse(f.bytes()).map_err(|e| bad(p, e.to_string()))?;
+        files.push(f);
+        ggufs.push(g);
+    }
+    if paths.len() > 1 {
+        for (i, g) in ggufs.iter().enumerate() {
+            let no = g.get("split.no").and_then(Value::as_u64);
+            let count = g.get("split.count").and_then(Value::as_u64);
+            if no != Some(i as u64) || count != Some(paths.len() as u64) {
+                return Err(bad(
+                    &paths[i],
+                    format!(
+                        "split.no {no:?} / split.count {count:?}: not split {i} of {}",
+                        paths.len()
+                    ),
+                ));
+            }
+        }
+    }
+    let label = paths[0].clone();
+    let meta = &ggufs[0];
+    let mut tensors: HashMap<&str, (usize, &TensorInfo)> = HashMap::new();
+    for (i, g) in ggufs.iter().enumerate() {
+        for t in &g.tensors {
+            if tensors.insert(&t.name, (i, t)).is_some() {
+                return Err(bad(&paths[i], format!("tensor {} is in two splits", t.name)));
+            }
+        }
+    }
+    let arch_name = meta
+        .str("general.architecture")
+        .map_err(|e| bad(&label, e.to_string()))?;
+    let arch = ARCHS
+        .iter()
+        .find(|a| a.0 == arch_name)
+        .map(|a| a.1)
+        .ok_or_else(|| {
+            bad(
+                &label,
+                format!(
+                    "general.architecture {arch_name:?} is not supported (supported: {})",
+                    ARCHS.iter().map(|a| a.0).collect::<Vec<_>>().join(", ")
+                ),
+            )
+        })?;
+    let mut src = Source {
+        label: &label,
+        files: &files,
+        tensors,
+        used: HashSet::new(),
+        views: Vec::new(),
+        owned: Vec::new(),
+    };
+    let config_json = config_json(meta, arch_name, arch, &src).map_err(|e| e.in_file(&label))?;
+    let mut config = ModelConfig::from_json(&config_json.to_string()).map_err(|e| e.in_file(&label))?;
+    if let Some(factors) = src.rope_factors(&config)? {
+        config.rope.scaling = RopeScaling::Factors(factors);
+    }
+    map_tensors(&mut src, &config)?;
+    let unused: Vec<&str> = src
+        .tensors
+        .keys()
+        .filter(|n| !src.used.contains(**n))
+        .filter(|n| !extra_layer(n, config.layers))
+        .copied()
+        .collect();
+    if let Some(n) = unused.iter().min() {
+        return Err(bad(
+            &label,
+            format!(
+                "tensor {n} is not one Kestrel reads for {arch_name} ({} such tensors); the file \
+                 may be of a variant of the architecture that is not supported",
+                unused.len()
+            ),
+        ));
+    }
+    let (views, owned) = (std::mem::take(&mut src.views), std::mem::take(&mut src.owned));
+    let weights = Weights::from_files(&label, files, views, owned)?;
+    let tokenizer = match meta.get("tokenizer.ggml.model") {
+        Some(_) => Some(meta.tokenizer_json().map_err(|e| bad(&label, e.to_string()))?),
+        None => None,
+    };
+    let (tokenizer_config, generation_config) = text_json(meta);
+    Ok(GgufModel {
+        config,
+        weights,
+        tokenizer,
+        tokenizer_config,
+        generation_config,
+    })
+}
+
+/// A tensor of a layer past the model's own (multi-token-prediction layers, which the file may
+/// carry and Kestrel does not run).
+fn extra_layer(name: &str, layers: usize) -> bool {
+    name.strip_prefix("blk.")
+        .and_then(|r| r.split('.').next())
+        .and_then(|i| i.parse::<usize>().ok())
+        .is_some_and(|i| i >= layers)
+}
+
+/// A metadata value as JSON (numbers, strings, booleans and arrays of them).
+fn to_json(v: &Value) -> Json {
+    if let Some(a) = v.as_array() {
+        if let Some(s) = a.strings() {
+            return json!(s);
+        }
+        if let crate::gguf::Array::Bool(b) = a {
+            return json!(b);
+        }
+        if let Some(i) = a.ints() {
+            return json!(i);
+        }
+        return json!(a.floats().unwrap_or_default());
+    }
+    if let Some(s) = v.as_str() {
+        return json!(s);
+    }
+    if let Value::Bool(b) = v {
+        return json!(b);
+    }
+    if let Some(u) = v.as_u64() {
+        return json!(u);
+    }
+    json!(v.as_f64())
+}
+
+/// The architecture's metadata as the `config.json` transformers would have written.
+fn config_json(g: &Gguf, a: &str, arch: Arch, src: &Source) -> Result<Json> {
+    let key = |k: &str| format!("{a}.{k}");
+    let get = |k: &str| g.get(&key(k));
+    let need = |k: &str| -> Result<Json> {
+        get(k).map(to_json).ok_or_else(|| ModelError::Config {
+            key: key(k),
+            reason: "missing".into(),
+        })
+    };
+    // A per-layer list (some files give head counts per layer): one value for every layer.
+    let one = |k: &str, v: Json| -> Result<Json> {
+        match v {
+            Json::Array(list) => {
+                let mut nonzero = list.iter().filter(|x| x.as_u64() != Some(0));
+                let first = nonzero.next().cloned().unwrap_or(json!(0));
+                if nonzero.any(|x| *x != first) {
+                    return Err(ModelError::Config {
+                        key: key(k),
+                        reason: "differs between layers, which Kestrel does not support".into(),
+                    });
+                }
+                Ok(first)
+            }
+            v => Ok(v),
+        }
+    };
+    let model_type = if arch == Arch::Qwen35Moe {
+        "qwen3_5_moe_text"
+    } else {
+        arch.model_type()
+    };
+    let blocks = need("block_count")?.as_u64().unwrap_or(0);
+    let nextn = get("nextn_predict_layers").and_then(Value::as_u64).unwrap_or(0);
+    let layers = blocks.checked_sub(nextn).ok_or_else(|| ModelError::Config {
+        key: key("nextn_predict_layers"),
+        reason: format!("{nextn}, more than the {blocks} blocks"),
+    })?;
+    let embd = src.info("token_embd.weight")?;
+    let vocab = embd.dims.get(1).copied().unwrap_or(0);
+    let mut c = Map::new();
+    c.insert("model_type".into(), json!(model_type));
+    c.insert("hidden_size".into(), need("embedding_length")?);
+    c.insert("num_hidden_layers".into(), json!(layers));
+    c.insert(
+        "num_attention_heads".into(),
+        one("attention.head_count", need("attention.head_count")?)?,
+    );
+    if let Some(v) = get("attention.head_count_kv") {
+        c.insert(
+            "num_key_value_heads".into(),
+            one("attention.head_count_kv", to_json(v))?,
+        );
+    }
+    if let Some(v) = get("attention.key_length") {
+        c.insert("head_dim".into(), to_json(v));
+    }
+    if let Some(v) = get("feed_forward_length") {
+        c.insert(
+            "intermediate_size".into(),
+            one("feed_forward_length", to_json(v))?,
+        );
+    }
+    c.insert("max_position_embeddings".into(), need("context_length")?);
+    c.insert("vocab_size".into(), json!(vocab));
+    if let Some(v) = get("attention.layer_norm_rms_epsilon") {
+        c.insert("rms_norm_eps".into(), to_json(v));
+    }
+    c.insert(
+        "tie_word_embeddings".into(),
+        json!(!src.tensors.contains_key("output.weight")),
+    );
+    let mut rope = Map::new();
+    rope.insert(
+        "rope_theta".into(),
+        get("rope.freq_base").map_or(json!(10000.0), to_json),
+    );
+    if let (Some(rot), Some(head)) = (
+        get("rope.dimension_count").and_then(Value::as_u64),
+        get("attention.key_length").and_then(Value::as_u64).or_else(|| {
+            Some(g.get(&key("embedding_length"))?.as_u64()? / g.get(&key("attention.head_count"))?.as_u64()?)
+        }),
+    ) {
+        if head > 0 {
+            rope.insert("partial_rotary_factor".into(), json!(rot as f64 / head as f64));
+        }
+    }
+    let scaling = get("rope.scaling.type").and_then(Value::as_str).unwrap_or("none");
+    match scaling {
+        "none" => {
+            rope.insert("rope_type".into(), json!("default"));
+        }
+        "linear" | "yarn" => {
+            rope.insert("rope_type".into(), json!(scaling));
+            rope.insert("factor".into(), need("rope.scaling.factor")?);
+            if let Some(v) = get("rope.scaling.original_context_length") {
+                rope.insert("original_max_position_embeddings".into(), to_json(v));
+            }
+            for (k, hf) in [
+                ("rope.scaling.yarn_beta_fast", "beta_fast"),
+                ("rope.scaling.yarn_beta_slow", "beta_slow"),
+                ("rope.scaling.yarn_ext_factor", "ext_factor"),
+            ] {
+                if let (Some(v), true) = (get(k), hf != "ext_factor") {
+                    rope.insert(hf.into(), to_json(v));
+                }
+            }
+        }
+        other => {
+            return Err(ModelError::Config {
+                key: key("rope.scaling.type"),
+                reason: format!("{other:?} is not supported (none, linear, yarn are)"),
+            })
+        }
+    }
+    c.insert("rope_parameters".into(), Json::Object(rope));
+    if let Some(v) = get("expert_count") {
+        c.insert("num_experts".into(), to_json(v));
+        c.insert("num_experts_per_tok".into(), need("expert_used_count")?);
+        c.insert(
+            "moe_intermediate_size".into(),
+            need("expert_feed_forward_length")?,
+        );
+        // llama.cpp normalises the chosen experts' weights for all three MoE architectures.
+        c.insert("norm_topk_prob".into(), json!(true));
+        c.insert("decoder_sparse_step".into(), json!(1));
+        c.insert("mlp_only_layers".into(), json!([]));
+        if let Some(v) = get("expert_shared_feed_forward_length") {
+            c.insert("shared_expert_intermediate_size".into(), to_json(v));
+        }
+    }
+    if arch.is_hybrid() {
+        let n = |k: &str| -> Result<u64> {
+            need(k)?.as_u64().ok_or_else(|| ModelError::Config {
+                key: key(k),
+                reason: "expected a non-negative integer".into(),
+            })
+        };
+        let (v_heads, inner) = (n("ssm.time_step_rank")?, n("ssm.inner_size")?);
+        if v_heads == 0 || inner % v_heads != 0 {
+            return Err(ModelError::Config {
+                key: key("ssm.inner_size"),
+                reason: format!("{inner} is not a multiple of {v_heads} value heads"),
+            });
+        }
+        c.insert("linear_conv_kernel_dim".into(), json!(n("ssm.conv_kernel")?));
+        c.insert("linear_key_head_dim".into(), json!(n("ssm.state_size")?));
+        c.insert("linear_num_key_heads".into(), json!(n("ssm.group_count")?));
+        c.insert("linear_num_value_heads".into(), json!(v_heads));
+        c.insert("linear_value_head_dim".into(), json!(inner / v_heads));
+        let kinds: Vec<&str> = match get("attention.recurrent_layers").and_then(Value::as_array) {
+            Some(crate::gguf::Array::Bool(r)) => r
+                .iter()
+                .take(layers as usize)
+                .map(|&rec| if rec { "linear_attention" } else { "full_attention" })
+                .collect(),
+            _ => {
+                let every = get("full_attention_interval")
+                    .and_then(Value::as_u64)
+                    .unwrap_or(4)
+                    .max(1);
+                (0..layers)
+                    .map(|i| {
+                        if (i + 1) % every == 0 {
+                            "full_attention"
+                        } else {
+                            "linear_attention"
+                        }
+                    })
+                    .collect()
+            }
+        };
+        c.insert("layer_types".into(), json!(kinds));
+    }
+    Ok(Json::Object(c))
+}
+
+/// The tokenizer's special tokens and template, and the beginning and end ids, from metadata.
+fn text_json(g: &Gguf) -> (Json, Json) {
+    let tokens = g
+        .get("tokenizer.ggml.tokens")
+        .and_then(Value::as_array)
+        .and_then(|a| a.strings());
+    let id = |k: &str| g.get(k).and_then(Value::as_u64);
+    let text = |i: Option<u64>| Some(tokens?.get(usize::try_from(i?).ok()?)?.clone());
+    let (bos, eos) = (
+        id("tokenizer.ggml.bos_token_id"),
+        id("tokenizer.ggml.eos_token_id"),
+    );
+    let mut tc = Map::new();
+    if let Some(t) = text(bos) {
+        tc.insert("bos_token".into(), json!(t));
+    }
+    if let Some(t) = text(eos) {
+        tc.insert("eos_token".into(), json!(t));
+    }
+    if let Some(t) = g.get("tokenizer.chat_template").and_then(Value::as_str) {
+        tc.insert("chat_template".into(), json!(t));
+    }
+    let mut ends: Vec<u64> = Vec::new();
+    for k in ["eos", "eot", "eom"] {
+        if let Some(i) = id(&format!("tokenizer.ggml.{k}_token_id")) {
+            if !ends.contains(&i) {
+                ends.push(i);
+            }
+        }
+    }
+    let mut gc = Map::new();
+    if let Some(b) = bos {
+        gc.insert("bos_token_id".into(), json!(b));
+    }
+    if !ends.is_empty() {
+        gc.insert("eos_token_id".into(), json!(ends));
+    }
+    (Json::Object(tc), Json::Object(gc))
+}
+
+/// The file's tensors, and what the mapping made of them so far.
+struct Source<'a> {
+    label: &'a Path,
+    files: &'a [MappedFile],
+    tensors: HashMap<&'a str, (usize, &'a TensorInfo)>,
+    used: HashSet<String>,
+    views: Vec<FileTensor>,
+    owned: Vec<OwnedTensor>,
+}
+
+/// A tensor's values in a float type: as stored (F32, F16, BF16) or dequantised to f32.
+struct Dense<'a> {
+    dtype: DType,
+    bytes: Cow<'a, [u8]>,
+    /// Torch order (slowest first).
+    shape: Vec<usize>,
+}
+
+impl Dense<'_> {
+    fn to_f32(&self) -> Vec<f32> {
+        match self.dtype {
+            DType::F32 => bytemuck::pod_collect_to_vec(&self.bytes),
+            DType::F16 => self
+                .bytes
+                .chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            _ => self
+                .bytes
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+        }
+    }
+}
+
+fn plain(t: &TensorInfo) -> Option<DType> {
+    match t.ty.name {
+        "F32" => Some(DType::F32),
+        "F16" => Some(DType::F16),
+        "BF16" => Some(DType::BF16),
+        _ => None,
+    }
+}
+
+/// Torch order of a tensor's dims (GGUF gives the fastest first).
+fn torch_shape(t: &TensorInfo) -> Vec<usize> {
+    t.dims.iter().rev().map(|&d| d as usize).collect()
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    bytemuck::cast_slice(v).to_vec()
+}
+
+impl<'a> Source<'a> {
+    fn info(&self, name: &str) -> Result<&'a TensorInfo> {
+        self.tensors
+            .get(name)
+            .map(|t| t.1)
+            .ok_or_else(|| bad(self.label, format!("tensor {name} is missing")))
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    /// Tensor `name`'s values, marking it used.
+    fn dense(&mut self, name: &str) -> Result<Dense<'a>> {
+        let (file, t) = *self
+            .tensors
+            .get(name)
+            .ok_or_else(|| bad(self.label, format!("tensor {name} is missing")))?;
+        self.used.insert(name.to_string());
+        let bytes = t.data(self.files[file].bytes());
+        let shape = torch_shape(t);
+        Ok(match plain(t) {
+            Some(dtype) => Dense {
+                dtype,
+                bytes: Cow::Borrowed(bytes),
+                shape,
+            },
+            None => Dense {
+                dtype: DType::F32,
+                bytes: Cow::Owned(f32_bytes(
+                    &dequantize(t.ty, bytes).map_err(|r| bad(self.label, format!("tensor {name}: {r}")))?,
+                )),
+                shape,
+            },
+        })
+    }
+
+    fn own(&mut self, name: String, dtype: DType, shape: Vec<usize>, bytes: Vec<u8>) {
+        self.owned.push(OwnedTensor {
+            name,
+            dtype,
+            shape,
+            bytes,
+        });
+    }
+
+    /// `gguf` under the name `hf`: read in place when stored as a float type.
+    fn direct(&mut self, gguf: &str, hf: String) -> Result<()> {
+        let (file, t) = *self
+            .tensors
+            .get(gguf)
+            .ok_or_else(|| bad(self.label, format!("tensor {gguf} is missing")))?;
+        match plain(t) {
+            Some(dtype) => {
+                self.used.insert(gguf.to_string());
+                self.views.push(FileTensor {
+                    name: hf,
+                    file,
+                    dtype,
+                    shape: torch_shape(t),
+                    start: t.start as usize,
+                });
+            }
+            None => {
+                let d = self.dense(gguf)?;
+                let (shape, bytes) = (d.shape, d.bytes.into_owned());
+                self.own(hf, DType::F32, shape, bytes);
+            }
+        }
+        Ok(())
+    }
+
+    /// `gguf`'s values, each changed by `f`, as f32 under the name `hf`, optionally in the
+    /// order `order` (element `i` of the result is element `order[i]`).
+    fn values(
+        &mut self,
+        gguf: &str,
+        hf: String,
+        order: Option<&[usize]>,
+        f: impl Fn(f32) -> f32,
+    ) -> Result<()> {
+        let d = self.dense(gguf)?;
+        let v = d.to_f32();
+        let v: Vec<f32> = match order {
+            Some(o) => o.iter().map(|&i| f(v[i])).collect(),
+            None => v.into_iter().map(f).collect(),
+        };
+        self.own(hf, DType::F32, d.shape, f32_bytes(&v));
+        Ok(())
+    }
+
+    /// Rows gathered from the tensors `parts` (2-D or 1-D as a column), row `i` of the result
+    /// being row `order[i].1` of part `order[i].0`, under `hf`, in the parts' float type (f32 if
+    /// they differ).
+    fn rows(&mut self, parts: &[&str], hf: String, order: &[(usize, usize)]) -> Result<()> {
+        let mut dense = parts.iter().map(|p| self.dense(p)).collect::<Result<Vec<_>>>()?;
+        let cols = dense[0].shape[1..].iter().product::<usize>();
+        if dense
+            .iter()
+            .any(|d| d.shape[1..].iter().product::<usize>() != cols)
+        {
+            return Err(bad(
+                self.label,
+                format!("tensors {parts:?} have rows of different lengths"),
+            ));
+        }
+        if dense.iter().any(|d| d.dtype != dense[0].dtype) {
+            for d in &mut dense {
+                *d = Dense {
+                    dtype: DType::F32,
+                    bytes: Cow::Owned(f32_bytes(&d.to_f32())),
+                    shape: d.shape.clone(),
+                };
+            }
+        }
+        let row = cols * dense[0].dtype.size_in_bytes();
+        let mut out = Vec::with_capacity(order.len() * row);
+        for &(p, r) in order {
+            let b = &dense[p].bytes;
+            if (r + 1) * row > b.len() {
+                return Err(bad(self.label, format!("tensor {} has no row {r}", parts[p])));
+            }
+            out.extend_from_slice(&b[r * row..(r + 1) * row]);
+        }
+        let mut shape = dense[0].shape.clone();
+        shape[0] = order.len();
+        let dtype = dense[0].dtype;
+        self.own(hf, dtype, shape, out);
+        Ok(())
+    }
+
+    /// A 2-D tensor's columns put in the order `order` (column `i` of the result is column
+    /// `order[i]`), as f32.
+    fn columns(&mut self, gguf: &str, hf: String, order: &[usize]) -> Result<()> {
+        let d = self.dense(gguf)?;
+        let v = d.to_f32();
+        let cols = *d.shape.last().unwrap_or(&0);
+        if cols != order.len() {
+            return Err(bad(
+                self.label,
+                format!("tensor {gguf}: {cols} columns, {} expected", order.len()),
+            ));
+        }
+        let mut out = Vec::with_capacity(v.len());
+        for r in v.chunks_exact(cols.max(1)) {
+            out.extend(order.iter().map(|&c| r[c]));
+        }
+        self.own(hf, DType::F32, d.shape, f32_bytes(&out));
+        Ok(())
+    }
+
+    /// A stacked expert tensor (`[experts, rows, cols]`) as one tensor an expert, `hf(e)`.
+    fn experts(&mut self, gguf: &str, hf: impl Fn(usize) -> String) -> Result<()> {
+        let (file, t) = *self
+            .tensors
+            .get(gguf)
+            .ok_or_else(|| bad(self.label, format!("tensor {gguf} is missing")))?;
+        let shape = torch_shape(t);
+        if shape.len() != 3 {
+            return Err(bad(
+                self.label,
+                format!("tensor {gguf}: shape {shape:?}, not [experts, rows, cols]"),
+            ));
+        }
+        let (n, each) = (shape[0], shape[1] * shape[2]);
+        match plain(t) {
+            Some(dtype) => {
+                self.used.insert(gguf.to_string());
+                for e in 0..n {
+                    self.views.push(FileTensor {
+                        name: hf(e),
+                        file,
+                        dtype,
+                        shape: shape[1..].to_vec(),
+                        start: t.start as usize + e * each * dtype.size_in_bytes(),
+                    });
+                }
+            }
+            None => {
+                let d = self.dense(gguf)?;
+                for (e, chunk) in d.bytes.chunks_exact(each * 4).enumerate() {
+                    self.own(hf(e), DType::F32, shape[1..].to_vec(), chunk.to_vec());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Llama 3's frequency factors (`rope_freqs.weight`), checked against the rotated dims.
+    fn rope_factors(&mut self, c: &ModelConfig) -> Result<Option<Vec<f32>>> {
+        if !self.has("rope_freqs.weight") {
+            return Ok(None);
+        }
+        let v = self.dense("rope_freqs.weight")?.to_f32();
+        let rot = (c.head_dim as f64 * c.rope.partial_rotary_factor) as usize / 2;
+        if v.len() != rot || v.iter().any(|f| !(f.is_finite() && *f > 0.0)) {
+            return Err(bad(
+                self.label,
+                format!(
+                    "rope_freqs.weight: {} factors, expected {rot} positive ones",
+                    v.len()
+                ),
+            ));
+        }
+        Ok(Some(v))
+    }
+}
+
+/// Where row `i` of a tensor whose value heads are grouped by key head (`[key heads, value heads
+/// a key head, dim]`, transformers' order) lies in llama.cpp's tiled order (`[value heads a key
+/// head, key heads, dim]`), for each `i`.
+fn untile(key_heads: usize, per_key: usize, dim: usize) -> Vec<usize> {
+    let mut order = Vec::with_capacity(key_heads * per_key * dim);
+    for k in 0..key_heads {
+        for j in 0..per_key {
+            for d in 0..dim {
+                order.push((j * key_heads + k) * dim + d);
+            }
+        }
+    }
+    order
+}
+
+/// Where row `i` of a Llama query or key projection (`heads` heads, transformers' rotary order:
+/// each head's first halves, then its second halves) lies in llama.cpp's interleaved order.
+fn unpermute(rows: usize, heads: usize) -> Vec<usize> {
+    let dim = rows / heads.max(1);
+    let half = dim / 2;
+    let mut order = Vec::with_capacity(rows);
+    for h in 0..heads {
+        for t in 0..2 {
+            for i in 0..half {
+                order.push(h * dim + 2 * i + t);
+            }
+        }
+    }
+    order
+}
+
+fn single(order: Vec<usize>) -> Vec<(usize, usize)> {
+    order.into_iter().map(|r| (0, r)).collect()
+}
+
+/// Every tensor the graph reads, from the file's.
+fn map_tensors(s: &mut Source, c: &ModelConfig) -> Result<()> {
+    let hybrid = c.arch.is_hybrid();
+    // The hybrids' norms are `1 + w` in transformers; llama.cpp's converter stores `1 + w`.
+    let norm = |s: &mut Source, gguf: &str, hf: String| -> Result<()> {
+        if hybrid {
+            s.values(gguf, hf, None, |v| v - 1.0)
+        } else {
+            s.direct(gguf, hf)
+        }
+    };
+    s.direct("token_embd.weight", "model.embed_tokens.weight".into())?;
+    norm(s, "output_norm.weight", "model.norm.weight".into())?;
+    if s.has("output.weight") {
+        s.direct("output.weight", "lm_head.weight".into())?;
+    }
+    for i in 0..c.layers {
+        let b = |n: &str| format!("blk.{i}.{n}");
+        let m = |n: &str| format!("model.layers.{i}.{n}");
+        norm(s, &b("attn_norm.weight"), m("input_layernorm.weight"))?;
+        let post = if hybrid {
+            "post_attention_norm.weight"
+        } else {
+            "ffn_norm.weight"
+        };
+        norm(s, &b(post), m("post_attention_layernorm.weight"))?;
+        if c.layer_kinds[i] == crate::config::LayerKind::LinearAttention {
+            linear_attention(s, c, i)?;
+        } else {
+            for (g, h) in [("attn_v", "v_proj"), ("attn_output", "o_proj")] {
+                s.direct(&b(&format!("{g}.weight")), m(&format!("self_attn.{h}.weight")))?;
+            }
+            if c.arch == Arch::Llama {
+                for (g, h, heads) in [("attn_q", "q_proj", c.heads), ("attn_k", "k_proj", c.kv_heads)] {
+                    let name = b(&format!("{g}.weight"));
+                    let rows = torch_shape(s.info(&name)?)[0];
+                    s.rows(
+                        &[&name],
+                        m(&format!("self_attn.{h}.weight")),
+                        &single(unpermute(rows, heads)),
+                    )?;
+                }
+            } else {
+                for (g, h) in [("attn_q", "q_proj"), ("attn_k", "k_proj")] {
+                    s.direct(&b(&format!("{g}.weight")), m(&format!("self_attn.{h}.weight")))?;
+                }
+                for (g, h) in [("attn_q_norm", "q_norm"), ("attn_k_norm", "k_norm")] {
+                    norm(s, &b(&format!("{g}.weight")), m(&format!("self_attn.{h}.weight")))?;
+                }
+            }
+        }
+        if s.has(&b("ffn_gate_inp.weight")) {
+            s.direct(&b("ffn_gate_inp.weight"), m("mlp.gate.weight"))?;
+            for w in ["gate", "up", "down"] {
+                s.experts(&b(&format!("ffn_{w}_exps.weight")), |e| {
+                    m(&format!("mlp.experts.{e}.{w}_proj.weight"))
+                })?;
+            }
+            if s.has(&b("ffn_gate_inp_shexp.weight")) {
+                s.direct(
+                    &b("ffn_gate_inp_shexp.weight"),
+                    m("mlp.shared_expert_gate.weight"),
+                )?;
+            }
+            if s.has(&b("ffn_up_shexp.weight")) {
+                for w in ["gate", "up", "down"] {
+                    s.direct(
+                        &b(&format!("ffn_{w}_shexp.weight")),
+                        m(&format!("mlp.shared_expert.{w}_proj.weight")),
+                    )?;
+                }
+            }
+        } else {
+            for w in ["gate", "up", "down"] {
+                s.direct(&b(&format!("ffn_{w}.weight")), m(&format!("mlp.{w}_proj.weight")))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A Gated DeltaNet layer's tensors.
+fn linear_attention(s: &mut Source, c: &ModelConfig, i: usize) -> Result<()> {
+    let l = c.linear_attn.as_ref().expect("hybrids have linear attention");
+    let (nk, hk, nv, hv) = (l.key_heads, l.key_head_dim, l.value_heads, l.value_head_dim);
+    let r = nv / nk;
+    let b = |n: &str| format!("blk.{i}.{n}");
+    let m = |n: &str| format!("model.layers.{i}.linear_attn.{n}");
+    // Qwen3.5's value heads were put in tiled order wherever they appear (Qwen3-Next's not).
+    let tiled = c.arch == Arch::Qwen35Moe;
+    let heads = untile(nk, r, 1);
+    // llama.cpp stores -exp(A_log).
+    let a_order = tiled.then_some(heads.as_slice());
+    s.values(&b("ssm_a"), m("A_log"), a_order, |a| (-f64::from(a)).ln() as f32)?;
+    s.direct(&b("ssm_norm.weight"), m("norm.weight"))?;
+    if !tiled {
+        // transformers' `in_proj_qkvz` holds, for each key head, its q, k, v and z rows.
+        let mut order = Vec::new();
+        for g in 0..nk {
+            order.extend((0..hk).map(|d| (0, g * hk + d)));
+            order.extend((0..hk).map(|d| (0, nk * hk + g * hk + d)));
+            order.extend((0..r * hv).map(|d| (0, 2 * nk * hk + g * r * hv + d)));
+            order.extend((0..r * hv).map(|d| (1, g * r * hv + d)));
+        }
+        s.rows(
+            &[&b("attn_qkv.weight"), &b("attn_gate.weight")],
+            m("in_proj_qkvz.weight"),
+            &order,
+        )?;
+        s.direct(&b("ssm_ba.weight"), m("in_proj_ba.weight"))?;
+        s.direct(&b("ssm_dt.bias"), m("dt_bias"))?;
+        s.direct(&b("ssm_conv1d.weight"), m("conv1d.weight"))?;
+        s.direct(&b("ssm_out.weight"), m("out_proj.weight"))?;
+        return Ok(());
+    }
+    let v_rows = untile(nk, r, hv);
+    let qk = 2 * nk * hk;
+    let mut qkv: Vec<(usize, usize)> = (0..qk).map(|x| (0, x)).collect();
+    qkv.extend(v_rows.iter().map(|&x| (0, qk + x)));
+    s.rows(&[&b("attn_qkv.weight")], m("in_proj_qkv.weight"), &qkv)?;
+    s.rows(
+        &[&b("attn_gate.weight")],
+        m("in_proj_z.weight"),
+        &single(v_rows.clone()),
+    )?;
+    s.rows(
+        &[&b("ssm_beta.weight")],
+        m("in_proj_b.weight"),
+        &single(heads.clone()),
+    )?;
+    s.rows(
+        &[&b("ssm_alpha.weight")],
+        m("in_proj_a.weight"),
+        &single(heads.clone()),
+    )?;
+    s.values(&b("ssm_dt.bias"), m("dt_bias"), Some(&heads), |x| x)?;
+    let mut conv: Vec<(usize, usize)> = (0..qk).map(|x| (0, x)).collect();
+    conv.extend(v_rows.iter().map(|&x| (0, qk + x)));
+    s.rows(&[&b("ssm_conv1d.weight")], m("conv1d.weight"), &conv)?;
+    s.columns(&b("ssm_out.weight"), m("out_proj.weight"), &v_rows)?;
+    Ok(())
+}
