@@ -26,8 +26,8 @@ root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 parity = os.path.join(root, "crates", "kestrel-model", "tests", "parity")
 # qwen3_moe is left out: its layer 1 is a dense MLP (`mlp_only_layers`), which llama.cpp's
 # qwen3moe architecture has no tensors for ("Can not map tensor
-# 'model.layers.1.mlp.down_proj.weight'").
-names = sys.argv[3:] or ["llama", "qwen3", "qwen3_next", "qwen3_5_moe"]
+# 'model.layers.1.mlp.down_proj.weight'"); qwen3_moe_all (every layer MoE) stands in for it.
+names = sys.argv[3:] or ["llama", "qwen3", "qwen3_moe_all", "qwen3_next", "qwen3_5_moe"]
 pre = {"llama": "llama-bpe", "qwen3_5_moe": "qwen35"}
 # The hybrids' converter counts multi-token-prediction layers the fixtures do not have.
 extra = {"qwen3_next": ["--no-mtp"], "qwen3_5_moe": ["--no-mtp"]}

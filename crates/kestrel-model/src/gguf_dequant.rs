@@ -144,7 +144,15 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8]) -> Result<Vec<f32>, String> {
     }
     let (n, per) = (ty.block as usize, ty.block_bytes as usize);
     debug_assert_eq!(bytes.len() % per, 0);
-    let mut out = vec![0f32; bytes.len() / per * n];
+    let len = bytes.len() / per * n;
+    let mut out = Vec::new();
+    out.try_reserve_exact(len).map_err(|_| {
+        format!(
+            "{} MiB for its values as f32 could not be allocated",
+            len * 4 >> 20
+        )
+    })?;
+    out.resize(len, 0f32);
     match ty.name {
         "F32" => {
             for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {

@@ -128,6 +128,7 @@ pub fn open_gguf(path: &Path) -> Result<GgufModel> {
                 ),
             )
         })?;
+    check_memory(&label, tensors.values().map(|t| t.1))?;
     let mut src = Source {
         label: &label,
         files: &files,
@@ -173,6 +174,36 @@ pub fn open_gguf(path: &Path) -> Result<GgufModel> {
         tokenizer_config,
         generation_config,
     })
+}
+
+/// The host memory available now (`MemAvailable` of `/proc/meminfo`), where the system says.
+fn available_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// An error, before anything is dequantised, when the file's block-quantised tensors held as
+/// f32 would not fit in the host memory available.
+fn check_memory<'a>(label: &Path, tensors: impl Iterator<Item = &'a TensorInfo>) -> Result<()> {
+    let need: u64 = tensors
+        .filter(|t| plain(t).is_none())
+        .map(|t| t.elem_count().saturating_mul(4))
+        .fold(0, u64::saturating_add);
+    match available_memory() {
+        Some(have) if need > have => Err(bad(
+            label,
+            format!(
+                "its quantised tensors take {:.1} GiB as f32 and {:.1} GiB of memory is available: \
+                 Kestrel holds GGUF's quantised types as f32 for now (no kernel reads their blocks \
+                 yet); an MLX 4-bit directory of the model takes about its 4-bit size",
+                need as f64 / (1u64 << 30) as f64,
+                have as f64 / (1u64 << 30) as f64
+            ),
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// A tensor of a layer past the model's own (multi-token-prediction layers, which the file may
@@ -529,10 +560,26 @@ impl<'a> Source<'a> {
 
     /// `gguf` under the name `hf`: read in place when stored as a float type.
     fn direct(&mut self, gguf: &str, hf: String) -> Result<()> {
+        self.direct_as(gguf, hf, None)
+    }
+
+    /// [`Source::direct`], the tensor given the torch shape `shape` (of as many values) when
+    /// there is one: llama.cpp's quantiser writes a `[1, n]` matrix as a vector.
+    fn direct_as(&mut self, gguf: &str, hf: String, shape: Option<Vec<usize>>) -> Result<()> {
         let (file, t) = *self
             .tensors
             .get(gguf)
             .ok_or_else(|| bad(self.label, format!("tensor {gguf} is missing")))?;
+        let shape = match shape {
+            Some(s) if s.iter().product::<usize>() as u64 == t.elem_count() => s,
+            Some(s) => {
+                return Err(bad(
+                    self.label,
+                    format!("tensor {gguf}: shape {:?}, {s:?} expected", torch_shape(t)),
+                ))
+            }
+            None => torch_shape(t),
+        };
         match plain(t) {
             Some(dtype) => {
                 self.used.insert(gguf.to_string());
@@ -540,13 +587,12 @@ impl<'a> Source<'a> {
                     name: hf,
                     file,
                     dtype,
-                    shape: torch_shape(t),
+                    shape,
                     start: t.start as usize,
                 });
             }
             None => {
-                let d = self.dense(gguf)?;
-                let (shape, bytes) = (d.shape, d.bytes.into_owned());
+                let bytes = self.dense(gguf)?.bytes.into_owned();
                 self.own(hf, DType::F32, shape, bytes);
             }
         }
@@ -565,6 +611,12 @@ impl<'a> Source<'a> {
         let d = self.dense(gguf)?;
         let v = d.to_f32();
         let v: Vec<f32> = match order {
+            Some(o) if o.len() != v.len() => {
+                return Err(bad(
+                    self.label,
+                    format!("tensor {gguf}: {} values, {} expected", v.len(), o.len()),
+                ))
+            }
             Some(o) => o.iter().map(|&i| f(v[i])).collect(),
             None => v.into_iter().map(f).collect(),
         };
@@ -783,9 +835,10 @@ fn map_tensors(s: &mut Source, c: &ModelConfig) -> Result<()> {
                 })?;
             }
             if s.has(&b("ffn_gate_inp_shexp.weight")) {
-                s.direct(
+                s.direct_as(
                     &b("ffn_gate_inp_shexp.weight"),
                     m("mlp.shared_expert_gate.weight"),
+                    Some(vec![1, c.hidden]),
                 )?;
             }
             if s.has(&b("ffn_up_shexp.weight")) {
