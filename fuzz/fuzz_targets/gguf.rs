@@ -1,7 +1,9 @@
 //! Fuzz target: a GGUF file's header, metadata and tensor infos (`Gguf::parse`, every count,
 //! length and offset checked against the bytes), then every key's value looked at through the
 //! typed getters, every tensor's bytes read, and the tokenizer built as a `tokenizer.json` value
-//! where the metadata holds one.
+//! where the metadata holds one; then the file read as a model (`gguf_from_bytes`: the metadata
+//! as a config, every tensor mapped, dequantised and reordered) and each of its tensors looked
+//! up.
 
 #![no_main]
 
@@ -36,6 +38,13 @@ fuzz_target!(|data: &[u8]| {
     }
     if let Ok(json) = g.tokenizer_json() {
         sum = sum.wrapping_add(json["model"]["vocab"].as_object().map_or(0, |v| v.len() as u64));
+    }
+    if let Ok(m) = kestrel_model::gguf_from_bytes(std::path::Path::new("fuzz.gguf"), data.to_vec()) {
+        sum = sum.wrapping_add(m.config.layers as u64);
+        for name in m.weights.names() {
+            let t = m.weights.get(name).expect("a listed tensor reads");
+            assert_eq!(t.bytes.len(), t.elem_count() * t.dtype.size_in_bytes());
+        }
     }
     std::hint::black_box(sum);
 });

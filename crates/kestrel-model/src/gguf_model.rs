@@ -77,15 +77,26 @@ fn split_paths(path: &Path) -> Vec<PathBuf> {
 pub fn open_gguf(path: &Path) -> Result<GgufModel> {
     let paths = split_paths(path);
     let mut files = Vec::with_capacity(paths.len());
-    let mut ggufs = Vec::with_capacity(paths.len());
     for p in &paths {
         if !p.is_file() {
             return Err(bad(p, "this split of the model is missing"));
         }
-        let f = MappedFile::open(p)?;
-        let g = Gguf::parse(f.bytes()).map_err(|e| bad(p, e.to_string()))?;
-        files.push(f);
-        ggufs.push(g);
+        files.push(MappedFile::open(p)?);
+    }
+    model_of(files)
+}
+
+/// A GGUF model from a file's bytes held in memory (named `label` in messages).
+pub fn gguf_from_bytes(label: &Path, bytes: Vec<u8>) -> Result<GgufModel> {
+    model_of(vec![MappedFile::in_memory(label, bytes)])
+}
+
+/// The model of a GGUF file's splits, in order.
+fn model_of(files: Vec<MappedFile>) -> Result<GgufModel> {
+    let paths: Vec<PathBuf> = files.iter().map(|f| f.path.clone()).collect();
+    let mut ggufs = Vec::with_capacity(files.len());
+    for f in &files {
+        ggufs.push(Gguf::parse(f.bytes()).map_err(|e| bad(&f.path, e.to_string()))?);
     }
     if paths.len() > 1 {
         for (i, g) in ggufs.iter().enumerate() {

@@ -30,7 +30,7 @@ pub use experts::{
     ExpertSource, PartSource,
 };
 pub use footprint::{footprint, Footprint};
-pub use gguf_model::{open_gguf, GgufModel};
+pub use gguf_model::{gguf_from_bytes, open_gguf, GgufModel};
 pub use graph::{Forward, ForwardSpec, HostExperts, KvPool, MoeStep, Streamed, KV_BLOCK};
 pub use quantize::{check_empty_dst, quantize_dir, write_model_dir, QuantizeReport};
 pub use session::{batch_bucket, BatchOutput, Output, Session, StageAhead, Want, MAX_PROGRAMS};

@@ -114,11 +114,13 @@ pub(crate) fn st_dtype(d: DType) -> Dtype {
     }
 }
 
-/// A weight file mapped into memory (read-only), with what it was when mapped.
+/// A weight file mapped into memory (read-only), with what it was when mapped; or a file's
+/// bytes held in memory.
 pub struct MappedFile {
     pub path: PathBuf,
-    map: Mmap,
-    pub ident: FileIdent,
+    map: Storage,
+    /// None for bytes held in memory.
+    pub ident: Option<FileIdent>,
 }
 
 impl MappedFile {
@@ -131,9 +133,18 @@ impl MappedFile {
         let ident = FileIdent::of(&file.metadata().map_err(io(path))?);
         Ok(MappedFile {
             path: path.to_path_buf(),
-            map,
-            ident,
+            map: Storage::Mapped(map),
+            ident: Some(ident),
         })
+    }
+
+    /// A file's contents held in memory, named `label` in messages.
+    pub fn in_memory(label: &Path, bytes: Vec<u8>) -> MappedFile {
+        MappedFile {
+            path: label.to_path_buf(),
+            map: Storage::Owned(bytes),
+            ident: None,
+        }
     }
 
     pub fn bytes(&self) -> &[u8] {
@@ -395,9 +406,9 @@ impl Weights {
             .into_iter()
             .map(|f| Shard {
                 path: f.path,
-                map: Storage::Mapped(f.map),
+                map: f.map,
                 data_start: 0,
-                ident: Some(f.ident),
+                ident: f.ident,
             })
             .collect();
         let mut by_name = HashMap::new();

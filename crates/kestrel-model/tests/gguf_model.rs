@@ -238,18 +238,21 @@ fn dequantisation_equals_llama_cpps() {
     }
 }
 
-/// Every GGUF fixture on CUDA (graph replay): with every rounding fast path off and f32 caches,
-/// prefill and token-by-token decode equal the CPU's logits of the same file (max |error| /
-/// max |logit| <= 1e-4); with the default fast paths, top-1 agreement with the CPU is reported
-/// and at least 75% (the hybrids' random routers have near ties that bf16 activations flip, as
-/// for their directories in `parity_cuda`). Skips with a notice without a CUDA device.
+/// Every GGUF fixture on CUDA (graph replay), the Q4_K_M files among them: with every rounding
+/// fast path off and f32 caches, prefill and token-by-token decode equal the CPU's logits of
+/// the same file (max |error| / max |logit| <= 1e-4); with the default fast paths, top-1
+/// agreement with the CPU is reported and at least 75% (the hybrids' random routers have near
+/// ties that bf16 activations flip, as for their directories in `parity_cuda`). Skips with a
+/// notice without a CUDA device.
 #[test]
 fn gguf_models_run_on_cuda_as_on_the_cpu() {
     use kestrel_cuda::{CudaBackend, Exact, RunMode};
     let Some(dev) = kestrel_testing::gpu::device_or_skip("gguf_models_run_on_cuda_as_on_the_cpu") else {
         return;
     };
-    for (name, ty) in CASES {
+    // The Q4_K_M files too: what llama.cpp's quantiser picks for rows this short.
+    let q4 = ["llama", "qwen3", "qwen3_moe_all", "qwen3_next", "qwen3_5_moe"].map(|n| (n, "q4_k_m"));
+    for (name, ty) in CASES.into_iter().chain(q4) {
         let (tokens, _, _) = reference(name);
         let m = open_gguf(&gguf(name, ty)).unwrap();
         let cpu = Session::new(m.config, m.weights, CpuBackend::new(), 128, DType::F32)
