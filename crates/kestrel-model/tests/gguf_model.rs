@@ -54,6 +54,15 @@ fn values(w: &Weights, name: &str) -> (Vec<usize>, Vec<f32>) {
     (shape, v)
 }
 
+/// The logits of every position of `tokens` in one prefill of `m` on the CPU (f32 caches).
+fn cpu_logits(m: kestrel_model::GgufModel, tokens: &[u32]) -> Vec<f32> {
+    Session::new(m.config, m.weights, CpuBackend::new(), 128, DType::F32)
+        .step(tokens, 0, Want::AllLogits)
+        .unwrap()
+        .into_logits()
+        .unwrap()
+}
+
 /// The largest difference between `got` and `want` allowed by the file type: none for bf16
 /// (the directory's own values); f16 rounds bf16 values below its normal range; Q8_0 rounds
 /// each block of 32 to steps of 1/127 of its largest value: half a step, and the step itself
@@ -167,12 +176,7 @@ fn gguf_models_match_transformers_on_the_cpu() {
         let m = open_gguf(&gguf(name, ty)).unwrap();
         let c_hybrid = m.config.arch.is_hybrid();
         let (tokens, want, _) = reference(name);
-        let mut s = Session::new(m.config, m.weights, CpuBackend::new(), 128, DType::F32);
-        let got = s
-            .step(&tokens, 0, Want::AllLogits)
-            .unwrap()
-            .into_logits()
-            .unwrap();
+        let got = cpu_logits(m, &tokens);
         let err = rel_max_err(&got, &want);
         let top1 = top1_agreement(&got, &want);
         println!(
@@ -194,16 +198,11 @@ fn gguf_models_match_transformers_on_the_cpu() {
         assert!(top1 >= top, "{name}-{ty}: top-1 {top1}");
     }
     // The bf16 file holds the directory's weights exactly: the same logits, bit for bit.
-    let m = open_gguf(&gguf("qwen3", "bf16")).unwrap();
     let (tokens, _, _) = reference("qwen3");
-    let mut a = Session::new(m.config, m.weights, CpuBackend::new(), 128, DType::F32);
-    let mut b = common::open("qwen3", CpuBackend::new(), DType::F32);
+    let mut dir = common::open("qwen3", CpuBackend::new(), DType::F32);
     assert_eq!(
-        a.step(&tokens, 0, Want::AllLogits)
-            .unwrap()
-            .into_logits()
-            .unwrap(),
-        b.step(&tokens, 0, Want::AllLogits)
+        cpu_logits(open_gguf(&gguf("qwen3", "bf16")).unwrap(), &tokens),
+        dir.step(&tokens, 0, Want::AllLogits)
             .unwrap()
             .into_logits()
             .unwrap()
@@ -255,11 +254,7 @@ fn gguf_models_run_on_cuda_as_on_the_cpu() {
     for (name, ty) in CASES.into_iter().chain(q4) {
         let (tokens, _, _) = reference(name);
         let m = open_gguf(&gguf(name, ty)).unwrap();
-        let cpu = Session::new(m.config, m.weights, CpuBackend::new(), 128, DType::F32)
-            .step(&tokens, 0, Want::AllLogits)
-            .unwrap()
-            .into_logits()
-            .unwrap();
+        let cpu = cpu_logits(m, &tokens);
         for exact in [true, false] {
             let (d, t) = (&dev, &tokens);
             let (prefill, decode) = {
@@ -311,12 +306,10 @@ fn a_split_model_opens_from_any_split() {
     let dir = kestrel_testing::fixtures::path("crates/kestrel-model/tests/gguf");
     let (tokens, _, _) = reference("qwen3_next");
     let logits = |path: &std::path::Path| {
-        let m = open_gguf(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-        Session::new(m.config, m.weights, CpuBackend::new(), 128, DType::F32)
-            .step(&tokens, 0, Want::AllLogits)
-            .unwrap()
-            .into_logits()
-            .unwrap()
+        cpu_logits(
+            open_gguf(path).unwrap_or_else(|e| panic!("{}: {e}", path.display())),
+            &tokens,
+        )
     };
     let whole = logits(&dir.join("qwen3_next-q8_0.gguf"));
     for i in [1, 3] {
@@ -397,20 +390,10 @@ fn gguf_models_match_llama_cpp_on_the_same_files() {
         )
         .unwrap();
         let (_, want_logits) = values(&want, "logits");
-        let tokens: Vec<u32> = want
-            .get("tokens")
-            .unwrap()
-            .bytes
-            .chunks_exact(8)
-            .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
-            .collect();
+        let tokens = common::token_ids(&want, "tokens");
         let m = open_gguf(&dir.join(format!("{file}.gguf"))).unwrap();
         let hybrid = m.config.arch.is_hybrid();
-        let got = Session::new(m.config, m.weights, CpuBackend::new(), 128, DType::F32)
-            .step(&tokens, 0, Want::AllLogits)
-            .unwrap()
-            .into_logits()
-            .unwrap();
+        let got = cpu_logits(m, &tokens);
         let (err, top1) = (
             rel_max_err(&got, &want_logits),
             top1_agreement(&got, &want_logits),

@@ -21,16 +21,20 @@ pub fn open<B: Backend>(name: &str, backend: B, cache: DType) -> Session<B> {
     Session::open(&dir(name), backend, 128, cache).unwrap()
 }
 
-/// The fixture's tokens, reference logits `[tokens, vocab]` and greedy continuation.
-pub fn reference(name: &str) -> (Vec<u32>, Vec<f32>, Vec<u32>) {
-    let r = Weights::open(&dir(name).join("reference")).unwrap();
-    let tokens: Vec<u32> = r
-        .get("tokens")
+/// The token ids of an i64 tensor `name` of `w` (how the references store them).
+pub fn token_ids(w: &Weights, name: &str) -> Vec<u32> {
+    w.get(name)
         .unwrap()
         .bytes
         .chunks_exact(8)
         .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
-        .collect();
+        .collect()
+}
+
+/// The fixture's tokens, reference logits `[tokens, vocab]` and greedy continuation.
+pub fn reference(name: &str) -> (Vec<u32>, Vec<f32>, Vec<u32>) {
+    let r = Weights::open(&dir(name).join("reference")).unwrap();
+    let tokens = token_ids(&r, "tokens");
     let logits: Vec<f32> = r
         .get("logits")
         .unwrap()
