@@ -556,6 +556,12 @@ impl Weights {
     pub fn dir(&self) -> &Path {
         &self.dir
     }
+
+    /// Bytes of the mapped weight files, whole (a GGUF file's size, or a directory's
+    /// safetensors files with their headers).
+    pub fn file_bytes(&self) -> u64 {
+        self.shards.iter().filter_map(|s| s.ident).map(|i| i.len).sum()
+    }
 }
 
 /// The files to map, each with the tensor names the index assigns to it (None without an index).

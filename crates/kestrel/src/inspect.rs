@@ -108,7 +108,12 @@ pub fn run(a: InspectArgs) -> Result<std::process::ExitCode> {
             (2 * l.key_heads * l.key_head_dim + l.value_heads * l.value_head_dim) * (l.conv_kernel - 1);
         (linear * (l.value_heads * l.key_head_dim * l.value_head_dim + conv) * 4) as u64
     });
-    let weight_bytes = fp.bytes;
+    // On disk: the tensors' bytes as stored, or a GGUF file's own size (its quantised tensors
+    // are held dequantised, so what is loaded is more).
+    let weight_bytes = match a.model.source() {
+        kestrel_engine::ModelSource::Dir(p) if p.is_file() => w.file_bytes(),
+        _ => fp.bytes,
+    };
     ensure!(
         a.ctx >= 1 && a.prefill_chunk >= 1,
         "--ctx and --prefill-chunk must be at least 1"

@@ -1,6 +1,7 @@
 //! `kestrel inspect --json` on the fixtures: parameter counts worked out by hand from the sizes
 //! `scripts/fixtures/make-parity-fixtures.py` sets, the same count for a model and its MLX 4-bit copy, the
-//! vision tower of the multimodal checkpoint left out, and the memory of caches and states.
+//! vision tower of the multimodal checkpoint left out, and the memory of caches and states; a
+//! GGUF file counted as its directory is, its size on disk the file's.
 
 use std::process::Command;
 
@@ -9,7 +10,13 @@ fn inspect(name: &str) -> serde_json::Value {
 }
 
 fn inspect_with(name: &str, extra: &[&str]) -> serde_json::Value {
-    let dir = kestrel_testing::fixtures::path("crates/kestrel-model/tests/parity").join(name);
+    inspect_path(
+        &kestrel_testing::fixtures::path("crates/kestrel-model/tests/parity").join(name),
+        extra,
+    )
+}
+
+fn inspect_path(dir: &std::path::Path, extra: &[&str]) -> serde_json::Value {
     let o = Command::new(env!("CARGO_BIN_EXE_kestrel"))
         .args([
             "inspect",
@@ -124,4 +131,28 @@ fn a_gpu_budget_gives_a_placement_or_names_the_minimum() {
         !o.status.success() && err.contains(&format!("({min} bytes)")),
         "{err}"
     );
+}
+
+#[test]
+fn a_gguf_file_counts_as_its_directory() {
+    let gguf = kestrel_testing::fixtures::path("crates/kestrel-model/tests/gguf");
+    for (name, ty) in [("qwen3_moe_all", "bf16"), ("qwen3_next", "q8_0")] {
+        let file = gguf.join(format!("{name}-{ty}.gguf"));
+        let (g, d) = (inspect_path(&file, &[]), inspect(name));
+        for key in [
+            "architecture",
+            "layers",
+            "moe_layers",
+            "parameters",
+            "active_parameters_per_token",
+            "kv_cache_bytes",
+        ] {
+            assert_eq!(g[key], d[key], "{name}-{ty}: {key}");
+        }
+        assert_eq!(
+            g["weight_bytes"],
+            std::fs::metadata(&file).unwrap().len(),
+            "{name}-{ty}"
+        );
+    }
 }
