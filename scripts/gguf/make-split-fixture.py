@@ -2,7 +2,9 @@
 """Writes a GGUF model split in three files as llama.cpp's writer splits one (`gguf` on PyPI,
 `pip install gguf numpy`; the split keys `split.no`, `split.count` and `split.tensors.count` in
 every file, the metadata in the first): tests/gguf/split/qwen3_next-q8_0-0000i-of-00003.gguf,
-the same model as tests/gguf/qwen3_next-q8_0.gguf with its tensors shared out 30 a file.
+the same model as tests/gguf/qwen3_next-q8_0.gguf with its tensors shared out 30 a file, and
+with a chat template added to its metadata (which llama.cpp's converter copies from
+`tokenizer_config.json`; the parity fixtures have none).
 
     python3 scripts/gguf/make-split-fixture.py
 """
@@ -21,6 +23,8 @@ for key, f in src.fields.items():
     ty = f.types[0]
     sub = f.types[1] if ty == GGUFValueType.ARRAY else None
     w.add_key_value(key, f.contents(), ty, sub)
+w.add_chat_template("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+                    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 for t in src.tensors:
     w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
 w.write_header_to_file()

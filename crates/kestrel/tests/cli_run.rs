@@ -106,6 +106,17 @@ fn gguf_files_generate_as_their_directories() {
     let v: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
     assert_eq!(v["prompt_tokens"], "Grüße".len(), "{v}");
     assert_eq!(v["tokens"].as_array().unwrap().len(), 3, "{v}");
+    // The chat template from the file's metadata (a split model's first file carries it).
+    let file = dir.join("split/qwen3_next-q8_0-00002-of-00003.gguf");
+    let o = Command::new(env!("CARGO_BIN_EXE_kestrel"))
+        .args(["run", "-m", file.to_str().unwrap(), "-p", "hi", "-n", "1"])
+        .args(["--backend", "cpu", "--json"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let stdout = String::from_utf8(o.stdout).unwrap();
+    let v: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(v["prompt_tokens"], "<|user|>hi\n<|assistant|>".len(), "{v}");
 }
 
 #[test]
