@@ -55,6 +55,7 @@ seed_gguf() {
     # tensor of four values at the default alignment.
     seed gguf reader <"$ROOT/crates/kestrel-model/tests/gguf/reader.gguf"
     seed gguf tokenizer <"$ROOT/crates/kestrel-model/tests/gguf/tokenizer.gguf"
+    seed gguf tokenizer-spm <"$ROOT/crates/kestrel-model/tests/gguf/tokenizer-spm.gguf"
     # Whole models as llama.cpp writes them, for the mapping into a model: Llama (rotary rows,
     # frequency factors), Qwen3-MoE (stacked experts) and the two hybrids, quantised.
     for m in llama-q8_0 qwen3_moe_all-q4_k_m qwen3_next-q4_k_m qwen3_5_moe-q8_0; do

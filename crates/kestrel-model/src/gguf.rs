@@ -646,10 +646,16 @@ impl Gguf {
     pub fn tokenizer_json(&self) -> Result<serde_json::Value> {
         use serde_json::{json, Map, Value as Json};
         let model = self.str("tokenizer.ggml.model")?;
+        if model == "llama" {
+            return self.sentencepiece_json();
+        }
         if model != "gpt2" {
             return Err(invalid(
                 "tokenizer.ggml.model",
-                format!("{model:?}: only \"gpt2\" (byte-level BPE) tokenizers are read"),
+                format!(
+                    "{model:?}: only \"gpt2\" (byte-level BPE) and \"llama\" (SentencePiece BPE) \
+                     tokenizers are read"
+                ),
             ));
         }
         let pre = self.str("tokenizer.ggml.pre")?;
@@ -669,26 +675,13 @@ impl Gguf {
                 .and_then(Array::strings)
                 .ok_or_else(|| invalid(format!("key {key:?}"), "missing, or not an array of strings"))
         };
-        let tokens = strings("tokenizer.ggml.tokens")?;
+        let (tokens, types) = self.tokens_and_types()?;
         // A vocabulary of single symbols has no merges, and llama.cpp's converter then writes
         // no key.
         let merges = match self.get("tokenizer.ggml.merges") {
             None => &[][..],
             Some(_) => strings("tokenizer.ggml.merges")?,
         };
-        let types = match self.get("tokenizer.ggml.token_type") {
-            None => vec![1; tokens.len()],
-            Some(v) => v
-                .as_array()
-                .and_then(Array::ints)
-                .ok_or_else(|| invalid("tokenizer.ggml.token_type", "not an array of integers"))?,
-        };
-        if types.len() != tokens.len() {
-            return Err(invalid(
-                "tokenizer.ggml.token_type",
-                format!("{} types for {} tokens", types.len(), tokens.len()),
-            ));
-        }
         let mut vocab = Map::with_capacity(tokens.len());
         let mut added = Vec::new();
         for (id, (token, &ty)) in tokens.iter().zip(&types).enumerate() {
@@ -752,6 +745,181 @@ impl Gguf {
                 "type": "BPE", "dropout": Json::Null, "unk_token": Json::Null,
                 "continuing_subword_prefix": Json::Null, "end_of_word_suffix": Json::Null,
                 "fuse_unk": false, "byte_fallback": false, "ignore_merges": ignore_merges,
+                "vocab": vocab, "merges": merges,
+            },
+        }))
+    }
+}
+
+/// Token types of `tokenizer.ggml.token_type` that SentencePiece vocabularies add.
+const TOKEN_NORMAL: i64 = 1;
+const TOKEN_UNKNOWN: i64 = 2;
+
+/// What the beginning, end and unknown tokens are when a SentencePiece file does not say (as
+/// llama.cpp assumes for its "llama" vocabularies).
+pub const SPM_DEFAULT_IDS: (u64, u64, u64) = (1, 2, 0);
+
+impl Gguf {
+    /// The tokens' texts and types (`tokenizer.ggml.tokens`, `token_type`, every type 1 when the
+    /// file gives none), checked to be as many.
+    fn tokens_and_types(&self) -> Result<(&[String], Vec<i64>)> {
+        let tokens = self
+            .get("tokenizer.ggml.tokens")
+            .and_then(Value::as_array)
+            .and_then(Array::strings)
+            .ok_or_else(|| {
+                invalid(
+                    "key \"tokenizer.ggml.tokens\"",
+                    "missing, or not an array of strings",
+                )
+            })?;
+        let types = match self.get("tokenizer.ggml.token_type") {
+            None => vec![1; tokens.len()],
+            Some(v) => v
+                .as_array()
+                .and_then(Array::ints)
+                .ok_or_else(|| invalid("tokenizer.ggml.token_type", "not an array of integers"))?,
+        };
+        if types.len() != tokens.len() {
+            return Err(invalid(
+                "tokenizer.ggml.token_type",
+                format!("{} types for {} tokens", types.len(), tokens.len()),
+            ));
+        }
+        Ok((tokens, types))
+    }
+
+    /// A token id of key `key`, or `default`, checked against the vocabulary.
+    fn special_id(&self, key: &str, default: Option<u64>, tokens: usize) -> Result<Option<u64>> {
+        let id = match self.get(key) {
+            Some(v) => Some(
+                v.as_u64()
+                    .ok_or_else(|| invalid(format!("key {key:?}"), "not a token id"))?,
+            ),
+            None => default,
+        };
+        match id {
+            Some(i) if i >= tokens as u64 => Err(invalid(
+                format!("key {key:?}"),
+                format!("{i} is not a token id below {tokens}"),
+            )),
+            other => Ok(other),
+        }
+    }
+
+    /// A SentencePiece BPE vocabulary (`tokenizer.ggml.model` "llama": tokens, scores, token
+    /// types, byte tokens `<0xXX>` for what no piece covers) as a `tokenizer.json` value that
+    /// encodes as SentencePiece does: spaces as "▁" and one in front of the text (unless
+    /// `add_space_prefix` is false), pieces merged highest score first (the merges of every
+    /// normal piece split into two normal pieces, ranked by its score, as transformers builds
+    /// them from a SentencePiece model), bytes for the rest; the beginning token in front unless
+    /// `add_bos_token` is false.
+    fn sentencepiece_json(&self) -> Result<serde_json::Value> {
+        use serde_json::{json, Map, Value as Json};
+        let (tokens, types) = self.tokens_and_types()?;
+        let scores = self
+            .get("tokenizer.ggml.scores")
+            .and_then(Value::as_array)
+            .and_then(Array::floats)
+            .ok_or_else(|| {
+                invalid(
+                    "key \"tokenizer.ggml.scores\"",
+                    "missing, or not an array of numbers",
+                )
+            })?;
+        if scores.len() != tokens.len() {
+            return Err(invalid(
+                "tokenizer.ggml.scores",
+                format!("{} scores for {} tokens", scores.len(), tokens.len()),
+            ));
+        }
+        let (bos_default, _, unk_default) = SPM_DEFAULT_IDS;
+        let n = tokens.len();
+        let mut vocab = Map::with_capacity(n);
+        let mut normal: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+        let mut added = Vec::new();
+        for (id, (token, &ty)) in tokens.iter().zip(&types).enumerate() {
+            if vocab.insert(token.clone(), json!(id)).is_some() {
+                return Err(invalid(
+                    "tokenizer.ggml.tokens",
+                    format!("{token:?} is listed twice"),
+                ));
+            }
+            if ty == TOKEN_NORMAL {
+                normal.insert(token, id);
+            }
+            if ty == TOKEN_CONTROL || ty == TOKEN_UNKNOWN || ty == TOKEN_USER_DEFINED {
+                added.push(json!({
+                    "id": id, "content": token, "single_word": false, "lstrip": false,
+                    "rstrip": false, "normalized": false, "special": ty != TOKEN_USER_DEFINED,
+                }));
+            }
+        }
+        // Merges: each normal piece from its splits into two normal pieces, highest score first.
+        let mut ranked: Vec<(f32, usize, &str, &str)> = Vec::new();
+        for (&piece, &id) in &normal {
+            for (at, _) in piece.char_indices().skip(1) {
+                let (l, r) = piece.split_at(at);
+                if normal.contains_key(l) && normal.contains_key(r) {
+                    ranked.push((scores[id], id, l, r));
+                }
+            }
+        }
+        ranked.sort_by(|a, b| {
+            b.0.total_cmp(&a.0)
+                .then(a.1.cmp(&b.1))
+                .then(a.2.cmp(b.2))
+                .then(a.3.cmp(b.3))
+        });
+        let merges: Vec<Json> = ranked.iter().map(|m| json!([m.2, m.3])).collect();
+        let unk = self.special_id("tokenizer.ggml.unknown_token_id", Some(unk_default), n)?;
+        let space = !matches!(
+            self.get("tokenizer.ggml.add_space_prefix"),
+            Some(Value::Bool(false))
+        );
+        let add_bos = !matches!(self.get("tokenizer.ggml.add_bos_token"), Some(Value::Bool(false)));
+        let bos = self.special_id("tokenizer.ggml.bos_token_id", Some(bos_default), n)?;
+        let escape = json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"});
+        let normalizer = if space {
+            json!({"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "\u{2581}"}, escape]})
+        } else {
+            escape
+        };
+        let mut decoders = vec![
+            json!({"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "}),
+            json!({"type": "ByteFallback"}),
+            json!({"type": "Fuse"}),
+        ];
+        if space {
+            decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+        }
+        let post = match (add_bos, bos) {
+            (true, Some(id)) => {
+                let b = tokens[id as usize].as_str();
+                json!({
+                    "type": "TemplateProcessing",
+                    "single": [{"SpecialToken": {"id": b, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                    "pair": [{"SpecialToken": {"id": b, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                             {"SpecialToken": {"id": b, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                    "special_tokens": {b: {"id": b, "ids": [id], "tokens": [b]}},
+                })
+            }
+            _ => Json::Null,
+        };
+        Ok(json!({
+            "version": "1.0",
+            "truncation": Json::Null,
+            "padding": Json::Null,
+            "added_tokens": added,
+            "normalizer": normalizer,
+            "pre_tokenizer": Json::Null,
+            "post_processor": post,
+            "decoder": {"type": "Sequence", "decoders": decoders},
+            "model": {
+                "type": "BPE", "dropout": Json::Null,
+                "unk_token": unk.map(|u| tokens[u as usize].clone()),
+                "continuing_subword_prefix": Json::Null, "end_of_word_suffix": Json::Null,
+                "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
                 "vocab": vocab, "merges": merges,
             },
         }))

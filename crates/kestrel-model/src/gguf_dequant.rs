@@ -149,7 +149,7 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8]) -> Result<Vec<f32>, String> {
     out.try_reserve_exact(len).map_err(|_| {
         format!(
             "{} MiB for its values as f32 could not be allocated",
-            len * 4 >> 20
+            (len * 4) >> 20
         )
     })?;
     out.resize(len, 0f32);

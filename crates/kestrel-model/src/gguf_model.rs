@@ -437,10 +437,11 @@ fn text_json(g: &Gguf) -> (Json, Json) {
         .and_then(|a| a.strings());
     let id = |k: &str| g.get(k).and_then(Value::as_u64);
     let text = |i: Option<u64>| Some(tokens?.get(usize::try_from(i?).ok()?)?.clone());
-    let (bos, eos) = (
-        id("tokenizer.ggml.bos_token_id"),
-        id("tokenizer.ggml.eos_token_id"),
-    );
+    // SentencePiece vocabularies that name no beginning or end token have llama.cpp's.
+    let spm = g.get("tokenizer.ggml.model").and_then(Value::as_str) == Some("llama");
+    let (b, e, _) = crate::gguf::SPM_DEFAULT_IDS;
+    let bos = id("tokenizer.ggml.bos_token_id").or(spm.then_some(b));
+    let eos = id("tokenizer.ggml.eos_token_id").or(spm.then_some(e));
     let mut tc = Map::new();
     if let Some(t) = text(bos) {
         tc.insert("bos_token".into(), json!(t));
@@ -452,11 +453,10 @@ fn text_json(g: &Gguf) -> (Json, Json) {
         tc.insert("chat_template".into(), json!(t));
     }
     let mut ends: Vec<u64> = Vec::new();
-    for k in ["eos", "eot", "eom"] {
-        if let Some(i) = id(&format!("tokenizer.ggml.{k}_token_id")) {
-            if !ends.contains(&i) {
-                ends.push(i);
-            }
+    let more = ["eot", "eom"].map(|k| id(&format!("tokenizer.ggml.{k}_token_id")));
+    for i in std::iter::once(eos).chain(more).flatten() {
+        if !ends.contains(&i) {
+            ends.push(i);
         }
     }
     let mut gc = Map::new();

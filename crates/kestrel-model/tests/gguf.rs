@@ -285,3 +285,38 @@ fn llama_cpps_conversions_of_the_parity_models_read() {
         assert_eq!(tok.decode(&ids, false).unwrap(), s, "{name}");
     }
 }
+
+/// A SentencePiece BPE vocabulary as llama.cpp's converter writes one (`tokenizer-spm.gguf`, by
+/// `scripts/gguf/make-spm-fixture.py`: a model trained as Llama 2's is, byte fallback, identity
+/// normalisation): every test text (spaces leading and doubled, accents, Cyrillic, Japanese
+/// that no piece covers, code, an emoji, nothing) encodes to the ids SentencePiece itself gives,
+/// with the beginning token in front when special tokens are added, and decodes back.
+#[test]
+fn a_sentencepiece_vocabulary_encodes_as_sentencepiece_does() {
+    use kestrel_text::Tokenizer;
+    let dir = kestrel_testing::fixtures::path("crates/kestrel-model/tests/gguf");
+    let path = dir.join("tokenizer-spm.gguf");
+    let g = Gguf::parse(&std::fs::read(&path).unwrap()).unwrap();
+    let json = serde_json::to_vec(&g.tokenizer_json().unwrap()).unwrap();
+    let tok = Tokenizer::from_bytes(&json, None, &path, &path).unwrap();
+    let want: Json =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer-spm.json")).unwrap()).unwrap();
+    let bos = want["bos"].as_u64().unwrap() as u32;
+    let cases = want["cases"].as_array().unwrap();
+    assert!(cases.len() >= 8);
+    for case in cases {
+        let text = case["text"].as_str().unwrap();
+        let ids: Vec<u32> = case["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| i.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(tok.encode(text, false).unwrap(), ids, "{text:?}");
+        let with_bos: Vec<u32> = std::iter::once(bos).chain(ids.iter().copied()).collect();
+        assert_eq!(tok.encode(text, true).unwrap(), with_bos, "{text:?}");
+        if !text.starts_with(' ') {
+            assert_eq!(tok.decode(&ids, false).unwrap(), text, "{text:?}");
+        }
+    }
+}
