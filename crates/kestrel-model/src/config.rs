@@ -289,7 +289,7 @@ fn dtype(name: &str) -> Result<DType> {
 /// The most decoder layers a config may declare. Published models have a few hundred at most;
 /// the per-layer lists are built from the count before any weight is read, so a larger count
 /// (a broken file) would exhaust memory rather than fail.
-const MAX_LAYERS: usize = 1 << 16;
+pub(crate) const MAX_LAYERS: usize = 1 << 16;
 
 /// The most dimensions an attention head may have, declared or implied (hidden size over
 /// heads). Published models use 64 to 256; the rotary table holds a frequency for every two

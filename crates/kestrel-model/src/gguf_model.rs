@@ -290,6 +290,16 @@ fn config_json(g: &Gguf, a: &str, arch: Arch, src: &Source) -> Result<Json> {
         key: key("nextn_predict_layers"),
         reason: format!("{nextn}, more than the {blocks} blocks"),
     })?;
+    // Before any per-layer list is built from the count.
+    if layers > crate::config::MAX_LAYERS as u64 {
+        return Err(ModelError::Config {
+            key: key("block_count"),
+            reason: format!(
+                "{layers} layers, more than the {} a model may have",
+                crate::config::MAX_LAYERS
+            ),
+        });
+    }
     let embd = src.info("token_embd.weight")?;
     let vocab = embd.dims.get(1).copied().unwrap_or(0);
     let mut c = Map::new();
@@ -353,9 +363,8 @@ fn config_json(g: &Gguf, a: &str, arch: Arch, src: &Source) -> Result<Json> {
             for (k, hf) in [
                 ("rope.scaling.yarn_beta_fast", "beta_fast"),
                 ("rope.scaling.yarn_beta_slow", "beta_slow"),
-                ("rope.scaling.yarn_ext_factor", "ext_factor"),
             ] {
-                if let (Some(v), true) = (get(k), hf != "ext_factor") {
+                if let Some(v) = get(k) {
                     rope.insert(hf.into(), to_json(v));
                 }
             }
@@ -640,6 +649,12 @@ impl<'a> Source<'a> {
     /// they differ).
     fn rows(&mut self, parts: &[&str], hf: String, order: &[(usize, usize)]) -> Result<()> {
         let mut dense = parts.iter().map(|p| self.dense(p)).collect::<Result<Vec<_>>>()?;
+        if dense.iter().any(|d| d.shape.is_empty()) {
+            return Err(bad(
+                self.label,
+                format!("tensors {parts:?}: one has no dimension"),
+            ));
+        }
         let cols = dense[0].shape[1..].iter().product::<usize>();
         if dense
             .iter()
@@ -709,6 +724,12 @@ impl<'a> Source<'a> {
             ));
         }
         let (n, each) = (shape[0], shape[1] * shape[2]);
+        if n == 0 || each == 0 {
+            return Err(bad(
+                self.label,
+                format!("tensor {gguf}: shape {shape:?} holds no expert"),
+            ));
+        }
         match plain(t) {
             Some(dtype) => {
                 self.used.insert(gguf.to_string());
@@ -769,9 +790,12 @@ fn untile(key_heads: usize, per_key: usize, dim: usize) -> Vec<usize> {
 
 /// Where row `i` of a Llama query or key projection (`heads` heads, transformers' rotary order:
 /// each head's first halves, then its second halves) lies in llama.cpp's interleaved order.
-fn unpermute(rows: usize, heads: usize) -> Vec<usize> {
-    let dim = rows / heads.max(1);
-    let half = dim / 2;
+fn unpermute(rows: usize, heads: usize) -> Option<Vec<usize>> {
+    let even = heads.checked_mul(2)?;
+    if rows == 0 || rows % even != 0 {
+        return None;
+    }
+    let (dim, half) = (rows / heads, rows / even);
     let mut order = Vec::with_capacity(rows);
     for h in 0..heads {
         for t in 0..2 {
@@ -780,7 +804,7 @@ fn unpermute(rows: usize, heads: usize) -> Vec<usize> {
             }
         }
     }
-    order
+    Some(order)
 }
 
 fn single(order: Vec<usize>) -> Vec<(usize, usize)> {
@@ -822,12 +846,14 @@ fn map_tensors(s: &mut Source, c: &ModelConfig) -> Result<()> {
             if c.arch == Arch::Llama {
                 for (g, h, heads) in [("attn_q", "q_proj", c.heads), ("attn_k", "k_proj", c.kv_heads)] {
                     let name = b(&format!("{g}.weight"));
-                    let rows = torch_shape(s.info(&name)?)[0];
-                    s.rows(
-                        &[&name],
-                        m(&format!("self_attn.{h}.weight")),
-                        &single(unpermute(rows, heads)),
-                    )?;
+                    let rows = torch_shape(s.info(&name)?).first().copied().unwrap_or(0);
+                    let order = unpermute(rows, heads).ok_or_else(|| {
+                        bad(
+                            s.label,
+                            format!("tensor {name}: {rows} rows are not {heads} heads of an even size"),
+                        )
+                    })?;
+                    s.rows(&[&name], m(&format!("self_attn.{h}.weight")), &single(order))?;
                 }
             } else {
                 for (g, h) in [("attn_q", "q_proj"), ("attn_k", "k_proj")] {
@@ -876,6 +902,27 @@ fn linear_attention(s: &mut Source, c: &ModelConfig, i: usize) -> Result<()> {
     let r = nv / nk;
     let b = |n: &str| format!("blk.{i}.{n}");
     let m = |n: &str| format!("model.layers.{i}.linear_attn.{n}");
+    // The head counts and sizes of the metadata against the tensors, before any reordering is
+    // built from them (so its size is the file's, whatever the metadata says).
+    let rows = |s: &Source, n: &str| s.info(&b(n)).map(|t| torch_shape(t).first().copied());
+    let (v_dim, qk) = (
+        nv.checked_mul(hv),
+        nk.checked_mul(hk).and_then(|x| x.checked_mul(2)),
+    );
+    let qkv = qk.zip(v_dim).and_then(|(a, b)| a.checked_add(b));
+    if nv == 0
+        || rows(s, "attn_gate.weight")? != v_dim
+        || rows(s, "attn_qkv.weight")? != qkv
+        || s.info(&b("ssm_a"))?.elem_count() != nv as u64
+    {
+        return Err(bad(
+            s.label,
+            format!(
+                "layer {i}: its linear attention's tensors do not have the shapes of {nk} key \
+                 heads of {hk} and {nv} value heads of {hv} (the ssm metadata)"
+            ),
+        ));
+    }
     // Qwen3.5's value heads were put in tiled order wherever they appear (Qwen3-Next's not).
     let tiled = c.arch == Arch::Qwen35Moe;
     let heads = untile(nk, r, 1);

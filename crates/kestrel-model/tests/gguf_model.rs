@@ -419,3 +419,36 @@ fn gguf_models_match_llama_cpp_on_the_same_files() {
         );
     }
 }
+
+/// Metadata that would make the mapping build lists past any model (a layer count of four
+/// billion, value heads of llama.cpp's Qwen3.5 key that do not match the tensors) is refused
+/// with the key named, at once.
+#[test]
+fn metadata_past_the_tensors_is_refused_by_key() {
+    let dir = kestrel_testing::fixtures::path("crates/kestrel-model/tests/gguf");
+    // A u32 value follows its key's length, the key and its type.
+    let patch = |file: &str, key: &str, value: u32| {
+        let mut bytes = std::fs::read(dir.join(file)).unwrap();
+        let at = bytes
+            .windows(key.len())
+            .position(|w| w == key.as_bytes())
+            .unwrap()
+            + key.len();
+        assert_eq!(&bytes[at..at + 4], &4u32.to_le_bytes(), "{key} is a u32");
+        bytes[at + 4..at + 8].copy_from_slice(&value.to_le_bytes());
+        let start = std::time::Instant::now();
+        let e = kestrel_model::gguf_from_bytes(std::path::Path::new(file), bytes)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(start.elapsed().as_secs() < 5, "{e}");
+        e
+    };
+    let e = patch("qwen3_moe_all-bf16.gguf", "qwen3moe.block_count", u32::MAX);
+    assert!(
+        e.contains("qwen3moe.block_count") && e.contains("4294967295 layers"),
+        "{e}"
+    );
+    let e = patch("qwen3_5_moe-f16.gguf", "qwen35moe.ssm.time_step_rank", 8);
+    assert!(e.contains("value heads"), "{e}");
+}
