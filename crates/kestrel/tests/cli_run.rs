@@ -119,6 +119,42 @@ fn gguf_files_generate_as_their_directories() {
     assert_eq!(v["prompt_tokens"], "<|user|>hi\n<|assistant|>".len(), "{v}");
 }
 
+/// A GGUF model whose experts do not fit streams them (from host memory, and from the file on
+/// disk past the host budget) and generates what it generates resident.
+#[test]
+fn gguf_experts_stream_as_a_directorys_do() {
+    let dir = kestrel_testing::fixtures::path("crates/kestrel-model/tests/gguf");
+    let file = dir.join("qwen3_moe_all-bf16.gguf");
+    let run_with = |budget: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_kestrel"))
+            .args([
+                "run",
+                "-m",
+                file.to_str().unwrap(),
+                "--prompt-tokens",
+                "1,17,42,99,3",
+                "-n",
+                "8",
+            ])
+            .args(["--temperature", "0", "--backend", "cpu", "--json"])
+            .args(budget)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&o.stderr).to_string();
+        assert!(o.status.success(), "{stderr}");
+        let stdout = String::from_utf8(o.stdout).unwrap();
+        let v: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+        (v["tokens"].clone(), stderr)
+    };
+    let (resident, _) = run_with(&[]);
+    let (tokens, said) = run_with(&["--gpu-mem", "276KiB"]);
+    assert!(said.contains("host memory (16 experts)"), "{said}");
+    assert_eq!(tokens, resident);
+    let (tokens, said) = run_with(&["--gpu-mem", "276KiB", "--host-mem", "1KiB"]);
+    assert!(said.contains("checkpoint on disk (16)"), "{said}");
+    assert_eq!(tokens, resident);
+}
+
 #[test]
 fn greedy_generation_matches_transformers_for_every_fixture() {
     for name in FIXTURES {
