@@ -613,6 +613,8 @@ impl Gguf {
 }
 
 /// Token types of `tokenizer.ggml.token_type` (llama.cpp's `llama_token_type`).
+const TOKEN_NORMAL: i64 = 1;
+const TOKEN_UNKNOWN: i64 = 2;
 const TOKEN_CONTROL: i64 = 3;
 const TOKEN_USER_DEFINED: i64 = 4;
 
@@ -644,7 +646,7 @@ impl Gguf {
     /// pre-tokeniser `tokenizer.ggml.pre` names (qwen2, qwen35, llama-bpe), and the beginning
     /// token added in front when `tokenizer.ggml.add_bos_token` says so.
     pub fn tokenizer_json(&self) -> Result<serde_json::Value> {
-        use serde_json::{json, Map, Value as Json};
+        use serde_json::{json, Value as Json};
         let model = self.str("tokenizer.ggml.model")?;
         if model == "llama" {
             return self.sentencepiece_json();
@@ -682,45 +684,14 @@ impl Gguf {
             None => &[][..],
             Some(_) => strings("tokenizer.ggml.merges")?,
         };
-        let mut vocab = Map::with_capacity(tokens.len());
-        let mut added = Vec::new();
-        for (id, (token, &ty)) in tokens.iter().zip(&types).enumerate() {
-            if vocab.insert(token.clone(), json!(id)).is_some() {
-                return Err(invalid(
-                    "tokenizer.ggml.tokens",
-                    format!("{token:?} is listed twice"),
-                ));
-            }
-            if ty == TOKEN_CONTROL || ty == TOKEN_USER_DEFINED {
-                added.push(json!({
-                    "id": id, "content": token, "single_word": false, "lstrip": false,
-                    "rstrip": false, "normalized": false, "special": ty == TOKEN_CONTROL,
-                }));
-            }
-        }
+        let VocabJson { vocab, added, .. } = vocab_json(tokens, &types)?;
         let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false});
-        let token_id = |key: &str| -> Result<Option<(u32, &str)>> {
-            let Some(v) = self.get(key) else { return Ok(None) };
-            let id = v
-                .as_u64()
-                .filter(|&i| (i as usize) < tokens.len())
-                .ok_or_else(|| {
-                    invalid(
-                        format!("key {key:?}"),
-                        format!("{v:?} is not a token id below {}", tokens.len()),
-                    )
-                })?;
-            Ok(Some((id as u32, tokens[id as usize].as_str())))
-        };
         let add_bos = matches!(self.get("tokenizer.ggml.add_bos_token"), Some(Value::Bool(true)));
-        let post = match (add_bos, token_id("tokenizer.ggml.bos_token_id")?) {
-            (true, Some((id, bos))) => json!({
-                "type": "TemplateProcessing",
-                "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-                "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                         {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
-                "special_tokens": {bos: {"id": bos, "ids": [id], "tokens": [bos]}},
-            }),
+        let post = match (
+            add_bos,
+            self.special_id("tokenizer.ggml.bos_token_id", None, tokens.len())?,
+        ) {
+            (true, Some(id)) => bos_in_front(tokens, id),
             (true, None) => {
                 return Err(invalid(
                     "tokenizer.ggml.add_bos_token",
@@ -751,13 +722,58 @@ impl Gguf {
     }
 }
 
-/// Token types of `tokenizer.ggml.token_type` that SentencePiece vocabularies add.
-const TOKEN_NORMAL: i64 = 1;
-const TOKEN_UNKNOWN: i64 = 2;
-
 /// What the beginning, end and unknown tokens are when a SentencePiece file does not say (as
 /// llama.cpp assumes for its "llama" vocabularies).
 pub const SPM_DEFAULT_IDS: (u64, u64, u64) = (1, 2, 0);
+
+/// A vocabulary as `tokenizer.json` holds it.
+struct VocabJson<'a> {
+    /// Each token, listed once, by its id.
+    vocab: serde_json::Map<String, serde_json::Value>,
+    /// Control and unknown tokens (special) and user-defined ones (added, not special).
+    added: Vec<serde_json::Value>,
+    /// The normal tokens' ids by text.
+    normal: HashMap<&'a str, usize>,
+}
+
+fn vocab_json<'a>(tokens: &'a [String], types: &[i64]) -> Result<VocabJson<'a>> {
+    use serde_json::json;
+    let mut v = VocabJson {
+        vocab: serde_json::Map::with_capacity(tokens.len()),
+        added: Vec::new(),
+        normal: HashMap::new(),
+    };
+    for (id, (token, &ty)) in tokens.iter().zip(types).enumerate() {
+        if v.vocab.insert(token.clone(), json!(id)).is_some() {
+            return Err(invalid(
+                "tokenizer.ggml.tokens",
+                format!("{token:?} is listed twice"),
+            ));
+        }
+        if ty == TOKEN_NORMAL {
+            v.normal.insert(token.as_str(), id);
+        }
+        if ty == TOKEN_CONTROL || ty == TOKEN_UNKNOWN || ty == TOKEN_USER_DEFINED {
+            v.added.push(json!({
+                "id": id, "content": token, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": ty != TOKEN_USER_DEFINED,
+            }));
+        }
+    }
+    Ok(v)
+}
+
+/// The post-processor that puts token `id` (checked to be one of `tokens`) in front.
+fn bos_in_front(tokens: &[String], id: u64) -> serde_json::Value {
+    let (b, id) = (tokens[id as usize].as_str(), id as u32);
+    serde_json::json!({
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": b, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"SpecialToken": {"id": b, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                 {"SpecialToken": {"id": b, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {b: {"id": b, "ids": [id], "tokens": [b]}},
+    })
+}
 
 impl Gguf {
     /// The tokens' texts and types (`tokenizer.ggml.tokens`, `token_type`, every type 1 when the
@@ -815,7 +831,7 @@ impl Gguf {
     /// them from a SentencePiece model), bytes for the rest; the beginning token in front unless
     /// `add_bos_token` is false.
     fn sentencepiece_json(&self) -> Result<serde_json::Value> {
-        use serde_json::{json, Map, Value as Json};
+        use serde_json::{json, Value as Json};
         let (tokens, types) = self.tokens_and_types()?;
         let scores = self
             .get("tokenizer.ggml.scores")
@@ -835,26 +851,7 @@ impl Gguf {
         }
         let (bos_default, _, unk_default) = SPM_DEFAULT_IDS;
         let n = tokens.len();
-        let mut vocab = Map::with_capacity(n);
-        let mut normal: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
-        let mut added = Vec::new();
-        for (id, (token, &ty)) in tokens.iter().zip(&types).enumerate() {
-            if vocab.insert(token.clone(), json!(id)).is_some() {
-                return Err(invalid(
-                    "tokenizer.ggml.tokens",
-                    format!("{token:?} is listed twice"),
-                ));
-            }
-            if ty == TOKEN_NORMAL {
-                normal.insert(token, id);
-            }
-            if ty == TOKEN_CONTROL || ty == TOKEN_UNKNOWN || ty == TOKEN_USER_DEFINED {
-                added.push(json!({
-                    "id": id, "content": token, "single_word": false, "lstrip": false,
-                    "rstrip": false, "normalized": false, "special": ty != TOKEN_USER_DEFINED,
-                }));
-            }
-        }
+        let VocabJson { vocab, added, normal } = vocab_json(tokens, &types)?;
         // Merges: each normal piece from its splits into two normal pieces, highest score first.
         let mut ranked: Vec<(f32, usize, &str, &str)> = Vec::new();
         for (&piece, &id) in &normal {
@@ -894,16 +891,7 @@ impl Gguf {
             decoders.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
         }
         let post = match (add_bos, bos) {
-            (true, Some(id)) => {
-                let b = tokens[id as usize].as_str();
-                json!({
-                    "type": "TemplateProcessing",
-                    "single": [{"SpecialToken": {"id": b, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-                    "pair": [{"SpecialToken": {"id": b, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                             {"SpecialToken": {"id": b, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
-                    "special_tokens": {b: {"id": b, "ids": [id], "tokens": [b]}},
-                })
-            }
+            (true, Some(id)) => bos_in_front(tokens, id),
             _ => Json::Null,
         };
         Ok(json!({

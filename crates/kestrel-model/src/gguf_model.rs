@@ -498,19 +498,14 @@ struct Dense<'a> {
 
 impl Dense<'_> {
     fn to_f32(&self) -> Vec<f32> {
-        match self.dtype {
-            DType::F32 => bytemuck::pod_collect_to_vec(&self.bytes),
-            DType::F16 => self
-                .bytes
-                .chunks_exact(2)
-                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
-            _ => self
-                .bytes
-                .chunks_exact(2)
-                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
-        }
+        let t = crate::weights::Tensor {
+            name: "",
+            dtype: self.dtype,
+            shape: &self.shape,
+            bytes: &self.bytes,
+        };
+        crate::experts::dense_values(&t, 0, self.bytes.len() / self.dtype.size_in_bytes())
+            .expect("a dense tensor is f32, f16 or bf16")
     }
 }
 

@@ -18,18 +18,23 @@ const FIXTURES: [&str; 6] = [
     "qwen3_5_moe",
 ];
 
-/// Runs `kestrel run --json` and returns the generated ids from its last stdout line.
-fn run(args: &[&str]) -> Vec<u64> {
+/// Runs `kestrel run --json`: the JSON object of its last stdout line, and its stderr.
+fn run_json(args: &[&str]) -> (serde_json::Value, String) {
     let o = Command::new(env!("CARGO_BIN_EXE_kestrel"))
         .arg("run")
         .args(args)
         .output()
         .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let stderr = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(o.status.success(), "{stderr}");
     let stdout = String::from_utf8(o.stdout).unwrap();
     let last = stdout.lines().last().expect("a JSON line");
-    let v: serde_json::Value = serde_json::from_str(last).unwrap();
-    v["tokens"]
+    (serde_json::from_str(last).unwrap(), stderr)
+}
+
+/// Runs `kestrel run --json` and returns the generated ids.
+fn run(args: &[&str]) -> Vec<u64> {
+    run_json(args).0["tokens"]
         .as_array()
         .unwrap()
         .iter()
@@ -87,35 +92,15 @@ fn gguf_files_generate_as_their_directories() {
         assert_eq!(got, want, "{name}-{ty}");
     }
     let file = dir.join("llama-q8_0.gguf");
-    let o = Command::new(env!("CARGO_BIN_EXE_kestrel"))
-        .args([
-            "run",
-            "-m",
-            file.to_str().unwrap(),
-            "-p",
-            "Grüße",
-            "--raw",
-            "-n",
-            "3",
-        ])
-        .args(["--backend", "cpu", "--json"])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let stdout = String::from_utf8(o.stdout).unwrap();
-    let v: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    let file = file.to_str().unwrap();
+    let cpu = ["--backend", "cpu", "--json"];
+    let (v, _) = run_json(&[&["-m", file, "-p", "Grüße", "--raw", "-n", "3"][..], &cpu].concat());
     assert_eq!(v["prompt_tokens"], "Grüße".len(), "{v}");
     assert_eq!(v["tokens"].as_array().unwrap().len(), 3, "{v}");
     // The chat template from the file's metadata (a split model's first file carries it).
     let file = dir.join("split/qwen3_next-q8_0-00002-of-00003.gguf");
-    let o = Command::new(env!("CARGO_BIN_EXE_kestrel"))
-        .args(["run", "-m", file.to_str().unwrap(), "-p", "hi", "-n", "1"])
-        .args(["--backend", "cpu", "--json"])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let stdout = String::from_utf8(o.stdout).unwrap();
-    let v: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    let file = file.to_str().unwrap();
+    let (v, _) = run_json(&[&["-m", file, "-p", "hi", "-n", "1"][..], &cpu].concat());
     assert_eq!(v["prompt_tokens"], "<|user|>hi\n<|assistant|>".len(), "{v}");
 }
 
@@ -125,25 +110,19 @@ fn gguf_files_generate_as_their_directories() {
 fn gguf_experts_stream_as_a_directorys_do() {
     let dir = kestrel_testing::fixtures::path("crates/kestrel-model/tests/gguf");
     let file = dir.join("qwen3_moe_all-bf16.gguf");
+    let file = file.to_str().unwrap();
+    let args = [
+        "-m",
+        file,
+        "--prompt-tokens",
+        "1,17,42,99,3",
+        "-n",
+        "8",
+        "--temperature",
+        "0",
+    ];
     let run_with = |budget: &[&str]| {
-        let o = Command::new(env!("CARGO_BIN_EXE_kestrel"))
-            .args([
-                "run",
-                "-m",
-                file.to_str().unwrap(),
-                "--prompt-tokens",
-                "1,17,42,99,3",
-                "-n",
-                "8",
-            ])
-            .args(["--temperature", "0", "--backend", "cpu", "--json"])
-            .args(budget)
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&o.stderr).to_string();
-        assert!(o.status.success(), "{stderr}");
-        let stdout = String::from_utf8(o.stdout).unwrap();
-        let v: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+        let (v, stderr) = run_json(&[&args[..], &["--backend", "cpu", "--json"], budget].concat());
         (v["tokens"].clone(), stderr)
     };
     let (resident, _) = run_with(&[]);
