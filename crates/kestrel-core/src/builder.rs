@@ -4,7 +4,7 @@
 
 use crate::dtype::DType;
 use crate::ir::*;
-use crate::quant::QuantFormat;
+use crate::quant::{QuantFormat, ScaleType};
 
 #[derive(Debug, Default)]
 pub struct GraphBuilder {
@@ -111,6 +111,7 @@ impl GraphBuilder {
         if !format.fits(cols) {
             self.fail(label, format!("{cols} columns do not fit {format:?}"));
         }
+        let scale = scale_dtype(format.scale);
         LinearWeight::Quant {
             weight: self.weight(
                 &format!("{label}.weight"),
@@ -119,12 +120,12 @@ impl GraphBuilder {
             ),
             scales: self.weight(
                 &format!("{label}.scales"),
-                DType::BF16,
+                scale,
                 [rows, format.groups_per_row(cols)],
             ),
             biases: self.weight(
                 &format!("{label}.biases"),
-                DType::BF16,
+                scale,
                 [rows, format.groups_per_row(cols)],
             ),
             format,
@@ -486,9 +487,10 @@ impl GraphBuilder {
                 biases,
                 format,
             } => {
+                let scale = scale_dtype(format.scale);
                 self.check_dtype(name, *weight, &[DType::U32]);
-                self.check_dtype(name, *scales, &[DType::BF16]);
-                self.check_dtype(name, *biases, &[DType::BF16]);
+                self.check_dtype(name, *scales, &[scale]);
+                self.check_dtype(name, *biases, &[scale]);
                 let (rows, words) = self.rows_cols(*weight);
                 (rows, words * format.values_per_word())
             }
@@ -1329,5 +1331,13 @@ impl GraphBuilder {
             bufs: self.bufs,
             nodes: self.nodes,
         })
+    }
+}
+
+/// The dtype of a quantised weight's scales and biases.
+fn scale_dtype(t: ScaleType) -> DType {
+    match t {
+        ScaleType::Bf16 => DType::BF16,
+        ScaleType::F32 => DType::F32,
     }
 }

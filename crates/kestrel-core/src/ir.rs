@@ -224,7 +224,8 @@ impl BufDecl {
 pub enum LinearWeight {
     /// bf16, f16 or f32 `[out, in]`.
     Dense(BufId<Weight>),
-    /// MLX affine quantisation: `weight: u32 [out, in*bits/32]`, `scales`, `biases: bf16 [out, in/group]`.
+    /// Affine quantisation: `weight: u32 [out, in*bits/32]`, `scales`, `biases: [out, in/group]` in
+    /// the format's scale type.
     Quant {
         weight: BufId<Weight>,
         scales: BufId<Weight>,
@@ -291,13 +292,14 @@ impl ExpertLayout {
                 }
             }
             ExpertFormat::Quant(q) => {
+                let part = rows * q.groups_per_row(cols) * q.scale.size_in_bytes();
                 let scales = a(start + rows * q.words_per_row(cols) * 4);
-                let biases = a(scales + rows * q.groups_per_row(cols) * 2);
+                let biases = a(scales + part);
                 MatrixSpan {
                     weight: start,
                     scales,
                     biases,
-                    end: a(biases + rows * q.groups_per_row(cols) * 2),
+                    end: a(biases + part),
                 }
             }
         }

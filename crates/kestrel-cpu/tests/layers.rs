@@ -24,7 +24,7 @@ fn prefill_equals_prefill_then_decode_for_every_layer_kind() {
         LayerKind::NextAttention,
         LayerKind::NextLinear,
     ] {
-        for quant in [None, Some(QuantFormat::Q4)] {
+        for quant in [None, Some(QuantFormat::Q4), Some(QuantFormat::f32_scales(8, 16))] {
             let dims = Dims::small(quant);
             let tokens = 7;
             let x: Vec<f32> = (0..tokens * dims.hidden).map(|_| rng.symmetric()).collect();

@@ -113,15 +113,16 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
     }
 }
 
-// One B matrix of an expert: weight rows [n][K] (BITS per value), bf16 scales/biases per group.
+// One B matrix of an expert: weight rows [n][K] (BITS per value), scales/biases per group (bf16
+// or f32: S of the functions that read them).
 struct BMat {
     const unsigned char* w;
-    const bf16* scales;
-    const bf16* biases;
+    const void* scales;
+    const void* biases;
 };
 
 // This thread's share of one 64 x 64 B step in registers: q4 2 words, q8 4 words per matrix.
-template <int BITS>
+template <int BITS, typename S>
 struct BRegs {
     static constexpr int WORDS = BITS == 4 ? 2 : 4;
     unsigned w[WORDS];
@@ -140,12 +141,15 @@ __device__ __forceinline__ unsigned tile_off(unsigned r, unsigned c) {
 // Thread layout for a quantised B step: 64 rows x (64 * BITS / 32) words; a thread takes WORDS
 // consecutive words of one row (b_cursor below), whose 16 values lie in one group (group sizes
 // are multiples of 16): two 16-byte pieces of the row in shared memory.
-template <int BITS, bool SW>
-__device__ __forceinline__ void b_store(const BRegs<BITS>& r, bf16* bs) {
-    constexpr unsigned WPR = GT_K * BITS / 32, WORDS = BRegs<BITS>::WORDS;
+template <int BITS, bool SW, typename S>
+__device__ __forceinline__ void b_store(const BRegs<BITS, S>& r, bf16* bs) {
+    constexpr unsigned WPR = GT_K * BITS / 32, WORDS = BRegs<BITS, S>::WORDS;
     const unsigned tid = threadIdx.x, row = tid / (WPR / WORDS), c0 = (tid % (WPR / WORDS)) * 2;
     uint4 v[2];
-    if constexpr (BITS == 4) {
+    if constexpr (BITS == 4 && sizeof(S) == 4) {
+#pragma unroll
+        for (int i = 0; i < 2; i++) v[i] = dequant_q4_f32(r.w[i], r.s, r.b);
+    } else if constexpr (BITS == 4) {
         const __nv_bfloat162 s = __floats2bfloat162_rn(r.s, r.s), b = __floats2bfloat162_rn(r.b, r.b);
 #pragma unroll
         for (int i = 0; i < 2; i++) v[i] = dequant_q4(r.w[i], s, b);
@@ -163,28 +167,29 @@ __device__ __forceinline__ void b_store(const BRegs<BITS>& r, bf16* bs) {
 // This thread's share of every quantised B step of one matrix, addressed once before the K loop
 // (the loop is issue-bound, so per-step address arithmetic and divisions cost time): its row's
 // words at its column, and its row's scale and bias at the group its 16 values fall in.
-template <int BITS>
+template <int BITS, typename S>
 struct BCursor {
     const unsigned* w;
-    const bf16* s;
-    const bf16* b;
+    const S* s;
+    const S* b;
     unsigned rem;  // where the thread's first value lies in its group
 };
 
-template <int BITS>
-__device__ __forceinline__ BCursor<BITS> b_cursor(const BMat& m, unsigned n0, unsigned K, unsigned group) {
-    constexpr unsigned WPR = GT_K * BITS / 32, WORDS = BRegs<BITS>::WORDS;
+template <int BITS, typename S>
+__device__ __forceinline__ BCursor<BITS, S> b_cursor(const BMat& m, unsigned n0, unsigned K, unsigned group) {
+    constexpr unsigned WPR = GT_K * BITS / 32, WORDS = BRegs<BITS, S>::WORDS;
     const unsigned tid = threadIdx.x, row = tid / (WPR / WORDS), wi = (tid % (WPR / WORDS)) * WORDS;
     const unsigned off = wi * 32 / BITS;  // the thread's first value within a step
     const size_t g0 = (n0 + row) * (size_t)(K / group) + off / group;
-    return BCursor<BITS>{reinterpret_cast<const unsigned*>(m.w) + (n0 + row) * ((size_t)K * BITS / 32) + wi,
-                         m.scales + g0, m.biases + g0, off % group};
+    return BCursor<BITS, S>{reinterpret_cast<const unsigned*>(m.w) + (n0 + row) * ((size_t)K * BITS / 32) + wi,
+                         static_cast<const S*>(m.scales) + g0, static_cast<const S*>(m.biases) + g0,
+                         off % group};
 }
 
 // The cursor's step into registers, then the cursor moves one step on.
-template <int BITS>
-__device__ __forceinline__ void b_fetch(BRegs<BITS>& r, BCursor<BITS>& c, unsigned group) {
-    if constexpr (BRegs<BITS>::WORDS == 2) {
+template <int BITS, typename S>
+__device__ __forceinline__ void b_fetch(BRegs<BITS, S>& r, BCursor<BITS, S>& c, unsigned group) {
+    if constexpr (BRegs<BITS, S>::WORDS == 2) {
         const uint2 v = *reinterpret_cast<const uint2*>(c.w);
         r.w[0] = v.x;
         r.w[1] = v.y;
@@ -205,8 +210,8 @@ __device__ __forceinline__ void b_fetch(BRegs<BITS>& r, BCursor<BITS>& c, unsign
 }
 
 // The cursor moved on by k0 values (a multiple of GT_K): where a split of K starts.
-template <int BITS>
-__device__ __forceinline__ void b_skip(BCursor<BITS>& c, unsigned k0, unsigned group) {
+template <int BITS, typename S>
+__device__ __forceinline__ void b_skip(BCursor<BITS, S>& c, unsigned k0, unsigned group) {
     c.w += k0 / 32 * BITS;
     c.rem += k0;
     c.s += c.rem / group;
@@ -255,7 +260,7 @@ __device__ __forceinline__ void b_copy(bf16* bs, const BMat& m, unsigned n0, uns
 // The GEMM main loop over K for NB B matrices: acc[mt][b][nt] for this warp's 32 rows x 32 columns
 // of each matrix. Of the tile's GT_ROWS rows only `rows` hold data: a warp's 16-row tiles past
 // them skip the tensor-core work (the loads are shared, so every warp still takes part in them).
-template <int BITS, int NB>
+template <int BITS, int NB, typename S>
 __device__ __forceinline__ void tile_gemm(float acc[2][NB][4][4], const bf16* const* rows_src, const BMat* mats,
                                           unsigned n0, unsigned K, unsigned group, unsigned rows, bf16* smem,
                                           unsigned k0, unsigned steps) {
@@ -273,11 +278,11 @@ __device__ __forceinline__ void tile_gemm(float acc[2][NB][4][4], const bf16* co
             for (int nt = 0; nt < 4; nt++) acc[mt][b][nt][0] = acc[mt][b][nt][1] = acc[mt][b][nt][2] = acc[mt][b][nt][3] = 0.0f;
 
     const ACursor ac = a_cursor<false>(rows_src);
-    BCursor<BITS> bc[NB];  // quantised B only
+    BCursor<BITS, S> bc[NB];  // quantised B only
     if constexpr (BITS != 16) {
 #pragma unroll
         for (int b = 0; b < NB; b++) {
-            bc[b] = b_cursor<BITS>(mats[b], n0, K, group);
+            bc[b] = b_cursor<BITS, S>(mats[b], n0, K, group);
             b_skip<BITS>(bc[b], k0, group);
         }
     }
@@ -287,7 +292,7 @@ __device__ __forceinline__ void tile_gemm(float acc[2][NB][4][4], const bf16* co
 #pragma unroll
         for (int b = 0; b < NB; b++) b_copy<false>(bs + b * GT_COLS * GT_STRIDE, mats[b], n0, k0, K);
     } else {
-        BRegs<BITS> r[NB];
+        BRegs<BITS, S> r[NB];
 #pragma unroll
         for (int b = 0; b < NB; b++) b_fetch<BITS>(r[b], bc[b], group);
 #pragma unroll
@@ -299,7 +304,7 @@ __device__ __forceinline__ void tile_gemm(float acc[2][NB][4][4], const bf16* co
         cp_async_wait<0>();
         __syncthreads();  // step st is in shared memory; everyone is done with buffer nxt
         const bool more = st + 1 < steps;
-        BRegs<BITS> r[NB];
+        BRegs<BITS, S> r[NB];
         if (more) {
             a_issue(ac, as + nxt * GT_ROWS * GT_STRIDE, k0 + (st + 1) * GT_K);
             if constexpr (BITS == 16) {
@@ -349,8 +354,9 @@ __device__ __forceinline__ void tile_gemm(float acc[2][NB][4][4], const bf16* co
 // pairs of adjacent columns: v[b][0..1] at (row, col .. col + 1) of matrix b.
 
 // mma.sync (sm_80 on): tile_gemm above, eight warps of 32 x 32 per matrix.
-template <int BITS, int NB_>
+template <int BITS, int NB_, typename S = bf16>
 struct MmaTile {
+    using Scale = S;
     static constexpr int NB = NB_;
     static constexpr unsigned SMEM = 2 * (GT_ROWS + NB * GT_COLS) * GT_STRIDE * 2;
     static_assert(SMEM == (NB == 1 ? GT_MMA_SMEM_1 : GT_MMA_SMEM_2), "ops/gemm.rs mma_smem disagrees");
@@ -359,7 +365,7 @@ struct MmaTile {
     __device__ __forceinline__ void run(const bf16* const* rows_src, const BMat* mats, unsigned n0, unsigned K,
                                         unsigned group, unsigned rows, unsigned char* smem, unsigned k0 = 0,
                                         unsigned steps = 0) {
-        tile_gemm<BITS, NB>(acc, rows_src, mats, n0, K, group, rows, reinterpret_cast<bf16*>(smem), k0,
+        tile_gemm<BITS, NB, S>(acc, rows_src, mats, n0, K, group, rows, reinterpret_cast<bf16*>(smem), k0,
                             steps ? steps : K / GT_K);
     }
 
@@ -383,10 +389,10 @@ struct MmaTile {
     }
 };
 
-template <int BITS>
-using Mma1 = MmaTile<BITS, 1>;
-template <int BITS>
-using Mma2 = MmaTile<BITS, 2>;
+template <int BITS, typename S = bf16>
+using Mma1 = MmaTile<BITS, 1, S>;
+template <int BITS, typename S = bf16>
+using Mma2 = MmaTile<BITS, 2, S>;
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // wgmma (sm_90a): two warpgroups of 64 rows each, one m64n128k16 product per 16 K values over
@@ -422,8 +428,9 @@ __device__ __forceinline__ void wgmma_m64n128k16(float d[64], unsigned long long
                  : "l"(a), "l"(b), "r"(1));
 }
 
-template <int BITS>
+template <int BITS, typename S = bf16>
 struct WgTile {
+    using Scale = S;
     static constexpr int NB = 2;
     // Two steps of A and B tiles, and room to align them to 1024 bytes.
     static constexpr unsigned SMEM = 2 * 2 * WG_TILE * 2 + 1024;
@@ -441,11 +448,11 @@ struct WgTile {
         for (int i = 0; i < 64; i++) acc[i] = 0.0f;
         const unsigned steps = nsteps ? nsteps : K / GT_K;
         const ACursor ac = a_cursor<true>(rows_src);
-        BCursor<BITS> bc[2];  // quantised B only
+        BCursor<BITS, S> bc[2];  // quantised B only
         if constexpr (BITS != 16) {
 #pragma unroll
             for (int b = 0; b < 2; b++) {
-                bc[b] = b_cursor<BITS>(mats[b], n0, K, group);
+                bc[b] = b_cursor<BITS, S>(mats[b], n0, K, group);
                 b_skip<BITS>(bc[b], k0, group);
             }
         }
@@ -457,7 +464,7 @@ struct WgTile {
 #pragma unroll
             for (int b = 0; b < 2; b++) b_copy<true>(b_tile(0) + b * 64 * GT_K, mats[b], n0, k0, K);
         } else {
-            BRegs<BITS> r[2];
+            BRegs<BITS, S> r[2];
 #pragma unroll
             for (int b = 0; b < 2; b++) b_fetch<BITS>(r[b], bc[b], group);
 #pragma unroll
@@ -476,7 +483,7 @@ struct WgTile {
             for (int kk = 0; kk < GT_K / 16; kk++) wgmma_m64n128k16(acc, da + 2 * kk, db + 2 * kk);  // 32 bytes on
             wgmma_commit();
             const bool more = st + 1 < steps;
-            BRegs<BITS> r[2];
+            BRegs<BITS, S> r[2];
             if (more) {
                 a_issue(ac, a_tile(st + 1), k0 + (st + 1) * GT_K);
                 if constexpr (BITS == 16) {
@@ -524,16 +531,18 @@ struct WgTile {
 
 __device__ __forceinline__ BMat bmat(const unsigned char* span, unsigned long long w, unsigned long long s,
                                      unsigned long long b) {
-    return BMat{span + w, reinterpret_cast<const bf16*>(span + s), reinterpret_cast<const bf16*>(span + b)};
+    return BMat{span + w, span + s, span + b};
 }
 
 // NB matrices of 64 rows each, one after the other in m: rows b * 64 .. of the weight, its scales
-// and biases (`row_bytes` and `groups` per row).
+// and biases (`row_bytes` and `group_bytes` per row).
 template <int NB>
-__device__ __forceinline__ void b_mats(BMat mats[NB], const BMat& m, size_t row_bytes, size_t groups) {
+__device__ __forceinline__ void b_mats(BMat mats[NB], const BMat& m, size_t row_bytes, size_t group_bytes) {
+    const unsigned char* s = static_cast<const unsigned char*>(m.scales);
+    const unsigned char* b = static_cast<const unsigned char*>(m.biases);
 #pragma unroll
-    for (int b = 0; b < NB; b++)
-        mats[b] = BMat{m.w + b * GT_COLS * row_bytes, m.scales + b * GT_COLS * groups, m.biases + b * GT_COLS * groups};
+    for (int i = 0; i < NB; i++)
+        mats[i] = BMat{m.w + i * GT_COLS * row_bytes, s + i * GT_COLS * group_bytes, b + i * GT_COLS * group_bytes};
 }
 
 // Grid (inter / 64, max_tiles): the column blocks of one row tile run together, so its gathered A
@@ -593,7 +602,7 @@ __device__ void gemm_down(const bf16* act, const unsigned* order, const unsigned
     __syncthreads();
     BMat mats[NB];
     b_mats<NB>(mats, bmat(experts + (size_t)e * span, dw, ds, db), (size_t)inter * BITS / 8,
-               BITS == 16 ? 0 : inter / group);
+               BITS == 16 ? 0 : inter / group * sizeof(typename Tile::Scale));
     Tile t;
     t.run(rows_src, mats, n0, inter, group, rows, gt_smem);
     t.each([&](unsigned r, unsigned c, const float (&v)[NB][2]) {
@@ -647,7 +656,7 @@ extern "C" __global__ void moe_combine(const bf16* ys, const unsigned* ids, floa
 // last block of a tile to finish (counted in counters[tile], left at zero again) adds the splits'
 // partials in order of z, so the sum is the same whichever finishes last.
 template <class Tile, int BITS>
-__device__ void gemm_linear(const bf16* xb, const unsigned char* w, const bf16* scales, const bf16* biases,
+__device__ void gemm_linear(const bf16* xb, const unsigned char* w, const void* scales, const void* biases,
                             float* out, float* part, unsigned* counters, unsigned tokens, unsigned in_dim,
                             unsigned out_dim, unsigned group) {
     constexpr int NB = Tile::NB;
@@ -661,7 +670,8 @@ __device__ void gemm_linear(const bf16* xb, const unsigned char* w, const bf16* 
         rows_src[r] = r < rows ? xb + (size_t)(m0 + r) * in_dim : nullptr;
     __syncthreads();
     BMat mats[NB];
-    b_mats<NB>(mats, BMat{w, scales, biases}, (size_t)in_dim * BITS / 8, in_dim / group);
+    b_mats<NB>(mats, BMat{w, scales, biases}, (size_t)in_dim * BITS / 8,
+               in_dim / group * sizeof(typename Tile::Scale));
     Tile t;
     t.run(rows_src, mats, n0, in_dim, group, rows, gt_smem, z * kc, kc / GT_K);
     if (splits == 1) {
@@ -716,49 +726,56 @@ __device__ void gemm_linear(const bf16* xb, const unsigned char* w, const bf16* 
     if (threadIdx.x == 0) counters[tile] = 0;
 }
 
-// Kernel names: linear_gemm_q{4,8}_{1,2}, moe_gemm_gate_up_{q4,q8,bf16}, moe_gemm_down_{..}_{1,2};
-// the wgmma engine's as `_wg` (sm_90a builds only, 128 columns a block).
-#define LINEAR_GEMM(BITS, SUFFIX, TILE)                                                                       \
-    extern "C" __global__ void __launch_bounds__(GT_THREADS) linear_gemm_q##BITS##_##SUFFIX(                  \
-        const bf16* xb, const unsigned char* w, const bf16* scales, const bf16* biases, float* out,          \
+// Kernel names: linear_gemm_{q4,q8,q4f,q8f}_{1,2}, moe_gemm_gate_up_{q4,q8,q4f,q8f,bf16},
+// moe_gemm_down_{..}_{1,2}; the wgmma engine's as `_wg` (sm_90a builds only, 128 columns a
+// block). `f`: f32 group scales and biases (S float). TILE names the tile template.
+#define LINEAR_GEMM(BITS, S, NAME, SUFFIX, TILE)                                                              \
+    extern "C" __global__ void __launch_bounds__(GT_THREADS) linear_gemm_##NAME##_##SUFFIX(                   \
+        const bf16* xb, const unsigned char* w, const S* scales, const S* biases, float* out,                \
         float* part, unsigned* counters, unsigned tokens, unsigned in_dim, unsigned out_dim, unsigned group) { \
         pdl_begin();                                                                                          \
-        gemm_linear<TILE, BITS>(xb, w, scales, biases, out, part, counters, tokens, in_dim, out_dim, group);  \
+        gemm_linear<TILE<BITS, S>, BITS>(xb, w, scales, biases, out, part, counters, tokens, in_dim, out_dim,  \
+                                         group);                                                              \
     }
-#define DOWN(BITS, NAME, SUFFIX, TILE)                                                                      \
+#define DOWN(BITS, S, NAME, SUFFIX, TILE)                                                                   \
     extern "C" __global__ void __launch_bounds__(GT_THREADS) moe_gemm_down_##NAME##_##SUFFIX(               \
         const bf16* act, const unsigned* order, const unsigned* tiles, const float* weights,              \
         const unsigned char* experts, bf16* ys, unsigned hidden, unsigned inter, unsigned long long span,   \
         unsigned long long dw, unsigned long long ds, unsigned long long db, unsigned group) {             \
         pdl_begin();                                                                                          \
-        gemm_down<TILE, BITS>(act, order, tiles, weights, experts, ys, hidden, inter, span, dw, ds, db, group); \
+        gemm_down<TILE<BITS, S>, BITS>(act, order, tiles, weights, experts, ys, hidden, inter, span, dw, ds, db, \
+                                       group);                                                                \
     }
-#define GATE_UP(BITS, NAME, SUFFIX, TILE)                                                                   \
+#define GATE_UP(BITS, S, NAME, SUFFIX, TILE)                                                                \
     extern "C" __global__ void __launch_bounds__(GT_THREADS) moe_gemm_gate_up_##NAME##SUFFIX(               \
         const bf16* xb, const unsigned* order, const unsigned* tiles, const unsigned char* experts, bf16* act, \
         unsigned hidden, unsigned inter, unsigned k, unsigned long long span, unsigned long long gw,       \
         unsigned long long gs, unsigned long long gb, unsigned long long uw, unsigned long long us,        \
         unsigned long long ub, unsigned group) {                                                           \
         pdl_begin();                                                                                               \
-        gemm_gate_up<TILE, BITS>(xb, order, tiles, experts, act, hidden, inter, k, span, gw, gs, gb, uw, us, ub, group); \
+        gemm_gate_up<TILE<BITS, S>, BITS>(xb, order, tiles, experts, act, hidden, inter, k, span, gw, gs, gb, uw, \
+                                          us, ub, group);                                                  \
     }
-#define GEMMS(BITS, NAME)                                                                                  \
-    GATE_UP(BITS, NAME, , Mma2<BITS>)                                                              \
-    DOWN(BITS, NAME, 1, Mma1<BITS>) DOWN(BITS, NAME, 2, Mma2<BITS>)
+#define GEMMS(BITS, S, NAME)                                                                                \
+    LINEAR_GEMM(BITS, S, NAME, 1, Mma1)                                                                    \
+    LINEAR_GEMM(BITS, S, NAME, 2, Mma2)                                                                    \
+    GATE_UP(BITS, S, NAME, , Mma2) DOWN(BITS, S, NAME, 1, Mma1) DOWN(BITS, S, NAME, 2, Mma2)
 
-LINEAR_GEMM(4, 1, Mma1<4>)
-LINEAR_GEMM(4, 2, Mma2<4>)
-LINEAR_GEMM(8, 1, Mma1<8>)
-LINEAR_GEMM(8, 2, Mma2<8>)
-GEMMS(4, q4)
-GEMMS(8, q8)
-GEMMS(16, bf16)
+GEMMS(4, bf16, q4)
+GEMMS(8, bf16, q8)
+GEMMS(4, float, q4f)
+GEMMS(8, float, q8f)
+GATE_UP(16, bf16, bf16, , Mma2)
+DOWN(16, bf16, bf16, 1, Mma1)
+DOWN(16, bf16, bf16, 2, Mma2)
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define GEMMS_WG(BITS, NAME) GATE_UP(BITS, NAME, _wg, WgTile<BITS>) DOWN(BITS, NAME, wg, WgTile<BITS>)
-LINEAR_GEMM(4, wg, WgTile<4>)
-LINEAR_GEMM(8, wg, WgTile<8>)
-GEMMS_WG(4, q4)
-GEMMS_WG(8, q8)
-GEMMS_WG(16, bf16)
+#define GEMMS_WG(BITS, S, NAME)                                                                             \
+    LINEAR_GEMM(BITS, S, NAME, wg, WgTile) GATE_UP(BITS, S, NAME, _wg, WgTile) DOWN(BITS, S, NAME, wg, WgTile)
+GEMMS_WG(4, bf16, q4)
+GEMMS_WG(8, bf16, q8)
+GEMMS_WG(4, float, q4f)
+GEMMS_WG(8, float, q8f)
+GATE_UP(16, bf16, bf16, _wg, WgTile)
+DOWN(16, bf16, bf16, wg, WgTile)
 #endif

@@ -82,7 +82,8 @@ __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-
 
 // ---- 16-byte vector dot products for matrix-vector work ----
 // A row of `cols` values is read as 16-byte vectors of VALS values: 32 for 4-bit, 16 for 8-bit,
-// 8 for bf16 (BITS 16). The vector x is staged in shared memory with 4 floats of padding after
+// 8 for bf16 (BITS 16), 4 for f32 (BITS 32); 4 and 8 bits are quantised (QUANTISED), with group
+// scales and biases, 16 and 32 dense. The vector x is staged in shared memory with 4 floats of padding after
 // every 32 (`padded`), so the lanes' 16-byte reads of their x segments are bank-conflict free.
 //
 // Quantised values are turned into floats without integer-to-float conversions (a quarter-rate
@@ -109,12 +110,15 @@ __device__ __forceinline__ float masked_value(unsigned word, unsigned mask) {
 __host__ __device__ constexpr unsigned padded_len(unsigned n) { return n + ((n + 31) / 32) * 4; }
 
 template <int BITS>
+inline constexpr bool QUANTISED = BITS < 16;
+
+template <int BITS>
 struct VecFormat {
-    static constexpr unsigned VALS = BITS == 16 ? 8 : 128 / BITS;
+    static constexpr unsigned VALS = 128 / BITS;
     // Values per 16-bit half word, and the scale x is staged with at position i of a row.
-    static constexpr unsigned PER_HALF = BITS == 16 ? 1 : 16 / BITS;
+    static constexpr unsigned PER_HALF = QUANTISED<BITS> ? 16 / BITS : 1;
     static __device__ __forceinline__ float x_scale(unsigned i) {
-        if constexpr (BITS == 16) return 1.0f;
+        if constexpr (!QUANTISED<BITS>) return 1.0f;
         else return __int_as_float((127 - (int)(BITS * (i % PER_HALF))) << 23);  // 2^-(BITS * position)
     }
 };
@@ -136,6 +140,10 @@ __device__ __forceinline__ void vec_dot_exact(float& acc, uint4 v, const float* 
             const unsigned word = q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w;
             acc += __uint_as_float(word << 16) * x0 + __uint_as_float(word & 0xffff0000u) * x1;
         }
+    } else if constexpr (BITS == 32) {
+        const float4 xq = xp[0];
+        acc += __uint_as_float(v.x) * xq.x + __uint_as_float(v.y) * xq.y + __uint_as_float(v.z) * xq.z +
+               __uint_as_float(v.w) * xq.w;
     } else {
         constexpr unsigned PER_HALF = VecFormat<BITS>::PER_HALF, PER_WORD = 2 * PER_HALF;
         constexpr unsigned MASK = (1u << BITS) - 1u;
@@ -192,24 +200,25 @@ __device__ __forceinline__ void stage_x_sums(const float* x, float* xs, float* x
                 make_float4(f[j].x * VecFormat<BITS>::x_scale(i), f[j].y * VecFormat<BITS>::x_scale(i + 1),
                             f[j].z * VecFormat<BITS>::x_scale(i + 2), f[j].w * VecFormat<BITS>::x_scale(i + 3));
         }
-        if constexpr (BITS != 16) xsum[u] = plain_sum<VALS>(f);
+        if constexpr (QUANTISED<BITS>) xsum[u] = plain_sum<VALS>(f);
     }
     __syncthreads();
 }
 
 // Dot products of rows row0 .. row0 + R (those below `rows`) of one matrix with the staged x,
 // this lane's share: vectors lane, lane + 32, ... Reduce with warp_sum afterwards.
-// `w`: the matrix (16-byte aligned rows); `scales`, `biases`: per group (quantised only); `xs`
+// `w`: the matrix (16-byte aligned rows); `scales`, `biases`: per group (quantised only; bf16 or
+// float, S); `xs`
 // and `xsum` as stage_x_sums leaves them (the biases multiply the vectors' plain sums).
-template <int BITS, int R>
-__device__ __forceinline__ void rows_dot(const void* w, const bf16* scales, const bf16* biases, unsigned row0,
+template <int BITS, int R, typename S = bf16>
+__device__ __forceinline__ void rows_dot(const void* w, const S* scales, const S* biases, unsigned row0,
                                          unsigned rows, const float* xs, const float* xsum, unsigned cols,
                                          unsigned group, float acc[R]) {
     constexpr unsigned VALS = VecFormat<BITS>::VALS;
     // Vectors per lane loaded before any arithmetic: R rows x U of the lane's vectors in flight.
     constexpr unsigned U = 2;
     const unsigned lane = threadIdx.x % 32;
-    const unsigned nvec = cols / VALS, groups = BITS == 16 ? 0 : cols / group;
+    const unsigned nvec = cols / VALS, groups = QUANTISED<BITS> ? cols / group : 0;
     const uint4* W = reinterpret_cast<const uint4*>(w);
     for (unsigned u0 = lane; u0 < nvec; u0 += 32 * U) {
         uint4 v[U][R];
@@ -226,12 +235,12 @@ __device__ __forceinline__ void rows_dot(const void* w, const bf16* scales, cons
             for (int r = 0; r < R; r++) {
                 if (row0 + r >= rows) continue;
                 float scale = 0.0f, bias = 0.0f;
-                if constexpr (BITS != 16) {
+                if constexpr (QUANTISED<BITS>) {
                     const size_t gi = (size_t)(row0 + r) * groups + (u * VALS) / group;
                     scale = to_f32(scales[gi]);
                     bias = to_f32(biases[gi]);
                 }
-                vec_dot_exact<BITS>(acc[r], v[i][r], xs, u, scale, bias, BITS == 16 ? 0.0f : xsum[u]);
+                vec_dot_exact<BITS>(acc[r], v[i][r], xs, u, scale, bias, QUANTISED<BITS> ? xsum[u] : 0.0f);
             }
         }
     }
@@ -399,12 +408,29 @@ __device__ __forceinline__ void dequant_q4_pairs(unsigned w, __nv_bfloat162 s, _
     }
 }
 
+// dequant_q4_pairs through f32, for f32 group scales and biases (one rounding, to bf16).
+__device__ __forceinline__ void dequant_q4_pairs_f32(unsigned w, float s, float b, unsigned d[4]) {
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+        d[j] = pack2<bf16>(masked_value(w >> (4 * j), 0xFu) * s + b, masked_value(w >> (4 * j + 16), 0xFu) * s + b);
+}
+
 // The same eight values as four bf16 pairs in order.
 __device__ __forceinline__ uint4 dequant_q4(unsigned w, __nv_bfloat162 s, __nv_bfloat162 b) {
     unsigned d[4];
     dequant_q4_pairs(w, s, b, d);
     return make_uint4(prmt(d[0], d[1], 0x5410), prmt(d[2], d[3], 0x5410), prmt(d[0], d[1], 0x7632),
                       prmt(d[2], d[3], 0x7632));
+}
+
+// Eight 4-bit values of one word as four bf16 pairs in order, through f32: for f32 group scales
+// and biases, which rounding to bf16 first would round twice.
+__device__ __forceinline__ uint4 dequant_q4_f32(unsigned w, float s, float b) {
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++) v[j] = masked_value(w >> (4 * j), 0xFu) * s + b;
+    return make_uint4(pack2<bf16>(v[0], v[1]), pack2<bf16>(v[2], v[3]), pack2<bf16>(v[4], v[5]),
+                      pack2<bf16>(v[6], v[7]));
 }
 
 // Four 8-bit values of one word as two bf16 pairs, through f32 (128 + v is not exact in bf16).

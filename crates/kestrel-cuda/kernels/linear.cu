@@ -1,5 +1,7 @@
-// Linear layers out[t, o] = x[t, :] . W[o, :] over dense (f32, bf16, f16) and MLX-quantised
-// (4- and 8-bit) weights, and the embedding gather from either kind of table.
+// Linear layers out[t, o] = x[t, :] . W[o, :] over dense (f32, bf16, f16) and affine-quantised
+// (4- and 8-bit) weights, and the embedding gather from either kind of table. Quantised kernels
+// come in two scale types: `q4`, `q8` read bf16 group scales and biases (MLX), `q4f`, `q8f` f32
+// ones (GGUF's block formats, which bf16 cannot hold exactly); S is that type.
 // linear_*: one warp per output row, blocks of 8 warps; grid.y covers tokens TOKENS at a time,
 // each weight row is streamed once per block and reused for those tokens.
 // One token, with 16-byte weight loads and persistent blocks (a few per SM), each of which stages
@@ -48,8 +50,8 @@ __device__ void linear_dense(const float* x, const W* w, float* out, unsigned to
     }
 }
 
-template <int BITS>
-__device__ void linear_quant(const float* x, const unsigned* words, const bf16* scales, const bf16* biases,
+template <int BITS, typename S>
+__device__ void linear_quant(const float* x, const unsigned* words, const S* scales, const S* biases,
                              float* out, unsigned tokens, unsigned in_dim, unsigned out_dim, unsigned group) {
     const unsigned lane = threadIdx.x % 32;
     const unsigned o = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
@@ -106,14 +108,14 @@ DENSE(float, f32)
 DENSE(bf16, bf16)
 DENSE(f16, f16)
 
-#define QUANT(BITS)                                                                                         \
-    extern "C" __global__ void linear_q##BITS(const float* x, const unsigned* w, const bf16* scales,        \
-                                              const bf16* biases, float* out, unsigned tokens,              \
+#define QUANT(BITS, S, NAME)                                                                                         \
+    extern "C" __global__ void linear_##NAME(const float* x, const unsigned* w, const S* scales,        \
+                                              const S* biases, float* out, unsigned tokens,              \
                                               unsigned in_dim, unsigned out_dim, unsigned group) {          \
         pdl_begin();                                                                                        \
-        linear_quant<BITS>(x, w, scales, biases, out, tokens, in_dim, out_dim, group);                      \
+        linear_quant<BITS, S>(x, w, scales, biases, out, tokens, in_dim, out_dim, group);                      \
     }                                                                                                       \
-    extern "C" __global__ void embed_q##BITS(const unsigned* w, const bf16* scales, const bf16* biases,     \
+    extern "C" __global__ void embed_##NAME(const unsigned* w, const S* scales, const S* biases,     \
                                              const unsigned* ids, float* out, unsigned hidden,              \
                                              unsigned vocab, unsigned group) {                               \
         pdl_begin();                                                                                        \
@@ -129,16 +131,18 @@ DENSE(f16, f16)
         }                                                                                                   \
     }
 
-QUANT(4)
-QUANT(8)
+QUANT(4, bf16, q4)
+QUANT(8, bf16, q8)
+QUANT(4, float, q4f)
+QUANT(8, float, q8f)
 
 // One-token matvec with 16-byte weight loads. Persistent blocks: each stages x in shared memory
 // once (stage_x_sums: padded, pre-scaled; quantised formats also each vector's plain sum), then
 // its warps walk tiles of VEC_ROWS rows, VEC_WARPS * gridDim.x tiles apart. Requires in_dim to be
 // a multiple of the vector width, and x and the rows 16-byte aligned.
 
-template <int BITS>
-__device__ void matvec(const float* x, const void* w, const bf16* scales, const bf16* biases, float* out,
+template <int BITS, typename S = bf16>
+__device__ void matvec(const float* x, const void* w, const S* scales, const S* biases, float* out,
                        unsigned in_dim, unsigned out_dim, unsigned group) {
     extern __shared__ __align__(16) float xs[];
     float* xsum = xs + padded_len(in_dim);
@@ -150,7 +154,7 @@ __device__ void matvec(const float* x, const void* w, const bf16* scales, const 
         float acc[VEC_ROWS];
 #pragma unroll
         for (int r = 0; r < VEC_ROWS; r++) acc[r] = 0.0f;
-        rows_dot<BITS, VEC_ROWS>(w, scales, biases, row0, out_dim, xs, xsum, in_dim, group, acc);
+        rows_dot<BITS, VEC_ROWS, S>(w, scales, biases, row0, out_dim, xs, xsum, in_dim, group, acc);
 #pragma unroll
         for (int r = 0; r < VEC_ROWS; r++) {
             const float s = warp_sum(acc[r]);
@@ -162,22 +166,32 @@ __device__ void matvec(const float* x, const void* w, const bf16* scales, const 
 extern "C" __global__ void __launch_bounds__(32 * VEC_WARPS, VEC_BLOCKS_PER_SM)
 matvec_bf16(const float* x, const bf16* w, float* out, unsigned in_dim, unsigned out_dim) {
     pdl_begin();
-    matvec<16>(x, w, nullptr, nullptr, out, in_dim, out_dim, 1);
+    matvec<16, bf16>(x, w, nullptr, nullptr, out, in_dim, out_dim, 1);
+}
+
+// f32 weights (a GGUF file's routers), one token a grid row y: exact, as matvec_q*_exact.
+extern "C" __global__ void __launch_bounds__(32 * VEC_WARPS, VEC_BLOCKS_PER_SM)
+matvec_f32_exact(const float* x, const float* w, float* out, unsigned in_dim, unsigned out_dim) {
+    pdl_begin();
+    matvec<32, bf16>(x + (size_t)blockIdx.y * in_dim, w, nullptr, nullptr, out + (size_t)blockIdx.y * out_dim,
+                     in_dim, out_dim, 1);
 }
 
 // Quantised weights on f32 activations (x not rounded): the exact path of a few tokens (one per
 // grid row y), for the logits a router picks experts from. Dynamic shared memory: padded_len(in_dim) + in_dim / VALS floats.
-#define MATVEC_EXACT(BITS)                                                                                  \
+#define MATVEC_EXACT(BITS, S, NAME)                                                                                  \
     extern "C" __global__ void __launch_bounds__(32 * VEC_WARPS, VEC_BLOCKS_PER_SM)                        \
-        matvec_q##BITS##_exact(                                                                             \
-        const float* x, const unsigned* w, const bf16* scales, const bf16* biases, float* out,             \
+        matvec_##NAME##_exact(                                                                             \
+        const float* x, const unsigned* w, const S* scales, const S* biases, float* out,             \
         unsigned in_dim, unsigned out_dim, unsigned group) {                                                \
         pdl_begin();                                                                                        \
-        matvec<BITS>(x + (size_t)blockIdx.y * in_dim, w, scales, biases, out + (size_t)blockIdx.y * out_dim, \
+        matvec<BITS, S>(x + (size_t)blockIdx.y * in_dim, w, scales, biases, out + (size_t)blockIdx.y * out_dim, \
                      in_dim, out_dim, group);                                                               \
     }
-MATVEC_EXACT(4)
-MATVEC_EXACT(8)
+MATVEC_EXACT(4, bf16, q4)
+MATVEC_EXACT(8, bf16, q8)
+MATVEC_EXACT(4, float, q4f)
+MATVEC_EXACT(8, float, q8f)
 
 // The exact path for many tokens: matvec_q*_exact's arithmetic, EX_TOKENS tokens a block (grid
 // row y), so each weight vector a warp loads serves all of them. Every (token, row) adds the same
@@ -187,8 +201,8 @@ __host__ __device__ constexpr unsigned exact_stride(unsigned in_dim, unsigned va
     return (padded_len(in_dim) + in_dim / vals + 3) / 4 * 4;
 }
 
-template <int BITS>
-__device__ void matvec_exact_tokens(const float* x, const void* w, const bf16* scales, const bf16* biases,
+template <int BITS, typename S>
+__device__ void matvec_exact_tokens(const float* x, const void* w, const S* scales, const S* biases,
                                     float* out, unsigned tokens, unsigned in_dim, unsigned out_dim,
                                     unsigned group) {
     constexpr unsigned VALS = VecFormat<BITS>::VALS, U = 2;
@@ -199,7 +213,7 @@ __device__ void matvec_exact_tokens(const float* x, const void* w, const bf16* s
         stage_x_sums<BITS>(x + (size_t)(t0 + t) * in_dim, xs + t * stride, xs + t * stride + padded_len(in_dim),
                            in_dim);
     const unsigned lane = threadIdx.x % 32;
-    const unsigned nvec = in_dim / VALS, groups = in_dim / group;
+    const unsigned nvec = in_dim / VALS, groups = QUANTISED<BITS> ? in_dim / group : 0;
     const unsigned tiles = (out_dim + VEC_ROWS - 1) / VEC_ROWS;
     const uint4* W = reinterpret_cast<const uint4*>(w);
     for (unsigned tile = blockIdx.x * VEC_WARPS + threadIdx.x / 32; tile < tiles; tile += gridDim.x * VEC_WARPS) {
@@ -225,13 +239,18 @@ __device__ void matvec_exact_tokens(const float* x, const void* w, const bf16* s
 #pragma unroll
                 for (int r = 0; r < VEC_ROWS; r++) {
                     if (row0 + r >= out_dim) continue;
-                    const size_t gi = (size_t)(row0 + r) * groups + (u * VALS) / group;
-                    const float scale = to_f32(scales[gi]), bias = to_f32(biases[gi]);
+                    float scale = 0.0f, bias = 0.0f;
+                    if constexpr (QUANTISED<BITS>) {
+                        const size_t gi = (size_t)(row0 + r) * groups + (u * VALS) / group;
+                        scale = to_f32(scales[gi]);
+                        bias = to_f32(biases[gi]);
+                    }
 #pragma unroll
                     for (int t = 0; t < EX_TOKENS; t++) {
                         if (t >= nt) break;
                         const float* xt = xs + t * stride;
-                        vec_dot_exact<BITS>(acc[t][r], v[i][r], xt, u, scale, bias, xt[padded_len(in_dim) + u]);
+                        vec_dot_exact<BITS>(acc[t][r], v[i][r], xt, u, scale, bias,
+                                            QUANTISED<BITS> ? xt[padded_len(in_dim) + u] : 0.0f);
                     }
                 }
             }
@@ -246,16 +265,24 @@ __device__ void matvec_exact_tokens(const float* x, const void* w, const bf16* s
     }
 }
 
-#define MATVEC_EXACT_TOKENS(BITS)                                                                           \
+#define MATVEC_EXACT_TOKENS(BITS, S, NAME)                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * VEC_WARPS)                                           \
-        matvec_q##BITS##_exact_tokens(const float* x, const unsigned* w, const bf16* scales,                \
-                                      const bf16* biases, float* out, unsigned tokens, unsigned in_dim,     \
+        matvec_##NAME##_exact_tokens(const float* x, const unsigned* w, const S* scales,                \
+                                      const S* biases, float* out, unsigned tokens, unsigned in_dim,     \
                                       unsigned out_dim, unsigned group) {                                   \
         pdl_begin();                                                                                        \
-        matvec_exact_tokens<BITS>(x, w, scales, biases, out, tokens, in_dim, out_dim, group);               \
+        matvec_exact_tokens<BITS, S>(x, w, scales, biases, out, tokens, in_dim, out_dim, group);               \
     }
-MATVEC_EXACT_TOKENS(4)
-MATVEC_EXACT_TOKENS(8)
+extern "C" __global__ void __launch_bounds__(32 * VEC_WARPS)
+    matvec_f32_exact_tokens(const float* x, const float* w, float* out, unsigned tokens, unsigned in_dim,
+                            unsigned out_dim) {
+    pdl_begin();
+    matvec_exact_tokens<32, bf16>(x, w, nullptr, nullptr, out, tokens, in_dim, out_dim, 1);
+}
+MATVEC_EXACT_TOKENS(4, bf16, q4)
+MATVEC_EXACT_TOKENS(8, bf16, q8)
+MATVEC_EXACT_TOKENS(4, float, q4f)
+MATVEC_EXACT_TOKENS(8, float, q8f)
 
 
 
@@ -273,24 +300,28 @@ MATVEC_EXACT_TOKENS(8)
 // they need, so a warp keeps three items in flight while it computes on the fourth, and no load
 // is issued at compute time (it would queue behind the whole stream). A lane reads back the
 // weight vectors it copied itself; the scales, copied by other lanes, after a __syncwarp.
-// Needs in_dim / group and 64 * VALS / group to be multiples of 8 (16-byte scale pieces).
+// Needs in_dim / group and 64 * VALS / group to be multiples of the scales a 16-byte piece holds
+// (8 bf16, 4 floats).
 struct DpItems {
     unsigned first_tile, tile_step, tiles, chunks;
 };
 
 // One ring slot: the weight vectors [i][r][lane], then 2 * DP_ROWS segments of `seg` group values
-// (the scales of rows 0..DP_ROWS-1, then their biases): this many 16-byte vectors.
-__host__ __device__ constexpr unsigned dp_slot_vecs(unsigned seg) { return 2 * DP_ROWS * 32 + DP_ROWS * seg / 4; }
+// of `size` bytes (the scales of rows 0..DP_ROWS-1, then their biases): this many 16-byte vectors.
+__host__ __device__ constexpr unsigned dp_slot_vecs(unsigned seg, unsigned size) {
+    return 2 * DP_ROWS * 32 + DP_ROWS * seg * size / 8;
+}
 
 // Starts the copies of item k into its ring slot, zero-filling past the matrix. Always commits
 // one group, so the wait counts stay in step even past the last item.
+template <typename S>
 __device__ __forceinline__ void dp_fetch(uint4* ring, const DpItems& it, unsigned k, const uint4* W,
-                                         const bf16* scales, const bf16* biases, unsigned nvec, unsigned out_dim,
+                                         const S* scales, const S* biases, unsigned nvec, unsigned out_dim,
                                          unsigned groups, unsigned seg) {
     const unsigned lane = threadIdx.x % 32;
     const unsigned tile = it.first_tile + (k / it.chunks) * it.tile_step, chunk = k % it.chunks;
     if (tile < it.tiles) {
-        uint4* slot = ring + (k % DP_STAGES) * dp_slot_vecs(seg);
+        uint4* slot = ring + (k % DP_STAGES) * dp_slot_vecs(seg, sizeof(S));
 #pragma unroll
         for (unsigned i = 0; i < 2; i++)
 #pragma unroll
@@ -299,13 +330,14 @@ __device__ __forceinline__ void dp_fetch(uint4* ring, const DpItems& it, unsigne
                 const bool ok = row < out_dim && u < nvec;
                 cp_async16(slot + (i * DP_ROWS + r) * 32 + lane, ok ? W + (size_t)row * nvec + u : W, ok);
             }
-        bf16* sb = reinterpret_cast<bf16*>(slot + 2 * DP_ROWS * 32);
-        const unsigned pieces = seg / 8, g0 = chunk * seg;  // 8 values per 16-byte piece
+        S* sb = reinterpret_cast<S*>(slot + 2 * DP_ROWS * 32);
+        constexpr unsigned PER = 16 / sizeof(S);  // values per 16-byte piece
+        const unsigned pieces = seg / PER, g0 = chunk * seg;
         for (unsigned p = lane; p < 2 * DP_ROWS * pieces; p += 32) {
-            const unsigned part = p / pieces, g = g0 + (p % pieces) * 8, row = tile * DP_ROWS + part % DP_ROWS;
+            const unsigned part = p / pieces, g = g0 + (p % pieces) * PER, row = tile * DP_ROWS + part % DP_ROWS;
             const bool ok = row < out_dim && g < groups;
-            const bf16* src = (part < DP_ROWS ? scales : biases) + (size_t)row * groups + g;
-            cp_async16(sb + part * seg + (p % pieces) * 8, ok ? src : scales, ok);
+            const S* src = (part < DP_ROWS ? scales : biases) + (size_t)row * groups + g;
+            cp_async16(sb + part * seg + (p % pieces) * PER, ok ? src : scales, ok);
         }
     }
     cp_async_commit();
@@ -314,17 +346,18 @@ __device__ __forceinline__ void dp_fetch(uint4* ring, const DpItems& it, unsigne
 // Persistent like `matvec`: each block rounds x to int8 into shared memory itself, then its
 // warps walk their items. The first items' copies are started before the programmatic wait
 // (weights are never written by a kernel). Dynamic shared memory: DP_WARPS * DP_STAGES slots of
-// ring (dp_slot_vecs(seg) 16-byte vectors a slot), then in_dim bytes + (in_dim / 32 + in_dim / 16)
+// ring (dp_slot_vecs(seg, sizeof(S)) 16-byte vectors a slot), then in_dim bytes + (in_dim / 32 + in_dim / 16)
 // floats of x.
-template <int BITS>
-__device__ void matvec_dp4a(const float* xf, const unsigned* w, const bf16* scales, const bf16* biases, float* out,
+template <int BITS, typename S>
+__device__ void matvec_dp4a(const float* xf, const unsigned* w, const S* scales, const S* biases, float* out,
                             unsigned in_dim, unsigned out_dim, unsigned group) {
     extern __shared__ __align__(16) uint4 dp_smem[];
     constexpr unsigned VALS = 128 / BITS;
     const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const unsigned nvec = in_dim / VALS, groups = in_dim / group, seg = 64 * VALS / group;
-    uint4* ring = dp_smem + warp * DP_STAGES * dp_slot_vecs(seg);
-    int* sq = reinterpret_cast<int*>(dp_smem + DP_WARPS * DP_STAGES * dp_slot_vecs(seg));
+    const unsigned slot_vecs = dp_slot_vecs(seg, sizeof(S));
+    uint4* ring = dp_smem + warp * DP_STAGES * slot_vecs;
+    int* sq = reinterpret_cast<int*>(dp_smem + DP_WARPS * DP_STAGES * slot_vecs);
     float* sd = reinterpret_cast<float*>(sq + in_dim / 4);
     float* ss = sd + in_dim / 32;
     const uint4* W = reinterpret_cast<const uint4*>(w);
@@ -350,8 +383,8 @@ __device__ void matvec_dp4a(const float* xf, const unsigned* w, const bf16* scal
         __syncwarp();                    // and visible to the lanes that did not copy it
         const unsigned tile = it.first_tile + (k / it.chunks) * it.tile_step, chunk = k % it.chunks;
         const unsigned row0 = tile * DP_ROWS;
-        const uint4* slot = ring + (k % DP_STAGES) * dp_slot_vecs(seg);
-        const bf16* sb = reinterpret_cast<const bf16*>(slot + 2 * DP_ROWS * 32);
+        const uint4* slot = ring + (k % DP_STAGES) * slot_vecs;
+        const S* sb = reinterpret_cast<const S*>(slot + 2 * DP_ROWS * 32);
 #pragma unroll
         for (unsigned i = 0; i < 2; i++) {
             const unsigned u = chunk * 64 + 32 * i + lane;
@@ -377,14 +410,13 @@ __device__ void matvec_dp4a(const float* xf, const unsigned* w, const bf16* scal
     cp_async_wait<0>();  // no copy may still target shared memory when the block exits
 }
 
-extern "C" __global__ void __launch_bounds__(32 * DP_WARPS, DP_BLOCKS_PER_SM)
-    matvec_q4_dp4a(const float* x, const unsigned* w, const bf16* scales, const bf16* biases, float* out,
-                   unsigned in_dim, unsigned out_dim, unsigned group) {
-    matvec_dp4a<4>(x, w, scales, biases, out, in_dim, out_dim, group);
-}
-
-extern "C" __global__ void __launch_bounds__(32 * DP_WARPS, DP_BLOCKS_PER_SM)
-    matvec_q8_dp4a(const float* x, const unsigned* w, const bf16* scales, const bf16* biases, float* out,
-                   unsigned in_dim, unsigned out_dim, unsigned group) {
-    matvec_dp4a<8>(x, w, scales, biases, out, in_dim, out_dim, group);
-}
+#define MATVEC_DP4A(BITS, S, NAME)                                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * DP_WARPS, DP_BLOCKS_PER_SM)                          \
+        matvec_##NAME##_dp4a(const float* x, const unsigned* w, const S* scales, const S* biases, float* out,  \
+                             unsigned in_dim, unsigned out_dim, unsigned group) {                           \
+        matvec_dp4a<BITS, S>(x, w, scales, biases, out, in_dim, out_dim, group);                            \
+    }
+MATVEC_DP4A(4, bf16, q4)
+MATVEC_DP4A(8, bf16, q8)
+MATVEC_DP4A(4, float, q4f)
+MATVEC_DP4A(8, float, q8f)

@@ -2,9 +2,9 @@
 // router_f32_{4,8,16}: one warp per token holds up to 128, 256 or 512 experts in registers and
 // chooses (choose(): k rounds of warp argmax, the lower index wins ties; a softmax over all only
 // when the weights are not renormalised).
-// route_{q4,q8,bf16}_*: the same choice for one token, with the router's product in the same
-// kernel (sm_90). A cluster of 8 blocks computes the logits on x in f32 as the exact matvecs
-// (matvec_bf16, matvec_q*_exact) do; each warp's first router row is held in registers from
+// route_{q4,q8,bf16,f32}_*: the same choice for one token, with the router's product in the same
+// kernel (sm_90; q4 and q8 with bf16 group scales). A cluster of 8 blocks computes the logits on
+// x in f32 as the exact matvecs (matvec_bf16, matvec_f32, matvec_q*_exact) do; each warp's first router row is held in registers from
 // before the programmatic wait (its later rows prefetched into L2), and x is staged with each
 // 16-byte vector's plain sum in one round trip. Every block stores its logits into block 0's
 // shared memory, and block 0 chooses by counting each expert's rank among a few candidates
@@ -19,7 +19,8 @@
 // slots summed in order, so results do not depend on scheduling. Each expert is one contiguous
 // span of `span` bytes; each matrix sits at the given byte offsets (weight, scales, biases; bf16
 // experts use only the weight offset).
-// BITS is 4 or 8 for MLX-quantised experts and 16 for bf16. Quantised experts run on int8
+// BITS is 4 or 8 for quantised experts and 16 for bf16; quantised experts' group scales and
+// biases are bf16 (MLX; kernels `*_q4`, `*_q8`) or f32 (`*_q4f`, `*_q8f`), SC in the templates. Quantised experts run on int8
 // activations: gate_up rounds x_t to int8 in every block and writes act already as int8 (a block
 // of 32 per block of the grid); down gives each output row a warp, spreads its (slot, vector)
 // pairs over the lanes and requests the first pairs' weights before the programmatic wait. bf16
@@ -243,7 +244,7 @@ __device__ __forceinline__ void stage_norm_sums(const RouteNorm& nm, const float
     }
     ss = warp_sum(ss);
     if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = ss;
-    if constexpr (BITS != 16) {
+    if constexpr (QUANTISED<BITS>) {
         __syncthreads();
         for (unsigned u = threadIdx.x; u < n / VALS; u += blockDim.x)
             xsum[u] = plain_sum<VALS>(reinterpret_cast<const float4*>(gs) + u * (VALS / 4));
@@ -344,7 +345,7 @@ __device__ void route_one(const float* x, const void* w, const bf16* scales, con
     __shared__ float chosen_from[32 * PER_LANE];
     constexpr unsigned VALS = VecFormat<BITS>::VALS;
     const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32, rank = cluster_rank();
-    const unsigned nvec = in_dim / VALS, groups = BITS == 16 ? 1 : in_dim / group;
+    const unsigned nvec = in_dim / VALS, groups = QUANTISED<BITS> ? in_dim / group : 1;
     const unsigned first = rank * ROUTE_WARPS + warp, stride = ROUTE_BLOCKS * ROUTE_WARPS;
     const size_t row_bytes = (size_t)in_dim * BITS / 8;
     // The weights need nothing from earlier kernels. While this waits for x, the warp's first row
@@ -359,7 +360,7 @@ __device__ void route_one(const float* x, const void* w, const bf16* scales, con
         sc[i] = bs[i] = 0.0f;
         if (held && u < nvec) {
             v[i] = __ldcs(static_cast<const uint4*>(w) + (size_t)first * nvec + u);
-            if constexpr (BITS != 16) {
+            if constexpr (QUANTISED<BITS>) {
                 const size_t gi = (size_t)first * groups + (u * VALS) / group;
                 sc[i] = to_f32(scales[gi]);
                 bs[i] = to_f32(biases[gi]);
@@ -411,7 +412,8 @@ __device__ void route_one(const float* x, const void* w, const bf16* scales, con
             for (unsigned i = 0; i < ROUTE_PRE; i++) {
                 if (32 * i >= nvec) break;
                 const unsigned u = lane + 32 * i;
-                if (u < nvec) vec_dot_exact<BITS>(part[i], v[i], xs, u, sc[i], bs[i], BITS == 16 ? 0.0f : xsum[u]);
+                if (u < nvec)
+                    vec_dot_exact<BITS>(part[i], v[i], xs, u, sc[i], bs[i], QUANTISED<BITS> ? xsum[u] : 0.0f);
             }
 #pragma unroll
             for (unsigned i = 0; i < ROUTE_PRE; i++) acc[0] += part[i];
@@ -487,38 +489,41 @@ __device__ void route_one(const float* x, const void* w, const bf16* scales, con
                                            experts, group, k, normalize,                                    \
                                            RouteNorm{residual, add, nw, h, eps, zero_centered, w_bf16}, SL); \
     }
-#define ROUTE_BF16_KERNELS(PER_LANE, SUFFIX, S, PARAMS, SL)                                                  \
+#define ROUTE_DENSE_KERNELS(W, BITS, NAME, PER_LANE, SUFFIX, S, PARAMS, SL)                                                  \
     extern "C" __global__ void __cluster_dims__(ROUTE_BLOCKS, 1, 1) __launch_bounds__(32 * ROUTE_WARPS)      \
-        route_bf16_##PER_LANE##SUFFIX(const float* x, const bf16* w, float* logits, unsigned* ids,           \
+        route_##NAME##_##PER_LANE##SUFFIX(const float* x, const W* w, float* logits, unsigned* ids,           \
                                       float* weights, unsigned in_dim, unsigned experts, unsigned k,        \
                                       int normalize PARAMS) {                                               \
-        route_one<16, PER_LANE, false, S>(x, w, nullptr, nullptr, logits, ids, weights, in_dim, experts, 1,  \
+        route_one<BITS, PER_LANE, false, S>(x, w, nullptr, nullptr, logits, ids, weights, in_dim, experts, 1,  \
                                           k, normalize, RouteNorm{}, SL);                                   \
     }                                                                                                        \
     extern "C" __global__ void __cluster_dims__(ROUTE_BLOCKS, 1, 1) __launch_bounds__(32 * ROUTE_WARPS)      \
-        route_norm_bf16_##PER_LANE##SUFFIX(float* residual, const float* add, const void* nw, float* h,      \
-                                           const bf16* w, float* logits, unsigned* ids, float* weights,     \
+        route_norm_##NAME##_##PER_LANE##SUFFIX(float* residual, const float* add, const void* nw, float* h,      \
+                                           const W* w, float* logits, unsigned* ids, float* weights,     \
                                            unsigned in_dim, unsigned experts, unsigned k, int normalize,    \
                                            float eps, int zero_centered, int w_bf16 PARAMS) {               \
-        route_one<16, PER_LANE, true, S>(nullptr, w, nullptr, nullptr, logits, ids, weights, in_dim,        \
+        route_one<BITS, PER_LANE, true, S>(nullptr, w, nullptr, nullptr, logits, ids, weights, in_dim,        \
                                          experts, 1, k, normalize,                                          \
                                          RouteNorm{residual, add, nw, h, eps, zero_centered, w_bf16}, SL);  \
     }
 #define ROUTE_Q(BITS, PER_LANE)                                                                              \
     ROUTE_Q_KERNELS(BITS, PER_LANE, , false, ROUTE_NO_SLOT_PARAMS, ROUTE_NO_SLOTS)                           \
     ROUTE_Q_KERNELS(BITS, PER_LANE, _slots, true, ROUTE_SLOT_PARAMS, ROUTE_SLOTS)
-#define ROUTE_BF16(PER_LANE)                                                                                 \
-    ROUTE_BF16_KERNELS(PER_LANE, , false, ROUTE_NO_SLOT_PARAMS, ROUTE_NO_SLOTS)                              \
-    ROUTE_BF16_KERNELS(PER_LANE, _slots, true, ROUTE_SLOT_PARAMS, ROUTE_SLOTS)
+#define ROUTE_DENSE(W, BITS, NAME, PER_LANE)                                                                 \
+    ROUTE_DENSE_KERNELS(W, BITS, NAME, PER_LANE, , false, ROUTE_NO_SLOT_PARAMS, ROUTE_NO_SLOTS)              \
+    ROUTE_DENSE_KERNELS(W, BITS, NAME, PER_LANE, _slots, true, ROUTE_SLOT_PARAMS, ROUTE_SLOTS)
 ROUTE_Q(4, 4)
 ROUTE_Q(4, 8)
 ROUTE_Q(4, 16)
 ROUTE_Q(8, 4)
 ROUTE_Q(8, 8)
 ROUTE_Q(8, 16)
-ROUTE_BF16(4)
-ROUTE_BF16(8)
-ROUTE_BF16(16)
+ROUTE_DENSE(bf16, 16, bf16, 4)
+ROUTE_DENSE(bf16, 16, bf16, 8)
+ROUTE_DENSE(bf16, 16, bf16, 16)
+ROUTE_DENSE(float, 32, f32, 4)
+ROUTE_DENSE(float, 32, f32, 8)
+ROUTE_DENSE(float, 32, f32, 16)
 #endif
 
 // Decode-sized expert kernels issue every warp's weight loads first, then stage x (or the
@@ -769,9 +774,9 @@ static_assert(GQ_WARPS * GQ_ROWS == 32, "a block of moe_gate_up_q* writes one in
 
 // act[tk, r] = silu(gate_e[r] . x_t) * (up_e[r] . x_t) for 32 rows of one (token, slot), written
 // as int8 (aq bytes, ad scale, as16 sums; inter a multiple of 32). Grid (inter / 32, tokens * k),
-// GQ_WARPS warps; dynamic shared memory: 32 floats, GQ_WARPS * 4 * 2 * (hidden / group) bf16
+// GQ_WARPS warps; dynamic shared memory: 32 floats, GQ_WARPS * 4 * 2 * (hidden / group) SC
 // (each warp's rows' group scales and biases), hidden bytes + (hidden / 32 + hidden / 16) floats.
-template <int BITS, bool STREAMED>
+template <int BITS, typename SC, bool STREAMED>
 __device__ void gate_up_int8(const float* x, const unsigned* ids, const unsigned char* experts, int* aq, float* ad,
                              float* as16, unsigned hidden, unsigned inter, unsigned k, unsigned long long span,
                              unsigned long long gw, unsigned long long gs, unsigned long long gb,
@@ -782,7 +787,7 @@ __device__ void gate_up_int8(const float* x, const unsigned* ids, const unsigned
     pdl_wait();
     pdl_trigger();
     const unsigned groups = hidden / group, nvec = hidden / VecFormat<BITS>::VALS;
-    bf16* sgroups = reinterpret_cast<bf16*>(sact + 32);
+    SC* sgroups = reinterpret_cast<SC*>(sact + 32);
     int* sq = reinterpret_cast<int*>(sgroups + GQ_WARPS * 2 * GQ_ROWS * 2 * groups);
     float* sd = reinterpret_cast<float*>(sq + hidden / 4);
     float* ss = sd + hidden / 32;
@@ -800,8 +805,9 @@ __device__ void gate_up_int8(const float* x, const unsigned* ids, const unsigned
     for (int r = 0; r < GQ_ROWS; r++) {
         const Mat g = mat(sp, gw, gs, gb), u = mat(sp, uw, us, ub);
         const size_t row = row0 + r;
-        mats[r] = Mat{g.w + row * nvec, g.scales + row * groups, g.biases + row * groups};
-        mats[GQ_ROWS + r] = Mat{u.w + row * nvec, u.scales + row * groups, u.biases + row * groups};
+        // The scales and biases are staged below, not read through the Mat.
+        mats[r] = Mat{g.w + row * nvec, nullptr, nullptr};
+        mats[GQ_ROWS + r] = Mat{u.w + row * nvec, nullptr, nullptr};
         active[r] = active[GQ_ROWS + r] = true;
         srcs[r] = srcs[GQ_ROWS + r] = src;
     }
@@ -810,21 +816,22 @@ __device__ void gate_up_int8(const float* x, const unsigned* ids, const unsigned
     // This warp's rows' group scales and biases, [m][scale, bias][groups], copied now with the
     // weights in flight (cp.async, so nothing waits for them until they are used): a load
     // issued at compute time would queue behind every weight in flight.
-    bf16* sg = sgroups + warp * (2 * GQ_ROWS * 2 * groups);
-    if (groups % 2 == 0) {
-        const unsigned per = groups / 2;  // bf16 pairs per row of scales or biases
+    SC* sg = sgroups + warp * (2 * GQ_ROWS * 2 * groups);
+    constexpr unsigned PER4 = 4 / sizeof(SC);  // values a 4-byte copy moves
+    if (groups % PER4 == 0) {
+        const unsigned per = groups / PER4;  // 4-byte pieces per row of scales or biases
         for (unsigned e = lane; e < 2 * GQ_ROWS * 2 * per; e += 32) {
             const unsigned sel = e / per, m = sel / 2, pr = e % per;
             const unsigned long long off = m < GQ_ROWS ? (sel % 2 ? gb : gs) : (sel % 2 ? ub : us);
-            cp_async4(sg + sel * groups + 2 * pr,
-                      reinterpret_cast<const bf16*>(sp + off) + (size_t)(row0 + m % GQ_ROWS) * groups + 2 * pr);
+            cp_async4(sg + sel * groups + PER4 * pr,
+                      reinterpret_cast<const SC*>(sp + off) + (size_t)(row0 + m % GQ_ROWS) * groups + PER4 * pr);
         }
         cp_async_commit();
     } else {
         for (unsigned e = lane; e < 2 * GQ_ROWS * 2 * groups; e += 32) {
             const unsigned sel = e / groups, m = sel / 2;
             const unsigned long long off = m < GQ_ROWS ? (sel % 2 ? gb : gs) : (sel % 2 ? ub : us);
-            sg[e] = reinterpret_cast<const bf16*>(sp + off)[(size_t)(row0 + m % GQ_ROWS) * groups + e % groups];
+            sg[e] = reinterpret_cast<const SC*>(sp + off)[(size_t)(row0 + m % GQ_ROWS) * groups + e % groups];
         }
     }
     quantize_x8<BITS == 4>(x + t * hidden, hidden, sq, sd, ss, threadIdx.x, blockDim.x);
@@ -836,7 +843,7 @@ __device__ void gate_up_int8(const float* x, const unsigned* ids, const unsigned
             for (unsigned e = lane; e < 2 * GQ_ROWS * 2 * groups; e += 32) {
                 const unsigned sel = e / groups, m = sel / 2;
                 const unsigned long long off = m < GQ_ROWS ? (sel % 2 ? gb : gs) : (sel % 2 ? ub : us);
-                reinterpret_cast<bf16*>(src.write + off)[(size_t)(row0 + m % GQ_ROWS) * groups + e % groups] = sg[e];
+                reinterpret_cast<SC*>(src.write + off)[(size_t)(row0 + m % GQ_ROWS) * groups + e % groups] = sg[e];
             }
     }
     const QuantX xq{sq, sd, ss};
@@ -906,7 +913,7 @@ __device__ __forceinline__ void stage(void* dst, const void* src, unsigned bytes
 // before the programmatic wait: the router wrote them, and it finished before gate/up (the kernel
 // this one follows, which reads them too) passed its own wait and let this one launch, so the
 // down matrices stream in while gate/up runs. The activations, gate/up's output, are read after.
-template <int BITS, bool STREAMED>
+template <int BITS, typename SC, bool STREAMED>
 __device__ void down_int8(const int* aq, const float* ad, const float* as16, const unsigned* ids,
                           const float* weights, const unsigned char* experts, float* out, unsigned hidden,
                           unsigned inter, unsigned k, unsigned long long span, unsigned long long dw,
@@ -937,8 +944,8 @@ __device__ void down_int8(const int* aq, const float* ad, const float* as16, con
                 source<STREAMED>(experts, __ldcg(ids + t * k + j), span, host, miss, t * k + j).read;
             const unsigned g = (u * VecFormat<BITS>::VALS) / group;
             v[i] = __ldcs(reinterpret_cast<const uint4*>(sp + dw) + wrow + u);
-            scale[i] = to_f32(reinterpret_cast<const bf16*>(sp + ds)[grow + g]);
-            bias[i] = to_f32(reinterpret_cast<const bf16*>(sp + db)[grow + g]);
+            scale[i] = to_f32(reinterpret_cast<const SC*>(sp + ds)[grow + g]);
+            bias[i] = to_f32(reinterpret_cast<const SC*>(sp + db)[grow + g]);
             gate[i] = p < pairs ? __ldcg(weights + t * k + j) : 0.0f;
         }
         if (p0 == 0) {
@@ -960,8 +967,8 @@ __device__ void down_int8(const int* aq, const float* ad, const float* as16, con
                 if (src.write && p < pairs && row_ok) {
                     const unsigned g = (u * VecFormat<BITS>::VALS) / group;
                     *in_slot(src, reinterpret_cast<const uint4*>(src.read + dw) + wrow + u) = v[i];
-                    *in_slot(src, reinterpret_cast<const bf16*>(src.read + ds) + grow + g) = from_f32<bf16>(scale[i]);
-                    *in_slot(src, reinterpret_cast<const bf16*>(src.read + db) + grow + g) = from_f32<bf16>(bias[i]);
+                    *in_slot(src, reinterpret_cast<const SC*>(src.read + ds) + grow + g) = from_f32<SC>(scale[i]);
+                    *in_slot(src, reinterpret_cast<const SC*>(src.read + db) + grow + g) = from_f32<SC>(bias[i]);
                 }
             }
             const QuantX x{sq + j * qn, sd + j * dn, ss + j * sn};
@@ -978,13 +985,13 @@ __device__ void down_int8(const int* aq, const float* ad, const float* as16, con
 #define EXPERT_STREAM_ARGS , host, miss
 #define EXPERT_NO_STREAM_PARAMS
 #define EXPERT_NO_STREAM_ARGS , nullptr, nullptr
-#define EXPERTS_INT8_KERNELS(BITS, NAME, SUFFIX, S, PARAMS, ARGS)                                            \
+#define EXPERTS_INT8_KERNELS(BITS, SC, NAME, SUFFIX, S, PARAMS, ARGS)                                            \
     extern "C" __global__ void __launch_bounds__(32 * GQ_WARPS, 2) moe_gate_up_##NAME##SUFFIX(              \
         const float* x, const unsigned* ids, const unsigned char* experts, int* aq, float* ad, float* as16, \
         unsigned hidden, unsigned inter, unsigned k, unsigned long long span, unsigned long long gw,         \
         unsigned long long gs, unsigned long long gb, unsigned long long uw, unsigned long long us,         \
         unsigned long long ub, unsigned group PARAMS) {                                                     \
-        gate_up_int8<BITS, S>(x, ids, experts, aq, ad, as16, hidden, inter, k, span, gw, gs, gb, uw, us, ub, \
+        gate_up_int8<BITS, SC, S>(x, ids, experts, aq, ad, as16, hidden, inter, k, span, gw, gs, gb, uw, us, ub, \
                               group ARGS);                                                                  \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(32 * DOWN_WARPS, 5) moe_down_##NAME##SUFFIX(                \
@@ -992,15 +999,17 @@ __device__ void down_int8(const int* aq, const float* ad, const float* as16, con
         const unsigned char* experts, float* out, unsigned hidden, unsigned inter, unsigned k,               \
         unsigned long long span, unsigned long long dw, unsigned long long ds, unsigned long long db,        \
         unsigned group PARAMS) {                                                                             \
-        down_int8<BITS, S>(aq, ad, as16, ids, weights, experts, out, hidden, inter, k, span, dw, ds, db,     \
+        down_int8<BITS, SC, S>(aq, ad, as16, ids, weights, experts, out, hidden, inter, k, span, dw, ds, db,     \
                            group ARGS);                                                                      \
     }
-#define EXPERTS_INT8(BITS, NAME)                                                                             \
-    EXPERTS_INT8_KERNELS(BITS, NAME, , false, EXPERT_NO_STREAM_PARAMS, EXPERT_NO_STREAM_ARGS)                \
-    EXPERTS_INT8_KERNELS(BITS, NAME, _streamed, true, EXPERT_STREAM_PARAMS, EXPERT_STREAM_ARGS)
+#define EXPERTS_INT8(BITS, SC, NAME)                                                                         \
+    EXPERTS_INT8_KERNELS(BITS, SC, NAME, , false, EXPERT_NO_STREAM_PARAMS, EXPERT_NO_STREAM_ARGS)            \
+    EXPERTS_INT8_KERNELS(BITS, SC, NAME, _streamed, true, EXPERT_STREAM_PARAMS, EXPERT_STREAM_ARGS)
 
-EXPERTS_INT8(4, q4)
-EXPERTS_INT8(8, q8)
+EXPERTS_INT8(4, bf16, q4)
+EXPERTS_INT8(8, bf16, q8)
+EXPERTS_INT8(4, float, q4f)
+EXPERTS_INT8(8, float, q8f)
 
 #define EXPERTS_KERNELS(BITS, NAME, SUFFIX, S, PARAMS, ARGS)                                                 \
     extern "C" __global__ void __launch_bounds__(128, 8) moe_gate_up_##NAME##SUFFIX(                         \

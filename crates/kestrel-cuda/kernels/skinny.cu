@@ -31,11 +31,12 @@
 #endif
 #define NO_TILE 0xffffffffu
 
-// One quantised matrix: rows of K values, bf16 scales and biases per group of a row.
+// One quantised matrix: rows of K values, scales and biases per group of a row (bf16 or f32: S
+// of the functions that read them).
 struct QMat {
     const unsigned char* w;
-    const bf16* s;
-    const bf16* b;
+    const void* s;
+    const void* b;
 };
 
 // Where value k of a row of activations lies in the skinny kernels' own layout ("PX"), in which
@@ -62,10 +63,10 @@ __device__ __forceinline__ uint4 ld_once(const unsigned char* p) {
 
 // One lane's share of one run of K: a 16-byte piece of rows g and g + 8 of each matrix, with the
 // scale and bias of the group it lies in.
-template <int M>
+template <int M, typename S>
 struct Run {
     uint4 w[M][2];
-    bf16 s[M][2], b[M][2];
+    S s[M][2], b[M][2];
 };
 
 // Runs a lane loads at once (D): enough bytes in flight per warp to cover memory latency at the
@@ -81,7 +82,7 @@ __host__ __device__ constexpr int ahead() {
 // K values [kbeg, kend) (multiples of the 64-byte run). xrow[nt]: the row of the activations
 // this lane's B fragment takes (row g of tile nt). Weights are loaded D runs at a time, the next
 // D while the current D are computed.
-template <int BITS, int M, int NT, bool PX>
+template <int BITS, int M, int NT, bool PX, typename S>
 __device__ __forceinline__ void skinny_product(float (&acc)[M][NT][4], const QMat (&mats)[M], unsigned f0,
                                                unsigned K, unsigned group, const bf16* const (&xrow)[NT],
                                                unsigned kbeg, unsigned kend) {
@@ -90,18 +91,18 @@ __device__ __forceinline__ void skinny_product(float (&acc)[M][NT][4], const QMa
     const unsigned lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
     const size_t row_bytes = (size_t)K * BITS / 8, groups = K / group;
     const unsigned char* wrow[M][2];
-    const bf16* srow[M][2];
-    const bf16* brow[M][2];
+    const S* srow[M][2];
+    const S* brow[M][2];
 #pragma unroll
     for (int m = 0; m < M; m++)
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             const size_t row = f0 + g + 8 * r;
             wrow[m][r] = mats[m].w + row * row_bytes;
-            srow[m][r] = mats[m].s + row * groups;
-            brow[m][r] = mats[m].b + row * groups;
+            srow[m][r] = static_cast<const S*>(mats[m].s) + row * groups;
+            brow[m][r] = static_cast<const S*>(mats[m].b) + row * groups;
         }
-    auto load = [&](Run<M>& run, unsigned k) {
+    auto load = [&](Run<M, S>& run, unsigned k) {
         const unsigned gi = k / group;
 #pragma unroll
         for (int m = 0; m < M; m++)
@@ -112,13 +113,13 @@ __device__ __forceinline__ void skinny_product(float (&acc)[M][NT][4], const QMa
                 run.b[m][r] = brow[m][r][gi];
             }
     };
-    Run<M> cur[D];
+    Run<M, S> cur[D];
     const unsigned k0 = kbeg + q * VALS;
 #pragma unroll
     for (int d = 0; d < D; d++)
         if (k0 + d * RUN < kend) load(cur[d], k0 + d * RUN);
     for (unsigned k1 = k0; k1 < kend; k1 += D * RUN) {
-        Run<M> next[D];
+        Run<M, S> next[D];
 #pragma unroll
         for (int d = 0; d < D; d++)
             if (k1 + (D + d) * RUN < kend) load(next[d], k1 + (D + d) * RUN);
@@ -126,7 +127,7 @@ __device__ __forceinline__ void skinny_product(float (&acc)[M][NT][4], const QMa
         for (int d = 0; d < D; d++) {
             const unsigned k = k1 + d * RUN;
             if (k >= kend) break;
-            const Run<M>& run = cur[d];
+            const Run<M, S>& run = cur[d];
             uint4 xv[NT][VALS / 8];
 #pragma unroll
             for (int nt = 0; nt < NT; nt++)
@@ -150,9 +151,13 @@ __device__ __forceinline__ void skinny_product(float (&acc)[M][NT][4], const QMa
 #pragma unroll
                     for (int m = 0; m < M; m++)
 #pragma unroll
-                        for (int r = 0; r < 2; r++)
-                            dequant_q4_pairs(wd[m][r], __bfloat162bfloat162(run.s[m][r]),
-                                             __bfloat162bfloat162(run.b[m][r]), pa[m][r]);
+                        for (int r = 0; r < 2; r++) {
+                            if constexpr (sizeof(S) == 4)
+                                dequant_q4_pairs_f32(wd[m][r], run.s[m][r], run.b[m][r], pa[m][r]);
+                            else
+                                dequant_q4_pairs(wd[m][r], __bfloat162bfloat162(run.s[m][r]),
+                                                 __bfloat162bfloat162(run.b[m][r]), pa[m][r]);
+                        }
                     unsigned xp[NT][4];
 #pragma unroll
                     for (int nt = 0; nt < NT; nt++) {
@@ -205,7 +210,7 @@ __device__ __forceinline__ void skinny_product(float (&acc)[M][NT][4], const QMa
 // the (w % KS)-th share of K; the shares are summed into the first warp of each group, which then
 // calls out(feature, tile row, v[M]) for every value (feature < 16 from f0, row < 8 * NT). Warps
 // whose features lie past `features` compute nothing. Every thread of the block must call it.
-template <int BITS, int M, int NT, int KS, bool PX, class Rows, class Out>
+template <int BITS, int M, int NT, int KS, bool PX, typename S, class Rows, class Out>
 __device__ __forceinline__ void skinny_block(const QMat (&mats)[M], unsigned features, unsigned K, unsigned group,
                                              Rows xrow_of, Out out) {
     static_assert(SK_WARPS % KS == 0, "K shares divide the block's warps");
@@ -225,7 +230,7 @@ __device__ __forceinline__ void skinny_block(const QMat (&mats)[M], unsigned fea
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) xrow[nt] = xrow_of(nt * 8 + lane / 4);
         const unsigned runs = K / RUN;
-        skinny_product<BITS, M, NT, PX>(acc, mats, f0, K, group, xrow, runs * ks / KS * RUN, runs * (ks + 1) / KS * RUN);
+        skinny_product<BITS, M, NT, PX, S>(acc, mats, f0, K, group, xrow, runs * ks / KS * RUN, runs * (ks + 1) / KS * RUN);
     }
     if constexpr (KS > 1) {
         __shared__ float part[SK_WARPS][M * NT * 4][32];
@@ -263,12 +268,12 @@ __device__ __forceinline__ void skinny_block(const QMat (&mats)[M], unsigned fea
 
 __device__ __forceinline__ QMat qmat(const unsigned char* base, unsigned long long w, unsigned long long s,
                                      unsigned long long b) {
-    return QMat{base + w, reinterpret_cast<const bf16*>(base + s), reinterpret_cast<const bf16*>(base + b)};
+    return QMat{base + w, base + s, base + b};
 }
 
 // Grid (ceil(inter / (16 * SK_WARPS / KS)), max_tiles). xb: [tokens, hidden] bf16; act: [slots,
 // inter] bf16 in sorted order.
-template <int BITS, int NT, int KS>
+template <int BITS, typename S, int NT, int KS>
 __device__ void skinny_gate_up(const bf16* xb, const unsigned* order, const unsigned* tiles,
                                const unsigned char* experts, bf16* act, unsigned hidden, unsigned inter,
                                unsigned k, unsigned long long span, unsigned long long gw, unsigned long long gs,
@@ -280,7 +285,7 @@ __device__ void skinny_gate_up(const bf16* xb, const unsigned* order, const unsi
     const unsigned pos0 = tile[1], rows = tile[2];
     const unsigned char* sp = experts + (size_t)e * span;
     const QMat mats[2] = {qmat(sp, gw, gs, gb), qmat(sp, uw, us, ub)};
-    skinny_block<BITS, 2, NT, KS, true>(
+    skinny_block<BITS, 2, NT, KS, true, S>(
         mats, inter, hidden, group,
         [&](unsigned r) { return xb + (size_t)(order[pos0 + min(r, rows - 1)] / k) * hidden; },
         [&](unsigned f, unsigned r, const float (&v)[2]) {
@@ -290,7 +295,7 @@ __device__ void skinny_gate_up(const bf16* xb, const unsigned* order, const unsi
 
 // Grid (ceil(hidden / (16 * SK_WARPS / KS)), max_tiles). act: [slots, inter] bf16 in sorted order;
 // ys: [slots, hidden] bf16 (weight times the f32 product, rounded once).
-template <int BITS, int NT, int KS>
+template <int BITS, typename S, int NT, int KS>
 __device__ void skinny_down(const bf16* act, const unsigned* order, const unsigned* tiles, const float* weights,
                             const unsigned char* experts, bf16* ys, unsigned hidden, unsigned inter,
                             unsigned long long span, unsigned long long dw, unsigned long long ds,
@@ -300,7 +305,7 @@ __device__ void skinny_down(const bf16* act, const unsigned* order, const unsign
     if (e == NO_TILE) return;
     const unsigned pos0 = tile[1], rows = tile[2];
     const QMat mats[1] = {qmat(experts + (size_t)e * span, dw, ds, db)};
-    skinny_block<BITS, 1, NT, KS, true>(
+    skinny_block<BITS, 1, NT, KS, true, S>(
         mats, hidden, inter, group, [&](unsigned r) { return act + (size_t)(pos0 + min(r, rows - 1)) * inter; },
         [&](unsigned f, unsigned r, const float (&v)[1]) {
             if (r >= rows) return;
@@ -311,12 +316,12 @@ __device__ void skinny_down(const bf16* act, const unsigned* order, const unsign
 
 // Grid (ceil(out_dim / (16 * SK_WARPS / KS)), ceil(tokens / (8 * NT))). xb: [tokens, in_dim]
 // bf16; out: [tokens, out_dim] f32.
-template <int BITS, int NT, int KS>
-__device__ void skinny_linear(const bf16* xb, const unsigned char* w, const bf16* scales, const bf16* biases,
+template <int BITS, typename S, int NT, int KS>
+__device__ void skinny_linear(const bf16* xb, const unsigned char* w, const S* scales, const S* biases,
                               float* out, unsigned tokens, unsigned in_dim, unsigned out_dim, unsigned group) {
     const unsigned m0 = blockIdx.y * 8 * NT, rows = min(8u * NT, tokens - m0);
     const QMat mats[1] = {QMat{w, scales, biases}};
-    skinny_block<BITS, 1, NT, KS, false>(
+    skinny_block<BITS, 1, NT, KS, false, S>(
         mats, out_dim, in_dim, group, [&](unsigned r) { return xb + (size_t)(m0 + min(r, rows - 1)) * in_dim; },
         [&](unsigned f, unsigned r, const float (&v)[1]) {
             if (r < rows) out[(size_t)(m0 + r) * out_dim + f] = v[0];
@@ -354,36 +359,40 @@ extern "C" __global__ void skinny_permute_x_q8(const float* x, bf16* out, unsign
     permute_x<8>(x, out, rows, K);
 }
 
-#define SKINNY_MOE(BITS, NT, KS)                                                                             \
-    extern "C" __global__ void __launch_bounds__(32 * SK_WARPS) moe_skinny_gate_up_q##BITS##_##NT##_##KS(   \
+#define SKINNY_MOE(BITS, S, NAME, NT, KS)                                                                             \
+    extern "C" __global__ void __launch_bounds__(32 * SK_WARPS) moe_skinny_gate_up_##NAME##_##NT##_##KS(   \
         const bf16* xb, const unsigned* order, const unsigned* tiles, const unsigned char* experts, bf16* act, \
         unsigned hidden, unsigned inter, unsigned k, unsigned long long span, unsigned long long gw,        \
         unsigned long long gs, unsigned long long gb, unsigned long long uw, unsigned long long us,         \
         unsigned long long ub, unsigned group) {                                                            \
         pdl_begin();                                                                                         \
-        skinny_gate_up<BITS, NT, KS>(xb, order, tiles, experts, act, hidden, inter, k, span, gw, gs, gb, uw, us, \
+        skinny_gate_up<BITS, S, NT, KS>(xb, order, tiles, experts, act, hidden, inter, k, span, gw, gs, gb, uw, us, \
                                      ub, group);                                                             \
     }                                                                                                        \
-    extern "C" __global__ void __launch_bounds__(32 * SK_WARPS) moe_skinny_down_q##BITS##_##NT##_##KS(      \
+    extern "C" __global__ void __launch_bounds__(32 * SK_WARPS) moe_skinny_down_##NAME##_##NT##_##KS(      \
         const bf16* act, const unsigned* order, const unsigned* tiles, const float* weights,               \
         const unsigned char* experts, bf16* ys, unsigned hidden, unsigned inter, unsigned long long span,    \
         unsigned long long dw, unsigned long long ds, unsigned long long db, unsigned group) {              \
         pdl_begin();                                                                                         \
-        skinny_down<BITS, NT, KS>(act, order, tiles, weights, experts, ys, hidden, inter, span, dw, ds, db,   \
+        skinny_down<BITS, S, NT, KS>(act, order, tiles, weights, experts, ys, hidden, inter, span, dw, ds, db,   \
                                   group);                                                                    \
     }
-#define SKINNY_LINEAR(BITS, NT, KS)                                                                          \
-    extern "C" __global__ void __launch_bounds__(32 * SK_WARPS) linear_skinny_q##BITS##_##NT##_##KS(        \
-        const bf16* xb, const unsigned char* w, const bf16* scales, const bf16* biases, float* out,         \
+#define SKINNY_LINEAR(BITS, S, NAME, NT, KS)                                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * SK_WARPS) linear_skinny_##NAME##_##NT##_##KS(        \
+        const bf16* xb, const unsigned char* w, const S* scales, const S* biases, float* out,               \
         unsigned tokens, unsigned in_dim, unsigned out_dim, unsigned group) {                               \
         pdl_begin();                                                                                         \
-        skinny_linear<BITS, NT, KS>(xb, w, scales, biases, out, tokens, in_dim, out_dim, group);             \
+        skinny_linear<BITS, S, NT, KS>(xb, w, scales, biases, out, tokens, in_dim, out_dim, group);             \
     }
-#define SKINNY_BITS(BITS)                                                                                    \
-    SKINNY_MOE(BITS, 1, 1) SKINNY_MOE(BITS, 1, 4) SKINNY_MOE(BITS, 2, 1) SKINNY_MOE(BITS, 2, 4)               \
-    SKINNY_MOE(BITS, 4, 1) SKINNY_MOE(BITS, 4, 4)                                                            \
-    SKINNY_LINEAR(BITS, 1, 1) SKINNY_LINEAR(BITS, 1, 4) SKINNY_LINEAR(BITS, 2, 1) SKINNY_LINEAR(BITS, 2, 4)   \
-    SKINNY_LINEAR(BITS, 4, 1) SKINNY_LINEAR(BITS, 4, 4)
+// Kernel names: moe_skinny_{gate_up,down}_NAME_NT_KS, linear_skinny_NAME_NT_KS; NAME q4, q8 (bf16
+// group scales and biases) or q4f, q8f (f32 ones).
+#define SKINNY_FORMAT(BITS, S, NAME)                                                                          \
+    SKINNY_MOE(BITS, S, NAME, 1, 1) SKINNY_MOE(BITS, S, NAME, 1, 4) SKINNY_MOE(BITS, S, NAME, 2, 1)            \
+    SKINNY_MOE(BITS, S, NAME, 2, 4) SKINNY_MOE(BITS, S, NAME, 4, 1) SKINNY_MOE(BITS, S, NAME, 4, 4)            \
+    SKINNY_LINEAR(BITS, S, NAME, 1, 1) SKINNY_LINEAR(BITS, S, NAME, 1, 4) SKINNY_LINEAR(BITS, S, NAME, 2, 1)   \
+    SKINNY_LINEAR(BITS, S, NAME, 2, 4) SKINNY_LINEAR(BITS, S, NAME, 4, 1) SKINNY_LINEAR(BITS, S, NAME, 4, 4)
 
-SKINNY_BITS(4)
-SKINNY_BITS(8)
+SKINNY_FORMAT(4, bf16, q4)
+SKINNY_FORMAT(8, bf16, q8)
+SKINNY_FORMAT(4, float, q4f)
+SKINNY_FORMAT(8, float, q8f)

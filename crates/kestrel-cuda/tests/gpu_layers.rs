@@ -38,7 +38,13 @@ fn layers_match_the_cpu_backend() {
         LayerKind::NextAttention,
         LayerKind::NextLinear,
     ] {
-        for quant in [None, Some(QuantFormat::Q4), Some(QuantFormat::Q8)] {
+        for quant in [
+            None,
+            Some(QuantFormat::Q4),
+            Some(QuantFormat::Q8),
+            Some(QuantFormat::f32_scales(4, 32)),
+            Some(QuantFormat::f32_scales(8, 16)),
+        ] {
             let dims = Dims::small(quant);
             let tokens = 9;
             let x: Vec<f32> = (0..tokens * dims.hidden).map(|_| rng.symmetric()).collect();

@@ -162,6 +162,15 @@ fn experts_reading_their_misses_from_host_memory_compute_the_resident_output() {
             SlotPolicy::Frequency { half_life: 5 },
         ),
         (ExpertFormat::Bf16, SlotPolicy::Lru),
+        // GGUF's formats, with f32 group scales and biases.
+        (
+            ExpertFormat::Quant(QuantFormat::f32_scales(4, 32)),
+            SlotPolicy::Lru,
+        ),
+        (
+            ExpertFormat::Quant(QuantFormat::f32_scales(8, 16)),
+            SlotPolicy::Frequency { half_life: 5 },
+        ),
     ] {
         let layout = ExpertLayout {
             experts: EXPERTS,

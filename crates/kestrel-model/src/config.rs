@@ -621,10 +621,7 @@ fn quant_format(key: &str, o: &Obj) -> Result<QuantFormat> {
             format!("group size {group_size} is not a multiple of 32"),
         ));
     }
-    Ok(QuantFormat {
-        bits: bits as u32,
-        group_size,
-    })
+    Ok(QuantFormat::mlx(bits as u32, group_size))
 }
 
 /// MLX's `quantization` (or the same under `quantization_config`): `group_size` and `bits`, and

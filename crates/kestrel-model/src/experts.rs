@@ -15,7 +15,7 @@
 
 use half::{bf16, f16};
 use kestrel_core::ir::{ExpertFormat, ExpertLayout, MatrixSpan};
-use kestrel_core::quant::{QuantFormat, QuantMatrix};
+use kestrel_core::quant::{QuantFormat, QuantMatrix, ScaleType};
 use kestrel_core::DType;
 use rayon::prelude::*;
 
@@ -181,24 +181,29 @@ fn mlx_format(w: &Weights, mlp: &str, l: &ExpertLayout, m: Which) -> Result<(Qua
     }
     let bits = (32 * words / cols) as u32;
     let groups = st.shape.get(2).copied().unwrap_or(0);
-    if st.dtype != DType::BF16 || st.shape != [l.experts, rows, groups] || groups == 0 || cols % groups != 0 {
+    let scale = scale_type(st.dtype);
+    if scale.is_none() || st.shape != [l.experts, rows, groups] || groups == 0 || cols % groups != 0 {
         return bad(
             &st,
             format!(
-                "{} {:?}, config.json implies bf16 [{}, {rows}, groups]",
+                "{} {:?}, config.json implies bf16 or f32 [{}, {rows}, groups]",
                 st.dtype, st.shape, l.experts
             ),
         );
     }
-    if bt.dtype != DType::BF16 || bt.shape != st.shape {
+    if bt.dtype != st.dtype || bt.shape != st.shape {
         return bad(
             &bt,
-            format!("{} {:?}, expected bf16 {:?}", bt.dtype, bt.shape, st.shape),
+            format!(
+                "{} {:?}, expected {} {:?}",
+                bt.dtype, bt.shape, st.dtype, st.shape
+            ),
         );
     }
     let format = QuantFormat {
         bits,
         group_size: cols / groups,
+        scale: scale.expect("checked above"),
     };
     if !format.fits(cols) {
         return bad(
@@ -207,6 +212,21 @@ fn mlx_format(w: &Weights, mlp: &str, l: &ExpertLayout, m: Which) -> Result<(Qua
         );
     }
     Ok((format, words, groups))
+}
+
+/// The format `mlp`'s MLX stacked experts are stored in, read from their gate matrices' shapes
+/// and scale type (`layout` gives the experts' count and dimensions; its format is not read).
+pub(crate) fn stored_format(w: &Weights, mlp: &str, layout: &ExpertLayout) -> Result<QuantFormat> {
+    mlx_format(w, mlp, layout, Which::Gate).map(|f| f.0)
+}
+
+/// The scale type a stored scales tensor of `dtype` is read as.
+pub(crate) fn scale_type(dtype: DType) -> Option<ScaleType> {
+    match dtype {
+        DType::BF16 => Some(ScaleType::Bf16),
+        DType::F32 => Some(ScaleType::F32),
+        _ => None,
+    }
 }
 
 /// One expert's matrix of an MLX stacked source, as stored, with the format its shapes imply.
@@ -226,19 +246,16 @@ fn mlx_matrix(w: &Weights, mlp: &str, l: &ExpertLayout, e: usize, m: Which) -> R
             .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect()
     };
-    let bf16s = |t: &Tensor, start: usize, n: usize| -> Vec<bf16> {
-        t.bytes[2 * start..2 * (start + n)]
-            .chunks_exact(2)
-            .map(|c| bf16::from_le_bytes([c[0], c[1]]))
-            .collect()
-    };
+    let size = format.scale.size_in_bytes();
+    let values =
+        |t: &Tensor, start: usize, n: usize| format.scale.values(&t.bytes[size * start..size * (start + n)]);
     Ok(QuantMatrix {
         format,
         rows,
         cols,
         weight: u32s(&wt, e * wn, wn),
-        scales: bf16s(&st, e * gn, gn),
-        biases: bf16s(&bt, e * gn, gn),
+        scales: values(&st, e * gn, gn),
+        biases: values(&bt, e * gn, gn),
     })
 }
 
@@ -247,10 +264,9 @@ fn put_quant(span: &mut [u8], at: MatrixSpan, q: &QuantMatrix) {
     for (i, word) in q.weight.iter().enumerate() {
         span[at.weight + 4 * i..at.weight + 4 * i + 4].copy_from_slice(&word.to_le_bytes());
     }
-    for (i, (s, b)) in q.scales.iter().zip(&q.biases).enumerate() {
-        span[at.scales + 2 * i..at.scales + 2 * i + 2].copy_from_slice(&s.to_le_bytes());
-        span[at.biases + 2 * i..at.biases + 2 * i + 2].copy_from_slice(&b.to_le_bytes());
-    }
+    let (scales, biases) = (q.scale_bytes(), q.bias_bytes());
+    span[at.scales..at.scales + scales.len()].copy_from_slice(&scales);
+    span[at.biases..at.biases + biases.len()].copy_from_slice(&biases);
 }
 
 fn put_bf16(span: &mut [u8], at: MatrixSpan, v: &[f32]) {
@@ -416,7 +432,7 @@ pub fn expert_copy_parts(w: &Weights, mlp: &str, layout: &ExpertLayout) -> Resul
                     return Ok(None);
                 }
                 let base = format!("{mlp}.switch_mlp.{}", m.name());
-                let (wn, gn) = (4 * rows * words, 2 * rows * groups);
+                let (wn, gn) = (4 * rows * words, format.scale.size_in_bytes() * rows * groups);
                 for (suffix, dst, len) in [
                     ("weight", at.weight, wn),
                     ("scales", at.scales, gn),

@@ -1,9 +1,22 @@
 //! GGUF tensor data as values: the float types as they are, and ggml's block-quantised types
-//! (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) dequantised to f32 with ggml's own formulas,
-//! in ggml's order of operations, so every value is the one llama.cpp computes for it. Other
-//! types are refused with the supported ones named: nothing is re-quantised silently.
+//! (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) either dequantised to f32 with ggml's own
+//! formulas, in ggml's order of operations, so every value is the one llama.cpp computes for it
+//! ([`dequantize`]), or rewritten exactly as an affine [`QuantMatrix`] with f32 group scales and
+//! biases ([`to_affine`]). Both read each block once through the same decoder: its stored values
+//! `q` and, per group, a scale and a bias. Other types are refused with the supported ones named:
+//! nothing is re-quantised silently.
+//!
+//! Every block type is affine per group of 32 (16 for Q6_K): `w = q * scale + bias`, `q`
+//! unsigned (Q8_0's signed byte plus 128). For Q4_1, Q5_1, Q4_K and Q5_K that is ggml's own
+//! formula (`q * d + m`, `d * q - m`). For the types ggml computes as `(q - z) * d` (Q4_0,
+//! Q5_0, Q8_0, and Q6_K with `d` its f16 times an 8-bit sub-block scale) the bias is `-z * d`,
+//! and every product is exact in f32 (at most an 11-bit f16 significand times an 8-bit scale
+//! times a 6-bit `q`: 2047 * 128 * 63 < 2^24), as is the sum, whose value `(q - z) * d` f32
+//! holds: the same values, except a zero's sign (ggml's -0 where `d < 0`, the sum's +0).
 
 use half::{bf16, f16};
+use kestrel_core::quant::{QuantFormat, QuantMatrix};
+use rayon::prelude::*;
 
 use crate::gguf::GgmlType;
 
@@ -14,6 +27,67 @@ pub const SUPPORTED: &[&str] = &[
 
 /// Values of a super-block of the K types.
 const QK_K: usize = 256;
+
+/// The block-quantised types.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Block {
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+    Q4K,
+    Q5K,
+    Q6K,
+}
+
+impl Block {
+    fn of(name: &str) -> Option<Block> {
+        Some(match name {
+            "Q4_0" => Block::Q4_0,
+            "Q4_1" => Block::Q4_1,
+            "Q5_0" => Block::Q5_0,
+            "Q5_1" => Block::Q5_1,
+            "Q8_0" => Block::Q8_0,
+            "Q4_K" => Block::Q4K,
+            "Q5_K" => Block::Q5K,
+            "Q6_K" => Block::Q6K,
+            _ => return None,
+        })
+    }
+
+    /// Bits a stored value takes in the affine form (5 and 6 bits widen to 8).
+    fn bits(self) -> u32 {
+        match self {
+            Block::Q4_0 | Block::Q4_1 | Block::Q4K => 4,
+            _ => 8,
+        }
+    }
+
+    /// Values sharing a scale and a bias.
+    fn group(self) -> usize {
+        if self == Block::Q6K {
+            16
+        } else {
+            32
+        }
+    }
+
+    /// For the types ggml computes as `(q - zero) * d`, the zero (the bias is `-zero * d`).
+    fn zero(self) -> Option<i32> {
+        match self {
+            Block::Q4_0 => Some(8),
+            Block::Q5_0 => Some(16),
+            Block::Q8_0 => Some(128),
+            Block::Q6K => Some(32),
+            _ => None,
+        }
+    }
+
+    fn format(self) -> QuantFormat {
+        QuantFormat::f32_scales(self.bits(), self.group())
+    }
+}
 
 fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
@@ -31,51 +105,48 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     }
 }
 
-/// One block of `ty` (its `block_bytes` bytes) into `out` (its `block` values).
-fn block(ty: &str, b: &[u8], out: &mut [f32]) {
+/// One block of `ty` (its `block_bytes` bytes): each value's stored `q` into `q` (the block's
+/// values, in order) and each group's `(scale, bias)` into `groups`, the scales computed as ggml
+/// computes them.
+fn decode(ty: Block, b: &[u8], q: &mut [u8], groups: &mut [(f32, f32)]) {
     match ty {
-        "Q4_0" => {
+        Block::Q4_0 | Block::Q4_1 => {
             let d = f16_at(b, 0);
+            let (bias, at) = if ty == Block::Q4_1 {
+                (f16_at(b, 2), 4)
+            } else {
+                (-8.0 * d, 2)
+            };
+            groups[0] = (d, bias);
             for j in 0..16 {
-                out[j] = ((b[2 + j] & 0x0F) as i32 - 8) as f32 * d;
-                out[j + 16] = ((b[2 + j] >> 4) as i32 - 8) as f32 * d;
+                q[j] = b[at + j] & 0x0F;
+                q[j + 16] = b[at + j] >> 4;
             }
         }
-        "Q4_1" => {
-            let (d, m) = (f16_at(b, 0), f16_at(b, 2));
-            for j in 0..16 {
-                out[j] = (b[4 + j] & 0x0F) as f32 * d + m;
-                out[j + 16] = (b[4 + j] >> 4) as f32 * d + m;
-            }
-        }
-        "Q5_0" | "Q5_1" => {
-            let one = ty == "Q5_1";
+        Block::Q5_0 | Block::Q5_1 => {
+            let one = ty == Block::Q5_1;
             let d = f16_at(b, 0);
-            let m = if one { f16_at(b, 2) } else { 0.0 };
+            groups[0] = (d, if one { f16_at(b, 2) } else { -16.0 * d });
             let at = if one { 4 } else { 2 };
-            let qh = u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"));
+            let qh = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
             let qs = &b[at + 4..at + 20];
             for j in 0..16 {
                 let h0 = (((qh >> j) << 4) & 0x10) as u8;
                 let h1 = ((qh >> (j + 12)) & 0x10) as u8;
-                let (x0, x1) = ((qs[j] & 0x0F) | h0, (qs[j] >> 4) | h1);
-                if one {
-                    out[j] = x0 as f32 * d + m;
-                    out[j + 16] = x1 as f32 * d + m;
-                } else {
-                    out[j] = (x0 as i32 - 16) as f32 * d;
-                    out[j + 16] = (x1 as i32 - 16) as f32 * d;
-                }
+                q[j] = (qs[j] & 0x0F) | h0;
+                q[j + 16] = (qs[j] >> 4) | h1;
             }
         }
-        "Q8_0" => {
+        Block::Q8_0 => {
             let d = f16_at(b, 0);
+            groups[0] = (d, -128.0 * d);
+            // The signed byte plus 128.
             for j in 0..32 {
-                out[j] = b[2 + j] as i8 as f32 * d;
+                q[j] = b[2 + j] ^ 0x80;
             }
         }
-        "Q4_K" | "Q5_K" => {
-            let five = ty == "Q5_K";
+        Block::Q4K | Block::Q5K => {
+            let five = ty == Block::Q5K;
             let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
             let scales = &b[4..16];
             let (qh, mut ql) = if five {
@@ -83,48 +154,71 @@ fn block(ty: &str, b: &[u8], out: &mut [f32]) {
             } else {
                 (&b[0..0], &b[16..144])
             };
-            let mut y = 0;
-            for (is, (u1, u2)) in (0..4).map(|i| (2 * i, (1u8 << (2 * i), 2u8 << (2 * i)))) {
-                let (sc, m) = scale_min_k4(is, scales);
-                let (d1, m1) = (d * sc as f32, dmin * m as f32);
-                let (sc, m) = scale_min_k4(is + 1, scales);
-                let (d2, m2) = (d * sc as f32, dmin * m as f32);
+            for i in 0..4 {
+                let (u1, u2) = (1u8 << (2 * i), 2u8 << (2 * i));
+                for k in 0..2 {
+                    let (sc, m) = scale_min_k4(2 * i + k, scales);
+                    groups[2 * i + k] = (d * sc as f32, -(dmin * m as f32));
+                }
                 let high = |l: usize, u: u8| if five && qh[l] & u != 0 { 16 } else { 0 };
+                let y = 64 * i;
                 for l in 0..32 {
-                    out[y + l] = d1 * ((ql[l] & 0x0F) + high(l, u1)) as f32 - m1;
+                    q[y + l] = (ql[l] & 0x0F) + high(l, u1);
+                    q[y + 32 + l] = (ql[l] >> 4) + high(l, u2);
                 }
-                for l in 0..32 {
-                    out[y + 32 + l] = d2 * ((ql[l] >> 4) + high(l, u2)) as f32 - m2;
-                }
-                y += 64;
                 ql = &ql[32..];
             }
         }
-        "Q6_K" => {
-            let (mut ql, mut qh) = (&b[0..128], &b[128..192]);
-            let mut sc = &b[192..208];
+        Block::Q6K => {
             let d = f16_at(b, 208);
+            for (g, &sc) in groups.iter_mut().zip(&b[192..208]) {
+                let s = d * sc as i8 as f32;
+                *g = (s, -32.0 * s);
+            }
+            let (mut ql, mut qh) = (&b[0..128], &b[128..192]);
             for half in 0..2 {
-                let y = &mut out[half * 128..];
+                let y = &mut q[half * 128..];
                 for l in 0..32 {
-                    let is = l / 16;
-                    let q1 = ((ql[l] & 0x0F) | ((qh[l] & 3) << 4)) as i32 - 32;
-                    let q2 = ((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
-                    let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
-                    let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
-                    let s = |k: usize| d * sc[is + k] as i8 as f32;
-                    y[l] = s(0) * q1 as f32;
-                    y[l + 32] = s(2) * q2 as f32;
-                    y[l + 64] = s(4) * q3 as f32;
-                    y[l + 96] = s(6) * q4 as f32;
+                    y[l] = (ql[l] & 0x0F) | ((qh[l] & 3) << 4);
+                    y[l + 32] = (ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4);
+                    y[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+                    y[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
                 }
                 ql = &ql[64..];
                 qh = &qh[32..];
-                sc = &sc[8..];
             }
         }
-        _ => unreachable!("checked by dequantize"),
     }
+}
+
+/// Each block of `ty` in `bytes` (blocks of `n` values in `per` bytes) decoded once, and handed
+/// with its item of `outs` (one a block) to `f`, in parallel.
+fn each_block<O: Send>(
+    ty: Block,
+    (n, per): (usize, usize),
+    bytes: &[u8],
+    outs: impl IndexedParallelIterator<Item = O>,
+    f: impl Fn(&[u8], &[(f32, f32)], O) + Sync + Send,
+) {
+    let groups = n / ty.group();
+    outs.zip(bytes.par_chunks_exact(per)).for_each(|(o, b)| {
+        let (mut q, mut g) = ([0u8; QK_K], [(0f32, 0f32); QK_K / 16]);
+        decode(ty, b, &mut q[..n], &mut g[..groups]);
+        f(&q[..n], &g[..groups], o);
+    });
+}
+
+/// `len` zeroed items, or an error saying how much memory `what` needed.
+fn zeros<T: Clone + Default>(len: usize, what: &str) -> Result<Vec<T>, String> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).map_err(|_| {
+        format!(
+            "{} MiB for {what} could not be allocated",
+            len.saturating_mul(std::mem::size_of::<T>()) >> 20
+        )
+    })?;
+    v.resize(len, T::default());
+    Ok(v)
 }
 
 /// Whether `ty` is one [`dequantize`] reads.
@@ -144,19 +238,11 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8]) -> Result<Vec<f32>, String> {
     }
     let (n, per) = (ty.block as usize, ty.block_bytes as usize);
     debug_assert_eq!(bytes.len() % per, 0);
-    let len = bytes.len() / per * n;
-    let mut out = Vec::new();
-    out.try_reserve_exact(len).map_err(|_| {
-        format!(
-            "{} MiB for its values as f32 could not be allocated",
-            (len * 4) >> 20
-        )
-    })?;
-    out.resize(len, 0f32);
+    let mut out = zeros::<f32>(bytes.len() / per * n, "its values as f32")?;
     match ty.name {
         "F32" => {
             for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
-                *o = f32::from_le_bytes(c.try_into().expect("4 bytes"));
+                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
             }
         }
         "F16" => {
@@ -170,13 +256,159 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8]) -> Result<Vec<f32>, String> {
             }
         }
         name => {
+            let ty = Block::of(name).expect("a supported type that is not a float is a block type");
             debug_assert!(n == 32 || n == QK_K);
-            for (o, b) in out.chunks_exact_mut(n).zip(bytes.chunks_exact(per)) {
-                block(name, b, o);
-            }
+            let (group, zero) = (ty.group(), ty.zero());
+            each_block(ty, (n, per), bytes, out.par_chunks_mut(n), |q, groups, o| {
+                for (i, (o, &q)) in o.iter_mut().zip(q).enumerate() {
+                    let (scale, bias) = groups[i / group];
+                    // ggml's formula for the type: (q - zero) * d, or q * d + m (`d * q - m`
+                    // for the K types, the same bits).
+                    *o = match zero {
+                        Some(z) => (q as i32 - z) as f32 * scale,
+                        None => q as f32 * scale + bias,
+                    };
+                }
+            });
         }
     }
     Ok(out)
+}
+
+/// The affine format [`to_affine`] gives a tensor of type `ty`: 4 bits (Q4_0, Q4_1, Q4_K) or 8
+/// (Q5_0, Q5_1, Q5_K, Q8_0, Q6_K), groups of 32 (16 for Q6_K), f32 scales and biases. None for
+/// the float types and those not read.
+pub fn affine_format(ty: GgmlType) -> Option<QuantFormat> {
+    Block::of(ty.name).map(Block::format)
+}
+
+/// `bytes`, a `[rows, cols]` matrix of type `ty` (rows of whole blocks), as an affine matrix in
+/// [`affine_format`]`(ty)`, holding every value ggml computes exactly (see the module's header).
+/// An error when `ty` is not a block type or the bytes are not such a matrix.
+pub fn to_affine(ty: GgmlType, bytes: &[u8], rows: usize, cols: usize) -> Result<QuantMatrix, String> {
+    let Some(block) = Block::of(ty.name) else {
+        return Err(format!(
+            "its type {} is not a block-quantised type Kestrel reads (those are: {})",
+            ty.name,
+            SUPPORTED[3..].join(", ")
+        ));
+    };
+    let (n, per) = (ty.block as usize, ty.block_bytes as usize);
+    if cols == 0 || cols % n != 0 {
+        return Err(format!(
+            "rows of {cols} values are not whole {} blocks of {n}",
+            ty.name
+        ));
+    }
+    let blocks = rows
+        .checked_mul(cols / n)
+        .filter(|b| b.checked_mul(per) == Some(bytes.len()))
+        .ok_or_else(|| {
+            format!(
+                "{} bytes are not {rows} rows of {cols} {} values",
+                bytes.len(),
+                ty.name
+            )
+        })?;
+    let format = block.format();
+    let (words, groups) = (n / format.values_per_word(), n / format.group_size);
+    let mut weight = zeros::<u32>(blocks * words, "its values")?;
+    let mut scales = zeros::<f32>(blocks * groups, "its scales")?;
+    let mut biases = zeros::<f32>(blocks * groups, "its biases")?;
+    let bits = format.bits as usize;
+    let outs = weight
+        .par_chunks_mut(words)
+        .zip(scales.par_chunks_mut(groups))
+        .zip(biases.par_chunks_mut(groups));
+    each_block(block, (n, per), bytes, outs, |q, g, ((w, s), b)| {
+        for (w, q) in w.iter_mut().zip(q.chunks_exact(32 / bits)) {
+            *w = q
+                .iter()
+                .enumerate()
+                .fold(0, |a, (i, &v)| a | (v as u32) << (bits * i));
+        }
+        for ((s, b), &(scale, bias)) in s.iter_mut().zip(b.iter_mut()).zip(g) {
+            (*s, *b) = (scale, bias);
+        }
+    });
+    Ok(QuantMatrix {
+        format,
+        rows,
+        cols,
+        weight,
+        scales,
+        biases,
+    })
+}
+
+/// The narrowest format holding each of `formats` exactly through [`widen`]: the most bits and
+/// the smallest group (the first one's scale type). None for none.
+pub fn common_format(formats: &[QuantFormat]) -> Option<QuantFormat> {
+    let first = *formats.first()?;
+    Some(QuantFormat {
+        bits: formats.iter().map(|f| f.bits).max()?,
+        group_size: formats.iter().map(|f| f.group_size).min()?,
+        ..first
+    })
+}
+
+/// `m` stored in the format `to`, every value exactly the same: `to` has as many bits or more
+/// (a 4-bit value is the same number in 8 bits) and groups that divide `m`'s (the parts of a
+/// group keep its scale and bias). An error when `to` cannot hold `m` so.
+pub fn widen(m: QuantMatrix, to: QuantFormat) -> Result<QuantMatrix, String> {
+    let from = m.format;
+    if from == to {
+        return Ok(m);
+    }
+    if to.scale != from.scale
+        || to.bits < from.bits
+        || m.cols == 0
+        || !to.fits(m.cols)
+        || from.group_size % to.group_size != 0
+    {
+        return Err(format!("{from:?} cannot be held exactly as {to:?}"));
+    }
+    let cols = m.cols;
+    let weight = if to.bits == from.bits {
+        m.weight
+    } else {
+        let (wf, wt) = (from.words_per_row(cols), to.words_per_row(cols));
+        let mut out = zeros::<u32>(m.rows * wt, "its widened values")?;
+        let (vf, vt, mask) = (
+            from.values_per_word(),
+            to.values_per_word(),
+            (1u32 << from.bits) - 1,
+        );
+        let (bf, bt) = (from.bits as usize, to.bits as usize);
+        out.par_chunks_mut(wt)
+            .zip(m.weight.par_chunks(wf))
+            .for_each(|(o, w)| {
+                for c in 0..cols {
+                    let q = (w[c / vf] >> (bf * (c % vf))) & mask;
+                    o[c / vt] |= q << (bt * (c % vt));
+                }
+            });
+        out
+    };
+    let split = from.group_size / to.group_size;
+    let repeat = |v: Vec<f32>| -> Result<Vec<f32>, String> {
+        if split == 1 {
+            return Ok(v);
+        }
+        let mut out = zeros::<f32>(v.len() * split, "its widened scales")?;
+        for (o, x) in out.chunks_exact_mut(split).zip(v) {
+            o.fill(x);
+        }
+        Ok(out)
+    };
+    Ok(QuantMatrix {
+        format: to,
+        rows: m.rows,
+        cols,
+        weight,
+        scales: repeat(m.scales)?,
+        biases: repeat(m.biases)?,
+    })
 }
 
 #[cfg(test)]
@@ -210,5 +442,46 @@ mod tests {
     fn unsupported_types_are_named() {
         let e = dequantize(ty("IQ2_XXS"), &[0; 66]).unwrap_err();
         assert!(e.contains("IQ2_XXS") && e.contains("Q6_K"), "{e}");
+        let e = to_affine(ty("IQ2_XXS"), &[0; 66], 1, 256).unwrap_err();
+        assert!(e.contains("IQ2_XXS") && e.contains("Q6_K"), "{e}");
+        let e = to_affine(ty("F16"), &[0; 64], 1, 32).unwrap_err();
+        assert!(e.contains("F16"), "{e}");
+    }
+
+    #[test]
+    fn affine_blocks_store_q_and_the_bias() {
+        // Q8_0, d = 0.5: the signed byte plus 128, bias -64; packed four to a word, lowest first.
+        let mut q8 = f16::from_f32(0.5).to_le_bytes().to_vec();
+        q8.extend((0..32).map(|i| (i as i8 - 16) as u8));
+        let m = to_affine(ty("Q8_0"), &q8, 1, 32).unwrap();
+        assert_eq!(m.format, QuantFormat::f32_scales(8, 32));
+        assert_eq!(
+            (m.scales.as_slice(), m.biases.as_slice()),
+            (&[0.5f32][..], &[-64.0f32][..])
+        );
+        assert_eq!(m.weight[0], u32::from_le_bytes([112, 113, 114, 115]));
+        assert_eq!(m.dequantize(), dequantize(ty("Q8_0"), &q8).unwrap());
+        // Rows that are not whole blocks, and bytes that are not the matrix, are errors.
+        assert!(to_affine(ty("Q8_0"), &q8, 1, 16).unwrap_err().contains("whole"));
+        assert!(to_affine(ty("Q8_0"), &q8, 2, 32)
+            .unwrap_err()
+            .contains("34 bytes"));
+    }
+
+    #[test]
+    fn widening_keeps_every_value() {
+        // Two rows of two Q4_0 blocks as 8 bits in groups of 16: the same values.
+        let mut b = Vec::new();
+        for (k, d) in [0.5f32, -0.25, 2.0, 0.125].into_iter().enumerate() {
+            b.extend(f16::from_f32(d).to_le_bytes());
+            b.extend((0..16).map(|i| ((i + k) % 16) as u8 | (((7 * i + k) % 16) as u8) << 4));
+        }
+        let m = to_affine(ty("Q4_0"), &b, 2, 64).unwrap();
+        let to = common_format(&[m.format, QuantFormat::f32_scales(8, 16)]).unwrap();
+        assert_eq!(to, QuantFormat::f32_scales(8, 16));
+        let w = widen(m.clone(), to).unwrap();
+        assert_eq!(w.format, to);
+        assert_eq!(w.dequantize(), m.dequantize());
+        assert!(widen(w, QuantFormat::f32_scales(4, 32)).is_err());
     }
 }

@@ -1,27 +1,33 @@
 //! A GGUF file (or the splits of one, `NAME-00001-of-0000N.gguf`) as a model: its metadata as a
 //! `config.json` ([`ModelConfig`]), its tensors under the Hugging Face names the graph reads, with
-//! what llama.cpp's converter changed undone (stacked experts split per expert, Llama's rotary
+//! what llama.cpp's converter changed undone (float experts split per expert, Llama's rotary
 //! row order, Qwen3-Next's fused `in_proj_qkvz`, Qwen3.5's value heads in tiled order, the
 //! hybrids' `1 + w` norms and `-exp(A_log)`), and its tokenizer, chat template and special
 //! tokens as `tokenizer.json`, `tokenizer_config.json` and `generation_config.json` values.
 //!
-//! Float tensors (F32, F16, BF16) that need no change are read in place from the map; block-
-//! quantised ones are dequantised to f32 exactly (`gguf_dequant`), so the model computes what
-//! the file holds. Every tensor of the file must be used: one the mapping does not know is an
-//! error naming it, never silently left out.
+//! Float tensors (F32, F16, BF16) that need no change are read in place from the map. Block-
+//! quantised matrices are rewritten exactly as affine matrices with f32 group scales and biases
+//! (`gguf_dequant::to_affine`), under `{base}.weight` (u32 words), `{base}.scales` and
+//! `{base}.biases` as an MLX checkpoint names them, and a layer's stacked experts as MLX's
+//! `{mlp}.switch_mlp.{gate,up,down}_proj` in one format; block-quantised vectors, routers and
+//! what only f32 can hold are dequantised to f32 exactly. Either way the model computes what
+//! the file holds. The config gets the quantisation section such a checkpoint would have, each
+//! affine matrix's format named. Every tensor of the file must be used: one the mapping does
+//! not know is an error naming it, never silently left out.
 
 use std::borrow::Cow;
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
+use kestrel_core::quant::{QuantFormat, QuantMatrix};
 use kestrel_core::rope::RopeScaling;
 use kestrel_core::DType;
 use serde_json::{json, Map, Value as Json};
 
-use crate::config::{Arch, ModelConfig};
+use crate::config::{Arch, ModelConfig, QuantConfig};
 use crate::error::{ModelError, Result};
 use crate::gguf::{Gguf, TensorInfo, Value};
-use crate::gguf_dequant::dequantize;
+use crate::gguf_dequant::{affine_format, common_format, dequantize, to_affine, widen};
 use crate::weights::{FileTensor, MappedFile, OwnedTensor, Weights};
 
 /// A GGUF model read: what a model directory's files would give.
@@ -139,7 +145,7 @@ fn model_of(files: Vec<MappedFile>) -> Result<GgufModel> {
                 ),
             )
         })?;
-    check_memory(&label, tensors.values().map(|t| t.1))?;
+    check_memory(&label, arch, &tensors)?;
     let mut src = Source {
         label: &label,
         files: &files,
@@ -147,6 +153,7 @@ fn model_of(files: Vec<MappedFile>) -> Result<GgufModel> {
         used: HashSet::new(),
         views: Vec::new(),
         owned: Vec::new(),
+        formats: BTreeMap::new(),
     };
     let config_json = config_json(meta, arch_name, arch, &src).map_err(|e| e.in_file(&label))?;
     let mut config = ModelConfig::from_json(&config_json.to_string()).map_err(|e| e.in_file(&label))?;
@@ -154,6 +161,7 @@ fn model_of(files: Vec<MappedFile>) -> Result<GgufModel> {
         config.rope.scaling = RopeScaling::Factors(factors);
     }
     map_tensors(&mut src, &config)?;
+    config.quant = quant_config(std::mem::take(&mut src.formats));
     let unused: Vec<&str> = src
         .tensors
         .keys()
@@ -173,9 +181,11 @@ fn model_of(files: Vec<MappedFile>) -> Result<GgufModel> {
     }
     let (views, owned) = (std::mem::take(&mut src.views), std::mem::take(&mut src.owned));
     let weights = Weights::from_files(&label, files, views, owned)?;
+    // "no_vocab": llama.cpp's mark of a model without a vocabulary (prompts are token ids).
     let tokenizer = match meta.get("tokenizer.ggml.model") {
-        Some(_) => Some(meta.tokenizer_json().map_err(|e| bad(&label, e.to_string()))?),
         None => None,
+        Some(v) if v.as_str() == Some("no_vocab") => None,
+        Some(_) => Some(meta.tokenizer_json().map_err(|e| bad(&label, e.to_string()))?),
     };
     let (tokenizer_config, generation_config) = text_json(meta);
     Ok(GgufModel {
@@ -195,26 +205,81 @@ fn available_memory() -> Option<u64> {
     kib.checked_mul(1024)
 }
 
-/// An error, before anything is dequantised, when the file's block-quantised tensors held as
-/// f32 would not fit in the host memory available.
-fn check_memory<'a>(label: &Path, tensors: impl Iterator<Item = &'a TensorInfo>) -> Result<()> {
-    let need: u64 = tensors
-        .filter(|t| plain(t).is_none())
-        .map(|t| t.elem_count().saturating_mul(4))
-        .fold(0, u64::saturating_add);
+/// An error, before anything is converted, when the file's block-quantised tensors as Kestrel
+/// holds them ([`loaded_bytes`]) would not fit in the host memory available.
+fn check_memory(label: &Path, arch: Arch, tensors: &HashMap<&str, (usize, &TensorInfo)>) -> Result<()> {
+    let need = loaded_bytes(arch, tensors);
     match available_memory() {
-        Some(have) if need > have => Err(bad(
-            label,
-            format!(
-                "its quantised tensors take {:.1} GiB as f32 and {:.1} GiB of memory is available: \
-                 Kestrel holds GGUF's quantised types as f32 for now (no kernel reads their blocks \
-                 yet); an MLX 4-bit directory of the model takes about its 4-bit size",
-                need as f64 / (1u64 << 30) as f64,
-                have as f64 / (1u64 << 30) as f64
-            ),
-        )),
+        Some(have) if need > have => {
+            let file: u64 = tensors
+                .values()
+                .filter(|t| plain(t.1).is_none())
+                .map(|t| t.1.bytes)
+                .fold(0, u64::saturating_add);
+            let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+            Err(bad(
+                label,
+                format!(
+                    "its quantised tensors ({:.1} GiB in the file) take {:.1} GiB as Kestrel holds \
+                     them (4- or 8-bit values with f32 group scales and biases, f32 for vectors) \
+                     and {:.1} GiB of memory is available",
+                    gib(file),
+                    gib(need),
+                    gib(have)
+                ),
+            ))
+        }
         _ => Ok(()),
     }
+}
+
+/// The affine format the tensor `name` is held in, when it is a block-quantised matrix the
+/// graph reads as a projection; None for float tensors, and for block-quantised vectors, routers
+/// and the convolution, which are held as f32.
+fn held_affine(name: &str, t: &TensorInfo) -> Option<QuantFormat> {
+    if t.dims.len() < 2 || name.contains("ffn_gate_inp") || name.contains("ssm_conv1d") {
+        return None;
+    }
+    affine_format(t.ty)
+}
+
+/// The tensors held in one format with `name` (a layer's three expert tensors; Qwen3-Next's
+/// `attn_qkv` and `attn_gate`, gathered into one matrix), `name` among them.
+fn held_together(arch: Arch, name: &str) -> Option<Vec<String>> {
+    let (blk, rest) = name.strip_prefix("blk.")?.split_once('.')?;
+    let names: &[&str] = match rest {
+        "ffn_gate_exps.weight" | "ffn_up_exps.weight" | "ffn_down_exps.weight" => {
+            &["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"]
+        }
+        "attn_qkv.weight" | "attn_gate.weight" if arch == Arch::Qwen3Next => &["attn_qkv", "attn_gate"],
+        _ => return None,
+    };
+    Some(names.iter().map(|n| format!("blk.{blk}.{n}.weight")).collect())
+}
+
+/// The bytes the file's block-quantised tensors take once loaded: matrices as affine values
+/// with f32 group scales and biases (in the format common to the tensors held together), the
+/// rest as f32. Float tensors are read in place and not counted.
+fn loaded_bytes(arch: Arch, tensors: &HashMap<&str, (usize, &TensorInfo)>) -> u64 {
+    let format_of = |name: &str| tensors.get(name).and_then(|t| held_affine(name, t.1));
+    tensors
+        .iter()
+        .filter(|(_, t)| plain(t.1).is_none())
+        .map(|(name, (_, t))| {
+            let values = t.elem_count();
+            let Some(own) = format_of(name) else {
+                return values.saturating_mul(4);
+            };
+            let format = held_together(arch, name)
+                .and_then(|names| {
+                    common_format(&names.iter().map(|n| format_of(n)).collect::<Option<Vec<_>>>()?)
+                })
+                .unwrap_or(own);
+            let per_group = 2 * format.scale.size_in_bytes() as u64;
+            (values.saturating_mul(format.bits as u64) / 8)
+                .saturating_add(values / format.group_size as u64 * per_group)
+        })
+        .fold(0, u64::saturating_add)
 }
 
 /// A tensor of a layer past the model's own (multi-token-prediction layers, which the file may
@@ -486,6 +551,29 @@ struct Source<'a> {
     used: HashSet<String>,
     views: Vec<FileTensor>,
     owned: Vec<OwnedTensor>,
+    /// The format of each module held as an affine matrix (and of each layer's `switch_mlp`).
+    formats: BTreeMap<String, Option<QuantFormat>>,
+}
+
+/// The quantisation section an MLX checkpoint of the affine matrices `formats` would have, every
+/// one of them named: the graph checks each stored matrix against it, a layer's expert layout is
+/// known without reading its tensors (a streamed layer's in-memory experts are dropped once
+/// packed), and the footprint counts their values. The default (the most common format) is
+/// never read: the modules it would cover are floats (no `.scales`). None when nothing is
+/// quantised.
+fn quant_config(formats: BTreeMap<String, Option<QuantFormat>>) -> Option<QuantConfig> {
+    let mut counts: Vec<(QuantFormat, usize)> = Vec::new();
+    for f in formats.values().flatten() {
+        match counts.iter_mut().find(|c| c.0 == *f) {
+            Some(c) => c.1 += 1,
+            None => counts.push((*f, 1)),
+        }
+    }
+    let default = counts.iter().max_by_key(|c| c.1)?.0;
+    Some(QuantConfig {
+        default,
+        overrides: formats,
+    })
 }
 
 /// A tensor's values in a float type: as stored (F32, F16, BF16) or dequantised to f32.
@@ -573,7 +661,48 @@ impl<'a> Source<'a> {
         });
     }
 
-    /// `gguf` under the name `hf`: read in place when stored as a float type.
+    /// Block-quantised tensor `name` (`[.., rows, cols]`, every dimension but the last as rows)
+    /// as an affine matrix, marking it used.
+    fn affine(&mut self, name: &str) -> Result<QuantMatrix> {
+        let (file, t) = *self
+            .tensors
+            .get(name)
+            .ok_or_else(|| bad(self.label, format!("tensor {name} is missing")))?;
+        self.used.insert(name.to_string());
+        let cols = t.dims.first().copied().unwrap_or(0) as usize;
+        let rows = t.dims.iter().skip(1).product::<u64>() as usize;
+        to_affine(t.ty, t.data(self.files[file].bytes()), rows, cols)
+            .map_err(|r| bad(self.label, format!("tensor {name}: {r}")))
+    }
+
+    /// `m` under `{base}.weight` (u32 words), `{base}.scales` and `{base}.biases` (f32), as
+    /// `[rows, ..]`, or with `experts`, as `[experts, rows / experts, ..]`.
+    fn own_quant(&mut self, base: &str, m: QuantMatrix, experts: Option<usize>) {
+        let f = m.format;
+        self.formats.insert(base.to_string(), Some(f));
+        let (words, groups) = (f.words_per_row(m.cols), f.groups_per_row(m.cols));
+        let shape = |n: usize| match experts {
+            Some(e) => vec![e, m.rows / e, n],
+            None => vec![m.rows, n],
+        };
+        let (ws, gs) = (shape(words), shape(groups));
+        self.own(
+            format!("{base}.weight"),
+            DType::U32,
+            ws,
+            bytemuck::cast_slice(&m.weight).to_vec(),
+        );
+        self.own(
+            format!("{base}.scales"),
+            DType::F32,
+            gs.clone(),
+            f32_bytes(&m.scales),
+        );
+        self.own(format!("{base}.biases"), DType::F32, gs, f32_bytes(&m.biases));
+    }
+
+    /// `gguf` under the name `hf`: read in place when stored as a float type, as an affine
+    /// matrix (`{base}.weight`, `.scales`, `.biases`) when a block-quantised matrix.
     fn direct(&mut self, gguf: &str, hf: String) -> Result<()> {
         self.direct_as(gguf, hf, None)
     }
@@ -606,10 +735,22 @@ impl<'a> Source<'a> {
                     start: t.start as usize,
                 });
             }
-            None => {
-                let bytes = self.dense(gguf)?.bytes.into_owned();
-                self.own(hf, DType::F32, shape, bytes);
-            }
+            None => match hf.strip_suffix(".weight") {
+                Some(base) if shape.len() == 2 && held_affine(gguf, t).is_some() => {
+                    let m = self.affine(gguf)?;
+                    if [m.rows, m.cols] != shape[..] {
+                        return Err(bad(
+                            self.label,
+                            format!("tensor {gguf}: shape {:?}, {shape:?} expected", [m.rows, m.cols]),
+                        ));
+                    }
+                    self.own_quant(base, m, None);
+                }
+                _ => {
+                    let bytes = self.dense(gguf)?.bytes.into_owned();
+                    self.own(hf, DType::F32, shape, bytes);
+                }
+            },
         }
         Ok(())
     }
@@ -640,9 +781,17 @@ impl<'a> Source<'a> {
     }
 
     /// Rows gathered from the tensors `parts` (2-D or 1-D as a column), row `i` of the result
-    /// being row `order[i].1` of part `order[i].0`, under `hf`, in the parts' float type (f32 if
-    /// they differ).
+    /// being row `order[i].1` of part `order[i].0`, under `hf`: as an affine matrix when every
+    /// part is a block-quantised matrix (in the format common to them, [`widen`]), else in the
+    /// parts' float type (f32 if they differ or some are block-quantised).
     fn rows(&mut self, parts: &[&str], hf: String, order: &[(usize, usize)]) -> Result<()> {
+        let affine = parts
+            .iter()
+            .map(|p| Ok(self.info(p)?.dims.len() == 2 && held_affine(p, self.info(p)?).is_some()))
+            .collect::<Result<Vec<bool>>>()?;
+        if let Some(base) = hf.strip_suffix(".weight").filter(|_| affine.iter().all(|&a| a)) {
+            return self.quant_rows(parts, base, order);
+        }
         let mut dense = parts.iter().map(|p| self.dense(p)).collect::<Result<Vec<_>>>()?;
         if dense.iter().any(|d| d.shape.is_empty()) {
             return Err(bad(
@@ -685,23 +834,130 @@ impl<'a> Source<'a> {
         Ok(())
     }
 
+    /// [`Source::rows`] of block-quantised matrices: each part as an affine matrix, widened to
+    /// the format common to them, its rows gathered under `{base}.weight`, `.scales`, `.biases`.
+    fn quant_rows(&mut self, parts: &[&str], base: &str, order: &[(usize, usize)]) -> Result<()> {
+        let mats = parts.iter().map(|p| self.affine(p)).collect::<Result<Vec<_>>>()?;
+        let cols = mats[0].cols;
+        if mats.iter().any(|m| m.cols != cols) {
+            return Err(bad(
+                self.label,
+                format!("tensors {parts:?} have rows of different lengths"),
+            ));
+        }
+        let format =
+            common_format(&mats.iter().map(|m| m.format).collect::<Vec<_>>()).expect("a gather has parts");
+        let mats = mats
+            .into_iter()
+            .zip(parts)
+            .map(|(m, p)| widen(m, format).map_err(|r| bad(self.label, format!("tensor {p}: {r}"))))
+            .collect::<Result<Vec<_>>>()?;
+        let (wpr, gpr) = (format.words_per_row(cols), format.groups_per_row(cols));
+        let mut out = QuantMatrix {
+            format,
+            rows: order.len(),
+            cols,
+            weight: Vec::with_capacity(order.len() * wpr),
+            scales: Vec::with_capacity(order.len() * gpr),
+            biases: Vec::with_capacity(order.len() * gpr),
+        };
+        for &(p, r) in order {
+            let m = &mats[p];
+            if r >= m.rows {
+                return Err(bad(self.label, format!("tensor {} has no row {r}", parts[p])));
+            }
+            out.weight.extend_from_slice(&m.weight[r * wpr..(r + 1) * wpr]);
+            out.scales.extend_from_slice(&m.scales[r * gpr..(r + 1) * gpr]);
+            out.biases.extend_from_slice(&m.biases[r * gpr..(r + 1) * gpr]);
+        }
+        self.own_quant(base, out, None);
+        Ok(())
+    }
+
     /// A 2-D tensor's columns put in the order `order` (column `i` of the result is column
-    /// `order[i]`), as f32.
+    /// `order[i]`): as an affine matrix when it is a block-quantised one whose groups move
+    /// whole (every aligned run of a group's columns comes from one aligned run), else as f32.
     fn columns(&mut self, gguf: &str, hf: String, order: &[usize]) -> Result<()> {
-        let d = self.dense(gguf)?;
-        let v = d.to_f32();
-        let cols = *d.shape.last().unwrap_or(&0);
+        let t = self.info(gguf)?;
+        let cols = t.dims.first().copied().unwrap_or(0) as usize;
         if cols != order.len() {
             return Err(bad(
                 self.label,
                 format!("tensor {gguf}: {cols} columns, {} expected", order.len()),
             ));
         }
+        let whole = |g: usize| {
+            order.chunks(g).all(|run| {
+                run.len() == g
+                    && run[0] % g == 0
+                    && run[0] + g <= cols
+                    && run.iter().enumerate().all(|(i, &c)| c == run[0] + i)
+            })
+        };
+        let format = held_affine(gguf, t).filter(|f| t.dims.len() == 2 && whole(f.group_size));
+        if let (Some(base), Some(f)) = (hf.strip_suffix(".weight"), format) {
+            let m = self.affine(gguf)?;
+            let (g, wpr, gpr) = (f.group_size, f.words_per_row(cols), f.groups_per_row(cols));
+            let wpg = g / f.values_per_word();
+            let mut out = QuantMatrix {
+                weight: Vec::with_capacity(m.weight.len()),
+                scales: Vec::with_capacity(m.scales.len()),
+                biases: Vec::with_capacity(m.biases.len()),
+                ..m
+            };
+            for r in 0..m.rows {
+                for run in order.chunks(g) {
+                    let (src, w) = (r * gpr + run[0] / g, r * wpr + run[0] / g * wpg);
+                    out.weight.extend_from_slice(&m.weight[w..w + wpg]);
+                    out.scales.push(m.scales[src]);
+                    out.biases.push(m.biases[src]);
+                }
+            }
+            self.own_quant(base, out, None);
+            return Ok(());
+        }
+        let d = self.dense(gguf)?;
+        let v = d.to_f32();
         let mut out = Vec::with_capacity(v.len());
         for r in v.chunks_exact(cols.max(1)) {
             out.extend(order.iter().map(|&c| r[c]));
         }
         self.own(hf, DType::F32, d.shape, f32_bytes(&out));
+        Ok(())
+    }
+
+    /// Layer `i`'s stacked experts (`blk.{i}.ffn_{gate,up,down}_exps.weight`, `[experts, rows,
+    /// cols]`) under the MoE block `mlp`. Block-quantised ones as MLX's stacked
+    /// `{mlp}.switch_mlp.{gate,up,down}_proj.{weight,scales,biases}`, the three in one format
+    /// (the engine packs a layer's experts in one; a Q4_K_M file often has Q6_K `down` beside
+    /// Q4_K `gate` and `up`): the narrowest that holds each exactly ([`widen`]). Otherwise one
+    /// tensor an expert, `{mlp}.experts.{e}.{gate,up,down}_proj.weight`.
+    fn expert_layer(&mut self, i: usize, mlp: &str) -> Result<()> {
+        const WHICH: [&str; 3] = ["gate", "up", "down"];
+        let names = WHICH.map(|w| format!("blk.{i}.ffn_{w}_exps.weight"));
+        let mut affine = true;
+        for n in &names {
+            let t = self.info(n)?;
+            affine &= t.dims.len() == 3 && t.dims[1] > 0 && t.dims[2] > 0 && held_affine(n, t).is_some();
+        }
+        if !affine {
+            for (w, n) in WHICH.iter().zip(&names) {
+                self.experts(n, |e| format!("{mlp}.experts.{e}.{w}_proj.weight"))?;
+            }
+            return Ok(());
+        }
+        let mut mats = Vec::with_capacity(3);
+        for n in &names {
+            let experts = self.info(n)?.dims[2] as usize;
+            mats.push((experts, self.affine(n)?));
+        }
+        let format =
+            common_format(&mats.iter().map(|m| m.1.format).collect::<Vec<_>>()).expect("three matrices");
+        self.formats.insert(format!("{mlp}.switch_mlp"), Some(format));
+        for ((w, n), (experts, m)) in WHICH.iter().zip(&names).zip(mats) {
+            let m = widen(m, format).map_err(|r| bad(self.label, format!("tensor {n}: {r}")))?;
+            self.own_quant(&format!("{mlp}.switch_mlp.{w}_proj"), m, Some(experts));
+        }
         Ok(())
     }
 
@@ -861,11 +1117,7 @@ fn map_tensors(s: &mut Source, c: &ModelConfig) -> Result<()> {
         }
         if s.has(&b("ffn_gate_inp.weight")) {
             s.direct(&b("ffn_gate_inp.weight"), m("mlp.gate.weight"))?;
-            for w in ["gate", "up", "down"] {
-                s.experts(&b(&format!("ffn_{w}_exps.weight")), |e| {
-                    m(&format!("mlp.experts.{e}.{w}_proj.weight"))
-                })?;
-            }
+            s.expert_layer(i, &m("mlp"))?;
             if s.has(&b("ffn_gate_inp_shexp.weight")) {
                 s.direct_as(
                     &b("ffn_gate_inp_shexp.weight"),
@@ -971,4 +1223,62 @@ fn linear_attention(s: &mut Source, c: &ModelConfig, i: usize) -> Result<()> {
     s.rows(&[&b("ssm_conv1d.weight")], m("conv1d.weight"), &conv)?;
     s.columns(&b("ssm_out.weight"), m("out_proj.weight"), &v_rows)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What `check_memory` counts is what a model holds in memory: the Q4_K_M fixtures whose
+    /// only tensors held in memory come from block-quantised ones.
+    #[test]
+    fn the_memory_counted_is_the_memory_held() {
+        let dir = kestrel_testing::fixtures::path("crates/kestrel-model/tests/gguf");
+        for (name, arch) in [
+            ("llama", Arch::Llama),
+            ("qwen3", Arch::Qwen3),
+            ("qwen3_moe_all", Arch::Qwen3Moe),
+        ] {
+            let path = dir.join(format!("{name}-q4_k_m.gguf"));
+            let bytes = std::fs::read(&path).unwrap();
+            let g = Gguf::parse(&bytes).unwrap();
+            let tensors = g.tensors.iter().map(|t| (t.name.as_str(), (0, t))).collect();
+            let w = open_gguf(&path).unwrap().weights;
+            let held: usize = w
+                .names()
+                .into_iter()
+                .filter(|n| w.file_span(n).is_none())
+                .map(|n| w.get(n).unwrap().bytes.len())
+                .sum();
+            assert_eq!(loaded_bytes(arch, &tensors), held as u64, "{name}");
+        }
+    }
+
+    /// A layer's experts are counted in the format common to the three: Q4_K `gate` and `up`
+    /// beside a Q6_K `down` take 8 bits and an f32 scale and bias per 16 values each.
+    #[test]
+    fn experts_are_counted_widened() {
+        let info = |name: &str, ty: u32, dims: Vec<u64>| TensorInfo {
+            name: name.into(),
+            dims,
+            ty: crate::gguf::GgmlType::from_id(ty).unwrap(),
+            start: 0,
+            bytes: 0,
+        };
+        let t = [
+            info("blk.0.ffn_gate_exps.weight", 12, vec![256, 256, 4]),
+            info("blk.0.ffn_up_exps.weight", 12, vec![256, 256, 4]),
+            info("blk.0.ffn_down_exps.weight", 14, vec![256, 256, 4]),
+            info("blk.0.attn_q.weight", 12, vec![256, 64]),
+            info("blk.0.ffn_gate_inp.weight", 8, vec![256, 4]),
+        ];
+        let tensors = t.iter().map(|t| (t.name.as_str(), (0, t))).collect();
+        let experts = 3 * 4 * 256 * 256 * 3 / 2;
+        let attn_q = 64 * 256 * 3 / 4;
+        let router = 4 * 256 * 4;
+        assert_eq!(
+            loaded_bytes(Arch::Qwen3Moe, &tensors),
+            (experts + attn_q + router) as u64
+        );
+    }
 }

@@ -333,13 +333,27 @@ impl Build<'_> {
                 format!("shape {:?} for the {cols} columns config.json implies", s.shape),
             ));
         }
+        let b = self.w.get(&format!("{base}.biases"))?;
+        let scale = match crate::experts::scale_type(s.dtype) {
+            Some(scale) if b.dtype == s.dtype && b.shape == s.shape && s.shape == [rows, groups] => scale,
+            _ => {
+                return Err(self.err(
+                    &format!("{base}.scales"),
+                    format!(
+                        "{} {:?} beside biases {} {:?}: expected bf16 or f32 [{rows}, {groups}] both",
+                        s.dtype, s.shape, b.dtype, b.shape
+                    ),
+                ))
+            }
+        };
         let format = QuantFormat {
             bits,
             group_size: cols / groups,
+            scale,
         };
         if let Some(q) = &self.c.quant {
             if let Some(want) = q.format_for(base) {
-                if want != format {
+                if (want.bits, want.group_size) != (format.bits, format.group_size) {
                     return Err(self.err(&name, format!("stored as {format:?}, config.json says {want:?}")));
                 }
             }
@@ -680,18 +694,17 @@ impl Forward {
                     scales,
                     biases,
                 } => {
-                    let bf16_bytes =
-                        |v: &[half::bf16]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-                    let (mut row, wpr, gpr) = (0, format.words_per_row(*cols), format.groups_per_row(*cols));
+                    let (mut row, wpr) = (0, format.words_per_row(*cols));
+                    let gpr = format.groups_per_row(*cols) * format.scale.size_in_bytes();
                     for (name, rows) in parts {
                         let t = w.get(name)?;
                         let v = crate::experts::dense_values(&t, 0, rows * cols)?;
                         let q = QuantMatrix::quantize(&v, *rows, *cols, *format);
                         backend
-                            .write_bytes(program, *scales, row * gpr * 2, &bf16_bytes(&q.scales))
+                            .write_bytes(program, *scales, row * gpr, &q.scale_bytes())
                             .map_err(backend_err)?;
                         backend
-                            .write_bytes(program, *biases, row * gpr * 2, &bf16_bytes(&q.biases))
+                            .write_bytes(program, *biases, row * gpr, &q.bias_bytes())
                             .map_err(backend_err)?;
                         backend
                             .write_bytes(program, *buf, row * wpr * 4, bytemuck::cast_slice(&q.weight))
@@ -1047,23 +1060,37 @@ fn streamed_experts(
 fn expert_layout(b: &Build, m: &str) -> ExpertLayout {
     let c = b.c;
     let moe = c.moe.as_ref().expect("MoE layers come with a MoE config");
-    let format = match c
+    let mut layout = ExpertLayout {
+        experts: moe.experts,
+        hidden: c.hidden,
+        inter: moe.expert_intermediate,
+        format: ExpertFormat::Bf16,
+    };
+    let config = c
         .quant
         .as_ref()
-        .and_then(|q| q.format_for(&format!("{m}.switch_mlp")))
-    {
-        Some(q) if b.w.contains(&format!("{m}.switch_mlp.gate_proj.scales")) => ExpertFormat::Quant(q),
+        .and_then(|q| q.format_for(&format!("{m}.switch_mlp")));
+    // Quantised experts in the format their stored tensors give (the scale type is only in
+    // their dtype), unless the quantisation config says other bits or groups (packing then
+    // reports the mismatch). Tensors that cannot be read (malformed, or dropped from memory once
+    // a streamed layer was packed) leave it to the config, or to packing to report.
+    let stored = if b.w.contains(&format!("{m}.switch_mlp.gate_proj.scales")) {
+        Some(crate::experts::stored_format(b.w, m, &layout).ok())
+    } else {
+        None
+    };
+    layout.format = match (stored, config) {
+        (Some(Some(s)), Some(q)) if (s.bits, s.group_size) == (q.bits, q.group_size) => {
+            ExpertFormat::Quant(s)
+        }
+        (Some(_), Some(q)) => ExpertFormat::Quant(q),
+        (Some(Some(s)), None) => ExpertFormat::Quant(s),
         _ => match b.quant {
             Some(q) if q.fits(c.hidden) && q.fits(moe.expert_intermediate) => ExpertFormat::Quant(q),
             _ => ExpertFormat::Bf16,
         },
     };
-    ExpertLayout {
-        experts: moe.experts,
-        hidden: c.hidden,
-        inter: moe.expert_intermediate,
-        format,
-    }
+    layout
 }
 
 fn moe(b: &mut Build, m: &str, h: BufId<Normed>) -> Result<BufId<kestrel_core::ir::Act>> {

@@ -9,8 +9,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use half::bf16;
-use kestrel_core::quant::{QuantFormat, QuantMatrix};
+use kestrel_core::quant::{QuantFormat, QuantMatrix, ScaleType};
 use safetensors::tensor::{serialize_to_file, Dtype, TensorView};
 use serde_json::Value;
 
@@ -39,7 +38,10 @@ struct Out {
 
 fn quantized_parts(q: &QuantMatrix, lead: &[usize]) -> [(String, Out); 3] {
     let shape = |cols: usize| lead.iter().copied().chain([q.rows, cols]).collect::<Vec<_>>();
-    let bf = |v: &[bf16]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let dtype = match q.format.scale {
+        ScaleType::Bf16 => Dtype::BF16,
+        ScaleType::F32 => Dtype::F32,
+    };
     let words = q.format.words_per_row(q.cols);
     let groups = q.format.groups_per_row(q.cols);
     [
@@ -54,17 +56,17 @@ fn quantized_parts(q: &QuantMatrix, lead: &[usize]) -> [(String, Out); 3] {
         (
             "scales".into(),
             Out {
-                dtype: Dtype::BF16,
+                dtype,
                 shape: shape(groups),
-                data: bf(&q.scales),
+                data: q.scale_bytes(),
             },
         ),
         (
             "biases".into(),
             Out {
-                dtype: Dtype::BF16,
+                dtype,
                 shape: shape(groups),
-                data: bf(&q.biases),
+                data: q.bias_bytes(),
             },
         ),
     ]

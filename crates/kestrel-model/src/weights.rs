@@ -522,12 +522,13 @@ impl Weights {
     /// copy); later lookups of it are errors saying so. Returns whether memory was freed:
     /// mapped files and tensors sharing a buffer are left as they are.
     pub fn release(&mut self, name: &str) -> bool {
-        let Some(&(shard, _)) = self.by_name.get(name) else {
+        let Some((shard, info)) = self.by_name.get(name) else {
             return false;
         };
-        let s = &mut self.shards[shard];
-        // A shard of `from_memory` holds one tensor, from its first byte.
-        if matches!(s.map, Storage::Owned(_)) && s.data_start == 0 {
+        let s = &mut self.shards[*shard];
+        // A shard of `from_memory` holds one tensor, all its bytes; a file held in memory (a
+        // GGUF read from bytes) holds a header and other tensors too.
+        if matches!(s.map, Storage::Owned(_)) && s.data_start == 0 && info.data_offsets == (0, s.map.len()) {
             s.map = Storage::Released;
             return true;
         }

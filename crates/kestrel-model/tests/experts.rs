@@ -21,10 +21,7 @@ const E: usize = 3;
 const HIDDEN: usize = 64;
 const INTER: usize = 32;
 const MLP: &str = "model.layers.0.mlp";
-const Q4G32: QuantFormat = QuantFormat {
-    bits: 4,
-    group_size: 32,
-};
+const Q4G32: QuantFormat = QuantFormat::mlx(4, 32);
 
 fn write(path: &Path, tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)>) {
     let views: Vec<(String, TensorView)> = tensors
@@ -181,8 +178,8 @@ fn dense_experts_are_quantised_on_load_as_the_host_quantiser_does() {
             let n = q.scales.len();
             let scales: Vec<f32> = bf16_at(&buf, base + at.scales, n);
             let biases: Vec<f32> = bf16_at(&buf, base + at.biases, n);
-            assert_eq!(scales, q.scales.iter().map(|s| s.to_f32()).collect::<Vec<_>>());
-            assert_eq!(biases, q.biases.iter().map(|s| s.to_f32()).collect::<Vec<_>>());
+            assert_eq!(scales, q.scales);
+            assert_eq!(biases, q.biases);
         }
     }
 }
@@ -206,14 +203,8 @@ fn mlx_switch_experts_are_copied_or_dequantised() {
             .iter()
             .flat_map(|s| s[m].weight.iter().flat_map(|w| w.to_le_bytes()))
             .collect();
-        let scales: Vec<u8> = stored
-            .iter()
-            .flat_map(|s| s[m].scales.iter().flat_map(|v| v.to_le_bytes()))
-            .collect();
-        let biases: Vec<u8> = stored
-            .iter()
-            .flat_map(|s| s[m].biases.iter().flat_map(|v| v.to_le_bytes()))
-            .collect();
+        let scales: Vec<u8> = stored.iter().flat_map(|s| s[m].scale_bytes()).collect();
+        let biases: Vec<u8> = stored.iter().flat_map(|s| s[m].bias_bytes()).collect();
         let base = format!("{MLP}.switch_mlp.{name}");
         t.push((
             format!("{base}.weight"),
@@ -271,10 +262,7 @@ fn mlx_switch_experts_are_copied_or_dequantised() {
         }
     }
     // Another quantised format is refused, naming the tensor.
-    let l = layout(ExpertFormat::Quant(QuantFormat {
-        bits: 8,
-        group_size: 32,
-    }));
+    let l = layout(ExpertFormat::Quant(QuantFormat::mlx(8, 32)));
     let msg = pack_experts(&w, MLP, &l).unwrap_err().to_string();
     assert!(msg.contains("switch_mlp") && msg.contains("bits: 4"), "{msg}");
 }

@@ -103,10 +103,7 @@ fn fixture_structure_matches_the_script() {
         .unwrap()
         .quant
         .unwrap();
-    let q4g32 = QuantFormat {
-        bits: 4,
-        group_size: 32,
-    };
+    let q4g32 = QuantFormat::mlx(4, 32);
     assert_eq!(q.default, q4g32);
     assert_eq!(q.format_for("model.layers.0.mlp.gate").unwrap().bits, 8);
     for name in ["qwen3_next", "qwen3_5_moe"] {

@@ -14,10 +14,7 @@ use kestrel_model::{Session, Want};
 #[test]
 fn bf16_checkpoint_quantised_on_load_matches_the_mlx_reference() {
     let (tokens, want, _) = reference("qwen3_moe_mlx_q4");
-    let q4g32 = QuantFormat {
-        bits: 4,
-        group_size: 32,
-    };
+    let q4g32 = QuantFormat::mlx(4, 32);
     let mut s = Session::open(&dir("qwen3_moe"), CpuBackend::new(), 64, DType::F32)
         .unwrap()
         .with_quant(Some(q4g32));

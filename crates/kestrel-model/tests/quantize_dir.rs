@@ -10,10 +10,7 @@ use kestrel_core::DType;
 use kestrel_cpu::CpuBackend;
 use kestrel_model::{quantize_dir, ModelConfig, Session, Want, Weights};
 
-const Q4G32: QuantFormat = QuantFormat {
-    bits: 4,
-    group_size: 32,
-};
+const Q4G32: QuantFormat = QuantFormat::mlx(4, 32);
 
 fn out_dir(tag: &str) -> std::path::PathBuf {
     let p = std::env::temp_dir().join(format!("kestrel-quantize-{tag}-{}", std::process::id()));
@@ -74,9 +71,9 @@ fn dequantised_copy(q: &std::path::Path, out: &std::path::Path) {
         DType::U32 => Dtype::U32,
         other => panic!("{other}"),
     };
-    let bf = |b: &[u8]| -> Vec<half::bf16> {
+    let bf = |b: &[u8]| -> Vec<f32> {
         b.chunks_exact(2)
-            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]))
+            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
             .collect()
     };
     let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
@@ -109,10 +106,7 @@ fn dequantised_copy(q: &std::path::Path, out: &std::path::Path) {
         let bits = quant.format_for(base).unwrap().bits;
         let cols = words * 32 / bits as usize;
         let m = kestrel_core::quant::QuantMatrix {
-            format: QuantFormat {
-                bits,
-                group_size: cols / groups,
-            },
+            format: QuantFormat::mlx(bits, cols / groups),
             rows,
             cols,
             weight: t
@@ -151,7 +145,7 @@ fn hybrid_models_quantise_and_compute_as_their_dequantised_weights() {
     ] {
         let q = out_dir(&format!("{name}-{bits}"));
         let d = out_dir(&format!("{name}-{bits}-deq"));
-        let format = QuantFormat { bits, group_size: 32 };
+        let format = QuantFormat::mlx(bits, 32);
         quantize_dir(&dir(name), &q, format).unwrap();
         dequantised_copy(&q, &d);
         let (tokens, _, _) = reference(name);

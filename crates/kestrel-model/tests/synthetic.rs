@@ -56,10 +56,7 @@ fn check_layout(fixture: &str, format: QuantFormat) {
 
 #[test]
 fn layout_equals_quantize_dir_for_every_architecture() {
-    let g32 = QuantFormat {
-        bits: 4,
-        group_size: 32,
-    };
+    let g32 = QuantFormat::mlx(4, 32);
     for fixture in ["llama", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_moe"] {
         check_layout(fixture, g32);
     }

@@ -256,8 +256,8 @@ impl CaseBuilder {
                     unreachable!()
                 };
                 self.set(weight, bytemuck::cast_slice(&m.weight).to_vec());
-                self.set(scales, bytemuck::cast_slice(&m.scales).to_vec());
-                self.set(biases, bytemuck::cast_slice(&m.biases).to_vec());
+                self.set(scales, m.scale_bytes());
+                self.set(biases, m.bias_bytes());
                 (lw, m.dequantize().iter().map(|&v| v as f64).collect())
             }
         }
@@ -482,7 +482,16 @@ fn pick<T: Copy>(rng: &mut Rng, xs: &[T]) -> T {
 pub fn embed(rng: Rng) -> Case {
     let mut c = CaseBuilder::new(rng);
     let (vocab, hidden, tokens) = (c.rng.range(5, 300), 64 * c.rng.range(1, 4), c.rng.range(1, 9));
-    let format = pick(&mut c.rng, &[None, Some(QuantFormat::Q4), Some(QuantFormat::Q8)]);
+    let format = pick(
+        &mut c.rng,
+        &[
+            None,
+            Some(QuantFormat::Q4),
+            Some(QuantFormat::Q8),
+            Some(QuantFormat::f32_scales(4, 32)),
+            Some(QuantFormat::f32_scales(8, 16)),
+        ],
+    );
     let dtype = pick(&mut c.rng, &[DType::BF16, DType::F16, DType::F32]);
     let (table, tf) = c.linear_weight("embed", vocab, hidden, format, dtype);
     let ids: Vec<u32> = (0..tokens).map(|_| c.rng.range(0, vocab) as u32).collect();
@@ -609,32 +618,31 @@ pub fn rope(rng: Rng) -> Case {
 }
 
 /// The quantised formats cases draw from: MLX's 4- and 8-bit defaults (groups of 64), 4-bit in
-/// groups of 32 and 8-bit in groups of 128.
-pub const QUANT_FORMATS: [QuantFormat; 4] = [
+/// groups of 32 and 8-bit in groups of 128; and the two GGUF's block formats load as, with f32
+/// scales and biases: 4-bit in groups of 32 (Q4_0, Q4_1, Q4_K) and 8-bit in groups of 16 (Q6_K).
+pub const QUANT_FORMATS: [QuantFormat; 6] = [
     QuantFormat::Q4,
     QuantFormat::Q8,
-    QuantFormat {
-        bits: 4,
-        group_size: 32,
-    },
-    QuantFormat {
-        bits: 8,
-        group_size: 128,
-    },
+    QuantFormat::mlx(4, 32),
+    QuantFormat::mlx(8, 128),
+    QuantFormat::f32_scales(4, 32),
+    QuantFormat::f32_scales(8, 16),
 ];
 
 pub fn linear(rng: Rng) -> Case {
     let mut c = CaseBuilder::new(rng);
-    let [_, _, q4g32, q8g128] = QUANT_FORMATS;
+    let [q4, q8, q4g32, q8g128, q4f, q8f] = QUANT_FORMATS;
     let format = pick(
         &mut c.rng,
         &[
             None,
             None,
-            Some(QuantFormat::Q4),
-            Some(QuantFormat::Q8),
+            Some(q4),
+            Some(q8),
             Some(q4g32),
             Some(q8g128),
+            Some(q4f),
+            Some(q8f),
         ],
     );
     // Quantised: any whole number of groups, or a multiple of 8 groups (what the pipelined
@@ -1098,14 +1106,14 @@ fn store_matrix(
         }
         ExpertFormat::Quant(q) => {
             let qm = QuantMatrix::quantize(values, rows, cols, q);
-            let (w, s, b): (&[u8], &[u8], &[u8]) = (
+            let (w, s, b): (&[u8], Vec<u8>, Vec<u8>) = (
                 bytemuck::cast_slice(&qm.weight),
-                bytemuck::cast_slice(&qm.scales),
-                bytemuck::cast_slice(&qm.biases),
+                qm.scale_bytes(),
+                qm.bias_bytes(),
             );
             span[m.weight..m.weight + w.len()].copy_from_slice(w);
-            span[m.scales..m.scales + s.len()].copy_from_slice(s);
-            span[m.biases..m.biases + b.len()].copy_from_slice(b);
+            span[m.scales..m.scales + s.len()].copy_from_slice(&s);
+            span[m.biases..m.biases + b.len()].copy_from_slice(&b);
             qm.dequantize().iter().map(|&v| v as f64).collect()
         }
     }
@@ -1219,6 +1227,8 @@ pub fn moe(rng: Rng) -> Case {
             ExpertFormat::Bf16,
             ExpertFormat::Quant(QuantFormat::Q4),
             ExpertFormat::Quant(QuantFormat::Q8),
+            ExpertFormat::Quant(QuantFormat::f32_scales(4, 32)),
+            ExpertFormat::Quant(QuantFormat::f32_scales(8, 16)),
         ],
     );
     let (hidden, inter) = match format {
@@ -1342,7 +1352,13 @@ fn moe_case(
             (ids, weights, lf)
         }
         Some(rf) => {
-            let (w, wf) = c.linear_weight("gate", experts, hidden, rf, DType::BF16);
+            // A dense router in bf16 (MLX, transformers) or f32 (GGUF).
+            let dtype = if rf.is_none() && c.rng.range(0, 2) == 0 {
+                DType::F32
+            } else {
+                DType::BF16
+            };
+            let (w, wf) = c.linear_weight("gate", experts, hidden, rf, dtype);
             let logits = c.g.linear("gate", x, &w);
             let (ids, weights) = c.g.router("router", logits, k, normalize);
             let lf = r::linear(&xf, &wf, hidden, experts);

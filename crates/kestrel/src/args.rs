@@ -56,10 +56,7 @@ impl SyntheticArgs {
         Ok(Some(ModelSource::Synthetic {
             name: name.clone(),
             layers: self.layers,
-            format: QuantFormat {
-                bits: self.bits,
-                group_size: 64,
-            },
+            format: QuantFormat::mlx(self.bits, 64),
             seed,
         }))
     }
@@ -163,7 +160,7 @@ pub fn quant_format(bits: u32, group_size: usize) -> Result<QuantFormat> {
     if group_size == 0 || group_size % 32 != 0 {
         bail!("--group-size {group_size} is not a multiple of 32 (the usual sizes are 32, 64 and 128)");
     }
-    Ok(QuantFormat { bits, group_size })
+    Ok(QuantFormat::mlx(bits, group_size))
 }
 
 /// A count that must be at least 1 (`--prefill-chunk`), for clap's `value_parser`.

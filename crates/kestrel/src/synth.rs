@@ -45,10 +45,7 @@ pub fn run(a: SynthArgs) -> Result<std::process::ExitCode> {
     // Refused before the weights are built, which takes a while for the large configurations.
     check_empty_dst(&a.out)?;
     let start = Instant::now();
-    let format = QuantFormat {
-        bits: a.bits,
-        group_size: 64,
-    };
+    let format = QuantFormat::mlx(a.bits, 64);
     let (json, config, weights) = synthetic_model_json(&a.name, a.layers, format, a.seed)?;
     let bytes = write_model_dir(&a.out, &json, &weights, a.shard_size << 20)?;
     errln!(

@@ -1,7 +1,6 @@
-//! Linear layers `y = x · Wᵀ` over dense (bf16, f16, f32) and MLX-quantised weights, and the
+//! Linear layers `y = x · Wᵀ` over dense (bf16, f16, f32) and affine-quantised weights, and the
 //! token embedding gather from either kind of table.
 
-use half::bf16;
 use kestrel_core::ir::{LinearWeight, Op};
 use kestrel_core::quant::QuantFormat;
 use rayon::prelude::*;
@@ -17,8 +16,8 @@ pub enum Matrix<'a> {
     },
     Quant {
         weight: &'a [u32],
-        scales: &'a [bf16],
-        biases: &'a [bf16],
+        scales: Floats<'a>,
+        biases: Floats<'a>,
         format: QuantFormat,
         cols: usize,
     },
@@ -38,8 +37,8 @@ impl<'a> Matrix<'a> {
                 format,
             } => Matrix::Quant {
                 weight: v.read(weight.raw())?,
-                scales: v.read(scales.raw())?,
-                biases: v.read(biases.raw())?,
+                scales: v.floats(scales.raw())?,
+                biases: v.floats(biases.raw())?,
                 format,
                 cols,
             },
@@ -79,11 +78,11 @@ impl<'a> Matrix<'a> {
     }
 }
 
-/// Dequantises row `row` of an MLX matrix: `w = q * scale + bias` per group.
+/// Dequantises row `row` of a quantised matrix: `w = q * scale + bias` per group.
 pub fn quant_row(
     weight: &[u32],
-    scales: &[bf16],
-    biases: &[bf16],
+    scales: &Floats,
+    biases: &Floats,
     f: QuantFormat,
     cols: usize,
     row: usize,
@@ -92,8 +91,8 @@ pub fn quant_row(
     let (vpw, mask) = (f.values_per_word(), (1u32 << f.bits) - 1);
     let words = &weight[row * f.words_per_row(cols)..][..f.words_per_row(cols)];
     for (g, group) in out.chunks_mut(f.group_size).enumerate() {
-        let s = scales[row * f.groups_per_row(cols) + g].to_f32();
-        let b = biases[row * f.groups_per_row(cols) + g].to_f32();
+        let s = scales.get(row * f.groups_per_row(cols) + g);
+        let b = biases.get(row * f.groups_per_row(cols) + g);
         for (i, o) in group.iter_mut().enumerate() {
             let c = g * f.group_size + i;
             let q = (words[c / vpw] >> (f.bits as usize * (c % vpw))) & mask;
@@ -105,8 +104,8 @@ pub fn quant_row(
 /// `Σ_c dequant(W[row, c]) * x[c]`, group by group: `scale * Σ q x + bias * Σ x`.
 pub fn quant_dot(
     weight: &[u32],
-    scales: &[bf16],
-    biases: &[bf16],
+    scales: &Floats,
+    biases: &Floats,
     f: QuantFormat,
     cols: usize,
     row: usize,
@@ -124,7 +123,7 @@ pub fn quant_dot(
             sx += x[c];
         }
         let gi = row * f.groups_per_row(cols) + g;
-        acc += scales[gi].to_f32() * qx + biases[gi].to_f32() * sx;
+        acc += scales.get(gi) * qx + biases.get(gi) * sx;
     }
     acc
 }

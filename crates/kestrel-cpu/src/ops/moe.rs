@@ -3,6 +3,7 @@
 
 use half::bf16;
 use kestrel_core::ir::{ExpertFormat, ExpertLayout, MatrixSpan, Op};
+use kestrel_core::quant::ScaleType;
 use rayon::prelude::*;
 
 use super::{head::top_k, silu, OpResult};
@@ -29,17 +30,27 @@ fn matrix<'a>(
         ExpertFormat::Quant(q) => Matrix::Quant {
             weight: bytemuck::try_cast_slice(&span[m.weight..m.weight + rows * q.words_per_row(cols) * 4])
                 .map_err(cast_err)?,
-            scales: bytemuck::try_cast_slice::<u8, bf16>(
-                &span[m.scales..m.scales + rows * q.groups_per_row(cols) * 2],
+            scales: scale_view(
+                &span[m.scales..m.scales + rows * q.groups_per_row(cols) * q.scale.size_in_bytes()],
+                q.scale,
             )
             .map_err(cast_err)?,
-            biases: bytemuck::try_cast_slice::<u8, bf16>(
-                &span[m.biases..m.biases + rows * q.groups_per_row(cols) * 2],
+            biases: scale_view(
+                &span[m.biases..m.biases + rows * q.groups_per_row(cols) * q.scale.size_in_bytes()],
+                q.scale,
             )
             .map_err(cast_err)?,
             format: q,
             cols,
         },
+    })
+}
+
+/// Group scales or biases of type `t`, viewed in place.
+fn scale_view(bytes: &[u8], t: ScaleType) -> Result<Floats<'_>, bytemuck::PodCastError> {
+    Ok(match t {
+        ScaleType::Bf16 => Floats::BF16(bytemuck::try_cast_slice::<u8, bf16>(bytes)?),
+        ScaleType::F32 => Floats::F32(bytemuck::try_cast_slice::<u8, f32>(bytes)?),
     })
 }
 

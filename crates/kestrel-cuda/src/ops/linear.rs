@@ -16,6 +16,7 @@
 //! - every other shape: `linear_*`.
 
 use kestrel_core::ir::{Buf, LinearWeight, Op};
+use kestrel_core::quant::{QuantFormat, ScaleType};
 use kestrel_core::DType;
 
 use kestrel_cuda_rt::{Buffer, ModuleSource, Result};
@@ -60,15 +61,19 @@ pub(super) fn weight_parts(
         .collect::<Result<Vec<_>>>()?;
     Ok(match w {
         LinearWeight::Dense(d) => (float_name(enc.dtype(d.raw()))?, parts, None),
-        LinearWeight::Quant { format, .. } => (quant_name(format.bits)?, parts, Some(format.group_size)),
+        LinearWeight::Quant { format, .. } => (quant_name(format)?, parts, Some(format.group_size)),
     })
 }
 
-fn quant_name(bits: u32) -> Result<&'static str> {
-    match bits {
-        4 => Ok("q4"),
-        8 => Ok("q8"),
-        b => Err(unsupported(format!("{b}-bit weights"))),
+/// A quantised format's kernel-name part: `q4`, `q8` with bf16 group scales and biases, `q4f`,
+/// `q8f` with f32 ones.
+pub(super) fn quant_name(format: &QuantFormat) -> Result<&'static str> {
+    match (format.bits, format.scale) {
+        (4, ScaleType::Bf16) => Ok("q4"),
+        (8, ScaleType::Bf16) => Ok("q8"),
+        (4, ScaleType::F32) => Ok("q4f"),
+        (8, ScaleType::F32) => Ok("q8f"),
+        (b, _) => Err(unsupported(format!("{b}-bit weights"))),
     }
 }
 
@@ -88,14 +93,15 @@ const DP_BLOCKS_PER_SM: usize = 3;
 /// 2 x `DP_ROWS` rows x 32 lanes of 16-byte vectors and the rows' scales and biases for 64
 /// vectors: `dp_slot_vecs` in linear.cu), or None when the group scales cannot be copied in
 /// 16-byte pieces.
-fn dp_ring_bytes(in_dim: usize, bits: u32, group: usize) -> Option<usize> {
+fn dp_ring_bytes(in_dim: usize, format: &QuantFormat) -> Option<usize> {
+    let (bits, group, size) = (format.bits, format.group_size, format.scale.size_in_bytes());
     if bits != 4 && bits != 8 {
         return None;
     }
-    let vals = 128 / bits as usize;
+    let (vals, per) = (128 / bits as usize, 16 / size);
     let seg = 64 * vals / group;
-    let aligned = group > 0 && in_dim % group == 0 && (in_dim / group) % 8 == 0 && seg % 8 == 0;
-    aligned.then(|| DP_WARPS * DP_STAGES * (2 * DP_ROWS * 32 + DP_ROWS * seg / 4) * 16)
+    let aligned = group > 0 && in_dim % group == 0 && (in_dim / group) % per == 0 && seg % per == 0;
+    aligned.then(|| DP_WARPS * DP_STAGES * (2 * DP_ROWS * 32 + DP_ROWS * seg * size / 8) * 16)
 }
 
 /// The one-token path: 16-byte loads, x staged in shared memory. Returns false (and records
@@ -111,7 +117,7 @@ fn encode_matvec(
     // bf16: x staged padded as floats; quantised: the weight rings, then x as int8 with a scale
     // and a sum per block of 32.
     let smem = match w {
-        LinearWeight::Quant { format, .. } => match dp_ring_bytes(in_dim, format.bits, format.group_size) {
+        LinearWeight::Quant { format, .. } => match dp_ring_bytes(in_dim, format) {
             Some(ring) => ring + in_dim + (in_dim / 32 + in_dim / 16) * 4,
             None => return Ok(false),
         },
@@ -140,7 +146,10 @@ fn encode_matvec(
                 .arg(u32_arg(out_dim)?)
                 .record();
         }
-        LinearWeight::Quant { format, .. } if in_dim % 64 == 0 && format.group_size % 32 == 0 => {
+        // A 16-byte weight vector takes one group's scale and bias.
+        LinearWeight::Quant { format, .. }
+            if in_dim % 64 == 0 && format.group_size % (128 / format.bits as usize) == 0 =>
+        {
             // Each block rounds x to int8 in blocks of 32, then 8-bit integer dot products.
             let (name, parts, _) = weight_parts(enc, w)?;
             let k = enc.kernel(&MODULE, &format!("matvec_{name}_dp4a"))?;
@@ -178,10 +187,11 @@ const NARROW_MAX_TOKENS: usize = 256;
 /// `matvec_q8_exact`.
 const EX_TOKENS: usize = 8;
 
-/// The product of a quantised weight and f32 activations with nothing rounded beyond f32
+/// The product of a quantised or f32 weight and f32 activations with nothing rounded beyond f32
 /// arithmetic, for the logits a router decides from (a token's logits the same, bit for bit,
-/// whatever the number of tokens) and for outputs too narrow for the skinny products: one token
-/// (or a few narrow ones) through `matvec_q*_exact`, more through `matvec_q*_exact_tokens`.
+/// whatever the number of tokens), for outputs too narrow for the skinny products and for f32
+/// weights: one token (or a few narrow ones) through `matvec_*_exact`, more through
+/// `matvec_*_exact_tokens`.
 /// Returns false (and records nothing) when the format's 16-byte vectors do not tile the groups
 /// or x does not fit shared memory.
 #[allow(clippy::too_many_arguments)]
@@ -194,26 +204,28 @@ fn encode_matvec_exact(
     in_dim: usize,
     out_dim: usize,
 ) -> Result<bool> {
-    let LinearWeight::Quant { format, .. } = w else {
-        return Ok(false);
+    // 16-byte vectors of the weight's values (f32: four); quantised ones take one group's scale.
+    let (vals, group) = match w {
+        LinearWeight::Quant { format, .. } => (128 / format.bits as usize, format.group_size),
+        LinearWeight::Dense(d) if enc.dtype(d.raw()) == DType::F32 => (4, 4),
+        LinearWeight::Dense(_) => return Ok(false),
     };
     let per_token = tokens == 1 || (out_dim < NARROW_OUT && tokens <= NARROW_MAX_TOKENS);
     // x staged (padded, pre-scaled), then each 16-byte vector's plain sum; x is read as float4s.
-    let vals = 128 / format.bits as usize;
     let smem = if per_token {
         (padded_len(in_dim) + in_dim / vals) * 4
     } else {
         EX_TOKENS * (padded_len(in_dim) + in_dim / vals).next_multiple_of(4) * 4
     };
     // in_dim a multiple of 16-byte vectors keeps every token's row of x 16-byte aligned too.
-    if format.group_size % vals != 0
+    if group % vals != 0
         || in_dim % vals != 0
         || x.device_ptr() % 16 != 0
         || smem > enc.device.info().max_shared_per_block
     {
         return Ok(false);
     }
-    let (name, parts, _) = weight_parts(enc, w)?;
+    let (name, parts, group) = weight_parts(enc, w)?;
     let out = enc.buf(out)?.clone();
     // Blocks per grid row: the persistent blocks shared out among the rows (tokens, or groups
     // of EX_TOKENS), each walking tiles of VEC_ROWS rows a warp.
@@ -238,10 +250,11 @@ fn encode_matvec_exact(
     if !per_token {
         b = b.arg(u32_arg(tokens)?);
     }
-    b.arg(u32_arg(in_dim)?)
-        .arg(u32_arg(out_dim)?)
-        .arg(u32_arg(format.group_size)?)
-        .record();
+    b = b.arg(u32_arg(in_dim)?).arg(u32_arg(out_dim)?);
+    if let Some(group) = group {
+        b = b.arg(u32_arg(group)?);
+    }
+    b.record();
     Ok(true)
 }
 
@@ -334,6 +347,7 @@ fn encode_tensor_core(
         LinearWeight::Quant { format, .. } => format,
     };
     let (bits, group) = (format.bits, format.group_size);
+    let format = *format;
     let fits = (bits == 4 || bits == 8)
         && in_dim % GT_K == 0
         && out_dim % GT_COLS == 0
@@ -342,9 +356,13 @@ fn encode_tensor_core(
     if !fits {
         return Ok(false);
     }
-    let (_, parts, _) = weight_parts(enc, w)?;
-    // 16-byte loads of the weight rows; 2-byte ones of the scales and biases.
-    if parts[0].device_ptr() % 16 != 0 || parts[1].device_ptr() % 2 != 0 || parts[2].device_ptr() % 2 != 0 {
+    let (name, parts, _) = weight_parts(enc, w)?;
+    // 16-byte loads of the weight rows; loads of the scales and biases in their own type.
+    let size = format.scale.size_in_bytes() as u64;
+    if parts[0].device_ptr() % 16 != 0
+        || parts[1].device_ptr() % size != 0
+        || parts[2].device_ptr() % size != 0
+    {
         return Ok(false);
     }
     let out = enc.buf(out)?.clone();
@@ -352,11 +370,11 @@ fn encode_tensor_core(
     // 128 output columns a block where they divide, so each A tile feeds twice the work; on
     // Hopper those run on wgmma.
     let nb = if out_dim % (2 * GT_COLS) == 0 { 2 } else { 1 };
-    let (name, smem) = match (enc.device.wgmma(), nb) {
-        (true, 2) => (format!("linear_gemm_q{bits}_wg"), WG_SMEM),
-        _ => (format!("linear_gemm_q{bits}_{nb}"), mma_smem(nb)),
+    let (kernel, smem) = match (enc.device.wgmma(), nb) {
+        (true, 2) => (format!("linear_gemm_{name}_wg"), WG_SMEM),
+        _ => (format!("linear_gemm_{name}_{nb}"), mma_smem(nb)),
     };
-    let k = enc.kernel(&gemm::MODULE, &name)?;
+    let k = enc.kernel(&gemm::MODULE, &kernel)?;
     // K split in equal ranges of whole steps while the blocks are at most half the
     // multiprocessors: a tile's K loop is latency-bound, and the GPU would half idle (the o_proj
     // of 256 tokens is 32 tiles). Counting the two blocks a multiprocessor holds split more and
@@ -432,10 +450,14 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             if *tokens == 1 && (!precise || exact) && encode_matvec(enc, &x, w, *out, *in_dim, *out_dim)? {
                 return Ok(());
             }
-            // Router logits, and outputs too narrow for the skinny products (a shared expert's
-            // one-column gate): per token on f32 activations.
+            // Router logits, outputs too narrow for the skinny products (a shared expert's
+            // one-column gate), and f32 weights (a GGUF file's routers): per token on f32
+            // activations.
             let narrow = *out_dim < NARROW_OUT;
-            if (precise || narrow) && encode_matvec_exact(enc, &x, w, *out, *tokens, *in_dim, *out_dim)? {
+            let f32_weight = matches!(w, LinearWeight::Dense(d) if enc.dtype(d.raw()) == DType::F32);
+            if (precise || narrow || f32_weight)
+                && encode_matvec_exact(enc, &x, w, *out, *tokens, *in_dim, *out_dim)?
+            {
                 return Ok(());
             }
             let grid = (

@@ -7,6 +7,7 @@
 
 use kestrel_core::expert_slots::{book_words, HEADER, USE};
 use kestrel_core::ir::{ExpertFormat, LinearWeight, MatrixSpan, NormKind, Op};
+use kestrel_core::quant::ScaleType;
 use kestrel_core::DType;
 
 use kestrel_cuda_rt::{Buffer, DispatchBuilder, ModuleSource, Result};
@@ -14,7 +15,7 @@ use kestrel_cuda_rt::{Buffer, DispatchBuilder, ModuleSource, Result};
 use super::common::{op_module, padded_len, u32_arg, unsupported};
 use super::elementwise::round_bf16;
 use super::gemm::{self, mma_smem, GT_COLS, GT_K, GT_ROWS, GT_THREADS, SORT_MAX_EXPERTS, WG_SMEM};
-use super::linear::weight_parts;
+use super::linear::{quant_name, weight_parts};
 use super::skinny;
 use crate::encoder::Encoder;
 
@@ -68,7 +69,11 @@ fn grouped_fits(layout: &kestrel_core::ir::ExpertLayout) -> bool {
 #[derive(Clone, Copy)]
 enum Grouped {
     Tiles,
-    Skinny { nt: usize, bits: u32 },
+    Skinny {
+        nt: usize,
+        bits: u32,
+        format: &'static str,
+    },
 }
 
 /// One of a grouped layer's two products (gate/up, down): its kernel, the grid's x (column
@@ -151,7 +156,7 @@ fn encode_grouped(
             };
             (&gemm::MODULE, gate_up, down)
         }
-        Grouped::Skinny { nt, bits } => {
+        Grouped::Skinny { nt, format, .. } => {
             // The tiles that hold rows: at most one per expert or per slot (for the split of K).
             let used = slots.min(layout.experts);
             let as_launch = |(kernel, grid_x)| Launch {
@@ -160,8 +165,8 @@ fn encode_grouped(
                 threads: skinny::THREADS,
                 smem: 0,
             };
-            let gate_up = as_launch(skinny::launch(enc, "moe_skinny_gate_up", bits, nt, i, used));
-            let down = as_launch(skinny::launch(enc, "moe_skinny_down", bits, nt, h, used));
+            let gate_up = as_launch(skinny::launch(enc, "moe_skinny_gate_up", format, nt, i, used));
+            let down = as_launch(skinny::launch(enc, "moe_skinny_down", format, nt, h, used));
             (&skinny::MODULE, gate_up, down)
         }
     };
@@ -372,7 +377,10 @@ pub fn encode_route(
     // vector's values; with the norm in front, that part rounded up to 4 floats, then the
     // normalised row and the residual's new values.
     let vals = match w {
-        LinearWeight::Quant { format, .. } if format.bits == 4 || format.bits == 8 => {
+        // The route kernels read bf16 group scales (MLX's routers); f32 ones take the unfused path.
+        LinearWeight::Quant { format, .. }
+            if (format.bits == 4 || format.bits == 8) && format.scale == ScaleType::Bf16 =>
+        {
             let vals = 128 / format.bits as usize;
             if format.group_size % vals != 0 || in_dim % vals != 0 {
                 return Ok(false);
@@ -380,6 +388,7 @@ pub fn encode_route(
             vals
         }
         LinearWeight::Dense(d) if enc.dtype(d.raw()) == DType::BF16 && in_dim % 8 == 0 => 8,
+        LinearWeight::Dense(d) if enc.dtype(d.raw()) == DType::F32 && in_dim % 4 == 0 => 4,
         _ => return Ok(false),
     };
     let quantised = matches!(w, LinearWeight::Quant { .. });
@@ -556,9 +565,7 @@ fn encode_experts(op: &Op, enc: &mut Encoder, stream: Option<(&Buffer, &Buffer)>
         } => {
             let (name, group) = match layout.format {
                 ExpertFormat::Bf16 => ("bf16", 0),
-                ExpertFormat::Quant(q) if q.bits == 4 => ("q4", q.group_size),
-                ExpertFormat::Quant(q) if q.bits == 8 => ("q8", q.group_size),
-                ExpertFormat::Quant(q) => return Err(unsupported(format!("{}-bit experts", q.bits))),
+                ExpertFormat::Quant(q) => (quant_name(&q)?, q.group_size),
             };
             let (x, ids, w, e, o) = (
                 enc.buf(x)?.clone(),
@@ -573,8 +580,11 @@ fn encode_experts(op: &Op, enc: &mut Encoder, stream: Option<(&Buffer, &Buffer)>
             // Skinny products for a few rows an expert, from two tokens on.
             let skinny = match layout.format {
                 ExpertFormat::Quant(q) if tokens >= 2 && skinny::moe_fits(&layout, &e, &x) => {
-                    skinny::moe_row_tiles(tokens * k, layout.experts)
-                        .map(|nt| Grouped::Skinny { nt, bits: q.bits })
+                    skinny::moe_row_tiles(tokens * k, layout.experts).map(|nt| Grouped::Skinny {
+                        nt,
+                        bits: q.bits,
+                        format: name,
+                    })
                 }
                 _ => None,
             };
@@ -620,15 +630,20 @@ fn encode_int8(
     stream: Option<(&Buffer, &Buffer)>,
 ) -> Result<()> {
     let (h, i) = (layout.hidden, layout.inter);
-    if h % 32 != 0 || i % 32 != 0 || group % 32 != 0 {
+    let ExpertFormat::Quant(q) = layout.format else {
+        unreachable!("encode_int8 takes quantised experts")
+    };
+    // A 16-byte weight vector (32 4-bit or 16 8-bit values) takes one group's scale and bias.
+    let vals = 128 / q.bits as usize;
+    if h % 32 != 0 || i % 32 != 0 || group % vals != 0 {
         return Err(unsupported(format!(
-            "quantised expert dims {h}x{i} (group {group}) are not multiples of 32"
+            "quantised expert dims {h}x{i} are not multiples of 32, or groups of {group} not of {vals}"
         )));
     }
     let max_smem = enc.device.info().max_shared_per_block;
     // gate/up: 32 activations, each warp's rows' group scales and biases (GQ_WARPS x 2 GQ_ROWS
-    // rows x 2 bf16 per group), then x as int8.
-    let gu_smem = 32 * 4 + GQ_WARPS * 2 * GQ_ROWS * 2 * 2 * (h / group) + int8_smem(h);
+    // rows x 2 values per group, of the format's scale type), then x as int8.
+    let gu_smem = 32 * 4 + GQ_WARPS * 2 * GQ_ROWS * 2 * q.scale.size_in_bytes() * (h / group) + int8_smem(h);
     if gu_smem > max_smem || k * int8_smem(i) > max_smem {
         return Err(unsupported(format!(
             "top-{k} experts of {h}x{i} exceed shared memory"

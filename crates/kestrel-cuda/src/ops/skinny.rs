@@ -10,6 +10,7 @@ use kestrel_core::DType;
 use kestrel_cuda_rt::{Buffer, ModuleSource, Result};
 
 use super::common::{op_module, u32_arg};
+use super::linear::quant_name;
 use crate::encoder::Encoder;
 
 /// Warps of a block.
@@ -75,9 +76,11 @@ pub(crate) fn moe_fits(layout: &ExpertLayout, experts: &Buffer, x: &Buffer) -> b
     let aligned = layout.span_bytes() % 16 == 0
         && experts.device_ptr() % 16 == 0
         && x.device_ptr() % 16 == 0
-        && [layout.gate(), layout.up(), layout.down()]
-            .iter()
-            .all(|m| m.weight % 16 == 0 && m.scales % 2 == 0 && m.biases % 2 == 0);
+        && [layout.gate(), layout.up(), layout.down()].iter().all(|m| {
+            m.weight % 16 == 0
+                && m.scales % q.scale.size_in_bytes() == 0
+                && m.biases % q.scale.size_in_bytes() == 0
+        });
     aligned
         && quant_fits(q.bits, q.group_size, h)
         && quant_fits(q.bits, q.group_size, i)
@@ -85,19 +88,19 @@ pub(crate) fn moe_fits(layout: &ExpertLayout, experts: &Buffer, x: &Buffer) -> b
         && i % 16 == 0
 }
 
-/// The skinny kernel `<kernel>_q<bits>_<nt>_<ks>` and its grid's x for `features` output rows,
-/// `tiles` row tiles.
+/// The skinny kernel `<kernel>_<format>_<nt>_<ks>` (format `q4`, `q8f`, ...: `quant_name`) and
+/// its grid's x for `features` output rows, `tiles` row tiles.
 pub(crate) fn launch(
     enc: &Encoder,
     kernel: &str,
-    bits: u32,
+    format: &str,
     nt: usize,
     features: usize,
     tiles: usize,
 ) -> (String, usize) {
     let ks = k_shares(enc, features, tiles);
     (
-        format!("{kernel}_q{bits}_{nt}_{ks}"),
+        format!("{kernel}_{format}_{nt}_{ks}"),
         features.div_ceil(16 * SK_WARPS / ks),
     )
 }
@@ -122,7 +125,7 @@ pub(crate) const THREADS: u32 = 32 * SK_WARPS as u32;
 
 /// Whether a projection of `tokens` tokens with a `format` weight (its words, scales and biases
 /// `parts`) runs skinny: 2 to `LINEAR_MAX_TOKENS` tokens, whole runs of K, 16 outputs at a time,
-/// 16-byte loads of the words and 2-byte ones of the scales and biases.
+/// 16-byte loads of the words and loads of the scales and biases in their own type.
 pub(crate) fn linear_fits(
     format: QuantFormat,
     tokens: usize,
@@ -133,8 +136,8 @@ pub(crate) fn linear_fits(
         && quant_fits(format.bits, format.group_size, in_dim)
         && out_dim % 16 == 0
         && parts[0].device_ptr() % 16 == 0
-        && parts[1].device_ptr() % 2 == 0
-        && parts[2].device_ptr() % 2 == 0
+        && parts[1].device_ptr() % format.scale.size_in_bytes() as u64 == 0
+        && parts[2].device_ptr() % format.scale.size_in_bytes() as u64 == 0
 }
 
 /// `out = x W^T` on the bf16 activations `xb` for a weight `linear_fits` accepts.
@@ -149,7 +152,7 @@ pub(crate) fn encode_linear(
     // delivers.
     let nt = [1, 2, 4].into_iter().find(|&n| tokens <= 8 * n).unwrap_or(4);
     let tiles = tokens.div_ceil(8 * nt);
-    let (name, grid_x) = launch(enc, "linear_skinny", format.bits, nt, out_dim, tiles);
+    let (name, grid_x) = launch(enc, "linear_skinny", quant_name(&format)?, nt, out_dim, tiles);
     let k = enc.kernel(&MODULE, &name)?;
     enc.dispatch(&k)
         .grid((u32_arg(grid_x)?, u32_arg(tiles)?))
