@@ -2,6 +2,7 @@
 //! a family's module, staged-vector sizes, kernel-name suffixes, argument conversion and the
 //! error an unsupported shape gives.
 
+use kestrel_core::quant::{QuantFormat, ScaleType};
 use kestrel_core::DType;
 use kestrel_cuda_rt::{CudaError, ModuleSource, Result, PDL_HEADER};
 
@@ -36,6 +37,18 @@ pub(crate) fn float_name(dtype: DType) -> Result<&'static str> {
     match dtype {
         DType::F32 | DType::BF16 | DType::F16 => Ok(dtype.name()),
         other => Err(unsupported(format!("{other} is not a float dtype"))),
+    }
+}
+
+/// A quantised format's kernel-name part: `q4`, `q8` with bf16 group scales and biases, `q4f`,
+/// `q8f` with f32 ones.
+pub(crate) fn quant_name(format: &QuantFormat) -> Result<&'static str> {
+    match (format.bits, format.scale) {
+        (4, ScaleType::Bf16) => Ok("q4"),
+        (8, ScaleType::Bf16) => Ok("q8"),
+        (4, ScaleType::F32) => Ok("q4f"),
+        (8, ScaleType::F32) => Ok("q8f"),
+        (b, _) => Err(unsupported(format!("{b}-bit weights"))),
     }
 }
 

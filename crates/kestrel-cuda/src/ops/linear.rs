@@ -16,12 +16,12 @@
 //! - every other shape: `linear_*`.
 
 use kestrel_core::ir::{Buf, LinearWeight, Op};
-use kestrel_core::quant::{QuantFormat, ScaleType};
+use kestrel_core::quant::QuantFormat;
 use kestrel_core::DType;
 
 use kestrel_cuda_rt::{Buffer, ModuleSource, Result};
 
-use super::common::{float_name, op_module, padded_len, u32_arg, unsupported};
+use super::common::{float_name, op_module, padded_len, quant_name, u32_arg};
 use super::elementwise::{self, round_bf16};
 use super::gemm::{self, mma_smem, GT_COLS, GT_K, GT_ROWS, GT_THREADS, WG_SMEM};
 use super::skinny;
@@ -63,18 +63,6 @@ pub(super) fn weight_parts(
         LinearWeight::Dense(d) => (float_name(enc.dtype(d.raw()))?, parts, None),
         LinearWeight::Quant { format, .. } => (quant_name(format)?, parts, Some(format.group_size)),
     })
-}
-
-/// A quantised format's kernel-name part: `q4`, `q8` with bf16 group scales and biases, `q4f`,
-/// `q8f` with f32 ones.
-pub(super) fn quant_name(format: &QuantFormat) -> Result<&'static str> {
-    match (format.bits, format.scale) {
-        (4, ScaleType::Bf16) => Ok("q4"),
-        (8, ScaleType::Bf16) => Ok("q8"),
-        (4, ScaleType::F32) => Ok("q4f"),
-        (8, ScaleType::F32) => Ok("q8f"),
-        (b, _) => Err(unsupported(format!("{b}-bit weights"))),
-    }
 }
 
 /// The one-token `matvec_bf16` / `matvec_*_exact` kernels: warps per block, rows of a warp's

@@ -12,10 +12,10 @@ use kestrel_core::DType;
 
 use kestrel_cuda_rt::{Buffer, DispatchBuilder, ModuleSource, Result};
 
-use super::common::{op_module, padded_len, u32_arg, unsupported};
+use super::common::{op_module, padded_len, quant_name, u32_arg, unsupported};
 use super::elementwise::round_bf16;
 use super::gemm::{self, mma_smem, GT_COLS, GT_K, GT_ROWS, GT_THREADS, SORT_MAX_EXPERTS, WG_SMEM};
-use super::linear::{quant_name, weight_parts};
+use super::linear::weight_parts;
 use super::skinny;
 use crate::encoder::Encoder;
 

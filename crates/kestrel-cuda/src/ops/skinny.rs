@@ -9,8 +9,7 @@ use kestrel_core::DType;
 
 use kestrel_cuda_rt::{Buffer, ModuleSource, Result};
 
-use super::common::{op_module, u32_arg};
-use super::linear::quant_name;
+use super::common::{op_module, quant_name, u32_arg};
 use crate::encoder::Encoder;
 
 /// Warps of a block.
