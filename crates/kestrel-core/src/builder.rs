@@ -926,10 +926,13 @@ impl GraphBuilder {
                 layout.hidden, layout.inter
             )
         });
-        if let ExpertFormat::Quant(q) = layout.format {
-            self.check(name, q.fits(layout.hidden) && q.fits(layout.inter), || {
-                format!("expert dims {}x{} do not fit {q:?}", layout.hidden, layout.inter)
-            });
+        // Gate and up have rows of hidden values, down of inter.
+        for (format, cols) in [(layout.format, layout.hidden), (layout.down, layout.inter)] {
+            if let ExpertFormat::Quant(q) = format {
+                self.check(name, q.fits(cols), || {
+                    format!("expert dims {}x{} do not fit {q:?}", layout.hidden, layout.inter)
+                });
+            }
         }
         let out = self.transient(name, DType::F32, vec![tokens, hidden]);
         self.push(

@@ -259,13 +259,17 @@ pub enum ExpertFormat {
 /// Where each matrix of one expert lives inside the expert's contiguous span. All experts of a
 /// layer share one buffer `[experts, span_bytes]` (u8), so moving an expert is one copy.
 /// Span order: gate, up (both `[inter, hidden]`), down (`[hidden, inter]`); for quantised
-/// experts each matrix is its weight words, then its scales, then its biases.
+/// experts each matrix is its weight words, then its scales, then its biases. Gate and up share
+/// a format (one kernel reads both); down may have its own (GGUF's Q4_K_M keeps some layers'
+/// down matrices at 6 bits).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ExpertLayout {
     pub experts: usize,
     pub hidden: usize,
     pub inter: usize,
+    /// Gate and up.
     pub format: ExpertFormat,
+    pub down: ExpertFormat,
 }
 
 /// Byte offsets of one matrix inside an expert span; `end` is where the next part may start.
@@ -278,10 +282,26 @@ pub struct MatrixSpan {
 }
 
 impl ExpertLayout {
-    fn matrix(&self, start: usize, rows: usize, cols: usize) -> MatrixSpan {
+    /// Every matrix in `format`.
+    pub fn uniform(experts: usize, hidden: usize, inter: usize, format: ExpertFormat) -> ExpertLayout {
+        ExpertLayout {
+            experts,
+            hidden,
+            inter,
+            format,
+            down: format,
+        }
+    }
+
+    /// Both formats, gate/up's then down's.
+    pub fn formats(&self) -> [ExpertFormat; 2] {
+        [self.format, self.down]
+    }
+
+    fn matrix(&self, start: usize, rows: usize, cols: usize, format: ExpertFormat) -> MatrixSpan {
         // Every part starts 16-byte aligned, so kernels may read it in 16-byte vectors.
         let a = |n: usize| n.div_ceil(16) * 16;
-        match self.format {
+        match format {
             ExpertFormat::Bf16 => {
                 let end = a(start + rows * cols * 2);
                 MatrixSpan {
@@ -306,20 +326,20 @@ impl ExpertLayout {
     }
 
     pub fn gate(&self) -> MatrixSpan {
-        self.matrix(0, self.inter, self.hidden)
+        self.matrix(0, self.inter, self.hidden, self.format)
     }
 
     pub fn up(&self) -> MatrixSpan {
-        self.matrix(self.gate().end, self.inter, self.hidden)
+        self.matrix(self.gate().end, self.inter, self.hidden, self.format)
     }
 
-    pub fn down(&self) -> MatrixSpan {
-        self.matrix(self.up().end, self.hidden, self.inter)
+    pub fn down_span(&self) -> MatrixSpan {
+        self.matrix(self.up().end, self.hidden, self.inter, self.down)
     }
 
     /// Bytes of one expert, rounded up to 256 so every span starts aligned.
     pub fn span_bytes(&self) -> usize {
-        self.down().end.div_ceil(256) * 256
+        self.down_span().end.div_ceil(256) * 256
     }
 
     pub fn total_bytes(&self) -> usize {

@@ -773,10 +773,11 @@ __device__ void down_combine(const float* act, const unsigned* ids, const float*
 static_assert(GQ_WARPS * GQ_ROWS == 32, "a block of moe_gate_up_q* writes one int8 block of 32 activations");
 
 // act[tk, r] = silu(gate_e[r] . x_t) * (up_e[r] . x_t) for 32 rows of one (token, slot), written
-// as int8 (aq bytes, ad scale, as16 sums; inter a multiple of 32). Grid (inter / 32, tokens * k),
+// as int8 (aq bytes, ad scale, as16 sums; inter a multiple of 32) in the order down's ACT_BITS-bit
+// weights read it. Grid (inter / 32, tokens * k),
 // GQ_WARPS warps; dynamic shared memory: 32 floats, GQ_WARPS * 4 * 2 * (hidden / group) SC
 // (each warp's rows' group scales and biases), hidden bytes + (hidden / 32 + hidden / 16) floats.
-template <int BITS, typename SC, bool STREAMED>
+template <int BITS, typename SC, int ACT_BITS, bool STREAMED>
 __device__ void gate_up_int8(const float* x, const unsigned* ids, const unsigned char* experts, int* aq, float* ad,
                              float* as16, unsigned hidden, unsigned inter, unsigned k, unsigned long long span,
                              unsigned long long gw, unsigned long long gs, unsigned long long gb,
@@ -875,7 +876,7 @@ __device__ void gate_up_int8(const float* x, const unsigned* ids, const unsigned
     __syncthreads();
     if (warp == 0) {
         const size_t b = (tk * inter) / 32 + blockIdx.x;  // this block's int8 block of act
-        quantize_x8<BITS == 4>(sact, 32, aq + 8 * b, ad + b, as16 + 2 * b, lane, 32);
+        quantize_x8<ACT_BITS == 4>(sact, 32, aq + 8 * b, ad + b, as16 + 2 * b, lane, 32);
     }
 }
 
@@ -985,31 +986,47 @@ __device__ void down_int8(const int* aq, const float* ad, const float* as16, con
 #define EXPERT_STREAM_ARGS , host, miss
 #define EXPERT_NO_STREAM_PARAMS
 #define EXPERT_NO_STREAM_ARGS , nullptr, nullptr
-#define EXPERTS_INT8_KERNELS(BITS, SC, NAME, SUFFIX, S, PARAMS, ARGS)                                            \
+// The int8 kernels pick their parameters by S (`EXPERT_PARAMS_true` for the streamed twin).
+#define EXPERT_PARAMS_true , const unsigned char *host, const unsigned *miss
+#define EXPERT_PARAMS_false
+#define EXPERT_ARGS_true , host, miss
+#define EXPERT_ARGS_false , nullptr, nullptr
+// gate/up writes its activations in the order down's ACT_BITS-bit weights read them:
+// `moe_gate_up_NAME` for down's own bits, `moe_gate_up_NAME_actB` for a down matrix of B bits
+// (a GGUF layer's Q4_K gate and up beside a Q6_K down).
+#define GATE_UP_INT8_KERNEL(BITS, SC, ACT_BITS, NAME, SUFFIX, S)                                              \
     extern "C" __global__ void __launch_bounds__(32 * GQ_WARPS, 2) moe_gate_up_##NAME##SUFFIX(              \
         const float* x, const unsigned* ids, const unsigned char* experts, int* aq, float* ad, float* as16, \
         unsigned hidden, unsigned inter, unsigned k, unsigned long long span, unsigned long long gw,         \
         unsigned long long gs, unsigned long long gb, unsigned long long uw, unsigned long long us,         \
-        unsigned long long ub, unsigned group PARAMS) {                                                     \
-        gate_up_int8<BITS, SC, S>(x, ids, experts, aq, ad, as16, hidden, inter, k, span, gw, gs, gb, uw, us, ub, \
-                              group ARGS);                                                                  \
-    }                                                                                                        \
+        unsigned long long ub, unsigned group EXPERT_PARAMS_##S) {                                          \
+        gate_up_int8<BITS, SC, ACT_BITS, S>(x, ids, experts, aq, ad, as16, hidden, inter, k, span, gw, gs, gb, \
+                                            uw, us, ub, group EXPERT_ARGS_##S);                             \
+    }
+#define DOWN_INT8_KERNEL(BITS, SC, NAME, SUFFIX, S)                                                          \
     extern "C" __global__ void __launch_bounds__(32 * DOWN_WARPS, 5) moe_down_##NAME##SUFFIX(                \
         const int* aq, const float* ad, const float* as16, const unsigned* ids, const float* weights,        \
         const unsigned char* experts, float* out, unsigned hidden, unsigned inter, unsigned k,               \
         unsigned long long span, unsigned long long dw, unsigned long long ds, unsigned long long db,        \
-        unsigned group PARAMS) {                                                                             \
-        down_int8<BITS, SC, S>(aq, ad, as16, ids, weights, experts, out, hidden, inter, k, span, dw, ds, db,     \
-                           group ARGS);                                                                      \
+        unsigned group EXPERT_PARAMS_##S) {                                                                  \
+        down_int8<BITS, SC, S>(aq, ad, as16, ids, weights, experts, out, hidden, inter, k, span, dw, ds, db, \
+                               group EXPERT_ARGS_##S);                                                       \
     }
 #define EXPERTS_INT8(BITS, SC, NAME)                                                                         \
-    EXPERTS_INT8_KERNELS(BITS, SC, NAME, , false, EXPERT_NO_STREAM_PARAMS, EXPERT_NO_STREAM_ARGS)            \
-    EXPERTS_INT8_KERNELS(BITS, SC, NAME, _streamed, true, EXPERT_STREAM_PARAMS, EXPERT_STREAM_ARGS)
+    GATE_UP_INT8_KERNEL(BITS, SC, BITS, NAME, , false) GATE_UP_INT8_KERNEL(BITS, SC, BITS, NAME, _streamed, true) \
+    DOWN_INT8_KERNEL(BITS, SC, NAME, , false) DOWN_INT8_KERNEL(BITS, SC, NAME, _streamed, true)
+#define GATE_UP_INT8_FOR(BITS, SC, ACT_BITS, NAME)                                                            \
+    GATE_UP_INT8_KERNEL(BITS, SC, ACT_BITS, NAME, , false)                                                   \
+    GATE_UP_INT8_KERNEL(BITS, SC, ACT_BITS, NAME, _streamed, true)
 
 EXPERTS_INT8(4, bf16, q4)
 EXPERTS_INT8(8, bf16, q8)
 EXPERTS_INT8(4, float, q4f)
 EXPERTS_INT8(8, float, q8f)
+GATE_UP_INT8_FOR(4, bf16, 8, q4_act8)
+GATE_UP_INT8_FOR(8, bf16, 4, q8_act4)
+GATE_UP_INT8_FOR(4, float, 8, q4f_act8)
+GATE_UP_INT8_FOR(8, float, 4, q8f_act4)
 
 #define EXPERTS_KERNELS(BITS, NAME, SUFFIX, S, PARAMS, ARGS)                                                 \
     extern "C" __global__ void __launch_bounds__(128, 8) moe_gate_up_##NAME##SUFFIX(                         \

@@ -148,9 +148,17 @@ fn skinny_products_match_the_cpu_backend() {
     linear_products(&dev, &mut rng, seed, &shapes);
     let formats = kestrel_testing::cases::QUANT_FORMATS;
     for (round, tokens) in [2, 12, 30, 80].into_iter().enumerate() {
-        // MLX's defaults and GGUF's two.
-        for format in [formats[0], formats[1], formats[4], formats[5]] {
-            let case = kestrel_testing::cases::moe_batch_shape(Rng::new(rng.next_u64()), tokens, format);
+        // MLX's defaults, GGUF's two, and GGUF's Q4_K gate and up beside a Q6_K down.
+        let pairs = [
+            (formats[0], formats[0]),
+            (formats[1], formats[1]),
+            (formats[4], formats[4]),
+            (formats[5], formats[5]),
+            (formats[4], formats[5]),
+        ];
+        for (format, down) in pairs {
+            let case =
+                kestrel_testing::cases::moe_batch_shape(Rng::new(rng.next_u64()), tokens, format, down);
             compare(&dev, &case, seed, round);
         }
     }

@@ -162,7 +162,8 @@ fn experts_reading_their_misses_from_host_memory_compute_the_resident_output() {
             SlotPolicy::Frequency { half_life: 5 },
         ),
         (ExpertFormat::Bf16, SlotPolicy::Lru),
-        // GGUF's formats, with f32 group scales and biases.
+        // GGUF's formats, with f32 group scales and biases: 4-bit gate and up beside an 8-bit
+        // down (Q4_K and Q6_K), and 8-bit throughout.
         (
             ExpertFormat::Quant(QuantFormat::f32_scales(4, 32)),
             SlotPolicy::Lru,
@@ -172,11 +173,15 @@ fn experts_reading_their_misses_from_host_memory_compute_the_resident_output() {
             SlotPolicy::Frequency { half_life: 5 },
         ),
     ] {
+        let down = match format {
+            ExpertFormat::Quant(q) if q == QuantFormat::f32_scales(4, 32) => {
+                ExpertFormat::Quant(QuantFormat::f32_scales(8, 16))
+            }
+            _ => format,
+        };
         let layout = ExpertLayout {
-            experts: EXPERTS,
-            hidden,
-            inter,
-            format,
+            down,
+            ..ExpertLayout::uniform(EXPERTS, hidden, inter, format)
         };
         let span = layout.span_bytes();
         let mut c = kestrel_testing::cases::CaseBuilder::new(Rng::new(rng.next_u64()));

@@ -57,11 +57,19 @@ impl Which {
         }
     }
 
+    /// This matrix's format in `l` (gate and up share one; down has its own).
+    fn format(self, l: &ExpertLayout) -> ExpertFormat {
+        match self {
+            Which::Gate | Which::Up => l.format,
+            Which::Down => l.down,
+        }
+    }
+
     fn span(self, l: &ExpertLayout) -> MatrixSpan {
         match self {
             Which::Gate => l.gate(),
             Which::Up => l.up(),
-            Which::Down => l.down(),
+            Which::Down => l.down_span(),
         }
     }
 }
@@ -214,10 +222,15 @@ fn mlx_format(w: &Weights, mlp: &str, l: &ExpertLayout, m: Which) -> Result<(Qua
     Ok((format, words, groups))
 }
 
-/// The format `mlp`'s MLX stacked experts are stored in, read from their gate matrices' shapes
+/// The format `mlp`'s MLX stacked experts are stored in, read from their gate (or down) matrices' shapes
 /// and scale type (`layout` gives the experts' count and dimensions; its format is not read).
-pub(crate) fn stored_format(w: &Weights, mlp: &str, layout: &ExpertLayout) -> Result<QuantFormat> {
-    mlx_format(w, mlp, layout, Which::Gate).map(|f| f.0)
+pub(crate) fn stored_format(
+    w: &Weights,
+    mlp: &str,
+    layout: &ExpertLayout,
+    down: bool,
+) -> Result<QuantFormat> {
+    mlx_format(w, mlp, layout, if down { Which::Down } else { Which::Gate }).map(|f| f.0)
 }
 
 /// The scale type a stored scales tensor of `dtype` is read as.
@@ -278,8 +291,8 @@ fn put_bf16(span: &mut [u8], at: MatrixSpan, v: &[f32]) {
 /// Where the experts of `mlp` come from, once their format is known to fit `layout`.
 fn checked_source(w: &Weights, mlp: &str, layout: &ExpertLayout) -> Result<ExpertSource> {
     let src = expert_source(w, mlp)?;
-    if let ExpertFormat::Quant(q) = layout.format {
-        for m in Which::ALL {
+    for m in Which::ALL {
+        if let ExpertFormat::Quant(q) = m.format(layout) {
             let (_, cols) = m.dims(layout);
             if !q.fits(cols) {
                 return Err(ModelError::Tensor {
@@ -304,7 +317,7 @@ fn pack_into(
     for m in Which::ALL {
         let at = m.span(layout);
         let (rows, cols) = m.dims(layout);
-        match (src, layout.format) {
+        match (src, m.format(layout)) {
             (ExpertSource::MlxSwitch, ExpertFormat::Quant(want)) => {
                 let q = mlx_matrix(w, mlp, layout, e, m)?;
                 if q.format != want {
@@ -425,7 +438,7 @@ pub fn expert_copy_parts(w: &Weights, mlp: &str, layout: &ExpertLayout) -> Resul
     for m in Which::ALL {
         let at = m.span(layout);
         let (rows, cols) = m.dims(layout);
-        match (src, layout.format) {
+        match (src, m.format(layout)) {
             (ExpertSource::MlxSwitch, ExpertFormat::Quant(want)) => {
                 let (format, words, groups) = mlx_format(w, mlp, layout, m)?;
                 if format != want {

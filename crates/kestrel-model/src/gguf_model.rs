@@ -9,7 +9,7 @@
 //! quantised matrices are rewritten exactly as affine matrices with f32 group scales and biases
 //! (`gguf_dequant::to_affine`), under `{base}.weight` (u32 words), `{base}.scales` and
 //! `{base}.biases` as an MLX checkpoint names them, and a layer's stacked experts as MLX's
-//! `{mlp}.switch_mlp.{gate,up,down}_proj` in one format; block-quantised vectors, routers and
+//! `{mlp}.switch_mlp.{gate,up,down}_proj` (gate and up in one format); block-quantised vectors, routers and
 //! what only f32 can hold are dequantised to f32 exactly. Either way the model computes what
 //! the file holds. The config gets the quantisation section such a checkpoint would have, each
 //! affine matrix's format named. Every tensor of the file must be used: one the mapping does
@@ -243,14 +243,12 @@ fn held_affine(name: &str, t: &TensorInfo) -> Option<QuantFormat> {
     affine_format(t.ty)
 }
 
-/// The tensors held in one format with `name` (a layer's three expert tensors; Qwen3-Next's
+/// The tensors held in one format with `name` (a layer's gate and up expert tensors; Qwen3-Next's
 /// `attn_qkv` and `attn_gate`, gathered into one matrix), `name` among them.
 fn held_together(arch: Arch, name: &str) -> Option<Vec<String>> {
     let (blk, rest) = name.strip_prefix("blk.")?.split_once('.')?;
     let names: &[&str] = match rest {
-        "ffn_gate_exps.weight" | "ffn_up_exps.weight" | "ffn_down_exps.weight" => {
-            &["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"]
-        }
+        "ffn_gate_exps.weight" | "ffn_up_exps.weight" => &["ffn_gate_exps", "ffn_up_exps"],
         "attn_qkv.weight" | "attn_gate.weight" if arch == Arch::Qwen3Next => &["attn_qkv", "attn_gate"],
         _ => return None,
     };
@@ -928,10 +926,10 @@ impl<'a> Source<'a> {
 
     /// Layer `i`'s stacked experts (`blk.{i}.ffn_{gate,up,down}_exps.weight`, `[experts, rows,
     /// cols]`) under the MoE block `mlp`. Block-quantised ones as MLX's stacked
-    /// `{mlp}.switch_mlp.{gate,up,down}_proj.{weight,scales,biases}`, the three in one format
-    /// (the engine packs a layer's experts in one; a Q4_K_M file often has Q6_K `down` beside
-    /// Q4_K `gate` and `up`): the narrowest that holds each exactly ([`widen`]). Otherwise one
-    /// tensor an expert, `{mlp}.experts.{e}.{gate,up,down}_proj.weight`.
+    /// `{mlp}.switch_mlp.{gate,up,down}_proj.{weight,scales,biases}`, `gate` and `up` in one
+    /// format (one kernel reads both), the narrowest that holds each exactly ([`widen`]), `down`
+    /// in its own (a Q4_K_M file often has a Q6_K `down` beside Q4_K `gate` and `up`).
+    /// Otherwise one tensor an expert, `{mlp}.experts.{e}.{gate,up,down}_proj.weight`.
     fn expert_layer(&mut self, i: usize, mlp: &str) -> Result<()> {
         const WHICH: [&str; 3] = ["gate", "up", "down"];
         let names = WHICH.map(|w| format!("blk.{i}.ffn_{w}_exps.weight"));
@@ -951,12 +949,13 @@ impl<'a> Source<'a> {
             let experts = self.info(n)?.dims[2] as usize;
             mats.push((experts, self.affine(n)?));
         }
-        let format =
-            common_format(&mats.iter().map(|m| m.1.format).collect::<Vec<_>>()).expect("three matrices");
-        self.formats.insert(format!("{mlp}.switch_mlp"), Some(format));
-        for ((w, n), (experts, m)) in WHICH.iter().zip(&names).zip(mats) {
+        // Gate and up are read by one kernel, so they share a format; down keeps its own.
+        let gate_up = common_format(&[mats[0].1.format, mats[1].1.format]).expect("two matrices");
+        let formats = [gate_up, gate_up, mats[2].1.format];
+        for (((w, n), (experts, m)), format) in WHICH.iter().zip(&names).zip(mats).zip(formats) {
+            let base = format!("{mlp}.switch_mlp.{w}_proj");
             let m = widen(m, format).map_err(|r| bad(self.label, format!("tensor {n}: {r}")))?;
-            self.own_quant(&format!("{mlp}.switch_mlp.{w}_proj"), m, Some(experts));
+            self.own_quant(&base, m, Some(experts));
         }
         Ok(())
     }
@@ -1254,8 +1253,10 @@ mod tests {
         }
     }
 
-    /// A layer's experts are counted in the format common to the three: Q4_K `gate` and `up`
-    /// beside a Q6_K `down` take 8 bits and an f32 scale and bias per 16 values each.
+    /// A layer's gate and up experts are counted in the format common to the two, down in its
+    /// own: Q4_K `gate` and `up` take 4 bits and an f32 scale and bias per 32 values, a Q6_K
+    /// `down` 8 bits and an f32 scale and bias per 16, and a Q4_K `up` beside a Q6_K `gate` the
+    /// gate's format.
     #[test]
     fn experts_are_counted_widened() {
         let info = |name: &str, ty: u32, dims: Vec<u64>| TensorInfo {
@@ -1269,11 +1270,16 @@ mod tests {
             info("blk.0.ffn_gate_exps.weight", 12, vec![256, 256, 4]),
             info("blk.0.ffn_up_exps.weight", 12, vec![256, 256, 4]),
             info("blk.0.ffn_down_exps.weight", 14, vec![256, 256, 4]),
+            info("blk.1.ffn_gate_exps.weight", 14, vec![256, 256, 4]),
+            info("blk.1.ffn_up_exps.weight", 12, vec![256, 256, 4]),
             info("blk.0.attn_q.weight", 12, vec![256, 64]),
             info("blk.0.ffn_gate_inp.weight", 8, vec![256, 4]),
         ];
         let tensors = t.iter().map(|t| (t.name.as_str(), (0, t))).collect();
-        let experts = 3 * 4 * 256 * 256 * 3 / 2;
+        // A matrix of 4 x 256 x 256 values: 4-bit in groups of 32 is 3/4 byte a value, 8-bit in
+        // groups of 16 3/2.
+        let m = 4 * 256 * 256;
+        let experts = 2 * m * 3 / 4 + m * 3 / 2 + 2 * m * 3 / 2;
         let attn_q = 64 * 256 * 3 / 4;
         let router = 4 * 256 * 4;
         assert_eq!(

@@ -1055,42 +1055,59 @@ fn streamed_experts(
     out
 }
 
-/// How MoE block `m`'s experts are laid out on the device: MLX-quantised as stored, or dense
-/// experts quantised on load when asked (and every matrix divides into groups), else bf16.
+/// How MoE block `m`'s experts are laid out on the device: quantised as stored (gate and up in
+/// one format, down in its own), or dense experts quantised on load when asked (and every
+/// matrix divides into groups), else bf16.
 fn expert_layout(b: &Build, m: &str) -> ExpertLayout {
     let c = b.c;
     let moe = c.moe.as_ref().expect("MoE layers come with a MoE config");
-    let mut layout = ExpertLayout {
-        experts: moe.experts,
-        hidden: c.hidden,
-        inter: moe.expert_intermediate,
-        format: ExpertFormat::Bf16,
-    };
-    let config = c
-        .quant
-        .as_ref()
-        .and_then(|q| q.format_for(&format!("{m}.switch_mlp")));
-    // Quantised experts in the format their stored tensors give (the scale type is only in
-    // their dtype), unless the quantisation config says other bits or groups (packing then
-    // reports the mismatch). Tensors that cannot be read (malformed, or dropped from memory once
-    // a streamed layer was packed) leave it to the config, or to packing to report.
-    let stored = if b.w.contains(&format!("{m}.switch_mlp.gate_proj.scales")) {
-        Some(crate::experts::stored_format(b.w, m, &layout).ok())
-    } else {
-        None
-    };
-    layout.format = match (stored, config) {
-        (Some(Some(s)), Some(q)) if (s.bits, s.group_size) == (q.bits, q.group_size) => {
-            ExpertFormat::Quant(s)
+    let mut layout =
+        ExpertLayout::uniform(moe.experts, c.hidden, moe.expert_intermediate, ExpertFormat::Bf16);
+    if !b.w.contains(&format!("{m}.switch_mlp.gate_proj.scales")) {
+        if let Some(q) = b
+            .quant
+            .filter(|q| q.fits(c.hidden) && q.fits(moe.expert_intermediate))
+        {
+            layout = ExpertLayout::uniform(
+                layout.experts,
+                layout.hidden,
+                layout.inter,
+                ExpertFormat::Quant(q),
+            );
         }
-        (Some(_), Some(q)) => ExpertFormat::Quant(q),
-        (Some(Some(s)), None) => ExpertFormat::Quant(s),
-        _ => match b.quant {
-            Some(q) if q.fits(c.hidden) && q.fits(moe.expert_intermediate) => ExpertFormat::Quant(q),
-            _ => ExpertFormat::Bf16,
-        },
+        return layout;
+    }
+    // Each in the format its stored tensors give (the scale type is only in their dtype),
+    // unless the quantisation config says other bits or groups (packing then reports the
+    // mismatch). Tensors that cannot be read (malformed, or dropped from memory once a streamed
+    // layer was packed) leave it to the config, or to packing to report.
+    let pick = |down: bool| {
+        let proj = if down { "down_proj" } else { "gate_proj" };
+        let stored = crate::experts::stored_format(b.w, m, &layout, down).ok();
+        match (stored, config_format(c, m, proj)) {
+            (Some(s), Some(q)) if (s.bits, s.group_size) == (q.bits, q.group_size) => ExpertFormat::Quant(s),
+            (_, Some(q)) => ExpertFormat::Quant(q),
+            (Some(s), None) => ExpertFormat::Quant(s),
+            (None, None) => ExpertFormat::Bf16,
+        }
     };
-    layout
+    let (format, down) = (pick(false), pick(true));
+    ExpertLayout {
+        format,
+        down,
+        ..layout
+    }
+}
+
+/// The quantisation config's format for matrix `proj` of `m`'s experts: its own entry, else the
+/// experts' (`switch_mlp`), else the default; None without a config or where it says unquantised.
+fn config_format(c: &ModelConfig, m: &str, proj: &str) -> Option<QuantFormat> {
+    let q = c.quant.as_ref()?;
+    q.overrides
+        .get(&format!("{m}.switch_mlp.{proj}"))
+        .or_else(|| q.overrides.get(&format!("{m}.switch_mlp")))
+        .copied()
+        .unwrap_or(Some(q.default))
 }
 
 fn moe(b: &mut Build, m: &str, h: BufId<Normed>) -> Result<BufId<kestrel_core::ir::Act>> {

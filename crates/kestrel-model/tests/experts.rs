@@ -45,16 +45,11 @@ fn experts(rng: &mut Rng) -> Vec<[Vec<f32>; 3]> {
 }
 
 fn layout(format: ExpertFormat) -> ExpertLayout {
-    ExpertLayout {
-        experts: E,
-        hidden: HIDDEN,
-        inter: INTER,
-        format,
-    }
+    ExpertLayout::uniform(E, HIDDEN, INTER, format)
 }
 
 fn spans(l: &ExpertLayout) -> [MatrixSpan; 3] {
-    [l.gate(), l.up(), l.down()]
+    [l.gate(), l.up(), l.down_span()]
 }
 
 fn bf16_at(buf: &[u8], at: usize, n: usize) -> Vec<f32> {

@@ -525,12 +525,12 @@ fn gguf_file(kv: &[(&str, Kv)], tensors: &[(String, Vec<u64>, u32, Vec<u8>)]) ->
 }
 
 /// A Qwen3-MoE layer whose experts' `down` is Q6_K and `gate` and `up` Q4_K (as Q4_K_M stores
-/// many layers) loads as one format that holds all three exactly (8 bits, groups of 16, f32
-/// scales): each matrix's values equal llama.cpp's (`dequantize`); and its logits on the CPU
-/// are those of the same file with the experts stored as their f32 values (which the engine
-/// packs as bf16: the bound is that rounding's).
+/// many layers) loads each in its own format (gate and up 4 bits in groups of 32, down 8 bits
+/// in groups of 16, f32 scales): each matrix's values equal llama.cpp's (`dequantize`); and its
+/// logits on the CPU are those of the same file with the experts stored as their f32 values
+/// (which the engine packs as bf16: the bound is that rounding's).
 #[test]
-fn experts_of_mixed_block_types_are_widened_exactly() {
+fn experts_of_mixed_block_types_load_each_in_its_format() {
     use kestrel_core::rng::Rng;
     use kestrel_model::gguf::GgmlType;
     use kestrel_model::gguf_dequant::dequantize;
@@ -657,14 +657,14 @@ fn experts_of_mixed_block_types_are_widened_exactly() {
     let label = std::path::Path::new("mixed.gguf");
     let m = kestrel_model::gguf_from_bytes(label, gguf_file(&kv, &tensors)).unwrap();
     let mlp = "model.layers.0.mlp";
-    for (w, rows, cols) in [
-        ("gate", inter, hidden),
-        ("up", inter, hidden),
-        ("down", hidden, inter),
+    for (w, rows, cols, format) in [
+        ("gate", inter, hidden, QuantFormat::f32_scales(4, 32)),
+        ("up", inter, hidden, QuantFormat::f32_scales(4, 32)),
+        ("down", hidden, inter, QuantFormat::f32_scales(8, 16)),
     ] {
         let base = format!("{mlp}.switch_mlp.{w}_proj");
         let q = affine(&m.weights, &base, cols as usize);
-        assert_eq!(q.format, QuantFormat::f32_scales(8, 16), "{w}");
+        assert_eq!(q.format, format, "{w}");
         assert_eq!(q.rows as u64, experts * rows, "{w}");
         let (_, _, t, data) = tensors
             .iter()

@@ -55,12 +55,7 @@ fn every_fixture_loads_and_its_experts_pack() {
                 continue;
             }
             let moe = c.moe.as_ref().unwrap();
-            let layout = ExpertLayout {
-                experts: moe.experts,
-                hidden: c.hidden,
-                inter: moe.expert_intermediate,
-                format,
-            };
+            let layout = ExpertLayout::uniform(moe.experts, c.hidden, moe.expert_intermediate, format);
             let mlp = format!("{prefix}.layers.{i}.mlp");
             let src = expert_source(&w, &mlp).unwrap();
             let want = if c.quant.is_some() {

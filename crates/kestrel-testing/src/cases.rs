@@ -1088,17 +1088,17 @@ pub fn attention_inputs(rng: Rng) -> Case {
     ))
 }
 
-/// Writes `values` (row-major `[rows, cols]`) into an expert span as `layout` stores them;
-/// returns what the kernels must see.
+/// Writes `values` (row-major `[rows, cols]`) into an expert span in `format`; returns what the
+/// kernels must see.
 fn store_matrix(
     span: &mut [u8],
     m: MatrixSpan,
-    layout: &ExpertLayout,
+    format: ExpertFormat,
     values: &[f32],
     rows: usize,
     cols: usize,
 ) -> Vec<f64> {
-    match layout.format {
+    match format {
         ExpertFormat::Bf16 => {
             let (bytes, f) = stored(values, DType::BF16);
             span[m.weight..m.weight + bytes.len()].copy_from_slice(&bytes);
@@ -1132,9 +1132,9 @@ pub fn random_experts(c: &mut CaseBuilder, layout: &ExpertLayout) -> (Vec<u8>, E
         let gv = c.randn(i * h, 1.0 / (h as f32).sqrt());
         let uv = c.randn(i * h, 1.0 / (h as f32).sqrt());
         let dv = c.randn(h * i, 1.0 / (i as f32).sqrt());
-        let g = store_matrix(s, layout.gate(), layout, &gv, i, h);
-        let u = store_matrix(s, layout.up(), layout, &uv, i, h);
-        let d = store_matrix(s, layout.down(), layout, &dv, h, i);
+        let g = store_matrix(s, layout.gate(), layout.format, &gv, i, h);
+        let u = store_matrix(s, layout.up(), layout.format, &uv, i, h);
+        let d = store_matrix(s, layout.down_span(), layout.down, &dv, h, i);
         values.push((g, u, d));
     }
     (blob, values)
@@ -1246,11 +1246,17 @@ pub fn moe(rng: Rng) -> Case {
     let router = (tokens == 1 && c.rng.range(0, 2) == 0).then(|| {
         pick(&mut c.rng, &[None, Some(QuantFormat::Q4), Some(QuantFormat::Q8)]).filter(|q| q.fits(hidden))
     });
+    // Sometimes down in a format of its own, as a GGUF Q4_K_M file's Q6_K down beside Q4_K gate
+    // and up.
+    let down = match format {
+        ExpertFormat::Quant(q) if q == QuantFormat::f32_scales(4, 32) && c.rng.range(0, 2) == 0 => {
+            ExpertFormat::Quant(QuantFormat::f32_scales(8, 16))
+        }
+        _ => format,
+    };
     let layout = ExpertLayout {
-        experts,
-        hidden,
-        inter,
-        format,
+        down,
+        ..ExpertLayout::uniform(experts, hidden, inter, format)
     };
     moe_case(c, layout, tokens, k, normalize, router)
 }
@@ -1259,12 +1265,7 @@ pub fn moe(rng: Rng) -> Case {
 /// 4-bit experts in groups of 64) for one token, the router's 8-bit product in front, with 32
 /// experts instead of 128 so the CPU reference stays quick.
 pub fn moe_decode_model_shape(rng: Rng) -> Case {
-    let layout = ExpertLayout {
-        experts: 32,
-        hidden: 2048,
-        inter: 768,
-        format: ExpertFormat::Quant(QuantFormat::Q4),
-    };
+    let layout = ExpertLayout::uniform(32, 2048, 768, ExpertFormat::Quant(QuantFormat::Q4));
     moe_case(
         CaseBuilder::new(rng),
         layout,
@@ -1280,12 +1281,7 @@ pub fn moe_decode_model_shape(rng: Rng) -> Case {
 /// so the CPU reference stays quick. A row of `down` has 10 x 32 (slot, vector) pairs: more than
 /// CUDA's one-token kernel loads in one round.
 pub fn moe_decode_wide_shape(rng: Rng) -> Case {
-    let layout = ExpertLayout {
-        experts: 24,
-        hidden: 1024,
-        inter: 1024,
-        format: ExpertFormat::Quant(QuantFormat::Q4),
-    };
+    let layout = ExpertLayout::uniform(24, 1024, 1024, ExpertFormat::Quant(QuantFormat::Q4));
     moe_case(
         CaseBuilder::new(rng),
         layout,
@@ -1300,12 +1296,11 @@ pub fn moe_decode_wide_shape(rng: Rng) -> Case {
 /// forms: 32 experts, top-8, hidden 1,024 and expert width 640; `tokens` sets the rows an expert
 /// gets on average (2: a half, 12: 3, 30: 7.5, 80: 20), and with them the row tiles a warp takes
 /// and whether warps split K. The router's 8-bit product in front, as a batched step runs it.
-pub fn moe_batch_shape(rng: Rng, tokens: usize, format: QuantFormat) -> Case {
+/// Gate and up in `format`, down in `down`.
+pub fn moe_batch_shape(rng: Rng, tokens: usize, format: QuantFormat, down: QuantFormat) -> Case {
     let layout = ExpertLayout {
-        experts: 32,
-        hidden: 1024,
-        inter: 640,
-        format: ExpertFormat::Quant(format),
+        down: ExpertFormat::Quant(down),
+        ..ExpertLayout::uniform(32, 1024, 640, ExpertFormat::Quant(format))
     };
     moe_case(
         CaseBuilder::new(rng),

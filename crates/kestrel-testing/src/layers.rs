@@ -241,12 +241,7 @@ impl Layer<'_> {
             Some(q) => ExpertFormat::Quant(q),
             None => ExpertFormat::Bf16,
         };
-        let layout = ExpertLayout {
-            experts,
-            hidden,
-            inter: moe_inter,
-            format,
-        };
+        let layout = ExpertLayout::uniform(experts, hidden, moe_inter, format);
         let (blob, _) = random_experts(self.c, &layout);
         let eb = self.c.g.weight("moe.experts", DType::U8, [layout.total_bytes()]);
         self.c.set(eb, blob);

@@ -277,12 +277,7 @@ pub fn run(dev: &Device, reps: usize, profile: bool, only: Option<&str>) -> Resu
 
     // MoE decode: one token, router over 128 experts, top-8, hidden 2048, expert width 768, 4-bit.
     let (hidden, inter, experts, k) = (2048, 768, 128, 8);
-    let layout = ExpertLayout {
-        experts,
-        hidden,
-        inter,
-        format: ExpertFormat::Quant(q4),
-    };
+    let layout = ExpertLayout::uniform(experts, hidden, inter, ExpertFormat::Quant(q4));
     let mut g = GraphBuilder::new();
     let x = g.act_input("x", 1, hidden);
     let logits = g.act_input("router_logits", 1, experts);

@@ -59,7 +59,7 @@ pub fn expert_mlp(span: &[u8], layout: &ExpertLayout, x: &[f32]) -> Result<Vec<f
     let (h, i) = (layout.hidden, layout.inter);
     let gate = matrix(span, layout.gate(), layout.format, i, h)?;
     let up = matrix(span, layout.up(), layout.format, i, h)?;
-    let down = matrix(span, layout.down(), layout.format, h, i)?;
+    let down = matrix(span, layout.down_span(), layout.down, h, i)?;
     let act: Vec<f32> = (0..i)
         .map(|r| silu(gate.dot_row(r, x)) * up.dot_row(r, x))
         .collect();

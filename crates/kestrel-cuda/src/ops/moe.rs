@@ -57,23 +57,43 @@ const GROUPED_MIN_TOKENS: usize = 16;
 /// Whether `gemm.cu` handles these experts: dims in whole tiles, groups of whole 16-value
 /// thread shares.
 fn grouped_fits(layout: &kestrel_core::ir::ExpertLayout) -> bool {
-    let group_ok = match layout.format {
+    let group_ok = layout.formats().iter().all(|f| match f {
         ExpertFormat::Bf16 => true,
         ExpertFormat::Quant(q) => (q.bits == 4 || q.bits == 8) && q.group_size % 16 == 0,
-    };
+    });
     group_ok && layout.hidden % GT_K == 0 && layout.inter % GT_K == 0 && layout.experts <= SORT_MAX_EXPERTS
 }
 
 /// How experts grouped by expert run: as `gemm.cu`'s tensor-core tiles of `GT_ROWS` rows, or as
-/// `skinny.cu`'s products on row tiles of `8 * nt` (4- or 8-bit experts).
+/// `skinny.cu`'s products on row tiles of `8 * nt` (4- or 8-bit experts, all matrices of `bits`
+/// bits: gate/up writes the activations in the layout down reads for its bits).
 #[derive(Clone, Copy)]
 enum Grouped {
     Tiles,
-    Skinny {
-        nt: usize,
-        bits: u32,
-        format: &'static str,
-    },
+    Skinny { nt: usize, bits: u32 },
+}
+
+/// Each product's kernel-name part and group size (`bf16`, 0 for bf16 matrices): gate/up's,
+/// then down's.
+#[derive(Clone, Copy)]
+struct ExpertNames {
+    gate_up: (&'static str, usize),
+    down: (&'static str, usize),
+}
+
+impl ExpertNames {
+    fn of(layout: &kestrel_core::ir::ExpertLayout) -> Result<ExpertNames> {
+        let one = |f: ExpertFormat| -> Result<(&'static str, usize)> {
+            Ok(match f {
+                ExpertFormat::Bf16 => ("bf16", 0),
+                ExpertFormat::Quant(q) => (quant_name(&q)?, q.group_size),
+            })
+        };
+        Ok(ExpertNames {
+            gate_up: one(layout.format)?,
+            down: one(layout.down)?,
+        })
+    }
 }
 
 /// One of a grouped layer's two products (gate/up, down): its kernel, the grid's x (column
@@ -96,7 +116,7 @@ fn encode_grouped(
     e: &Buffer,
     o: &Buffer,
     layout: &kestrel_core::ir::ExpertLayout,
-    (tokens, k, name, group): (usize, usize, &str, usize),
+    (tokens, k, names): (usize, usize, ExpertNames),
     how: Grouped,
 ) -> Result<()> {
     let (h, i) = (layout.hidden, layout.inter);
@@ -129,7 +149,7 @@ fn encode_grouped(
         .arg(u32_arg(tile_rows)?)
         .record();
     let span = layout.span_bytes() as u64;
-    let (g, u, d) = (layout.gate(), layout.up(), layout.down());
+    let (g, u, d) = (layout.gate(), layout.up(), layout.down_span());
     let (module, gate_up, down) = match how {
         Grouped::Tiles => {
             // Hopper: both products on wgmma tiles of 128 columns (down where hidden divides).
@@ -141,22 +161,34 @@ fn encode_grouped(
                 smem,
             };
             let gate_up = match wg {
-                true => tiles(format!("moe_gemm_gate_up_{name}_wg"), i / GT_COLS, WG_SMEM),
-                false => tiles(format!("moe_gemm_gate_up_{name}"), i / GT_COLS, mma_smem(2)),
+                true => tiles(
+                    format!("moe_gemm_gate_up_{}_wg", names.gate_up.0),
+                    i / GT_COLS,
+                    WG_SMEM,
+                ),
+                false => tiles(
+                    format!("moe_gemm_gate_up_{}", names.gate_up.0),
+                    i / GT_COLS,
+                    mma_smem(2),
+                ),
             };
             // 128 output columns a block where hidden allows.
             let nb = if h % (2 * GT_COLS) == 0 { 2 } else { 1 };
             let down = match (wg, nb) {
-                (true, 2) => tiles(format!("moe_gemm_down_{name}_wg"), h / (2 * GT_COLS), WG_SMEM),
+                (true, 2) => tiles(
+                    format!("moe_gemm_down_{}_wg", names.down.0),
+                    h / (2 * GT_COLS),
+                    WG_SMEM,
+                ),
                 _ => tiles(
-                    format!("moe_gemm_down_{name}_{nb}"),
+                    format!("moe_gemm_down_{}_{nb}", names.down.0),
                     h / (nb * GT_COLS),
                     mma_smem(nb),
                 ),
             };
             (&gemm::MODULE, gate_up, down)
         }
-        Grouped::Skinny { nt, format, .. } => {
+        Grouped::Skinny { nt, .. } => {
             // The tiles that hold rows: at most one per expert or per slot (for the split of K).
             let used = slots.min(layout.experts);
             let as_launch = |(kernel, grid_x)| Launch {
@@ -165,8 +197,15 @@ fn encode_grouped(
                 threads: skinny::THREADS,
                 smem: 0,
             };
-            let gate_up = as_launch(skinny::launch(enc, "moe_skinny_gate_up", format, nt, i, used));
-            let down = as_launch(skinny::launch(enc, "moe_skinny_down", format, nt, h, used));
+            let gate_up = as_launch(skinny::launch(
+                enc,
+                "moe_skinny_gate_up",
+                names.gate_up.0,
+                nt,
+                i,
+                used,
+            ));
+            let down = as_launch(skinny::launch(enc, "moe_skinny_down", names.down.0, nt, h, used));
             (&skinny::MODULE, gate_up, down)
         }
     };
@@ -181,7 +220,7 @@ fn encode_grouped(
         .read(&tiles)
         .read(e)
         .write(&act);
-    expert_args(b, (h, i, k), span, &[g, u], group)?.record();
+    expert_args(b, (h, i, k), span, &[g, u], names.gate_up.1)?.record();
     let kern = enc.kernel(module, &down.kernel)?;
     enc.dispatch(&kern)
         .grid((u32_arg(down.grid_x)?, u32_arg(max_tiles)?))
@@ -199,7 +238,7 @@ fn encode_grouped(
         .arg(d.weight as u64)
         .arg(d.scales as u64)
         .arg(d.biases as u64)
-        .arg(u32_arg(group)?)
+        .arg(u32_arg(names.down.1)?)
         .record();
     let combine = enc.kernel(&gemm::MODULE, "moe_combine")?;
     enc.dispatch(&combine)
@@ -563,10 +602,14 @@ fn encode_experts(op: &Op, enc: &mut Encoder, stream: Option<(&Buffer, &Buffer)>
             tokens,
             k,
         } => {
-            let (name, group) = match layout.format {
-                ExpertFormat::Bf16 => ("bf16", 0),
-                ExpertFormat::Quant(q) => (quant_name(&q)?, q.group_size),
-            };
+            let names = ExpertNames::of(&layout)?;
+            let bf16 = layout.formats() == [ExpertFormat::Bf16; 2];
+            let quantised = !layout.formats().contains(&ExpertFormat::Bf16);
+            if !bf16 && !quantised {
+                return Err(unsupported(
+                    "experts with bf16 and quantised matrices together".to_string(),
+                ));
+            }
             let (x, ids, w, e, o) = (
                 enc.buf(x)?.clone(),
                 enc.buf(ids)?.clone(),
@@ -576,38 +619,28 @@ fn encode_experts(op: &Op, enc: &mut Encoder, stream: Option<(&Buffer, &Buffer)>
             );
             // bf16 experts keep f32 activations when their rounding is switched off
             // (`Exact::experts`); quantised ones have no f32 kernel.
-            let exact = enc.exact.experts && group == 0;
-            // Skinny products for a few rows an expert, from two tokens on.
-            let skinny = match layout.format {
-                ExpertFormat::Quant(q) if tokens >= 2 && skinny::moe_fits(&layout, &e, &x) => {
-                    skinny::moe_row_tiles(tokens * k, layout.experts).map(|nt| Grouped::Skinny {
-                        nt,
-                        bits: q.bits,
-                        format: name,
-                    })
+            let exact = enc.exact.experts && bf16;
+            // Skinny products for a few rows an expert, from two tokens on, where every matrix
+            // has the same bits (gate/up writes the activations in down's layout for them).
+            let skinny = match layout.formats() {
+                [ExpertFormat::Quant(q), ExpertFormat::Quant(qd)]
+                    if q.bits == qd.bits && tokens >= 2 && skinny::moe_fits(&layout, &e, &x) =>
+                {
+                    skinny::moe_row_tiles(tokens * k, layout.experts)
+                        .map(|nt| Grouped::Skinny { nt, bits: q.bits })
                 }
                 _ => None,
             };
-            let args = (tokens, k, name, group);
+            let args = (tokens, k, names);
             let sortable = stream.is_none() && layout.experts <= SORT_MAX_EXPERTS;
             if let (Some(how), true) = (skinny, sortable) {
                 encode_grouped(enc, &x, &ids, &w, &e, &o, &layout, args, how)?;
             } else if stream.is_none() && tokens >= GROUPED_MIN_TOKENS && grouped_fits(&layout) && !exact {
                 encode_grouped(enc, &x, &ids, &w, &e, &o, &layout, args, Grouped::Tiles)?;
-            } else if group == 0 {
+            } else if bf16 {
                 encode_bf16(enc, &x, &ids, &w, &e, &o, &layout, (tokens, k), stream)?;
             } else {
-                encode_int8(
-                    enc,
-                    &x,
-                    &ids,
-                    &w,
-                    &e,
-                    &o,
-                    &layout,
-                    (tokens, k, name, group),
-                    stream,
-                )?;
+                encode_int8(enc, &x, &ids, &w, &e, &o, &layout, args, stream)?;
             }
         }
         _ => unreachable!("encode_experts takes MoeExperts"),
@@ -626,20 +659,24 @@ fn encode_int8(
     e: &Buffer,
     o: &Buffer,
     layout: &kestrel_core::ir::ExpertLayout,
-    (tokens, k, name, group): (usize, usize, &str, usize),
+    (tokens, k, names): (usize, usize, ExpertNames),
     stream: Option<(&Buffer, &Buffer)>,
 ) -> Result<()> {
     let (h, i) = (layout.hidden, layout.inter);
-    let ExpertFormat::Quant(q) = layout.format else {
+    let [ExpertFormat::Quant(q), ExpertFormat::Quant(qd)] = layout.formats() else {
         unreachable!("encode_int8 takes quantised experts")
     };
     // A 16-byte weight vector (32 4-bit or 16 8-bit values) takes one group's scale and bias.
-    let vals = 128 / q.bits as usize;
-    if h % 32 != 0 || i % 32 != 0 || group % vals != 0 {
-        return Err(unsupported(format!(
-            "quantised expert dims {h}x{i} are not multiples of 32, or groups of {group} not of {vals}"
-        )));
+    for f in [q, qd] {
+        let vals = 128 / f.bits as usize;
+        if h % 32 != 0 || i % 32 != 0 || f.group_size % vals != 0 {
+            return Err(unsupported(format!(
+                "quantised expert dims {h}x{i} are not multiples of 32, or groups of {} not of {vals}",
+                f.group_size
+            )));
+        }
     }
+    let (name, group) = names.gate_up;
     let max_smem = enc.device.info().max_shared_per_block;
     // gate/up: 32 activations, each warp's rows' group scales and biases (GQ_WARPS x 2 GQ_ROWS
     // rows x 2 values per group, of the format's scale type), then x as int8.
@@ -655,11 +692,16 @@ fn encode_int8(
         enc.workspace(DType::F32, n / 32)?,
         enc.workspace(DType::F32, n / 16)?,
     );
-    let (g, u, d) = (layout.gate(), layout.up(), layout.down());
+    let (g, u, d) = (layout.gate(), layout.up(), layout.down_span());
     let span = layout.span_bytes() as u64;
     let suffix = if stream.is_some() { "_streamed" } else { "" };
-    let gate_up = enc.kernel(&MODULE, &format!("moe_gate_up_{name}{suffix}"))?;
-    let down = enc.kernel(&MODULE, &format!("moe_down_{name}{suffix}"))?;
+    // gate/up writes the activations in the order down's bits read them.
+    let act = match q.bits == qd.bits {
+        true => String::new(),
+        false => format!("_act{}", qd.bits),
+    };
+    let gate_up = enc.kernel(&MODULE, &format!("moe_gate_up_{name}{act}{suffix}"))?;
+    let down = enc.kernel(&MODULE, &format!("moe_down_{}{suffix}", names.down.0))?;
     let b = enc
         .dispatch(&gate_up)
         .grid((u32_arg(i / (GQ_WARPS * GQ_ROWS))?, u32_arg(tokens * k)?))
@@ -680,7 +722,7 @@ fn encode_int8(
         .read(ids)
         .read(w);
     let b = experts_arg(b, e, stream).write(o);
-    stream_args(expert_args(b, (h, i, k), span, &[d], group)?, stream).record();
+    stream_args(expert_args(b, (h, i, k), span, &[d], names.down.1)?, stream).record();
     Ok(())
 }
 
@@ -729,7 +771,7 @@ fn encode_bf16(
         )));
     }
     let act = enc.workspace(DType::F32, [tokens * k, i])?;
-    let (g, u, d) = (layout.gate(), layout.up(), layout.down());
+    let (g, u, d) = (layout.gate(), layout.up(), layout.down_span());
     let span = layout.span_bytes() as u64;
     let suffix = if stream.is_some() { "_streamed" } else { "" };
     let gate_up = enc.kernel(&MODULE, &format!("moe_gate_up_bf16{suffix}"))?;

@@ -3,7 +3,7 @@
 //! projections of 2 to `LINEAR_MAX_TOKENS` tokens through them, `moe.rs` the routed experts of
 //! batched decode steps and short chunks (tiles of `moe_sort`'s table of 8, 16 or 32 rows).
 
-use kestrel_core::ir::{ExpertFormat, ExpertLayout};
+use kestrel_core::ir::{ExpertFormat, ExpertLayout, MatrixSpan};
 use kestrel_core::quant::QuantFormat;
 use kestrel_core::DType;
 
@@ -66,23 +66,25 @@ pub(crate) fn moe_row_tiles(slots: usize, experts: usize) -> Option<usize> {
 }
 
 /// Whether the experts fit the skinny kernels: quantised to 4 or 8 bits in whole runs of K both
-/// ways, every matrix of a span 16-byte aligned, and x read as float4s.
+/// ways (gate and up over hidden values, down over inter), every matrix of a span 16-byte
+/// aligned, and x read as float4s.
 pub(crate) fn moe_fits(layout: &ExpertLayout, experts: &Buffer, x: &Buffer) -> bool {
-    let ExpertFormat::Quant(q) = layout.format else {
+    let [ExpertFormat::Quant(q), ExpertFormat::Quant(qd)] = layout.formats() else {
         return false;
     };
     let (h, i) = (layout.hidden, layout.inter);
-    let aligned = layout.span_bytes() % 16 == 0
+    let aligned = |m: MatrixSpan, f: QuantFormat| {
+        let size = f.scale.size_in_bytes();
+        m.weight % 16 == 0 && m.scales % size == 0 && m.biases % size == 0
+    };
+    layout.span_bytes() % 16 == 0
         && experts.device_ptr() % 16 == 0
         && x.device_ptr() % 16 == 0
-        && [layout.gate(), layout.up(), layout.down()].iter().all(|m| {
-            m.weight % 16 == 0
-                && m.scales % q.scale.size_in_bytes() == 0
-                && m.biases % q.scale.size_in_bytes() == 0
-        });
-    aligned
+        && aligned(layout.gate(), q)
+        && aligned(layout.up(), q)
+        && aligned(layout.down_span(), qd)
         && quant_fits(q.bits, q.group_size, h)
-        && quant_fits(q.bits, q.group_size, i)
+        && quant_fits(qd.bits, qd.group_size, i)
         && h % 16 == 0
         && i % 16 == 0
 }
