@@ -189,8 +189,8 @@ fn mlx_format(w: &Weights, mlp: &str, l: &ExpertLayout, m: Which) -> Result<(Qua
     }
     let bits = (32 * words / cols) as u32;
     let groups = st.shape.get(2).copied().unwrap_or(0);
-    let scale = scale_type(st.dtype);
-    if scale.is_none() || st.shape != [l.experts, rows, groups] || groups == 0 || cols % groups != 0 {
+    let scale = scale_type(st.dtype).filter(|_| st.shape == [l.experts, rows, groups] && groups > 0);
+    let Some(scale) = scale.filter(|_| cols % groups == 0) else {
         return bad(
             &st,
             format!(
@@ -198,7 +198,7 @@ fn mlx_format(w: &Weights, mlp: &str, l: &ExpertLayout, m: Which) -> Result<(Qua
                 st.dtype, st.shape, l.experts
             ),
         );
-    }
+    };
     if bt.dtype != st.dtype || bt.shape != st.shape {
         return bad(
             &bt,
@@ -211,7 +211,7 @@ fn mlx_format(w: &Weights, mlp: &str, l: &ExpertLayout, m: Which) -> Result<(Qua
     let format = QuantFormat {
         bits,
         group_size: cols / groups,
-        scale: scale.expect("checked above"),
+        scale,
     };
     if !format.fits(cols) {
         return bad(
@@ -222,8 +222,9 @@ fn mlx_format(w: &Weights, mlp: &str, l: &ExpertLayout, m: Which) -> Result<(Qua
     Ok((format, words, groups))
 }
 
-/// The format `mlp`'s MLX stacked experts are stored in, read from their gate (or down) matrices' shapes
-/// and scale type (`layout` gives the experts' count and dimensions; its format is not read).
+/// The format `mlp`'s MLX stacked experts are stored in, read from their gate (or down)
+/// matrices' shapes and scale type (`layout` gives the experts' count and dimensions; its
+/// formats are not read).
 pub(crate) fn stored_format(
     w: &Weights,
     mlp: &str,
