@@ -148,8 +148,10 @@ fn skinny_products_match_the_cpu_backend() {
     linear_products(&dev, &mut rng, seed, &shapes);
     let formats = kestrel_testing::cases::QUANT_FORMATS;
     for (round, tokens) in [2, 12, 30, 80].into_iter().enumerate() {
-        // MLX's defaults, GGUF's two, and GGUF's Q4_K gate and up beside a Q6_K down.
+        // MLX's defaults, GGUF's two, and 4-bit gate and up beside an 8-bit down (GGUF's Q4_K
+        // beside Q6_K, and MLX's).
         let pairs = [
+            (formats[0], formats[1]),
             (formats[0], formats[0]),
             (formats[1], formats[1]),
             (formats[4], formats[4]),

@@ -283,6 +283,16 @@ fn gguf_models_match_transformers_on_the_cpu() {
     );
 }
 
+/// `tests/gguf/dequant.gguf`'s bytes and gguf-py's values of its tensors (`dequant.safetensors`).
+fn dequant_fixture() -> (Vec<u8>, Weights) {
+    let dir = kestrel_testing::fixtures::path("crates/kestrel-model/tests/gguf");
+    let want = std::fs::read(dir.join("dequant.safetensors")).unwrap();
+    (
+        std::fs::read(dir.join("dequant.gguf")).unwrap(),
+        Weights::from_safetensors_bytes("dequant", want).unwrap(),
+    )
+}
+
 /// Every block-quantised type Kestrel reads, dequantised bit for bit as llama.cpp's own
 /// dequantiser (`gguf.quants`) does it, over random blocks (`tests/gguf/dequant.gguf`, by
 /// `scripts/gguf/make-dequant-fixture.py`, with the package's values in `dequant.safetensors`).
@@ -290,12 +300,8 @@ fn gguf_models_match_transformers_on_the_cpu() {
 fn dequantisation_equals_llama_cpps() {
     use kestrel_model::gguf::Gguf;
     use kestrel_model::gguf_dequant::dequantize;
-    let dir = kestrel_testing::fixtures::path("crates/kestrel-model/tests/gguf");
-    let bytes = std::fs::read(dir.join("dequant.gguf")).unwrap();
+    let (bytes, want) = dequant_fixture();
     let g = Gguf::parse(&bytes).unwrap();
-    let want =
-        Weights::from_safetensors_bytes("dequant", std::fs::read(dir.join("dequant.safetensors")).unwrap())
-            .unwrap();
     assert_eq!(g.tensors.len(), 8);
     for t in &g.tensors {
         assert_eq!(t.ty.name, t.name);
@@ -320,12 +326,8 @@ fn dequantisation_equals_llama_cpps() {
 fn affine_matrices_hold_llama_cpps_values_exactly() {
     use kestrel_model::gguf::Gguf;
     use kestrel_model::gguf_dequant::{dequantize, to_affine};
-    let dir = kestrel_testing::fixtures::path("crates/kestrel-model/tests/gguf");
-    let bytes = std::fs::read(dir.join("dequant.gguf")).unwrap();
+    let (bytes, want) = dequant_fixture();
     let g = Gguf::parse(&bytes).unwrap();
-    let want =
-        Weights::from_safetensors_bytes("dequant", std::fs::read(dir.join("dequant.safetensors")).unwrap())
-            .unwrap();
     assert_eq!(g.tensors.len(), 8);
     for t in &g.tensors {
         let (rows, cols) = (t.dims[1] as usize, t.dims[0] as usize);

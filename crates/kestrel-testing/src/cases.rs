@@ -1247,10 +1247,13 @@ pub fn moe(rng: Rng) -> Case {
         pick(&mut c.rng, &[None, Some(QuantFormat::Q4), Some(QuantFormat::Q8)]).filter(|q| q.fits(hidden))
     });
     // Sometimes down in a format of its own, as a GGUF Q4_K_M file's Q6_K down beside Q4_K gate
-    // and up.
+    // and up (and MLX's 4-bit beside 8-bit).
     let down = match format {
         ExpertFormat::Quant(q) if q == QuantFormat::f32_scales(4, 32) && c.rng.range(0, 2) == 0 => {
             ExpertFormat::Quant(QuantFormat::f32_scales(8, 16))
+        }
+        ExpertFormat::Quant(q) if q == QuantFormat::Q4 && c.rng.range(0, 2) == 0 => {
+            ExpertFormat::Quant(QuantFormat::Q8)
         }
         _ => format,
     };
