@@ -407,9 +407,10 @@ impl Engine {
     }
 
     /// The read bandwidth of the disk holding the weights over up to `bytes` in large parallel
-    /// reads: (bytes, seconds), or None unless experts stream from the files.
-    pub fn measure_disk(&mut self, bytes: u64) -> Result<Option<(u64, f64)>> {
-        Ok(on_session!(&mut self.session, s => s.measure_disk(bytes))?)
+    /// reads starting `from` bytes into the files: (bytes, seconds), or None unless experts
+    /// stream from the files.
+    pub fn measure_disk(&mut self, bytes: u64, from: u64) -> Result<Option<(u64, f64)>> {
+        Ok(on_session!(&mut self.session, s => s.measure_disk(bytes, from))?)
     }
 
     /// Why streamed experts come from slower memory than planned (page-locked host memory ran

@@ -249,15 +249,20 @@ impl ExpertReader {
     /// order, 1 MiB and 256 KiB reads shuffled (as missed experts are). The best round is
     /// the bound reads of experts are measured against (a disk's speed varies from one
     /// second to the next; the best round is what it can do). Returns (bytes read, seconds)
-    /// of the best round.
-    pub fn disk_bandwidth(&mut self, bytes: u64) -> Result<(u64, f64)> {
-        // Whole 4 MiB blocks of every file, in file order.
+    /// of the best round. The rounds read the bytes that start `from` bytes into the files
+    /// (wrapping), so a later measurement can read other bytes than an earlier one.
+    pub fn disk_bandwidth(&mut self, bytes: u64, from: u64) -> Result<(u64, f64)> {
+        // Whole 4 MiB blocks of every file, in file order, from `from` on.
         const BIG: u64 = 4 << 20;
         let mut blocks = Vec::new();
         for (f, p) in self.paths.iter().enumerate() {
             if let Some((_, ident)) = p {
                 blocks.extend((0..ident.len / BIG).map(|b| (f, b * BIG)));
             }
+        }
+        if !blocks.is_empty() {
+            let skip = (from / BIG) as usize % blocks.len();
+            blocks.rotate_left(skip);
         }
         let per_round = ((bytes / 3 / BIG) as usize).min(blocks.len() / 3).max(1);
         let mut rng = Rng::new(0xD15C);

@@ -846,9 +846,10 @@ impl<B: Backend> Session<B> {
     }
 
     /// The read bandwidth of the disk holding the weight files, measured over up to `bytes` in
-    /// large parallel reads (the bound for experts read from them): (bytes, seconds), or None
-    /// when experts do not stream from files (all in the host tier, or weights in memory).
-    pub fn measure_disk(&mut self, bytes: u64) -> Result<Option<(u64, f64)>> {
+    /// large parallel reads starting `from` bytes into the files (the bound for experts read
+    /// from them): (bytes, seconds), or None when experts do not stream from files (all in the
+    /// host tier, or weights in memory).
+    pub fn measure_disk(&mut self, bytes: u64, from: u64) -> Result<Option<(u64, f64)>> {
         let Some(st) = self.streaming.as_mut() else {
             return Ok(None);
         };
@@ -856,7 +857,7 @@ impl<B: Backend> Session<B> {
             return Ok(None);
         }
         let disk = disk_tier(st, &self.weights);
-        disk.reader.disk_bandwidth(bytes).map(Some)
+        disk.reader.disk_bandwidth(bytes, from).map(Some)
     }
 
     /// What the expert caches did so far (None unless experts stream): the books of the layers

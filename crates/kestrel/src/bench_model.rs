@@ -266,34 +266,56 @@ fn run_batched(e: &mut Engine, a: &ModelBenchArgs, rng: &mut Rng) -> Result<Vec<
     Ok(rows)
 }
 
-/// Bytes of the weight files read to measure the disk's bandwidth.
+/// Bytes of the weight files read by one measurement of the disk's bandwidth.
 const DISK_PROBE_BYTES: u64 = 4 << 30;
 
-/// When experts stream from the weight files: the disk's read bandwidth (the best of three
-/// rounds of parallel reads; see `ExpertReader::disk_bandwidth`), measured before the tests,
-/// the bound the experts' reads are set against; null otherwise.
-fn disk_probe(e: &mut Engine) -> Result<serde_json::Value> {
+/// One measurement of the disk's read bandwidth when experts stream from the weight files
+/// (the best of three rounds of parallel reads; see `ExpertReader::disk_bandwidth`), the
+/// `n`-th: each reads other bytes of the files. None otherwise.
+fn disk_probe(e: &mut Engine, n: u64, when: &str) -> Result<Option<serde_json::Value>> {
     // Files too small for a round of 4 MiB reads measure nothing.
     let Some((bytes, secs)) = e
-        .measure_disk(DISK_PROBE_BYTES)?
+        .measure_disk(DISK_PROBE_BYTES, n * DISK_PROBE_BYTES)?
         .filter(|&(b, s)| b > 0 && s > 0.0)
     else {
-        return Ok(serde_json::Value::Null);
+        return Ok(None);
     };
     let direct = e.disk_stats().is_some_and(|(_, direct)| direct);
     errln!(
-        "disk: {:.2} GB/s, the best of three rounds of parallel {} reads of the weight files \
-         ({:.2} GiB in it)",
+        "disk{when}: {:.2} GB/s, the best of three rounds of parallel {} reads of the weight \
+         files ({:.2} GiB in it)",
         bytes as f64 / secs / 1e9,
         if direct { "direct" } else { "buffered" },
         bytes as f64 / (1u64 << 30) as f64,
     );
-    Ok(serde_json::json!({
+    Ok(Some(serde_json::json!({
         "bytes": bytes,
         "seconds": secs,
         "bytes_per_s": bytes as f64 / secs,
         "direct": direct,
-    }))
+    })))
+}
+
+/// The disk's read bandwidth beside the run whose reads `expert_extras` counts: measured just
+/// before it and, when given, just after it (a virtual disk's speed drifts over minutes of
+/// reading, so one measurement at the start of `bench` can be far from what the disk gave the
+/// run). `bytes_per_s`, the mean of the two, is the bound the run's reads are set against.
+/// Null when experts do not stream from files.
+fn disk_beside(before: Option<serde_json::Value>, after: Option<serde_json::Value>) -> serde_json::Value {
+    let Some(before) = before else {
+        return serde_json::Value::Null;
+    };
+    let rates: Vec<f64> = [Some(&before), after.as_ref()]
+        .into_iter()
+        .flatten()
+        .filter_map(|p| p["bytes_per_s"].as_f64())
+        .collect();
+    serde_json::json!({
+        "bytes_per_s": rates.iter().sum::<f64>() / rates.len().max(1) as f64,
+        "direct": before["direct"],
+        "before": before,
+        "after": after,
+    })
 }
 
 /// When experts stream: what the cache did over one more generation run from an empty
@@ -458,14 +480,22 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
     let mut engine = Engine::new(model, config, opts).with_context(|| format!("opening {label}"))?;
     crate::progress::placement(&engine);
     let backend = engine.backend();
-    let disk = disk_probe(&mut engine)?;
     let mut rows = run_tests(&mut engine, &a, &mut rng)?;
     rows.extend(run_batched(&mut engine, &a, &mut rng)?);
     let tg = a.n_gen.iter().copied().max().unwrap_or(0);
-    let experts = if tg > 0 {
-        expert_extras(&mut engine, (a.depth, tg), a.tg_input, &mut rng)?
+    let (experts, disk) = if tg > 0 {
+        let before = disk_probe(&mut engine, 0, " before the counted run")?;
+        let experts = expert_extras(&mut engine, (a.depth, tg), a.tg_input, &mut rng)?;
+        let after = match before {
+            Some(_) => disk_probe(&mut engine, 1, " after the counted run")?,
+            None => None,
+        };
+        (experts, disk_beside(before, after))
     } else {
-        serde_json::Value::Null
+        (
+            serde_json::Value::Null,
+            disk_beside(disk_probe(&mut engine, 0, "")?, None),
+        )
     };
     if let (true, Some(&pp), Some(dev)) = (a.profile, a.n_prompt.iter().max(), engine.device().cloned()) {
         if pp > 0 {
@@ -593,7 +623,7 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
         outln!("expert cache, one tg{tg} run: {experts}")?;
     }
     if !disk.is_null() {
-        outln!("disk read bandwidth, measured first: {disk}")?;
+        outln!("disk read bandwidth, measured beside that run: {disk}")?;
     }
     Ok(std::process::ExitCode::SUCCESS)
 }
