@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Writes the dequantisation fixture with llama.cpp's own Python package (`gguf` on PyPI,
 `pip install gguf numpy`): crates/kestrel-model/tests/gguf/dequant.gguf holds one tensor of
-random blocks of every block-quantised type Kestrel reads (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
-Q5_K, Q6_K: random bytes, with each block's f16 scales drawn as finite values between 2^-12
+random blocks of every block-quantised type Kestrel reads (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K,
+Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS: random bytes, with each block's f16 scales drawn as finite values between 2^-12
 and 2^-2, so every bit pattern of the quantised values and 6-bit sub-scales occurs), and
 dequant.safetensors beside it the f32 values the package's dequantiser (`gguf.quants`)
 computes for each, which Kestrel's must equal bit for bit.
@@ -21,7 +21,8 @@ rng = np.random.default_rng(11)
 # Where each type's f16 scales sit in its block (byte offsets).
 scales = {
     T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0],
-    T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208],
+    T.Q2_K: [80, 82], T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208],
+    T.IQ4_NL: [0], T.IQ4_XS: [0],
 }
 w = GGUFWriter(os.path.join(out, "dequant.gguf"), "llama")
 want = {}

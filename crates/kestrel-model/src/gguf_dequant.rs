@@ -1,18 +1,22 @@
 //! GGUF tensor data as values: the float types as they are, and ggml's block-quantised types
-//! (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) either dequantised to f32 with ggml's own
+//! (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS) either dequantised to f32 with ggml's own
 //! formulas, in ggml's order of operations, so every value is the one llama.cpp computes for it
 //! ([`dequantize`]), or rewritten exactly as an affine [`QuantMatrix`] with f32 group scales and
 //! biases ([`to_affine`]). Both read each block once through the same decoder: its stored values
 //! `q` and, per group, a scale and a bias. Other types are refused with the supported ones named:
 //! nothing is re-quantised silently.
 //!
-//! Every block type is affine per group of 32 (16 for Q6_K): `w = q * scale + bias`, `q`
-//! unsigned (Q8_0's signed byte plus 128). For Q4_1, Q5_1, Q4_K and Q5_K that is ggml's own
-//! formula (`q * d + m`, `d * q - m`). For the types ggml computes as `(q - z) * d` (Q4_0,
-//! Q5_0, Q8_0, and Q6_K with `d` its f16 times an 8-bit sub-block scale) the bias is `-z * d`,
-//! and every product is exact in f32 (at most an 11-bit f16 significand times an 8-bit scale
-//! times a 6-bit `q`: 2047 * 128 * 63 < 2^24), as is the sum, whose value `(q - z) * d` f32
-//! holds: the same values, except a zero's sign (ggml's -0 where `d < 0`, the sum's +0).
+//! Every block type is affine per group of 32 (16 for Q2_K, Q3_K and Q6_K): `w = q * scale +
+//! bias`, `q` unsigned (Q8_0's signed byte plus 128). For Q4_1, Q5_1, Q2_K, Q4_K and Q5_K that
+//! is ggml's own formula (`q * d + m`, `d * q - m`). For the types ggml computes as `(q - z) *
+//! d` (Q4_0, Q5_0, Q8_0; Q3_K and Q6_K with `d` their f16 times a signed 6- or 8-bit sub-block
+//! scale) the bias is `-z * d`, and every product is exact in f32 (at most an 11-bit f16
+//! significand times an 8-bit scale times a 6-bit `q`: 2047 * 128 * 63 < 2^24), as is the sum,
+//! whose value `(q - z) * d` f32 holds: the same values, except a zero's sign (ggml's -0 where
+//! `d < 0`, the sum's +0). IQ4_NL and IQ4_XS are not affine in their 4-bit codes, which index
+//! a table of 16 integers (-127 to 113); stored as that integer plus 128 in 8 bits, they are
+//! `(q - 128) * d` with `d` the f16 (IQ4_XS: times a 6-bit sub-block scale less 32), exact the
+//! same way (2047 * 32 * 241 < 2^24).
 
 use half::{bf16, f16};
 use kestrel_core::quant::{QuantFormat, QuantMatrix};
@@ -22,7 +26,8 @@ use crate::gguf::GgmlType;
 
 /// The types [`dequantize`] reads, by ggml name.
 pub const SUPPORTED: &[&str] = &[
-    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K",
+    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+    "IQ4_NL", "IQ4_XS",
 ];
 
 /// Values of a super-block of the K types.
@@ -36,9 +41,13 @@ enum Block {
     Q5_0,
     Q5_1,
     Q8_0,
+    Q2K,
+    Q3K,
     Q4K,
     Q5K,
     Q6K,
+    IQ4NL,
+    IQ4XS,
 }
 
 impl Block {
@@ -49,14 +58,19 @@ impl Block {
             "Q5_0" => Block::Q5_0,
             "Q5_1" => Block::Q5_1,
             "Q8_0" => Block::Q8_0,
+            "Q2_K" => Block::Q2K,
+            "Q3_K" => Block::Q3K,
             "Q4_K" => Block::Q4K,
             "Q5_K" => Block::Q5K,
             "Q6_K" => Block::Q6K,
+            "IQ4_NL" => Block::IQ4NL,
+            "IQ4_XS" => Block::IQ4XS,
             _ => return None,
         })
     }
 
-    /// Bits a stored value takes in the affine form (5 and 6 bits widen to 8).
+    /// Bits a stored value takes in the affine form (5 and 6 bits widen to 8; so do 2 and 3,
+    /// whose groups of 16 the 4-bit kernels do not take, and the IQ4 types' table entries).
     fn bits(self) -> u32 {
         match self {
             Block::Q4_0 | Block::Q4_1 | Block::Q4K => 4,
@@ -66,10 +80,9 @@ impl Block {
 
     /// Values sharing a scale and a bias.
     fn group(self) -> usize {
-        if self == Block::Q6K {
-            16
-        } else {
-            32
+        match self {
+            Block::Q2K | Block::Q3K | Block::Q6K => 16,
+            _ => 32,
         }
     }
 
@@ -78,7 +91,8 @@ impl Block {
         match self {
             Block::Q4_0 => Some(8),
             Block::Q5_0 => Some(16),
-            Block::Q8_0 => Some(128),
+            Block::Q8_0 | Block::IQ4NL | Block::IQ4XS => Some(128),
+            Block::Q3K => Some(4),
             Block::Q6K => Some(32),
             _ => None,
         }
@@ -102,6 +116,21 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
             (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4),
             (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
         )
+    }
+}
+
+/// IQ4_NL's and IQ4_XS's values of their 4-bit codes (ggml's `kvalues_iq4nl`).
+const IQ4_VALUES: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
+
+/// 16 bytes of IQ4 codes as 32 stored values (each code's table entry plus 128): the low
+/// nibbles first, then the high ones.
+fn iq4_values(qs: &[u8], q: &mut [u8]) {
+    let stored = |c: u8| (IQ4_VALUES[c as usize] as i16 + 128) as u8;
+    for j in 0..16 {
+        q[j] = stored(qs[j] & 0x0F);
+        q[j + 16] = stored(qs[j] >> 4);
     }
 }
 
@@ -167,6 +196,64 @@ fn decode(ty: Block, b: &[u8], q: &mut [u8], groups: &mut [(f32, f32)]) {
                     q[y + 32 + l] = (ql[l] >> 4) + high(l, u2);
                 }
                 ql = &ql[32..];
+            }
+        }
+        Block::Q2K => {
+            // scales[16] (low nibble the scale, high the minimum), qs[64], d, dmin.
+            let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
+            for (g, &sc) in groups.iter_mut().zip(&b[0..16]) {
+                *g = (d * (sc & 0x0F) as f32, -(dmin * (sc >> 4) as f32));
+            }
+            // Each 32 bytes of qs hold 128 values, 2 bits at a time: the lowest bits of all 32
+            // bytes first.
+            for (half, qs) in b[16..80].chunks_exact(32).enumerate() {
+                for shift in 0..4 {
+                    let y = &mut q[half * 128 + shift * 32..][..32];
+                    for (y, &v) in y.iter_mut().zip(qs) {
+                        *y = (v >> (2 * shift)) & 3;
+                    }
+                }
+            }
+        }
+        Block::Q3K => {
+            // hmask[32], qs[64], scales[12] (16 six-bit scales, less 32), d.
+            let d = f16_at(b, 108);
+            let (hmask, qs, sc) = (&b[0..32], &b[32..96], &b[96..108]);
+            for (i, g) in groups.iter_mut().enumerate() {
+                let low = if i < 8 { sc[i] & 0x0F } else { sc[i - 8] >> 4 };
+                let high = (sc[8 + i % 4] >> (2 * (i / 4))) & 3;
+                let s = d * ((low | high << 4) as i32 - 32) as f32;
+                *g = (s, -4.0 * s);
+            }
+            // As Q2_K's low bits; the high bit of value i * 32 + l is bit i of hmask[l], and a
+            // set bit adds 4.
+            for (half, qs) in qs.chunks_exact(32).enumerate() {
+                for shift in 0..4 {
+                    let at = half * 128 + shift * 32;
+                    let bit = (half * 4 + shift) as u32;
+                    for (l, &v) in qs.iter().enumerate() {
+                        q[at + l] = ((v >> (2 * shift)) & 3) | ((hmask[l] >> bit) & 1) << 2;
+                    }
+                }
+            }
+        }
+        Block::IQ4NL => {
+            let d = f16_at(b, 0);
+            groups[0] = (d, -128.0 * d);
+            iq4_values(&b[2..18], q);
+        }
+        Block::IQ4XS => {
+            // d, scales_h (u16), scales_l[4], qs[128].
+            let d = f16_at(b, 0);
+            let high = u16::from_le_bytes([b[2], b[3]]);
+            for (i, g) in groups.iter_mut().enumerate() {
+                let low = (b[4 + i / 2] >> (4 * (i % 2))) & 0x0F;
+                let ls = low as i32 | (((high >> (2 * i)) & 3) as i32) << 4;
+                let s = d * (ls - 32) as f32;
+                *g = (s, -128.0 * s);
+            }
+            for (i, qs) in b[8..136].chunks_exact(16).enumerate() {
+                iq4_values(qs, &mut q[32 * i..32 * i + 32]);
             }
         }
         Block::Q6K => {
@@ -276,7 +363,7 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8]) -> Result<Vec<f32>, String> {
 }
 
 /// The affine format [`to_affine`] gives a tensor of type `ty`: 4 bits (Q4_0, Q4_1, Q4_K) or 8
-/// (Q5_0, Q5_1, Q5_K, Q8_0, Q6_K), groups of 32 (16 for Q6_K), f32 scales and biases. None for
+/// (the others), groups of 32 (16 for Q2_K, Q3_K and Q6_K), f32 scales and biases. None for
 /// the float types and those not read.
 pub fn affine_format(ty: GgmlType) -> Option<QuantFormat> {
     Block::of(ty.name).map(Block::format)

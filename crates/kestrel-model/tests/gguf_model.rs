@@ -302,7 +302,7 @@ fn dequantisation_equals_llama_cpps() {
     use kestrel_model::gguf_dequant::dequantize;
     let (bytes, want) = dequant_fixture();
     let g = Gguf::parse(&bytes).unwrap();
-    assert_eq!(g.tensors.len(), 8);
+    assert_eq!(g.tensors.len(), 12);
     for t in &g.tensors {
         assert_eq!(t.ty.name, t.name);
         let got = dequantize(t.ty, t.data(&bytes)).unwrap();
@@ -328,13 +328,13 @@ fn affine_matrices_hold_llama_cpps_values_exactly() {
     use kestrel_model::gguf_dequant::{dequantize, to_affine};
     let (bytes, want) = dequant_fixture();
     let g = Gguf::parse(&bytes).unwrap();
-    assert_eq!(g.tensors.len(), 8);
+    assert_eq!(g.tensors.len(), 12);
     for t in &g.tensors {
         let (rows, cols) = (t.dims[1] as usize, t.dims[0] as usize);
         let m = to_affine(t.ty, t.data(&bytes), rows, cols).unwrap();
         let (bits, group) = match t.name.as_str() {
             "Q4_0" | "Q4_1" | "Q4_K" => (4, 32),
-            "Q6_K" => (8, 16),
+            "Q2_K" | "Q3_K" | "Q6_K" => (8, 16),
             _ => (8, 32),
         };
         assert_eq!(m.format, QuantFormat::f32_scales(bits, group), "{}", t.name);
@@ -530,12 +530,27 @@ fn gguf_file(kv: &[(&str, Kv)], tensors: &[(String, Vec<u64>, u32, Vec<u8>)]) ->
 /// many layers) loads each in its own format (gate and up 4 bits in groups of 32, down 8 bits
 /// in groups of 16, f32 scales): each matrix's values equal llama.cpp's (`dequantize`); and its
 /// logits on the CPU are those of the same file with the experts stored as their f32 values
-/// (which the engine packs as bf16: the bound is that rounding's).
+/// (which the engine packs as bf16: the bound is that rounding's). The same for the types whose
+/// values widen to 8 bits (Q2_K, Q3_K, IQ4_NL, IQ4_XS), gate and up of two types brought to one
+/// format.
 #[test]
 fn experts_of_mixed_block_types_load_each_in_its_format() {
+    for (gate, up, down) in [
+        ("Q4_K", "Q4_K", "Q6_K"),
+        ("Q2_K", "Q3_K", "IQ4_XS"),
+        ("IQ4_NL", "IQ4_XS", "Q3_K"),
+    ] {
+        experts_of_types(gate, up, down);
+    }
+}
+
+/// `experts_of_mixed_block_types_load_each_in_its_format` for one layer's experts of these
+/// types.
+fn experts_of_types(gate: &str, up: &str, down: &str) {
     use kestrel_core::rng::Rng;
     use kestrel_model::gguf::GgmlType;
-    use kestrel_model::gguf_dequant::dequantize;
+    use kestrel_model::gguf_dequant::{affine_format, common_format, dequantize};
+    println!("gate {gate}, up {up}, down {down}");
     let (hidden, inter, experts, vocab, head) = (256u64, 256u64, 4u64, 32u64, 64u64);
     let ty = |name: &str| {
         (0..40)
@@ -632,13 +647,24 @@ fn experts_of_mixed_block_types_load_each_in_its_format() {
             floats(hidden * experts, 1.0),
         ),
     ];
-    let (q4k, q6k) = (ty("Q4_K"), ty("Q6_K"));
-    for (w, t, scales, dims) in [
-        ("gate", q4k, &[0, 2][..], vec![hidden, inter, experts]),
-        ("up", q4k, &[0, 2][..], vec![hidden, inter, experts]),
-        ("down", q6k, &[208][..], vec![inter, hidden, experts]),
+    // Where each type's f16 scales sit in its blocks.
+    let scales_at = |t: &str| -> &[usize] {
+        match t {
+            "Q2_K" => &[80, 82],
+            "Q3_K" => &[108],
+            "Q4_K" => &[0, 2],
+            "Q6_K" => &[208],
+            "IQ4_NL" | "IQ4_XS" => &[0],
+            _ => panic!("no scales known for {t}"),
+        }
+    };
+    for (w, t, dims) in [
+        ("gate", gate, vec![hidden, inter, experts]),
+        ("up", up, vec![hidden, inter, experts]),
+        ("down", down, vec![inter, hidden, experts]),
     ] {
-        let data = blocks(&mut rng, t, dims.iter().product(), scales);
+        let (at, t) = (scales_at(t), ty(t));
+        let data = blocks(&mut rng, t, dims.iter().product(), at);
         tensors.push((format!("blk.0.ffn_{w}_exps.weight"), dims, t.id, data));
     }
     let kv = [
@@ -659,10 +685,11 @@ fn experts_of_mixed_block_types_load_each_in_its_format() {
     let label = std::path::Path::new("mixed.gguf");
     let m = kestrel_model::gguf_from_bytes(label, gguf_file(&kv, &tensors)).unwrap();
     let mlp = "model.layers.0.mlp";
+    let gate_up = common_format(&[gate, up].map(|t| affine_format(ty(t)).unwrap())).unwrap();
     for (w, rows, cols, format) in [
-        ("gate", inter, hidden, QuantFormat::f32_scales(4, 32)),
-        ("up", inter, hidden, QuantFormat::f32_scales(4, 32)),
-        ("down", hidden, inter, QuantFormat::f32_scales(8, 16)),
+        ("gate", inter, hidden, gate_up),
+        ("up", inter, hidden, gate_up),
+        ("down", hidden, inter, affine_format(ty(down)).unwrap()),
     ] {
         let base = format!("{mlp}.switch_mlp.{w}_proj");
         let q = affine(&m.weights, &base, cols as usize);
