@@ -929,30 +929,48 @@ impl<'a> Source<'a> {
     /// `{mlp}.switch_mlp.{gate,up,down}_proj.{weight,scales,biases}`, `gate` and `up` in one
     /// format (one kernel reads both), the narrowest that holds each exactly ([`widen`]), `down`
     /// in its own (a Q4_K_M file often has a Q6_K `down` beside Q4_K `gate` and `up`).
-    /// Otherwise one tensor an expert, `{mlp}.experts.{e}.{gate,up,down}_proj.weight`.
+    /// Otherwise one tensor an expert, `{mlp}.experts.{e}.{gate,up,down}_proj.weight`. Gate and
+    /// up may be one tensor, `ffn_gate_up_exps` (`[experts, 2 * rows, cols]`, each expert's
+    /// gate rows before its up rows), as llama.cpp's converter writes them when asked to fuse.
     fn expert_layer(&mut self, i: usize, mlp: &str) -> Result<()> {
         const WHICH: [&str; 3] = ["gate", "up", "down"];
-        let names = WHICH.map(|w| format!("blk.{i}.ffn_{w}_exps.weight"));
+        let fused = format!("blk.{i}.ffn_gate_up_exps.weight");
+        let fused = self.has(&fused).then_some(fused);
+        // Where each matrix is: its tensor, and with a fused gate and up, which half of each
+        // expert's rows.
+        let names = WHICH.map(|w| match &fused {
+            Some(f) if w != "down" => (f.clone(), Some(usize::from(w == "up"))),
+            _ => (format!("blk.{i}.ffn_{w}_exps.weight"), None),
+        });
         let mut affine = true;
-        for n in &names {
+        for (n, half) in &names {
             let t = self.info(n)?;
-            affine &= t.dims.len() == 3 && t.dims[1] > 0 && t.dims[2] > 0 && held_affine(n, t).is_some();
+            let halves = half.is_none_or(|_| t.dims.len() == 3 && t.dims[1] % 2 == 0);
+            affine &=
+                t.dims.len() == 3 && t.dims[1] > 0 && t.dims[2] > 0 && halves && held_affine(n, t).is_some();
         }
         if !affine {
-            for (w, n) in WHICH.iter().zip(&names) {
-                self.experts(n, |e| format!("{mlp}.experts.{e}.{w}_proj.weight"))?;
+            for (w, (n, half)) in WHICH.iter().zip(&names) {
+                self.experts(n, *half, |e| format!("{mlp}.experts.{e}.{w}_proj.weight"))?;
             }
             return Ok(());
         }
         let mut mats = Vec::with_capacity(3);
-        for n in &names {
+        for (n, half) in &names {
             let experts = self.info(n)?.dims[2] as usize;
-            mats.push((experts, self.affine(n)?));
+            let m = self.affine(n)?;
+            mats.push((
+                experts,
+                match half {
+                    Some(h) => half_rows(&m, experts, *h),
+                    None => m,
+                },
+            ));
         }
         // Gate and up are read by one kernel, so they share a format; down keeps its own.
         let gate_up = common_format(&[mats[0].1.format, mats[1].1.format]).expect("two matrices");
         let formats = [gate_up, gate_up, mats[2].1.format];
-        for (((w, n), (experts, m)), format) in WHICH.iter().zip(&names).zip(mats).zip(formats) {
+        for (((w, (n, _)), (experts, m)), format) in WHICH.iter().zip(&names).zip(mats).zip(formats) {
             let base = format!("{mlp}.switch_mlp.{w}_proj");
             let m = widen(m, format).map_err(|r| bad(self.label, format!("tensor {n}: {r}")))?;
             self.own_quant(&base, m, Some(experts));
@@ -960,8 +978,10 @@ impl<'a> Source<'a> {
         Ok(())
     }
 
-    /// A stacked expert tensor (`[experts, rows, cols]`) as one tensor an expert, `hf(e)`.
-    fn experts(&mut self, gguf: &str, hf: impl Fn(usize) -> String) -> Result<()> {
+    /// A stacked expert tensor (`[experts, rows, cols]`) as one tensor an expert, `hf(e)`: each
+    /// expert's rows, or with `half` 0 or 1 the first or second half of them (a fused gate
+    /// and up).
+    fn experts(&mut self, gguf: &str, half: Option<usize>, hf: impl Fn(usize) -> String) -> Result<()> {
         let (file, t) = *self
             .tensors
             .get(gguf)
@@ -974,12 +994,25 @@ impl<'a> Source<'a> {
             ));
         }
         let (n, each) = (shape[0], shape[1] * shape[2]);
-        if n == 0 || each == 0 {
+        if n == 0 || each == 0 || (half.is_some() && shape[1] % 2 != 0) {
             return Err(bad(
                 self.label,
-                format!("tensor {gguf}: shape {shape:?} holds no expert"),
+                format!(
+                    "tensor {gguf}: shape {shape:?} holds no expert{}",
+                    if half.is_some() {
+                        "'s gate and up halves"
+                    } else {
+                        ""
+                    }
+                ),
             ));
         }
+        // The rows taken of each expert: where they start among its values, and their shape.
+        let (skip, rows) = match half {
+            Some(h) => (h * each / 2, shape[1] / 2),
+            None => (0, shape[1]),
+        };
+        let (part, part_shape) = (rows * shape[2], vec![rows, shape[2]]);
         match plain(t) {
             Some(dtype) => {
                 self.used.insert(gguf.to_string());
@@ -988,15 +1021,16 @@ impl<'a> Source<'a> {
                         name: hf(e),
                         file,
                         dtype,
-                        shape: shape[1..].to_vec(),
-                        start: t.start as usize + e * each * dtype.size_in_bytes(),
+                        shape: part_shape.clone(),
+                        start: t.start as usize + (e * each + skip) * dtype.size_in_bytes(),
                     });
                 }
             }
             None => {
                 let d = self.dense(gguf)?;
                 for (e, chunk) in d.bytes.chunks_exact(each * 4).enumerate() {
-                    self.own(hf(e), DType::F32, shape[1..].to_vec(), chunk.to_vec());
+                    let bytes = chunk[skip * 4..(skip + part) * 4].to_vec();
+                    self.own(hf(e), DType::F32, part_shape.clone(), bytes);
                 }
             }
         }
@@ -1020,6 +1054,29 @@ impl<'a> Source<'a> {
             ));
         }
         Ok(Some(v))
+    }
+}
+
+/// Of `m`, `experts` stacked matrices of `2 * r` rows each, the first (`half` 0) or second
+/// (`half` 1) `r` rows of every one: a fused gate and up tensor's gate or up.
+fn half_rows(m: &QuantMatrix, experts: usize, half: usize) -> QuantMatrix {
+    // The half's items of every expert, of `v` with `per_row` items a row.
+    fn take<T: Copy>(v: &[T], rows: usize, per_row: usize, half: usize) -> Vec<T> {
+        v.chunks_exact(2 * rows * per_row)
+            .flat_map(|e| &e[half * rows * per_row..(half + 1) * rows * per_row])
+            .copied()
+            .collect()
+    }
+    let f = m.format;
+    let rows = m.rows / experts / 2;
+    let (words, groups) = (f.words_per_row(m.cols), f.groups_per_row(m.cols));
+    QuantMatrix {
+        format: f,
+        rows: rows * experts,
+        cols: m.cols,
+        weight: take(&m.weight, rows, words, half),
+        scales: take(&m.scales, rows, groups, half),
+        biases: take(&m.biases, rows, groups, half),
     }
 }
 

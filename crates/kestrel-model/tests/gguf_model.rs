@@ -684,6 +684,7 @@ fn experts_of_types(gate: &str, up: &str, down: &str) {
     ];
     let label = std::path::Path::new("mixed.gguf");
     let m = kestrel_model::gguf_from_bytes(label, gguf_file(&kv, &tensors)).unwrap();
+    let quantised = tensors.clone();
     let mlp = "model.layers.0.mlp";
     let gate_up = common_format(&[gate, up].map(|t| affine_format(ty(t)).unwrap())).unwrap();
     for (w, rows, cols, format) in [
@@ -728,6 +729,48 @@ fn experts_of_types(gate: &str, up: &str, down: &str) {
         got.iter().all(|v| v.is_finite()) && err <= 2e-2,
         "seed {seed}: error {err:.2e}"
     );
+    // Gate and up of one type fused into one tensor, as llama.cpp's converter writes them with
+    // `--fuse-gate-up-exps`: the same logits, bit for bit, quantised and as f32.
+    if gate == up {
+        for (what, tensors, want) in [("quantised", &quantised, &got), ("f32", &tensors, &want)] {
+            let fused =
+                kestrel_model::gguf_from_bytes(label, gguf_file(&kv, &fuse_gate_up(tensors))).unwrap();
+            assert_eq!(
+                &cpu_logits(fused, &tokens),
+                want,
+                "{what} experts, gate and up fused"
+            );
+        }
+    }
+}
+
+/// `tensors` with layer 0's expert gate and up (`[experts, rows, cols]` each) as one
+/// `blk.0.ffn_gate_up_exps.weight` of `[experts, 2 * rows, cols]`, each expert's gate rows
+/// before its up rows (llama.cpp's `torch.cat([gate, up], dim=1)`).
+fn fuse_gate_up(tensors: &[(String, Vec<u64>, u32, Vec<u8>)]) -> Vec<(String, Vec<u64>, u32, Vec<u8>)> {
+    let find = |n: &str| tensors.iter().find(|t| t.0 == n).unwrap().clone();
+    let (gate, up) = (
+        find("blk.0.ffn_gate_exps.weight"),
+        find("blk.0.ffn_up_exps.weight"),
+    );
+    assert_eq!((&gate.1, gate.2), (&up.1, up.2));
+    let experts = gate.1[2] as usize;
+    let each = gate.3.len() / experts;
+    let data = (0..experts)
+        .flat_map(|e| [&gate.3[e * each..(e + 1) * each], &up.3[e * each..(e + 1) * each]].concat())
+        .collect();
+    let mut out: Vec<_> = tensors
+        .iter()
+        .filter(|t| t.0 != gate.0 && t.0 != up.0)
+        .cloned()
+        .collect();
+    out.push((
+        "blk.0.ffn_gate_up_exps.weight".into(),
+        vec![gate.1[0], 2 * gate.1[1], gate.1[2]],
+        gate.2,
+        data,
+    ));
+    out
 }
 
 /// A Qwen3.5-MoE linear-attention layer whose value heads fill whole groups (32 columns): its
