@@ -160,6 +160,14 @@ fn model_of(files: Vec<MappedFile>) -> Result<GgufModel> {
     if let Some(factors) = src.rope_factors(&config)? {
         config.rope.scaling = RopeScaling::Factors(factors);
     }
+    // Fused attention projections, split into their parts.
+    let parts = split_qkv(&label, &config, &src.tensors)?;
+    for (_, t) in &parts {
+        src.tensors.remove(fused_qkv_of(&t.name).as_str());
+    }
+    for (file, t) in &parts {
+        src.tensors.insert(&t.name, (*file, t));
+    }
     map_tensors(&mut src, &config)?;
     config.quant = quant_config(std::mem::take(&mut src.formats));
     let unused: Vec<&str> = src
@@ -195,6 +203,67 @@ fn model_of(files: Vec<MappedFile>) -> Result<GgufModel> {
         tokenizer_config,
         generation_config,
     })
+}
+
+/// The fused tensor a part made by [`split_qkv`] comes from.
+fn fused_qkv_of(part: &str) -> String {
+    let blk = part.rsplit_once(".attn_").map_or(part, |(b, _)| b);
+    format!("{blk}.attn_qkv.weight")
+}
+
+/// Each full-attention layer's `attn_qkv` (llama.cpp's converter fuses a layer's q, k and v
+/// projections into one tensor with `--fuse-qkv`) as the `attn_q`, `attn_k` and `attn_v` it
+/// holds: their rows follow each other, so each part is the fused tensor's bytes from its first
+/// row on. k and v have `kv_heads * head_dim` rows; q (with Qwen3-Next's gate) the rest. Layers
+/// with their own `attn_q` are left as they are.
+fn split_qkv(
+    label: &Path,
+    c: &ModelConfig,
+    tensors: &HashMap<&str, (usize, &TensorInfo)>,
+) -> Result<Vec<(usize, TensorInfo)>> {
+    let mut parts = Vec::new();
+    for i in 0..c.layers {
+        let name = format!("blk.{i}.attn_qkv.weight");
+        let (Some(&(file, t)), false) = (
+            tensors.get(name.as_str()),
+            tensors.contains_key(format!("blk.{i}.attn_q.weight").as_str()),
+        ) else {
+            continue;
+        };
+        if c.layer_kinds[i] != crate::config::LayerKind::FullAttention {
+            continue;
+        }
+        let kv = (c.kv_heads * c.head_dim) as u64;
+        let (cols, rows) = match t.dims[..] {
+            [cols, rows] => (cols, rows),
+            _ => (0, 0),
+        };
+        let row_bytes = cols / t.ty.block * t.ty.block_bytes;
+        if cols == 0 || cols % t.ty.block != 0 || rows <= 2 * kv || rows * row_bytes != t.bytes {
+            return Err(bad(
+                label,
+                format!(
+                    "tensor {name}: dims {:?} are not q, k and v projections of {kv} rows for k and v",
+                    t.dims
+                ),
+            ));
+        }
+        let mut first = 0;
+        for (part, n) in [("q", rows - 2 * kv), ("k", kv), ("v", kv)] {
+            parts.push((
+                file,
+                TensorInfo {
+                    name: format!("blk.{i}.attn_{part}.weight"),
+                    dims: vec![cols, n],
+                    ty: t.ty,
+                    start: t.start + first * row_bytes,
+                    bytes: n * row_bytes,
+                },
+            ));
+            first += n;
+        }
+    }
+    Ok(parts)
 }
 
 /// The host memory available now (`MemAvailable` of `/proc/meminfo`), where the system says.

@@ -647,6 +647,16 @@ fn experts_of_types(gate: &str, up: &str, down: &str) {
             floats(hidden * experts, 1.0),
         ),
     ];
+    // q, k and v as Q8_0 (blocks of 32 values with their f16 scale first).
+    let q8_0 = ty("Q8_0");
+    for t in tensors.iter_mut().filter(|t| {
+        ["q", "k", "v"]
+            .iter()
+            .any(|p| t.0 == format!("blk.0.attn_{p}.weight"))
+    }) {
+        t.3 = blocks(&mut rng, q8_0, t.1.iter().product(), &[0]);
+        t.2 = q8_0.id;
+    }
     // Where each type's f16 scales sit in its blocks.
     let scales_at = |t: &str| -> &[usize] {
         match t {
@@ -729,12 +739,13 @@ fn experts_of_types(gate: &str, up: &str, down: &str) {
         got.iter().all(|v| v.is_finite()) && err <= 2e-2,
         "seed {seed}: error {err:.2e}"
     );
-    // Gate and up of one type fused into one tensor, as llama.cpp's converter writes them with
-    // `--fuse-gate-up-exps`: the same logits, bit for bit, quantised and as f32.
+    // Gate and up of one type fused into one tensor, and q, k and v, as llama.cpp's converter
+    // writes them with `--fuse-gate-up-exps` and `--fuse-qkv`: the same logits, bit for bit,
+    // with quantised and with f32 experts.
     if gate == up {
         for (what, tensors, want) in [("quantised", &quantised, &got), ("f32", &tensors, &want)] {
-            let fused =
-                kestrel_model::gguf_from_bytes(label, gguf_file(&kv, &fuse_gate_up(tensors))).unwrap();
+            let fused = fuse_qkv(&fuse_gate_up(tensors));
+            let fused = kestrel_model::gguf_from_bytes(label, gguf_file(&kv, &fused)).unwrap();
             assert_eq!(
                 &cpu_logits(fused, &tokens),
                 want,
@@ -742,6 +753,27 @@ fn experts_of_types(gate: &str, up: &str, down: &str) {
             );
         }
     }
+}
+
+/// `tensors` with layer 0's `attn_q`, `attn_k` and `attn_v` (`[rows, cols]` each, one type) as
+/// one `blk.0.attn_qkv.weight`, their rows in that order (llama.cpp's `--fuse-qkv`).
+fn fuse_qkv(tensors: &[(String, Vec<u64>, u32, Vec<u8>)]) -> Vec<(String, Vec<u64>, u32, Vec<u8>)> {
+    let names = ["q", "k", "v"].map(|p| format!("blk.0.attn_{p}.weight"));
+    let parts = names
+        .clone()
+        .map(|n| tensors.iter().find(|t| t.0 == n).unwrap().clone());
+    let mut out: Vec<_> = tensors
+        .iter()
+        .filter(|t| !names.contains(&t.0))
+        .cloned()
+        .collect();
+    out.push((
+        "blk.0.attn_qkv.weight".into(),
+        vec![parts[0].1[0], parts.iter().map(|p| p.1[1]).sum()],
+        parts[0].2,
+        parts.iter().flat_map(|p| p.3.clone()).collect(),
+    ));
+    out
 }
 
 /// `tensors` with layer 0's expert gate and up (`[experts, rows, cols]` each) as one
