@@ -148,8 +148,8 @@ fn skinny_products_match_the_cpu_backend() {
     linear_products(&dev, &mut rng, seed, &shapes);
     let formats = kestrel_testing::cases::QUANT_FORMATS;
     for (round, tokens) in [2, 12, 30, 80].into_iter().enumerate() {
-        // MLX's defaults, GGUF's two, and 4-bit gate and up beside an 8-bit down (GGUF's Q4_K
-        // beside Q6_K, and MLX's).
+        // MLX's defaults, GGUF's two, 4-bit gate and up beside an 8-bit down (GGUF's Q4_K
+        // beside Q6_K, and MLX's), and 8-bit gate and up beside a 4-bit down.
         let pairs = [
             (formats[0], formats[1]),
             (formats[0], formats[0]),
@@ -157,6 +157,8 @@ fn skinny_products_match_the_cpu_backend() {
             (formats[4], formats[4]),
             (formats[5], formats[5]),
             (formats[4], formats[5]),
+            (formats[1], formats[0]),
+            (formats[5], formats[4]),
         ];
         for (format, down) in pairs {
             let case =

@@ -155,6 +155,7 @@ fn experts_reading_their_misses_from_host_memory_compute_the_resident_output() {
     use kestrel_core::quant::QuantFormat;
     let (mut rng, seed) = Rng::from_time();
     let (hidden, inter) = (256, 192);
+    // Formats of gate and up, and the policy; down's format follows below.
     for (format, policy) in [
         (ExpertFormat::Quant(QuantFormat::Q4), SlotPolicy::Lru),
         (
@@ -172,10 +173,19 @@ fn experts_reading_their_misses_from_host_memory_compute_the_resident_output() {
             ExpertFormat::Quant(QuantFormat::f32_scales(8, 16)),
             SlotPolicy::Frequency { half_life: 5 },
         ),
+        // 8-bit gate and up beside a 4-bit down (the gate/up kernel writes its activations in
+        // 4-bit order).
+        (
+            ExpertFormat::Quant(QuantFormat::f32_scales(8, 16)),
+            SlotPolicy::Lru,
+        ),
     ] {
-        let down = match format {
-            ExpertFormat::Quant(q) if q == QuantFormat::f32_scales(4, 32) => {
+        let down = match (format, policy) {
+            (ExpertFormat::Quant(q), _) if q == QuantFormat::f32_scales(4, 32) => {
                 ExpertFormat::Quant(QuantFormat::f32_scales(8, 16))
+            }
+            (ExpertFormat::Quant(q), SlotPolicy::Lru) if q == QuantFormat::f32_scales(8, 16) => {
+                ExpertFormat::Quant(QuantFormat::f32_scales(4, 32))
             }
             _ => format,
         };

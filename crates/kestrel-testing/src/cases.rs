@@ -1247,14 +1247,17 @@ pub fn moe(rng: Rng) -> Case {
         pick(&mut c.rng, &[None, Some(QuantFormat::Q4), Some(QuantFormat::Q8)]).filter(|q| q.fits(hidden))
     });
     // Sometimes down in a format of its own, as a GGUF Q4_K_M file's Q6_K down beside Q4_K gate
-    // and up (and MLX's 4-bit beside 8-bit).
+    // and up (and MLX's 4-bit beside 8-bit), or 4 bits beside 8-bit gate and up.
+    let other = |q: QuantFormat| {
+        [
+            (QuantFormat::f32_scales(4, 32), QuantFormat::f32_scales(8, 16)),
+            (QuantFormat::Q4, QuantFormat::Q8),
+        ]
+        .into_iter()
+        .find_map(|(a, b)| (q == a).then_some(b).or((q == b).then_some(a)))
+    };
     let down = match format {
-        ExpertFormat::Quant(q) if q == QuantFormat::f32_scales(4, 32) && c.rng.range(0, 2) == 0 => {
-            ExpertFormat::Quant(QuantFormat::f32_scales(8, 16))
-        }
-        ExpertFormat::Quant(q) if q == QuantFormat::Q4 && c.rng.range(0, 2) == 0 => {
-            ExpertFormat::Quant(QuantFormat::Q8)
-        }
+        ExpertFormat::Quant(q) if c.rng.range(0, 2) == 0 => other(q).map_or(format, ExpertFormat::Quant),
         _ => format,
     };
     let layout = ExpertLayout {
