@@ -752,6 +752,30 @@ fn experts_of_types(gate: &str, up: &str, down: &str) {
                 "{what} experts, gate and up fused"
             );
         }
+        // Fused tensors that cannot be split are errors naming them: q, k and v of no q rows,
+        // and gate and up of an odd number of rows an expert.
+        let fused = fuse_qkv(&fuse_gate_up(&quantised));
+        let at = |n: &str| fused.iter().position(|t| t.0 == n).unwrap();
+        let mut no_q = fused.clone();
+        let qkv = &mut no_q[at("blk.0.attn_qkv.weight")];
+        let row = qkv.3.len() / qkv.1[1] as usize;
+        qkv.1[1] = 2 * head;
+        qkv.3.truncate(2 * head as usize * row);
+        let mut odd = fused.clone();
+        let gu = &mut odd[at("blk.0.ffn_gate_up_exps.weight")];
+        let each = gu.3.len() / experts as usize;
+        let row = each / (2 * inter) as usize;
+        gu.1[1] -= 1;
+        gu.3 =
+            gu.3.chunks_exact(each)
+                .flat_map(|e| e[..each - row].to_vec())
+                .collect();
+        for (tensors, name) in [(no_q, "attn_qkv"), (odd, "ffn_gate_up_exps")] {
+            let e = kestrel_model::gguf_from_bytes(label, gguf_file(&kv, &tensors))
+                .err()
+                .expect("an error");
+            assert!(e.to_string().contains(name), "{e}");
+        }
     }
 }
 
