@@ -1025,17 +1025,22 @@ impl<'a> Source<'a> {
             return Ok(());
         }
         let mut mats = Vec::with_capacity(3);
+        // A fused gate and up is decoded once, for both halves.
+        let mut whole: Option<QuantMatrix> = None;
         for (n, half) in &names {
             let experts = self.info(n)?.dims[2] as usize;
-            let m = self.affine(n)?;
-            mats.push((
-                experts,
-                match half {
-                    Some(h) => half_rows(&m, experts, *h),
-                    None => m,
-                },
-            ));
+            let m = match half {
+                Some(h) => {
+                    if whole.is_none() {
+                        whole = Some(self.affine(n)?);
+                    }
+                    half_rows(whole.as_ref().expect("decoded above"), experts, *h)
+                }
+                None => self.affine(n)?,
+            };
+            mats.push((experts, m));
         }
+        drop(whole);
         // Gate and up are read by one kernel, so they share a format; down keeps its own.
         let gate_up = common_format(&[mats[0].1.format, mats[1].1.format]).expect("two matrices");
         let formats = [gate_up, gate_up, mats[2].1.format];
