@@ -57,8 +57,9 @@ seed_gguf() {
     seed gguf tokenizer <"$ROOT/crates/kestrel-model/tests/gguf/tokenizer.gguf"
     seed gguf tokenizer-spm <"$ROOT/crates/kestrel-model/tests/gguf/tokenizer-spm.gguf"
     # Whole models as llama.cpp writes them, for the mapping into a model: Llama (rotary rows,
-    # frequency factors), Qwen3-MoE (stacked experts) and the two hybrids, quantised.
-    for m in llama-q8_0 qwen3_moe_all-q4_k_m qwen3_next-q4_k_m qwen3_5_moe-q8_0; do
+    # frequency factors), Qwen3-MoE (stacked experts) and the two hybrids, quantised, one of
+    # them with its experts' gate and up and its attention's q, k and v fused.
+    for m in llama-q8_0 qwen3_moe_all-q4_k_m qwen3_next-q4_k_m qwen3_5_moe-q8_0 qwen3_next-q8_0-fused; do
         seed gguf "$m" <"$ROOT/crates/kestrel-model/tests/gguf/$m.gguf"
     done
     {

@@ -1225,3 +1225,19 @@ fn metadata_past_the_tensors_is_refused_by_key() {
     let e = patch("qwen3_5_moe-f16.gguf", "qwen35moe.ssm.time_step_rank", 8);
     assert!(e.contains("value heads"), "{e}");
 }
+
+/// Files whose experts' gate and up, and whose full-attention layers' q, k and v, are fused as
+/// llama.cpp's converter writes them with `--fuse-gate-up-exps --fuse-qkv` (`NAME-fused.gguf`,
+/// by `scripts/gguf/make-fused-fixtures.py` with llama.cpp's own writer; the hybrids, whose
+/// linear-attention layers have an `attn_qkv` of their own): the logits of the files they come
+/// from, bit for bit, on the CPU.
+#[test]
+fn fused_files_give_the_unfused_files_logits() {
+    let tokens = [1, 17, 42, 99, 3, 250, 128, 64];
+    for name in ["qwen3_next", "qwen3_5_moe"] {
+        let plain = open_gguf(&gguf(name, "q8_0")).unwrap();
+        let fused = open_gguf(&gguf(name, "q8_0-fused")).unwrap();
+        assert!(fused.weights.contains("model.layers.3.self_attn.q_proj.weight"));
+        assert_eq!(cpu_logits(fused, &tokens), cpu_logits(plain, &tokens), "{name}");
+    }
+}
