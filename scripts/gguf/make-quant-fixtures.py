@@ -8,8 +8,9 @@ cores) and the `gguf` package (`pip install gguf`):
 
 For each NAME-f16.gguf (or NAME-bf16.gguf) of tests/gguf/ it writes NAME-q4_k_m.gguf (`llama_model_quantize`,
 LLAMA_FTYPE_MOSTLY_Q4_K_M; the fixtures' rows of 64 values are too short for the K types'
-256-value blocks, so llama.cpp falls back to the 32-value types its quantiser picks for them),
-and for every NAME-TYPE.gguf of its four float and quantised types, NAME-TYPE.llama.safetensors:
+256-value blocks, so llama.cpp falls back to the 32-value types its quantiser picks for them)
+and NAME-iq4_nl.gguf (LLAMA_FTYPE_MOSTLY_IQ4_NL, whose blocks of 32 these rows hold),
+and for every NAME-TYPE.gguf of its float and quantised types, NAME-TYPE.llama.safetensors:
 `tokens` and the `logits` llama.cpp computes for the parity prompt (all positions, f32 KV
 cache). llama.cpp refuses a BPE vocabulary without merges, and the fixtures' byte vocabularies
 have none, so the copy llama.cpp reads gets one merge ("a" "b" into token 255, renamed "ab"):
@@ -68,12 +69,13 @@ for name in names:
         print(f"{name}: no float GGUF")
         continue
     src = float[0]
-    dst = os.path.join(here, f"{name}-q4_k_m.gguf")
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
-    rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params)
-    print(f"{name}: quantised to Q4_K_M, rc {rc}, {os.path.getsize(dst)} bytes", flush=True)
-    for ty in ["f16", "bf16", "q8_0", "q4_k_m"]:
+    for ty, ftype in [("q4_k_m", llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M), ("iq4_nl", llama_cpp.LLAMA_FTYPE_MOSTLY_IQ4_NL)]:
+        dst = os.path.join(here, f"{name}-{ty}.gguf")
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = ftype
+        rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params)
+        print(f"{name}: quantised to {ty}, rc {rc}, {os.path.getsize(dst)} bytes", flush=True)
+    for ty in ["f16", "bf16", "q8_0", "q4_k_m", "iq4_nl"]:
         path = os.path.join(here, f"{name}-{ty}.gguf")
         if not os.path.exists(path):
             continue

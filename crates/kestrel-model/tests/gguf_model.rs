@@ -999,7 +999,7 @@ fn quantised_gguf_experts_stream_as_they_run_resident() {
     }
 }
 
-/// Every GGUF fixture on CUDA (graph replay), the Q4_K_M files among them: with every rounding
+/// Every GGUF fixture on CUDA (graph replay), the Q4_K_M and IQ4_NL files among them: with every rounding
 /// fast path off and f32 caches, prefill and token-by-token decode equal the CPU's logits of
 /// the same file (max |error| / max |logit| <= 1e-4), except where the experts are quantised,
 /// which CUDA runs on rounded activations whatever the setting (then held to the default
@@ -1013,9 +1013,12 @@ fn gguf_models_run_on_cuda_as_on_the_cpu() {
     let Some(dev) = kestrel_testing::gpu::device_or_skip("gguf_models_run_on_cuda_as_on_the_cpu") else {
         return;
     };
-    // The Q4_K_M files too: what llama.cpp's quantiser picks for rows this short.
-    let q4 = ["llama", "qwen3", "qwen3_moe_all", "qwen3_next", "qwen3_5_moe"].map(|n| (n, "q4_k_m"));
-    for (name, ty) in CASES.into_iter().chain(q4) {
+    // The Q4_K_M and IQ4_NL files too: what llama.cpp's quantiser picks for rows this short.
+    let names = ["llama", "qwen3", "qwen3_moe_all", "qwen3_next", "qwen3_5_moe"];
+    let quantised = ["q4_k_m", "iq4_nl"]
+        .into_iter()
+        .flat_map(|ty| names.map(|n| (n, ty)));
+    for (name, ty) in CASES.into_iter().chain(quantised) {
         let (tokens, _, _) = reference(name);
         let m = open_gguf(&gguf(name, ty)).unwrap();
         // Quantised experts (stacked as `switch_mlp`) have no f32-activation kernel: CUDA runs
@@ -1139,7 +1142,7 @@ fn quantised_tensors_past_the_memory_are_refused_up_front() {
 
 /// Kestrel's logits on the CPU against llama.cpp's own on the same files (every
 /// `NAME-TYPE.llama.safetensors` of `tests/gguf/`, by `scripts/gguf/make-quant-fixtures.py`: the
-/// float and Q8_0 conversions, and Q4_K_M files quantised by llama.cpp). llama.cpp rounds
+/// float and Q8_0 conversions, and Q4_K_M and IQ4_NL files quantised by llama.cpp). llama.cpp rounds
 /// differently (its products of quantised weights take 8-bit activations, its float ones f16
 /// activations), so the bounds are the two engines' agreement, not bitwise equality: top-1 at
 /// every position for the float files and at most positions for the quantised ones, whose
