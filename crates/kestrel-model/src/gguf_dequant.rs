@@ -1,8 +1,8 @@
 //! GGUF tensor data as values: the float types as they are, and ggml's block-quantised types
-//! (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS) either dequantised to f32 with ggml's own
-//! formulas, in ggml's order of operations, so every value is the one llama.cpp computes for it
-//! ([`dequantize`]), or rewritten exactly as an affine [`QuantMatrix`] with f32 group scales and
-//! biases ([`to_affine`]). Both read each block once through the same decoder: its stored values
+//! (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS) either
+//! dequantised to f32 with ggml's own formulas, in ggml's order of operations, so every value is
+//! the one llama.cpp computes for it ([`dequantize`]), or rewritten exactly as an affine
+//! [`QuantMatrix`] with f32 group scales and biases ([`to_affine`]). Both read each block once through the same decoder: its stored values
 //! `q` and, per group, a scale and a bias. Other types are refused with the supported ones named:
 //! nothing is re-quantised silently.
 //!
