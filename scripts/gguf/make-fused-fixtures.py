@@ -15,7 +15,9 @@ import os
 import sys
 
 import numpy as np
-from gguf import GGUFReader, GGUFWriter, GGUFValueType
+from gguf import GGUFReader, GGUFWriter
+
+from gguf_copy import copy_metadata
 
 here = os.path.join(os.path.dirname(__file__), "..", "..", "crates", "kestrel-model", "tests", "gguf")
 names = sys.argv[1:] or ["qwen3_next-q8_0", "qwen3_5_moe-q8_0"]
@@ -24,11 +26,7 @@ names = sys.argv[1:] or ["qwen3_next-q8_0", "qwen3_5_moe-q8_0"]
 def fused(src, dst):
     r = GGUFReader(src)
     w = GGUFWriter(dst, r.fields["general.architecture"].contents())
-    for key, f in r.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        ty = f.types[0]
-        w.add_key_value(key, f.contents(), ty, f.types[1] if ty == GGUFValueType.ARRAY else None)
+    copy_metadata(r, w)
     by_name = {t.name: t for t in r.tensors}
     done = set()
     for t in r.tensors:

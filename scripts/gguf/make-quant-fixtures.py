@@ -23,7 +23,9 @@ import tempfile
 import numpy as np
 import llama_cpp
 from llama_cpp import Llama
-from gguf import GGUFReader, GGUFWriter, GGUFValueType
+from gguf import GGUFReader, GGUFWriter
+
+from gguf_copy import copy_metadata
 from safetensors.numpy import save_file
 
 here = os.path.join(os.path.dirname(__file__), "..", "..", "crates", "kestrel-model", "tests", "gguf")
@@ -34,15 +36,14 @@ names = sys.argv[1:] or ["llama", "qwen3", "qwen3_moe_all", "qwen3_next", "qwen3
 def with_a_merge(src, dst):
     r = GGUFReader(src)
     w = GGUFWriter(dst, r.fields["general.architecture"].contents())
-    for key, f in r.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        v = f.contents()
+
+    def merged(key, v):
         if key == "tokenizer.ggml.tokens":
             v = list(v)
             v[255] = "ab"
-        ty = f.types[0]
-        w.add_key_value(key, v, ty, f.types[1] if ty == GGUFValueType.ARRAY else None)
+        return v
+
+    copy_metadata(r, w, merged)
     w.add_array("tokenizer.ggml.merges", ["a b"])
     for t in r.tensors:
         w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)

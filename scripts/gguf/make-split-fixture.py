@@ -10,19 +10,16 @@ with a chat template added to its metadata (which llama.cpp's converter copies f
 """
 import os
 
-from gguf import GGUFReader, GGUFWriter, GGUFValueType
+from gguf import GGUFReader, GGUFWriter
+
+from gguf_copy import copy_metadata
 
 here = os.path.join(os.path.dirname(__file__), "..", "..", "crates", "kestrel-model", "tests", "gguf")
 src = GGUFReader(os.path.join(here, "qwen3_next-q8_0.gguf"))
 os.makedirs(os.path.join(here, "split"), exist_ok=True)
 arch = src.fields["general.architecture"].contents()
 w = GGUFWriter(os.path.join(here, "split", "qwen3_next-q8_0.gguf"), arch, split_max_tensors=30)
-for key, f in src.fields.items():
-    if key.startswith("GGUF.") or key == "general.architecture":
-        continue
-    ty = f.types[0]
-    sub = f.types[1] if ty == GGUFValueType.ARRAY else None
-    w.add_key_value(key, f.contents(), ty, sub)
+copy_metadata(src, w)
 w.add_chat_template("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
                     "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 for t in src.tensors:
