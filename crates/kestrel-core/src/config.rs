@@ -11,6 +11,7 @@
 //! | `KESTREL_PROFILE` | bool | `false` | time every dispatch with CUDA events |
 //! | `KESTREL_PDL` | bool | `true` | programmatic dependent launch in CUDA graphs (`off` links every kernel to its predecessors by completion, for debugging) |
 //! | `KESTREL_WGMMA` | bool | `true` | on sm_90 GPUs, grouped expert GEMMs and quantised products of many tokens on Hopper's warpgroup tensor-core instructions (`off` takes the `mma.sync` kernels other GPUs use) |
+//! | `KESTREL_WIDE_EXPERTS` | bool | `true` | with `wgmma` on, routed experts of a few to a few dozen rows each on the warpgroup form of the skinny products (`off` takes the skinny products and GEMM tiles, for comparison) |
 //!
 //! Booleans accept `1/0`, `true/false`, `yes/no`, `on/off`. A variable with a value that does
 //! not parse leaves its default in place and is kept as a problem: reading the configuration
@@ -45,6 +46,9 @@ pub struct Config {
     pub pdl: bool,
     /// Hopper (sm_90) runs its tensor-core GEMM tiles on `wgmma` (else on `mma.sync`).
     pub wgmma: bool,
+    /// With `wgmma`, routed experts of a few to a few dozen rows each run on the wgmma form of
+    /// the skinny products (else on the skinny products and GEMM tiles).
+    pub wide_experts: bool,
 }
 
 impl Default for Config {
@@ -200,6 +204,11 @@ impl Config {
             parse_bool(get("KESTREL_WGMMA"), "KESTREL_WGMMA", true),
             true,
         );
+        let wide_experts = keep(
+            &mut problems,
+            parse_bool(get("KESTREL_WIDE_EXPERTS"), "KESTREL_WIDE_EXPERTS", true),
+            true,
+        );
         Config {
             problems,
             device,
@@ -208,6 +217,7 @@ impl Config {
             profile,
             pdl,
             wgmma,
+            wide_experts,
         }
     }
 }
@@ -253,6 +263,8 @@ mod tests {
             .is_err());
         assert!(c.wgmma);
         assert!(!Config::from_vars(&vars(&[("KESTREL_WGMMA", "0")])).wgmma);
+        assert!(c.wide_experts);
+        assert!(!Config::from_vars(&vars(&[("KESTREL_WIDE_EXPERTS", "off")])).wide_experts);
         assert_eq!(c.kernel_cache_dir, None, "no HOME, no XDG_CACHE_HOME: no cache");
     }
 

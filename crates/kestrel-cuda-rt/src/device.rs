@@ -65,6 +65,8 @@ struct DeviceInner {
     pdl: bool,
     /// GEMM tiles on `wgmma` (`Config::wgmma` on an sm_90 device with NVRTC 12 or newer).
     wgmma: bool,
+    /// Routed experts of a few dozen rows on `wgmma` too (`Config::wide_experts`, with `wgmma`).
+    wide_experts: bool,
     /// Event pairs around profiled dispatches, read back by `take_profile`.
     profile_events: Mutex<Vec<(String, String, CudaEvent, CudaEvent)>>,
     /// The cuBLAS handle, created on first use.
@@ -108,6 +110,7 @@ impl Device {
         };
         let hopper = hopper_target(info.compute_capability, nvrtc_version().ok());
         let wgmma = config.wgmma && hopper;
+        let wide_experts = wgmma && config.wide_experts;
         let counters = Arc::new(Counters::default());
         let registry = KernelRegistry::new(
             ctx.clone(),
@@ -128,6 +131,7 @@ impl Device {
                 profiling: AtomicBool::new(config.profile),
                 pdl: config.pdl,
                 wgmma,
+                wide_experts,
                 profile_events: Mutex::new(Vec::new()),
                 blas: Mutex::new(None),
                 ceilings: OnceLock::new(),
@@ -363,6 +367,12 @@ impl Device {
     /// built for sm_90a, which needs NVRTC 12 or newer) rather than on `mma.sync`.
     pub fn wgmma(&self) -> bool {
         self.inner.wgmma
+    }
+
+    /// Whether routed experts of a few to a few dozen rows each run on the wgmma form of the
+    /// skinny products (`moe_wide_*` in `skinny.cu`; only where `wgmma` is on).
+    pub fn wide_experts(&self) -> bool {
+        self.inner.wide_experts
     }
 
     /// Turns per-dispatch timing on or off (the configuration sets the initial state).

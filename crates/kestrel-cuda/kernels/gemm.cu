@@ -401,17 +401,6 @@ using Mma2 = MmaTile<BITS, 2, S>;
 // registers, dequantised and stored; two steps of shared memory, one barrier a step.
 #define WG_TILE (GT_ROWS * GT_K)  // bf16 values of one 128 x 64 operand tile (16 KB)
 
-// Descriptor of a K-major operand tile in the 128-byte swizzle: start address, stride of 1024
-// bytes between groups of 8 rows; the leading offset is unused in this layout.
-__device__ __forceinline__ unsigned long long sw128_desc(const bf16* tile) {
-    return (unsigned long long)((smem_addr(tile) & 0x3FFFFu) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) | (1ull << 62);
-}
-// Ordinary and cp.async writes to shared memory become visible to wgmma (the async proxy).
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-
 // d (64 x 128, this thread's 64 floats) += A (64 x 16) * B (128 x 16)^T, both from shared memory.
 __device__ __forceinline__ void wgmma_m64n128k16(float d[64], unsigned long long a, unsigned long long b) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
@@ -501,7 +490,7 @@ struct WgTile {
                     for (int b = 0; b < 2; b++) b_store<BITS, true>(r[b], b_tile(st + 1) + b * 64 * GT_K);
                 }
             }
-            wgmma_wait_all();
+            wgmma_wait<0>();
         }
 #pragma unroll
         for (int i = 0; i < 64; i++) asm volatile("" : "+f"(acc[i])::"memory");

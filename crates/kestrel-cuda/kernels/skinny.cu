@@ -24,6 +24,9 @@
 // moe_skinny_down_*: ys[slot] = weight[slot] * (down_e act[pos]), bf16 (then moe_combine);
 // linear_skinny_*: out = x W^T in f32, x from its plain bf16 copy, 8 * NT tokens a block.
 // Names: <kernel>_{q4,q8}_<NT>_<KS>.
+//
+// On Hopper (sm_90a), the experts' products have a wgmma form for tiles of 16 to 64 rows
+// (moe_wide_*, wide_permute_x_*; the section at the end of this file).
 #include "kestrel.cuh"
 
 #if !defined(SK_WARPS)
@@ -396,3 +399,339 @@ SKINNY_FORMAT(4, bf16, q4)
 SKINNY_FORMAT(8, bf16, q8)
 SKINNY_FORMAT(4, float, q4f)
 SKINNY_FORMAT(8, float, q8f)
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// ---- the experts on wgmma (sm_90a): wide tiles ----
+//
+// For the 8 to 32 rows an expert gets in a large batched step or a short prefill chunk, where the
+// products above load each row's activations once per warp and gemm.cu's 128-row tiles
+// dequantise every weight into shared memory for rows that are mostly padding. A warpgroup takes
+// 64 features (16 a warp; the lanes' shares of the weights as above, dequantised into the register
+// A operand of wgmma m64nNk16) of one matrix against a tile of N rows of moe_sort's table (the B
+// operand, from shared memory); gate/up's blocks are two warpgroups, one a matrix, sharing the
+// rows. The rows stream through WS_STAGES stages of WS_STAGE values by cp.async, in the 128-byte
+// swizzle. They are stored in the order the A registers take their K values (the PW layout,
+// pw_index), so a stage is a plain copy of each row's next 256 bytes. The weights of a stage are
+// loaded about WS_AHEAD stages ahead into registers, then dequantised and multiplied in two groups
+// of 4 slices of 16 values. Registers bound the blocks a multiprocessor holds, so per-thread
+// state is kept small (one weight pointer, offsets for the scales, row addresses read from shared
+// memory at each copy). Measured against the skinny products and the GEMM tiles at Qwen3-30B-A3B's
+// shapes (ops/skinny.rs moe_wide_rows): faster from 8 to 32 rows an expert, slower at 4 and 64.
+#define WS_STAGE 128
+#define WS_STAGES 4
+#define WS_AHEAD 2
+
+// Where value k of a row of activations lies in the PW layout for BITS-bit weights. A run of
+// 4 * VALS values (a 16-byte piece of each of four lanes) is 8 (4-bit) or 4 (8-bit) slices of 16
+// positions, one product's K each. Lane q's value v of the run goes where its dequantised pair
+// sits in the A registers: 4-bit word j = v / 8 gives the pairs (e, e + 4) of its nibbles e < 4,
+// pair e in slice 2 j + e / 2 at positions 2 q, 2 q + 1 (+ 8 for odd e); 8-bit word j = v / 4
+// gives the pairs (0, 1) and (2, 3), in slice j at 2 q and 2 q + 8.
+template <int BITS>
+__device__ __forceinline__ unsigned pw_index(unsigned k) {
+    constexpr unsigned VALS = 128 / BITS, RUN = 4 * VALS;
+    const unsigned kr = k % RUN, q = kr / VALS, v = kr % VALS;
+    unsigned slice, pos;
+    if constexpr (BITS == 4) {
+        const unsigned e = v % 8, pair = e % 4;
+        slice = 2 * (v / 8) + pair / 2;
+        pos = 8 * (pair % 2) + 2 * q + e / 4;
+    } else {
+        const unsigned e = v % 4;
+        slice = v / 4;
+        pos = 8 * (e / 2) + 2 * q + e % 2;
+    }
+    return k - kr + 16 * slice + pos;
+}
+
+// A stage's weights for one lane: a run of 4-bit or two of 8-bit values.
+template <int BITS, typename S>
+struct WStage {
+    Run<1, S> run[WS_STAGE / (512 / BITS)];
+};
+
+// The A operands of one 64-value slab of a stage (slices 4 sl .. 4 sl + 3): 4-bit words 2 sl and
+// 2 sl + 1 of the run, or the 8-bit run sl.
+template <int BITS, typename S>
+__device__ __forceinline__ void wide_dequant(unsigned (&a)[4][4], const WStage<BITS, S>& st, int sl) {
+#pragma unroll
+    for (int jj = 0; jj < (BITS == 4 ? 2 : 4); jj++) {
+        const Run<1, S>& run = st.run[BITS == 4 ? 0 : sl];
+        const int j = BITS == 4 ? 2 * sl + jj : jj;
+        unsigned wd[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const uint4& w = run.w[0][r];
+            wd[r] = j == 0 ? w.x : j == 1 ? w.y : j == 2 ? w.z : w.w;
+        }
+        if constexpr (BITS == 4) {
+            unsigned pa[2][4];
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                if constexpr (sizeof(S) == 4)
+                    dequant_q4_pairs_f32(wd[r], run.s[0][r], run.b[0][r], pa[r]);
+                else
+                    dequant_q4_pairs(wd[r], __bfloat162bfloat162(run.s[0][r]), __bfloat162bfloat162(run.b[0][r]), pa[r]);
+            }
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                a[2 * jj + h][0] = pa[0][2 * h];
+                a[2 * jj + h][1] = pa[1][2 * h];
+                a[2 * jj + h][2] = pa[0][2 * h + 1];
+                a[2 * jj + h][3] = pa[1][2 * h + 1];
+            }
+        } else {
+            uint2 d[2];
+#pragma unroll
+            for (int r = 0; r < 2; r++) d[r] = dequant_q8(wd[r], to_f32(run.s[0][r]), to_f32(run.b[0][r]));
+            a[jj][0] = d[0].x;
+            a[jj][1] = d[1].x;
+            a[jj][2] = d[0].y;
+            a[jj][3] = d[1].y;
+        }
+    }
+}
+
+// acc += rows f0 + 16 * (warp % 4) .. of `mat` (this warp's 16 features of its warpgroup's 64)
+// times the N rows rows_src[r] (null: zeros) over all K (a multiple of WS_STAGE). The block's WG
+// warpgroups share the rows: they copy each stage together into smem (1024-byte aligned). Stage
+// t + 2 is copied while stage t is multiplied (four slots, so the slot refilled was last read by
+// stage t - 2, whose products are done), and each stage's two slabs are separate groups of
+// products, the second dequantised while the first runs.
+template <int BITS, int N, int WG, typename S>
+__device__ __forceinline__ void wide_product(float (&acc)[N / 2], const QMat& mat, unsigned f0, unsigned K,
+                                             unsigned group, const bf16* const* rows_src, bf16* smem) {
+    static_assert(WS_STAGES == 4, "stages are copied two ahead into four slots");
+    constexpr unsigned VALS = 128 / BITS, RUN = 4 * VALS, RPS = WS_STAGE / RUN, THREADS = 128 * WG;
+    // bf16 values of 64 columns of the rows; 16-byte copies a thread
+    constexpr unsigned SLAB = N * 64, PIECES = (N * 16 + THREADS - 1) / THREADS;
+    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32 % 4, g = lane / 4, q = lane % 4;
+    const unsigned row_bytes = K * BITS / 8, groups = K / group;
+    // Rows f0 + 16 * warp + g and 8 further of the weights; their groups from `sg`.
+    const unsigned char* w0 = mat.w + (f0 + 16 * warp + g) * row_bytes;
+    const S* sc = static_cast<const S*>(mat.s);
+    const S* bi = static_cast<const S*>(mat.b);
+    const unsigned sg = (f0 + 16 * warp + g) * groups;
+    const unsigned stages = K / WS_STAGE;
+    // This thread's 16-byte pieces of a stage: row r, piece u of its 256 bytes (64-column slab
+    // u / 8, at piece u % 8 swizzled by the row).
+    auto copy = [&](unsigned t) {
+        bf16* slot = smem + t % WS_STAGES * 2 * SLAB;
+#pragma unroll
+        for (unsigned j = 0; j < PIECES; j++) {
+            const unsigned i = threadIdx.x + THREADS * j, r = i / 16, u = i % 16;
+            if (N * 16 % THREADS == 0 || i < N * 16) {
+                const bf16* row = rows_src[r];
+                cp_async16(slot + u / 8 * SLAB + r * 64 + (((u % 8) ^ (r % 8)) << 3),
+                           (row ? row : rows_src[0]) + 8 * u + t * WS_STAGE, row != nullptr);
+            }
+        }
+    };
+    auto load = [&](WStage<BITS, S>& st, unsigned t) {
+#pragma unroll
+        for (unsigned rr = 0; rr < RPS; rr++) {
+            const unsigned k = t * WS_STAGE + rr * RUN + q * VALS, gi = sg + k / group;
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                st.run[rr].w[0][r] = ld_once(w0 + 8 * r * row_bytes + k * BITS / 8);
+                st.run[rr].s[0][r] = sc[gi + 8 * r * groups];
+                st.run[rr].b[0][r] = bi[gi + 8 * r * groups];
+            }
+        }
+    };
+#pragma unroll
+    for (unsigned t = 0; t < 2; t++) {
+        if (t < stages) copy(t);
+        cp_async_commit();
+    }
+    WStage<BITS, S> ahead[WS_AHEAD];
+#pragma unroll
+    for (unsigned d = 0; d < WS_AHEAD; d++)
+        if (d < stages) load(ahead[d], d);
+    unsigned a[2][4][4];
+    for (unsigned t0 = 0; t0 < stages; t0 += WS_AHEAD) {
+#pragma unroll
+        for (unsigned d = 0; d < WS_AHEAD; d++) {
+            const unsigned t = t0 + d;
+            if (t >= stages) break;
+            // Every product but stage t - 1's second slab is done (slot t + 2 and a[0] are free),
+            // and stage t is in shared memory for every thread.
+            wgmma_wait<1>();
+            cp_async_wait<1>();
+            fence_proxy_async();
+            __syncthreads();
+            if (t + 2 < stages) copy(t + 2);
+            cp_async_commit();
+            const unsigned long long desc = sw128_desc(smem + t % WS_STAGES * 2 * SLAB);
+#pragma unroll
+            for (int sl = 0; sl < 2; sl++) {
+                if (sl == 1) wgmma_wait<1>();  // stage t - 1's second slab: a[1] is free
+                wide_dequant<BITS, S>(a[sl], ahead[d], sl);
+                // The stage's weights are all in a[] now: their registers take stage t + WS_AHEAD.
+                if (sl == 1 && t + WS_AHEAD < stages) load(ahead[d], t + WS_AHEAD);
+                wgmma_fence();
+#pragma unroll
+                for (int s = 0; s < 4; s++) wgmma_rs<N>(acc, a[sl][s], desc + sl * (SLAB / 8) + 2 * s);
+                wgmma_commit();
+            }
+        }
+    }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < N / 2; i++) asm volatile("" : "+f"(acc[i])::"memory");
+}
+
+// The product of a tile's first NR rows, then out(feature, tile row, v[WG]) for every value of
+// the block's 64 features (blockIdx.x * 64 ..): v[w] the product with mats[w], taken by
+// warpgroup w (the second's handed to the first through shared memory).
+template <int BITS, int NR, int WG, typename S, class Out>
+__device__ __forceinline__ void wide_rows(const QMat (&mats)[WG], unsigned K, unsigned group,
+                                          const bf16* const* rows_src, bf16* smem, Out out) {
+    const unsigned f0 = blockIdx.x * 64, lane = threadIdx.x % 32, wg = threadIdx.x / 128, t = threadIdx.x % 128;
+    float acc[NR / 2];
+#pragma unroll
+    for (int i = 0; i < NR / 2; i++) acc[i] = 0.0f;
+    wide_product<BITS, NR, WG, S>(acc, mats[wg], f0, K, group, rows_src, smem);
+    float* other = reinterpret_cast<float*>(smem);  // [NR / 2][128], over the stages
+    if constexpr (WG == 2) {
+        __syncthreads();  // every product is done: the stages are free
+        if (wg == 1) {
+#pragma unroll
+            for (int i = 0; i < NR / 2; i++) other[i * 128 + t] = acc[i];
+        }
+        __syncthreads();
+        if (wg == 1) return;
+    }
+    // Accumulator 4 i + e: feature lane / 4 (+ 8 for e >= 2) of the warp's 16, row 8 i + 2 (lane
+    // % 4) + e % 2.
+    const unsigned f = f0 + 16 * (threadIdx.x / 32 % 4) + lane / 4;
+#pragma unroll
+    for (int i = 0; i < NR / 8; i++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            float v[WG];
+            v[0] = acc[4 * i + e];
+            if constexpr (WG == 2) v[1] = other[(4 * i + e) * 128 + t];
+            out(f + 8 * (e / 2), 8 * i + 2 * (lane % 4) + e % 2, v);
+        }
+}
+
+// A block's product over a tile of up to N rows: on products N / 2 wide when the tile's `rows`
+// fit them (a tile of an expert's last rows), else N.
+template <int BITS, int N, int WG, typename S, class Out>
+__device__ __forceinline__ void wide_block(const QMat (&mats)[WG], unsigned K, unsigned group, unsigned rows,
+                                           const bf16* const* rows_src, unsigned char* smem_raw, Out out) {
+    bf16* smem = reinterpret_cast<bf16*>(smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u));
+    if constexpr (N > 8) {
+        if (rows <= N / 2) {
+            wide_rows<BITS, N / 2, WG, S>(mats, K, group, rows_src, smem, out);
+            return;
+        }
+    }
+    wide_rows<BITS, N, WG, S>(mats, K, group, rows_src, smem, out);
+}
+
+// Grid (inter / 64, max_tiles), 256 threads (gate on the first warpgroup, up on the second),
+// wide_smem(N) bytes (ops/skinny.rs). xb: [tokens, hidden] bf16 in the PW layout; act: [slots,
+// inter] bf16 in sorted order and the PW layout.
+template <int BITS, typename S, int N>
+__device__ void wide_gate_up(const bf16* xb, const unsigned* order, const unsigned* tiles,
+                             const unsigned char* experts, bf16* act, unsigned hidden, unsigned inter, unsigned k,
+                             unsigned long long span, unsigned long long gw, unsigned long long gs,
+                             unsigned long long gb, unsigned long long uw, unsigned long long us,
+                             unsigned long long ub, unsigned group) {
+    extern __shared__ __align__(16) unsigned char ws_smem[];
+    __shared__ const bf16* rows_src[N];
+    const unsigned* tile = tiles + 3 * blockIdx.y;
+    const unsigned e = tile[0];
+    if (e == NO_TILE) return;
+    const unsigned pos0 = tile[1], rows = tile[2];
+    for (unsigned r = threadIdx.x; r < N; r += blockDim.x)
+        rows_src[r] = r < rows ? xb + (size_t)(order[pos0 + r] / k) * hidden : nullptr;
+    __syncthreads();
+    const unsigned char* sp = experts + (size_t)e * span;
+    const QMat mats[2] = {qmat(sp, gw, gs, gb), qmat(sp, uw, us, ub)};
+    wide_block<BITS, N, 2, S>(mats, hidden, group, rows, rows_src, ws_smem, [&](unsigned f, unsigned r, const float (&v)[2]) {
+        if (r < rows) act[(size_t)(pos0 + r) * inter + pw_index<BITS>(f)] = __float2bfloat16_rn(silu(v[0]) * v[1]);
+    });
+}
+
+// Grid (hidden / 64, max_tiles), 128 threads, wide_smem(N) bytes. act: [slots, inter] bf16 in
+// sorted order and the PW layout; ys: [slots, hidden] bf16 (weight times the f32 product, rounded
+// once).
+template <int BITS, typename S, int N>
+__device__ void wide_down(const bf16* act, const unsigned* order, const unsigned* tiles, const float* weights,
+                          const unsigned char* experts, bf16* ys, unsigned hidden, unsigned inter,
+                          unsigned long long span, unsigned long long dw, unsigned long long ds,
+                          unsigned long long db, unsigned group) {
+    extern __shared__ __align__(16) unsigned char ws_smem[];
+    __shared__ const bf16* rows_src[N];
+    __shared__ unsigned row_slot[N];
+    __shared__ float row_weight[N];
+    const unsigned* tile = tiles + 3 * blockIdx.y;
+    const unsigned e = tile[0];
+    if (e == NO_TILE) return;
+    const unsigned pos0 = tile[1], rows = tile[2];
+    for (unsigned r = threadIdx.x; r < N; r += blockDim.x) {
+        rows_src[r] = r < rows ? act + (size_t)(pos0 + r) * inter : nullptr;
+        if (r < rows) {
+            row_slot[r] = order[pos0 + r];
+            row_weight[r] = weights[row_slot[r]];
+        }
+    }
+    __syncthreads();
+    const QMat mats[1] = {qmat(experts + (size_t)e * span, dw, ds, db)};
+    wide_block<BITS, N, 1, S>(mats, inter, group, rows, rows_src, ws_smem, [&](unsigned f, unsigned r, const float (&v)[1]) {
+        if (r < rows) ys[(size_t)row_slot[r] * hidden + f] = __float2bfloat16_rn(row_weight[r] * v[0]);
+    });
+}
+
+// x (f32 [rows, K]) rounded to bf16 in the PW layout for BITS-bit weights: eight values a thread
+// (rows * K / 8 threads; K a multiple of the run).
+template <int BITS>
+__device__ void permute_x_pw(const float* x, bf16* out, unsigned rows, unsigned K) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)rows * K / 8) return;
+    const size_t row = i * 8 / K;
+    const unsigned k0 = i * 8 % K;
+    const float4* src = reinterpret_cast<const float4*>(x + i * 8);
+    const float4 a = src[0], b = src[1];
+    const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    bf16* dst = out + row * K;
+#pragma unroll
+    for (unsigned j = 0; j < 8; j++) dst[pw_index<BITS>(k0 + j)] = __float2bfloat16_rn(v[j]);
+}
+
+extern "C" __global__ void wide_permute_x_q4(const float* x, bf16* out, unsigned rows, unsigned K) {
+    pdl_begin();
+    permute_x_pw<4>(x, out, rows, K);
+}
+extern "C" __global__ void wide_permute_x_q8(const float* x, bf16* out, unsigned rows, unsigned K) {
+    pdl_begin();
+    permute_x_pw<8>(x, out, rows, K);
+}
+
+#define WIDE_MOE(BITS, S, NAME, N)                                                                         \
+    extern "C" __global__ void __launch_bounds__(256, 2) moe_wide_gate_up_##NAME##_##N(                       \
+        const bf16* xb, const unsigned* order, const unsigned* tiles, const unsigned char* experts, bf16* act, \
+        unsigned hidden, unsigned inter, unsigned k, unsigned long long span, unsigned long long gw,        \
+        unsigned long long gs, unsigned long long gb, unsigned long long uw, unsigned long long us,         \
+        unsigned long long ub, unsigned group) {                                                            \
+        pdl_begin();                                                                                         \
+        wide_gate_up<BITS, S, N>(xb, order, tiles, experts, act, hidden, inter, k, span, gw, gs, gb, uw, us, ub, \
+                                 group);                                                                     \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(128, 4) moe_wide_down_##NAME##_##N(                          \
+        const bf16* act, const unsigned* order, const unsigned* tiles, const float* weights,               \
+        const unsigned char* experts, bf16* ys, unsigned hidden, unsigned inter, unsigned long long span,    \
+        unsigned long long dw, unsigned long long ds, unsigned long long db, unsigned group) {              \
+        pdl_begin();                                                                                         \
+        wide_down<BITS, S, N>(act, order, tiles, weights, experts, ys, hidden, inter, span, dw, ds, db, group); \
+    }
+// Kernel names: moe_wide_{gate_up,down}_NAME_N, N the rows of a tile.
+#define WIDE_FORMAT(BITS, S, NAME) WIDE_MOE(BITS, S, NAME, 16) WIDE_MOE(BITS, S, NAME, 32) WIDE_MOE(BITS, S, NAME, 64)
+WIDE_FORMAT(4, bf16, q4)
+WIDE_FORMAT(8, bf16, q8)
+WIDE_FORMAT(4, float, q4f)
+WIDE_FORMAT(8, float, q8f)
+#endif

@@ -3,7 +3,8 @@
 //! scratch activations `[tokens * k, inter]` (int8 for quantised experts), then down with the
 //! weighted, ordered combine. More tokens: the slots sorted by expert on the device, each
 //! expert's rows through skinny products while an expert gets a few rows on average (4- and
-//! 8-bit experts), else through grouped tensor-core GEMMs, then the same ordered combine.
+//! 8-bit experts; on Hopper their wgmma form from 4 to 32 rows), else through grouped
+//! tensor-core GEMMs, then the same ordered combine.
 
 use kestrel_core::expert_slots::{book_words, HEADER, USE};
 use kestrel_core::ir::{ExpertFormat, LinearWeight, MatrixSpan, NormKind, Op};
@@ -70,7 +71,15 @@ fn grouped_fits(layout: &kestrel_core::ir::ExpertLayout) -> bool {
 #[derive(Clone, Copy)]
 enum Grouped {
     Tiles,
-    Skinny { nt: usize, bits: u32 },
+    Skinny {
+        nt: usize,
+        bits: u32,
+    },
+    /// `skinny.cu`'s wgmma products on row tiles of `rows` (Hopper; the same bits everywhere).
+    Wide {
+        rows: usize,
+        bits: u32,
+    },
 }
 
 /// Each product's kernel-name part and group size (`bf16`, 0 for bf16 matrices): gate/up's,
@@ -124,11 +133,13 @@ fn encode_grouped(
     let tile_rows = match how {
         Grouped::Tiles => GT_ROWS,
         Grouped::Skinny { nt, .. } => 8 * nt,
+        Grouped::Wide { rows, .. } => rows,
     };
     let max_tiles = slots.div_ceil(tile_rows) + layout.experts;
     let xb = match how {
         Grouped::Tiles => round_bf16(enc, x, tokens, h)?,
-        Grouped::Skinny { bits, .. } => skinny::permuted_x(enc, x, tokens, h, bits)?,
+        Grouped::Skinny { bits, .. } => skinny::permuted_x(enc, x, (tokens, h), bits, false)?,
+        Grouped::Wide { bits, .. } => skinny::permuted_x(enc, x, (tokens, h), bits, true)?,
     };
     let (order, tiles, act, ys) = (
         enc.workspace(DType::U32, slots)?,
@@ -207,6 +218,20 @@ fn encode_grouped(
             ));
             let down = as_launch(skinny::launch(enc, "moe_skinny_down", names.down.0, nt, h, used));
             (&skinny::MODULE, gate_up, down)
+        }
+        Grouped::Wide { rows, .. } => {
+            // gate and up on a warpgroup each, down on one.
+            let wide = |kernel: &str, name: &str, features: usize, warpgroups: u32| Launch {
+                kernel: format!("{kernel}_{name}_{rows}"),
+                grid_x: features / 64,
+                threads: 128 * warpgroups,
+                smem: skinny::wide_smem(rows),
+            };
+            (
+                &skinny::MODULE,
+                wide("moe_wide_gate_up", names.gate_up.0, i, 2),
+                wide("moe_wide_down", names.down.0, h, 1),
+            )
         }
     };
     let kern = enc.kernel(module, &gate_up.kernel)?;
@@ -622,12 +647,19 @@ fn encode_experts(op: &Op, enc: &mut Encoder, stream: Option<(&Buffer, &Buffer)>
             let exact = enc.exact.experts && bf16;
             // Skinny products for a few rows an expert, from two tokens on, where every matrix
             // has the same bits (gate/up writes the activations in down's layout for them).
+            // On Hopper, the wgmma form of them up to a few dozen rows an expert.
             let skinny = match layout.formats() {
                 [ExpertFormat::Quant(q), ExpertFormat::Quant(qd)]
                     if q.bits == qd.bits && tokens >= 2 && skinny::moe_fits(&layout, &e, &x) =>
                 {
-                    skinny::moe_row_tiles(tokens * k, layout.experts)
-                        .map(|nt| Grouped::Skinny { nt, bits: q.bits })
+                    let wide = skinny::moe_wide_fits(enc, &layout, &e, &x)
+                        .then(|| skinny::moe_wide_rows(tokens * k, layout.experts))
+                        .flatten();
+                    match wide {
+                        Some(rows) => Some(Grouped::Wide { rows, bits: q.bits }),
+                        None => skinny::moe_row_tiles(tokens * k, layout.experts)
+                            .map(|nt| Grouped::Skinny { nt, bits: q.bits }),
+                    }
                 }
                 _ => None,
             };
