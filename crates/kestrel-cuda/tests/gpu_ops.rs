@@ -130,7 +130,8 @@ fn moe_decode_at_model_shape_matches_the_cpu_backend() {
 /// (projections of 2 to 128 tokens; experts with a few rows each), at shapes that take every
 /// count of row tiles a warp holds and both ways of splitting K over warps: narrow and wide
 /// projections (17,600 outputs fill the GPU without a split), groups of 32 to 128, and experts
-/// with a half to 30 rows each behind the router's exact 8-bit product of as many tokens. On
+/// with a half to 20 rows each behind the router's exact 8-bit product of as many tokens (30
+/// rows each from given router logits: `moe_batch_shape` says why). On
 /// Hopper, experts of 7.5 to 30 rows each take the wgmma form of these products (tiles of 16, 32
 /// and 64 rows) with wgmma on, the mma.sync forms without it: the cases alternate between the
 /// two.

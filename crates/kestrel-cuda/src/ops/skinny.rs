@@ -111,7 +111,8 @@ pub(crate) fn launch(
 const WIDE_STAGE: usize = 128;
 const WIDE_STAGES: usize = 4;
 
-/// Dynamic shared memory of a wide block of `rows` rows (`WS_SMEM` in skinny.cu).
+/// Dynamic shared memory of a wide block of `rows` rows: the stages' slots and room to align them
+/// to 1024 bytes (they also hold gate/up's hand-over of up's products at the end).
 pub(crate) const fn wide_smem(rows: usize) -> usize {
     WIDE_STAGES * rows * WIDE_STAGE * 2 + 1024
 }
