@@ -29,8 +29,8 @@
 // (moe_wide_*, wide_permute_x_*; the section at the end of this file).
 #include "kestrel.cuh"
 
-#if !defined(SK_WARPS)
-#error "skinny.cu is compiled with ops/skinny.rs's SK_WARPS as a -D definition"
+#if !defined(SK_WARPS) || !defined(WS_STAGE) || !defined(WS_STAGES)
+#error "skinny.cu is compiled with ops/skinny.rs's SK_WARPS, WS_STAGE and WS_STAGES as -D definitions"
 #endif
 #define NO_TILE 0xffffffffu
 
@@ -417,8 +417,7 @@ SKINNY_FORMAT(8, float, q8f)
 // state is kept small (one weight pointer, offsets for the scales, row addresses read from shared
 // memory at each copy). Measured against the skinny products and the GEMM tiles at Qwen3-30B-A3B's
 // shapes (ops/skinny.rs moe_wide_rows): faster from 8 to 32 rows an expert, slower at 4 and 64.
-#define WS_STAGE 128
-#define WS_STAGES 4
+static_assert(WS_STAGE == 128, "a stage is a 4-bit run or two 8-bit runs: two 64-value slabs");
 #define WS_AHEAD 2
 
 // Where value k of a row of activations lies in the PW layout for BITS-bit weights. A run of

@@ -14,11 +14,19 @@ use crate::encoder::Encoder;
 
 /// Warps of a block.
 const SK_WARPS: usize = 4;
+/// K values a stage of the wide kernels takes, and the stages a block holds in shared memory
+/// (`WS_STAGE`, `WS_STAGES` in skinny.cu, which are these).
+const WIDE_STAGE: usize = 128;
+const WIDE_STAGES: usize = 4;
 
 pub(crate) const MODULE: ModuleSource = op_module(
     "skinny",
     include_str!("../../kernels/skinny.cu"),
-    &[("SK_WARPS", SK_WARPS as i64)],
+    &[
+        ("SK_WARPS", SK_WARPS as i64),
+        ("WS_STAGE", WIDE_STAGE as i64),
+        ("WS_STAGES", WIDE_STAGES as i64),
+    ],
 );
 
 /// Up to this many tokens, quantised projections run skinny; from there on, as `gemm.cu`'s tiles.
@@ -105,11 +113,6 @@ pub(crate) fn launch(
         features.div_ceil(16 * SK_WARPS / ks),
     )
 }
-
-/// K values a stage of the wide kernels takes (`WS_STAGE` in skinny.cu), and the stages a block
-/// holds in shared memory (`WS_STAGES`).
-const WIDE_STAGE: usize = 128;
-const WIDE_STAGES: usize = 4;
 
 /// Dynamic shared memory of a wide block of `rows` rows: the stages' slots and room to align them
 /// to 1024 bytes (they also hold gate/up's hand-over of up's products at the end).
