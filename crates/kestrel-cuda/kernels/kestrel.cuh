@@ -123,53 +123,70 @@ struct VecFormat {
     }
 };
 
-// One 16-byte vector `u` of a row (format BITS) times the staged x, added to acc; `scale` and
-// `bias` are the vector's group's and `sx` the plain sum of x over the vector (quantised formats
-// only: the bias multiplies it).
-template <int BITS>
-__device__ __forceinline__ void vec_dot_exact(float& acc, uint4 v, const float* xs, unsigned u, float scale,
-                                                  float bias, float sx) {
-    constexpr unsigned VALS = VecFormat<BITS>::VALS;
-    // x is read from shared memory per word, so only 8 of its values are live at once.
-    const float4* xp = reinterpret_cast<const float4*>(xs + padded(u * VALS));
+// The quantised form of vec_dot_exact_by with the weights' values given: wv(q, p, h) is value p
+// of the low (h = 0) or high (h = 1) half word of word q, as masked_value makes it (pre-scaled
+// like x: stage_x_sums divides x by the place value). One order of terms for every caller.
+template <int BITS, class WV, class XQ>
+__device__ __forceinline__ void vec_dot_exact_vals(float& acc, WV wv, XQ xq4, float scale, float bias, float sx) {
+    constexpr unsigned PER_HALF = VecFormat<BITS>::PER_HALF, PER_WORD = 2 * PER_HALF;
+    float qx = 0.0f;
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        float xq[PER_WORD];
+#pragma unroll
+        for (unsigned j = 0; j < PER_WORD / 4; j++) {
+            const float4 f = xq4(q * PER_WORD / 4 + j);
+            xq[4 * j] = f.x;
+            xq[4 * j + 1] = f.y;
+            xq[4 * j + 2] = f.z;
+            xq[4 * j + 3] = f.w;
+        }
+#pragma unroll
+        for (unsigned p = 0; p < PER_HALF; p++) {
+            qx += wv(q, p, 0) * xq[p];
+            qx += wv(q, p, 1) * xq[PER_HALF + p];
+        }
+    }
+    acc += scale * qx + bias * sx;
+}
+
+// One 16-byte vector of a row (format BITS) times x, added to acc; xq(j) gives the vector's j-th
+// four values of the staged x (float4), `scale` and `bias` are the vector's group's and `sx` the
+// plain sum of x over the vector (quantised formats only: the bias multiplies it). Every caller
+// adds the same terms in this order, whichever way it holds x.
+template <int BITS, class XQ>
+__device__ __forceinline__ void vec_dot_exact_by(float& acc, uint4 v, XQ xq4, float scale, float bias, float sx) {
     if constexpr (BITS == 16) {
 #pragma unroll
         for (int q = 0; q < 4; q++) {
-            const float4 xq = xp[q / 2];
+            const float4 xq = xq4(q / 2);
             const float x0 = q % 2 ? xq.z : xq.x, x1 = q % 2 ? xq.w : xq.y;
             const unsigned word = q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w;
             acc += __uint_as_float(word << 16) * x0 + __uint_as_float(word & 0xffff0000u) * x1;
         }
     } else if constexpr (BITS == 32) {
-        const float4 xq = xp[0];
+        const float4 xq = xq4(0);
         acc += __uint_as_float(v.x) * xq.x + __uint_as_float(v.y) * xq.y + __uint_as_float(v.z) * xq.z +
                __uint_as_float(v.w) * xq.w;
     } else {
-        constexpr unsigned PER_HALF = VecFormat<BITS>::PER_HALF, PER_WORD = 2 * PER_HALF;
         constexpr unsigned MASK = (1u << BITS) - 1u;
-        float qx = 0.0f;
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            float xq[PER_WORD];
-#pragma unroll
-            for (unsigned j = 0; j < PER_WORD / 4; j++) {
-                const float4 f = xp[q * PER_WORD / 4 + j];
-                xq[4 * j] = f.x;
-                xq[4 * j + 1] = f.y;
-                xq[4 * j + 2] = f.z;
-                xq[4 * j + 3] = f.w;
-            }
-            const unsigned word = q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w;
-            const unsigned hi = word >> 16;
-#pragma unroll
-            for (unsigned p = 0; p < PER_HALF; p++) {
-                const unsigned m = MASK << (BITS * p);
-                qx += masked_value(word, m) * xq[p];
-                qx += masked_value(hi, m) * xq[PER_HALF + p];
-            }
-        }
-        acc += scale * qx + bias * sx;
+        vec_dot_exact_vals<BITS>(
+            acc,
+            [&](int q, unsigned p, int h) {
+                const unsigned word = q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w;
+                return masked_value(h ? word >> 16 : word, MASK << (BITS * p));
+            },
+            xq4, scale, bias, sx);
     }
+}
+
+// vec_dot_exact_by with x read from shared memory (vector `u` of xs as stage_x_sums leaves it)
+// per word, so only 8 of its values are live at once.
+template <int BITS>
+__device__ __forceinline__ void vec_dot_exact(float& acc, uint4 v, const float* xs, unsigned u, float scale,
+                                              float bias, float sx) {
+    const float4* xp = reinterpret_cast<const float4*>(xs + padded(u * VecFormat<BITS>::VALS));
+    vec_dot_exact_by<BITS>(acc, v, [&](unsigned j) { return xp[j]; }, scale, bias, sx);
 }
 
 // The plain sum of VALS values of x, four at a time in order: what vec_dot_exact's bias multiplies.
@@ -181,11 +198,25 @@ __device__ __forceinline__ float plain_sum(const float4* f) {
     return sx;
 }
 
-// Stages x[0..n) (16-byte aligned) into xs, padded and pre-scaled for format BITS, and for
-// quantised formats the plain sum of every 16-byte vector's values (as plain_sum adds them) into
-// xsum[n / VALS]. A thread per vector, its loads issued together: one round trip to memory, and
-// the products read one sum per vector instead of its values a second time. Synchronises the
-// block.
+// One 16-byte vector u of x (its F4 float4s f) staged into xs, padded and pre-scaled for format
+// BITS, and for quantised formats its plain sum (as plain_sum adds them) into xsum[u].
+template <int BITS>
+__device__ __forceinline__ void stage_vector(const float4 (&f)[VecFormat<BITS>::VALS / 4], float* xs, float* xsum,
+                                             unsigned u) {
+    constexpr unsigned VALS = VecFormat<BITS>::VALS, F4 = VALS / 4;
+#pragma unroll
+    for (unsigned j = 0; j < F4; j++) {
+        const unsigned i = u * VALS + 4 * j;  // four values of one padded run of 32
+        *reinterpret_cast<float4*>(xs + padded(i)) =
+            make_float4(f[j].x * VecFormat<BITS>::x_scale(i), f[j].y * VecFormat<BITS>::x_scale(i + 1),
+                        f[j].z * VecFormat<BITS>::x_scale(i + 2), f[j].w * VecFormat<BITS>::x_scale(i + 3));
+    }
+    if constexpr (QUANTISED<BITS>) xsum[u] = plain_sum<VALS>(f);
+}
+
+// Stages x[0..n) (16-byte aligned) into xs as stage_vector does, xsum[n / VALS] the vectors'
+// sums. A thread per vector, its loads issued together: one round trip to memory, and the
+// products read one sum per vector instead of its values a second time. Synchronises the block.
 template <int BITS>
 __device__ __forceinline__ void stage_x_sums(const float* x, float* xs, float* xsum, unsigned n) {
     constexpr unsigned VALS = VecFormat<BITS>::VALS, F4 = VALS / 4;
@@ -193,14 +224,38 @@ __device__ __forceinline__ void stage_x_sums(const float* x, float* xs, float* x
         float4 f[F4];
 #pragma unroll
         for (unsigned j = 0; j < F4; j++) f[j] = reinterpret_cast<const float4*>(x)[u * F4 + j];
+        stage_vector<BITS>(f, xs, xsum, u);
+    }
+    __syncthreads();
+}
+
+// stage_x_sums for `rows` rows of x (n values each) at once, row t into xs + t * stride (its sums
+// after its padded_len(n) values): each thread loads up to 64 bytes of vectors before it stages
+// them, so the rows take one round trip to memory, not one each. Synchronises the block.
+template <int BITS>
+__device__ __forceinline__ void stage_x_sums_rows(const float* x, float* xs, unsigned stride, unsigned n,
+                                                  unsigned rows) {
+    constexpr unsigned VALS = VecFormat<BITS>::VALS, F4 = VALS / 4, PER = F4 >= 4 ? 16 / F4 : 4;
+    const unsigned nv = n / VALS, items = rows * nv;
+    for (unsigned base = threadIdx.x; base < items; base += PER * blockDim.x) {
+        float4 f[PER][F4];
 #pragma unroll
-        for (unsigned j = 0; j < F4; j++) {
-            const unsigned i = u * VALS + 4 * j;  // four values of one padded run of 32
-            *reinterpret_cast<float4*>(xs + padded(i)) =
-                make_float4(f[j].x * VecFormat<BITS>::x_scale(i), f[j].y * VecFormat<BITS>::x_scale(i + 1),
-                            f[j].z * VecFormat<BITS>::x_scale(i + 2), f[j].w * VecFormat<BITS>::x_scale(i + 3));
+        for (unsigned p = 0; p < PER; p++) {
+            const unsigned i = base + p * blockDim.x;
+            if (i < items) {
+#pragma unroll
+                for (unsigned j = 0; j < F4; j++)
+                    f[p][j] = reinterpret_cast<const float4*>(x + (size_t)(i / nv) * n)[i % nv * F4 + j];
+            }
         }
-        if constexpr (QUANTISED<BITS>) xsum[u] = plain_sum<VALS>(f);
+#pragma unroll
+        for (unsigned p = 0; p < PER; p++) {
+            const unsigned i = base + p * blockDim.x;
+            if (i < items) {
+                float* xt = xs + i / nv * stride;
+                stage_vector<BITS>(f[p], xt, xt + padded_len(n), i % nv);
+            }
+        }
     }
     __syncthreads();
 }

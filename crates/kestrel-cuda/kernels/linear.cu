@@ -17,10 +17,10 @@
 #include "kestrel.cuh"
 
 // The launch geometry comes from the host (`ops/linear.rs`) as -D definitions: TOKENS (linear_*),
-// VEC_WARPS, VEC_ROWS, VEC_BLOCKS_PER_SM (matvec_bf16, _exact), EX_TOKENS (_exact_tokens),
+// VEC_WARPS, VEC_ROWS, VEC_BLOCKS_PER_SM (matvec_bf16, _exact), EX_TOKENS, EX_WARPS (_exact_tokens),
 // DP_WARPS, DP_ROWS, DP_STAGES, DP_BLOCKS_PER_SM (_dp4a).
 #if !defined(TOKENS) || !defined(VEC_WARPS) || !defined(VEC_ROWS) || !defined(VEC_BLOCKS_PER_SM) || \
-    !defined(EX_TOKENS) || !defined(DP_WARPS) || !defined(DP_ROWS) || !defined(DP_STAGES) ||         \
+    !defined(EX_TOKENS) || !defined(EX_WARPS) || !defined(DP_WARPS) || !defined(DP_ROWS) || !defined(DP_STAGES) ||         \
     !defined(DP_BLOCKS_PER_SM)
 #error "linear.cu is compiled with the launch geometry of ops/linear.rs as -D definitions"
 #endif
@@ -209,14 +209,12 @@ __device__ void matvec_exact_tokens(const float* x, const void* w, const S* scal
     extern __shared__ __align__(16) float xs[];
     const unsigned stride = exact_stride(in_dim, VALS);
     const unsigned t0 = blockIdx.y * EX_TOKENS, nt = min((unsigned)EX_TOKENS, tokens - t0);
-    for (unsigned t = 0; t < nt; t++)
-        stage_x_sums<BITS>(x + (size_t)(t0 + t) * in_dim, xs + t * stride, xs + t * stride + padded_len(in_dim),
-                           in_dim);
+    stage_x_sums_rows<BITS>(x + (size_t)t0 * in_dim, xs, stride, in_dim, nt);
     const unsigned lane = threadIdx.x % 32;
     const unsigned nvec = in_dim / VALS, groups = QUANTISED<BITS> ? in_dim / group : 0;
     const unsigned tiles = (out_dim + VEC_ROWS - 1) / VEC_ROWS;
     const uint4* W = reinterpret_cast<const uint4*>(w);
-    for (unsigned tile = blockIdx.x * VEC_WARPS + threadIdx.x / 32; tile < tiles; tile += gridDim.x * VEC_WARPS) {
+    for (unsigned tile = blockIdx.x * EX_WARPS + threadIdx.x / 32; tile < tiles; tile += gridDim.x * EX_WARPS) {
         const unsigned row0 = tile * VEC_ROWS;
         float acc[EX_TOKENS][VEC_ROWS];
 #pragma unroll
@@ -236,21 +234,60 @@ __device__ void matvec_exact_tokens(const float* x, const void* w, const S* scal
             for (unsigned i = 0; i < U; i++) {
                 const unsigned u = u0 + 32 * i;
                 if (u >= nvec) break;
+                float scale[VEC_ROWS], bias[VEC_ROWS];
 #pragma unroll
                 for (int r = 0; r < VEC_ROWS; r++) {
-                    if (row0 + r >= out_dim) continue;
-                    float scale = 0.0f, bias = 0.0f;
+                    scale[r] = bias[r] = 0.0f;
                     if constexpr (QUANTISED<BITS>) {
-                        const size_t gi = (size_t)(row0 + r) * groups + (u * VALS) / group;
-                        scale = to_f32(scales[gi]);
-                        bias = to_f32(biases[gi]);
+                        if (row0 + r < out_dim) {
+                            const size_t gi = (size_t)(row0 + r) * groups + (u * VALS) / group;
+                            scale[r] = to_f32(scales[gi]);
+                            bias[r] = to_f32(biases[gi]);
+                        }
                     }
+                }
+                // A token's x as float4 j of the vector.
+                auto x_of = [&](int t) {
+                    return reinterpret_cast<const float4*>(xs + t * stride + padded(u * VALS));
+                };
+                if constexpr (QUANTISED<BITS>) {
+                    // A row's values made once for every token (x read again for each row: the
+                    // registers of every row's values at once cost more blocks than they save).
+                    constexpr unsigned PER_HALF = VecFormat<BITS>::PER_HALF, MASK = (1u << BITS) - 1u;
+#pragma unroll
+                    for (int r = 0; r < VEC_ROWS; r++) {
+                        if (row0 + r >= out_dim) continue;
+                        float wf[4][PER_HALF][2];
+#pragma unroll
+                        for (int q = 0; q < 4; q++) {
+                            const uint4& vv = v[i][r];
+                            const unsigned word = q == 0 ? vv.x : q == 1 ? vv.y : q == 2 ? vv.z : vv.w;
+#pragma unroll
+                            for (unsigned p = 0; p < PER_HALF; p++)
+#pragma unroll
+                                for (int h = 0; h < 2; h++)
+                                    wf[q][p][h] = masked_value(h ? word >> 16 : word, MASK << (BITS * p));
+                        }
+#pragma unroll
+                        for (int t = 0; t < EX_TOKENS; t++) {
+                            if (t >= nt) break;
+                            const float4* xp = x_of(t);
+                            const float sx = xs[t * stride + padded_len(in_dim) + u];
+                            vec_dot_exact_vals<BITS>(
+                                acc[t][r], [&](int q, unsigned p, int h) { return wf[q][p][h]; },
+                                [&](unsigned j) { return xp[j]; }, scale[r], bias[r], sx);
+                        }
+                    }
+                } else {
 #pragma unroll
                     for (int t = 0; t < EX_TOKENS; t++) {
                         if (t >= nt) break;
-                        const float* xt = xs + t * stride;
-                        vec_dot_exact<BITS>(acc[t][r], v[i][r], xt, u, scale, bias,
-                                            QUANTISED<BITS> ? xt[padded_len(in_dim) + u] : 0.0f);
+                        const float4* xp = x_of(t);
+#pragma unroll
+                        for (int r = 0; r < VEC_ROWS; r++)
+                            if (row0 + r < out_dim)
+                                vec_dot_exact_by<BITS>(acc[t][r], v[i][r], [&](unsigned j) { return xp[j]; },
+                                                       0.0f, 0.0f, 0.0f);
                     }
                 }
             }
@@ -266,14 +303,14 @@ __device__ void matvec_exact_tokens(const float* x, const void* w, const S* scal
 }
 
 #define MATVEC_EXACT_TOKENS(BITS, S, NAME)                                                                           \
-    extern "C" __global__ void __launch_bounds__(32 * VEC_WARPS)                                           \
+    extern "C" __global__ void __launch_bounds__(32 * EX_WARPS)                                           \
         matvec_##NAME##_exact_tokens(const float* x, const unsigned* w, const S* scales,                \
                                       const S* biases, float* out, unsigned tokens, unsigned in_dim,     \
                                       unsigned out_dim, unsigned group) {                                   \
         pdl_begin();                                                                                        \
         matvec_exact_tokens<BITS, S>(x, w, scales, biases, out, tokens, in_dim, out_dim, group);               \
     }
-extern "C" __global__ void __launch_bounds__(32 * VEC_WARPS)
+extern "C" __global__ void __launch_bounds__(32 * EX_WARPS)
     matvec_f32_exact_tokens(const float* x, const float* w, float* out, unsigned tokens, unsigned in_dim,
                             unsigned out_dim) {
     pdl_begin();

@@ -36,6 +36,7 @@ pub(crate) const MODULE: ModuleSource = op_module(
         ("VEC_ROWS", VEC_ROWS as i64),
         ("VEC_BLOCKS_PER_SM", VEC_BLOCKS_PER_SM as i64),
         ("EX_TOKENS", EX_TOKENS as i64),
+        ("EX_WARPS", EX_WARPS as i64),
         ("DP_WARPS", DP_WARPS as i64),
         ("DP_ROWS", DP_ROWS as i64),
         ("DP_STAGES", DP_STAGES as i64),
@@ -174,6 +175,8 @@ const NARROW_MAX_TOKENS: usize = 256;
 /// Router logits of 512 tokens took 78.5 µs a layer through `linear_q8`, 65 µs as 512 rows of
 /// `matvec_q8_exact`.
 const EX_TOKENS: usize = 8;
+/// Warps of a `matvec_q*_exact_tokens` block.
+const EX_WARPS: usize = 8;
 
 /// The product of a quantised or f32 weight and f32 activations with nothing rounded beyond f32
 /// arithmetic, for the logits a router decides from (a token's logits the same, bit for bit,
@@ -217,18 +220,22 @@ fn encode_matvec_exact(
     let out = enc.buf(out)?.clone();
     // Blocks per grid row: the persistent blocks shared out among the rows (tokens, or groups
     // of EX_TOKENS), each walking tiles of VEC_ROWS rows a warp.
-    let tiles = out_dim.div_ceil(VEC_WARPS * VEC_ROWS);
     let persistent = VEC_BLOCKS_PER_SM * enc.device.info().sm_count as usize;
-    let (kernel, rows) = match per_token {
-        true => (format!("matvec_{name}_exact"), tokens),
-        false => (format!("matvec_{name}_exact_tokens"), tokens.div_ceil(EX_TOKENS)),
+    let (kernel, rows, warps) = match per_token {
+        true => (format!("matvec_{name}_exact"), tokens, VEC_WARPS),
+        false => (
+            format!("matvec_{name}_exact_tokens"),
+            tokens.div_ceil(EX_TOKENS),
+            EX_WARPS,
+        ),
     };
+    let tiles = out_dim.div_ceil(warps * VEC_ROWS);
     let grid = (u32_arg(tiles.min(persistent.div_ceil(rows)))?, u32_arg(rows)?);
     let k = enc.kernel(&MODULE, &kernel)?;
     let mut b = enc
         .dispatch(&k)
         .grid(grid)
-        .block(u32_arg(32 * VEC_WARPS)?)
+        .block(u32_arg(32 * warps)?)
         .shared_mem(u32_arg(smem)?)
         .read(x);
     for part in &parts {
