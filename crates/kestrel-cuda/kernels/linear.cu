@@ -194,7 +194,8 @@ MATVEC_EXACT(4, float, q4f)
 MATVEC_EXACT(8, float, q8f)
 
 // The exact path for many tokens: matvec_q*_exact's arithmetic, EX_TOKENS tokens a block (grid
-// row y), so each weight vector a warp loads serves all of them. Every (token, row) adds the same
+// row y, staged together in one round trip), so each weight vector a warp loads, and each
+// quantised vector's values, serve all of them. Every (token, row) adds the same
 // terms in the same order as rows_dot and warp_sum, so a token's logits are bit for bit those it
 // gets alone. Dynamic shared memory: EX_TOKENS * exact_stride(in_dim) floats.
 __host__ __device__ constexpr unsigned exact_stride(unsigned in_dim, unsigned vals) {
