@@ -20,8 +20,8 @@
 // VEC_WARPS, VEC_ROWS, VEC_BLOCKS_PER_SM (matvec_bf16, _exact), EX_TOKENS, EX_WARPS (_exact_tokens),
 // DP_WARPS, DP_ROWS, DP_STAGES, DP_BLOCKS_PER_SM (_dp4a).
 #if !defined(TOKENS) || !defined(VEC_WARPS) || !defined(VEC_ROWS) || !defined(VEC_BLOCKS_PER_SM) || \
-    !defined(EX_TOKENS) || !defined(EX_WARPS) || !defined(DP_WARPS) || !defined(DP_ROWS) || !defined(DP_STAGES) ||         \
-    !defined(DP_BLOCKS_PER_SM)
+    !defined(EX_TOKENS) || !defined(EX_WARPS) || !defined(DP_WARPS) || !defined(DP_ROWS) ||            \
+    !defined(DP_STAGES) || !defined(DP_BLOCKS_PER_SM)
 #error "linear.cu is compiled with the launch geometry of ops/linear.rs as -D definitions"
 #endif
 
@@ -195,9 +195,8 @@ MATVEC_EXACT(8, float, q8f)
 
 // The exact path for many tokens: matvec_q*_exact's arithmetic, EX_TOKENS tokens a block (grid
 // row y, staged together in one round trip), so each weight vector a warp loads, and each
-// quantised vector's values, serve all of them. Every (token, row) adds the same
-// terms in the same order as rows_dot and warp_sum, so a token's logits are bit for bit those it
-// gets alone. Dynamic shared memory: EX_TOKENS * exact_stride(in_dim) floats.
+// quantised vector's values, serve all of them. Every (token, row) adds the same terms in the
+// same order as rows_dot and warp_sum, so a token's logits are bit for bit those it gets alone. Dynamic shared memory: EX_TOKENS * exact_stride(in_dim) floats.
 __host__ __device__ constexpr unsigned exact_stride(unsigned in_dim, unsigned vals) {
     return (padded_len(in_dim) + in_dim / vals + 3) / 4 * 4;
 }

@@ -414,9 +414,8 @@ SKINNY_FORMAT(8, float, q8f)
 // pw_index), so a stage is a plain copy of each row's next 256 bytes. The weights of a stage are
 // loaded about WS_AHEAD stages ahead into registers, then dequantised and multiplied, 8 slices of
 // 16 values, as one group of products (tiles of 32 and 64 rows) or two (16; see wide_product).
-// Registers bound the blocks a multiprocessor holds, so per-thread
-// state is kept small (one weight pointer, offsets for the scales, row addresses read from shared
-// memory at each copy). Measured against the skinny products and the GEMM tiles at Qwen3-30B-A3B's
+// Registers bound the blocks a multiprocessor holds, so per-thread state is kept small (one
+// weight pointer, offsets for the scales, row addresses read from shared memory at each copy). Measured against the skinny products and the GEMM tiles at Qwen3-30B-A3B's
 // shapes (ops/skinny.rs moe_wide_rows): faster from 8 to 32 rows an expert, slower at 4 and 64.
 static_assert(WS_STAGE == 128, "a stage is a 4-bit run or two 8-bit runs: two 64-value slabs");
 #define WS_AHEAD 2
