@@ -501,7 +501,7 @@ __device__ __forceinline__ void wide_dequant(unsigned (&a)[4][4], const WStage<B
 // ONE_GROUP true: a stage's two slabs are dequantised after the last stage's products are done,
 // then run as one group of eight unserialised products. Measured on an H200 at Qwen3-30B-A3B's
 // shapes: tiles of 32 and 64 rows faster as one group (gate/up 137 to 125 us a layer at 256
-// sequences, 120 to 112 at 512 tokens), tiles of 16 not (128 sequences 1% slower).
+// sequences, 120 to 112 at 512 tokens), tiles of 16 not (128 sequences 2.5% slower).
 template <int BITS, int N, int WG, typename S, bool ONE_GROUP>
 __device__ __forceinline__ void wide_product(float (&acc)[N / 2], const QMat& mat, unsigned f0, unsigned K,
                                              unsigned group, const bf16* const* rows_src, bf16* smem) {
