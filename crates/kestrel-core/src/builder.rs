@@ -111,6 +111,12 @@ impl GraphBuilder {
         if !format.fits(cols) {
             self.fail(label, format!("{cols} columns do not fit {format:?}"));
         }
+        if format.scale == ScaleType::Factored {
+            self.fail(
+                label,
+                "factored group scales are held by routed experts only".to_string(),
+            );
+        }
         let scale = scale_dtype(format.scale);
         LinearWeight::Quant {
             weight: self.weight(
@@ -1337,10 +1343,12 @@ impl GraphBuilder {
     }
 }
 
-/// The dtype of a quantised weight's scales and biases.
+/// The dtype of a quantised projection's scales and biases (factored ones, which projections do
+/// not take, as their bytes).
 fn scale_dtype(t: ScaleType) -> DType {
     match t {
         ScaleType::Bf16 => DType::BF16,
         ScaleType::F32 => DType::F32,
+        ScaleType::Factored => DType::U8,
     }
 }

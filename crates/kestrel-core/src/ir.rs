@@ -312,14 +312,13 @@ impl ExpertLayout {
                 }
             }
             ExpertFormat::Quant(q) => {
-                let part = rows * q.groups_per_row(cols) * q.scale.size_in_bytes();
                 let scales = a(start + rows * q.words_per_row(cols) * 4);
-                let biases = a(scales + part);
+                let biases = a(scales + q.scale_part(rows, cols));
                 MatrixSpan {
                     weight: start,
                     scales,
                     biases,
-                    end: a(biases + part),
+                    end: a(biases + q.bias_part(rows, cols)),
                 }
             }
         }

@@ -6,7 +6,8 @@
 //! 8 values, with 8 bits 4. A `[rows, cols]` matrix becomes `weight: u32 [rows, cols * bits / 32]`,
 //! `scales` and `biases: [rows, cols / group_size]`, in bf16 as MLX stores them, or in f32 for
 //! what bf16 cannot hold exactly (GGUF's block formats: a k-quant's scale is an f16 times a 6-bit
-//! integer).
+//! integer), or factored as a k-quant stores them ([`ScaleType::Factored`]): per group a signed
+//! byte of the scale and one of the bias, per 256 values an f32 unit each is a multiple of.
 
 use half::bf16;
 
@@ -15,12 +16,23 @@ use half::bf16;
 pub enum ScaleType {
     Bf16,
     F32,
+    /// A k-quant's two levels, exactly: each group's scale is `units[s].0 * n_scale` and its bias
+    /// `units[s].1 * n_bias`, `n_scale` and `n_bias` signed bytes of the group and `units[s]` two
+    /// f32 of its super-block of [`SUPER_BLOCK`] values. The `scales` part holds the bytes,
+    /// `[n_scale, n_bias]` a group; the `biases` part the units, `[unit_scale, unit_bias]` (f32) a
+    /// super-block. Rows are whole super-blocks.
+    Factored,
 }
 
+/// Values sharing the units of [`ScaleType::Factored`] (a k-quant's super-block).
+pub const SUPER_BLOCK: usize = 256;
+
 impl ScaleType {
+    /// Bytes of one stored scale (or bias) of the plain types; for `Factored`, of a group's pair
+    /// of multiples (the units are counted apart: [`QuantFormat::bias_part`]).
     pub fn size_in_bytes(&self) -> usize {
         match self {
-            ScaleType::Bf16 => 2,
+            ScaleType::Bf16 | ScaleType::Factored => 2,
             ScaleType::F32 => 4,
         }
     }
@@ -29,29 +41,31 @@ impl ScaleType {
     pub fn round(&self, v: f32) -> f32 {
         match self {
             ScaleType::Bf16 => bf16::from_f32(v).to_f32(),
-            ScaleType::F32 => v,
+            ScaleType::F32 | ScaleType::Factored => v,
         }
     }
 
-    /// The little-endian bytes of `values` in this type (each already representable).
-    pub fn bytes(&self, values: &[f32]) -> Vec<u8> {
+    /// The little-endian bytes of `values` in this type (each already representable): a plain
+    /// type's, or as f32 (`Factored`'s units; its multiples are written by
+    /// [`QuantFormat::group_bytes`]).
+    fn bytes(&self, values: &[f32]) -> Vec<u8> {
         match self {
             ScaleType::Bf16 => values
                 .iter()
                 .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
                 .collect(),
-            ScaleType::F32 => values.iter().flat_map(|&v| v.to_le_bytes()).collect(),
+            ScaleType::F32 | ScaleType::Factored => values.iter().flat_map(|&v| v.to_le_bytes()).collect(),
         }
     }
 
-    /// Values from little-endian bytes of this type.
-    pub fn values(&self, bytes: &[u8]) -> Vec<f32> {
+    /// Values from little-endian bytes of a plain type (`Factored`: f32, its units).
+    fn values(&self, bytes: &[u8]) -> Vec<f32> {
         match self {
             ScaleType::Bf16 => bytes
                 .chunks_exact(2)
                 .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
                 .collect(),
-            ScaleType::F32 => bytes
+            ScaleType::F32 | ScaleType::Factored => bytes
                 .chunks_exact(4)
                 .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
                 .collect(),
@@ -89,6 +103,20 @@ impl QuantFormat {
         }
     }
 
+    /// The same values factored as a k-quant stores them ([`ScaleType::Factored`]).
+    pub const fn factored(bits: u32, group_size: usize) -> QuantFormat {
+        QuantFormat {
+            bits,
+            group_size,
+            scale: ScaleType::Factored,
+        }
+    }
+
+    /// Groups sharing the units of a super-block (`Factored`).
+    pub fn groups_per_super(&self) -> usize {
+        SUPER_BLOCK / self.group_size
+    }
+
     pub fn values_per_word(&self) -> usize {
         (32 / self.bits) as usize
     }
@@ -108,12 +136,155 @@ impl QuantFormat {
             && self.group_size > 0
             && cols % self.group_size == 0
             && self.group_size % self.values_per_word() == 0
+            && (self.scale != ScaleType::Factored
+                || (SUPER_BLOCK % self.group_size == 0 && cols % SUPER_BLOCK == 0))
+    }
+
+    /// Bytes of the `scales` part of a `[rows, cols]` matrix.
+    pub fn scale_part(&self, rows: usize, cols: usize) -> usize {
+        rows * self.groups_per_row(cols) * self.scale.size_in_bytes()
+    }
+
+    /// Bytes of the `biases` part of a `[rows, cols]` matrix (`Factored`: the units).
+    pub fn bias_part(&self, rows: usize, cols: usize) -> usize {
+        match self.scale {
+            ScaleType::Factored => rows * (cols / SUPER_BLOCK) * 8,
+            _ => self.scale_part(rows, cols),
+        }
     }
 
     /// Bytes of weight, scales and biases for a `[rows, cols]` matrix.
     pub fn bytes(&self, rows: usize, cols: usize) -> usize {
-        rows * (self.words_per_row(cols) * 4 + self.groups_per_row(cols) * 2 * self.scale.size_in_bytes())
+        rows * self.words_per_row(cols) * 4 + self.scale_part(rows, cols) + self.bias_part(rows, cols)
     }
+
+    /// The `scales` and `biases` parts storing the groups' `scales` and `biases` (row-major, whole
+    /// rows). None when this format cannot hold them exactly: a plain type's values must be
+    /// representable in it ([`ScaleType::round`]); a factored super-block's scales (and its
+    /// biases) must be one unit's multiples by signed bytes, as every k-quant's are.
+    pub fn group_bytes(&self, scales: &[f32], biases: &[f32]) -> Option<(Vec<u8>, Vec<u8>)> {
+        if scales.len() != biases.len() {
+            return None;
+        }
+        if self.scale != ScaleType::Factored {
+            let exact = |v: &[f32]| v.iter().all(|&x| self.scale.round(x).to_bits() == x.to_bits());
+            return (exact(scales) && exact(biases))
+                .then(|| (self.scale.bytes(scales), self.scale.bytes(biases)));
+        }
+        let per = self.groups_per_super();
+        if scales.len() % per != 0 {
+            return None;
+        }
+        let mut pairs = Vec::with_capacity(2 * scales.len());
+        let mut units = Vec::with_capacity(8 * scales.len() / per);
+        for (s, b) in scales.chunks_exact(per).zip(biases.chunks_exact(per)) {
+            let (us, ns) = factor(s)?;
+            let (ub, nb) = factor(b)?;
+            for (ns, nb) in ns.into_iter().zip(nb) {
+                pairs.extend([ns as u8, nb as u8]);
+            }
+            units.extend(us.to_le_bytes());
+            units.extend(ub.to_le_bytes());
+        }
+        Some((pairs, units))
+    }
+
+    /// The groups' scales and biases from the parts [`QuantFormat::group_bytes`] writes.
+    pub fn group_values(&self, scale_part: &[u8], bias_part: &[u8]) -> (Vec<f32>, Vec<f32>) {
+        if self.scale != ScaleType::Factored {
+            return (self.scale.values(scale_part), self.scale.values(bias_part));
+        }
+        let per = self.groups_per_super();
+        let mut scales = Vec::with_capacity(scale_part.len() / 2);
+        let mut biases = Vec::with_capacity(scale_part.len() / 2);
+        for (pairs, units) in scale_part.chunks_exact(2 * per).zip(bias_part.chunks_exact(8)) {
+            let [us, ub] = [0, 1].map(|i| {
+                f32::from_le_bytes([units[4 * i], units[4 * i + 1], units[4 * i + 2], units[4 * i + 3]])
+            });
+            for p in pairs.chunks_exact(2) {
+                scales.push(us * p[0] as i8 as f32);
+                biases.push(ub * p[1] as i8 as f32);
+            }
+        }
+        (scales, biases)
+    }
+}
+
+/// `values` as one f32 unit times signed bytes, each product exactly the value (a zero of
+/// either sign as a zero multiple), or None. The unit is the largest that divides every value:
+/// writing each nonzero value as an odd integer times a power of two, the greatest common divisor
+/// of the odd integers times the smallest power, negated where only that fits the bytes. A
+/// k-quant's super-block (values `d * n` for its f16 `d` and signed bytes `n`) always factors:
+/// each multiple found is at most its `|n|`, of `n`'s sign times `d`'s.
+fn factor(values: &[f32]) -> Option<(f32, Vec<i8>)> {
+    fn gcd(a: u64, b: u64) -> u64 {
+        if b == 0 {
+            a
+        } else {
+            gcd(b, a % b)
+        }
+    }
+    // (negative, odd integer, exponent) of each nonzero value: |v| = odd * 2^exponent.
+    let mut parts = Vec::with_capacity(values.len());
+    for &v in values {
+        if !v.is_finite() {
+            return None;
+        }
+        if v == 0.0 {
+            parts.push(None);
+            continue;
+        }
+        let bits = v.to_bits();
+        let (exp, frac) = ((bits >> 23) & 0xFF, bits & 0x7F_FFFF);
+        let (m, e) = if exp == 0 {
+            (frac as u64, -149)
+        } else {
+            ((frac | 0x80_0000) as u64, exp as i32 - 150)
+        };
+        let tz = m.trailing_zeros();
+        parts.push(Some((v < 0.0, m >> tz, e + tz as i32)));
+    }
+    let (g, e0) = parts
+        .iter()
+        .flatten()
+        .fold((0u64, i32::MAX), |(g, e0), &(_, m, e)| (gcd(g, m), e0.min(e)));
+    if g == 0 {
+        return Some((0.0, vec![0; values.len()]));
+    }
+    let unit = (g as f64 * 2f64.powi(e0)) as f32;
+    let mut n = Vec::with_capacity(values.len());
+    for p in &parts {
+        n.push(match *p {
+            None => 0i64,
+            Some((neg, m, e)) => {
+                let shift = (e - e0) as u32;
+                if shift > 8 {
+                    return None;
+                }
+                let n = ((m / g) << shift) as i64;
+                if neg {
+                    -n
+                } else {
+                    n
+                }
+            }
+        });
+    }
+    // A negative k-quant scale times -128 is the positive unit times 128: then the negative unit.
+    let (unit, sign) = if n.iter().all(|&v| i8::try_from(v).is_ok()) {
+        (unit, 1)
+    } else {
+        (-unit, -1)
+    };
+    let mut out = Vec::with_capacity(values.len());
+    for (&n, &v) in n.iter().zip(values) {
+        let n = i8::try_from(sign * n).ok()?;
+        if unit * n as f32 != v {
+            return None;
+        }
+        out.push(n);
+    }
+    Some((unit, out))
 }
 
 /// A quantised matrix on the host.
@@ -132,37 +303,65 @@ impl QuantMatrix {
     /// Quantises `w` (`[rows, cols]`, row-major) in MLX's affine layout: per group, `scale =
     /// (max - min) / (2^bits - 1)` and `bias = min`, with the scale and bias rounded to the format's
     /// scale type before `q` is chosen, so dequantisation reproduces the stored affine map exactly; `q` rounds half
-    /// to even, as numpy and torch do (the parity fixtures' quantiser).
+    /// to even, as numpy and torch do (the parity fixtures' quantiser). Factored scales are made
+    /// as a k-quant's: per super-block an f16 unit of 1/127 of its largest scale (rounded up, so
+    /// no group's range is cut) and of its largest bias (rounded to nearest), for weights within
+    /// f16's range.
     pub fn quantize(w: &[f32], rows: usize, cols: usize, format: QuantFormat) -> QuantMatrix {
         assert!(format.fits(cols), "{cols} columns cannot be stored as {format:?}");
         assert_eq!(w.len(), rows * cols);
         let levels = ((1u32 << format.bits) - 1) as f32;
-        let vpw = format.values_per_word();
-        let mut weight = vec![0u32; rows * format.words_per_row(cols)];
-        let mut scales = Vec::with_capacity(rows * format.groups_per_row(cols));
+        let (vpw, gs, gpr) = (
+            format.values_per_word(),
+            format.group_size,
+            format.groups_per_row(cols),
+        );
+        let mut scales = Vec::with_capacity(rows * gpr);
         let mut biases = Vec::with_capacity(scales.capacity());
-        for r in 0..rows {
-            for g in 0..format.groups_per_row(cols) {
-                let start = r * cols + g * format.group_size;
-                let group = &w[start..start + format.group_size];
-                let (lo, hi) = group
-                    .iter()
-                    .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| {
-                        (lo.min(v), hi.max(v))
-                    });
-                let mut scale = format.scale.round((hi - lo) / levels);
-                if scale == 0.0 {
-                    scale = 1.0;
+        for group in w.chunks_exact(gs) {
+            let (lo, hi) = group
+                .iter()
+                .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| {
+                    (lo.min(v), hi.max(v))
+                });
+            let mut scale = format.scale.round((hi - lo) / levels);
+            if scale == 0.0 {
+                scale = 1.0;
+            }
+            scales.push(scale);
+            biases.push(format.scale.round(lo));
+        }
+        if format.scale == ScaleType::Factored {
+            let per = format.groups_per_super();
+            for (s, b) in scales.chunks_exact_mut(per).zip(biases.chunks_exact_mut(per)) {
+                let unit = |m: f32| {
+                    let u = half::f16::from_f32(m / 127.0);
+                    let u = if u.to_f32() < m / 127.0 {
+                        half::f16::from_bits(u.to_bits() + 1)
+                    } else {
+                        u
+                    };
+                    u.to_f32()
+                };
+                let us = unit(s.iter().fold(0f32, |m, v| m.max(v.abs())));
+                for v in s.iter_mut() {
+                    *v = us * (*v / us).ceil().min(127.0);
                 }
-                let bias = format.scale.round(lo);
-                scales.push(scale);
-                biases.push(bias);
-                for (i, &v) in group.iter().enumerate() {
-                    let q = ((v - bias) / scale).round_ties_even().clamp(0.0, levels) as u32;
-                    let col = g * format.group_size + i;
-                    let word = r * format.words_per_row(cols) + col / vpw;
-                    weight[word] |= q << (format.bits as usize * (col % vpw));
+                let ub = unit(b.iter().fold(0f32, |m, v| m.max(v.abs())));
+                for v in b.iter_mut() {
+                    *v = if ub == 0.0 { 0.0 } else { ub * (*v / ub).round() };
                 }
+            }
+        }
+        let mut weight = vec![0u32; rows * format.words_per_row(cols)];
+        for (gi, group) in w.chunks_exact(gs).enumerate() {
+            let (scale, bias) = (scales[gi], biases[gi]);
+            let (r, g) = (gi / gpr, gi % gpr);
+            for (i, &v) in group.iter().enumerate() {
+                let q = ((v - bias) / scale).round_ties_even().clamp(0.0, levels) as u32;
+                let col = g * gs + i;
+                let word = r * format.words_per_row(cols) + col / vpw;
+                weight[word] |= q << (format.bits as usize * (col % vpw));
             }
         }
         QuantMatrix {
@@ -188,13 +387,10 @@ impl QuantMatrix {
         self.q(r, c) as f32 * self.scales[g] + self.biases[g]
     }
 
-    /// The scales' bytes as the format stores them.
-    pub fn scale_bytes(&self) -> Vec<u8> {
-        self.format.scale.bytes(&self.scales)
-    }
-
-    pub fn bias_bytes(&self) -> Vec<u8> {
-        self.format.scale.bytes(&self.biases)
+    /// The `scales` and `biases` parts as the format stores them ([`QuantFormat::group_bytes`]);
+    /// None when the format cannot hold this matrix's groups exactly.
+    pub fn group_bytes(&self) -> Option<(Vec<u8>, Vec<u8>)> {
+        self.format.group_bytes(&self.scales, &self.biases)
     }
 
     pub fn dequantize(&self) -> Vec<f32> {
@@ -235,8 +431,10 @@ mod tests {
             QuantFormat::Q8,
             QuantFormat::f32_scales(4, 32),
             QuantFormat::f32_scales(8, 16),
+            QuantFormat::factored(4, 32),
+            QuantFormat::factored(8, 16),
         ] {
-            let (rows, cols) = (rng.range(1, 9), 64 * rng.range(1, 5));
+            let (rows, cols) = (rng.range(1, 9), 256 * rng.range(1, 3));
             let w: Vec<f32> = (0..rows * cols).map(|_| rng.symmetric()).collect();
             let m = QuantMatrix::quantize(&w, rows, cols, format);
             let d = m.dequantize();
@@ -245,7 +443,11 @@ mod tests {
                     let g = r * format.groups_per_row(cols) + c / format.group_size;
                     let step = m.scales[g];
                     // Half a step, plus the bf16 rounding of the bias and of the scale times q.
-                    let bound = 0.5 * step + 2e-2 * (w[r * cols + c].abs() + step);
+                    let mut bound = 0.5 * step + 2e-2 * (w[r * cols + c].abs() + step);
+                    if format.scale == ScaleType::Factored {
+                        // The bias rounded to a multiple of 1/127 of the largest (|w| <= 1).
+                        bound += 0.5 / 127.0;
+                    }
                     let err = (d[r * cols + c] - w[r * cols + c]).abs();
                     assert!(
                         err <= bound,
@@ -265,5 +467,73 @@ mod tests {
         assert!(f.fits(128) && !f.fits(100));
         assert_eq!(QuantFormat::f32_scales(4, 32).bytes(1, 2048), 1024 + 512);
         assert_eq!(QuantFormat::f32_scales(8, 16).bytes(1, 64), 64 + 32);
+        // 4 bits, groups of 32: a byte pair a group and 8 bytes a super-block, 4.75 bits a value.
+        let k = QuantFormat::factored(4, 32);
+        assert_eq!(k.bytes(1, 2048), 1024 + 128 + 64);
+        assert!(k.fits(512) && !k.fits(96) && !QuantFormat::factored(4, 48).fits(768));
+    }
+
+    /// Super-blocks as a k-quant makes them: an f16 unit times signed bytes, the bias unit
+    /// sometimes a multiple of the scale unit (Q6_K's `-32 d`).
+    fn k_groups(rng: &mut Rng, groups: usize, per: usize) -> (Vec<f32>, Vec<f32>) {
+        let (mut s, mut b) = (Vec::new(), Vec::new());
+        for _ in 0..groups / per {
+            let d = half::f16::from_f32(rng.symmetric() * 1e-2).to_f32();
+            let dmin = if rng.range(0, 2) == 0 {
+                -32.0 * d
+            } else {
+                half::f16::from_f32(rng.symmetric()).to_f32()
+            };
+            for _ in 0..per {
+                let n = rng.range(0, 256) as i32 - 128;
+                s.push(d * n as f32);
+                b.push(dmin * (rng.range(0, 64) as f32));
+            }
+        }
+        (s, b)
+    }
+
+    #[test]
+    fn factored_groups_round_trip_exactly() {
+        let (mut rng, seed) = Rng::from_time();
+        for format in [QuantFormat::factored(4, 32), QuantFormat::factored(8, 16)] {
+            let groups = format.groups_per_row(512) * rng.range(1, 6);
+            let (s, b) = k_groups(&mut rng, groups, format.groups_per_super());
+            let (sp, bp) = format
+                .group_bytes(&s, &b)
+                .unwrap_or_else(|| panic!("seed {seed} {format:?}"));
+            assert_eq!(
+                (sp.len(), bp.len()),
+                (2 * groups, 8 * groups / format.groups_per_super())
+            );
+            let (s2, b2) = format.group_values(&sp, &bp);
+            assert_eq!((s2, b2), (s.clone(), b.clone()), "seed {seed} {format:?}");
+        }
+        // Zeros, subnormals and values no one unit multiplies.
+        let f = QuantFormat::factored(8, 32);
+        let tiny = f32::from_bits(3);
+        let mut s = vec![0.0f32; 8];
+        s[1] = tiny;
+        s[2] = -5.0 * tiny;
+        let (sp, bp) = f.group_bytes(&s, &[0.0; 8]).expect("subnormal multiples factor");
+        assert_eq!(f.group_values(&sp, &bp).0, s);
+        // A negative unit times -128 (Q6_K's scale bytes are signed): only the negative unit fits.
+        let neg = [-0.5 * -128.0, -0.5, 0.0, -0.5 * 127.0, 0.0, 0.0, 0.0, 0.0];
+        let (sp, bp) = f
+            .group_bytes(&neg, &[0.0; 8])
+            .expect("a negative unit's multiples factor");
+        assert_eq!(f.group_values(&sp, &bp).0, neg);
+        assert_eq!(f32::from_le_bytes(bp[..4].try_into().unwrap()), -0.5);
+        let mut odd = vec![1.0f32; 8];
+        odd[0] = 1.0 + f32::EPSILON;
+        assert!(f.group_bytes(&odd, &[0.0; 8]).is_none());
+        assert!(f
+            .group_bytes(&[300.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], &[0.0; 8])
+            .is_none());
+        assert!(f.group_bytes(&[f32::NAN; 8], &[0.0; 8]).is_none());
+        // Plain types refuse values they would round.
+        assert!(QuantFormat::Q4
+            .group_bytes(&[1.0 + f32::EPSILON], &[0.0])
+            .is_none());
     }
 }

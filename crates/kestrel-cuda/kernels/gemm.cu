@@ -113,8 +113,8 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
     }
 }
 
-// One B matrix of an expert: weight rows [n][K] (BITS per value), scales/biases per group (bf16
-// or f32: S of the functions that read them).
+// One B matrix of an expert: weight rows [n][K] (BITS per value), its group scales' and biases'
+// parts (plain bf16 or f32, or factored: S of the functions that read them, kestrel.cuh).
 struct BMat {
     const unsigned char* w;
     const void* scales;
@@ -146,7 +146,7 @@ __device__ __forceinline__ void b_store(const BRegs<BITS, S>& r, bf16* bs) {
     constexpr unsigned WPR = GT_K * BITS / 32, WORDS = BRegs<BITS, S>::WORDS;
     const unsigned tid = threadIdx.x, row = tid / (WPR / WORDS), c0 = (tid % (WPR / WORDS)) * 2;
     uint4 v[2];
-    if constexpr (BITS == 4 && sizeof(S) == 4) {
+    if constexpr (BITS == 4 && sizeof(Held<S>) == 4) {
 #pragma unroll
         for (int i = 0; i < 2; i++) v[i] = dequant_q4_f32(r.w[i], r.s, r.b);
     } else if constexpr (BITS == 4) {
@@ -166,13 +166,22 @@ __device__ __forceinline__ void b_store(const BRegs<BITS, S>& r, bf16* bs) {
 
 // This thread's share of every quantised B step of one matrix, addressed once before the K loop
 // (the loop is issue-bound, so per-step address arithmetic and divisions cost time): its row's
-// words at its column, and its row's scale and bias at the group its 16 values fall in.
+// words at its column, and its row's scale and bias at the group its 16 values fall in (factored:
+// the group's multiples at s, the row's units at u, k the thread's value within the row).
 template <int BITS, typename S>
 struct BCursor {
     const unsigned* w;
     const S* s;
     const S* b;
     unsigned rem;  // where the thread's first value lies in its group
+};
+template <int BITS>
+struct BCursor<BITS, Factored> {
+    const unsigned* w;
+    const Factored* s;
+    const float2* u;
+    unsigned rem;
+    unsigned k;
 };
 
 template <int BITS, typename S>
@@ -181,9 +190,14 @@ __device__ __forceinline__ BCursor<BITS, S> b_cursor(const BMat& m, unsigned n0,
     const unsigned tid = threadIdx.x, row = tid / (WPR / WORDS), wi = (tid % (WPR / WORDS)) * WORDS;
     const unsigned off = wi * 32 / BITS;  // the thread's first value within a step
     const size_t g0 = (n0 + row) * (size_t)(K / group) + off / group;
-    return BCursor<BITS, S>{reinterpret_cast<const unsigned*>(m.w) + (n0 + row) * ((size_t)K * BITS / 32) + wi,
-                         static_cast<const S*>(m.scales) + g0, static_cast<const S*>(m.biases) + g0,
-                         off % group};
+    const unsigned* w = reinterpret_cast<const unsigned*>(m.w) + (n0 + row) * ((size_t)K * BITS / 32) + wi;
+    if constexpr (is_factored<S>)
+        return BCursor<BITS, S>{w, static_cast<const Factored*>(m.scales) + g0,
+                                static_cast<const float2*>(m.biases) + (n0 + row) * (size_t)(K / 256), off % group,
+                                off};
+    else
+        return BCursor<BITS, S>{w, static_cast<const S*>(m.scales) + g0, static_cast<const S*>(m.biases) + g0,
+                                off % group};
 }
 
 // The cursor's step into registers, then the cursor moves one step on.
@@ -200,13 +214,22 @@ __device__ __forceinline__ void b_fetch(BRegs<BITS, S>& r, BCursor<BITS, S>& c, 
         r.w[2] = v.z;
         r.w[3] = v.w;
     }
-    r.s = to_f32(*c.s);
-    r.b = to_f32(*c.b);
-    c.w += GT_K * BITS / 32;
-    for (c.rem += GT_K; c.rem >= group; c.rem -= group) {
-        c.s++;
-        c.b++;
+    if constexpr (is_factored<S>) {
+        const Factored f = *c.s;
+        const float2 unit = c.u[c.k / 256];
+        r.s = unit.x * (float)f.s;
+        r.b = unit.y * (float)f.b;
+        c.k += GT_K;
+        for (c.rem += GT_K; c.rem >= group; c.rem -= group) c.s++;
+    } else {
+        r.s = to_f32(*c.s);
+        r.b = to_f32(*c.b);
+        for (c.rem += GT_K; c.rem >= group; c.rem -= group) {
+            c.s++;
+            c.b++;
+        }
     }
+    c.w += GT_K * BITS / 32;
 }
 
 // The cursor moved on by k0 values (a multiple of GT_K): where a split of K starts.
@@ -215,7 +238,10 @@ __device__ __forceinline__ void b_skip(BCursor<BITS, S>& c, unsigned k0, unsigne
     c.w += k0 / 32 * BITS;
     c.rem += k0;
     c.s += c.rem / group;
-    c.b += c.rem / group;
+    if constexpr (is_factored<S>)
+        c.k += k0;
+    else
+        c.b += c.rem / group;
     c.rem %= group;
 }
 
@@ -523,15 +549,22 @@ __device__ __forceinline__ BMat bmat(const unsigned char* span, unsigned long lo
     return BMat{span + w, span + s, span + b};
 }
 
-// NB matrices of 64 rows each, one after the other in m: rows b * 64 .. of the weight, its scales
-// and biases (`row_bytes` and `group_bytes` per row).
-template <int NB>
-__device__ __forceinline__ void b_mats(BMat mats[NB], const BMat& m, size_t row_bytes, size_t group_bytes) {
+// NB matrices of 64 rows each, one after the other in m: rows b * 64 .. of the weight (`row_bytes`
+// a row), its scales and biases (a row's of K values in groups of `group`, as S stores them;
+// none for bf16 weights, BITS 16).
+template <int NB, int BITS, typename S>
+__device__ __forceinline__ void b_mats(BMat mats[NB], const BMat& m, unsigned K, unsigned group) {
+    const size_t row_bytes = (size_t)K * BITS / 8;
+    size_t scale_bytes = 0, bias_bytes = 0;
+    if constexpr (BITS != 16) {
+        scale_bytes = K / group * sizeof(S);
+        bias_bytes = is_factored<S> ? K / 256 * sizeof(float2) : scale_bytes;
+    }
     const unsigned char* s = static_cast<const unsigned char*>(m.scales);
     const unsigned char* b = static_cast<const unsigned char*>(m.biases);
 #pragma unroll
     for (int i = 0; i < NB; i++)
-        mats[i] = BMat{m.w + i * GT_COLS * row_bytes, s + i * GT_COLS * group_bytes, b + i * GT_COLS * group_bytes};
+        mats[i] = BMat{m.w + i * GT_COLS * row_bytes, s + i * GT_COLS * scale_bytes, b + i * GT_COLS * bias_bytes};
 }
 
 // Grid (inter / 64, max_tiles): the column blocks of one row tile run together, so its gathered A
@@ -590,8 +623,7 @@ __device__ void gemm_down(const bf16* act, const unsigned* order, const unsigned
     }
     __syncthreads();
     BMat mats[NB];
-    b_mats<NB>(mats, bmat(experts + (size_t)e * span, dw, ds, db), (size_t)inter * BITS / 8,
-               BITS == 16 ? 0 : inter / group * sizeof(typename Tile::Scale));
+    b_mats<NB, BITS, typename Tile::Scale>(mats, bmat(experts + (size_t)e * span, dw, ds, db), inter, group);
     Tile t;
     t.run(rows_src, mats, n0, inter, group, rows, gt_smem);
     t.each([&](unsigned r, unsigned c, const float (&v)[NB][2]) {
@@ -659,8 +691,7 @@ __device__ void gemm_linear(const bf16* xb, const unsigned char* w, const void* 
         rows_src[r] = r < rows ? xb + (size_t)(m0 + r) * in_dim : nullptr;
     __syncthreads();
     BMat mats[NB];
-    b_mats<NB>(mats, BMat{w, scales, biases}, (size_t)in_dim * BITS / 8,
-               in_dim / group * sizeof(typename Tile::Scale));
+    b_mats<NB, BITS, typename Tile::Scale>(mats, BMat{w, scales, biases}, in_dim, group);
     Tile t;
     t.run(rows_src, mats, n0, in_dim, group, rows, gt_smem, z * kc, kc / GT_K);
     if (splits == 1) {
@@ -715,9 +746,10 @@ __device__ void gemm_linear(const bf16* xb, const unsigned char* w, const void* 
     if (threadIdx.x == 0) counters[tile] = 0;
 }
 
-// Kernel names: linear_gemm_{q4,q8,q4f,q8f}_{1,2}, moe_gemm_gate_up_{q4,q8,q4f,q8f,bf16},
+// Kernel names: linear_gemm_{q4,q8,q4f,q8f}_{1,2}, moe_gemm_gate_up_{q4,q8,q4f,q8f,q4k,q8k,bf16},
 // moe_gemm_down_{..}_{1,2}; the wgmma engine's as `_wg` (sm_90a builds only, 128 columns a
-// block). `f`: f32 group scales and biases (S float). TILE names the tile template.
+// block). `f`: f32 group scales and biases (S float); `k`: factored (S Factored, experts only).
+// TILE names the tile template.
 #define LINEAR_GEMM(BITS, S, NAME, SUFFIX, TILE)                                                              \
     extern "C" __global__ void __launch_bounds__(GT_THREADS) linear_gemm_##NAME##_##SUFFIX(                   \
         const bf16* xb, const unsigned char* w, const S* scales, const S* biases, float* out,                \
@@ -745,15 +777,18 @@ __device__ void gemm_linear(const bf16* xb, const unsigned char* w, const void* 
         gemm_gate_up<TILE<BITS, S>, BITS>(xb, order, tiles, experts, act, hidden, inter, k, span, gw, gs, gb, uw, \
                                           us, ub, group);                                                  \
     }
+#define MOE_GEMMS(BITS, S, NAME) GATE_UP(BITS, S, NAME, , Mma2) DOWN(BITS, S, NAME, 1, Mma1) DOWN(BITS, S, NAME, 2, Mma2)
 #define GEMMS(BITS, S, NAME)                                                                                \
     LINEAR_GEMM(BITS, S, NAME, 1, Mma1)                                                                    \
     LINEAR_GEMM(BITS, S, NAME, 2, Mma2)                                                                    \
-    GATE_UP(BITS, S, NAME, , Mma2) DOWN(BITS, S, NAME, 1, Mma1) DOWN(BITS, S, NAME, 2, Mma2)
+    MOE_GEMMS(BITS, S, NAME)
 
 GEMMS(4, bf16, q4)
 GEMMS(8, bf16, q8)
 GEMMS(4, float, q4f)
 GEMMS(8, float, q8f)
+MOE_GEMMS(4, Factored, q4k)
+MOE_GEMMS(8, Factored, q8k)
 GATE_UP(16, bf16, bf16, , Mma2)
 DOWN(16, bf16, bf16, 1, Mma1)
 DOWN(16, bf16, bf16, 2, Mma2)
@@ -765,6 +800,10 @@ GEMMS_WG(4, bf16, q4)
 GEMMS_WG(8, bf16, q8)
 GEMMS_WG(4, float, q4f)
 GEMMS_WG(8, float, q8f)
+GATE_UP(4, Factored, q4k, _wg, WgTile)
+DOWN(4, Factored, q4k, wg, WgTile)
+GATE_UP(8, Factored, q8k, _wg, WgTile)
+DOWN(8, Factored, q8k, wg, WgTile)
 GATE_UP(16, bf16, bf16, _wg, WgTile)
 DOWN(16, bf16, bf16, wg, WgTile)
 #endif

@@ -26,6 +26,50 @@ __device__ __forceinline__ float to_f32(float x) { return x; }
 __device__ __forceinline__ float to_f32(bf16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_f32(f16 x) { return __half2float(x); }
 
+// ---- group scales and biases of quantised weights ----
+// Plain ones are one bf16 or f32 a group in each of the matrix's scales and biases parts (S bf16
+// or float). Factored ones (ScaleType::Factored, a GGUF k-quant's, S Factored) are a signed byte
+// pair a group in the scales part and an f32 pair of units a super-block of 256 values in the
+// biases part: scale = unit.x * s, bias = unit.y * b, each product exact in f32.
+struct __align__(2) Factored {
+    signed char s, b;
+};
+// The type a group's scale and bias are held in once read: float for factored ones.
+template <typename S> struct HeldT { using type = S; };
+template <> struct HeldT<Factored> { using type = float; };
+template <typename S> using Held = typename HeldT<S>::type;
+template <typename S> constexpr bool is_factored = false;
+template <> constexpr bool is_factored<Factored> = true;
+
+// One row's group scales and biases: `get` gives group gi's (of the row's `groups`), where k is
+// the index of any value of the group within the row (a factored group's super-block is k / 256).
+template <typename S>
+struct GroupRow {
+    const S* s;
+    const S* b;
+    __device__ __forceinline__ GroupRow() {}
+    __device__ __forceinline__ GroupRow(const void* sp, const void* bp, size_t row, unsigned groups, unsigned K)
+        : s(static_cast<const S*>(sp) + row * groups), b(static_cast<const S*>(bp) + row * groups) {}
+    __device__ __forceinline__ void get(unsigned gi, unsigned, S& scale, S& bias) const {
+        scale = s[gi];
+        bias = b[gi];
+    }
+};
+template <>
+struct GroupRow<Factored> {
+    const Factored* n;
+    const float2* u;
+    __device__ __forceinline__ GroupRow() {}
+    __device__ __forceinline__ GroupRow(const void* sp, const void* bp, size_t row, unsigned groups, unsigned K)
+        : n(static_cast<const Factored*>(sp) + row * groups), u(static_cast<const float2*>(bp) + row * (K / 256)) {}
+    __device__ __forceinline__ void get(unsigned gi, unsigned k, float& scale, float& bias) const {
+        const Factored f = n[gi];
+        const float2 unit = u[k / 256];
+        scale = unit.x * (float)f.s;
+        bias = unit.y * (float)f.b;
+    }
+};
+
 // Round-to-nearest-even, as the host's conversions.
 template <typename T> __device__ __forceinline__ T from_f32(float x);
 template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }

@@ -20,7 +20,8 @@
 // span of `span` bytes; each matrix sits at the given byte offsets (weight, scales, biases; bf16
 // experts use only the weight offset).
 // BITS is 4 or 8 for quantised experts and 16 for bf16; quantised experts' group scales and
-// biases are bf16 (MLX; kernels `*_q4`, `*_q8`) or f32 (`*_q4f`, `*_q8f`), SC in the templates. Quantised experts run on int8
+// biases are bf16 (MLX; kernels `*_q4`, `*_q8`), f32 (`*_q4f`, `*_q8f`) or factored (a GGUF k-quant's:
+// `*_q4k`, `*_q8k`; kestrel.cuh's Factored), SC in the templates. Quantised experts run on int8
 // activations: gate_up rounds x_t to int8 in every block and writes act already as int8 (a block
 // of 32 per block of the grid); down gives each output row a warp, spreads its (slot, vector)
 // pairs over the lanes and requests the first pairs' weights before the programmatic wait. bf16
@@ -776,7 +777,9 @@ static_assert(GQ_WARPS * GQ_ROWS == 32, "a block of moe_gate_up_q* writes one in
 // as int8 (aq bytes, ad scale, as16 sums; inter a multiple of 32) in the order down's ACT_BITS-bit
 // weights read it. Grid (inter / 32, tokens * k),
 // GQ_WARPS warps; dynamic shared memory: 32 floats, GQ_WARPS * 4 * 2 * (hidden / group) SC
-// (each warp's rows' group scales and biases), hidden bytes + (hidden / 32 + hidden / 16) floats.
+// (each warp's rows' group scales and biases; factored ones as floats), hidden bytes + (hidden /
+// 32 + hidden / 16) floats; for factored scales then, 16-byte aligned, the warps' rows' units
+// (GQ_WARPS * 2 * GQ_ROWS * hidden / 256 float2) and multiples (as many rows of hidden / group).
 template <int BITS, typename SC, int ACT_BITS, bool STREAMED>
 __device__ void gate_up_int8(const float* x, const unsigned* ids, const unsigned char* experts, int* aq, float* ad,
                              float* as16, unsigned hidden, unsigned inter, unsigned k, unsigned long long span,
@@ -788,13 +791,20 @@ __device__ void gate_up_int8(const float* x, const unsigned* ids, const unsigned
     pdl_wait();
     pdl_trigger();
     const unsigned groups = hidden / group, nvec = hidden / VecFormat<BITS>::VALS;
-    SC* sgroups = reinterpret_cast<SC*>(sact + 32);
+    // Factored scales are staged as the f32 values they make.
+    using SH = Held<SC>;
+    SH* sgroups = reinterpret_cast<SH*>(sact + 32);
     int* sq = reinterpret_cast<int*>(sgroups + GQ_WARPS * 2 * GQ_ROWS * 2 * groups);
     float* sd = reinterpret_cast<float*>(sq + hidden / 4);
     float* ss = sd + hidden / 32;
     const size_t tk = blockIdx.y, t = tk / k;
     const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const unsigned row0 = blockIdx.x * 32 + warp * GQ_ROWS;
+    // Factored scales: this warp's rows' units and multiples as stored, copied here first.
+    const unsigned supers = hidden / 256;
+    float2* units0 = reinterpret_cast<float2*>((reinterpret_cast<size_t>(ss + hidden / 16) + 15) & ~(size_t)15);
+    float2* raw_units = units0 + warp * 2 * GQ_ROWS * supers;
+    Factored* raw_pairs = reinterpret_cast<Factored*>(units0 + GQ_WARPS * 2 * GQ_ROWS * supers) + warp * 2 * GQ_ROWS * groups;
     // x_t is asked for first, so its lines are not queued behind the weights.
     prefetch_l2_range(x + t * hidden, hidden * sizeof(float), threadIdx.x, blockDim.x);
     const Source src = source<STREAMED>(experts, ids[tk], span, host, miss, tk);
@@ -817,35 +827,77 @@ __device__ void gate_up_int8(const float* x, const unsigned* ids, const unsigned
     // This warp's rows' group scales and biases, [m][scale, bias][groups], copied now with the
     // weights in flight (cp.async, so nothing waits for them until they are used): a load
     // issued at compute time would queue behind every weight in flight.
-    SC* sg = sgroups + warp * (2 * GQ_ROWS * 2 * groups);
-    constexpr unsigned PER4 = 4 / sizeof(SC);  // values a 4-byte copy moves
-    if (groups % PER4 == 0) {
+    SH* sg = sgroups + warp * (2 * GQ_ROWS * 2 * groups);
+    constexpr unsigned PER4 = 4 / sizeof(SH);  // values a 4-byte copy moves
+    if constexpr (is_factored<SC>) {
+        // The multiples (two groups a 4-byte copy; groups is even) and the units, as stored;
+        // made into scales and biases below.
+        for (unsigned e = lane; e < 2 * GQ_ROWS * groups / 2; e += 32) {
+            const unsigned m = e / (groups / 2), pr = e % (groups / 2);
+            cp_async4(raw_pairs + m * groups + 2 * pr, reinterpret_cast<const Factored*>(sp + (m < GQ_ROWS ? gs : us)) +
+                                                          (size_t)(row0 + m % GQ_ROWS) * groups + 2 * pr);
+        }
+        for (unsigned e = lane; e < 2 * GQ_ROWS * supers * 2; e += 32) {
+            const unsigned m = e / (2 * supers), j = e % (2 * supers);
+            cp_async4(reinterpret_cast<float*>(raw_units + m * supers) + j,
+                      reinterpret_cast<const float*>(sp + (m < GQ_ROWS ? gb : ub)) +
+                          (size_t)(row0 + m % GQ_ROWS) * 2 * supers + j);
+        }
+        cp_async_commit();
+    } else if (groups % PER4 == 0) {
         const unsigned per = groups / PER4;  // 4-byte pieces per row of scales or biases
         for (unsigned e = lane; e < 2 * GQ_ROWS * 2 * per; e += 32) {
             const unsigned sel = e / per, m = sel / 2, pr = e % per;
             const unsigned long long off = m < GQ_ROWS ? (sel % 2 ? gb : gs) : (sel % 2 ? ub : us);
             cp_async4(sg + sel * groups + PER4 * pr,
-                      reinterpret_cast<const SC*>(sp + off) + (size_t)(row0 + m % GQ_ROWS) * groups + PER4 * pr);
+                      reinterpret_cast<const SH*>(sp + off) + (size_t)(row0 + m % GQ_ROWS) * groups + PER4 * pr);
         }
         cp_async_commit();
     } else {
         for (unsigned e = lane; e < 2 * GQ_ROWS * 2 * groups; e += 32) {
             const unsigned sel = e / groups, m = sel / 2;
             const unsigned long long off = m < GQ_ROWS ? (sel % 2 ? gb : gs) : (sel % 2 ? ub : us);
-            sg[e] = reinterpret_cast<const SC*>(sp + off)[(size_t)(row0 + m % GQ_ROWS) * groups + e % groups];
+            sg[e] = reinterpret_cast<const SH*>(sp + off)[(size_t)(row0 + m % GQ_ROWS) * groups + e % groups];
         }
     }
     quantize_x8<BITS == 4>(x + t * hidden, hidden, sq, sd, ss, threadIdx.x, blockDim.x);
     cp_async_wait<0>();
     __syncthreads();
+    if constexpr (is_factored<SC>) {
+        for (unsigned e = lane; e < 2 * GQ_ROWS * groups; e += 32) {
+            const unsigned m = e / groups, g = e % groups;
+            const Factored f = raw_pairs[e];
+            const float2 unit = raw_units[m * supers + g * group / 256];
+            sg[2 * m * groups + g] = unit.x * (float)f.s;
+            sg[2 * m * groups + groups + g] = unit.y * (float)f.b;
+        }
+        __syncwarp();
+    }
     if constexpr (STREAMED) {
-        // A miss: this warp's rows' scales and biases into the slot too.
-        if (src.write)
-            for (unsigned e = lane; e < 2 * GQ_ROWS * 2 * groups; e += 32) {
-                const unsigned sel = e / groups, m = sel / 2;
-                const unsigned long long off = m < GQ_ROWS ? (sel % 2 ? gb : gs) : (sel % 2 ? ub : us);
-                reinterpret_cast<SC*>(src.write + off)[(size_t)(row0 + m % GQ_ROWS) * groups + e % groups] = sg[e];
+        // A miss: this warp's rows' scales and biases into the slot too (factored: their
+        // multiples and units as copied).
+        if (src.write) {
+            if constexpr (is_factored<SC>) {
+                for (unsigned e = lane; e < 2 * GQ_ROWS * groups; e += 32) {
+                    const unsigned m = e / groups;
+                    const Factored* p = reinterpret_cast<const Factored*>(sp + (m < GQ_ROWS ? gs : us)) +
+                                        (size_t)(row0 + m % GQ_ROWS) * groups + e % groups;
+                    *in_slot(src, p) = raw_pairs[e];
+                }
+                for (unsigned e = lane; e < 2 * GQ_ROWS * supers; e += 32) {
+                    const unsigned m = e / supers;
+                    const float2* p = reinterpret_cast<const float2*>(sp + (m < GQ_ROWS ? gb : ub)) +
+                                      (size_t)(row0 + m % GQ_ROWS) * supers + e % supers;
+                    *in_slot(src, p) = raw_units[e];
+                }
+            } else {
+                for (unsigned e = lane; e < 2 * GQ_ROWS * 2 * groups; e += 32) {
+                    const unsigned sel = e / groups, m = sel / 2;
+                    const unsigned long long off = m < GQ_ROWS ? (sel % 2 ? gb : gs) : (sel % 2 ? ub : us);
+                    reinterpret_cast<SH*>(src.write + off)[(size_t)(row0 + m % GQ_ROWS) * groups + e % groups] = sg[e];
+                }
             }
+        }
     }
     const QuantX xq{sq, sd, ss};
     float acc[2 * GQ_ROWS];
@@ -931,6 +983,7 @@ __device__ void down_int8(const int* aq, const float* ad, const float* as16, con
     const unsigned nvec = inter / VecFormat<BITS>::VALS, groups = inter / group, pairs = k * nvec;
     // Rows past the end read row 0 and drop the result.
     const size_t wrow = (size_t)(row_ok ? row : 0) * nvec, grow = (size_t)(row_ok ? row : 0) * groups;
+    const size_t urow = (size_t)(row_ok ? row : 0) * (inter / 256);  // factored: the row's units
     float total = 0.0f;
     for (unsigned p0 = 0; p0 < pairs; p0 += 32 * DQ_PAIRS) {
         // Every pair's vector, its group's scale and bias and its slot's weight are loaded
@@ -945,8 +998,15 @@ __device__ void down_int8(const int* aq, const float* ad, const float* as16, con
                 source<STREAMED>(experts, __ldcg(ids + t * k + j), span, host, miss, t * k + j).read;
             const unsigned g = (u * VecFormat<BITS>::VALS) / group;
             v[i] = __ldcs(reinterpret_cast<const uint4*>(sp + dw) + wrow + u);
-            scale[i] = to_f32(reinterpret_cast<const SC*>(sp + ds)[grow + g]);
-            bias[i] = to_f32(reinterpret_cast<const SC*>(sp + db)[grow + g]);
+            if constexpr (is_factored<SC>) {
+                const Factored f = reinterpret_cast<const Factored*>(sp + ds)[grow + g];
+                const float2 unit = reinterpret_cast<const float2*>(sp + db)[urow + u * VecFormat<BITS>::VALS / 256];
+                scale[i] = unit.x * (float)f.s;
+                bias[i] = unit.y * (float)f.b;
+            } else {
+                scale[i] = to_f32(reinterpret_cast<const SC*>(sp + ds)[grow + g]);
+                bias[i] = to_f32(reinterpret_cast<const SC*>(sp + db)[grow + g]);
+            }
             gate[i] = p < pairs ? __ldcg(weights + t * k + j) : 0.0f;
         }
         if (p0 == 0) {
@@ -968,8 +1028,17 @@ __device__ void down_int8(const int* aq, const float* ad, const float* as16, con
                 if (src.write && p < pairs && row_ok) {
                     const unsigned g = (u * VecFormat<BITS>::VALS) / group;
                     *in_slot(src, reinterpret_cast<const uint4*>(src.read + dw) + wrow + u) = v[i];
-                    *in_slot(src, reinterpret_cast<const SC*>(src.read + ds) + grow + g) = from_f32<SC>(scale[i]);
-                    *in_slot(src, reinterpret_cast<const SC*>(src.read + db) + grow + g) = from_f32<SC>(bias[i]);
+                    if constexpr (is_factored<SC>) {
+                        // The multiples and units, read again.
+                        const Factored* f = reinterpret_cast<const Factored*>(src.read + ds) + grow + g;
+                        const float2* unit = reinterpret_cast<const float2*>(src.read + db) + urow +
+                                             u * VecFormat<BITS>::VALS / 256;
+                        *in_slot(src, f) = *f;
+                        *in_slot(src, unit) = *unit;
+                    } else {
+                        *in_slot(src, reinterpret_cast<const SC*>(src.read + ds) + grow + g) = from_f32<SC>(scale[i]);
+                        *in_slot(src, reinterpret_cast<const SC*>(src.read + db) + grow + g) = from_f32<SC>(bias[i]);
+                    }
                 }
             }
             const QuantX x{sq + j * qn, sd + j * dn, ss + j * sn};
@@ -1023,10 +1092,14 @@ EXPERTS_INT8(4, bf16, q4)
 EXPERTS_INT8(8, bf16, q8)
 EXPERTS_INT8(4, float, q4f)
 EXPERTS_INT8(8, float, q8f)
+EXPERTS_INT8(4, Factored, q4k)
+EXPERTS_INT8(8, Factored, q8k)
 GATE_UP_INT8_FOR(4, bf16, 8, q4_act8)
 GATE_UP_INT8_FOR(8, bf16, 4, q8_act4)
 GATE_UP_INT8_FOR(4, float, 8, q4f_act8)
 GATE_UP_INT8_FOR(8, float, 4, q8f_act4)
+GATE_UP_INT8_FOR(4, Factored, 8, q4k_act8)
+GATE_UP_INT8_FOR(8, Factored, 4, q8k_act4)
 
 #define EXPERTS_KERNELS(BITS, NAME, SUFFIX, S, PARAMS, ARGS)                                                 \
     extern "C" __global__ void __launch_bounds__(128, 8) moe_gate_up_##NAME##SUFFIX(                         \

@@ -34,8 +34,8 @@
 #endif
 #define NO_TILE 0xffffffffu
 
-// One quantised matrix: rows of K values, scales and biases per group of a row (bf16 or f32: S
-// of the functions that read them).
+// One quantised matrix: rows of K values, its group scales' and biases' parts (plain bf16 or f32,
+// or factored: S of the functions that read them, kestrel.cuh).
 struct QMat {
     const unsigned char* w;
     const void* s;
@@ -69,7 +69,7 @@ __device__ __forceinline__ uint4 ld_once(const unsigned char* p) {
 template <int M, typename S>
 struct Run {
     uint4 w[M][2];
-    S s[M][2], b[M][2];
+    Held<S> s[M][2], b[M][2];
 };
 
 // Runs a lane loads at once (D): enough bytes in flight per warp to cover memory latency at the
@@ -94,16 +94,14 @@ __device__ __forceinline__ void skinny_product(float (&acc)[M][NT][4], const QMa
     const unsigned lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
     const size_t row_bytes = (size_t)K * BITS / 8, groups = K / group;
     const unsigned char* wrow[M][2];
-    const S* srow[M][2];
-    const S* brow[M][2];
+    GroupRow<S> grow[M][2];
 #pragma unroll
     for (int m = 0; m < M; m++)
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             const size_t row = f0 + g + 8 * r;
             wrow[m][r] = mats[m].w + row * row_bytes;
-            srow[m][r] = static_cast<const S*>(mats[m].s) + row * groups;
-            brow[m][r] = static_cast<const S*>(mats[m].b) + row * groups;
+            grow[m][r] = GroupRow<S>(mats[m].s, mats[m].b, row, groups, K);
         }
     auto load = [&](Run<M, S>& run, unsigned k) {
         const unsigned gi = k / group;
@@ -112,8 +110,7 @@ __device__ __forceinline__ void skinny_product(float (&acc)[M][NT][4], const QMa
 #pragma unroll
             for (int r = 0; r < 2; r++) {
                 run.w[m][r] = ld_once(wrow[m][r] + k * BITS / 8);
-                run.s[m][r] = srow[m][r][gi];
-                run.b[m][r] = brow[m][r][gi];
+                grow[m][r].get(gi, k, run.s[m][r], run.b[m][r]);
             }
     };
     Run<M, S> cur[D];
@@ -155,7 +152,7 @@ __device__ __forceinline__ void skinny_product(float (&acc)[M][NT][4], const QMa
                     for (int m = 0; m < M; m++)
 #pragma unroll
                         for (int r = 0; r < 2; r++) {
-                            if constexpr (sizeof(S) == 4)
+                            if constexpr (sizeof(Held<S>) == 4)
                                 dequant_q4_pairs_f32(wd[m][r], run.s[m][r], run.b[m][r], pa[m][r]);
                             else
                                 dequant_q4_pairs(wd[m][r], __bfloat162bfloat162(run.s[m][r]),
@@ -388,10 +385,12 @@ extern "C" __global__ void skinny_permute_x_q8(const float* x, bf16* out, unsign
         skinny_linear<BITS, S, NT, KS>(xb, w, scales, biases, out, tokens, in_dim, out_dim, group);             \
     }
 // Kernel names: moe_skinny_{gate_up,down}_NAME_NT_KS, linear_skinny_NAME_NT_KS; NAME q4, q8 (bf16
-// group scales and biases) or q4f, q8f (f32 ones).
-#define SKINNY_FORMAT(BITS, S, NAME)                                                                          \
+// group scales and biases), q4f, q8f (f32 ones) or, for the experts only, q4k, q8k (factored).
+#define SKINNY_MOE_FORMAT(BITS, S, NAME)                                                                      \
     SKINNY_MOE(BITS, S, NAME, 1, 1) SKINNY_MOE(BITS, S, NAME, 1, 4) SKINNY_MOE(BITS, S, NAME, 2, 1)            \
-    SKINNY_MOE(BITS, S, NAME, 2, 4) SKINNY_MOE(BITS, S, NAME, 4, 1) SKINNY_MOE(BITS, S, NAME, 4, 4)            \
+    SKINNY_MOE(BITS, S, NAME, 2, 4) SKINNY_MOE(BITS, S, NAME, 4, 1) SKINNY_MOE(BITS, S, NAME, 4, 4)
+#define SKINNY_FORMAT(BITS, S, NAME)                                                                          \
+    SKINNY_MOE_FORMAT(BITS, S, NAME)                                                                          \
     SKINNY_LINEAR(BITS, S, NAME, 1, 1) SKINNY_LINEAR(BITS, S, NAME, 1, 4) SKINNY_LINEAR(BITS, S, NAME, 2, 1)   \
     SKINNY_LINEAR(BITS, S, NAME, 2, 4) SKINNY_LINEAR(BITS, S, NAME, 4, 1) SKINNY_LINEAR(BITS, S, NAME, 4, 4)
 
@@ -399,6 +398,8 @@ SKINNY_FORMAT(4, bf16, q4)
 SKINNY_FORMAT(8, bf16, q8)
 SKINNY_FORMAT(4, float, q4f)
 SKINNY_FORMAT(8, float, q8f)
+SKINNY_MOE_FORMAT(4, Factored, q4k)
+SKINNY_MOE_FORMAT(8, Factored, q8k)
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // ---- the experts on wgmma (sm_90a): wide tiles ----
@@ -467,7 +468,7 @@ __device__ __forceinline__ void wide_dequant(unsigned (&a)[4][4], const WStage<B
             unsigned pa[2][4];
 #pragma unroll
             for (int r = 0; r < 2; r++) {
-                if constexpr (sizeof(S) == 4)
+                if constexpr (sizeof(Held<S>) == 4)
                     dequant_q4_pairs_f32(wd[r], run.s[0][r], run.b[0][r], pa[r]);
                 else
                     dequant_q4_pairs(wd[r], __bfloat162bfloat162(run.s[0][r]), __bfloat162bfloat162(run.b[0][r]), pa[r]);
@@ -511,11 +512,12 @@ __device__ __forceinline__ void wide_product(float (&acc)[N / 2], const QMat& ma
     constexpr unsigned SLAB = N * 64, PIECES = (N * 16 + THREADS - 1) / THREADS;
     const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32 % 4, g = lane / 4, q = lane % 4;
     const unsigned row_bytes = K * BITS / 8, groups = K / group;
-    // Rows f0 + 16 * warp + g and 8 further of the weights; their groups from `sg`.
-    const unsigned char* w0 = mat.w + (f0 + 16 * warp + g) * row_bytes;
-    const S* sc = static_cast<const S*>(mat.s);
-    const S* bi = static_cast<const S*>(mat.b);
-    const unsigned sg = (f0 + 16 * warp + g) * groups;
+    // Rows f0 + 16 * warp + g and 8 further of the weights.
+    const unsigned frow = f0 + 16 * warp + g;
+    const unsigned char* w0 = mat.w + frow * row_bytes;
+    // Their groups from `sg` (factored: the multiples so, the units from frow's), addressed at
+    // each load: registers bound the blocks a multiprocessor holds.
+    const unsigned sg = frow * groups;
     const unsigned stages = K / WS_STAGE;
     // This thread's 16-byte pieces of a stage: row r, piece u of its 256 bytes (64-column slab
     // u / 8, at piece u % 8 swizzled by the row).
@@ -538,8 +540,16 @@ __device__ __forceinline__ void wide_product(float (&acc)[N / 2], const QMat& ma
 #pragma unroll
             for (int r = 0; r < 2; r++) {
                 st.run[rr].w[0][r] = ld_once(w0 + 8 * r * row_bytes + k * BITS / 8);
-                st.run[rr].s[0][r] = sc[gi + 8 * r * groups];
-                st.run[rr].b[0][r] = bi[gi + 8 * r * groups];
+                if constexpr (is_factored<S>) {
+                    const Factored f = static_cast<const Factored*>(mat.s)[gi + 8 * r * groups];
+                    const float2 unit =
+                        static_cast<const float2*>(mat.b)[(size_t)(frow + 8 * r) * (K / 256) + k / 256];
+                    st.run[rr].s[0][r] = unit.x * (float)f.s;
+                    st.run[rr].b[0][r] = unit.y * (float)f.b;
+                } else {
+                    st.run[rr].s[0][r] = static_cast<const S*>(mat.s)[gi + 8 * r * groups];
+                    st.run[rr].b[0][r] = static_cast<const S*>(mat.b)[gi + 8 * r * groups];
+                }
             }
         }
     };
@@ -754,4 +764,6 @@ WIDE_FORMAT(4, bf16, q4)
 WIDE_FORMAT(8, bf16, q8)
 WIDE_FORMAT(4, float, q4f)
 WIDE_FORMAT(8, float, q8f)
+WIDE_FORMAT(4, Factored, q4k)
+WIDE_FORMAT(8, Factored, q8k)
 #endif

@@ -106,21 +106,22 @@ fn every_op_matches_the_cpu_backend() {
 
 /// One token of a MoE layer at Qwen3-30B-A3B's expert shapes (the random cases' layers are
 /// small): the router's 8-bit product and choice as one cluster kernel, then gate/up and down
-/// over rows of 2,048 and 768 values, as a decode step runs them; and, every other round,
-/// experts as wide as Qwen3.5-397B-A17B's at top-10, whose rows of `down` take more than one
-/// round of loads.
+/// over rows of 2,048 and 768 values, as a decode step runs them; in a third of the rounds the
+/// same with a GGUF Q4_K_M file's experts (factored scales, Q6_K down) behind a dense router; and
+/// in another third experts as wide as Qwen3.5-397B-A17B's at top-10, whose rows of `down` take
+/// more than one round of loads.
 #[test]
 fn moe_decode_at_model_shape_matches_the_cpu_backend() {
     let Some(dev) = device_or_skip("moe_decode_at_model_shape_matches_the_cpu_backend") else {
         return;
     };
     let (mut rng, seed) = Rng::from_time();
-    for round in 0..4 {
+    for round in 0..6 {
         let case_rng = Rng::new(rng.next_u64());
-        let case = if round % 2 == 0 {
-            kestrel_testing::cases::moe_decode_model_shape(case_rng)
-        } else {
-            kestrel_testing::cases::moe_decode_wide_shape(case_rng)
+        let case = match round % 3 {
+            0 => kestrel_testing::cases::moe_decode_model_shape(case_rng),
+            1 => kestrel_testing::cases::moe_decode_gguf_shape(case_rng),
+            _ => kestrel_testing::cases::moe_decode_wide_shape(case_rng),
         };
         compare(&dev, &case, seed, round);
     }
@@ -152,9 +153,10 @@ fn skinny_products_match_the_cpu_backend() {
         .collect();
     linear_products(&dev, &mut rng, seed, &shapes);
     let formats = kestrel_testing::cases::QUANT_FORMATS;
+    use kestrel_testing::cases::FACTORED_FORMATS;
     for (round, tokens) in [2, 12, 30, 80, 120].into_iter().enumerate() {
         // MLX's defaults, GGUF's two, 4-bit gate and up beside an 8-bit down (GGUF's Q4_K
-        // beside Q6_K, and MLX's), and 8-bit gate and up beside a 4-bit down.
+        // beside Q6_K, and MLX's), 8-bit gate and up beside a 4-bit down, and factored scales.
         let pairs = [
             (formats[0], formats[1]),
             (formats[0], formats[0]),
@@ -164,6 +166,9 @@ fn skinny_products_match_the_cpu_backend() {
             (formats[4], formats[5]),
             (formats[1], formats[0]),
             (formats[5], formats[4]),
+            // A GGUF k-quant's experts, scales factored: Q4_K beside Q6_K, and Q4_K alone.
+            (FACTORED_FORMATS[0], FACTORED_FORMATS[1]),
+            (FACTORED_FORMATS[0], FACTORED_FORMATS[0]),
         ];
         for (i, (format, down)) in pairs.into_iter().enumerate() {
             let case =

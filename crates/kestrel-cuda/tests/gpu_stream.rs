@@ -154,7 +154,7 @@ fn experts_reading_their_misses_from_host_memory_compute_the_resident_output() {
     use kestrel_core::ir::{ExpertFormat, ExpertLayout, LinearWeight};
     use kestrel_core::quant::QuantFormat;
     let (mut rng, seed) = Rng::from_time();
-    let (hidden, inter) = (256, 192);
+    let hidden = 256;
     // Formats of gate and up, and the policy; down's format follows below.
     for (format, policy) in [
         (ExpertFormat::Quant(QuantFormat::Q4), SlotPolicy::Lru),
@@ -179,8 +179,17 @@ fn experts_reading_their_misses_from_host_memory_compute_the_resident_output() {
             ExpertFormat::Quant(QuantFormat::f32_scales(8, 16)),
             SlotPolicy::Lru,
         ),
+        // A k-quant's experts as GGUF files load them, scales factored: Q4_K beside Q6_K.
+        (
+            ExpertFormat::Quant(QuantFormat::factored(4, 32)),
+            SlotPolicy::Frequency { half_life: 5 },
+        ),
     ] {
+        let factored = format == ExpertFormat::Quant(QuantFormat::factored(4, 32));
+        // Factored scales take rows of whole 256-value super-blocks.
+        let inter = if factored { 256 } else { 192 };
         let down = match (format, policy) {
+            _ if factored => ExpertFormat::Quant(QuantFormat::factored(8, 16)),
             (ExpertFormat::Quant(q), _) if q == QuantFormat::f32_scales(4, 32) => {
                 ExpertFormat::Quant(QuantFormat::f32_scales(8, 16))
             }

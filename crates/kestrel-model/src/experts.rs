@@ -15,7 +15,7 @@
 
 use half::{bf16, f16};
 use kestrel_core::ir::{ExpertFormat, ExpertLayout, MatrixSpan};
-use kestrel_core::quant::{QuantFormat, QuantMatrix, ScaleType};
+use kestrel_core::quant::{QuantFormat, QuantMatrix, ScaleType, SUPER_BLOCK};
 use kestrel_core::DType;
 use rayon::prelude::*;
 
@@ -188,31 +188,44 @@ fn mlx_format(w: &Weights, mlp: &str, l: &ExpertLayout, m: Which) -> Result<(Qua
         return bad(&wt, format!("{words} words per row do not hold {cols} values"));
     }
     let bits = (32 * words / cols) as u32;
-    let groups = st.shape.get(2).copied().unwrap_or(0);
-    let scale = scale_type(st.dtype).filter(|_| st.shape == [l.experts, rows, groups] && groups > 0);
+    // Factored scales (a GGUF k-quant's): a byte pair a group beside f32 unit pairs a super-block.
+    let factored = st.dtype == DType::U8;
+    let groups = st.shape.get(2).copied().unwrap_or(0) / if factored { 2 } else { 1 };
+    let scale = if factored {
+        Some(ScaleType::Factored)
+    } else {
+        scale_type(st.dtype)
+    };
+    let stored = if factored { 2 * groups } else { groups };
+    let scale = scale.filter(|_| st.shape == [l.experts, rows, stored] && groups > 0);
     let Some(scale) = scale.filter(|_| cols % groups == 0) else {
         return bad(
             &st,
             format!(
-                "{} {:?}, config.json implies bf16 or f32 [{}, {rows}, groups]",
+                "{} {:?}, config.json implies bf16 or f32 [{}, {rows}, groups] (or u8 [{0}, {rows}, 2 * groups])",
                 st.dtype, st.shape, l.experts
             ),
         );
     };
-    if bt.dtype != st.dtype || bt.shape != st.shape {
-        return bad(
-            &bt,
-            format!(
-                "{} {:?}, expected {} {:?}",
-                bt.dtype, bt.shape, st.dtype, st.shape
-            ),
-        );
-    }
     let format = QuantFormat {
         bits,
         group_size: cols / groups,
         scale,
     };
+    let (bias_dtype, bias_shape) = if factored {
+        (DType::F32, vec![l.experts, rows, 2 * (cols / SUPER_BLOCK)])
+    } else {
+        (st.dtype, st.shape.to_vec())
+    };
+    if bt.dtype != bias_dtype || bt.shape != bias_shape {
+        return bad(
+            &bt,
+            format!(
+                "{} {:?}, expected {bias_dtype} {bias_shape:?}",
+                bt.dtype, bt.shape
+            ),
+        );
+    }
     if !format.fits(cols) {
         return bad(
             &wt,
@@ -243,44 +256,68 @@ pub(crate) fn scale_type(dtype: DType) -> Option<ScaleType> {
     }
 }
 
-/// One expert's matrix of an MLX stacked source, as stored, with the format its shapes imply.
-fn mlx_matrix(w: &Weights, mlp: &str, l: &ExpertLayout, e: usize, m: Which) -> Result<QuantMatrix> {
-    let (rows, cols) = m.dims(l);
-    let (format, words, groups) = mlx_format(w, mlp, l, m)?;
+/// One expert's matrix of an MLX stacked source as its stored bytes (weight, scales part, biases
+/// part), with the format its shapes imply.
+fn mlx_raw<'a>(
+    tensors: &[Tensor<'a>; 3],
+    format: QuantFormat,
+    (rows, cols): (usize, usize),
+    e: usize,
+) -> [&'a [u8]; 3] {
+    let sizes = [
+        4 * rows * format.words_per_row(cols),
+        format.scale_part(rows, cols),
+        format.bias_part(rows, cols),
+    ];
+    std::array::from_fn(|i| &tensors[i].bytes[e * sizes[i]..(e + 1) * sizes[i]])
+}
+
+/// The weight, scales and biases tensors of `mlp`'s stacked matrix `m`.
+fn mlx_tensors<'a>(w: &'a Weights, mlp: &str, m: Which) -> Result<[Tensor<'a>; 3]> {
     let base = format!("{mlp}.switch_mlp.{}", m.name());
-    let (wt, st, bt) = (
+    Ok([
         w.get(&format!("{base}.weight"))?,
         w.get(&format!("{base}.scales"))?,
         w.get(&format!("{base}.biases"))?,
-    );
-    let (wn, gn) = (rows * words, rows * groups);
-    let u32s = |t: &Tensor, start: usize, n: usize| -> Vec<u32> {
-        t.bytes[4 * start..4 * (start + n)]
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect()
-    };
-    let size = format.scale.size_in_bytes();
-    let values =
-        |t: &Tensor, start: usize, n: usize| format.scale.values(&t.bytes[size * start..size * (start + n)]);
+    ])
+}
+
+/// One expert's matrix of an MLX stacked source, as stored, with the format its shapes imply.
+fn mlx_matrix(w: &Weights, mlp: &str, l: &ExpertLayout, e: usize, m: Which) -> Result<QuantMatrix> {
+    let (rows, cols) = m.dims(l);
+    let (format, ..) = mlx_format(w, mlp, l, m)?;
+    let tensors = mlx_tensors(w, mlp, m)?;
+    let [wb, sb, bb] = mlx_raw(&tensors, format, (rows, cols), e);
+    let (scales, biases) = format.group_values(sb, bb);
     Ok(QuantMatrix {
         format,
         rows,
         cols,
-        weight: u32s(&wt, e * wn, wn),
-        scales: values(&st, e * gn, gn),
-        biases: values(&bt, e * gn, gn),
+        weight: wb
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        scales,
+        biases,
     })
 }
 
-/// Writes a quantised matrix at its place in an expert span.
-fn put_quant(span: &mut [u8], at: MatrixSpan, q: &QuantMatrix) {
-    for (i, word) in q.weight.iter().enumerate() {
-        span[at.weight + 4 * i..at.weight + 4 * i + 4].copy_from_slice(&word.to_le_bytes());
-    }
-    let (scales, biases) = (q.scale_bytes(), q.bias_bytes());
-    span[at.scales..at.scales + scales.len()].copy_from_slice(&scales);
-    span[at.biases..at.biases + biases.len()].copy_from_slice(&biases);
+/// Writes the parts of a quantised matrix at its place in an expert span.
+fn put_parts(span: &mut [u8], at: MatrixSpan, [w, s, b]: [&[u8]; 3]) {
+    span[at.weight..at.weight + w.len()].copy_from_slice(w);
+    span[at.scales..at.scales + s.len()].copy_from_slice(s);
+    span[at.biases..at.biases + b.len()].copy_from_slice(b);
+}
+
+/// Writes a quantised matrix at its place in an expert span; an error naming `name` when its
+/// format cannot hold its groups exactly.
+fn put_quant(span: &mut [u8], at: MatrixSpan, q: &QuantMatrix, name: impl Fn() -> String) -> Result<()> {
+    let (scales, biases) = q.group_bytes().ok_or_else(|| ModelError::Tensor {
+        name: name(),
+        reason: format!("its group scales cannot be held exactly as {:?}", q.format),
+    })?;
+    put_parts(span, at, [bytemuck::cast_slice(&q.weight), &scales, &biases]);
+    Ok(())
 }
 
 fn put_bf16(span: &mut [u8], at: MatrixSpan, v: &[f32]) {
@@ -320,14 +357,18 @@ fn pack_into(
         let (rows, cols) = m.dims(layout);
         match (src, m.format(layout)) {
             (ExpertSource::MlxSwitch, ExpertFormat::Quant(want)) => {
-                let q = mlx_matrix(w, mlp, layout, e, m)?;
-                if q.format != want {
+                let (format, ..) = mlx_format(w, mlp, layout, m)?;
+                if format != want {
                     return Err(ModelError::Tensor {
                         name: format!("{mlp}.switch_mlp.{}.weight", m.name()),
-                        reason: format!("stored as {:?}, the layout wants {want:?}", q.format),
+                        reason: format!("stored as {format:?}, the layout wants {want:?}"),
                     });
                 }
-                put_quant(dst, at, &q);
+                put_parts(
+                    dst,
+                    at,
+                    mlx_raw(&mlx_tensors(w, mlp, m)?, format, (rows, cols), e),
+                );
             }
             (ExpertSource::MlxSwitch, ExpertFormat::Bf16) => {
                 put_bf16(dst, at, &mlx_matrix(w, mlp, layout, e, m)?.dequantize());
@@ -335,7 +376,9 @@ fn pack_into(
             (_, ExpertFormat::Bf16) => put_bf16(dst, at, &dense_matrix(w, mlp, src, layout, e, m)?),
             (_, ExpertFormat::Quant(q)) => {
                 let v = dense_matrix(w, mlp, src, layout, e, m)?;
-                put_quant(dst, at, &QuantMatrix::quantize(&v, rows, cols, q));
+                put_quant(dst, at, &QuantMatrix::quantize(&v, rows, cols, q), || {
+                    format!("{mlp} expert {e} {}", m.name())
+                })?;
             }
         }
     }
@@ -441,16 +484,15 @@ pub fn expert_copy_parts(w: &Weights, mlp: &str, layout: &ExpertLayout) -> Resul
         let (rows, cols) = m.dims(layout);
         match (src, m.format(layout)) {
             (ExpertSource::MlxSwitch, ExpertFormat::Quant(want)) => {
-                let (format, words, groups) = mlx_format(w, mlp, layout, m)?;
+                let (format, ..) = mlx_format(w, mlp, layout, m)?;
                 if format != want {
                     return Ok(None);
                 }
                 let base = format!("{mlp}.switch_mlp.{}", m.name());
-                let (wn, gn) = (4 * rows * words, format.scale.size_in_bytes() * rows * groups);
                 for (suffix, dst, len) in [
-                    ("weight", at.weight, wn),
-                    ("scales", at.scales, gn),
-                    ("biases", at.biases, gn),
+                    ("weight", at.weight, 4 * rows * format.words_per_row(cols)),
+                    ("scales", at.scales, format.scale_part(rows, cols)),
+                    ("biases", at.biases, format.bias_part(rows, cols)),
                 ] {
                     match strided(&format!("{base}.{suffix}"), dst, len, 0, len) {
                         Some(p) => parts.push(p),

@@ -2,7 +2,8 @@
 //! (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS) either
 //! dequantised to f32 with ggml's own formulas, in ggml's order of operations, so every value is
 //! the one llama.cpp computes for it ([`dequantize`]), or rewritten exactly as an affine
-//! [`QuantMatrix`] with f32 group scales and biases ([`to_affine`]). Both read each block once through the same decoder: its stored values
+//! [`QuantMatrix`] with f32 group scales and biases ([`to_affine`]; a k-quant's may be held
+//! factored, [`factors`]). Both read each block once through the same decoder: its stored values
 //! `q` and, per group, a scale and a bias. Other types are refused with the supported ones named:
 //! nothing is re-quantised silently.
 //!
@@ -19,7 +20,7 @@
 //! same way (2047 * 32 * 241 < 2^24).
 
 use half::{bf16, f16};
-use kestrel_core::quant::{QuantFormat, QuantMatrix};
+use kestrel_core::quant::{QuantFormat, QuantMatrix, ScaleType};
 use rayon::prelude::*;
 
 use crate::gguf::GgmlType;
@@ -369,6 +370,17 @@ pub fn affine_format(ty: GgmlType) -> Option<QuantFormat> {
     Block::of(ty.name).map(Block::format)
 }
 
+/// Whether `ty` is a k-quant whose group scales and biases [`to_affine`] gives are each one f32
+/// unit a super-block of 256 values times a signed byte ([`ScaleType::Factored`] holds them so):
+/// an f16 times a sub-block's 4-, 6- or 8-bit scale (minimum), or times such a scale and a fixed
+/// integer (Q3_K's and Q6_K's biases, `-4 d sc` and `-32 d sc`; IQ4_XS's `-128 d sc`).
+pub fn factors(ty: GgmlType) -> bool {
+    matches!(
+        Block::of(ty.name),
+        Some(Block::Q2K | Block::Q3K | Block::Q4K | Block::Q5K | Block::Q6K | Block::IQ4XS)
+    )
+}
+
 /// `bytes`, a `[rows, cols]` matrix of type `ty` (rows of whole blocks), as an affine matrix in
 /// [`affine_format`]`(ty)`, holding every value ggml computes exactly (see the module's header).
 /// An error when `ty` is not a block type or the bytes are not such a matrix.
@@ -428,14 +440,16 @@ pub fn to_affine(ty: GgmlType, bytes: &[u8], rows: usize, cols: usize) -> Result
     })
 }
 
-/// The narrowest format holding each of `formats` exactly through [`widen`]: the most bits and
-/// the smallest group (the first one's scale type). None for none.
+/// The narrowest format holding each of `formats` exactly through [`widen`]: the most bits, the
+/// smallest group, and the first one's scale type where all share it, else f32 (which holds a
+/// factored scale's value). None for none.
 pub fn common_format(formats: &[QuantFormat]) -> Option<QuantFormat> {
     let first = *formats.first()?;
+    let same = formats.iter().all(|f| f.scale == first.scale);
     Some(QuantFormat {
         bits: formats.iter().map(|f| f.bits).max()?,
         group_size: formats.iter().map(|f| f.group_size).min()?,
-        ..first
+        scale: if same { first.scale } else { ScaleType::F32 },
     })
 }
 
@@ -447,7 +461,8 @@ pub fn widen(m: QuantMatrix, to: QuantFormat) -> Result<QuantMatrix, String> {
     if from == to {
         return Ok(m);
     }
-    if to.scale != from.scale
+    // A group's values are kept as they are: f32 holds any scale type's.
+    if (to.scale != from.scale && to.scale != ScaleType::F32)
         || to.bits < from.bits
         || m.cols == 0
         || !to.fits(m.cols)

@@ -19,7 +19,7 @@ use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
-use kestrel_core::quant::{QuantFormat, QuantMatrix};
+use kestrel_core::quant::{QuantFormat, QuantMatrix, ScaleType, SUPER_BLOCK};
 use kestrel_core::rope::RopeScaling;
 use kestrel_core::DType;
 use serde_json::{json, Map, Value as Json};
@@ -27,7 +27,7 @@ use serde_json::{json, Map, Value as Json};
 use crate::config::{Arch, ModelConfig, QuantConfig};
 use crate::error::{ModelError, Result};
 use crate::gguf::{Gguf, TensorInfo, Value};
-use crate::gguf_dequant::{affine_format, common_format, dequantize, to_affine, widen};
+use crate::gguf_dequant::{affine_format, common_format, dequantize, factors, to_affine, widen};
 use crate::weights::{FileTensor, MappedFile, OwnedTensor, Weights};
 
 /// A GGUF model read: what a model directory's files would give.
@@ -309,7 +309,18 @@ fn held_affine(name: &str, t: &TensorInfo) -> Option<QuantFormat> {
     if t.dims.len() < 2 || name.contains("ffn_gate_inp") || name.contains("ssm_conv1d") {
         return None;
     }
-    affine_format(t.ty)
+    let format = affine_format(t.ty)?;
+    Some(if expert_tensor(name) && factors(t.ty) {
+        QuantFormat::factored(format.bits, format.group_size)
+    } else {
+        format
+    })
+}
+
+/// A layer's stacked routed experts (`ffn_{gate,up,down,gate_up}_exps`): held with factored
+/// group scales when a k-quant's ([`factors`]), which the expert kernels read.
+fn expert_tensor(name: &str) -> bool {
+    name.contains("_exps.")
 }
 
 /// The tensors held in one format with `name` (a layer's gate and up expert tensors; Qwen3-Next's
@@ -342,9 +353,10 @@ fn loaded_bytes(arch: Arch, tensors: &HashMap<&str, (usize, &TensorInfo)>) -> u6
                     common_format(&names.iter().map(|n| format_of(n)).collect::<Option<Vec<_>>>()?)
                 })
                 .unwrap_or(own);
-            let per_group = 2 * format.scale.size_in_bytes() as u64;
+            // A row's scale and bias parts, as the format stores them, over its values.
+            let per_super = (format.scale_part(1, SUPER_BLOCK) + format.bias_part(1, SUPER_BLOCK)) as u64;
             (values.saturating_mul(format.bits as u64) / 8)
-                .saturating_add(values / format.group_size as u64 * per_group)
+                .saturating_add(values / SUPER_BLOCK as u64 * per_super)
         })
         .fold(0, u64::saturating_add)
 }
@@ -743,29 +755,39 @@ impl<'a> Source<'a> {
     }
 
     /// `m` under `{base}.weight` (u32 words), `{base}.scales` and `{base}.biases` (f32), as
-    /// `[rows, ..]`, or with `experts`, as `[experts, rows / experts, ..]`.
-    fn own_quant(&mut self, base: &str, m: QuantMatrix, experts: Option<usize>) {
+    /// `[rows, ..]`, or with `experts`, as `[experts, rows / experts, ..]`. Factored scales are a
+    /// byte pair a group (`scales`, u8 `[.., 2 * groups]`) and an f32 pair of units a super-block
+    /// (`biases`, `[.., 2 * cols / 256]`).
+    fn own_quant(&mut self, base: &str, m: QuantMatrix, experts: Option<usize>) -> Result<()> {
         let f = m.format;
+        let (scales, biases) = m.group_bytes().ok_or_else(|| {
+            bad(
+                self.label,
+                format!(
+                    "{base}: its group scales cannot be held exactly as {f:?} (one not finite, or not \
+                     a multiple of its super-block's unit)"
+                ),
+            )
+        })?;
         self.formats.insert(base.to_string(), Some(f));
         let (words, groups) = (f.words_per_row(m.cols), f.groups_per_row(m.cols));
         let shape = |n: usize| match experts {
             Some(e) => vec![e, m.rows / e, n],
             None => vec![m.rows, n],
         };
-        let (ws, gs) = (shape(words), shape(groups));
+        let (sd, ss, bs) = match f.scale {
+            ScaleType::Factored => (DType::U8, shape(2 * groups), shape(2 * (m.cols / SUPER_BLOCK))),
+            _ => (DType::F32, shape(groups), shape(groups)),
+        };
         self.own(
             format!("{base}.weight"),
             DType::U32,
-            ws,
+            shape(words),
             bytemuck::cast_slice(&m.weight).to_vec(),
         );
-        self.own(
-            format!("{base}.scales"),
-            DType::F32,
-            gs.clone(),
-            f32_bytes(&m.scales),
-        );
-        self.own(format!("{base}.biases"), DType::F32, gs, f32_bytes(&m.biases));
+        self.own(format!("{base}.scales"), sd, ss, scales);
+        self.own(format!("{base}.biases"), DType::F32, bs, biases);
+        Ok(())
     }
 
     /// `gguf` under the name `hf`: read in place when stored as a float type, as an affine
@@ -811,7 +833,7 @@ impl<'a> Source<'a> {
                             format!("tensor {gguf}: shape {:?}, {shape:?} expected", [m.rows, m.cols]),
                         ));
                     }
-                    self.own_quant(base, m, None);
+                    self.own_quant(base, m, None)?;
                 }
                 _ => {
                     let bytes = self.dense(gguf)?.bytes.into_owned();
@@ -937,7 +959,7 @@ impl<'a> Source<'a> {
             out.scales.extend_from_slice(&m.scales[r * gpr..(r + 1) * gpr]);
             out.biases.extend_from_slice(&m.biases[r * gpr..(r + 1) * gpr]);
         }
-        self.own_quant(base, out, None);
+        self.own_quant(base, out, None)?;
         Ok(())
     }
 
@@ -980,7 +1002,7 @@ impl<'a> Source<'a> {
                     out.biases.push(m.biases[src]);
                 }
             }
-            self.own_quant(base, out, None);
+            self.own_quant(base, out, None)?;
             return Ok(());
         }
         let d = self.dense(gguf)?;
@@ -1038,6 +1060,17 @@ impl<'a> Source<'a> {
                 }
                 None => self.affine(n)?,
             };
+            // A k-quant's scales are held factored (the same values, fewer bytes).
+            let m = match held_affine(n, self.info(n)?) {
+                Some(f) if f.scale == ScaleType::Factored => QuantMatrix {
+                    format: QuantFormat {
+                        scale: f.scale,
+                        ..m.format
+                    },
+                    ..m
+                },
+                _ => m,
+            };
             mats.push((experts, m));
         }
         drop(whole);
@@ -1047,7 +1080,7 @@ impl<'a> Source<'a> {
         for (((w, (n, _)), (experts, m)), format) in WHICH.iter().zip(&names).zip(mats).zip(formats) {
             let base = format!("{mlp}.switch_mlp.{w}_proj");
             let m = widen(m, format).map_err(|r| bad(self.label, format!("tensor {n}: {r}")))?;
-            self.own_quant(&base, m, Some(experts));
+            self.own_quant(&base, m, Some(experts))?;
         }
         Ok(())
     }
@@ -1385,9 +1418,10 @@ mod tests {
     }
 
     /// A layer's gate and up experts are counted in the format common to the two, down in its
-    /// own: Q4_K `gate` and `up` take 4 bits and an f32 scale and bias per 32 values, a Q6_K
-    /// `down` 8 bits and an f32 scale and bias per 16, and a Q4_K `up` beside a Q6_K `gate` the
-    /// gate's format.
+    /// own, their k-quant scales factored: Q4_K `gate` and `up` take 4 bits, a byte pair per 32
+    /// values and 8 bytes of units per 256, a Q6_K `down` 8 bits and a byte pair per 16, and a
+    /// Q4_K `up` beside a Q6_K `gate` the gate's format; other matrices an f32 scale and bias a
+    /// group.
     #[test]
     fn experts_are_counted_widened() {
         let info = |name: &str, ty: u32, dims: Vec<u64>| TensorInfo {
@@ -1407,10 +1441,11 @@ mod tests {
             info("blk.0.ffn_gate_inp.weight", 8, vec![256, 4]),
         ];
         let tensors = t.iter().map(|t| (t.name.as_str(), (0, t))).collect();
-        // A matrix of 4 x 256 x 256 values: 4-bit in groups of 32 is 3/4 byte a value, 8-bit in
-        // groups of 16 3/2.
+        // A matrix of 4 x 256 x 256 values: 4-bit in groups of 32 is 19/32 byte a value (1/2 +
+        // 2/32 + 8/256), 8-bit in groups of 16 37/32 (1 + 2/16 + 8/256); f32 scales and biases
+        // take 3/4 and 3/2.
         let m = 4 * 256 * 256;
-        let experts = 2 * m * 3 / 4 + m * 3 / 2 + 2 * m * 3 / 2;
+        let experts = 2 * m * 19 / 32 + m * 37 / 32 + 2 * m * 37 / 32;
         let attn_q = 64 * 256 * 3 / 4;
         let router = 4 * 256 * 4;
         assert_eq!(

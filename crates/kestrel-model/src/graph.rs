@@ -695,16 +695,19 @@ impl Forward {
                     biases,
                 } => {
                     let (mut row, wpr) = (0, format.words_per_row(*cols));
-                    let gpr = format.groups_per_row(*cols) * format.scale.size_in_bytes();
                     for (name, rows) in parts {
                         let t = w.get(name)?;
                         let v = crate::experts::dense_values(&t, 0, rows * cols)?;
                         let q = QuantMatrix::quantize(&v, *rows, *cols, *format);
+                        let (sb, bb) = q.group_bytes().ok_or_else(|| ModelError::Tensor {
+                            name: name.clone(),
+                            reason: format!("its group scales cannot be held as {format:?}"),
+                        })?;
                         backend
-                            .write_bytes(program, *scales, row * gpr, &q.scale_bytes())
+                            .write_bytes(program, *scales, format.scale_part(row, *cols), &sb)
                             .map_err(backend_err)?;
                         backend
-                            .write_bytes(program, *biases, row * gpr, &q.bias_bytes())
+                            .write_bytes(program, *biases, format.bias_part(row, *cols), &bb)
                             .map_err(backend_err)?;
                         backend
                             .write_bytes(program, *buf, row * wpr * 4, bytemuck::cast_slice(&q.weight))

@@ -36,40 +36,48 @@ struct Out {
     data: Vec<u8>,
 }
 
-fn quantized_parts(q: &QuantMatrix, lead: &[usize]) -> [(String, Out); 3] {
+fn quantized_parts(q: &QuantMatrix, lead: &[usize]) -> Result<[(String, Out); 3]> {
     let shape = |cols: usize| lead.iter().copied().chain([q.rows, cols]).collect::<Vec<_>>();
-    let dtype = match q.format.scale {
-        ScaleType::Bf16 => Dtype::BF16,
-        ScaleType::F32 => Dtype::F32,
+    let f = q.format;
+    // Factored scales are written as the GGUF loader holds them: a byte pair a group, f32 unit
+    // pairs a super-block.
+    let ((sd, sn), (bd, bn)) = match f.scale {
+        ScaleType::Bf16 => ((Dtype::BF16, 1), (Dtype::BF16, 1)),
+        ScaleType::F32 => ((Dtype::F32, 1), (Dtype::F32, 1)),
+        ScaleType::Factored => ((Dtype::U8, 2), (Dtype::F32, 0)),
     };
-    let words = q.format.words_per_row(q.cols);
-    let groups = q.format.groups_per_row(q.cols);
-    [
+    let groups = f.groups_per_row(q.cols);
+    let units = 2 * (q.cols / kestrel_core::quant::SUPER_BLOCK);
+    let (scales, biases) = q.group_bytes().ok_or_else(|| ModelError::Config {
+        key: "quantization".into(),
+        reason: format!("{:?} cannot hold the quantiser's group scales", q.format),
+    })?;
+    Ok([
         (
             "weight".into(),
             Out {
                 dtype: Dtype::U32,
-                shape: shape(words),
+                shape: shape(f.words_per_row(q.cols)),
                 data: q.weight.iter().flat_map(|w| w.to_le_bytes()).collect(),
             },
         ),
         (
             "scales".into(),
             Out {
-                dtype,
-                shape: shape(groups),
-                data: q.scale_bytes(),
+                dtype: sd,
+                shape: shape(sn * groups),
+                data: scales,
             },
         ),
         (
             "biases".into(),
             Out {
-                dtype,
-                shape: shape(groups),
-                data: q.bias_bytes(),
+                dtype: bd,
+                shape: shape(if bn == 0 { units } else { groups }),
+                data: biases,
             },
         ),
-    ]
+    ])
 }
 
 /// `{mlp}.experts.{e}.{proj}.weight` → (mlp, e, proj).
@@ -333,7 +341,7 @@ fn quantize_group(
             };
             if f.fits(cols) {
                 let q = quantize(&t, rows, cols, f, 0)?;
-                for (suffix, o) in quantized_parts(&q, &[]) {
+                for (suffix, o) in quantized_parts(&q, &[])? {
                     out.insert(format!("{base}.{suffix}"), o);
                 }
                 if f != format {
@@ -366,12 +374,12 @@ fn quantize_group(
             });
         }
         let first = &mats[&0];
-        let mut parts = quantized_parts(first, &[n]);
+        let mut parts = quantized_parts(first, &[n])?;
         for (_, o) in parts.iter_mut() {
             o.data.clear();
         }
         for q in mats.values() {
-            for (i, (_, o)) in quantized_parts(q, &[n]).into_iter().enumerate() {
+            for (i, (_, o)) in quantized_parts(q, &[n])?.into_iter().enumerate() {
                 parts[i].1.data.extend(o.data);
             }
         }

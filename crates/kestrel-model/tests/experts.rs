@@ -198,8 +198,9 @@ fn mlx_switch_experts_are_copied_or_dequantised() {
             .iter()
             .flat_map(|s| s[m].weight.iter().flat_map(|w| w.to_le_bytes()))
             .collect();
-        let scales: Vec<u8> = stored.iter().flat_map(|s| s[m].scale_bytes()).collect();
-        let biases: Vec<u8> = stored.iter().flat_map(|s| s[m].bias_bytes()).collect();
+        let parts: Vec<(Vec<u8>, Vec<u8>)> = stored.iter().map(|s| s[m].group_bytes().unwrap()).collect();
+        let scales: Vec<u8> = parts.iter().flat_map(|p| p.0.clone()).collect();
+        let biases: Vec<u8> = parts.iter().flat_map(|p| p.1.clone()).collect();
         let base = format!("{MLP}.switch_mlp.{name}");
         t.push((
             format!("{base}.weight"),

@@ -32,24 +32,33 @@ const CASES: [(&str, &str); 10] = [
     ("qwen3_5_moe", "q8_0"),
 ];
 
-/// An affine matrix held as `{base}.weight` (u32 words), `.scales` and `.biases` (f32), its rows
-/// of `cols` values (every dimension but the last counted as rows).
+/// An affine matrix held as `{base}.weight` (u32 words), `.scales` and `.biases` (f32; or, a
+/// k-quant's experts, factored: u8 multiples beside f32 units), its rows of `cols` values (every
+/// dimension but the last counted as rows).
 fn affine(w: &Weights, base: &str, cols: usize) -> QuantMatrix {
     let t = |s: &str| w.get(&format!("{base}.{s}")).unwrap();
     let (wt, st, bt) = (t("weight"), t("scales"), t("biases"));
+    let factored = st.dtype == DType::U8;
     assert_eq!(
         (wt.dtype, st.dtype, bt.dtype),
-        (DType::U32, DType::F32, DType::F32),
+        (
+            DType::U32,
+            if factored { DType::U8 } else { DType::F32 },
+            DType::F32
+        ),
         "{base}"
     );
-    let (words, groups) = (*wt.shape.last().unwrap(), *st.shape.last().unwrap());
-    let floats = |b: &[u8]| -> Vec<f32> {
-        b.chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect()
+    let words = *wt.shape.last().unwrap();
+    let groups = *st.shape.last().unwrap() / if factored { 2 } else { 1 };
+    let (bits, group) = ((32 * words / cols) as u32, cols / groups);
+    let format = if factored {
+        QuantFormat::factored(bits, group)
+    } else {
+        QuantFormat::f32_scales(bits, group)
     };
+    let (scales, biases) = format.group_values(st.bytes, bt.bytes);
     QuantMatrix {
-        format: QuantFormat::f32_scales((32 * words / cols) as u32, cols / groups),
+        format,
         rows: wt.shape[..wt.shape.len() - 1].iter().product(),
         cols,
         weight: wt
@@ -57,8 +66,8 @@ fn affine(w: &Weights, base: &str, cols: usize) -> QuantMatrix {
             .chunks_exact(4)
             .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
             .collect(),
-        scales: floats(st.bytes),
-        biases: floats(bt.bytes),
+        scales,
+        biases,
     }
 }
 
@@ -549,7 +558,7 @@ fn experts_of_mixed_block_types_load_each_in_its_format() {
 fn experts_of_types(gate: &str, up: &str, down: &str) {
     use kestrel_core::rng::Rng;
     use kestrel_model::gguf::GgmlType;
-    use kestrel_model::gguf_dequant::{affine_format, common_format, dequantize};
+    use kestrel_model::gguf_dequant::{affine_format, common_format, dequantize, factors};
     println!("gate {gate}, up {up}, down {down}");
     let (hidden, inter, experts, vocab, head) = (256u64, 256u64, 4u64, 32u64, 64u64);
     let ty = |name: &str| {
@@ -696,11 +705,20 @@ fn experts_of_types(gate: &str, up: &str, down: &str) {
     let m = kestrel_model::gguf_from_bytes(label, gguf_file(&kv, &tensors)).unwrap();
     let quantised = tensors.clone();
     let mlp = "model.layers.0.mlp";
-    let gate_up = common_format(&[gate, up].map(|t| affine_format(ty(t)).unwrap())).unwrap();
+    // A k-quant's experts are held with their scales factored; beside another type, as f32.
+    let held = |t: &str| {
+        let f = affine_format(ty(t)).unwrap();
+        if factors(ty(t)) {
+            QuantFormat::factored(f.bits, f.group_size)
+        } else {
+            f
+        }
+    };
+    let gate_up = common_format(&[gate, up].map(held)).unwrap();
     for (w, rows, cols, format) in [
         ("gate", inter, hidden, gate_up),
         ("up", inter, hidden, gate_up),
-        ("down", hidden, inter, affine_format(ty(down)).unwrap()),
+        ("down", hidden, inter, held(down)),
     ] {
         let base = format!("{mlp}.switch_mlp.{w}_proj");
         let q = affine(&m.weights, &base, cols as usize);

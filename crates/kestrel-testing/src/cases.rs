@@ -7,7 +7,7 @@
 
 use half::{bf16, f16};
 use kestrel_core::ir::*;
-use kestrel_core::quant::{QuantFormat, QuantMatrix};
+use kestrel_core::quant::{QuantFormat, QuantMatrix, ScaleType};
 use kestrel_core::rng::Rng;
 use kestrel_core::rope::{RopeScaling, RopeTable};
 use kestrel_core::{Backend, DType, GraphBuilder};
@@ -255,9 +255,10 @@ impl CaseBuilder {
                 else {
                     unreachable!()
                 };
+                let (sb, bb) = m.group_bytes().expect("the quantiser's scales fit its format");
                 self.set(weight, bytemuck::cast_slice(&m.weight).to_vec());
-                self.set(scales, m.scale_bytes());
-                self.set(biases, m.bias_bytes());
+                self.set(scales, sb);
+                self.set(biases, bb);
                 (lw, m.dequantize().iter().map(|&v| v as f64).collect())
             }
         }
@@ -628,6 +629,10 @@ pub const QUANT_FORMATS: [QuantFormat; 6] = [
     QuantFormat::f32_scales(4, 32),
     QuantFormat::f32_scales(8, 16),
 ];
+
+/// The formats a GGUF file's k-quant experts are held in, their scales factored (rows of whole
+/// 256-value super-blocks): 4-bit in groups of 32 (Q4_K) and 8-bit in groups of 16 (Q6_K).
+pub const FACTORED_FORMATS: [QuantFormat; 2] = [QuantFormat::factored(4, 32), QuantFormat::factored(8, 16)];
 
 pub fn linear(rng: Rng) -> Case {
     let mut c = CaseBuilder::new(rng);
@@ -1106,11 +1111,8 @@ fn store_matrix(
         }
         ExpertFormat::Quant(q) => {
             let qm = QuantMatrix::quantize(values, rows, cols, q);
-            let (w, s, b): (&[u8], Vec<u8>, Vec<u8>) = (
-                bytemuck::cast_slice(&qm.weight),
-                qm.scale_bytes(),
-                qm.bias_bytes(),
-            );
+            let (s, b) = qm.group_bytes().expect("the quantiser's scales fit its format");
+            let w: &[u8] = bytemuck::cast_slice(&qm.weight);
             span[m.weight..m.weight + w.len()].copy_from_slice(w);
             span[m.scales..m.scales + s.len()].copy_from_slice(&s);
             span[m.biases..m.biases + b.len()].copy_from_slice(&b);
@@ -1229,9 +1231,15 @@ pub fn moe(rng: Rng) -> Case {
             ExpertFormat::Quant(QuantFormat::Q8),
             ExpertFormat::Quant(QuantFormat::f32_scales(4, 32)),
             ExpertFormat::Quant(QuantFormat::f32_scales(8, 16)),
+            ExpertFormat::Quant(FACTORED_FORMATS[0]),
+            ExpertFormat::Quant(FACTORED_FORMATS[1]),
         ],
     );
     let (hidden, inter) = match format {
+        // Factored scales take rows of whole super-blocks.
+        ExpertFormat::Quant(q) if q.scale == ScaleType::Factored => {
+            (256 * c.rng.range(1, 5), 256 * c.rng.range(1, 3))
+        }
         // Sometimes whole 64-wide tiles, so many-token bf16 experts take the grouped GEMMs.
         ExpertFormat::Bf16 if c.rng.range(0, 2) == 0 => (64 * c.rng.range(1, 4), 64 * c.rng.range(1, 3)),
         ExpertFormat::Bf16 => (8 * c.rng.range(1, 25), 8 * c.rng.range(1, 19)),
@@ -1252,6 +1260,7 @@ pub fn moe(rng: Rng) -> Case {
         [
             (QuantFormat::f32_scales(4, 32), QuantFormat::f32_scales(8, 16)),
             (QuantFormat::Q4, QuantFormat::Q8),
+            (FACTORED_FORMATS[0], FACTORED_FORMATS[1]),
         ]
         .into_iter()
         .find_map(|(a, b)| (q == a).then_some(b).or((q == b).then_some(a)))
@@ -1282,6 +1291,16 @@ pub fn moe_decode_model_shape(rng: Rng) -> Case {
     )
 }
 
+/// `moe_decode_model_shape` with a GGUF Q4_K_M file's experts: gate and up as Q4_K, down as
+/// Q6_K, their scales factored, behind a dense router (f32 as such files hold it, or bf16).
+pub fn moe_decode_gguf_shape(rng: Rng) -> Case {
+    let layout = ExpertLayout {
+        down: ExpertFormat::Quant(FACTORED_FORMATS[1]),
+        ..ExpertLayout::uniform(32, 2048, 768, ExpertFormat::Quant(FACTORED_FORMATS[0]))
+    };
+    moe_case(CaseBuilder::new(rng), layout, 1, 8, true, Some(None))
+}
+
 /// One MoE layer's experts as wide as Qwen3.5-397B-A17B's (expert width 1,024, top-10, 4-bit in
 /// groups of 64) for one token, the router's 8-bit product in front; hidden 1,024 and 24 experts
 /// so the CPU reference stays quick. A row of `down` has 10 x 32 (slot, vector) pairs: more than
@@ -1305,11 +1324,14 @@ pub fn moe_decode_wide_shape(rng: Rng) -> Case {
 /// is in front, as a batched step runs it; beyond, the router takes given logits, since the
 /// backends' f32 sums of that product differ in their last bits and, over a thousand choices, a
 /// near-tie for the eighth place falls the other way now and then (one in 960 was seen).
-/// Gate and up in `format`, down in `down`.
+/// Gate and up in `format`, down in `down`; with factored scales, whose rows are whole 256-value
+/// super-blocks, an expert width of 768.
 pub fn moe_batch_shape(rng: Rng, tokens: usize, format: QuantFormat, down: QuantFormat) -> Case {
+    let factored = [format, down].iter().any(|f| f.scale == ScaleType::Factored);
+    let inter = if factored { 768 } else { 640 };
     let layout = ExpertLayout {
         down: ExpertFormat::Quant(down),
-        ..ExpertLayout::uniform(32, 1024, 640, ExpertFormat::Quant(format))
+        ..ExpertLayout::uniform(32, 1024, inter, ExpertFormat::Quant(format))
     };
     let router = (tokens <= 80).then_some(Some(QuantFormat::Q8));
     moe_case(CaseBuilder::new(rng), layout, tokens, 8, true, router)

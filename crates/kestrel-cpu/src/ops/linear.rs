@@ -16,11 +16,52 @@ pub enum Matrix<'a> {
     },
     Quant {
         weight: &'a [u32],
-        scales: Floats<'a>,
-        biases: Floats<'a>,
+        groups: Groups<'a>,
         format: QuantFormat,
         cols: usize,
     },
+}
+
+/// A quantised matrix's group scales and biases, viewed in place.
+pub enum Groups<'a> {
+    /// A scale and a bias stored a group (bf16 or f32).
+    Plain { scales: Floats<'a>, biases: Floats<'a> },
+    /// `ScaleType::Factored`: a group's multiples of its super-block's two units, `per` groups a
+    /// super-block.
+    Factored {
+        multiples: &'a [[i8; 2]],
+        units: &'a [[f32; 2]],
+        per: usize,
+    },
+}
+
+impl Groups<'_> {
+    /// Group `g`'s scale and bias.
+    #[inline]
+    pub fn get(&self, g: usize) -> (f32, f32) {
+        match self {
+            Groups::Plain { scales, biases } => (scales.get(g), biases.get(g)),
+            Groups::Factored {
+                multiples,
+                units,
+                per,
+            } => {
+                let ([ns, nb], [us, ub]) = (multiples[g], units[g / per]);
+                (us * ns as f32, ub * nb as f32)
+            }
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Groups::Plain { scales, .. } => scales.len(),
+            Groups::Factored { multiples, .. } => multiples.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 impl<'a> Matrix<'a> {
@@ -37,8 +78,10 @@ impl<'a> Matrix<'a> {
                 format,
             } => Matrix::Quant {
                 weight: v.read(weight.raw())?,
-                scales: v.floats(scales.raw())?,
-                biases: v.floats(biases.raw())?,
+                groups: Groups::Plain {
+                    scales: v.floats(scales.raw())?,
+                    biases: v.floats(biases.raw())?,
+                },
                 format,
                 cols,
             },
@@ -51,11 +94,10 @@ impl<'a> Matrix<'a> {
             Matrix::Dense { w, cols } => w.dot(row * cols, x),
             Matrix::Quant {
                 weight,
-                scales,
-                biases,
+                groups,
                 format,
                 cols,
-            } => quant_dot(weight, scales, biases, *format, *cols, row, x),
+            } => quant_dot(weight, groups, *format, *cols, row, x),
         }
     }
 
@@ -65,13 +107,12 @@ impl<'a> Matrix<'a> {
             Matrix::Dense { w, cols } => w.to_vec(row * cols, *cols),
             Matrix::Quant {
                 weight,
-                scales,
-                biases,
+                groups,
                 format,
                 cols,
             } => {
                 let mut out = vec![0.0; *cols];
-                quant_row(weight, scales, biases, *format, *cols, row, &mut out);
+                quant_row(weight, groups, *format, *cols, row, &mut out);
                 out
             }
         }
@@ -79,20 +120,11 @@ impl<'a> Matrix<'a> {
 }
 
 /// Dequantises row `row` of a quantised matrix: `w = q * scale + bias` per group.
-pub fn quant_row(
-    weight: &[u32],
-    scales: &Floats,
-    biases: &Floats,
-    f: QuantFormat,
-    cols: usize,
-    row: usize,
-    out: &mut [f32],
-) {
+pub fn quant_row(weight: &[u32], groups: &Groups, f: QuantFormat, cols: usize, row: usize, out: &mut [f32]) {
     let (vpw, mask) = (f.values_per_word(), (1u32 << f.bits) - 1);
     let words = &weight[row * f.words_per_row(cols)..][..f.words_per_row(cols)];
     for (g, group) in out.chunks_mut(f.group_size).enumerate() {
-        let s = scales.get(row * f.groups_per_row(cols) + g);
-        let b = biases.get(row * f.groups_per_row(cols) + g);
+        let (s, b) = groups.get(row * f.groups_per_row(cols) + g);
         for (i, o) in group.iter_mut().enumerate() {
             let c = g * f.group_size + i;
             let q = (words[c / vpw] >> (f.bits as usize * (c % vpw))) & mask;
@@ -102,15 +134,7 @@ pub fn quant_row(
 }
 
 /// `Σ_c dequant(W[row, c]) * x[c]`, group by group: `scale * Σ q x + bias * Σ x`.
-pub fn quant_dot(
-    weight: &[u32],
-    scales: &Floats,
-    biases: &Floats,
-    f: QuantFormat,
-    cols: usize,
-    row: usize,
-    x: &[f32],
-) -> f32 {
+pub fn quant_dot(weight: &[u32], groups: &Groups, f: QuantFormat, cols: usize, row: usize, x: &[f32]) -> f32 {
     let (vpw, mask) = (f.values_per_word(), (1u32 << f.bits) - 1);
     let words = &weight[row * f.words_per_row(cols)..][..f.words_per_row(cols)];
     let mut acc = 0.0f32;
@@ -122,8 +146,8 @@ pub fn quant_dot(
             qx += q as f32 * x[c];
             sx += x[c];
         }
-        let gi = row * f.groups_per_row(cols) + g;
-        acc += scales.get(gi) * qx + biases.get(gi) * sx;
+        let (s, b) = groups.get(row * f.groups_per_row(cols) + g);
+        acc += s * qx + b * sx;
     }
     acc
 }
@@ -165,8 +189,8 @@ pub fn exec(op: &Op, v: &mut Views) -> OpResult {
             let vocab = match &m {
                 Matrix::Dense { w, cols } => w.len() / cols,
                 Matrix::Quant {
-                    scales, format, cols, ..
-                } => scales.len() / format.groups_per_row(*cols),
+                    groups, format, cols, ..
+                } => groups.len() / format.groups_per_row(*cols),
             };
             let out = v.write::<f32>(*out)?;
             for (&id, row) in ids.iter().zip(out.chunks_mut(*hidden)) {

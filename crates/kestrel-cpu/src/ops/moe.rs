@@ -1,13 +1,12 @@
 //! Mixture of experts: the router (softmax, top-k, optional renormalisation) and the routed
 //! experts, each a SwiGLU MLP read from its contiguous span of the layer's expert buffer.
 
-use half::bf16;
 use kestrel_core::ir::{ExpertFormat, ExpertLayout, MatrixSpan, Op};
 use kestrel_core::quant::ScaleType;
 use rayon::prelude::*;
 
 use super::{head::top_k, silu, OpResult};
-use crate::ops::linear::Matrix;
+use crate::ops::linear::{Groups, Matrix};
 use crate::views::Floats;
 use crate::views::Views;
 
@@ -30,27 +29,28 @@ fn matrix<'a>(
         ExpertFormat::Quant(q) => Matrix::Quant {
             weight: bytemuck::try_cast_slice(&span[m.weight..m.weight + rows * q.words_per_row(cols) * 4])
                 .map_err(cast_err)?,
-            scales: scale_view(
-                &span[m.scales..m.scales + rows * q.groups_per_row(cols) * q.scale.size_in_bytes()],
-                q.scale,
-            )
-            .map_err(cast_err)?,
-            biases: scale_view(
-                &span[m.biases..m.biases + rows * q.groups_per_row(cols) * q.scale.size_in_bytes()],
-                q.scale,
-            )
-            .map_err(cast_err)?,
+            groups: {
+                let scales = &span[m.scales..m.scales + q.scale_part(rows, cols)];
+                let biases = &span[m.biases..m.biases + q.bias_part(rows, cols)];
+                match q.scale {
+                    ScaleType::Bf16 => Groups::Plain {
+                        scales: Floats::BF16(bytemuck::try_cast_slice(scales).map_err(cast_err)?),
+                        biases: Floats::BF16(bytemuck::try_cast_slice(biases).map_err(cast_err)?),
+                    },
+                    ScaleType::F32 => Groups::Plain {
+                        scales: Floats::F32(bytemuck::try_cast_slice(scales).map_err(cast_err)?),
+                        biases: Floats::F32(bytemuck::try_cast_slice(biases).map_err(cast_err)?),
+                    },
+                    ScaleType::Factored => Groups::Factored {
+                        multiples: bytemuck::try_cast_slice(scales).map_err(cast_err)?,
+                        units: bytemuck::try_cast_slice(biases).map_err(cast_err)?,
+                        per: q.groups_per_super(),
+                    },
+                }
+            },
             format: q,
             cols,
         },
-    })
-}
-
-/// Group scales or biases of type `t`, viewed in place.
-fn scale_view(bytes: &[u8], t: ScaleType) -> Result<Floats<'_>, bytemuck::PodCastError> {
-    Ok(match t {
-        ScaleType::Bf16 => Floats::BF16(bytemuck::try_cast_slice::<u8, bf16>(bytes)?),
-        ScaleType::F32 => Floats::F32(bytemuck::try_cast_slice::<u8, f32>(bytes)?),
     })
 }
 

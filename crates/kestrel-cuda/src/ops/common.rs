@@ -41,13 +41,15 @@ pub(crate) fn float_name(dtype: DType) -> Result<&'static str> {
 }
 
 /// A quantised format's kernel-name part: `q4`, `q8` with bf16 group scales and biases, `q4f`,
-/// `q8f` with f32 ones.
+/// `q8f` with f32 ones, `q4k`, `q8k` with factored ones (which only the expert kernels take).
 pub(crate) fn quant_name(format: &QuantFormat) -> Result<&'static str> {
     match (format.bits, format.scale) {
         (4, ScaleType::Bf16) => Ok("q4"),
         (8, ScaleType::Bf16) => Ok("q8"),
         (4, ScaleType::F32) => Ok("q4f"),
         (8, ScaleType::F32) => Ok("q8f"),
+        (4, ScaleType::Factored) => Ok("q4k"),
+        (8, ScaleType::Factored) => Ok("q8k"),
         (b, _) => Err(unsupported(format!("{b}-bit weights"))),
     }
 }

@@ -711,8 +711,13 @@ fn encode_int8(
     let (name, group) = names.gate_up;
     let max_smem = enc.device.info().max_shared_per_block;
     // gate/up: 32 activations, each warp's rows' group scales and biases (GQ_WARPS x 2 GQ_ROWS
-    // rows x 2 values per group, of the format's scale type), then x as int8.
-    let gu_smem = 32 * 4 + GQ_WARPS * 2 * GQ_ROWS * 2 * q.scale.size_in_bytes() * (h / group) + int8_smem(h);
+    // rows x 2 values per group, of the format's scale type; factored ones as f32), then x as int8;
+    // factored scales then copied as stored (16-byte aligned: units, then multiples).
+    let (staged, raw) = match q.scale {
+        ScaleType::Factored => (4, 16 + GQ_WARPS * 2 * GQ_ROWS * (8 * (h / 256) + 2 * (h / group))),
+        s => (s.size_in_bytes(), 0),
+    };
+    let gu_smem = 32 * 4 + GQ_WARPS * 2 * GQ_ROWS * 2 * staged * (h / group) + int8_smem(h) + raw;
     if gu_smem > max_smem || k * int8_smem(i) > max_smem {
         return Err(unsupported(format!(
             "top-{k} experts of {h}x{i} exceed shared memory"

@@ -4,7 +4,7 @@
 //! batched decode steps and short chunks (tiles of `moe_sort`'s table of 8, 16 or 32 rows).
 
 use kestrel_core::ir::{ExpertFormat, ExpertLayout, MatrixSpan};
-use kestrel_core::quant::QuantFormat;
+use kestrel_core::quant::{QuantFormat, ScaleType};
 use kestrel_core::DType;
 
 use kestrel_cuda_rt::{Buffer, ModuleSource, Result};
@@ -83,7 +83,9 @@ pub(crate) fn moe_fits(layout: &ExpertLayout, experts: &Buffer, x: &Buffer) -> b
     let (h, i) = (layout.hidden, layout.inter);
     let aligned = |m: MatrixSpan, f: QuantFormat| {
         let size = f.scale.size_in_bytes();
-        m.weight % 16 == 0 && m.scales % size == 0 && m.biases % size == 0
+        // Factored units are read as f32 pairs.
+        let units = if f.scale == ScaleType::Factored { 8 } else { size };
+        m.weight % 16 == 0 && m.scales % size == 0 && m.biases % units == 0
     };
     layout.span_bytes() % 16 == 0
         && experts.device_ptr() % 16 == 0
