@@ -148,6 +148,7 @@ fn model_of(files: Vec<MappedFile>) -> Result<GgufModel> {
     check_memory(&label, arch, &tensors)?;
     let mut src = Source {
         label: &label,
+        arch,
         files: &files,
         tensors,
         used: HashSet::new(),
@@ -323,36 +324,47 @@ fn expert_tensor(name: &str) -> bool {
     name.contains("_exps.")
 }
 
-/// The tensors held in one format with `name` (a layer's gate and up expert tensors; Qwen3-Next's
-/// `attn_qkv` and `attn_gate`, gathered into one matrix), `name` among them.
+/// The tensors held in one format with `name`, `name` among them: those one kernel reads as one
+/// matrix (a layer's gate and up expert tensors; Qwen3-Next's `attn_qkv` and `attn_gate`,
+/// gathered into one), and the projections of one input the graph fuses into one product
+/// (`attn_q`, `attn_k` and `attn_v`; gate and up), which llama.cpp's mixed types (`attn_v` as
+/// Q6_K beside a Q4_K `attn_q` in Q4_K_M) would otherwise split into three products.
 fn held_together(arch: Arch, name: &str) -> Option<Vec<String>> {
     let (blk, rest) = name.strip_prefix("blk.")?.split_once('.')?;
     let names: &[&str] = match rest {
         "ffn_gate_exps.weight" | "ffn_up_exps.weight" => &["ffn_gate_exps", "ffn_up_exps"],
         "attn_qkv.weight" | "attn_gate.weight" if arch == Arch::Qwen3Next => &["attn_qkv", "attn_gate"],
+        "attn_q.weight" | "attn_k.weight" | "attn_v.weight" => &["attn_q", "attn_k", "attn_v"],
+        "ffn_gate.weight" | "ffn_up.weight" => &["ffn_gate", "ffn_up"],
+        "ffn_gate_shexp.weight" | "ffn_up_shexp.weight" => &["ffn_gate_shexp", "ffn_up_shexp"],
         _ => return None,
     };
     Some(names.iter().map(|n| format!("blk.{blk}.{n}.weight")).collect())
+}
+
+/// The affine format the block-quantised matrix `name` is held in: its own ([`held_affine`]),
+/// or, when every tensor held together with it ([`held_together`]) is one, the narrowest format
+/// common to them ([`common_format`], each widened to it exactly). None as for `held_affine`.
+fn held_format(arch: Arch, tensors: &HashMap<&str, (usize, &TensorInfo)>, name: &str) -> Option<QuantFormat> {
+    let format_of = |n: &str| tensors.get(n).and_then(|t| held_affine(n, t.1));
+    let own = format_of(name)?;
+    let together = held_together(arch, name)
+        .and_then(|names| common_format(&names.iter().map(|n| format_of(n)).collect::<Option<Vec<_>>>()?));
+    Some(together.unwrap_or(own))
 }
 
 /// The bytes the file's block-quantised tensors take once loaded: matrices as affine values
 /// with f32 group scales and biases (in the format common to the tensors held together), the
 /// rest as f32. Float tensors are read in place and not counted.
 fn loaded_bytes(arch: Arch, tensors: &HashMap<&str, (usize, &TensorInfo)>) -> u64 {
-    let format_of = |name: &str| tensors.get(name).and_then(|t| held_affine(name, t.1));
     tensors
         .iter()
         .filter(|(_, t)| plain(t.1).is_none())
         .map(|(name, (_, t))| {
             let values = t.elem_count();
-            let Some(own) = format_of(name) else {
+            let Some(format) = held_format(arch, tensors, name) else {
                 return values.saturating_mul(4);
             };
-            let format = held_together(arch, name)
-                .and_then(|names| {
-                    common_format(&names.iter().map(|n| format_of(n)).collect::<Option<Vec<_>>>()?)
-                })
-                .unwrap_or(own);
             // A row's scale and bias parts, as the format stores them, over its values.
             let per_super = (format.scale_part(1, SUPER_BLOCK) + format.bias_part(1, SUPER_BLOCK)) as u64;
             (values.saturating_mul(format.bits as u64) / 8)
@@ -625,6 +637,7 @@ fn text_json(g: &Gguf) -> (Json, Json) {
 /// The file's tensors, and what the mapping made of them so far.
 struct Source<'a> {
     label: &'a Path,
+    arch: Arch,
     files: &'a [MappedFile],
     tensors: HashMap<&'a str, (usize, &'a TensorInfo)>,
     used: HashSet<String>,
@@ -754,6 +767,18 @@ impl<'a> Source<'a> {
             .map_err(|r| bad(self.label, format!("tensor {name}: {r}")))
     }
 
+    /// Block-quantised matrix `name` as [`Source::affine`], widened to the format it is held in
+    /// with the tensors held together with it ([`held_format`]).
+    fn held(&mut self, name: &str) -> Result<QuantMatrix> {
+        let m = self.affine(name)?;
+        match held_format(self.arch, &self.tensors, name) {
+            Some(to) if to != m.format => {
+                widen(m, to).map_err(|r| bad(self.label, format!("tensor {name}: {r}")))
+            }
+            _ => Ok(m),
+        }
+    }
+
     /// `m` under `{base}.weight` (u32 words), `{base}.scales` and `{base}.biases` (f32), as
     /// `[rows, ..]`, or with `experts`, as `[experts, rows / experts, ..]`. Factored scales are a
     /// byte pair a group (`scales`, u8 `[.., 2 * groups]`) and an f32 pair of units a super-block
@@ -826,7 +851,7 @@ impl<'a> Source<'a> {
             }
             None => match hf.strip_suffix(".weight") {
                 Some(base) if shape.len() == 2 && held_affine(gguf, t).is_some() => {
-                    let m = self.affine(gguf)?;
+                    let m = self.held(gguf)?;
                     if [m.rows, m.cols] != shape[..] {
                         return Err(bad(
                             self.label,
@@ -926,7 +951,7 @@ impl<'a> Source<'a> {
     /// [`Source::rows`] of block-quantised matrices: each part as an affine matrix, widened to
     /// the format common to them, its rows gathered under `{base}.weight`, `.scales`, `.biases`.
     fn quant_rows(&mut self, parts: &[&str], base: &str, order: &[(usize, usize)]) -> Result<()> {
-        let mats = parts.iter().map(|p| self.affine(p)).collect::<Result<Vec<_>>>()?;
+        let mats = parts.iter().map(|p| self.held(p)).collect::<Result<Vec<_>>>()?;
         let cols = mats[0].cols;
         if mats.iter().any(|m| m.cols != cols) {
             return Err(bad(

@@ -541,25 +541,27 @@ fn gguf_file(kv: &[(&str, Kv)], tensors: &[(String, Vec<u64>, u32, Vec<u8>)]) ->
 /// logits on the CPU are those of the same file with the experts stored as their f32 values
 /// (which the engine packs as bf16: the bound is that rounding's). The same for the types whose
 /// values widen to 8 bits (Q2_K, Q3_K, IQ4_NL, IQ4_XS), gate and up of two types brought to one
-/// format.
+/// format. q and k beside a v of another type (Q4_K_M's Q6_K `attn_v`) are held in the format
+/// common to the three, each value llama.cpp's, so that the graph reads them as one product.
 #[test]
 fn experts_of_mixed_block_types_load_each_in_its_format() {
-    for (gate, up, down) in [
-        ("Q4_K", "Q4_K", "Q6_K"),
-        ("Q2_K", "Q3_K", "IQ4_XS"),
-        ("IQ4_NL", "IQ4_XS", "Q3_K"),
+    for (gate, up, down, qk, v) in [
+        ("Q4_K", "Q4_K", "Q6_K", "Q8_0", "Q8_0"),
+        ("Q4_K", "Q4_K", "Q6_K", "Q4_K", "Q6_K"),
+        ("Q2_K", "Q3_K", "IQ4_XS", "Q8_0", "Q8_0"),
+        ("IQ4_NL", "IQ4_XS", "Q3_K", "IQ4_XS", "Q8_0"),
     ] {
-        experts_of_types(gate, up, down);
+        experts_of_types(gate, up, down, [qk, qk, v]);
     }
 }
 
 /// `experts_of_mixed_block_types_load_each_in_its_format` for one layer's experts of these
-/// types.
-fn experts_of_types(gate: &str, up: &str, down: &str) {
+/// types, and q, k and v of the types `qkv`.
+fn experts_of_types(gate: &str, up: &str, down: &str, qkv: [&str; 3]) {
     use kestrel_core::rng::Rng;
     use kestrel_model::gguf::GgmlType;
     use kestrel_model::gguf_dequant::{affine_format, common_format, dequantize, factors};
-    println!("gate {gate}, up {up}, down {down}");
+    println!("gate {gate}, up {up}, down {down}; q, k, v {qkv:?}");
     let (hidden, inter, experts, vocab, head) = (256u64, 256u64, 4u64, 32u64, 64u64);
     let ty = |name: &str| {
         (0..40)
@@ -656,16 +658,6 @@ fn experts_of_types(gate: &str, up: &str, down: &str) {
             floats(hidden * experts, 1.0),
         ),
     ];
-    // q, k and v as Q8_0 (blocks of 32 values with their f16 scale first).
-    let q8_0 = ty("Q8_0");
-    for t in tensors.iter_mut().filter(|t| {
-        ["q", "k", "v"]
-            .iter()
-            .any(|p| t.0 == format!("blk.0.attn_{p}.weight"))
-    }) {
-        t.3 = blocks(&mut rng, q8_0, t.1.iter().product(), &[0]);
-        t.2 = q8_0.id;
-    }
     // Where each type's f16 scales sit in its blocks.
     let scales_at = |t: &str| -> &[usize] {
         match t {
@@ -673,10 +665,19 @@ fn experts_of_types(gate: &str, up: &str, down: &str) {
             "Q3_K" => &[108],
             "Q4_K" => &[0, 2],
             "Q6_K" => &[208],
-            "IQ4_NL" | "IQ4_XS" => &[0],
+            "IQ4_NL" | "IQ4_XS" | "Q8_0" => &[0],
             _ => panic!("no scales known for {t}"),
         }
     };
+    for (p, t) in ["q", "k", "v"].into_iter().zip(qkv) {
+        let at = tensors
+            .iter()
+            .position(|x| x.0 == format!("blk.0.attn_{p}.weight"))
+            .unwrap();
+        let (scales, t) = (scales_at(t), ty(t));
+        tensors[at].3 = blocks(&mut rng, t, tensors[at].1.iter().product(), scales);
+        tensors[at].2 = t.id;
+    }
     for (w, t, dims) in [
         ("gate", gate, vec![hidden, inter, experts]),
         ("up", up, vec![hidden, inter, experts]),
@@ -715,6 +716,22 @@ fn experts_of_types(gate: &str, up: &str, down: &str) {
         }
     };
     let gate_up = common_format(&[gate, up].map(held)).unwrap();
+    // q, k and v in one format, with their f32 scales.
+    let attn = common_format(&qkv.map(|t| affine_format(ty(t)).unwrap())).unwrap();
+    for (p, rows) in [("q", 2 * head), ("k", head), ("v", head)] {
+        let q = affine(
+            &m.weights,
+            &format!("model.layers.0.self_attn.{p}_proj"),
+            hidden as usize,
+        );
+        assert_eq!((q.format, q.rows as u64), (attn, rows), "{p}");
+        let (_, _, t, data) = tensors
+            .iter()
+            .find(|t| t.0 == format!("blk.0.attn_{p}.weight"))
+            .unwrap();
+        let want = dequantize(GgmlType::from_id(*t).unwrap(), data).unwrap();
+        assert!(q.dequantize() == want, "seed {seed}: {p}: a value differs");
+    }
     for (w, rows, cols, format) in [
         ("gate", inter, hidden, gate_up),
         ("up", inter, hidden, gate_up),
@@ -760,7 +777,7 @@ fn experts_of_types(gate: &str, up: &str, down: &str) {
     // Gate and up of one type fused into one tensor, and q, k and v, as llama.cpp's converter
     // writes them with `--fuse-gate-up-exps` and `--fuse-qkv`: the same logits, bit for bit,
     // with quantised and with f32 experts.
-    if gate == up {
+    if gate == up && qkv.iter().all(|&t| t == qkv[0]) {
         for (what, tensors, want) in [("quantised", &quantised, &got), ("f32", &tensors, &want)] {
             let fused = fuse_qkv(&fuse_gate_up(tensors));
             let fused = kestrel_model::gguf_from_bytes(label, gguf_file(&kv, &fused)).unwrap();
