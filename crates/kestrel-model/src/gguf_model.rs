@@ -353,15 +353,20 @@ fn held_format(arch: Arch, tensors: &HashMap<&str, (usize, &TensorInfo)>, name: 
     Some(together.unwrap_or(own))
 }
 
-/// The bytes the file's block-quantised tensors take once loaded: matrices as affine values
-/// with f32 group scales and biases (in the format common to the tensors held together), the
-/// rest as f32. Float tensors are read in place and not counted.
+/// The bytes the file's tensors take once loaded beyond the file itself: block-quantised
+/// matrices as affine values with their group scales and biases (in the format common to the
+/// tensors held together), other block-quantised tensors as f32, and f32 routers as the bf16
+/// copy [`Source::router`] makes of them (at most: none when a value is not a bf16). Other float
+/// tensors are read in place and not counted.
 fn loaded_bytes(arch: Arch, tensors: &HashMap<&str, (usize, &TensorInfo)>) -> u64 {
     tensors
         .iter()
-        .filter(|(_, t)| plain(t.1).is_none())
+        .filter(|(name, t)| plain(t.1).is_none() || f32_router(name, t.1))
         .map(|(name, (_, t))| {
             let values = t.elem_count();
+            if plain(t).is_some() {
+                return values.saturating_mul(2);
+            }
             let Some(format) = held_format(arch, tensors, name) else {
                 return values.saturating_mul(4);
             };
@@ -371,6 +376,11 @@ fn loaded_bytes(arch: Arch, tensors: &HashMap<&str, (usize, &TensorInfo)>) -> u6
                 .saturating_add(values / SUPER_BLOCK as u64 * per_super)
         })
         .fold(0, u64::saturating_add)
+}
+
+/// A layer's router stored as f32, which [`Source::router`] holds as bf16 when it can.
+fn f32_router(name: &str, t: &TensorInfo) -> bool {
+    name.ends_with(".ffn_gate_inp.weight") && plain(t) == Some(DType::F32)
 }
 
 /// A tensor of a layer past the model's own (multi-token-prediction layers, which the file may
@@ -869,6 +879,29 @@ impl<'a> Source<'a> {
         Ok(())
     }
 
+    /// A router `gguf` under the name `hf`: as bf16 when it is f32 and every value is a bf16
+    /// (llama.cpp's converter writes a bf16 checkpoint's routers as f32), which the router's
+    /// product then reads in half the bytes, else as [`Source::direct`] holds it.
+    fn router(&mut self, gguf: &str, hf: String) -> Result<()> {
+        let (file, t) = *self
+            .tensors
+            .get(gguf)
+            .ok_or_else(|| bad(self.label, format!("tensor {gguf} is missing")))?;
+        if !f32_router(gguf, t) {
+            return self.direct(gguf, hf);
+        }
+        let bytes = t.data(self.files[file].bytes());
+        // The high half of each little-endian f32, when every low half is zero.
+        let words = bytes.chunks_exact(4);
+        if !words.clone().all(|w| w[0] == 0 && w[1] == 0) {
+            return self.direct(gguf, hf);
+        }
+        self.used.insert(gguf.to_string());
+        let bf16 = words.flat_map(|w| [w[2], w[3]]).collect();
+        self.own(hf, DType::BF16, torch_shape(t), bf16);
+        Ok(())
+    }
+
     /// `gguf`'s values, each changed by `f`, as f32 under the name `hf`, optionally in the
     /// order `order` (element `i` of the result is element `order[i]`).
     fn values(
@@ -1304,7 +1337,7 @@ fn map_tensors(s: &mut Source, c: &ModelConfig) -> Result<()> {
             }
         }
         if s.has(&b("ffn_gate_inp.weight")) {
-            s.direct(&b("ffn_gate_inp.weight"), m("mlp.gate.weight"))?;
+            s.router(&b("ffn_gate_inp.weight"), m("mlp.gate.weight"))?;
             s.expert_layer(i, &m("mlp"))?;
             if s.has(&b("ffn_gate_inp_shexp.weight")) {
                 s.direct_as(

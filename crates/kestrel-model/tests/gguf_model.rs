@@ -1279,3 +1279,43 @@ fn fused_files_give_the_unfused_files_logits() {
         assert_eq!(cpu_logits(fused, &tokens), cpu_logits(plain, &tokens), "{name}");
     }
 }
+
+/// A router llama.cpp's converter wrote as f32 from a bf16 checkpoint is held as bf16 (every
+/// value the file's), and one value that is no bf16 keeps the whole router in f32.
+#[test]
+fn routers_of_bf16_values_are_held_as_bf16() {
+    use kestrel_model::gguf::Gguf;
+    let path = gguf("qwen3_moe_all", "q8_0");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let (start, len) = {
+        let g = Gguf::parse(&bytes).unwrap();
+        let t = g
+            .tensors
+            .iter()
+            .find(|t| t.name == "blk.0.ffn_gate_inp.weight")
+            .unwrap();
+        assert_eq!(t.ty.name, "F32");
+        (t.start as usize, t.bytes as usize)
+    };
+    let file: Vec<f32> = bytes[start..start + len]
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    let name = "model.layers.0.mlp.gate.weight";
+    let m = kestrel_model::gguf_from_bytes(&path, bytes.clone()).unwrap();
+    let t = m.weights.get(name).unwrap();
+    assert_eq!(t.dtype, DType::BF16);
+    let held: Vec<f32> = t
+        .bytes
+        .chunks_exact(2)
+        .map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16))
+        .collect();
+    assert!(held == file, "a bf16 router value differs from the file's");
+    // The last value's lowest bit set: no longer a bf16.
+    bytes[start + len - 4] |= 1;
+    let m = kestrel_model::gguf_from_bytes(&path, bytes).unwrap();
+    let t = m.weights.get(name).unwrap();
+    assert_eq!(t.dtype, DType::F32);
+    let last = f32::from_le_bytes(t.bytes[len - 4..].try_into().unwrap());
+    assert_eq!(last.to_bits(), file[file.len() - 1].to_bits() | 1);
+}
