@@ -272,8 +272,8 @@ __device__ __forceinline__ QMat qmat(const unsigned char* base, unsigned long lo
 }
 
 // Grid (ceil(inter / (16 * SK_WARPS / KS)), max_tiles). xb: [tokens, hidden] bf16; act: [slots,
-// inter] bf16 in sorted order.
-template <int BITS, typename S, int NT, int KS>
+// inter] bf16 in sorted order, in the PX layout of down's ABITS-bit weights.
+template <int BITS, typename S, int NT, int KS, int ABITS>
 __device__ void skinny_gate_up(const bf16* xb, const unsigned* order, const unsigned* tiles,
                                const unsigned char* experts, bf16* act, unsigned hidden, unsigned inter,
                                unsigned k, unsigned long long span, unsigned long long gw, unsigned long long gs,
@@ -289,7 +289,7 @@ __device__ void skinny_gate_up(const bf16* xb, const unsigned* order, const unsi
         mats, inter, hidden, group,
         [&](unsigned r) { return xb + (size_t)(order[pos0 + min(r, rows - 1)] / k) * hidden; },
         [&](unsigned f, unsigned r, const float (&v)[2]) {
-            if (r < rows) act[(size_t)(pos0 + r) * inter + px_index<BITS>(f)] = __float2bfloat16_rn(silu(v[0]) * v[1]);
+            if (r < rows) act[(size_t)(pos0 + r) * inter + px_index<ABITS>(f)] = __float2bfloat16_rn(silu(v[0]) * v[1]);
         });
 }
 
@@ -359,16 +359,18 @@ extern "C" __global__ void skinny_permute_x_q8(const float* x, bf16* out, unsign
     permute_x<8>(x, out, rows, K);
 }
 
-#define SKINNY_MOE(BITS, S, NAME, NT, KS)                                                                             \
+#define SKINNY_GATE_UP(BITS, S, NAME, NT, KS, ABITS)                                                          \
     extern "C" __global__ void __launch_bounds__(32 * SK_WARPS) moe_skinny_gate_up_##NAME##_##NT##_##KS(   \
         const bf16* xb, const unsigned* order, const unsigned* tiles, const unsigned char* experts, bf16* act, \
         unsigned hidden, unsigned inter, unsigned k, unsigned long long span, unsigned long long gw,        \
         unsigned long long gs, unsigned long long gb, unsigned long long uw, unsigned long long us,         \
         unsigned long long ub, unsigned group) {                                                            \
         pdl_begin();                                                                                         \
-        skinny_gate_up<BITS, S, NT, KS>(xb, order, tiles, experts, act, hidden, inter, k, span, gw, gs, gb, uw, us, \
-                                     ub, group);                                                             \
-    }                                                                                                        \
+        skinny_gate_up<BITS, S, NT, KS, ABITS>(xb, order, tiles, experts, act, hidden, inter, k, span, gw, gs, gb, uw, \
+                                            us, ub, group);                                                  \
+    }
+#define SKINNY_MOE(BITS, S, NAME, NT, KS)                                                                             \
+    SKINNY_GATE_UP(BITS, S, NAME, NT, KS, BITS)                                                              \
     extern "C" __global__ void __launch_bounds__(32 * SK_WARPS) moe_skinny_down_##NAME##_##NT##_##KS(      \
         const bf16* act, const unsigned* order, const unsigned* tiles, const float* weights,               \
         const unsigned char* experts, bf16* ys, unsigned hidden, unsigned inter, unsigned long long span,    \
@@ -386,20 +388,26 @@ extern "C" __global__ void skinny_permute_x_q8(const float* x, bf16* out, unsign
     }
 // Kernel names: moe_skinny_{gate_up,down}_NAME_NT_KS, linear_skinny_NAME_NT_KS; NAME q4, q8 (bf16
 // group scales and biases), q4f, q8f (f32 ones) or, for the experts only, q4k, q8k (factored).
-#define SKINNY_MOE_FORMAT(BITS, S, NAME)                                                                      \
+// moe_skinny_gate_up_NAME_actA_NT_KS: gate and up beside a down of the other bits A (GGUF's Q6_K
+// down beside Q4_K gate and up), the activations written in down's layout.
+// (ACT: NAME_actA, A = 12 - BITS.)
+#define SKINNY_MOE_FORMAT(BITS, S, NAME, ACT)                                                                 \
     SKINNY_MOE(BITS, S, NAME, 1, 1) SKINNY_MOE(BITS, S, NAME, 1, 4) SKINNY_MOE(BITS, S, NAME, 2, 1)            \
-    SKINNY_MOE(BITS, S, NAME, 2, 4) SKINNY_MOE(BITS, S, NAME, 4, 1) SKINNY_MOE(BITS, S, NAME, 4, 4)
-#define SKINNY_FORMAT(BITS, S, NAME)                                                                          \
-    SKINNY_MOE_FORMAT(BITS, S, NAME)                                                                          \
+    SKINNY_MOE(BITS, S, NAME, 2, 4) SKINNY_MOE(BITS, S, NAME, 4, 1) SKINNY_MOE(BITS, S, NAME, 4, 4)            \
+    SKINNY_GATE_UP(BITS, S, ACT, 1, 1, 12 - BITS) SKINNY_GATE_UP(BITS, S, ACT, 1, 4, 12 - BITS)                \
+    SKINNY_GATE_UP(BITS, S, ACT, 2, 1, 12 - BITS) SKINNY_GATE_UP(BITS, S, ACT, 2, 4, 12 - BITS)                \
+    SKINNY_GATE_UP(BITS, S, ACT, 4, 1, 12 - BITS) SKINNY_GATE_UP(BITS, S, ACT, 4, 4, 12 - BITS)
+#define SKINNY_FORMAT(BITS, S, NAME, ACT)                                                                     \
+    SKINNY_MOE_FORMAT(BITS, S, NAME, ACT)                                                                     \
     SKINNY_LINEAR(BITS, S, NAME, 1, 1) SKINNY_LINEAR(BITS, S, NAME, 1, 4) SKINNY_LINEAR(BITS, S, NAME, 2, 1)   \
     SKINNY_LINEAR(BITS, S, NAME, 2, 4) SKINNY_LINEAR(BITS, S, NAME, 4, 1) SKINNY_LINEAR(BITS, S, NAME, 4, 4)
 
-SKINNY_FORMAT(4, bf16, q4)
-SKINNY_FORMAT(8, bf16, q8)
-SKINNY_FORMAT(4, float, q4f)
-SKINNY_FORMAT(8, float, q8f)
-SKINNY_MOE_FORMAT(4, Factored, q4k)
-SKINNY_MOE_FORMAT(8, Factored, q8k)
+SKINNY_FORMAT(4, bf16, q4, q4_act8)
+SKINNY_FORMAT(8, bf16, q8, q8_act4)
+SKINNY_FORMAT(4, float, q4f, q4f_act8)
+SKINNY_FORMAT(8, float, q8f, q8f_act4)
+SKINNY_MOE_FORMAT(4, Factored, q4k, q4k_act8)
+SKINNY_MOE_FORMAT(8, Factored, q8k, q8k_act4)
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // ---- the experts on wgmma (sm_90a): wide tiles ----
@@ -663,8 +671,8 @@ __device__ __forceinline__ void wide_block(const QMat (&mats)[WG], unsigned K, u
 
 // Grid (inter / 64, max_tiles), 256 threads (gate on the first warpgroup, up on the second),
 // wide_smem(N) bytes (ops/skinny.rs). xb: [tokens, hidden] bf16 in the PW layout; act: [slots,
-// inter] bf16 in sorted order and the PW layout.
-template <int BITS, typename S, int N>
+// inter] bf16 in sorted order and the PW layout of down's ABITS-bit weights.
+template <int BITS, typename S, int N, int ABITS>
 __device__ void wide_gate_up(const bf16* xb, const unsigned* order, const unsigned* tiles,
                              const unsigned char* experts, bf16* act, unsigned hidden, unsigned inter, unsigned k,
                              unsigned long long span, unsigned long long gw, unsigned long long gs,
@@ -682,7 +690,7 @@ __device__ void wide_gate_up(const bf16* xb, const unsigned* order, const unsign
     const unsigned char* sp = experts + (size_t)e * span;
     const QMat mats[2] = {qmat(sp, gw, gs, gb), qmat(sp, uw, us, ub)};
     wide_block<BITS, N, 2, S, (N >= 32)>(mats, hidden, group, rows, rows_src, ws_smem, [&](unsigned f, unsigned r, const float (&v)[2]) {
-        if (r < rows) act[(size_t)(pos0 + r) * inter + pw_index<BITS>(f)] = __float2bfloat16_rn(silu(v[0]) * v[1]);
+        if (r < rows) act[(size_t)(pos0 + r) * inter + pw_index<ABITS>(f)] = __float2bfloat16_rn(silu(v[0]) * v[1]);
     });
 }
 
@@ -741,16 +749,18 @@ extern "C" __global__ void wide_permute_x_q8(const float* x, bf16* out, unsigned
     permute_x_pw<8>(x, out, rows, K);
 }
 
-#define WIDE_MOE(BITS, S, NAME, N)                                                                         \
+#define WIDE_GATE_UP(BITS, S, NAME, N, ABITS)                                                               \
     extern "C" __global__ void __launch_bounds__(256, 2) moe_wide_gate_up_##NAME##_##N(                       \
         const bf16* xb, const unsigned* order, const unsigned* tiles, const unsigned char* experts, bf16* act, \
         unsigned hidden, unsigned inter, unsigned k, unsigned long long span, unsigned long long gw,        \
         unsigned long long gs, unsigned long long gb, unsigned long long uw, unsigned long long us,         \
         unsigned long long ub, unsigned group) {                                                            \
         pdl_begin();                                                                                         \
-        wide_gate_up<BITS, S, N>(xb, order, tiles, experts, act, hidden, inter, k, span, gw, gs, gb, uw, us, ub, \
-                                 group);                                                                     \
-    }                                                                                                        \
+        wide_gate_up<BITS, S, N, ABITS>(xb, order, tiles, experts, act, hidden, inter, k, span, gw, gs, gb, uw, us, \
+                                        ub, group);                                                          \
+    }
+#define WIDE_MOE(BITS, S, NAME, N)                                                                         \
+    WIDE_GATE_UP(BITS, S, NAME, N, BITS)                                                                     \
     extern "C" __global__ void __launch_bounds__(128, 4) moe_wide_down_##NAME##_##N(                          \
         const bf16* act, const unsigned* order, const unsigned* tiles, const float* weights,               \
         const unsigned char* experts, bf16* ys, unsigned hidden, unsigned inter, unsigned long long span,    \
@@ -758,12 +768,16 @@ extern "C" __global__ void wide_permute_x_q8(const float* x, bf16* out, unsigned
         pdl_begin();                                                                                         \
         wide_down<BITS, S, N>(act, order, tiles, weights, experts, ys, hidden, inter, span, dw, ds, db, group); \
     }
-// Kernel names: moe_wide_{gate_up,down}_NAME_N, N the rows of a tile.
-#define WIDE_FORMAT(BITS, S, NAME) WIDE_MOE(BITS, S, NAME, 16) WIDE_MOE(BITS, S, NAME, 32) WIDE_MOE(BITS, S, NAME, 64)
-WIDE_FORMAT(4, bf16, q4)
-WIDE_FORMAT(8, bf16, q8)
-WIDE_FORMAT(4, float, q4f)
-WIDE_FORMAT(8, float, q8f)
-WIDE_FORMAT(4, Factored, q4k)
-WIDE_FORMAT(8, Factored, q8k)
+// Kernel names: moe_wide_{gate_up,down}_NAME_N, N the rows of a tile; moe_wide_gate_up_ACT_N
+// (ACT: NAME_actA) beside a down of the other bits A, as the skinny ones.
+#define WIDE_FORMAT(BITS, S, NAME, ACT)                                                                    \
+    WIDE_MOE(BITS, S, NAME, 16) WIDE_MOE(BITS, S, NAME, 32) WIDE_MOE(BITS, S, NAME, 64)                      \
+    WIDE_GATE_UP(BITS, S, ACT, 16, 12 - BITS) WIDE_GATE_UP(BITS, S, ACT, 32, 12 - BITS)                      \
+    WIDE_GATE_UP(BITS, S, ACT, 64, 12 - BITS)
+WIDE_FORMAT(4, bf16, q4, q4_act8)
+WIDE_FORMAT(8, bf16, q8, q8_act4)
+WIDE_FORMAT(4, float, q4f, q4f_act8)
+WIDE_FORMAT(8, float, q8f, q8f_act4)
+WIDE_FORMAT(4, Factored, q4k, q4k_act8)
+WIDE_FORMAT(8, Factored, q8k, q8k_act4)
 #endif

@@ -127,21 +127,15 @@ fn moe_decode_at_model_shape_matches_the_cpu_backend() {
     }
 }
 
-/// Quantised products of a few tokens, which CUDA runs as skinny tensor-core products
-/// (projections of 2 to 128 tokens; experts with a few rows each), at shapes that take every
-/// count of row tiles a warp holds and both ways of splitting K over warps: narrow and wide
-/// projections (17,600 outputs fill the GPU without a split), groups of 32 to 128, and experts
-/// with a half to 20 rows each behind the router's exact 8-bit product of as many tokens (30
-/// rows each from given router logits: `moe_batch_shape` says why). On
-/// Hopper, experts of 7.5 to 30 rows each take the wgmma form of these products (tiles of 16, 32
-/// and 64 rows) with wgmma on, the mma.sync forms without it: the cases alternate between the
-/// two.
+/// Quantised projections of a few tokens, which CUDA runs as skinny tensor-core products (2 to
+/// 128 tokens), at shapes that take every count of row tiles a warp holds and both ways of
+/// splitting K over warps: narrow and wide projections (17,600 outputs fill the GPU without a
+/// split) and groups of 32 to 128.
 #[test]
-fn skinny_products_match_the_cpu_backend() {
-    let Some(dev) = device_or_skip("skinny_products_match_the_cpu_backend") else {
+fn skinny_projections_match_the_cpu_backend() {
+    let Some(dev) = device_or_skip("skinny_projections_match_the_cpu_backend") else {
         return;
     };
-    let engines = tensor_engines(&dev);
     let (mut rng, seed) = Rng::from_time();
     let shapes: Vec<_> = [2, 7, 13, 29, 64, 101]
         .into_iter()
@@ -152,6 +146,21 @@ fn skinny_products_match_the_cpu_backend() {
         })
         .collect();
     linear_products(&dev, &mut rng, seed, &shapes);
+}
+
+/// Routed experts of a few rows each, which CUDA runs as skinny tensor-core products: a half to
+/// 20 rows an expert behind the router's exact 8-bit product of as many tokens (30 rows each
+/// from given router logits: `moe_batch_shape` says why), gate and up beside a down of the same
+/// bits and of the other (gate/up then writes the activations in down's layout). On Hopper,
+/// experts of 7.5 to 30 rows each take the wgmma form of these products (tiles of 16, 32 and 64
+/// rows) with wgmma on, the mma.sync forms without it: the cases alternate between the two.
+#[test]
+fn skinny_experts_match_the_cpu_backend() {
+    let Some(dev) = device_or_skip("skinny_experts_match_the_cpu_backend") else {
+        return;
+    };
+    let engines = tensor_engines(&dev);
+    let (mut rng, seed) = Rng::from_time();
     let formats = kestrel_testing::cases::QUANT_FORMATS;
     use kestrel_testing::cases::FACTORED_FORMATS;
     for (round, tokens) in [2, 12, 30, 80, 120].into_iter().enumerate() {
@@ -174,6 +183,7 @@ fn skinny_products_match_the_cpu_backend() {
             let case =
                 kestrel_testing::cases::moe_batch_shape(Rng::new(rng.next_u64()), tokens, format, down);
             compare(&engines[(round + i) % engines.len()], &case, seed, round);
+            println!("{tokens} tokens, gate/up {format:?}, down {down:?}: as the CPU's");
         }
     }
 }

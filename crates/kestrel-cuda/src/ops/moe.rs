@@ -66,8 +66,9 @@ fn grouped_fits(layout: &kestrel_core::ir::ExpertLayout) -> bool {
 }
 
 /// How experts grouped by expert run: as `gemm.cu`'s tensor-core tiles of `GT_ROWS` rows, or as
-/// `skinny.cu`'s products on row tiles of `8 * nt` (4- or 8-bit experts, all matrices of `bits`
-/// bits: gate/up writes the activations in the layout down reads for its bits).
+/// `skinny.cu`'s products on row tiles of `8 * nt` (4- or 8-bit experts, gate and up of `bits`
+/// bits, x laid out for them; gate/up writes the activations in the layout down reads for its own
+/// bits).
 #[derive(Clone, Copy)]
 enum Grouped {
     Tiles,
@@ -75,7 +76,7 @@ enum Grouped {
         nt: usize,
         bits: u32,
     },
-    /// `skinny.cu`'s wgmma products on row tiles of `rows` (Hopper; the same bits everywhere).
+    /// `skinny.cu`'s wgmma products on row tiles of `rows` (Hopper; `bits` as for `Skinny`).
     Wide {
         rows: usize,
         bits: u32,
@@ -161,6 +162,13 @@ fn encode_grouped(
         .record();
     let span = layout.span_bytes() as u64;
     let (g, u, d) = (layout.gate(), layout.up(), layout.down_span());
+    // The skinny and wide gate/up write the activations in the layout of down's bits.
+    let gate_up_act = match layout.formats() {
+        [ExpertFormat::Quant(q), ExpertFormat::Quant(qd)] if q.bits != qd.bits => {
+            format!("{}_act{}", names.gate_up.0, qd.bits)
+        }
+        _ => names.gate_up.0.to_string(),
+    };
     let (module, gate_up, down) = match how {
         Grouped::Tiles => {
             // Hopper: both products on wgmma tiles of 128 columns (down where hidden divides).
@@ -211,7 +219,7 @@ fn encode_grouped(
             let gate_up = as_launch(skinny::launch(
                 enc,
                 "moe_skinny_gate_up",
-                names.gate_up.0,
+                &gate_up_act,
                 nt,
                 i,
                 used,
@@ -229,7 +237,7 @@ fn encode_grouped(
             };
             (
                 &skinny::MODULE,
-                wide("moe_wide_gate_up", names.gate_up.0, i, 2),
+                wide("moe_wide_gate_up", &gate_up_act, i, 2),
                 wide("moe_wide_down", names.down.0, h, 1),
             )
         }
@@ -645,12 +653,12 @@ fn encode_experts(op: &Op, enc: &mut Encoder, stream: Option<(&Buffer, &Buffer)>
             // bf16 experts keep f32 activations when their rounding is switched off
             // (`Exact::experts`); quantised ones have no f32 kernel.
             let exact = enc.exact.experts && bf16;
-            // Skinny products for a few rows an expert, from two tokens on, where every matrix
-            // has the same bits (gate/up writes the activations in down's layout for them).
-            // On Hopper, the wgmma form of them up to a few dozen rows an expert.
+            // Skinny products for a few rows an expert, from two tokens on (gate/up writes the
+            // activations in the layout of down's bits, `_act*` where they differ). On Hopper,
+            // the wgmma form of them up to a few dozen rows an expert.
             let skinny = match layout.formats() {
-                [ExpertFormat::Quant(q), ExpertFormat::Quant(qd)]
-                    if q.bits == qd.bits && tokens >= 2 && skinny::moe_fits(&layout, &e, &x) =>
+                [ExpertFormat::Quant(q), ExpertFormat::Quant(_)]
+                    if tokens >= 2 && skinny::moe_fits(&layout, &e, &x) =>
                 {
                     let wide = skinny::moe_wide_fits(enc, &layout, &e, &x)
                         .then(|| skinny::moe_wide_rows(tokens * k, layout.experts))
