@@ -19,8 +19,9 @@
 // fill the GPU otherwise.
 //
 // skinny_permute_x_*: x rounded to bf16 in the layout the expert kernels read (px_index);
-// moe_skinny_gate_up_*: act[pos] = silu(gate_e x_t) * (up_e x_t), bf16 in that layout, for the
-//   rows of a tile of moe_sort's table (tiles of 8 * NT rows), x gathered from its permuted copy;
+// moe_skinny_gate_up_*: act[pos] = silu(gate_e x_t) * (up_e x_t), bf16 in that layout for down's
+//   bits, for the rows of a tile of moe_sort's table (tiles of 8 * NT rows), x gathered from its
+//   permuted copy;
 // moe_skinny_down_*: ys[slot] = weight[slot] * (down_e act[pos]), bf16 (then moe_combine);
 // linear_skinny_*: out = x W^T in f32, x from its plain bf16 copy, 8 * NT tokens a block.
 // Names: <kernel>_{q4,q8}_<NT>_<KS>.
