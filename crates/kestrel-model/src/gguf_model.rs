@@ -326,17 +326,15 @@ fn expert_tensor(name: &str) -> bool {
 
 /// The tensors held in one format with `name`, `name` among them: those one kernel reads as one
 /// matrix (a layer's gate and up expert tensors; Qwen3-Next's `attn_qkv` and `attn_gate`,
-/// gathered into one), and the projections of one input the graph fuses into one product
-/// (`attn_q`, `attn_k` and `attn_v`; gate and up), which llama.cpp's mixed types (`attn_v` as
-/// Q6_K beside a Q4_K `attn_q` in Q4_K_M) would otherwise split into three products.
+/// gathered into one), and an attention's `attn_q`, `attn_k` and `attn_v`, which the graph fuses
+/// into one product when they share a format (llama.cpp's Q4_K_M makes `attn_v` Q6_K beside a
+/// Q4_K `attn_q`, which would otherwise take three products and a concatenation).
 fn held_together(arch: Arch, name: &str) -> Option<Vec<String>> {
     let (blk, rest) = name.strip_prefix("blk.")?.split_once('.')?;
     let names: &[&str] = match rest {
         "ffn_gate_exps.weight" | "ffn_up_exps.weight" => &["ffn_gate_exps", "ffn_up_exps"],
         "attn_qkv.weight" | "attn_gate.weight" if arch == Arch::Qwen3Next => &["attn_qkv", "attn_gate"],
         "attn_q.weight" | "attn_k.weight" | "attn_v.weight" => &["attn_q", "attn_k", "attn_v"],
-        "ffn_gate.weight" | "ffn_up.weight" => &["ffn_gate", "ffn_up"],
-        "ffn_gate_shexp.weight" | "ffn_up_shexp.weight" => &["ffn_gate_shexp", "ffn_up_shexp"],
         _ => return None,
     };
     Some(names.iter().map(|n| format!("blk.{blk}.{n}.weight")).collect())
