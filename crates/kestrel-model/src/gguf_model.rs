@@ -716,11 +716,16 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
 }
 
 impl<'a> Source<'a> {
-    fn info(&self, name: &str) -> Result<&'a TensorInfo> {
+    /// Tensor `name`'s file (its index among the splits) and info.
+    fn entry(&self, name: &str) -> Result<(usize, &'a TensorInfo)> {
         self.tensors
             .get(name)
-            .map(|t| t.1)
+            .copied()
             .ok_or_else(|| bad(self.label, format!("tensor {name} is missing")))
+    }
+
+    fn info(&self, name: &str) -> Result<&'a TensorInfo> {
+        Ok(self.entry(name)?.1)
     }
 
     fn has(&self, name: &str) -> bool {
@@ -729,10 +734,7 @@ impl<'a> Source<'a> {
 
     /// Tensor `name`'s values, marking it used.
     fn dense(&mut self, name: &str) -> Result<Dense<'a>> {
-        let (file, t) = *self
-            .tensors
-            .get(name)
-            .ok_or_else(|| bad(self.label, format!("tensor {name} is missing")))?;
+        let (file, t) = self.entry(name)?;
         self.used.insert(name.to_string());
         let bytes = t.data(self.files[file].bytes());
         let shape = torch_shape(t);
@@ -764,10 +766,7 @@ impl<'a> Source<'a> {
     /// Block-quantised tensor `name` (`[.., rows, cols]`, every dimension but the last as rows)
     /// as an affine matrix, marking it used.
     fn affine(&mut self, name: &str) -> Result<QuantMatrix> {
-        let (file, t) = *self
-            .tensors
-            .get(name)
-            .ok_or_else(|| bad(self.label, format!("tensor {name} is missing")))?;
+        let (file, t) = self.entry(name)?;
         self.used.insert(name.to_string());
         let cols = t.dims.first().copied().unwrap_or(0) as usize;
         let rows = t.dims.iter().skip(1).product::<u64>() as usize;
@@ -832,10 +831,7 @@ impl<'a> Source<'a> {
     /// [`Source::direct`], the tensor given the torch shape `shape` (of as many values) when
     /// there is one: llama.cpp's quantiser writes a `[1, n]` matrix as a vector.
     fn direct_as(&mut self, gguf: &str, hf: String, shape: Option<Vec<usize>>) -> Result<()> {
-        let (file, t) = *self
-            .tensors
-            .get(gguf)
-            .ok_or_else(|| bad(self.label, format!("tensor {gguf} is missing")))?;
+        let (file, t) = self.entry(gguf)?;
         let shape = match shape {
             Some(s) if s.iter().product::<usize>() as u64 == t.elem_count() => s,
             Some(s) => {
@@ -881,10 +877,7 @@ impl<'a> Source<'a> {
     /// (llama.cpp's converter writes a bf16 checkpoint's routers as f32), which the router's
     /// product then reads in half the bytes, else as [`Source::direct`] holds it.
     fn router(&mut self, gguf: &str, hf: String) -> Result<()> {
-        let (file, t) = *self
-            .tensors
-            .get(gguf)
-            .ok_or_else(|| bad(self.label, format!("tensor {gguf} is missing")))?;
+        let (file, t) = self.entry(gguf)?;
         if !f32_router(gguf, t) {
             return self.direct(gguf, hf);
         }
@@ -1145,10 +1138,7 @@ impl<'a> Source<'a> {
     /// expert's rows, or with `half` 0 or 1 the first or second half of them (a fused gate
     /// and up).
     fn experts(&mut self, gguf: &str, half: Option<usize>, hf: impl Fn(usize) -> String) -> Result<()> {
-        let (file, t) = *self
-            .tensors
-            .get(gguf)
-            .ok_or_else(|| bad(self.label, format!("tensor {gguf} is missing")))?;
+        let (file, t) = self.entry(gguf)?;
         let shape = torch_shape(t);
         if shape.len() != 3 {
             return Err(bad(
