@@ -246,41 +246,124 @@ impl KernelRegistry {
         defines: &[(&str, i64)],
     ) -> Result<LoadOrigin> {
         let mut modules = self.modules.lock().unwrap_or_else(|p| p.into_inner());
+        // Every dispatch's kernel lookup comes here: a loaded module returns before any hashing.
         if modules.contains_key(name) {
             return Ok(LoadOrigin::AlreadyLoaded);
         }
+        let (options, path) = self.plan(name, source, headers, defines)?;
+        if let Some(origin) = self.loaded_or_cached(&mut modules, name, path.as_deref()) {
+            return Ok(origin);
+        }
+        let cubin = compile(name, source, headers, &options)?;
+        self.install(&mut modules, name, cubin, path.as_deref())?;
+        Ok(LoadOrigin::Compiled)
+    }
+
+    /// Loads every module of `modules` as [`Self::load_module`] does, but compiles those neither
+    /// loaded nor in the disk cache at the same time, a thread each (NVRTC compiles separate
+    /// programs concurrently), so a first start waits for its longest module rather than for
+    /// all of them in turn. Returns each module's origin, in order.
+    pub fn load_modules(&self, modules: &[ModuleSource]) -> Result<Vec<LoadOrigin>> {
+        let mut origins = Vec::with_capacity(modules.len());
+        let mut missing = Vec::new();
+        for m in modules {
+            let mut loaded = self.modules.lock().unwrap_or_else(|p| p.into_inner());
+            if loaded.contains_key(m.name) {
+                origins.push(LoadOrigin::AlreadyLoaded);
+                continue;
+            }
+            let (options, path) = self.plan(m.name, m.source, m.headers, m.defines)?;
+            let origin = self.loaded_or_cached(&mut loaded, m.name, path.as_deref());
+            if origin.is_none() {
+                missing.push((m, options, path));
+            }
+            origins.push(origin.unwrap_or(LoadOrigin::Compiled));
+        }
+        let cubins: Vec<Result<Vec<u8>>> = std::thread::scope(|s| {
+            let compiling: Vec<_> = missing
+                .iter()
+                .map(|(m, options, _)| s.spawn(move || compile(m.name, m.source, m.headers, options)))
+                .collect();
+            compiling
+                .into_iter()
+                .zip(&missing)
+                .map(|(t, (m, _, _))| {
+                    t.join().unwrap_or_else(|_| {
+                        Err(CudaError::Nvrtc {
+                            module: m.name.to_string(),
+                            message: "the compiling thread panicked".into(),
+                        })
+                    })
+                })
+                .collect()
+        });
+        for ((m, _, path), cubin) in missing.iter().zip(cubins) {
+            let mut loaded = self.modules.lock().unwrap_or_else(|p| p.into_inner());
+            // Another caller may have loaded it meanwhile.
+            if !loaded.contains_key(m.name) {
+                self.install(&mut loaded, m.name, cubin?, path.as_deref())?;
+            }
+        }
+        Ok(origins)
+    }
+
+    /// The NVRTC options of a module and where the disk cache keeps it (None: no cache).
+    fn plan(
+        &self,
+        name: &str,
+        source: &str,
+        headers: &[(&str, &str)],
+        defines: &[(&str, i64)],
+    ) -> Result<(Vec<String>, Option<PathBuf>)> {
         let options = self.options(defines);
         let key = cache_key(source, headers, &options, nvrtc_version()?);
         let path = self
             .cache_dir
             .as_ref()
             .map(|d| d.join(format!("{name}-{key}.cubin")));
+        Ok((options, path))
+    }
 
-        if let Some(path) = &path {
-            if let Ok(image) = std::fs::read(path) {
-                // A corrupt or foreign file fails to load and is simply recompiled over.
-                if let Ok(module) = self.ctx.load_module(Ptx::from_binary(image)) {
-                    self.counters.add_kernel_cache_hits(1);
-                    modules.insert(name.to_string(), module);
-                    return Ok(LoadOrigin::DiskCache);
-                }
-            }
+    /// Module `name` when it is loaded already, or loaded now from the disk cache at `path`;
+    /// None when it has to be compiled.
+    fn loaded_or_cached(
+        &self,
+        modules: &mut HashMap<String, Arc<CudaModule>>,
+        name: &str,
+        path: Option<&Path>,
+    ) -> Option<LoadOrigin> {
+        if modules.contains_key(name) {
+            return Some(LoadOrigin::AlreadyLoaded);
         }
+        let image = std::fs::read(path?).ok()?;
+        // A corrupt or foreign file fails to load and is simply recompiled over.
+        let module = self.ctx.load_module(Ptx::from_binary(image)).ok()?;
+        self.counters.add_kernel_cache_hits(1);
+        modules.insert(name.to_string(), module);
+        Some(LoadOrigin::DiskCache)
+    }
 
-        let cubin = compile(name, source, headers, &options)?;
+    /// Loads a freshly compiled module and writes it to the disk cache at `path`.
+    fn install(
+        &self,
+        modules: &mut HashMap<String, Arc<CudaModule>>,
+        name: &str,
+        cubin: Vec<u8>,
+        path: Option<&Path>,
+    ) -> Result<()> {
         self.counters.add_kernel_compiles(1);
         let module = self
             .ctx
             .load_module(Ptx::from_binary(cubin.clone()))
             .map_err(CudaError::driver("cuModuleLoadData"))?;
         modules.insert(name.to_string(), module);
-        if let Some(path) = &path {
+        if let Some(path) = path {
             write_atomically(path, &cubin).map_err(|source| CudaError::Cache {
-                path: path.clone(),
+                path: path.to_path_buf(),
                 source,
             })?;
         }
-        Ok(LoadOrigin::Compiled)
+        Ok(())
     }
 
     fn options(&self, defines: &[(&str, i64)]) -> Vec<String> {
@@ -472,6 +555,41 @@ mod tests {
         assert_eq!(arch_name((9, 0), false), "sm_90");
         assert_eq!(arch_name((8, 6), false), "sm_86");
         assert_eq!(arch_name((12, 0), false), "sm_120");
+    }
+
+    /// Programs compiled at the same time on several threads come out as compiled one by one
+    /// (needs NVRTC, not a device: skipped with a notice where NVRTC cannot be opened).
+    #[test]
+    fn programs_compiled_at_once_equal_those_compiled_in_turn() {
+        if nvrtc_version().is_err() {
+            eprintln!("skipped programs_compiled_at_once_equal_those_compiled_in_turn: no NVRTC here");
+            return;
+        }
+        let sources: Vec<(String, String)> = (0..4)
+            .map(|i| {
+                (
+                    format!("probe{i}"),
+                    format!(
+                        "extern \"C\" __global__ void k{i}(float* x, unsigned n) {{ unsigned j = blockIdx.x * \
+                         blockDim.x + threadIdx.x; if (j < n) x[j] = x[j] * {i}.5f + (float)PLUS; }}"
+                    ),
+                )
+            })
+            .collect();
+        let options = vec!["--gpu-architecture=sm_80".to_string(), "-DPLUS=7".to_string()];
+        let in_turn: Vec<Vec<u8>> = sources
+            .iter()
+            .map(|(name, src)| compile(name, src, &[], &options).unwrap())
+            .collect();
+        let at_once: Vec<Vec<u8>> = std::thread::scope(|s| {
+            let threads: Vec<_> = sources
+                .iter()
+                .map(|(name, src)| s.spawn(|| compile(name, src, &[], &options).unwrap()))
+                .collect();
+            threads.into_iter().map(|t| t.join().unwrap()).collect()
+        });
+        assert!(in_turn.iter().all(|c| !c.is_empty()));
+        assert!(at_once == in_turn, "a program compiled beside others differs");
     }
 
     #[test]

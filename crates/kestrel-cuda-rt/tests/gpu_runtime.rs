@@ -5,7 +5,8 @@
 
 use kestrel_core::{rng::Rng, Config, DType};
 use kestrel_cuda_rt::{
-    Buffer, CommandList, CudaError, Device, GraphUpdate, Kernel, LoadOrigin, StageFence, RUNTIME_MODULE,
+    Buffer, CommandList, CudaError, Device, GraphUpdate, Kernel, LoadOrigin, ModuleSource, StageFence,
+    RUNTIME_MODULE,
 };
 use kestrel_testing::gpu::device_or_skip;
 
@@ -681,6 +682,89 @@ fn second_start_hits_the_kernel_cache() {
         second.registry().load("cache_probe_v", &changed).unwrap(),
         LoadOrigin::Compiled
     );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Two small modules beside the runtime's, loaded together by `load_modules`.
+const PROBE_A: ModuleSource = ModuleSource {
+    name: "probe_a",
+    source: "extern \"C\" __global__ void add_one(float* x, unsigned n) { unsigned i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) x[i] += 1.0f; }",
+    headers: &[],
+    defines: &[],
+};
+const PROBE_B: ModuleSource = ModuleSource {
+    name: "probe_b",
+    source: "extern \"C\" __global__ void scale(float* x, unsigned n) { unsigned i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) x[i] *= SCALE; }",
+    headers: &[],
+    defines: &[("SCALE", 3)],
+};
+const BROKEN: ModuleSource = ModuleSource {
+    name: "probe_broken",
+    source: "extern \"C\" __global__ void broken() { undeclared(); }",
+    headers: &[],
+    defines: &[],
+};
+
+/// Modules loaded together are compiled at the same time, each once, and cached: a second
+/// start finds them all on disk, a module loaded before is left as it is, the kernels run, and
+/// a module that does not compile is an error naming it.
+#[test]
+fn modules_loaded_together_compile_at_once_and_cache() {
+    let Some(_) = device_or_skip("modules_loaded_together_compile_at_once_and_cache") else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!(
+        "kestrel-kcache-all-{}-{}",
+        std::process::id(),
+        Rng::from_time().1
+    ));
+    let mut config = Config::from_env();
+    config.kernel_cache_dir = Some(dir.clone());
+    let all = [RUNTIME_MODULE, PROBE_A, PROBE_B];
+
+    let first = Device::open(config.device, &config).unwrap();
+    assert_eq!(
+        first.registry().load_module(&PROBE_A).unwrap(),
+        LoadOrigin::Compiled
+    );
+    assert_eq!(
+        first.registry().load_modules(&all).unwrap(),
+        vec![
+            LoadOrigin::Compiled,
+            LoadOrigin::AlreadyLoaded,
+            LoadOrigin::Compiled
+        ]
+    );
+    assert_eq!(first.counters().kernel_compiles, 3);
+    assert_eq!(
+        first.registry().load_modules(&all).unwrap(),
+        vec![LoadOrigin::AlreadyLoaded; 3]
+    );
+    drop(first);
+
+    let second = Device::open(config.device, &config).unwrap();
+    assert_eq!(
+        second.registry().load_modules(&all).unwrap(),
+        vec![LoadOrigin::DiskCache; 3]
+    );
+    let c = second.counters();
+    assert_eq!((c.kernel_compiles, c.kernel_cache_hits), (0, 3));
+    let buf = second.alloc_from(&[1.0f32, -2.0, 0.5], 3).unwrap();
+    let mut l = CommandList::new("together");
+    for (module, function) in [("probe_a", "add_one"), ("probe_b", "scale")] {
+        let k = second.registry().function(module, function).unwrap();
+        l.dispatch(&k).cover(3, 32).read_write(&buf).arg(3u32).record();
+    }
+    second.run(&l).unwrap();
+    assert_eq!(second.download::<f32>(&buf).unwrap(), vec![6.0, -3.0, 4.5]);
+
+    match second.registry().load_modules(&[BROKEN, PROBE_A]) {
+        Err(CudaError::Compile { module, log, .. }) => {
+            assert_eq!(module, "probe_broken");
+            assert!(log.contains("undeclared"), "{log}");
+        }
+        other => panic!("a module that does not compile gave {other:?}"),
+    }
     std::fs::remove_dir_all(&dir).ok();
 }
 

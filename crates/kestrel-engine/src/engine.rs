@@ -232,7 +232,13 @@ impl Engine {
         let ignore_eos = opts.ignore_eos;
         let cache = cache_dtype(backend, opts.precision);
         let device = match backend {
-            BackendChoice::Cuda => Some(Device::open(config.device, config)?),
+            BackendChoice::Cuda => {
+                let dev = Device::open(config.device, config)?;
+                // Every kernel module now: those the disk cache lacks (a first start) are
+                // compiled at the same time rather than one after another as steps need them.
+                dev.registry().load_modules(kestrel_cuda::MODULES)?;
+                Some(dev)
+            }
             BackendChoice::Cpu => None,
         };
         // What the backend may hold: the caller's budget, else the device's free memory less a

@@ -90,13 +90,12 @@ fn check_device(config: &Config, ordinal: usize) -> Result<()> {
 
     // Every module, with the options the backend compiles it with.
     let t = Instant::now();
-    let (mut compiled, mut cached) = (0, 0);
-    for module in std::iter::once(&RUNTIME_MODULE).chain(MODULES) {
-        match dev.registry().load_module(module)? {
-            LoadOrigin::Compiled => compiled += 1,
-            LoadOrigin::DiskCache | LoadOrigin::AlreadyLoaded => cached += 1,
-        }
-    }
+    let all: Vec<_> = std::iter::once(RUNTIME_MODULE)
+        .chain(MODULES.iter().copied())
+        .collect();
+    let origins = dev.registry().load_modules(&all)?;
+    let compiled = origins.iter().filter(|&&o| o == LoadOrigin::Compiled).count();
+    let cached = origins.len() - compiled;
     outln!(
         "  kernels for {}: {} modules, {compiled} compiled by NVRTC, {cached} from the kernel cache, in {:.0} ms",
         dev.registry().arch(),

@@ -128,16 +128,8 @@ pub fn run(config: &Config, a: ServeArgs) -> Result<std::process::ExitCode> {
             opts.state_snapshots = snapshots;
             let mut engine = Engine::new(model, &config, opts).with_context(|| format!("opening {label}"))?;
             crate::progress::placement(&engine);
+            // The engine loaded every kernel module, so no request waits for NVRTC.
             engine.prepare(1, Want::LastLogits)?;
-            // Every kernel module now, not when a request first needs it: NVRTC took seconds
-            // over the first request of a new shape (from the disk cache it is quick).
-            if let Some(dev) = engine.device() {
-                for module in kestrel_cuda::MODULES {
-                    dev.registry()
-                        .load_module(module)
-                        .with_context(|| format!("compiling the {} kernels", module.name))?;
-                }
-            }
             let p = engine.kv_pool();
             let at_once = match p.seqs {
                 1 => "one sequence at a time".to_string(),
