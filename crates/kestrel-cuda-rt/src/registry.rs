@@ -251,7 +251,7 @@ impl KernelRegistry {
             return Ok(LoadOrigin::AlreadyLoaded);
         }
         let (options, path) = self.plan(name, source, headers, defines)?;
-        if let Some(origin) = self.loaded_or_cached(&mut modules, name, path.as_deref()) {
+        if let Some(origin) = self.load_cached(&mut modules, name, path.as_deref()) {
             return Ok(origin);
         }
         let cubin = compile(name, source, headers, &options)?;
@@ -273,7 +273,7 @@ impl KernelRegistry {
                 continue;
             }
             let (options, path) = self.plan(m.name, m.source, m.headers, m.defines)?;
-            let origin = self.loaded_or_cached(&mut loaded, m.name, path.as_deref());
+            let origin = self.load_cached(&mut loaded, m.name, path.as_deref());
             if origin.is_none() {
                 missing.push((m, options, path));
             }
@@ -324,17 +324,14 @@ impl KernelRegistry {
         Ok((options, path))
     }
 
-    /// Module `name` when it is loaded already, or loaded now from the disk cache at `path`;
-    /// None when it has to be compiled.
-    fn loaded_or_cached(
+    /// Module `name` (not loaded yet) loaded from the disk cache at `path`; None when it has to
+    /// be compiled.
+    fn load_cached(
         &self,
         modules: &mut HashMap<String, Arc<CudaModule>>,
         name: &str,
         path: Option<&Path>,
     ) -> Option<LoadOrigin> {
-        if modules.contains_key(name) {
-            return Some(LoadOrigin::AlreadyLoaded);
-        }
         let image = std::fs::read(path?).ok()?;
         // A corrupt or foreign file fails to load and is simply recompiled over.
         let module = self.ctx.load_module(Ptx::from_binary(image)).ok()?;
