@@ -632,18 +632,21 @@ fn fences_order_the_copy_stream_before_the_compute_stream() {
     ));
 }
 
+/// The configuration with a kernel cache of its own, in a new folder under the temporary
+/// directory (returned for the test to remove).
+fn fresh_kernel_cache(prefix: &str) -> (Config, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(format!("{prefix}-{}-{}", std::process::id(), Rng::from_time().1));
+    let mut config = Config::from_env();
+    config.kernel_cache_dir = Some(dir.clone());
+    (config, dir)
+}
+
 #[test]
 fn second_start_hits_the_kernel_cache() {
     let Some(_) = device_or_skip("second_start_hits_the_kernel_cache") else {
         return;
     };
-    let dir = std::env::temp_dir().join(format!(
-        "kestrel-kcache-{}-{}",
-        std::process::id(),
-        Rng::from_time().1
-    ));
-    let mut config = Config::from_env();
-    config.kernel_cache_dir = Some(dir.clone());
+    let (config, dir) = fresh_kernel_cache("kestrel-kcache");
     let source = "extern \"C\" __global__ void twice_f32(float* x, unsigned n) { unsigned i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) x[i] *= 2.0f; }";
 
     let first = Device::open(config.device, &config).unwrap();
@@ -713,13 +716,7 @@ fn modules_loaded_together_compile_at_once_and_cache() {
     let Some(_) = device_or_skip("modules_loaded_together_compile_at_once_and_cache") else {
         return;
     };
-    let dir = std::env::temp_dir().join(format!(
-        "kestrel-kcache-all-{}-{}",
-        std::process::id(),
-        Rng::from_time().1
-    ));
-    let mut config = Config::from_env();
-    config.kernel_cache_dir = Some(dir.clone());
+    let (config, dir) = fresh_kernel_cache("kestrel-kcache-all");
     let all = [RUNTIME_MODULE, PROBE_A, PROBE_B];
 
     let first = Device::open(config.device, &config).unwrap();
