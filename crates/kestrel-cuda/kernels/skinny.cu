@@ -398,17 +398,16 @@ extern "C" __global__ void skinny_permute_x_q8(const float* x, bf16* out, unsign
     SKINNY_GATE_UP(BITS, S, ACT, 1, 1, 12 - BITS) SKINNY_GATE_UP(BITS, S, ACT, 1, 4, 12 - BITS)                \
     SKINNY_GATE_UP(BITS, S, ACT, 2, 1, 12 - BITS) SKINNY_GATE_UP(BITS, S, ACT, 2, 4, 12 - BITS)                \
     SKINNY_GATE_UP(BITS, S, ACT, 4, 1, 12 - BITS) SKINNY_GATE_UP(BITS, S, ACT, 4, 4, 12 - BITS)
-#define SKINNY_FORMAT(BITS, S, NAME, ACT)                                                                     \
-    SKINNY_MOE_FORMAT(BITS, S, NAME, ACT)                                                                     \
+
+// The formats, each as (BITS, S, NAME, ACT), written once for the skinny and wide kernels:
+// projections take the plain ones, experts every one.
+#define PLAIN_FORMATS(F) F(4, bf16, q4, q4_act8) F(8, bf16, q8, q8_act4) F(4, float, q4f, q4f_act8) F(8, float, q8f, q8f_act4)
+#define EXPERT_FORMATS(F) PLAIN_FORMATS(F) F(4, Factored, q4k, q4k_act8) F(8, Factored, q8k, q8k_act4)
+#define SKINNY_LINEAR_FORMAT(BITS, S, NAME, ACT)                                                              \
     SKINNY_LINEAR(BITS, S, NAME, 1, 1) SKINNY_LINEAR(BITS, S, NAME, 1, 4) SKINNY_LINEAR(BITS, S, NAME, 2, 1)   \
     SKINNY_LINEAR(BITS, S, NAME, 2, 4) SKINNY_LINEAR(BITS, S, NAME, 4, 1) SKINNY_LINEAR(BITS, S, NAME, 4, 4)
-
-SKINNY_FORMAT(4, bf16, q4, q4_act8)
-SKINNY_FORMAT(8, bf16, q8, q8_act4)
-SKINNY_FORMAT(4, float, q4f, q4f_act8)
-SKINNY_FORMAT(8, float, q8f, q8f_act4)
-SKINNY_MOE_FORMAT(4, Factored, q4k, q4k_act8)
-SKINNY_MOE_FORMAT(8, Factored, q8k, q8k_act4)
+EXPERT_FORMATS(SKINNY_MOE_FORMAT)
+PLAIN_FORMATS(SKINNY_LINEAR_FORMAT)
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // ---- the experts on wgmma (sm_90a): wide tiles ----
@@ -775,10 +774,5 @@ extern "C" __global__ void wide_permute_x_q8(const float* x, bf16* out, unsigned
     WIDE_MOE(BITS, S, NAME, 16) WIDE_MOE(BITS, S, NAME, 32) WIDE_MOE(BITS, S, NAME, 64)                      \
     WIDE_GATE_UP(BITS, S, ACT, 16, 12 - BITS) WIDE_GATE_UP(BITS, S, ACT, 32, 12 - BITS)                      \
     WIDE_GATE_UP(BITS, S, ACT, 64, 12 - BITS)
-WIDE_FORMAT(4, bf16, q4, q4_act8)
-WIDE_FORMAT(8, bf16, q8, q8_act4)
-WIDE_FORMAT(4, float, q4f, q4f_act8)
-WIDE_FORMAT(8, float, q8f, q8f_act4)
-WIDE_FORMAT(4, Factored, q4k, q4k_act8)
-WIDE_FORMAT(8, Factored, q8k, q8k_act4)
+EXPERT_FORMATS(WIDE_FORMAT)
 #endif
