@@ -2,7 +2,7 @@
 //! the profiler, and the operations that allocate memory and run command lists.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use cudarc::driver::{result, sys, CudaContext, CudaEvent};
 use kestrel_core::{Config, DType, HostType, Shape};
@@ -71,8 +71,9 @@ struct DeviceInner {
     profile_events: Mutex<Vec<(String, String, CudaEvent, CudaEvent)>>,
     /// The cuBLAS handle, created on first use.
     blas: Mutex<Option<Blas>>,
-    /// A stream that only ever captures cuBLAS calls into child graphs.
-    capture: Stream,
+    /// A stream that only ever captures cuBLAS calls into child graphs; the lock is held from
+    /// the start of a capture to its end, so threads building graphs at once take turns.
+    capture: Mutex<Stream>,
     /// Copy bandwidth and bf16 GEMM rate, from the table or measured on first use.
     ceilings: OnceLock<Ceilings>,
 }
@@ -123,7 +124,7 @@ impl Device {
             inner: Arc::new(DeviceInner {
                 compute: Stream::new(&ctx, "compute", counters.clone())?,
                 copy: Stream::new(&ctx, "copy", counters.clone())?,
-                capture: Stream::new(&ctx, "capture", counters.clone())?,
+                capture: Mutex::new(Stream::new(&ctx, "capture", counters.clone())?),
                 ctx,
                 info,
                 registry,
@@ -182,8 +183,9 @@ impl Device {
         self.with_blas(|blas| blas.matmul_f32(self.compute(), a, b, c, mnk))
     }
 
-    pub(crate) fn capture_stream(&self) -> &Stream {
-        &self.inner.capture
+    /// The capture stream, held by the caller until its capture has ended.
+    pub(crate) fn capture_stream(&self) -> MutexGuard<'_, Stream> {
+        self.inner.capture.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Function `function` of `module`, compiled or loaded on first use.

@@ -81,6 +81,7 @@ fn capture_gemm(
 ) -> Result<sys::CUgraphNode> {
     // Creating the handle allocates its workspace, which must not happen while capturing.
     device.with_blas(|_| Ok(()))?;
+    // Held to the end of the capture: another thread's capture on this stream would end ours.
     let stream = device.capture_stream();
     let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
     // SAFETY: a live stream and graph of this context; `preds` are nodes of `graph`; no edge data.

@@ -917,3 +917,51 @@ fn cublas_matmul_matches_the_cpu() {
         }
     }
 }
+
+/// Graphs holding a cuBLAS product, built by several threads on one device at once (as parallel
+/// tests and sessions do): every capture ends whole and every replay gives the product of its
+/// own inputs. The device's capture stream is shared, so an unserialised capture on another
+/// thread would end or poison this one.
+#[test]
+fn graphs_with_cublas_products_build_on_many_threads_at_once() {
+    let Some(dev) = device_or_skip("graphs_with_cublas_products_build_on_many_threads_at_once") else {
+        return;
+    };
+    let (_, seed) = Rng::from_time();
+    let threads: Vec<_> = (0..6u64)
+        .map(|t| {
+            let dev = dev.clone();
+            let mut rng = Rng::new(seed ^ (t + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            std::thread::spawn(move || {
+                for round in 0..12 {
+                    let (m, n, kk) = (rng.range(1, 90), rng.range(1, 90), rng.range(1, 200));
+                    let bf = |v: Vec<f32>| v.into_iter().map(half::bf16::from_f32).collect::<Vec<_>>();
+                    let (a, b) = (bf(random_vec(&mut rng, m * kk)), bf(random_vec(&mut rng, n * kk)));
+                    let ab = dev.alloc_from(&a, vec![m, kk]).unwrap();
+                    let bb = dev.alloc_from(&b, vec![n, kk]).unwrap();
+                    let cb = poisoned(&dev, m * n);
+                    let mut list = CommandList::new(format!("gemm thread {t} round {round}"));
+                    list.gemm_bf16(&ab, &bb, &cb, m, n, kk);
+                    let graph = dev.capture(&list).unwrap_or_else(|e| panic!("thread {t} round {round}: {e}"));
+                    graph.launch().unwrap();
+                    let c = dev.download::<f32>(&cb).unwrap();
+                    for i in 0..m {
+                        for j in 0..n {
+                            let r: f64 = (0..kk).map(|p| a[i * kk + p].to_f64() * b[j * kk + p].to_f64()).sum();
+                            let g = c[i * n + j] as f64;
+                            assert!(
+                                (g - r).abs() <= 1e-4 * (1.0 + r.abs()),
+                                "thread {t} round {round} ({m}x{kk}x{n}) at {i},{j}: {g} vs {r}"
+                            );
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    for (t, h) in threads.into_iter().enumerate() {
+        if h.join().is_err() {
+            panic!("seed {seed}: thread {t} failed (its message is above)");
+        }
+    }
+}
