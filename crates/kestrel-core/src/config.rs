@@ -12,6 +12,7 @@
 //! | `KESTREL_PDL` | bool | `true` | programmatic dependent launch in CUDA graphs (`off` links every kernel to its predecessors by completion, for debugging) |
 //! | `KESTREL_WGMMA` | bool | `true` | on sm_90 GPUs, grouped expert GEMMs and quantised products of many tokens on Hopper's warpgroup tensor-core instructions (`off` takes the `mma.sync` kernels other GPUs use) |
 //! | `KESTREL_WIDE_EXPERTS` | bool | `true` | with `wgmma` on, routed experts of a few to a few dozen rows each on the warpgroup form of the skinny products (`off` takes the skinny products and GEMM tiles, for comparison) |
+//! | `KESTREL_WIDE_PROJECTIONS` | bool | `true` | with `wgmma` on, quantised projections of a few dozen tokens on the warpgroup form of the skinny products (`off` takes the skinny products, for comparison) |
 //!
 //! Booleans accept `1/0`, `true/false`, `yes/no`, `on/off`. A variable with a value that does
 //! not parse leaves its default in place and is kept as a problem: reading the configuration
@@ -49,6 +50,9 @@ pub struct Config {
     /// With `wgmma`, routed experts of a few to a few dozen rows each run on the wgmma form of
     /// the skinny products (else on the skinny products and GEMM tiles).
     pub wide_experts: bool,
+    /// With `wgmma`, quantised projections of a few dozen tokens run on the wgmma form of the
+    /// skinny products (else on the skinny products).
+    pub wide_projections: bool,
 }
 
 impl Default for Config {
@@ -209,6 +213,11 @@ impl Config {
             parse_bool(get("KESTREL_WIDE_EXPERTS"), "KESTREL_WIDE_EXPERTS", true),
             true,
         );
+        let wide_projections = keep(
+            &mut problems,
+            parse_bool(get("KESTREL_WIDE_PROJECTIONS"), "KESTREL_WIDE_PROJECTIONS", true),
+            true,
+        );
         Config {
             problems,
             device,
@@ -218,6 +227,7 @@ impl Config {
             pdl,
             wgmma,
             wide_experts,
+            wide_projections,
         }
     }
 }
@@ -265,6 +275,8 @@ mod tests {
         assert!(!Config::from_vars(&vars(&[("KESTREL_WGMMA", "0")])).wgmma);
         assert!(c.wide_experts);
         assert!(!Config::from_vars(&vars(&[("KESTREL_WIDE_EXPERTS", "off")])).wide_experts);
+        assert!(c.wide_projections);
+        assert!(!Config::from_vars(&vars(&[("KESTREL_WIDE_PROJECTIONS", "off")])).wide_projections);
         assert_eq!(c.kernel_cache_dir, None, "no HOME, no XDG_CACHE_HOME: no cache");
     }
 

@@ -67,6 +67,8 @@ struct DeviceInner {
     wgmma: bool,
     /// Routed experts of a few dozen rows on `wgmma` too (`Config::wide_experts`, with `wgmma`).
     wide_experts: bool,
+    /// Projections of a few dozen tokens on `wgmma` too (`Config::wide_projections`, with `wgmma`).
+    wide_projections: bool,
     /// Event pairs around profiled dispatches, read back by `take_profile`.
     profile_events: Mutex<Vec<(String, String, CudaEvent, CudaEvent)>>,
     /// The cuBLAS handle, created on first use.
@@ -112,6 +114,7 @@ impl Device {
         let hopper = hopper_target(info.compute_capability, nvrtc_version().ok());
         let wgmma = config.wgmma && hopper;
         let wide_experts = wgmma && config.wide_experts;
+        let wide_projections = wgmma && config.wide_projections;
         let counters = Arc::new(Counters::default());
         let registry = KernelRegistry::new(
             ctx.clone(),
@@ -133,6 +136,7 @@ impl Device {
                 pdl: config.pdl,
                 wgmma,
                 wide_experts,
+                wide_projections,
                 profile_events: Mutex::new(Vec::new()),
                 blas: Mutex::new(None),
                 ceilings: OnceLock::new(),
@@ -375,6 +379,12 @@ impl Device {
     /// skinny products (`moe_wide_*` in `skinny.cu`; only where `wgmma` is on).
     pub fn wide_experts(&self) -> bool {
         self.inner.wide_experts
+    }
+
+    /// Whether quantised projections of a few dozen tokens run on the wgmma form of the skinny
+    /// products (`linear_wide_*` in `skinny.cu`; only where `wgmma` is on).
+    pub fn wide_projections(&self) -> bool {
+        self.inner.wide_projections
     }
 
     /// Turns per-dispatch timing on or off (the configuration sets the initial state).

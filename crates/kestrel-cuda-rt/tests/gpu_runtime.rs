@@ -942,12 +942,16 @@ fn graphs_with_cublas_products_build_on_many_threads_at_once() {
                     let cb = poisoned(&dev, m * n);
                     let mut list = CommandList::new(format!("gemm thread {t} round {round}"));
                     list.gemm_bf16(&ab, &bb, &cb, m, n, kk);
-                    let graph = dev.capture(&list).unwrap_or_else(|e| panic!("thread {t} round {round}: {e}"));
+                    let graph = dev
+                        .capture(&list)
+                        .unwrap_or_else(|e| panic!("thread {t} round {round}: {e}"));
                     graph.launch().unwrap();
                     let c = dev.download::<f32>(&cb).unwrap();
                     for i in 0..m {
                         for j in 0..n {
-                            let r: f64 = (0..kk).map(|p| a[i * kk + p].to_f64() * b[j * kk + p].to_f64()).sum();
+                            let r: f64 = (0..kk)
+                                .map(|p| a[i * kk + p].to_f64() * b[j * kk + p].to_f64())
+                                .sum();
                             let g = c[i * n + j] as f64;
                             assert!(
                                 (g - r).abs() <= 1e-4 * (1.0 + r.abs()),

@@ -17,10 +17,10 @@
 #include "kestrel.cuh"
 
 // The launch geometry comes from the host (`ops/linear.rs`) as -D definitions: TOKENS (linear_*),
-// VEC_WARPS, VEC_ROWS, VEC_BLOCKS_PER_SM (matvec_bf16, _exact), EX_TOKENS, EX_WARPS (_exact_tokens),
+// VEC_WARPS, VEC_ROWS, VEC_BLOCKS_PER_SM (matvec_bf16, _exact), EX_WARPS (_exact_tokens),
 // DP_WARPS, DP_ROWS, DP_STAGES, DP_BLOCKS_PER_SM (_dp4a).
 #if !defined(TOKENS) || !defined(VEC_WARPS) || !defined(VEC_ROWS) || !defined(VEC_BLOCKS_PER_SM) || \
-    !defined(EX_TOKENS) || !defined(EX_WARPS) || !defined(DP_WARPS) || !defined(DP_ROWS) ||            \
+    !defined(EX_WARPS) || !defined(DP_WARPS) || !defined(DP_ROWS) ||            \
     !defined(DP_STAGES) || !defined(DP_BLOCKS_PER_SM)
 #error "linear.cu is compiled with the launch geometry of ops/linear.rs as -D definitions"
 #endif
@@ -193,22 +193,24 @@ MATVEC_EXACT(8, bf16, q8)
 MATVEC_EXACT(4, float, q4f)
 MATVEC_EXACT(8, float, q8f)
 
-// The exact path for many tokens: matvec_q*_exact's arithmetic, EX_TOKENS tokens a block (grid
-// row y, staged together in one round trip), so each weight vector a warp loads, and each
+// The exact path for many tokens: matvec_q*_exact's arithmetic, T tokens a block (grid row y,
+// staged together in one round trip), so each weight vector a warp loads, and each
 // quantised vector's values, serve all of them. Every (token, row) adds the same terms in the
-// same order as rows_dot and warp_sum, so a token's logits are bit for bit those it gets alone. Dynamic shared memory: EX_TOKENS * exact_stride(in_dim) floats.
+// same order as rows_dot and warp_sum, so a token's logits are bit for bit those it gets alone. Dynamic shared memory: T * exact_stride(in_dim) floats.
+// Names: matvec_NAME_exact_tokens_T, T 2, 4 or 8 (fewer tokens a block, more blocks for a step of
+// a few dozen tokens; more, each weight vector's values made for more tokens).
 __host__ __device__ constexpr unsigned exact_stride(unsigned in_dim, unsigned vals) {
     return (padded_len(in_dim) + in_dim / vals + 3) / 4 * 4;
 }
 
-template <int BITS, typename S>
+template <int BITS, typename S, int T>
 __device__ void matvec_exact_tokens(const float* x, const void* w, const S* scales, const S* biases,
                                     float* out, unsigned tokens, unsigned in_dim, unsigned out_dim,
                                     unsigned group) {
     constexpr unsigned VALS = VecFormat<BITS>::VALS, U = 2;
     extern __shared__ __align__(16) float xs[];
     const unsigned stride = exact_stride(in_dim, VALS);
-    const unsigned t0 = blockIdx.y * EX_TOKENS, nt = min((unsigned)EX_TOKENS, tokens - t0);
+    const unsigned t0 = blockIdx.y * T, nt = min((unsigned)T, tokens - t0);
     stage_x_sums_rows<BITS>(x + (size_t)t0 * in_dim, xs, stride, in_dim, nt);
     const unsigned lane = threadIdx.x % 32;
     const unsigned nvec = in_dim / VALS, groups = QUANTISED<BITS> ? in_dim / group : 0;
@@ -216,9 +218,9 @@ __device__ void matvec_exact_tokens(const float* x, const void* w, const S* scal
     const uint4* W = reinterpret_cast<const uint4*>(w);
     for (unsigned tile = blockIdx.x * EX_WARPS + threadIdx.x / 32; tile < tiles; tile += gridDim.x * EX_WARPS) {
         const unsigned row0 = tile * VEC_ROWS;
-        float acc[EX_TOKENS][VEC_ROWS];
+        float acc[T][VEC_ROWS];
 #pragma unroll
-        for (int t = 0; t < EX_TOKENS; t++)
+        for (int t = 0; t < T; t++)
 #pragma unroll
             for (int r = 0; r < VEC_ROWS; r++) acc[t][r] = 0.0f;
         // rows_dot's walk over the lane's vectors, each vector taken against every token.
@@ -269,7 +271,7 @@ __device__ void matvec_exact_tokens(const float* x, const void* w, const S* scal
                                     wf[q][p][h] = masked_value(h ? word >> 16 : word, MASK << (BITS * p));
                         }
 #pragma unroll
-                        for (int t = 0; t < EX_TOKENS; t++) {
+                        for (int t = 0; t < T; t++) {
                             if (t >= nt) break;
                             const float4* xp = x_of(t);
                             const float sx = xs[t * stride + padded_len(in_dim) + u];
@@ -280,7 +282,7 @@ __device__ void matvec_exact_tokens(const float* x, const void* w, const S* scal
                     }
                 } else {
 #pragma unroll
-                    for (int t = 0; t < EX_TOKENS; t++) {
+                    for (int t = 0; t < T; t++) {
                         if (t >= nt) break;
                         const float4* xp = x_of(t);
 #pragma unroll
@@ -293,7 +295,7 @@ __device__ void matvec_exact_tokens(const float* x, const void* w, const S* scal
             }
         }
 #pragma unroll
-        for (int t = 0; t < EX_TOKENS; t++)
+        for (int t = 0; t < T; t++)
 #pragma unroll
             for (int r = 0; r < VEC_ROWS; r++) {
                 const float s = warp_sum(acc[t][r]);
@@ -302,20 +304,27 @@ __device__ void matvec_exact_tokens(const float* x, const void* w, const S* scal
     }
 }
 
-#define MATVEC_EXACT_TOKENS(BITS, S, NAME)                                                                           \
+#define MATVEC_EXACT_TOKENS_T(BITS, S, NAME, T)                                                             \
     extern "C" __global__ void __launch_bounds__(32 * EX_WARPS)                                           \
-        matvec_##NAME##_exact_tokens(const float* x, const unsigned* w, const S* scales,                \
+        matvec_##NAME##_exact_tokens_##T(const float* x, const unsigned* w, const S* scales,            \
                                       const S* biases, float* out, unsigned tokens, unsigned in_dim,     \
                                       unsigned out_dim, unsigned group) {                                   \
         pdl_begin();                                                                                        \
-        matvec_exact_tokens<BITS, S>(x, w, scales, biases, out, tokens, in_dim, out_dim, group);               \
+        matvec_exact_tokens<BITS, S, T>(x, w, scales, biases, out, tokens, in_dim, out_dim, group);         \
     }
-extern "C" __global__ void __launch_bounds__(32 * EX_WARPS)
-    matvec_f32_exact_tokens(const float* x, const float* w, float* out, unsigned tokens, unsigned in_dim,
-                            unsigned out_dim) {
-    pdl_begin();
-    matvec_exact_tokens<32, bf16>(x, w, nullptr, nullptr, out, tokens, in_dim, out_dim, 1);
-}
+#define MATVEC_EXACT_TOKENS(BITS, S, NAME)                                                                   \
+    MATVEC_EXACT_TOKENS_T(BITS, S, NAME, 2) MATVEC_EXACT_TOKENS_T(BITS, S, NAME, 4)                        \
+    MATVEC_EXACT_TOKENS_T(BITS, S, NAME, 8)
+#define MATVEC_F32_EXACT_TOKENS(T)                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * EX_WARPS)                                           \
+        matvec_f32_exact_tokens_##T(const float* x, const float* w, float* out, unsigned tokens,         \
+                                    unsigned in_dim, unsigned out_dim) {                                   \
+        pdl_begin();                                                                                        \
+        matvec_exact_tokens<32, bf16, T>(x, w, nullptr, nullptr, out, tokens, in_dim, out_dim, 1);          \
+    }
+MATVEC_F32_EXACT_TOKENS(2)
+MATVEC_F32_EXACT_TOKENS(4)
+MATVEC_F32_EXACT_TOKENS(8)
 MATVEC_EXACT_TOKENS(4, bf16, q4)
 MATVEC_EXACT_TOKENS(8, bf16, q8)
 MATVEC_EXACT_TOKENS(4, float, q4f)

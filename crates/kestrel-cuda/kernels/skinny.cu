@@ -27,7 +27,8 @@
 // Names: <kernel>_{q4,q8}_<NT>_<KS>.
 //
 // On Hopper (sm_90a), the experts' products have a wgmma form for tiles of 16 to 64 rows
-// (moe_wide_*, wide_permute_x_*; the section at the end of this file).
+// (moe_wide_*, wide_permute_x_*), and so have projections of a few dozen tokens (linear_wide_*,
+// on x from wide_permute_bf16_*): the section at the end of this file.
 #include "kestrel.cuh"
 
 #if !defined(SK_WARPS) || !defined(WS_STAGE) || !defined(WS_STAGES)
@@ -501,7 +502,8 @@ __device__ __forceinline__ void wide_dequant(unsigned (&a)[4][4], const WStage<B
 }
 
 // acc += rows f0 + 16 * (warp % 4) .. of `mat` (this warp's 16 features of its warpgroup's 64)
-// times the N rows rows_src[r] (null: zeros) over all K (a multiple of WS_STAGE). The block's WG
+// times the N rows rows_src[r] (null: zeros) over K values kbeg .. kbeg + stages * WS_STAGE of
+// the K a row holds (all multiples of WS_STAGE). The block's WG
 // warpgroups share the rows: they copy each stage together into smem (1024-byte aligned). Stage
 // t + 2 is copied while stage t is multiplied (four slots, so the slot refilled was last read by
 // stage t - 2, whose products are done). ONE_GROUP false: each stage's two slabs are separate
@@ -513,7 +515,8 @@ __device__ __forceinline__ void wide_dequant(unsigned (&a)[4][4], const WStage<B
 // sequences, 120 to 112 at 512 tokens), tiles of 16 not (128 sequences 2.5% slower).
 template <int BITS, int N, int WG, typename S, bool ONE_GROUP>
 __device__ __forceinline__ void wide_product(float (&acc)[N / 2], const QMat& mat, unsigned f0, unsigned K,
-                                             unsigned group, const bf16* const* rows_src, bf16* smem) {
+                                             unsigned group, const bf16* const* rows_src, bf16* smem,
+                                             unsigned kbeg, unsigned stages) {
     static_assert(WS_STAGES == 4, "stages are copied two ahead into four slots");
     constexpr unsigned VALS = 128 / BITS, RUN = 4 * VALS, RPS = WS_STAGE / RUN, THREADS = 128 * WG;
     // bf16 values of 64 columns of the rows; 16-byte copies a thread
@@ -526,7 +529,6 @@ __device__ __forceinline__ void wide_product(float (&acc)[N / 2], const QMat& ma
     // Their groups from `sg` (factored: the multiples so, the units from frow's), addressed at
     // each load: registers bound the blocks a multiprocessor holds.
     const unsigned sg = frow * groups;
-    const unsigned stages = K / WS_STAGE;
     // This thread's 16-byte pieces of a stage: row r, piece u of its 256 bytes (64-column slab
     // u / 8, at piece u % 8 swizzled by the row).
     auto copy = [&](unsigned t) {
@@ -537,14 +539,14 @@ __device__ __forceinline__ void wide_product(float (&acc)[N / 2], const QMat& ma
             if (N * 16 % THREADS == 0 || i < N * 16) {
                 const bf16* row = rows_src[r];
                 cp_async16(slot + u / 8 * SLAB + r * 64 + (((u % 8) ^ (r % 8)) << 3),
-                           (row ? row : rows_src[0]) + 8 * u + t * WS_STAGE, row != nullptr);
+                           (row ? row : rows_src[0]) + 8 * u + kbeg + t * WS_STAGE, row != nullptr);
             }
         }
     };
     auto load = [&](WStage<BITS, S>& st, unsigned t) {
 #pragma unroll
         for (unsigned rr = 0; rr < RPS; rr++) {
-            const unsigned k = t * WS_STAGE + rr * RUN + q * VALS, gi = sg + k / group;
+            const unsigned k = kbeg + t * WS_STAGE + rr * RUN + q * VALS, gi = sg + k / group;
 #pragma unroll
             for (int r = 0; r < 2; r++) {
                 st.run[rr].w[0][r] = ld_once(w0 + 8 * r * row_bytes + k * BITS / 8);
@@ -619,17 +621,19 @@ __device__ __forceinline__ void wide_product(float (&acc)[N / 2], const QMat& ma
     for (int i = 0; i < N / 2; i++) asm volatile("" : "+f"(acc[i])::"memory");
 }
 
-// The product of a tile's first NR rows, then out(feature, tile row, v[WG]) for every value of
-// the block's 64 features (blockIdx.x * 64 ..): v[w] the product with mats[w], taken by
-// warpgroup w (the second's handed to the first through shared memory).
+// The product of a tile's first NR rows over K's stages [kbeg / WS_STAGE, + stages), then
+// out(feature, tile row, v[WG]) for every value of the block's 64 features (blockIdx.x * 64 ..):
+// v[w] the product with mats[w], taken by warpgroup w (the second's handed to the first through
+// shared memory).
 template <int BITS, int NR, int WG, typename S, bool ONE_GROUP, class Out>
 __device__ __forceinline__ void wide_rows(const QMat (&mats)[WG], unsigned K, unsigned group,
-                                          const bf16* const* rows_src, bf16* smem, Out out) {
+                                          const bf16* const* rows_src, bf16* smem, unsigned kbeg, unsigned stages,
+                                          Out out) {
     const unsigned f0 = blockIdx.x * 64, lane = threadIdx.x % 32, wg = threadIdx.x / 128, t = threadIdx.x % 128;
     float acc[NR / 2];
 #pragma unroll
     for (int i = 0; i < NR / 2; i++) acc[i] = 0.0f;
-    wide_product<BITS, NR, WG, S, ONE_GROUP>(acc, mats[wg], f0, K, group, rows_src, smem);
+    wide_product<BITS, NR, WG, S, ONE_GROUP>(acc, mats[wg], f0, K, group, rows_src, smem, kbeg, stages);
     float* other = reinterpret_cast<float*>(smem);  // [NR / 2][128], over the stages
     if constexpr (WG == 2) {
         __syncthreads();  // every product is done: the stages are free
@@ -658,15 +662,16 @@ __device__ __forceinline__ void wide_rows(const QMat (&mats)[WG], unsigned K, un
 // fit them (a tile of an expert's last rows), else N.
 template <int BITS, int N, int WG, typename S, bool ONE_GROUP, class Out>
 __device__ __forceinline__ void wide_block(const QMat (&mats)[WG], unsigned K, unsigned group, unsigned rows,
-                                           const bf16* const* rows_src, unsigned char* smem_raw, Out out) {
+                                           const bf16* const* rows_src, unsigned char* smem_raw, unsigned kbeg,
+                                           unsigned stages, Out out) {
     bf16* smem = reinterpret_cast<bf16*>(smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u));
     if constexpr (N > 8) {
         if (rows <= N / 2) {
-            wide_rows<BITS, N / 2, WG, S, ONE_GROUP>(mats, K, group, rows_src, smem, out);
+            wide_rows<BITS, N / 2, WG, S, ONE_GROUP>(mats, K, group, rows_src, smem, kbeg, stages, out);
             return;
         }
     }
-    wide_rows<BITS, N, WG, S, ONE_GROUP>(mats, K, group, rows_src, smem, out);
+    wide_rows<BITS, N, WG, S, ONE_GROUP>(mats, K, group, rows_src, smem, kbeg, stages, out);
 }
 
 // Grid (inter / 64, max_tiles), 256 threads (gate on the first warpgroup, up on the second),
@@ -689,7 +694,7 @@ __device__ void wide_gate_up(const bf16* xb, const unsigned* order, const unsign
     __syncthreads();
     const unsigned char* sp = experts + (size_t)e * span;
     const QMat mats[2] = {qmat(sp, gw, gs, gb), qmat(sp, uw, us, ub)};
-    wide_block<BITS, N, 2, S, (N >= 32)>(mats, hidden, group, rows, rows_src, ws_smem, [&](unsigned f, unsigned r, const float (&v)[2]) {
+    wide_block<BITS, N, 2, S, (N >= 32)>(mats, hidden, group, rows, rows_src, ws_smem, 0, hidden / WS_STAGE, [&](unsigned f, unsigned r, const float (&v)[2]) {
         if (r < rows) act[(size_t)(pos0 + r) * inter + pw_index<ABITS>(f)] = __float2bfloat16_rn(silu(v[0]) * v[1]);
     });
 }
@@ -719,25 +724,93 @@ __device__ void wide_down(const bf16* act, const unsigned* order, const unsigned
     }
     __syncthreads();
     const QMat mats[1] = {qmat(experts + (size_t)e * span, dw, ds, db)};
-    wide_block<BITS, N, 1, S, (N >= 32)>(mats, inter, group, rows, rows_src, ws_smem, [&](unsigned f, unsigned r, const float (&v)[1]) {
+    wide_block<BITS, N, 1, S, (N >= 32)>(mats, inter, group, rows, rows_src, ws_smem, 0, inter / WS_STAGE, [&](unsigned f, unsigned r, const float (&v)[1]) {
         if (r < rows) ys[(size_t)row_slot[r] * hidden + f] = __float2bfloat16_rn(row_weight[r] * v[0]);
     });
 }
 
-// x (f32 [rows, K]) rounded to bf16 in the PW layout for BITS-bit weights: eight values a thread
-// (rows * K / 8 threads; K a multiple of the run).
-template <int BITS>
-__device__ void permute_x_pw(const float* x, bf16* out, unsigned rows, unsigned K) {
+// Grid (out_dim / 64, ceil(tokens / N), splits), 128 threads, wide_smem(N) bytes: a projection
+// of a few dozen tokens on wgmma. xb: [tokens, in_dim] bf16 in the PW layout; out: [tokens,
+// out_dim] f32. With more than one split (too few blocks to fill the GPU), block z takes the z-th
+// of `splits` equal ranges of K (whole stages) and writes its partial tile to `part` ([splits]
+// [tiles][N][64]); the last block of a tile to finish (counted in counters[tile], left at zero
+// again) adds the partials in order of z, so the sum is the same whichever finishes last.
+template <int BITS, typename S, int N>
+__device__ void wide_linear(const bf16* xb, const unsigned char* w, const S* scales, const S* biases, float* out,
+                            float* part, unsigned* counters, unsigned tokens, unsigned in_dim, unsigned out_dim,
+                            unsigned group) {
+    extern __shared__ __align__(16) unsigned char ws_smem[];
+    __shared__ const bf16* rows_src[N];
+    __shared__ bool last;
+    const unsigned m0 = blockIdx.y * N, rows = min((unsigned)N, tokens - m0), f0 = blockIdx.x * 64;
+    const unsigned splits = gridDim.z, z = blockIdx.z, stages = in_dim / WS_STAGE / splits;
+    for (unsigned r = threadIdx.x; r < N; r += blockDim.x)
+        rows_src[r] = r < rows ? xb + (size_t)(m0 + r) * in_dim : nullptr;
+    __syncthreads();
+    const QMat mats[1] = {QMat{w, scales, biases}};
+    const unsigned tile = blockIdx.y * gridDim.x + blockIdx.x, tiles = gridDim.x * gridDim.y;
+    auto partial = [&](unsigned zz) { return part + ((size_t)zz * tiles + tile) * N * 64; };
+    float* mine = splits > 1 ? partial(z) : nullptr;
+    wide_block<BITS, N, 1, S, (N >= 32)>(mats, in_dim, group, rows, rows_src, ws_smem, z * stages * WS_STAGE, stages,
+                                         [&](unsigned f, unsigned r, const float (&v)[1]) {
+                                             if (r >= rows) return;
+                                             if (splits == 1)
+                                                 out[(size_t)(m0 + r) * out_dim + f] = v[0];
+                                             else
+                                                 __stcg(mine + r * 64 + (f - f0), v[0]);
+                                         });
+    if (splits == 1) return;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(counters + tile, 1u) == splits - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    // Thread t adds values t, t + 128, ... of the tile (row e / 64, feature e % 64) over the
+    // splits, all of a split's loads issued before any add.
+    constexpr unsigned PER = N * 64 / 128;
+    float sum[PER];
+#pragma unroll
+    for (unsigned i = 0; i < PER; i++) sum[i] = 0.0f;
+    for (unsigned zz = 0; zz < splits; zz++) {
+        const float* p = partial(zz);
+        float v[PER];
+#pragma unroll
+        for (unsigned i = 0; i < PER; i++)
+            v[i] = (threadIdx.x + 128 * i) / 64 < rows ? __ldcg(p + threadIdx.x + 128 * i) : 0.0f;
+#pragma unroll
+        for (unsigned i = 0; i < PER; i++) sum[i] += v[i];
+    }
+#pragma unroll
+    for (unsigned i = 0; i < PER; i++) {
+        const unsigned e = threadIdx.x + 128 * i, r = e / 64;
+        if (r < rows) out[(size_t)(m0 + r) * out_dim + f0 + e % 64] = sum[i];
+    }
+    if (threadIdx.x == 0) counters[tile] = 0;
+}
+
+// x ([rows, K], f32 or bf16) rounded to bf16 in the PW layout for BITS-bit weights: eight values
+// a thread (rows * K / 8 threads; K a multiple of the run).
+template <int BITS, typename T>
+__device__ void permute_x_pw(const T* x, bf16* out, unsigned rows, unsigned K) {
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)rows * K / 8) return;
     const size_t row = i * 8 / K;
     const unsigned k0 = i * 8 % K;
-    const float4* src = reinterpret_cast<const float4*>(x + i * 8);
-    const float4 a = src[0], b = src[1];
-    const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    bf16 v[8];
+    if constexpr (sizeof(T) == 4) {
+        const float4* src = reinterpret_cast<const float4*>(x + i * 8);
+        const float4 a = src[0], b = src[1];
+        const float f[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (unsigned j = 0; j < 8; j++) v[j] = __float2bfloat16_rn(f[j]);
+    } else {
+        const uint4 u = *reinterpret_cast<const uint4*>(x + i * 8);
+        memcpy(v, &u, sizeof(u));
+    }
     bf16* dst = out + row * K;
 #pragma unroll
-    for (unsigned j = 0; j < 8; j++) dst[pw_index<BITS>(k0 + j)] = __float2bfloat16_rn(v[j]);
+    for (unsigned j = 0; j < 8; j++) dst[pw_index<BITS>(k0 + j)] = v[j];
 }
 
 extern "C" __global__ void wide_permute_x_q4(const float* x, bf16* out, unsigned rows, unsigned K) {
@@ -745,6 +818,14 @@ extern "C" __global__ void wide_permute_x_q4(const float* x, bf16* out, unsigned
     permute_x_pw<4>(x, out, rows, K);
 }
 extern "C" __global__ void wide_permute_x_q8(const float* x, bf16* out, unsigned rows, unsigned K) {
+    pdl_begin();
+    permute_x_pw<8>(x, out, rows, K);
+}
+extern "C" __global__ void wide_permute_bf16_q4(const bf16* x, bf16* out, unsigned rows, unsigned K) {
+    pdl_begin();
+    permute_x_pw<4>(x, out, rows, K);
+}
+extern "C" __global__ void wide_permute_bf16_q8(const bf16* x, bf16* out, unsigned rows, unsigned K) {
     pdl_begin();
     permute_x_pw<8>(x, out, rows, K);
 }
@@ -775,4 +856,13 @@ extern "C" __global__ void wide_permute_x_q8(const float* x, bf16* out, unsigned
     WIDE_GATE_UP(BITS, S, ACT, 16, 12 - BITS) WIDE_GATE_UP(BITS, S, ACT, 32, 12 - BITS)                      \
     WIDE_GATE_UP(BITS, S, ACT, 64, 12 - BITS)
 EXPERT_FORMATS(WIDE_FORMAT)
+// linear_wide_NAME: projections in tiles of 64 tokens (32 where a tile's rows fit them).
+#define LINEAR_WIDE(BITS, S, NAME, ACT)                                                                    \
+    extern "C" __global__ void __launch_bounds__(128, 4) linear_wide_##NAME(                                  \
+        const bf16* xb, const unsigned char* w, const S* scales, const S* biases, float* out, float* part,    \
+        unsigned* counters, unsigned tokens, unsigned in_dim, unsigned out_dim, unsigned group) {          \
+        pdl_begin();                                                                                         \
+        wide_linear<BITS, S, 64>(xb, w, scales, biases, out, part, counters, tokens, in_dim, out_dim, group);  \
+    }
+PLAIN_FORMATS(LINEAR_WIDE)
 #endif

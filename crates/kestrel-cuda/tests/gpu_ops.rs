@@ -148,12 +148,40 @@ fn skinny_projections_match_the_cpu_backend() {
     linear_products(&dev, &mut rng, seed, &shapes);
 }
 
+/// Quantised projections of 33 to 128 tokens, which Hopper runs on wgmma (`linear_wide_*`: tiles
+/// of 64 tokens, 32 where a tile's rows fit them, on x copied into their layout), with wgmma on
+/// and with it off (the skinny products): deep, narrow products whose few tiles split K over 2
+/// to 8 blocks (the partial tiles added by the last block of each tile), and shallow, wide ones
+/// that do not split; every quantised format.
+#[test]
+fn wide_projections_match_the_cpu_backend() {
+    let Some(dev) = device_or_skip("wide_projections_match_the_cpu_backend") else {
+        return;
+    };
+    let engines = tensor_engines(&dev);
+    let (mut rng, seed) = Rng::from_time();
+    for (round, tokens) in [33, 47, 64, 100, 128].into_iter().enumerate() {
+        let deep = (1024 * rng.range(1, 5), 64 * rng.range(1, 40));
+        let wide = (128 * rng.range(1, 8), 64 * rng.range(100, 300));
+        for (in_dim, out_dim) in [deep, wide] {
+            for format in kestrel_testing::cases::QUANT_FORMATS {
+                let case_rng = Rng::new(rng.next_u64());
+                let case = kestrel_testing::cases::linear_shape(case_rng, tokens, (in_dim, out_dim), format);
+                for engine in &engines {
+                    compare(engine, &case, seed, round);
+                }
+            }
+        }
+    }
+}
+
 /// Routed experts of a few rows each, which CUDA runs as skinny tensor-core products: a half to
-/// 20 rows an expert behind the router's exact 8-bit product of as many tokens (30 rows each
+/// 42.5 rows an expert behind the router's exact 8-bit product of as many tokens (30 rows each
 /// from given router logits: `moe_batch_shape` says why), gate and up beside a down of the same
 /// bits and of the other (gate/up then writes the activations in down's layout). On Hopper,
-/// experts of 7.5 to 30 rows each take the wgmma form of these products (tiles of 16, 32 and 64
-/// rows) with wgmma on, the mma.sync forms without it: the cases alternate between the two.
+/// experts of 7.5 to 42.5 rows each take the wgmma form of these products (tiles of 16, 32 and
+/// 64 rows) with wgmma on, the mma.sync forms and GEMM tiles without it: the cases alternate
+/// between the two.
 #[test]
 fn skinny_experts_match_the_cpu_backend() {
     let Some(dev) = device_or_skip("skinny_experts_match_the_cpu_backend") else {
@@ -163,7 +191,7 @@ fn skinny_experts_match_the_cpu_backend() {
     let (mut rng, seed) = Rng::from_time();
     let formats = kestrel_testing::cases::QUANT_FORMATS;
     use kestrel_testing::cases::FACTORED_FORMATS;
-    for (round, tokens) in [2, 12, 30, 80, 120].into_iter().enumerate() {
+    for (round, tokens) in [2, 12, 30, 80, 120, 170].into_iter().enumerate() {
         // MLX's defaults, GGUF's two, 4-bit gate and up beside an 8-bit down (GGUF's Q4_K
         // beside Q6_K, and MLX's), 8-bit gate and up beside a 4-bit down, and factored scales.
         let pairs = [
@@ -220,14 +248,15 @@ fn linear_products(dev: &kestrel_cuda::Device, rng: &mut Rng, seed: u64, shapes:
 /// Router logits of many tokens (the exact product, several tokens a block) against the CPU
 /// backend, and each token's row bit for bit what the same token gets alone (the one-token exact
 /// product), so a sequence's routing does not depend on what it is batched with: 2 to 700
-/// tokens, 4- and 8-bit weights.
+/// tokens, 4- and 8-bit weights. With 128 experts on 132 multiprocessors, 9 and 64 tokens take
+/// blocks of 2 tokens, 256 of 4, 301 and 700 of 8.
 #[test]
 fn router_logits_of_many_tokens_equal_one_token_at_a_time() {
     let Some(dev) = device_or_skip("router_logits_of_many_tokens_equal_one_token_at_a_time") else {
         return;
     };
     let (mut rng, seed) = Rng::from_time();
-    for (round, tokens) in [2, 9, 64, 301, 700].into_iter().enumerate() {
+    for (round, tokens) in [2, 9, 64, 256, 301, 700].into_iter().enumerate() {
         for format in [QuantFormat::Q8, QuantFormat::Q4] {
             let s = rng.next_u64();
             let many = kestrel_testing::cases::router_shape(Rng::new(s), tokens, format);

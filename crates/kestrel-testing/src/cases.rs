@@ -1319,7 +1319,7 @@ pub fn moe_decode_wide_shape(rng: Rng) -> Case {
 
 /// Routed experts of several tokens at a shape CUDA's skinny products take in each of their
 /// forms: 32 experts, top-8, hidden 1,024 and expert width 640; `tokens` sets the rows an expert
-/// gets on average (2: a half, 12: 3, 30: 7.5, 80: 20, 120: 30), and with them the row tiles a
+/// gets on average (2: a half, 12: 3, 30: 7.5, 80: 20, 120: 30, 170: 42.5), and with them the row tiles a
 /// warp or warpgroup takes and whether warps split K. Up to 80 tokens the router's 8-bit product
 /// is in front, as a batched step runs it; beyond, the router takes given logits, since the
 /// backends' f32 sums of that product differ in their last bits and, over a thousand choices, a

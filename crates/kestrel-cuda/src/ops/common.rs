@@ -1,10 +1,12 @@
 //! What every op family's encoder shares: the headers its kernels include, the description of
-//! a family's module, staged-vector sizes, kernel-name suffixes, argument conversion and the
-//! error an unsupported shape gives.
+//! a family's module, staged-vector sizes, kernel-name suffixes, argument conversion, the error
+//! an unsupported shape gives, and the K split of the tensor-core products.
 
 use kestrel_core::quant::{QuantFormat, ScaleType};
 use kestrel_core::DType;
-use kestrel_cuda_rt::{CudaError, ModuleSource, Result, PDL_HEADER};
+use kestrel_cuda_rt::{Buffer, CudaError, DispatchBuilder, ModuleSource, Result, PDL_HEADER};
+
+use crate::encoder::Encoder;
 
 /// Headers every op module may include, handed to NVRTC in memory.
 const HEADERS: &[(&str, &str)] = &[
@@ -63,4 +65,74 @@ pub(crate) fn unsupported(reason: String) -> CudaError {
 
 pub(crate) fn u32_arg(n: usize) -> Result<u32> {
     u32::try_from(n).map_err(|_| unsupported(format!("{n} does not fit a 32-bit kernel argument")))
+}
+
+/// Ranges of K a product of `tiles` output tiles splits into: equal ranges of whole steps
+/// (`steps` in all), doubled while `2 * tiles * splits` stays within `blocks`, up to `max`
+/// ranges of at least `min_steps` steps each.
+pub(crate) fn k_splits(tiles: usize, steps: usize, blocks: usize, max: usize, min_steps: usize) -> usize {
+    let mut splits = 1;
+    while splits < max
+        && 2 * tiles * splits <= blocks
+        && steps % (2 * splits) == 0
+        && steps / (2 * splits) >= min_steps
+    {
+        splits *= 2;
+    }
+    splits
+}
+
+/// The partial tiles (`splits * tiles * tile_values` f32) and a counter a tile for a product split
+/// over K, or None for one split.
+pub(crate) fn split_scratch(
+    enc: &mut Encoder,
+    splits: usize,
+    tiles: usize,
+    tile_values: usize,
+) -> Result<Option<(Buffer, Buffer)>> {
+    Ok(match splits {
+        1 => None,
+        _ => Some((
+            enc.workspace(DType::F32, splits * tiles * tile_values)?,
+            enc.counters(tiles)?,
+        )),
+    })
+}
+
+/// The partial tiles' and counters' arguments of a K-split product, or null pointers for one
+/// split, so the dispatch declares no access to the counters other kernels take turns on.
+pub(crate) fn split_args<'a>(
+    b: DispatchBuilder<'a>,
+    scratch: &Option<(Buffer, Buffer)>,
+) -> DispatchBuilder<'a> {
+    match scratch {
+        Some((part, counters)) => b.write(part).read_write(counters),
+        None => b.arg(0u64).arg(0u64),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::k_splits;
+
+    /// The splits the H200's runs took (132 multiprocessors): the wide projections of a 64-token
+    /// step of Qwen3-30B-A3B (up to three blocks a multiprocessor, at least two stages of 128
+    /// values a range), and the GEMM tiles of a 256- and a 512-token prefill (one block each).
+    #[test]
+    fn k_splits_double_while_the_blocks_fit_and_the_ranges_are_long_enough() {
+        // qkv (80 tiles of 64 outputs, 16 stages), o_proj (32 tiles, 32 stages), lm_head.
+        assert_eq!(k_splits(80, 16, 3 * 132, 8, 2), 4);
+        assert_eq!(k_splits(32, 32, 3 * 132, 8, 2), 8);
+        assert_eq!(k_splits(2374, 16, 3 * 132, 8, 2), 1);
+        // Two stages a range at least: 8 stages split no more than four ways.
+        assert_eq!(k_splits(1, 8, 3 * 132, 8, 2), 4);
+        // K that does not halve evenly is not split.
+        assert_eq!(k_splits(1, 15, 3 * 132, 8, 2), 1);
+        // The o_proj of 256 tokens (2 x 16 tiles of 128 x 128, 64 steps of 64): 4 ranges; of 512
+        // tokens (64 tiles): 2; of 1,024 (128 tiles): none; of 128 (16 tiles): 8, the most.
+        assert_eq!(k_splits(32, 64, 132, 8, 4), 4);
+        assert_eq!(k_splits(64, 64, 132, 8, 4), 2);
+        assert_eq!(k_splits(128, 64, 132, 8, 4), 1);
+        assert_eq!(k_splits(16, 64, 132, 8, 4), 8);
+    }
 }

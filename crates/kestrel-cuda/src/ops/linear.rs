@@ -4,15 +4,16 @@
 //! A product takes the first path that fits:
 //! - 2 to `skinny::LINEAR_MAX_TOKENS` (128) tokens of 4- or 8-bit weights, outside router logits
 //!   and unless rounded activations are switched off: `skinny.cu`'s `linear_skinny_*` on x
-//!   rounded to bf16;
+//!   rounded to bf16 (on Hopper from `skinny::WIDE_LINEAR_MIN_TOKENS` (33) tokens,
+//!   `linear_wide_*`);
 //! - from `GEMM_MIN_TOKENS` (16) tokens, outside router logits (`Encoder::precise`) and unless
 //!   rounded activations are switched off (`Exact::projections`): bf16 weights
 //!   through cuBLAS on x rounded to bf16, quantised weights in whole tiles (64 columns, K in steps
 //!   of 64) through `gemm.cu`'s `linear_gemm_*`;
 //! - one token: the matvecs (`matvec_bf16`, `matvec_q*_dp4a`);
 //! - router logits, and outputs narrower than 16, from quantised weights: `matvec_q*_exact`
-//!   (one token, or up to 256 of narrow outputs, a grid row each) or `matvec_q*_exact_tokens`
-//!   (8 tokens a block), on x in f32;
+//!   (one token, or up to 256 of narrow outputs, a grid row each) or `matvec_q*_exact_tokens_*`
+//!   (2, 4 or 8 tokens a block), on x in f32;
 //! - every other shape: `linear_*`.
 
 use kestrel_core::ir::{Buf, LinearWeight, Op};
@@ -21,7 +22,9 @@ use kestrel_core::DType;
 
 use kestrel_cuda_rt::{Buffer, ModuleSource, Result};
 
-use super::common::{float_name, op_module, padded_len, quant_name, u32_arg};
+use super::common::{
+    float_name, k_splits, op_module, padded_len, quant_name, split_args, split_scratch, u32_arg,
+};
 use super::elementwise::{self, round_bf16};
 use super::gemm::{self, mma_smem, GT_COLS, GT_K, GT_ROWS, GT_THREADS, WG_SMEM};
 use super::skinny;
@@ -35,7 +38,6 @@ pub(crate) const MODULE: ModuleSource = op_module(
         ("VEC_WARPS", VEC_WARPS as i64),
         ("VEC_ROWS", VEC_ROWS as i64),
         ("VEC_BLOCKS_PER_SM", VEC_BLOCKS_PER_SM as i64),
-        ("EX_TOKENS", EX_TOKENS as i64),
         ("EX_WARPS", EX_WARPS as i64),
         ("DP_WARPS", DP_WARPS as i64),
         ("DP_ROWS", DP_ROWS as i64),
@@ -171,10 +173,21 @@ const NARROW_OUT: usize = 16;
 /// staging several tokens' x would have too few rows to spread that work over.
 const NARROW_MAX_TOKENS: usize = 256;
 
-/// Tokens a block of `matvec_q*_exact_tokens` takes (staging each one's x in shared memory).
-/// Router logits of 512 tokens took 78.5 µs a layer through `linear_q8`, 65 µs as 512 rows of
-/// `matvec_q8_exact`.
-const EX_TOKENS: usize = 8;
+/// Tokens a block of `matvec_q*_exact_tokens_*` takes (staging each one's x in shared memory):
+/// the most of these that still gives every multiprocessor a block, else the fewest. Router
+/// logits of 512 tokens took 78.5 µs a layer through `linear_q8`, 65 µs as 512 rows of
+/// `matvec_q8_exact`, 32 at 8 tokens a block; a batched step of 64 sequences took 21.5 µs at 8
+/// tokens a block, in 32 blocks.
+const EX_TOKENS: [usize; 3] = [8, 4, 2];
+
+/// Tokens a block of `matvec_*_exact_tokens_*` for `tokens` tokens whose rows make `tiles` tiles
+/// a grid row.
+fn exact_block_tokens(tokens: usize, tiles: usize, sms: usize) -> usize {
+    EX_TOKENS
+        .into_iter()
+        .find(|&t| tokens.div_ceil(t) * tiles >= sms)
+        .unwrap_or(EX_TOKENS[EX_TOKENS.len() - 1])
+}
 /// Warps of a `matvec_q*_exact_tokens` block. On Qwen3-30B-A3B's router, 16 left a 256-token
 /// step 64 blocks and took 34 µs a layer (an H100); 8 take 22 (an H200; 4 warps took 23 on the
 /// H100).
@@ -204,11 +217,13 @@ fn encode_matvec_exact(
         LinearWeight::Dense(_) => return Ok(false),
     };
     let per_token = tokens == 1 || (out_dim < NARROW_OUT && tokens <= NARROW_MAX_TOKENS);
+    let sms = enc.device.info().sm_count as usize;
+    let block_tokens = exact_block_tokens(tokens, out_dim.div_ceil(EX_WARPS * VEC_ROWS), sms);
     // x staged (padded, pre-scaled), then each 16-byte vector's plain sum; x is read as float4s.
     let smem = if per_token {
         (padded_len(in_dim) + in_dim / vals) * 4
     } else {
-        EX_TOKENS * (padded_len(in_dim) + in_dim / vals).next_multiple_of(4) * 4
+        block_tokens * (padded_len(in_dim) + in_dim / vals).next_multiple_of(4) * 4
     };
     // in_dim a multiple of 16-byte vectors keeps every token's row of x 16-byte aligned too.
     if group % vals != 0
@@ -221,13 +236,13 @@ fn encode_matvec_exact(
     let (name, parts, group) = weight_parts(enc, w)?;
     let out = enc.buf(out)?.clone();
     // Blocks per grid row: the persistent blocks shared out among the rows (tokens, or groups
-    // of EX_TOKENS), each walking tiles of VEC_ROWS rows a warp.
-    let persistent = VEC_BLOCKS_PER_SM * enc.device.info().sm_count as usize;
+    // of block_tokens), each walking tiles of VEC_ROWS rows a warp.
+    let persistent = VEC_BLOCKS_PER_SM * sms;
     let (kernel, rows, warps) = match per_token {
         true => (format!("matvec_{name}_exact"), tokens, VEC_WARPS),
         false => (
-            format!("matvec_{name}_exact_tokens"),
-            tokens.div_ceil(EX_TOKENS),
+            format!("matvec_{name}_exact_tokens_{block_tokens}"),
+            tokens.div_ceil(block_tokens),
             EX_WARPS,
         ),
     };
@@ -314,7 +329,11 @@ fn encode_skinny(
     }
     let out = enc.buf(out)?.clone();
     let xb = bf16_activations(enc, x, tokens, in_dim)?;
-    skinny::encode_linear(enc, &xb, (*format, &parts), &out, (tokens, in_dim, out_dim))?;
+    if skinny::linear_wide_fits(enc, tokens, (in_dim, out_dim)) {
+        skinny::encode_linear_wide(enc, &xb, (*format, &parts), &out, (tokens, in_dim, out_dim))?;
+    } else {
+        skinny::encode_linear(enc, &xb, (*format, &parts), &out, (tokens, in_dim, out_dim))?;
+    }
     Ok(true)
 }
 
@@ -379,24 +398,8 @@ fn encode_tensor_core(
     let (row_tiles, col_tiles) = (tokens.div_ceil(GT_ROWS), out_dim / (nb * GT_COLS));
     let tiles = row_tiles * col_tiles;
     let sms = enc.device.info().sm_count as usize;
-    let steps = in_dim / GT_K;
-    let mut splits = 1;
-    while splits < MAX_K_SPLITS
-        && 2 * tiles * splits <= sms
-        && steps % (2 * splits) == 0
-        && steps / (2 * splits) >= MIN_SPLIT_STEPS
-    {
-        splits *= 2;
-    }
-    // With one split the partial tiles and their counters are unused: null pointers, so the
-    // dispatch declares no access to the counters other kernels take turns on.
-    let scratch = match splits {
-        1 => None,
-        _ => Some((
-            enc.workspace(DType::F32, splits * tiles * GT_ROWS * nb * GT_COLS)?,
-            enc.counters(tiles)?,
-        )),
-    };
+    let splits = k_splits(tiles, in_dim / GT_K, sms, MAX_K_SPLITS, MIN_SPLIT_STEPS);
+    let scratch = split_scratch(enc, splits, tiles, GT_ROWS * nb * GT_COLS)?;
     let b = enc
         .dispatch(&k)
         .grid((u32_arg(row_tiles)?, u32_arg(col_tiles)?, u32_arg(splits)?))
@@ -407,11 +410,8 @@ fn encode_tensor_core(
         .read(&parts[1])
         .read(&parts[2])
         .write(&out);
-    let b = match &scratch {
-        Some((part, counters)) => b.write(part).read_write(counters),
-        None => b.arg(0u64).arg(0u64),
-    };
-    b.arg(u32_arg(tokens)?)
+    split_args(b, &scratch)
+        .arg(u32_arg(tokens)?)
         .arg(u32_arg(in_dim)?)
         .arg(u32_arg(out_dim)?)
         .arg(u32_arg(group)?)

@@ -1,7 +1,9 @@
 //! Skinny tensor-core products (`kernels/skinny.cu`): a few rows of activations against 4- or
 //! 8-bit weights, each weight read once straight into registers. `linear.rs` runs quantised
-//! projections of 2 to `LINEAR_MAX_TOKENS` tokens through them, `moe.rs` the routed experts of
-//! batched decode steps and short chunks (tiles of `moe_sort`'s table of 8, 16 or 32 rows).
+//! projections of 2 to `LINEAR_MAX_TOKENS` tokens through them (on Hopper, from
+//! `WIDE_LINEAR_MIN_TOKENS` on their wgmma form), `moe.rs` the routed experts of batched decode
+//! steps and short chunks (tiles of `moe_sort`'s table of 8, 16 or 32 rows, or the wgmma form's
+//! 16 to 64).
 
 use kestrel_core::ir::{ExpertFormat, ExpertLayout, MatrixSpan};
 use kestrel_core::quant::{QuantFormat, ScaleType};
@@ -9,7 +11,7 @@ use kestrel_core::DType;
 
 use kestrel_cuda_rt::{Buffer, ModuleSource, Result};
 
-use super::common::{op_module, quant_name, u32_arg};
+use super::common::{k_splits, op_module, quant_name, split_args, split_scratch, u32_arg};
 use crate::encoder::Encoder;
 
 /// Warps of a block.
@@ -124,16 +126,20 @@ pub(crate) const fn wide_smem(rows: usize) -> usize {
 
 /// Rows of the wide (wgmma) tiles for the routed experts of `slots` (token, expert) pairs over
 /// `experts`, by the rows an expert gets on average, or None where the skinny products (up to 4)
-/// or `gemm.cu`'s tiles (from 32) take them. Measured on an H100 at Qwen3-30B-A3B's shapes,
+/// or `gemm.cu`'s tiles (beyond 48) take them. Measured on an H100 at Qwen3-30B-A3B's shapes,
 /// against those: batched steps of 128 and 256 sequences 5% and 11% faster, prefill of 256 and
 /// 512 tokens 12.5% and 2%; 64 sequences (4 rows) 2% slower, 1,024 tokens (64 rows) 7% slower.
+/// Tiles of 64 from 32 to 48 rows on the H200, against the GEMM tiles: a prefill alone 1.2%
+/// faster at 576 tokens, 2.0% and 2.5% slower at 640 and 768, but the server's mixed steps (64 or
+/// 256 sequences' next tokens beside a 512-token chunk: 36 and 48 rows) gained 8-10% and 13% of
+/// output tokens a second (`bench serve`, two runs each way), for reasons not yet measured.
 pub(crate) fn moe_wide_rows(slots: usize, experts: usize) -> Option<usize> {
     let mean = slots as f64 / experts.max(1) as f64;
     match mean {
         m if m <= 4.0 => None,
         m if m <= 10.0 => Some(16),
         m if m <= 24.0 => Some(32),
-        m if m <= 32.0 => Some(64),
+        m if m <= 48.0 => Some(64),
         _ => None,
     }
 }
@@ -188,6 +194,72 @@ pub(crate) fn linear_fits(
         && parts[0].device_ptr() % 16 == 0
         && parts[1].device_ptr() % format.scale.size_in_bytes() as u64 == 0
         && parts[2].device_ptr() % format.scale.size_in_bytes() as u64 == 0
+}
+
+/// From this many tokens, projections `linear_fits` accepts run on wgmma (`linear_wide_*`) where
+/// `linear_wide_fits` says so. Measured on the H200 at Qwen3-30B-A3B's shapes against the skinny
+/// products (the whole model's batched decode step): 32 sequences 4.6% slower, 64 3.6% faster
+/// (the lm_head 150 µs against 393; each projection about the same with the copy of x), 128
+/// 13.6% faster (the skinny products read the weights once per tile of 32 rows).
+pub(crate) const WIDE_LINEAR_MIN_TOKENS: usize = 33;
+/// Rows of `linear_wide_*`'s token tiles.
+const WIDE_LINEAR_ROWS: usize = 64;
+/// The most ranges `linear_wide_*` splits K into, and the fewest stages each range takes.
+const WIDE_MAX_SPLITS: usize = 8;
+const WIDE_MIN_SPLIT_STAGES: usize = 2;
+
+/// Whether a projection `linear_fits` accepts runs on wgmma: Hopper with the wide projections on,
+/// `WIDE_LINEAR_MIN_TOKENS` or more tokens, K in whole stages and the outputs in blocks of 64.
+pub(crate) fn linear_wide_fits(enc: &Encoder, tokens: usize, (in_dim, out_dim): (usize, usize)) -> bool {
+    enc.device.wide_projections()
+        && tokens >= WIDE_LINEAR_MIN_TOKENS
+        && in_dim % WIDE_STAGE == 0
+        && out_dim % 64 == 0
+}
+
+/// `out = x W^T` on the bf16 activations `xb` for a weight `linear_fits` and `linear_wide_fits`
+/// accept: x copied into the wgmma form's layout, then `linear_wide_*`, K split while the blocks
+/// fill less than three waves of one block a multiprocessor.
+pub(crate) fn encode_linear_wide(
+    enc: &mut Encoder,
+    xb: &Buffer,
+    (format, parts): (QuantFormat, &[Buffer]),
+    out: &Buffer,
+    (tokens, in_dim, out_dim): (usize, usize, usize),
+) -> Result<()> {
+    let xp = enc.workspace(DType::BF16, [tokens, in_dim])?;
+    let permute = enc.kernel(&MODULE, &format!("wide_permute_bf16_q{}", format.bits))?;
+    enc.dispatch(&permute)
+        .cover(tokens * in_dim / 8, 256)
+        .read(xb)
+        .write(&xp)
+        .arg(u32_arg(tokens)?)
+        .arg(u32_arg(in_dim)?)
+        .record();
+    let (row_tiles, col_tiles) = (tokens.div_ceil(WIDE_LINEAR_ROWS), out_dim / 64);
+    let tiles = row_tiles * col_tiles;
+    let sms = enc.device.info().sm_count as usize;
+    let stages = in_dim / WIDE_STAGE;
+    let splits = k_splits(tiles, stages, 3 * sms, WIDE_MAX_SPLITS, WIDE_MIN_SPLIT_STAGES);
+    let scratch = split_scratch(enc, splits, tiles, WIDE_LINEAR_ROWS * 64)?;
+    let k = enc.kernel(&MODULE, &format!("linear_wide_{}", quant_name(&format)?))?;
+    let b = enc
+        .dispatch(&k)
+        .grid((u32_arg(col_tiles)?, u32_arg(row_tiles)?, u32_arg(splits)?))
+        .block(128)
+        .shared_mem(u32_arg(wide_smem(WIDE_LINEAR_ROWS))?)
+        .read(&xp)
+        .read(&parts[0])
+        .read(&parts[1])
+        .read(&parts[2])
+        .write(out);
+    split_args(b, &scratch)
+        .arg(u32_arg(tokens)?)
+        .arg(u32_arg(in_dim)?)
+        .arg(u32_arg(out_dim)?)
+        .arg(u32_arg(format.group_size)?)
+        .record();
+    Ok(())
 }
 
 /// `out = x W^T` on the bf16 activations `xb` for a weight `linear_fits` accepts.
