@@ -503,8 +503,8 @@ __device__ __forceinline__ void wide_dequant(unsigned (&a)[4][4], const WStage<B
 
 // acc += rows f0 + 16 * (warp % 4) .. of `mat` (this warp's 16 features of its warpgroup's 64)
 // times the N rows rows_src[r] (null: zeros) over K values kbeg .. kbeg + stages * WS_STAGE of
-// the K a row holds (all multiples of WS_STAGE). The block's WG
-// warpgroups share the rows: they copy each stage together into smem (1024-byte aligned). Stage
+// the K a row holds (all multiples of WS_STAGE). The block's WG warpgroups share the rows: they
+// copy each stage together into smem (1024-byte aligned). Stage
 // t + 2 is copied while stage t is multiplied (four slots, so the slot refilled was last read by
 // stage t - 2, whose products are done). ONE_GROUP false: each stage's two slabs are separate
 // groups of products, the second dequantised while the first runs, which makes ptxas serialise

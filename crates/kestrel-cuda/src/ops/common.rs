@@ -129,7 +129,7 @@ mod tests {
         // K that does not halve evenly is not split.
         assert_eq!(k_splits(1, 15, 3 * 132, 8, 2), 1);
         // The o_proj of 256 tokens (2 x 16 tiles of 128 x 128, 64 steps of 64): 4 ranges; of 512
-        // tokens (64 tiles): 2; of 1,024 (128 tiles): none; of 128 (16 tiles): 8, the most.
+        // tokens (64 tiles): 2; of 1,024 (128 tiles): none; 16 tiles: 8, the most.
         assert_eq!(k_splits(32, 64, 132, 8, 4), 4);
         assert_eq!(k_splits(64, 64, 132, 8, 4), 2);
         assert_eq!(k_splits(128, 64, 132, 8, 4), 1);

@@ -218,8 +218,8 @@ pub(crate) fn linear_wide_fits(enc: &Encoder, tokens: usize, (in_dim, out_dim): 
 }
 
 /// `out = x W^T` on the bf16 activations `xb` for a weight `linear_fits` and `linear_wide_fits`
-/// accept: x copied into the wgmma form's layout, then `linear_wide_*`, K split while the blocks
-/// fill less than three waves of one block a multiprocessor.
+/// accept: x copied into the wgmma form's layout, then `linear_wide_*`, K split while the split
+/// blocks stay within three a multiprocessor (the most their shared memory lets one hold).
 pub(crate) fn encode_linear_wide(
     enc: &mut Encoder,
     xb: &Buffer,
