@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--nvrtc", default="libnvrtc.so.13")
@@ -48,28 +49,35 @@ for inc in args.include + kernel_dirs:
     base.append(f"--include-path={inc}")
 failed = 0
 for path in files:
-    opts = base + defines.get(os.path.basename(path)[:-3], [])
-    copts = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
-    src = open(path, "rb").read()
-    prog = ctypes.c_void_p()
-    name = os.path.basename(path).encode()
-    assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, name, 0, None, None) == 0
-    rc = lib.nvrtcCompileProgram(prog, len(opts), copts)
-    size = ctypes.c_size_t()
-    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-    log = ctypes.create_string_buffer(size.value)
-    lib.nvrtcGetProgramLog(prog, log)
-    text = log.value.decode(errors="replace").strip()
-    print(f"{'ok  ' if rc == 0 else 'FAIL'} {os.path.basename(path)}")
-    if text:
-        print(text)
-    failed += rc != 0
-    if rc == 0 and args.cubin:
-        lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
-        cubin = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetCUBIN(prog, cubin)
-        os.makedirs(args.cubin, exist_ok=True)
-        out = os.path.join(args.cubin, os.path.basename(path)[:-3] + ".cubin")
-        open(out, "wb").write(cubin.raw)
-    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    stem = os.path.basename(path)[:-3]
+    # A file may be compiled as several modules (`skinny.cu` as `skinny.<part>`): each is checked.
+    modules = [m for m in defines if m == stem or m.startswith(stem + ".")] or [stem]
+    for module in modules:
+        opts = base + defines.get(module, [])
+        copts = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+        src = open(path, "rb").read()
+        prog = ctypes.c_void_p()
+        name = os.path.basename(path).encode()
+        assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, name, 0, None, None) == 0
+        began = time.monotonic()
+        rc = lib.nvrtcCompileProgram(prog, len(opts), copts)
+        took = time.monotonic() - began
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        text = log.value.decode(errors="replace").strip()
+        label = os.path.basename(path) if module == stem else f"{os.path.basename(path)} as {module}"
+        print(f"{'ok  ' if rc == 0 else 'FAIL'} {label} ({took:.1f} s)", flush=True)
+        if text:
+            print(text)
+        failed += rc != 0
+        if rc == 0 and args.cubin:
+            lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+            cubin = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetCUBIN(prog, cubin)
+            os.makedirs(args.cubin, exist_ok=True)
+            out = os.path.join(args.cubin, module + ".cubin")
+            open(out, "wb").write(cubin.raw)
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
 sys.exit(1 if failed else 0)

@@ -31,9 +31,16 @@
 // on x from wide_permute_bf16_*): the section at the end of this file.
 #include "kestrel.cuh"
 
-#if !defined(SK_WARPS) || !defined(WS_STAGE) || !defined(WS_STAGES)
-#error "skinny.cu is compiled with ops/skinny.rs's SK_WARPS, WS_STAGE and WS_STAGES as -D definitions"
+#if !defined(SK_WARPS) || !defined(WS_STAGE) || !defined(WS_STAGES) || !defined(SK_PART) || !defined(SK_SCALE)
+#error "skinny.cu is compiled with ops/skinny.rs's SK_WARPS, WS_STAGE, WS_STAGES, SK_PART and SK_SCALE as -D definitions"
 #endif
+// The file is compiled as several modules, which NVRTC compiles side by side (the kernels of one
+// module compile one after another): SK_PART 1 the skinny experts, 2 the wide experts, each for
+// the formats of one scale type (SK_SCALE 0 bf16, 1 f32, 2 factored: SCALE_FORMATS below), and
+// 3 the projections and the activations' layouts.
+#define SK_EXPERTS 1
+#define SK_WIDE_EXPERTS 2
+#define SK_PROJECTIONS 3
 #define NO_TILE 0xffffffffu
 
 // One quantised matrix: rows of K values, its group scales' and biases' parts (plain bf16 or f32,
@@ -352,6 +359,7 @@ __device__ void permute_x(const float* x, bf16* out, unsigned rows, unsigned K) 
     reinterpret_cast<uint4*>(out)[i] = v;
 }
 
+#if SK_PART == SK_PROJECTIONS
 extern "C" __global__ void skinny_permute_x_q4(const float* x, bf16* out, unsigned rows, unsigned K) {
     pdl_begin();
     permute_x<4>(x, out, rows, K);
@@ -360,6 +368,7 @@ extern "C" __global__ void skinny_permute_x_q8(const float* x, bf16* out, unsign
     pdl_begin();
     permute_x<8>(x, out, rows, K);
 }
+#endif
 
 #define SKINNY_GATE_UP(BITS, S, NAME, NT, KS, ABITS)                                                          \
     extern "C" __global__ void __launch_bounds__(32 * SK_WARPS) moe_skinny_gate_up_##NAME##_##NT##_##KS(   \
@@ -401,14 +410,25 @@ extern "C" __global__ void skinny_permute_x_q8(const float* x, bf16* out, unsign
     SKINNY_GATE_UP(BITS, S, ACT, 4, 1, 12 - BITS) SKINNY_GATE_UP(BITS, S, ACT, 4, 4, 12 - BITS)
 
 // The formats, each as (BITS, S, NAME, ACT), written once for the skinny and wide kernels:
-// projections take the plain ones, experts every one.
-#define PLAIN_FORMATS(F) F(4, bf16, q4, q4_act8) F(8, bf16, q8, q8_act4) F(4, float, q4f, q4f_act8) F(8, float, q8f, q8f_act4)
-#define EXPERT_FORMATS(F) PLAIN_FORMATS(F) F(4, Factored, q4k, q4k_act8) F(8, Factored, q8k, q8k_act4)
+// projections take the plain ones (bf16 and f32 scales), an experts' module those of SK_SCALE.
+#define BF16_FORMATS(F) F(4, bf16, q4, q4_act8) F(8, bf16, q8, q8_act4)
+#define F32_FORMATS(F) F(4, float, q4f, q4f_act8) F(8, float, q8f, q8f_act4)
+#define PLAIN_FORMATS(F) BF16_FORMATS(F) F32_FORMATS(F)
+#if SK_SCALE == 0
+#define SCALE_FORMATS(F) BF16_FORMATS(F)
+#elif SK_SCALE == 1
+#define SCALE_FORMATS(F) F32_FORMATS(F)
+#else
+#define SCALE_FORMATS(F) F(4, Factored, q4k, q4k_act8) F(8, Factored, q8k, q8k_act4)
+#endif
 #define SKINNY_LINEAR_FORMAT(BITS, S, NAME, ACT)                                                              \
     SKINNY_LINEAR(BITS, S, NAME, 1, 1) SKINNY_LINEAR(BITS, S, NAME, 1, 4) SKINNY_LINEAR(BITS, S, NAME, 2, 1)   \
     SKINNY_LINEAR(BITS, S, NAME, 2, 4) SKINNY_LINEAR(BITS, S, NAME, 4, 1) SKINNY_LINEAR(BITS, S, NAME, 4, 4)
-EXPERT_FORMATS(SKINNY_MOE_FORMAT)
+#if SK_PART == SK_EXPERTS
+SCALE_FORMATS(SKINNY_MOE_FORMAT)
+#elif SK_PART == SK_PROJECTIONS
 PLAIN_FORMATS(SKINNY_LINEAR_FORMAT)
+#endif
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // ---- the experts on wgmma (sm_90a): wide tiles ----
@@ -813,6 +833,7 @@ __device__ void permute_x_pw(const T* x, bf16* out, unsigned rows, unsigned K) {
     for (unsigned j = 0; j < 8; j++) dst[pw_index<BITS>(k0 + j)] = v[j];
 }
 
+#if SK_PART == SK_PROJECTIONS
 extern "C" __global__ void wide_permute_x_q4(const float* x, bf16* out, unsigned rows, unsigned K) {
     pdl_begin();
     permute_x_pw<4>(x, out, rows, K);
@@ -829,6 +850,7 @@ extern "C" __global__ void wide_permute_bf16_q8(const bf16* x, bf16* out, unsign
     pdl_begin();
     permute_x_pw<8>(x, out, rows, K);
 }
+#endif
 
 #define WIDE_GATE_UP(BITS, S, NAME, N, ABITS)                                                               \
     extern "C" __global__ void __launch_bounds__(256, 2) moe_wide_gate_up_##NAME##_##N(                       \
@@ -855,7 +877,9 @@ extern "C" __global__ void wide_permute_bf16_q8(const bf16* x, bf16* out, unsign
     WIDE_MOE(BITS, S, NAME, 16) WIDE_MOE(BITS, S, NAME, 32) WIDE_MOE(BITS, S, NAME, 64)                      \
     WIDE_GATE_UP(BITS, S, ACT, 16, 12 - BITS) WIDE_GATE_UP(BITS, S, ACT, 32, 12 - BITS)                      \
     WIDE_GATE_UP(BITS, S, ACT, 64, 12 - BITS)
-EXPERT_FORMATS(WIDE_FORMAT)
+#if SK_PART == SK_WIDE_EXPERTS
+SCALE_FORMATS(WIDE_FORMAT)
+#endif
 // linear_wide_NAME: projections in tiles of 64 tokens (32 where a tile's rows fit them).
 #define LINEAR_WIDE(BITS, S, NAME, ACT)                                                                    \
     extern "C" __global__ void __launch_bounds__(128, 4) linear_wide_##NAME(                                  \
@@ -864,5 +888,7 @@ EXPERT_FORMATS(WIDE_FORMAT)
         pdl_begin();                                                                                         \
         wide_linear<BITS, S, 64>(xb, w, scales, biases, out, part, counters, tokens, in_dim, out_dim, group);  \
     }
+#if SK_PART == SK_PROJECTIONS
 PLAIN_FORMATS(LINEAR_WIDE)
+#endif
 #endif

@@ -21,8 +21,8 @@ use kestrel_cuda_rt::{ModuleSource, Result};
 
 use crate::encoder::Encoder;
 
-/// Every kernel module the backend ships, one per op family (`kernels/<name>.cu`), with the
-/// headers and definitions each is compiled with.
+/// Every kernel module the backend ships, one per op family (`kernels/<name>.cu`; `skinny.cu`
+/// as several, `skinny.<part>`), with the headers and definitions each is compiled with.
 pub const MODULES: &[ModuleSource] = &[
     norm::MODULE,
     norm::ROPE_MODULE,
@@ -31,7 +31,13 @@ pub const MODULES: &[ModuleSource] = &[
     attention::MODULE,
     moe::MODULE,
     gemm::MODULE,
-    skinny::MODULE,
+    skinny::MODULES[0],
+    skinny::MODULES[1],
+    skinny::MODULES[2],
+    skinny::MODULES[3],
+    skinny::MODULES[4],
+    skinny::MODULES[5],
+    skinny::MODULES[6],
     deltanet::MODULE,
     head::MODULE,
     stream::MODULE,

@@ -106,9 +106,10 @@ impl ExpertNames {
     }
 }
 
-/// One of a grouped layer's two products (gate/up, down): its kernel, the grid's x (column
-/// blocks; y is the tile table), threads and shared memory of a block.
+/// One of a grouped layer's two products (gate/up, down): its kernel and module, the grid's x
+/// (column blocks; y is the tile table), threads and shared memory of a block.
 struct Launch {
+    module: &'static ModuleSource,
     kernel: String,
     grid_x: usize,
     threads: u32,
@@ -169,11 +170,21 @@ fn encode_grouped(
         }
         _ => names.gate_up.0.to_string(),
     };
-    let (module, gate_up, down) = match how {
+    // The skinny and wide kernels' modules, by each matrix's format.
+    let quant = match layout.formats() {
+        [ExpertFormat::Quant(q), ExpertFormat::Quant(qd)] => Some((q, qd)),
+        _ => None,
+    };
+    let modules = |wide: bool| -> Result<(&'static ModuleSource, &'static ModuleSource)> {
+        let (q, qd) = quant.ok_or_else(|| unsupported("skinny products of bf16 experts".to_string()))?;
+        Ok((skinny::expert_module(&q, wide), skinny::expert_module(&qd, wide)))
+    };
+    let (gate_up, down) = match how {
         Grouped::Tiles => {
             // Hopper: both products on wgmma tiles of 128 columns (down where hidden divides).
             let wg = enc.device.wgmma();
             let tiles = |kernel: String, grid_x, smem| Launch {
+                module: &gemm::MODULE,
                 kernel,
                 grid_x,
                 threads: GT_THREADS,
@@ -205,44 +216,46 @@ fn encode_grouped(
                     mma_smem(nb),
                 ),
             };
-            (&gemm::MODULE, gate_up, down)
+            (gate_up, down)
         }
         Grouped::Skinny { nt, .. } => {
             // The tiles that hold rows: at most one per expert or per slot (for the split of K).
             let used = slots.min(layout.experts);
-            let as_launch = |(kernel, grid_x)| Launch {
+            let (gate_up_module, down_module) = modules(false)?;
+            let as_launch = |module, (kernel, grid_x)| Launch {
+                module,
                 kernel,
                 grid_x,
                 threads: skinny::THREADS,
                 smem: 0,
             };
-            let gate_up = as_launch(skinny::launch(
-                enc,
-                "moe_skinny_gate_up",
-                &gate_up_act,
-                nt,
-                i,
-                used,
-            ));
-            let down = as_launch(skinny::launch(enc, "moe_skinny_down", names.down.0, nt, h, used));
-            (&skinny::MODULE, gate_up, down)
+            let gate_up = as_launch(
+                gate_up_module,
+                skinny::launch(enc, "moe_skinny_gate_up", &gate_up_act, nt, i, used),
+            );
+            let down = as_launch(
+                down_module,
+                skinny::launch(enc, "moe_skinny_down", names.down.0, nt, h, used),
+            );
+            (gate_up, down)
         }
         Grouped::Wide { rows, .. } => {
             // gate and up on a warpgroup each, down on one.
-            let wide = |kernel: &str, name: &str, features: usize, warpgroups: u32| Launch {
+            let (gate_up_module, down_module) = modules(true)?;
+            let wide = |module, kernel: &str, name: &str, features: usize, warpgroups: u32| Launch {
+                module,
                 kernel: format!("{kernel}_{name}_{rows}"),
                 grid_x: features / 64,
                 threads: 128 * warpgroups,
                 smem: skinny::wide_smem(rows),
             };
             (
-                &skinny::MODULE,
-                wide("moe_wide_gate_up", &gate_up_act, i, 2),
-                wide("moe_wide_down", names.down.0, h, 1),
+                wide(gate_up_module, "moe_wide_gate_up", &gate_up_act, i, 2),
+                wide(down_module, "moe_wide_down", names.down.0, h, 1),
             )
         }
     };
-    let kern = enc.kernel(module, &gate_up.kernel)?;
+    let kern = enc.kernel(gate_up.module, &gate_up.kernel)?;
     let b = enc
         .dispatch(&kern)
         .grid((u32_arg(gate_up.grid_x)?, u32_arg(max_tiles)?))
@@ -254,7 +267,7 @@ fn encode_grouped(
         .read(e)
         .write(&act);
     expert_args(b, (h, i, k), span, &[g, u], names.gate_up.1)?.record();
-    let kern = enc.kernel(module, &down.kernel)?;
+    let kern = enc.kernel(down.module, &down.kernel)?;
     enc.dispatch(&kern)
         .grid((u32_arg(down.grid_x)?, u32_arg(max_tiles)?))
         .block(down.threads)

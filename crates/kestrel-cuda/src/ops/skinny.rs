@@ -21,15 +21,51 @@ const SK_WARPS: usize = 4;
 const WIDE_STAGE: usize = 128;
 const WIDE_STAGES: usize = 4;
 
-pub(crate) const MODULE: ModuleSource = op_module(
-    "skinny",
-    include_str!("../../kernels/skinny.cu"),
-    &[
-        ("SK_WARPS", SK_WARPS as i64),
-        ("WS_STAGE", WIDE_STAGE as i64),
-        ("WS_STAGES", WIDE_STAGES as i64),
-    ],
-);
+/// `skinny.cu` as the module `name`: part `SK_PART` of its kernels, for the experts' formats of
+/// scale type `SK_SCALE` (see the file's head).
+macro_rules! skinny_module {
+    ($name:literal, $part:literal, $scale:literal) => {
+        op_module(
+            $name,
+            include_str!("../../kernels/skinny.cu"),
+            &[
+                ("SK_WARPS", SK_WARPS as i64),
+                ("WS_STAGE", WIDE_STAGE as i64),
+                ("WS_STAGES", WIDE_STAGES as i64),
+                ("SK_PART", $part),
+                ("SK_SCALE", $scale),
+            ],
+        )
+    };
+}
+
+/// `skinny.cu`'s modules, compiled side by side on a first start (one module of all its kernels
+/// took 65-74 s on the H200's host, the wide experts alone about half of that): the skinny and
+/// the wide experts, each a module a scale type (`expert_module`), and the projections with the
+/// activations' layouts (`PROJECTIONS`).
+pub(crate) const MODULES: [ModuleSource; 7] = [
+    skinny_module!("skinny.experts_bf16", 1, 0),
+    skinny_module!("skinny.experts_f32", 1, 1),
+    skinny_module!("skinny.experts_factored", 1, 2),
+    skinny_module!("skinny.wide_bf16", 2, 0),
+    skinny_module!("skinny.wide_f32", 2, 1),
+    skinny_module!("skinny.wide_factored", 2, 2),
+    PROJECTIONS,
+];
+
+/// The projections (`linear_skinny_*`, `linear_wide_*`) and the kernels that write activations in
+/// the experts' layouts (`skinny_permute_x_*`, `wide_permute_*`).
+const PROJECTIONS: ModuleSource = skinny_module!("skinny.projections", 3, 0);
+
+/// The module of the skinny (or with `wide`, the wide) experts' kernels of a matrix in `format`.
+pub(crate) fn expert_module(format: &QuantFormat, wide: bool) -> &'static ModuleSource {
+    let scale = match format.scale {
+        ScaleType::Bf16 => 0,
+        ScaleType::F32 => 1,
+        ScaleType::Factored => 2,
+    };
+    &MODULES[3 * wide as usize + scale]
+}
 
 /// Up to this many tokens, quantised projections run skinny; from there on, as `gemm.cu`'s tiles.
 /// Measured on the H200 at Qwen3-30B-A3B's shapes: a batched step of 128 sequences 10% faster
@@ -165,7 +201,7 @@ pub(crate) fn permuted_x(
 ) -> Result<Buffer> {
     let out = enc.workspace(DType::BF16, [rows, k])?;
     let kind = if wide { "wide" } else { "skinny" };
-    let kern = enc.kernel(&MODULE, &format!("{kind}_permute_x_q{bits}"))?;
+    let kern = enc.kernel(&PROJECTIONS, &format!("{kind}_permute_x_q{bits}"))?;
     enc.dispatch(&kern)
         .cover(rows * k / 8, 256)
         .read(x)
@@ -228,7 +264,7 @@ pub(crate) fn encode_linear_wide(
     (tokens, in_dim, out_dim): (usize, usize, usize),
 ) -> Result<()> {
     let xp = enc.workspace(DType::BF16, [tokens, in_dim])?;
-    let permute = enc.kernel(&MODULE, &format!("wide_permute_bf16_q{}", format.bits))?;
+    let permute = enc.kernel(&PROJECTIONS, &format!("wide_permute_bf16_q{}", format.bits))?;
     enc.dispatch(&permute)
         .cover(tokens * in_dim / 8, 256)
         .read(xb)
@@ -242,7 +278,7 @@ pub(crate) fn encode_linear_wide(
     let stages = in_dim / WIDE_STAGE;
     let splits = k_splits(tiles, stages, 3 * sms, WIDE_MAX_SPLITS, WIDE_MIN_SPLIT_STAGES);
     let scratch = split_scratch(enc, splits, tiles, WIDE_LINEAR_ROWS * 64)?;
-    let k = enc.kernel(&MODULE, &format!("linear_wide_{}", quant_name(&format)?))?;
+    let k = enc.kernel(&PROJECTIONS, &format!("linear_wide_{}", quant_name(&format)?))?;
     let b = enc
         .dispatch(&k)
         .grid((u32_arg(col_tiles)?, u32_arg(row_tiles)?, u32_arg(splits)?))
@@ -275,7 +311,7 @@ pub(crate) fn encode_linear(
     let nt = [1, 2, 4].into_iter().find(|&n| tokens <= 8 * n).unwrap_or(4);
     let tiles = tokens.div_ceil(8 * nt);
     let (name, grid_x) = launch(enc, "linear_skinny", quant_name(&format)?, nt, out_dim, tiles);
-    let k = enc.kernel(&MODULE, &name)?;
+    let k = enc.kernel(&PROJECTIONS, &name)?;
     enc.dispatch(&k)
         .grid((u32_arg(grid_x)?, u32_arg(tiles)?))
         .block(THREADS)
