@@ -29,5 +29,8 @@ pub use device::{device_count, driver_present, Device, DeviceInfo, Timer};
 pub use error::{CudaError, Result};
 pub use fence::StageFence;
 pub use graph::{Graph, GraphUpdate};
-pub use registry::{Kernel, KernelRegistry, LoadOrigin, ModuleSource, PDL_HEADER, RUNTIME_MODULE};
+pub use registry::{
+    compile_module, cubin_has_function, Kernel, KernelRegistry, LoadOrigin, ModuleSource, PDL_HEADER,
+    RUNTIME_MODULE,
+};
 pub use stream::Stream;

@@ -364,16 +364,38 @@ impl KernelRegistry {
     }
 
     fn options(&self, defines: &[(&str, i64)]) -> Vec<String> {
-        let mut o = vec![
-            format!("--gpu-architecture={}", self.arch),
-            "--std=c++17".to_string(),
-        ];
-        if let Some(inc) = &self.include_dir {
-            o.push(format!("--include-path={}", inc.display()));
-        }
-        o.extend(defines.iter().map(|(name, value)| format!("-D{name}={value}")));
-        o
+        options(&self.arch, self.include_dir.as_deref(), defines)
     }
+}
+
+/// The NVRTC options of a module of `defines` for `arch`, with the CUDA headers from `include`.
+fn options(arch: &str, include: Option<&Path>, defines: &[(&str, i64)]) -> Vec<String> {
+    let mut o = vec![format!("--gpu-architecture={arch}"), "--std=c++17".to_string()];
+    if let Some(inc) = include {
+        o.push(format!("--include-path={}", inc.display()));
+    }
+    o.extend(defines.iter().map(|(name, value)| format!("-D{name}={value}")));
+    o
+}
+
+/// `module` compiled by NVRTC for `arch` (`sm_90a`, `sm_80`, ...) with the options a registry
+/// gives it and the CUDA headers from `include`, without a device: the cubin, for checks of what
+/// a module holds (`cubin_has_function`). Needs NVRTC.
+pub fn compile_module(module: &ModuleSource, arch: &str, include: Option<&Path>) -> Result<Vec<u8>> {
+    ensure_nvrtc()?;
+    compile(
+        module.name,
+        module.source,
+        module.headers,
+        &options(arch, include, module.defines),
+    )
+}
+
+/// Whether `cubin` (from `compile_module`) defines the function `name`: its symbol name, whole,
+/// in the cubin's string table.
+pub fn cubin_has_function(cubin: &[u8], name: &str) -> bool {
+    let symbol = [b"\0", name.as_bytes(), b"\0"].concat();
+    cubin.windows(symbol.len()).any(|w| w == symbol.as_slice())
 }
 
 /// NVRTC's version, part of the cache key: a new compiler may produce different code.

@@ -327,3 +327,115 @@ pub(crate) fn encode_linear(
         .record();
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+
+    use kestrel_core::quant::QuantFormat;
+    use kestrel_core::Config;
+    use kestrel_cuda_rt::{compile_module, cubin_has_function, CudaError, ModuleSource};
+
+    use super::{expert_module, quant_name, MODULES, PROJECTIONS};
+
+    /// Every kernel the host names (the schemes in `skinny.cu`, as `launch`, `moe.rs` and the
+    /// projections build them) is in exactly one of `skinny.cu`'s modules, the one the host asks
+    /// for it: each module compiled by NVRTC for sm_90a (the wide kernels are Hopper's), its
+    /// cubin's symbols looked up. Needs NVRTC, not a device; skipped with a notice without it.
+    #[test]
+    fn every_skinny_kernel_is_in_the_module_the_host_asks() {
+        let include = Config::from_env().cuda_include_dir;
+        // A module a thread, as the registry compiles them.
+        let cubins: Result<Vec<Vec<u8>>, CudaError> = std::thread::scope(|s| {
+            let threads: Vec<_> = MODULES
+                .iter()
+                .map(|m| {
+                    let include = include.as_deref();
+                    s.spawn(move || compile_module(m, "sm_90a", include))
+                })
+                .collect();
+            threads
+                .into_iter()
+                .map(|t| t.join().expect("a compile thread"))
+                .collect()
+        });
+        let cubins = match cubins {
+            Ok(c) => c,
+            Err(CudaError::NoNvrtc) => {
+                // The notice through a write that returns its error (the skip must be seen).
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "skipped every_skinny_kernel_is_in_the_module_the_host_asks: no NVRTC here"
+                );
+                return;
+            }
+            Err(e) => panic!("compiling skinny.cu's modules: {e}"),
+        };
+        let index = |m: &ModuleSource| {
+            MODULES
+                .iter()
+                .position(|x| x.name == m.name)
+                .expect("one of MODULES")
+        };
+        let mut checked = 0;
+        let mut expect_in = |module: &ModuleSource, name: String| {
+            let holders: Vec<&str> = MODULES
+                .iter()
+                .zip(&cubins)
+                .filter(|(_, c)| cubin_has_function(c, &name))
+                .map(|(m, _)| m.name)
+                .collect();
+            assert_eq!(
+                holders,
+                [module.name],
+                "{name}: in {holders:?}, asked of {}",
+                module.name
+            );
+            assert!(cubin_has_function(&cubins[index(module)], &name));
+            checked += 1;
+        };
+        let experts = [
+            QuantFormat::Q4,
+            QuantFormat::Q8,
+            QuantFormat::f32_scales(4, 32),
+            QuantFormat::f32_scales(8, 16),
+            QuantFormat::factored(4, 32),
+            QuantFormat::factored(8, 16),
+        ];
+        for format in experts {
+            let name = quant_name(&format).unwrap();
+            let act = format!("{name}_act{}", 12 - format.bits);
+            let (skinny, wide) = (expert_module(&format, false), expert_module(&format, true));
+            for nt in [1, 2, 4] {
+                for ks in [1, 4] {
+                    for gate_up in [name, act.as_str()] {
+                        expect_in(skinny, format!("moe_skinny_gate_up_{gate_up}_{nt}_{ks}"));
+                    }
+                    expect_in(skinny, format!("moe_skinny_down_{name}_{nt}_{ks}"));
+                }
+            }
+            for rows in [16, 32, 64] {
+                for gate_up in [name, act.as_str()] {
+                    expect_in(wide, format!("moe_wide_gate_up_{gate_up}_{rows}"));
+                }
+                expect_in(wide, format!("moe_wide_down_{name}_{rows}"));
+            }
+            if format.scale != kestrel_core::quant::ScaleType::Factored {
+                for nt in [1, 2, 4] {
+                    for ks in [1, 4] {
+                        expect_in(&PROJECTIONS, format!("linear_skinny_{name}_{nt}_{ks}"));
+                    }
+                }
+                expect_in(&PROJECTIONS, format!("linear_wide_{name}"));
+            }
+        }
+        for bits in [4, 8] {
+            for kernel in ["skinny_permute_x", "wide_permute_x", "wide_permute_bf16"] {
+                expect_in(&PROJECTIONS, format!("{kernel}_q{bits}"));
+            }
+        }
+        // Every kernel of the modules was asked for: 36 in each experts' module (three of 12 a
+        // format), 18 in each wide one, 24 + 4 + 6 in the projections'.
+        assert_eq!(checked, 3 * 36 + 3 * 18 + 34);
+    }
+}
