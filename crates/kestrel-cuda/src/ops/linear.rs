@@ -329,11 +329,7 @@ fn encode_skinny(
     }
     let out = enc.buf(out)?.clone();
     let xb = bf16_activations(enc, x, tokens, in_dim)?;
-    if skinny::linear_wide_fits(enc, tokens, (in_dim, out_dim)) {
-        skinny::encode_linear_wide(enc, &xb, (*format, &parts), &out, (tokens, in_dim, out_dim))?;
-    } else {
-        skinny::encode_linear(enc, &xb, (*format, &parts), &out, (tokens, in_dim, out_dim))?;
-    }
+    skinny::encode_linear(enc, &xb, (*format, &parts), &out, (tokens, in_dim, out_dim))?;
     Ok(true)
 }
 

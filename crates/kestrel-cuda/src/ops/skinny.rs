@@ -246,17 +246,17 @@ const WIDE_MIN_SPLIT_STAGES: usize = 2;
 
 /// Whether a projection `linear_fits` accepts runs on wgmma: Hopper with the wide projections on,
 /// `WIDE_LINEAR_MIN_TOKENS` or more tokens, K in whole stages and the outputs in blocks of 64.
-pub(crate) fn linear_wide_fits(enc: &Encoder, tokens: usize, (in_dim, out_dim): (usize, usize)) -> bool {
+fn linear_wide_fits(enc: &Encoder, tokens: usize, (in_dim, out_dim): (usize, usize)) -> bool {
     enc.device.wide_projections()
         && tokens >= WIDE_LINEAR_MIN_TOKENS
         && in_dim % WIDE_STAGE == 0
         && out_dim % 64 == 0
 }
 
-/// `out = x W^T` on the bf16 activations `xb` for a weight `linear_fits` and `linear_wide_fits`
-/// accept: x copied into the wgmma form's layout, then `linear_wide_*`, K split while the split
-/// blocks stay within three a multiprocessor (the most their shared memory lets one hold).
-pub(crate) fn encode_linear_wide(
+/// `encode_linear` where `linear_wide_fits`: x copied into the wgmma form's layout, then
+/// `linear_wide_*`, K split while the split blocks stay within three a multiprocessor (the most
+/// their shared memory lets one hold).
+fn encode_linear_wide(
     enc: &mut Encoder,
     xb: &Buffer,
     (format, parts): (QuantFormat, &[Buffer]),
@@ -298,7 +298,8 @@ pub(crate) fn encode_linear_wide(
     Ok(())
 }
 
-/// `out = x W^T` on the bf16 activations `xb` for a weight `linear_fits` accepts.
+/// `out = x W^T` on the bf16 activations `xb` for a weight `linear_fits` accepts: on wgmma
+/// where `linear_wide_fits`, else on the skinny products.
 pub(crate) fn encode_linear(
     enc: &mut Encoder,
     xb: &Buffer,
@@ -306,6 +307,9 @@ pub(crate) fn encode_linear(
     out: &Buffer,
     (tokens, in_dim, out_dim): (usize, usize, usize),
 ) -> Result<()> {
+    if linear_wide_fits(enc, tokens, (in_dim, out_dim)) {
+        return encode_linear_wide(enc, xb, (format, parts), out, (tokens, in_dim, out_dim));
+    }
     // Up to 32 rows a tile: beyond, the activations a warp reads per weight outgrow what L1
     // delivers.
     let nt = [1, 2, 4].into_iter().find(|&n| tokens <= 8 * n).unwrap_or(4);
@@ -332,9 +336,9 @@ pub(crate) fn encode_linear(
 mod tests {
     use std::io::Write;
 
-    use kestrel_core::quant::QuantFormat;
     use kestrel_core::Config;
     use kestrel_cuda_rt::{compile_module, cubin_has_function, CudaError, ModuleSource};
+    use kestrel_testing::cases::{FACTORED_FORMATS, QUANT_FORMATS};
 
     use super::{expert_module, quant_name, MODULES, PROJECTIONS};
 
@@ -394,16 +398,13 @@ mod tests {
             assert!(cubin_has_function(&cubins[index(module)], &name));
             checked += 1;
         };
-        let experts = [
-            QuantFormat::Q4,
-            QuantFormat::Q8,
-            QuantFormat::f32_scales(4, 32),
-            QuantFormat::f32_scales(8, 16),
-            QuantFormat::factored(4, 32),
-            QuantFormat::factored(8, 16),
-        ];
-        for format in experts {
+        // Every format the tests draw, each kernel name once.
+        let mut names = std::collections::HashSet::new();
+        for format in QUANT_FORMATS.into_iter().chain(FACTORED_FORMATS) {
             let name = quant_name(&format).unwrap();
+            if !names.insert(name) {
+                continue;
+            }
             let act = format!("{name}_act{}", 12 - format.bits);
             let (skinny, wide) = (expert_module(&format, false), expert_module(&format, true));
             for nt in [1, 2, 4] {
