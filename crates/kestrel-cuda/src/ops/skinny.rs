@@ -11,7 +11,7 @@ use kestrel_core::DType;
 
 use kestrel_cuda_rt::{Buffer, ModuleSource, Result};
 
-use super::common::{k_splits, op_module, quant_name, split_args, split_scratch, u32_arg};
+use super::common::{k_splits, op_module, quant_name, split_args, split_scratch, u32_arg, unsupported};
 use crate::encoder::Encoder;
 
 /// Warps of a block.
@@ -189,9 +189,9 @@ pub(crate) fn moe_wide_fits(enc: &Encoder, layout: &ExpertLayout, experts: &Buff
         && layout.inter % WIDE_STAGE == 0
 }
 
-/// x (f32 `[rows, k]`, 16-byte aligned) rounded to bf16 in the layout the expert kernels of
-/// `bits`-bit weights read: `px_index` in skinny.cu for the skinny products, `pw_index` for the
-/// wide ones.
+/// x (`[rows, k]`, 16-byte aligned) rounded to bf16 in the layout the kernels of `bits`-bit
+/// weights read: `px_index` in skinny.cu for the skinny products (x f32), `pw_index` for the
+/// wide ones (x f32, or bf16 for the projections).
 pub(crate) fn permuted_x(
     enc: &mut Encoder,
     x: &Buffer,
@@ -199,9 +199,19 @@ pub(crate) fn permuted_x(
     bits: u32,
     wide: bool,
 ) -> Result<Buffer> {
+    let name = match (x.dtype(), wide) {
+        (DType::F32, false) => format!("skinny_permute_x_q{bits}"),
+        (DType::F32, true) => format!("wide_permute_x_q{bits}"),
+        (DType::BF16, true) => format!("wide_permute_bf16_q{bits}"),
+        (dtype, _) => {
+            return Err(unsupported(format!(
+                "{dtype:?} activations in the {} products' layout",
+                if wide { "wide" } else { "skinny" }
+            )))
+        }
+    };
     let out = enc.workspace(DType::BF16, [rows, k])?;
-    let kind = if wide { "wide" } else { "skinny" };
-    let kern = enc.kernel(&PROJECTIONS, &format!("{kind}_permute_x_q{bits}"))?;
+    let kern = enc.kernel(&PROJECTIONS, &name)?;
     enc.dispatch(&kern)
         .cover(rows * k / 8, 256)
         .read(x)
@@ -263,15 +273,7 @@ fn encode_linear_wide(
     out: &Buffer,
     (tokens, in_dim, out_dim): (usize, usize, usize),
 ) -> Result<()> {
-    let xp = enc.workspace(DType::BF16, [tokens, in_dim])?;
-    let permute = enc.kernel(&PROJECTIONS, &format!("wide_permute_bf16_q{}", format.bits))?;
-    enc.dispatch(&permute)
-        .cover(tokens * in_dim / 8, 256)
-        .read(xb)
-        .write(&xp)
-        .arg(u32_arg(tokens)?)
-        .arg(u32_arg(in_dim)?)
-        .record();
+    let xp = permuted_x(enc, xb, (tokens, in_dim), format.bits, true)?;
     let (row_tiles, col_tiles) = (tokens.div_ceil(WIDE_LINEAR_ROWS), out_dim / 64);
     let tiles = row_tiles * col_tiles;
     let sms = enc.device.info().sm_count as usize;
