@@ -1,7 +1,7 @@
 //! cuBLAS: the dense matrix products of many-token passes, on any stream of the device, into
 //! eager command lists or captured into CUDA graphs (a fixed workspace keeps it capture-safe).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use cudarc::cublas::{result as cublas, sys as cublas_sys};
 use cudarc::driver::{sys, CudaContext};
@@ -15,6 +15,19 @@ use crate::stream::Stream;
 
 /// Bytes of the workspace cuBLAS gets; with it, it never allocates while a graph is captured.
 const WORKSPACE_BYTES: usize = 32 << 20;
+
+/// Every device's cuBLAS calls in the process, one at a time (a handle's creation and
+/// destruction too), a captured one held from the capture's start to its end. Devices opened on
+/// one GPU share its primary context, and destroying a handle synchronises the device: while
+/// one thread captured a product, another device's handle destroyed at the same time broke the
+/// capture (`CUBLAS_STATUS_INTERNAL_ERROR`, segfaults), which a lock per device did not stop.
+static CALLS: Mutex<()> = Mutex::new(());
+
+/// The process's turn at cuBLAS (see [`CALLS`]); taken before a device's handle or capture
+/// stream.
+pub(crate) fn calls() -> MutexGuard<'static, ()> {
+    CALLS.lock().unwrap_or_else(PoisonError::into_inner)
+}
 
 /// A cuBLAS handle and its workspace.
 pub struct Blas {
@@ -168,6 +181,9 @@ impl Blas {
 
 impl Drop for Blas {
     fn drop(&mut self) {
+        // Destroying a handle synchronises the whole device, which would break a capture of
+        // another device's product on this GPU.
+        let _turn = calls();
         self.ctx.record_err(self.ctx.bind_to_thread());
         // SAFETY: the handle was created by `new` and is destroyed once.
         let _ = unsafe { cublas::destroy_handle(self.handle) };

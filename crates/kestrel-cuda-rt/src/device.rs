@@ -171,8 +171,20 @@ impl Device {
         &self.inner.counters
     }
 
-    /// Runs `f` with the device's cuBLAS handle, creating it on first use.
+    /// Runs `f` with the device's cuBLAS handle, creating it on first use, in the process's
+    /// turn at cuBLAS (see `blas::calls`).
     pub(crate) fn with_blas<R>(&self, f: impl FnOnce(&Blas) -> Result<R>) -> Result<R> {
+        let turn = crate::blas::calls();
+        self.with_blas_in_turn(&turn, f)
+    }
+
+    /// [`Device::with_blas`] for a caller that holds the turn already (a capture holds it
+    /// from its start to its end).
+    pub(crate) fn with_blas_in_turn<R>(
+        &self,
+        _turn: &MutexGuard<'static, ()>,
+        f: impl FnOnce(&Blas) -> Result<R>,
+    ) -> Result<R> {
         let mut guard = self.inner.blas.lock().unwrap_or_else(|p| p.into_inner());
         if guard.is_none() {
             let alloc = |bytes| self.alloc(DType::U8, bytes);
@@ -187,7 +199,8 @@ impl Device {
         self.with_blas(|blas| blas.matmul_f32(self.compute(), a, b, c, mnk))
     }
 
-    /// The capture stream, held by the caller until its capture has ended.
+    /// The capture stream, held by the caller until its capture has ended (in the process's
+    /// turn at cuBLAS, taken first).
     pub(crate) fn capture_stream(&self) -> MutexGuard<'_, Stream> {
         self.inner.capture.lock().unwrap_or_else(|p| p.into_inner())
     }

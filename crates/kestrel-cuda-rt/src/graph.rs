@@ -79,9 +79,11 @@ fn capture_gemm(
     preds: &[sys::CUgraphNode],
     g: &Gemm,
 ) -> Result<sys::CUgraphNode> {
+    // The process's turn at cuBLAS and the capture stream, held to the end of the capture:
+    // another thread's product or capture meanwhile would break ours.
+    let turn = crate::blas::calls();
     // Creating the handle allocates its workspace, which must not happen while capturing.
-    device.with_blas(|_| Ok(()))?;
-    // Held to the end of the capture: another thread's capture on this stream would end ours.
+    device.with_blas_in_turn(&turn, |_| Ok(()))?;
     let stream = device.capture_stream();
     let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
     // SAFETY: a live stream and graph of this context; `preds` are nodes of `graph`; no edge data.
@@ -99,7 +101,7 @@ fn capture_gemm(
     .map_err(CudaError::driver("cuStreamBeginCaptureToGraph"))?;
     // SAFETY: the command holds the three buffers, sized by the encoder for m, n, k; cuBLAS has
     // a fixed workspace, so it allocates nothing during capture.
-    let called = device.with_blas(|blas| unsafe { blas.gemm_bf16(stream.cu(), g) });
+    let called = device.with_blas_in_turn(&turn, |blas| unsafe { blas.gemm_bf16(stream.cu(), g) });
     // The capture's current leaves: what the product's node must follow.
     let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
     let (mut id, mut captured, mut leaves, mut edges, mut n): (

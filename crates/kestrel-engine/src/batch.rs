@@ -28,6 +28,7 @@
 //! [`EngineOptions::state_snapshots`]: crate::EngineOptions::state_snapshots
 
 use std::collections::{HashMap, VecDeque};
+use std::time::Instant;
 
 use crate::blocks::{Blocks, ROOT};
 
@@ -247,6 +248,24 @@ pub struct StepKinds {
     pub host: u64,
 }
 
+/// Where a batcher's time went, counted since it began: its steps, with prompt tokens (a
+/// prompt's chunk, with or without decoding sequences beside it) and without (decoding only),
+/// each from its admissions to its tokens handed out.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepTimes {
+    pub prompt_steps: u64,
+    pub prompt_seconds: f64,
+    pub decode_steps: u64,
+    pub decode_seconds: f64,
+    /// Tokens the steps ran: prompt tokens, and tokens decoded.
+    pub prompt_tokens: u64,
+    pub decoded_tokens: u64,
+    /// Programs the session prepared (in the steps' time), and the seconds that took (see
+    /// `Session::programs_prepared`).
+    pub programs: u64,
+    pub program_seconds: f64,
+}
+
 /// How one sequence's step ended.
 enum Next {
     Going,
@@ -283,6 +302,7 @@ pub struct Batcher {
     /// Sequences preempted so far.
     preempted: u64,
     kinds: StepKinds,
+    times: StepTimes,
 }
 
 impl Batcher {
@@ -311,6 +331,7 @@ impl Batcher {
             lone_chunk,
             preempted: 0,
             kinds: StepKinds::default(),
+            times: StepTimes::default(),
             engine,
         }
     }
@@ -358,6 +379,16 @@ impl Batcher {
     /// How the batched steps so far chose their tokens.
     pub fn step_kinds(&self) -> StepKinds {
         self.kinds
+    }
+
+    /// Where the steps' time went so far.
+    pub fn step_times(&self) -> StepTimes {
+        let (programs, spent) = on_session!(&self.engine.session, s => s.programs_prepared());
+        StepTimes {
+            programs,
+            program_seconds: spent.as_secs_f64(),
+            ..self.times
+        }
     }
 
     /// Nothing to generate.
@@ -463,19 +494,31 @@ impl Batcher {
     /// step. Failures end the sequences they touch (told as [`SeqEvent::Failed`]), not the
     /// batcher.
     pub fn step(&mut self) {
+        let started = Instant::now();
+        let (prompt, decoded) = (self.times.prompt_tokens, self.times.decoded_tokens);
         self.admit();
-        if !self.hybrid {
-            return self.mixed();
-        }
-        let decoding = self.running.iter().any(|s| s.tokens.len() - s.cached == 1);
-        let mut budget = if decoding { self.chunk } else { self.lone_chunk };
-        while budget > 0 {
-            match self.prefill_one(budget) {
-                0 => break,
-                n => budget -= n,
+        if self.hybrid {
+            let decoding = self.running.iter().any(|s| s.tokens.len() - s.cached == 1);
+            let mut budget = if decoding { self.chunk } else { self.lone_chunk };
+            while budget > 0 {
+                match self.prefill_one(budget) {
+                    0 => break,
+                    n => budget -= n,
+                }
             }
+            self.decode();
+        } else {
+            self.mixed();
         }
-        self.decode();
+        let seconds = started.elapsed().as_secs_f64();
+        let t = &mut self.times;
+        if t.prompt_tokens > prompt {
+            t.prompt_steps += 1;
+            t.prompt_seconds += seconds;
+        } else if t.decoded_tokens > decoded {
+            t.decode_steps += 1;
+            t.decode_seconds += seconds;
+        }
     }
 
     /// One step of every sequence with tokens to run: a decoding sequence's next token, and the
@@ -541,6 +584,13 @@ impl Batcher {
             }
         }
         let rows: Vec<usize> = outs.iter().map(|&r| runs[r].0).collect();
+        // A decoding sequence's run is its one token; the others' are prompt tokens.
+        let decoded = runs
+            .iter()
+            .filter(|r| r.2 - r.1 == 1 && r.1 + 1 == self.running[r.0].tokens.len());
+        let decoded = decoded.count() as u64;
+        self.times.decoded_tokens += decoded;
+        self.times.prompt_tokens += ids.len() as u64 - decoded;
         let mut out = match self.run_step(&rows, &seqs, &ids, &pos) {
             Ok(out) => out,
             Err(e) => {
@@ -815,6 +865,7 @@ impl Batcher {
                 s.step(ids, start, want)
             })?)
         })();
+        self.times.prompt_tokens += (end - start) as u64;
         let out = match outcome {
             Ok(out) => out,
             Err(e) => {
@@ -878,6 +929,7 @@ impl Batcher {
             .map(|&i| self.running[i].tokens[self.running[i].cached])
             .collect();
         let pos: Vec<u32> = live.iter().map(|&i| self.running[i].cached as u32).collect();
+        self.times.decoded_tokens += live.len() as u64;
         let mut out = match self.run_step(&live, &seqs, &ids, &pos) {
             Ok(out) => out,
             Err(e) => return self.fail(&live, &e),

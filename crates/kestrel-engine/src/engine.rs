@@ -481,6 +481,19 @@ impl Engine {
         Ok(on_session!(&mut self.session, s => s.step_batch(seqs, ids, positions, want))?)
     }
 
+    /// Tokens of several sequences as one step, the first `outputs` of them giving outputs and
+    /// the rest one sequence's chunk (see [`kestrel_model::Session::step_mixed`]).
+    pub fn step_mixed(
+        &mut self,
+        seqs: &[u32],
+        ids: &[u32],
+        positions: &[u32],
+        outputs: usize,
+        want: Want,
+    ) -> Result<BatchOutput> {
+        Ok(on_session!(&mut self.session, s => s.step_mixed(seqs, ids, positions, outputs, want))?)
+    }
+
     /// Prepares the program for `tokens` tokens with `want`'s outputs, uploading the weights
     /// with the first one, so loading can be timed apart from running.
     pub fn prepare(&mut self, tokens: usize, want: Want) -> Result<()> {

@@ -217,6 +217,22 @@ fn batched(
     println!("steps: {kinds:?}");
     let out = got.lock().unwrap().clone();
     let reused = *reused.lock().unwrap();
+    // Every token ran once but those found in the caches and each sequence's last, unless a
+    // preemption ran some again.
+    let t = b.step_times();
+    println!("times: {t:?}");
+    let ran: usize = (reqs.iter().zip(&out))
+        .map(|(r, g)| r.ids.len() + g.ids.len() - 1)
+        .sum();
+    let counted = (t.prompt_tokens + t.decoded_tokens) as usize;
+    match b.preempted() {
+        0 => assert_eq!(counted, ran - reused, "{t:?}"),
+        _ => assert!(counted > ran - reused, "{t:?}"),
+    }
+    assert!(t.prompt_steps > 0 && t.decode_steps > 0, "{t:?}");
+    assert!(t.prompt_steps + t.decode_steps <= steps, "{t:?} in {steps} steps");
+    assert!(t.prompt_seconds > 0.0 && t.decode_seconds > 0.0, "{t:?}");
+    assert!(t.programs > 0, "{t:?}");
     (out, b.preempted(), reused, kinds)
 }
 

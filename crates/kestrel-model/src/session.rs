@@ -313,6 +313,8 @@ pub struct Session<B: Backend> {
     programs: HashMap<Key, Prog<B>>,
     /// Counts requests for programs, to find the least recently used.
     clock: u64,
+    /// Programs prepared so far, and the time that took (see [`Session::programs_prepared`]).
+    prepared: (u64, std::time::Duration),
     /// Routed experts read through caches of slots instead of all resident.
     streaming: Option<Streaming<B::HostBuffer>>,
     /// Told (bytes done, bytes in all) while the weights upload.
@@ -354,6 +356,7 @@ impl<B: Backend> Session<B> {
             uploaded: false,
             programs: HashMap::new(),
             clock: 0,
+            prepared: (0, std::time::Duration::ZERO),
             streaming: None,
             progress: None,
             step_progress: None,
@@ -731,6 +734,14 @@ impl<B: Backend> Session<B> {
         self.programs.len()
     }
 
+    /// Programs prepared so far (a step of a length, or a batched step of buckets, not held
+    /// yet), and the time their preparation took: the forward graph built and planned, its
+    /// memory allocated, its dispatches encoded and captured, the one it evicted freed (the
+    /// weights' upload with the first program not counted).
+    pub fn programs_prepared(&self) -> (u64, std::time::Duration) {
+        self.prepared
+    }
+
     /// Sets the token counts the backend's sampler keeps for sequence `seq` of the pool to
     /// those of `history`, for the penalties of [`Session::step_mixed_drawn`]: call it before a
     /// sequence with penalties is first drawn there, and again when its tokens were chosen
@@ -1048,6 +1059,7 @@ impl<B: Backend> Session<B> {
         let key = (tokens, outputs, ahead, batched);
         let all_logits = outputs == Outputs::All;
         if !self.programs.contains_key(&key) {
+            let started = std::time::Instant::now();
             let spec = ForwardSpec {
                 tokens,
                 past,
@@ -1114,14 +1126,18 @@ impl<B: Backend> Session<B> {
                     prog.f.write_pages(&mut self.backend, p)?;
                 }
             }
-            // Weights and states are shared by label: every segment declares them all.
+            // Weights and states are shared by label: every segment declares them all. (Their
+            // upload is not counted as the program's preparation.)
+            let mut uploading = std::time::Duration::ZERO;
             if !self.uploaded {
+                let upload_started = std::time::Instant::now();
                 let (f, p) = (&prog.f, &mut prog.segments[0]);
                 match &mut self.progress {
                     Some(cb) => f.upload_with(&self.weights, &mut self.backend, p, cb.as_mut())?,
                     None => f.upload(&self.weights, &mut self.backend, p)?,
                 }
                 self.uploaded = true;
+                uploading = upload_started.elapsed();
             }
             // Chunks' programs and batched steps' are counted apart.
             let kind = |k: &Key| k.3.is_some() == batched.is_some();
@@ -1141,6 +1157,8 @@ impl<B: Backend> Session<B> {
                 }
             }
             self.programs.insert(key, prog);
+            self.prepared.0 += 1;
+            self.prepared.1 += started.elapsed().saturating_sub(uploading);
         }
         self.clock += 1;
         if let Some(p) = self.programs.get_mut(&key) {

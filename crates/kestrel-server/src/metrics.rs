@@ -1,10 +1,13 @@
 //! What `/metrics` reports, in the Prometheus text format: requests running and waiting, the
-//! KV cache's use, token counters, and histograms of time to first token, inter-token latency
-//! and request latency.
+//! KV cache's use, token counters, histograms of time to first token, inter-token latency
+//! and request latency, and where the engine's time went (its steps with and without prompt
+//! tokens, and the programs it prepared).
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
+
+use kestrel_engine::StepTimes;
 
 /// Upper bounds (seconds) of the latency histograms' buckets.
 const TTFT_BUCKETS: &[f64] = &[
@@ -75,6 +78,7 @@ pub struct Metrics {
     pub requests_failed: AtomicU64,
     pub requests_cancelled: AtomicU64,
     latencies: Mutex<Latencies>,
+    steps: Mutex<StepTimes>,
 }
 
 impl Default for Metrics {
@@ -94,6 +98,7 @@ impl Default for Metrics {
                 itl: Histogram::new(ITL_BUCKETS),
                 e2e: Histogram::new(E2E_BUCKETS),
             }),
+            steps: Mutex::new(StepTimes::default()),
         }
     }
 }
@@ -115,6 +120,14 @@ impl Metrics {
 
     pub fn request_latency(&self, s: f64) {
         self.latencies().e2e.observe(s);
+    }
+
+    /// The engine's step counts and times as they stand now.
+    pub fn set_steps(&self, t: StepTimes) {
+        *self
+            .steps
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = t;
     }
 
     /// The Prometheus text exposition of everything, metric names prefixed `kestrel_`.
@@ -183,6 +196,52 @@ impl Metrics {
                 get(v)
             );
         }
+        let t = *self
+            .steps
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Counters by the steps' kind.
+        let by_kind = |out: &mut String, name: &str, help: &str, prompt: f64, decode: f64| {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+            for (kind, v) in [("prompt", prompt), ("decode", decode)] {
+                let _ = writeln!(out, "{name}{{model=\"{model}\",kind=\"{kind}\"}} {v}");
+            }
+        };
+        by_kind(
+            &mut out,
+            "kestrel_engine_steps_total",
+            "Engine steps: with prompt tokens (a chunk of a prompt, with or without decoding \
+             sequences beside it), or decoding only.",
+            t.prompt_steps as f64,
+            t.decode_steps as f64,
+        );
+        by_kind(
+            &mut out,
+            "kestrel_engine_step_seconds_total",
+            "Seconds the engine spent in its steps, by kind.",
+            t.prompt_seconds,
+            t.decode_seconds,
+        );
+        by_kind(
+            &mut out,
+            "kestrel_engine_step_tokens_total",
+            "Tokens the engine's steps ran: prompt tokens, and tokens decoded.",
+            t.prompt_tokens as f64,
+            t.decoded_tokens as f64,
+        );
+        counter(
+            &mut out,
+            "kestrel_engine_programs_prepared_total",
+            "Step programs the engine prepared (built, planned and captured).",
+            t.programs,
+        );
+        let _ = writeln!(
+            out,
+            "# HELP kestrel_engine_program_seconds_total Seconds spent preparing step programs.\n\
+             # TYPE kestrel_engine_program_seconds_total counter\n\
+             kestrel_engine_program_seconds_total{{model=\"{model}\"}} {}",
+            t.program_seconds
+        );
         let l = self.latencies();
         l.ttft.write(
             &mut out,

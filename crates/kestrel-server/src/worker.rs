@@ -254,6 +254,7 @@ fn run_batched(mut b: Batcher, jobs: Receiver<Job>, metrics: Arc<Metrics>) {
             continue;
         }
         b.step();
+        metrics.set_steps(b.step_times());
         let (used, _) = b.kv_blocks();
         metrics.kv_used.store((used * KV_BLOCK) as u64, Ordering::Relaxed);
     }

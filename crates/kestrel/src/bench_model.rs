@@ -49,6 +49,10 @@ pub struct ModelBenchArgs {
     /// Prefill in chunks of at most this many tokens (default: the whole prompt at once).
     #[arg(long)]
     prefill_chunk: Option<usize>,
+    /// The batched generation tests' steps also run this many prompt tokens of one more
+    /// sequence (a server's steps while prompts come in: `tg32 x64 +512`); 0: none.
+    #[arg(long, default_value_t = 0)]
+    mixed: usize,
     #[command(flatten)]
     backend: BackendArgs,
     #[command(flatten)]
@@ -212,11 +216,12 @@ fn run_tests(e: &mut Engine, a: &ModelBenchArgs, rng: &mut Rng) -> Result<Vec<Te
 }
 
 /// One timed run of a batched generation test: `b` sequences started afresh, each holding
-/// `depth` random tokens (untimed), then `n` batched steps of every sequence's next token; the
-/// seconds of the steps.
+/// `depth` random tokens (untimed), then `n` batched steps of every sequence's next token, each
+/// step with `mixed` random prompt tokens of sequence `b` at positions from 0 beside them (a
+/// new prompt's chunk, as a server's steps take one); the seconds of the steps.
 fn batched_run(
     e: &mut Engine,
-    (b, depth, n): (usize, usize, usize),
+    (b, depth, n, mixed): (usize, usize, usize, usize),
     input: TgInput,
     rng: &mut Rng,
 ) -> Result<f64> {
@@ -227,13 +232,17 @@ fn batched_run(
             e.step(&ids(rng, vocab, depth), 0, Want::Argmax)?;
         }
     }
-    let seqs: Vec<u32> = (0..b as u32).collect();
+    let mut seqs: Vec<u32> = (0..b as u32).collect();
+    seqs.resize(b + mixed, b as u32);
+    let chunk = ids(rng, vocab, mixed);
     let mut fed = ids(rng, vocab, b);
     let start = Instant::now();
     for i in 0..n {
-        let at = vec![(depth + i) as u32; b];
+        let mut at = vec![(depth + i) as u32; b];
+        at.extend(0..mixed as u32);
+        fed.extend_from_slice(&chunk);
         let chosen = e
-            .step_batch(&seqs, &fed, &at, Want::Argmax)?
+            .step_mixed(&seqs, &fed, &at, b, Want::Argmax)?
             .into_tokens()
             .context("the batched step returned no tokens")?;
         fed = match input {
@@ -244,17 +253,25 @@ fn batched_run(
     Ok(start.elapsed().as_secs_f64())
 }
 
+/// A batched test's name: `tg32 x64`, with the prompt tokens beside each step `tg32 x64 +512`.
+fn batched_name(tg: usize, b: usize, mixed: usize) -> String {
+    match mixed {
+        0 => format!("tg{tg} x{b}"),
+        m => format!("tg{tg} x{b} +{m}"),
+    }
+}
+
 /// The batched generation tests (`-b` counts above 1), after a warm-up run each.
 fn run_batched(e: &mut Engine, a: &ModelBenchArgs, rng: &mut Rng) -> Result<Vec<TestRow>> {
     let mut rows = Vec::new();
     for &b in a.batch.iter().filter(|&&b| b > 1) {
         for &tg in a.n_gen.iter().filter(|&&n| n > 0) {
-            batched_run(e, (b, a.depth, tg.min(4)), a.tg_input, rng)?;
+            batched_run(e, (b, a.depth, tg.min(4), a.mixed), a.tg_input, rng)?;
             let samples = (0..a.reps)
-                .map(|_| batched_run(e, (b, a.depth, tg), a.tg_input, rng))
+                .map(|_| batched_run(e, (b, a.depth, tg, a.mixed), a.tg_input, rng))
                 .collect::<Result<Vec<f64>>>()?;
             rows.push(TestRow {
-                name: at_depth(format!("tg{tg} x{b}"), a.depth),
+                name: at_depth(batched_name(tg, b, a.mixed), a.depth),
                 n_prompt: 0,
                 n_gen: tg,
                 batch: b,
@@ -359,7 +376,7 @@ fn expert_extras(
 /// run, and of an eager batched run at the largest `-b` count above 1. Null on the CPU.
 fn cuda_extras(
     e: &mut Engine,
-    (depth, tg, batch): (usize, usize, Option<usize>),
+    (depth, tg, batch, mixed): (usize, usize, Option<usize>, usize),
     (profile, input): (bool, TgInput),
     rng: &mut Rng,
 ) -> Result<serde_json::Value> {
@@ -386,9 +403,9 @@ fn cuda_extras(
             generate(e, first, depth, n, tg_tokens(input, rng).as_mut()).map(drop)
         })?;
         if let Some(b) = batch.filter(|&b| b > 1) {
-            let label = format!("tg{tg} x{b}");
+            let label = batched_name(tg, b, mixed);
             profiled(e, &dev, (&label, tg, b), |e, n| {
-                batched_run(e, (b, depth, n), input, rng).map(drop)
+                batched_run(e, (b, depth, n, mixed), input, rng).map(drop)
             })?;
         }
     }
@@ -467,6 +484,7 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
         .max()
         .unwrap_or(0)
         .max(1)
+        .max(a.mixed)
         .saturating_add(a.depth);
     let mut rng = Rng::new(a.seed ^ 0xBE7C);
     let mut opts = EngineOptions::with_ctx(ctx);
@@ -476,7 +494,9 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
     opts.progress = Some(Box::new(crate::progress::loading(&label)));
     let start = Instant::now();
     a.memory.apply(&mut opts);
-    opts.max_seqs = a.batch.iter().copied().max().filter(|&b| b > 1);
+    // The batched tests' sequences, and the one whose prompt tokens run beside them.
+    let most = a.batch.iter().copied().max().filter(|&b| b > 1);
+    opts.max_seqs = most.map(|b| b + usize::from(a.mixed > 0));
     let mut engine = Engine::new(model, config, opts).with_context(|| format!("opening {label}"))?;
     crate::progress::placement(&engine);
     let backend = engine.backend();
@@ -514,7 +534,7 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
         let batch = a.batch.iter().copied().max();
         cuda_extras(
             &mut engine,
-            (a.depth, tg, batch),
+            (a.depth, tg, batch, a.mixed),
             (a.profile, a.tg_input),
             &mut rng,
         )?

@@ -2,7 +2,8 @@
 //! is. N clients send streamed `/v1/completions` requests of random token ids (prompt and answer
 //! lengths given, `ignore_eos` so every answer has its length) until the requests are done, and
 //! the run reports request throughput, output tokens/s, time to first token and inter-token
-//! latency (median and p99). Against `--url`, or a `kestrel serve` it starts itself (`-m DIR`,
+//! latency (median and p99), and from a Kestrel server, where its engine spent the run (its
+//! `/metrics`). Against `--url`, or a `kestrel serve` it starts itself (`-m DIR`,
 //! `--synthetic NAME`, or the built-in model) and stops at the end.
 
 use std::io::{BufRead, BufReader};
@@ -225,6 +226,44 @@ fn one_request(agent: &ureq::Agent, base: &str, key: Option<&str>, body: &Value)
     })
 }
 
+/// A Kestrel server's engine counters from `/metrics` (`kestrel_engine_*`, summed over their
+/// labels' values by name and kind); None from a server that has none.
+fn engine_counters(agent: &ureq::Agent, base: &str) -> Option<Vec<(String, f64)>> {
+    let mut r = agent.get(format!("{base}/metrics")).call().ok()?;
+    if r.status() != 200 {
+        return None;
+    }
+    let text = r.body_mut().read_to_string().ok()?;
+    let mut out: Vec<(String, f64)> = Vec::new();
+    for line in text.lines().filter(|l| l.starts_with("kestrel_engine_")) {
+        let (name, value) = line.rsplit_once(' ')?;
+        let kind = name.split("kind=\"").nth(1).and_then(|k| k.split('"').next());
+        let metric = name.split('{').next()?;
+        let key = match kind {
+            Some(k) => format!("{metric}:{k}"),
+            None => metric.to_string(),
+        };
+        out.push((key, value.parse().ok()?));
+    }
+    (!out.is_empty()).then_some(out)
+}
+
+/// What the engine's counters moved by between two readings, as a JSON object.
+fn engine_delta(before: &[(String, f64)], after: &[(String, f64)]) -> Value {
+    let get = |v: &[(String, f64)], k: &str| v.iter().find(|(n, _)| n == k).map_or(0.0, |(_, x)| *x);
+    let d = |k: &str| get(after, k) - get(before, k);
+    json!({
+        "prompt_steps": d("kestrel_engine_steps_total:prompt"),
+        "prompt_step_seconds": d("kestrel_engine_step_seconds_total:prompt"),
+        "prompt_tokens": d("kestrel_engine_step_tokens_total:prompt"),
+        "decode_steps": d("kestrel_engine_steps_total:decode"),
+        "decode_step_seconds": d("kestrel_engine_step_seconds_total:decode"),
+        "decoded_tokens": d("kestrel_engine_step_tokens_total:decode"),
+        "programs_prepared": d("kestrel_engine_programs_prepared_total"),
+        "program_seconds": d("kestrel_engine_program_seconds_total"),
+    })
+}
+
 /// The `q` quantile of `v` (nearest rank), 0 for none.
 fn quantile(v: &mut [f64], q: f64) -> f64 {
     if v.is_empty() {
@@ -275,6 +314,7 @@ pub fn run(a: ServeBenchArgs) -> Result<std::process::ExitCode> {
     };
     // One request first, so the server's programs for these lengths exist before timing.
     one_request(&agent, &base, key, &body(&prompts[0], 0)).context("the warm-up request")?;
+    let counters = engine_counters(&agent, &base);
     let next = AtomicUsize::new(0);
     let timings = Mutex::new(Vec::with_capacity(num));
     let failures = Mutex::new(Vec::new());
@@ -300,6 +340,9 @@ pub fn run(a: ServeBenchArgs) -> Result<std::process::ExitCode> {
         }
     });
     let wall = start.elapsed().as_secs_f64();
+    let engine = counters
+        .zip(engine_counters(&agent, &base))
+        .map(|(before, after)| engine_delta(&before, &after));
     drop(server);
     let timings = timings.into_inner().unwrap_or_else(|p| p.into_inner());
     let failures = failures.into_inner().unwrap_or_else(|p| p.into_inner());
@@ -331,6 +374,7 @@ pub fn run(a: ServeBenchArgs) -> Result<std::process::ExitCode> {
         "ttft_ms": {"median": ms(quantile(&mut ttft, 0.5)), "p99": ms(quantile(&mut ttft, 0.99))},
         "itl_ms": {"median": ms(quantile(&mut itl, 0.5)), "p99": ms(quantile(&mut itl, 0.99))},
         "latency_ms": {"median": ms(quantile(&mut e2e, 0.5)), "p99": ms(quantile(&mut e2e, 0.99))},
+        "engine": engine,
     });
     if a.json {
         outln!("{report}")?;
@@ -364,6 +408,24 @@ pub fn run(a: ServeBenchArgs) -> Result<std::process::ExitCode> {
                 "{name}: median {:.2} ms, p99 {:.2} ms",
                 report[key]["median"].as_f64().unwrap_or(0.0),
                 report[key]["p99"].as_f64().unwrap_or(0.0)
+            )?;
+        }
+        if let Some(e) = report["engine"].as_object() {
+            let f = |k: &str| e[k].as_f64().unwrap_or(0.0);
+            let mean = |secs: f64, steps: f64| if steps > 0.0 { secs / steps * 1e3 } else { 0.0 };
+            outln!(
+                "engine: {:.0} steps with prompt tokens ({:.0} tokens, mean {:.2} ms), {:.0} decoding \
+                 only ({:.0} tokens decoded in all, mean {:.2} ms); {:.2} of {wall:.2} s in steps; \
+                 {:.0} programs prepared in {:.2} s",
+                f("prompt_steps"),
+                f("prompt_tokens"),
+                mean(f("prompt_step_seconds"), f("prompt_steps")),
+                f("decode_steps"),
+                f("decoded_tokens"),
+                mean(f("decode_step_seconds"), f("decode_steps")),
+                f("prompt_step_seconds") + f("decode_step_seconds"),
+                f("programs_prepared"),
+                f("program_seconds"),
             )?;
         }
     }

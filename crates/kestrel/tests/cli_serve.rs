@@ -453,6 +453,28 @@ fn health_models_and_metrics_parse() {
     );
     assert_eq!(metric(&text, "kestrel_time_to_first_token_seconds_count"), 1.0);
     assert_eq!(metric(&text, "kestrel_inter_token_latency_seconds_count"), 2.0);
+    // The engine's steps: the prompt's (which gave the first token), then two decoding only.
+    let engine = |name: &str, kind: &str| {
+        metric(
+            &text,
+            &format!("{name}{{model=\"kestrel-tiny\",kind=\"{kind}\"}}"),
+        )
+    };
+    assert_eq!(engine("kestrel_engine_step_tokens_total", "decode"), 2.0);
+    assert_eq!(engine("kestrel_engine_steps_total", "decode"), 2.0);
+    assert!(engine("kestrel_engine_steps_total", "prompt") >= 1.0, "{text}");
+    assert!(
+        engine("kestrel_engine_step_tokens_total", "prompt") > 3.0,
+        "{text}"
+    );
+    assert!(
+        engine("kestrel_engine_step_seconds_total", "decode") > 0.0,
+        "{text}"
+    );
+    assert!(
+        metric(&text, "kestrel_engine_programs_prepared_total") >= 1.0,
+        "{text}"
+    );
 }
 
 #[test]
@@ -488,6 +510,15 @@ fn bench_serve_reports_every_request() {
         assert!(median > 0.0 && p99 >= median, "{key}: {v}");
     }
     assert!(v["output_tokens_per_s"].as_f64().unwrap() > 0.0);
+    // The server's engine over the timed requests: every prompt's 16 tokens, and each
+    // answer's tokens after the first (which its prompt's step gave).
+    let e = &v["engine"];
+    assert_eq!(
+        (e["prompt_tokens"].as_f64(), e["decoded_tokens"].as_f64()),
+        (Some(80.0), Some(30.0)),
+        "{v}"
+    );
+    assert!(e["prompt_steps"].as_f64().unwrap() >= 1.0, "{v}");
     // The server it started is gone with it.
     assert!(err.contains("server: serving kestrel-tiny"), "{err}");
 }
