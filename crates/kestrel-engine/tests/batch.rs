@@ -13,7 +13,7 @@ use kestrel_core::Config;
 use kestrel_engine::Want;
 use kestrel_engine::{
     BackendChoice, Batcher, Engine, EngineOptions, Model, ModelSource, SeqEvent, SeqRequest, StepKinds,
-    StopReason,
+    StepTimes, StopReason,
 };
 use kestrel_text::{Sampler, SamplingParams, StopStrings};
 
@@ -174,7 +174,7 @@ fn batched(
     max_seqs: usize,
     kv_blocks: Option<usize>,
     reqs: &[SeqRequest],
-) -> (Vec<Got>, u64, usize, StepKinds) {
+) -> (Vec<Got>, u64, usize, (StepKinds, StepTimes)) {
     let mut b = Batcher::new(engine(Some(max_seqs), kv_blocks));
     let got: Arc<Mutex<Vec<Got>>> = Arc::new(Mutex::new(vec![Got::default(); reqs.len()]));
     let reused = Arc::new(Mutex::new(0));
@@ -233,7 +233,7 @@ fn batched(
     assert!(t.prompt_steps + t.decode_steps <= steps, "{t:?} in {steps} steps");
     assert!(t.prompt_seconds > 0.0 && t.decode_seconds > 0.0, "{t:?}");
     assert!(t.programs > 0, "{t:?}");
-    (out, b.preempted(), reused, kinds)
+    (out, b.preempted(), reused, (kinds, t))
 }
 
 #[test]
@@ -241,12 +241,14 @@ fn batched_sequences_equal_each_sequence_alone() {
     let reqs = requests(&engine(None, None));
     let want: Vec<Got> = reqs.iter().map(alone).collect();
     // Every sequence's context reserved: 4 slots for 14 sequences.
-    let (got, preempted, reused, kinds) = batched(4, None, &reqs);
+    let (got, preempted, reused, (kinds, times)) = batched(4, None, &reqs);
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         assert_eq!(g, w, "sequence {i} batched against alone");
     }
     assert_eq!(preempted, 0);
     assert!(kinds.host > 0, "{kinds:?}");
+    // The first four prompts start together, in one step.
+    assert!(times.prompt_chunks > times.prompt_steps, "{times:?}");
     // Five prompts start with the shared prefix; the three admitted after the first one's
     // prefill find at least its first block.
     println!("prefix caching found {reused} prompt tokens");
@@ -266,7 +268,7 @@ fn batched_sequences_equal_each_sequence_alone() {
         .filter(|&i| reqs[i].logprobs.is_none() && kestrel_core::sample::backend_draws(&reqs[i].sampling))
         .collect();
     let subset: Vec<SeqRequest> = on_backend.iter().map(|&i| reqs[i].clone()).collect();
-    let (got, _, _, kinds) = batched(4, None, &subset);
+    let (got, _, _, (kinds, _)) = batched(4, None, &subset);
     for (g, &i) in got.iter().zip(&on_backend) {
         assert_eq!(g, &want[i], "sequence {i} drawn on the backend against alone");
     }

@@ -62,8 +62,12 @@ pub struct ForwardSpec {
     /// otherwise), not a chunk of one sequence.
     pub batched: bool,
     /// In a batched step, the logits of only the first this many tokens: the others only fill
-    /// the caches (a prompt's chunk riding along with other sequences' next tokens).
+    /// the caches (prompts' chunks riding along with other sequences' next tokens).
     pub logit_rows: Option<usize>,
+    /// In a batched step with tokens past its `logit_rows`: they are one sequence's chunk, whose
+    /// attention runs as that sequence's prefill (else each token attends its own sequence's
+    /// positions, as the outputs do: several prompts' chunks in one step).
+    pub one_chunk: bool,
     /// Also draw each logits row's next token on the backend with that row's own settings and
     /// generator (`Op::SampleRows`; see [`Forward::drawn`]), with a row of token counts for
     /// each sequence of the pool (`sampler.counts`, a state) for the penalties.
@@ -120,6 +124,7 @@ impl ForwardSpec {
             pool: None,
             batched: false,
             logit_rows: None,
+            one_chunk: true,
             draw_rows: false,
         }
     }
@@ -796,8 +801,11 @@ fn attention(
         vc,
         pages,
     );
-    // A batched step's tokens past its outputs are one prompt's chunk.
-    let chunk = spec.logit_rows.filter(|&r| spec.batched && r < spec.tokens);
+    // A batched step's tokens past its outputs: one prompt's chunk, or several prompts' tokens
+    // each attending its own sequence.
+    let chunk = spec
+        .logit_rows
+        .filter(|&r| spec.batched && spec.one_chunk && r < spec.tokens);
     let mut o = b.g.attention_chunked(
         &format!("{a}.attention"),
         q,

@@ -150,7 +150,7 @@ fn not_sampling() -> ModelError {
 
 /// A prepared program: (tokens, outputs, whole layers staged ahead, a batched step's rows of
 /// logits (None: a chunk of one sequence)).
-type Key = (usize, Outputs, bool, Option<usize>);
+type Key = (usize, Outputs, bool, Option<(usize, bool)>);
 
 /// KV caches as a pool of blocks shared by sequences (see [`Session::with_kv_pool`]).
 struct Pool {
@@ -562,13 +562,15 @@ impl<B: Backend> Session<B> {
 
     /// Tokens of several sequences of the pool as one step: `ids[i]` at `positions[i]` of
     /// sequence `seqs[i]`. The first `outputs` tokens give their argmax ([`Want::Argmax`]) or
-    /// logits ([`Want::AllLogits`], `[outputs, vocab]`); the others, all of one sequence, only
-    /// fill the caches (the chunk of a prompt whose last token is an output, or whose rest comes
-    /// in a later step). A sequence may have several tokens, at distinct positions, in models
-    /// without recurrent states (their state advances one token a step: one token a sequence
-    /// there); a token sees its sequence's positions before it, in the caches or in this step.
-    /// Runs the program of the step's buckets ([`batch_bucket`] of the outputs, and of all the
-    /// tokens), the padding in a block of its own.
+    /// logits ([`Want::AllLogits`], `[outputs, vocab]`); the others only fill the caches
+    /// (prompts' chunks: a prompt's last token is an output, or its rest comes in a later step).
+    /// A sequence may have several tokens, at distinct positions, in models without recurrent
+    /// states (their state advances one token a step: one token a sequence there); a token
+    /// sees its sequence's positions before it, in the caches or in this step. Tokens past the
+    /// outputs all of one sequence run their attention as that sequence's prefill; of several
+    /// sequences, each token's on its own, as an output's (a program of its own). Runs the
+    /// program of the step's buckets ([`batch_bucket`] of the outputs, and of all the tokens),
+    /// the padding in a block of its own.
     pub fn step_mixed(
         &mut self,
         seqs: &[u32],
@@ -691,14 +693,9 @@ impl<B: Backend> Session<B> {
                 }));
             }
         }
-        // The chunk's attention reads one sequence (see `Op::Attention`).
-        if let Some(&first) = seqs.get(outputs) {
-            if let Some(&other) = seqs[outputs..].iter().find(|&&s| s != first) {
-                return Err(bad_batch(format!(
-                    "the tokens past the outputs are one sequence's chunk, not of {first} and {other}"
-                )));
-            }
-        }
+        // The tokens past the outputs as one sequence's chunk (its attention a prefill of that
+        // sequence, see `Op::Attention`), or of several sequences (each token's its own).
+        let one_chunk = seqs[outputs..].windows(2).all(|w| w[0] == w[1]);
         // Outputs padded to their bucket, then the other tokens, the whole padded to its own.
         let rows = batch_bucket(outputs);
         let total = match n - outputs {
@@ -715,7 +712,7 @@ impl<B: Backend> Session<B> {
             out
         };
         let (ids, pos, seq) = (padded(ids, 0), padded(positions, 0), padded(seqs, scratch));
-        self.run_tokens(&ids, &pos, Some((&seq, rows)), kind, draws)
+        self.run_tokens(&ids, &pos, Some((&seq, rows, one_chunk)), kind, draws)
     }
 
     /// Takes back a batched step's output once read, so the next step's logits reuse its
@@ -754,7 +751,7 @@ impl<B: Backend> Session<B> {
         // The counts are a state every drawing program shares.
         let key = match self.programs.keys().find(|k| k.1 == Outputs::Draw) {
             Some(&k) => k,
-            None => self.program(1, 0, Outputs::Draw, Some(1))?,
+            None => self.program(1, 0, Outputs::Draw, Some((1, true)))?,
         };
         let vocab = self.config.vocab;
         let prog = self.programs.get_mut(&key).expect("prepared above");
@@ -1042,17 +1039,18 @@ impl<B: Backend> Session<B> {
             0 => rows,
             rest => batch_bucket(rows + rest),
         };
-        self.program(total, 0, kind, Some(rows)).map(|_| ())
+        self.program(total, 0, kind, Some((rows, true))).map(|_| ())
     }
 
-    /// The program for `tokens` tokens (with `batched`, a batched step's, the logits of its
-    /// first rows), built, prepared and (the first time) given the weights.
+    /// The program for `tokens` tokens (with `batched`, a batched step's: the logits of its
+    /// first rows, and whether the tokens past them are one sequence's chunk), built, prepared
+    /// and (the first time) given the weights.
     fn program(
         &mut self,
         tokens: usize,
         past: usize,
         outputs: Outputs,
-        batched: Option<usize>,
+        batched: Option<(usize, bool)>,
     ) -> Result<Key> {
         let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
         let ahead = self.streaming.as_ref().is_some_and(|s| s.ahead == Some(true));
@@ -1081,7 +1079,8 @@ impl<B: Backend> Session<B> {
                     snapshots: p.snapshots,
                 }),
                 batched: batched.is_some(),
-                logit_rows: batched,
+                logit_rows: batched.map(|b| b.0),
+                one_chunk: batched.is_none_or(|b| b.1),
                 draw_rows: outputs == Outputs::Draw,
             };
             let mut f = Forward::build(&self.config, &self.weights, spec)?;
@@ -1222,13 +1221,13 @@ impl<B: Backend> Session<B> {
     }
 
     /// Runs `ids` at positions `pos` (a chunk of the selected sequence, or with `batch`, a
-    /// batched step: each token's sequence, and the rows of logits) through the program for
-    /// their number.
+    /// batched step: each token's sequence, the rows of logits, and whether the tokens past
+    /// them are one sequence's chunk) through the program for their number.
     fn run_tokens(
         &mut self,
         ids: &[u32],
         pos: &[u32],
-        batch: Option<(&[u32], usize)>,
+        batch: Option<(&[u32], usize, bool)>,
         outputs: Outputs,
         draws: Option<&[u32]>,
     ) -> Result<Key> {
@@ -1240,7 +1239,7 @@ impl<B: Backend> Session<B> {
             });
         }
         let backend_err = |e: B::Error| ModelError::Backend(Box::new(e));
-        let key = self.program(ids.len(), pos[0] as usize, outputs, batch.map(|b| b.1))?;
+        let key = self.program(ids.len(), pos[0] as usize, outputs, batch.map(|b| (b.1, b.2)))?;
         // The first chunk long enough to stage whole layers decides whether they are (Auto).
         let decide = self.streaming.as_ref().is_some_and(|st| {
             let n = ids.len() * self.config.moe.as_ref().map_or(0, |m| m.experts_per_token);

@@ -79,9 +79,12 @@ fn a_pool_refuses_what_it_cannot_hold() {
     assert!(s.step_mixed(&[1, 1], &[5, 6], &[1, 0], 1, Want::Argmax).is_ok());
     assert!(err(s.step_mixed(&[0], &[5], &[0], 0, Want::Argmax)).contains("0 outputs"));
     assert!(err(s.step_mixed(&[0], &[5], &[0], 2, Want::Argmax)).contains("2 outputs"));
-    // The tokens past the outputs are one sequence's chunk.
+    // The tokens past the outputs may be of several sequences (prompts' chunks together), but
+    // each position of a sequence once.
     let two = s.step_mixed(&[0, 1, 1, 0], &[5, 6, 7, 8], &[3, 1, 2, 2], 1, Want::Argmax);
-    assert!(err(two).contains("one sequence's chunk"));
+    assert!(two.is_ok());
+    let again = s.step_mixed(&[0, 1, 1, 0], &[5, 6, 7, 8], &[3, 1, 1, 2], 1, Want::Argmax);
+    assert!(err(again).contains("sequence 1 twice at position 1"));
     // A recurrent state takes one token of its sequence a step.
     let mut h = open("qwen3_next").with_kv_pool(2, 8).unwrap();
     let chunk = h.step_mixed(&[1, 1], &[5, 6], &[1, 0], 1, Want::Argmax);

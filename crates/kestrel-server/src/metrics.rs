@@ -231,6 +231,12 @@ impl Metrics {
         );
         counter(
             &mut out,
+            "kestrel_engine_prompt_chunks_total",
+            "Prompts' chunks the engine's steps ran (a step may take several).",
+            t.prompt_chunks,
+        );
+        counter(
+            &mut out,
             "kestrel_engine_programs_prepared_total",
             "Step programs the engine prepared (built, planned and captured).",
             t.programs,

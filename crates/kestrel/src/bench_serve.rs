@@ -256,6 +256,7 @@ fn engine_delta(before: &[(String, f64)], after: &[(String, f64)]) -> Value {
         "prompt_steps": d("kestrel_engine_steps_total:prompt"),
         "prompt_step_seconds": d("kestrel_engine_step_seconds_total:prompt"),
         "prompt_tokens": d("kestrel_engine_step_tokens_total:prompt"),
+        "prompt_chunks": d("kestrel_engine_prompt_chunks_total"),
         "decode_steps": d("kestrel_engine_steps_total:decode"),
         "decode_step_seconds": d("kestrel_engine_step_seconds_total:decode"),
         "decoded_tokens": d("kestrel_engine_step_tokens_total:decode"),
@@ -414,11 +415,12 @@ pub fn run(a: ServeBenchArgs) -> Result<std::process::ExitCode> {
             let f = |k: &str| e[k].as_f64().unwrap_or(0.0);
             let mean = |secs: f64, steps: f64| if steps > 0.0 { secs / steps * 1e3 } else { 0.0 };
             outln!(
-                "engine: {:.0} steps with prompt tokens ({:.0} tokens, mean {:.2} ms), {:.0} decoding \
-                 only ({:.0} tokens decoded in all, mean {:.2} ms); {:.2} of {wall:.2} s in steps; \
-                 {:.0} programs prepared in {:.2} s",
+                "engine: {:.0} steps with prompt tokens ({:.0} tokens in {:.0} chunks, mean {:.2} ms), \
+                 {:.0} decoding only ({:.0} tokens decoded in all, mean {:.2} ms); {:.2} of {wall:.2} \
+                 s in steps; {:.0} programs prepared in {:.2} s",
                 f("prompt_steps"),
                 f("prompt_tokens"),
+                f("prompt_chunks"),
                 mean(f("prompt_step_seconds"), f("prompt_steps")),
                 f("decode_steps"),
                 f("decoded_tokens"),

@@ -2,9 +2,10 @@
 //! in a pool of KV blocks scattered at random (and, for hybrids, a recurrent-state row each),
 //! joining and leaving the batch at different steps, each step's logits compared with those of
 //! the same sequence run alone. Joining sequences' prompts run alone before the step, or (mixed
-//! steps, models without recurrent states) one of them inside it: the prompt's tokens and its
-//! first fed token in the same step as the others' next tokens, the prompt's last token and the
-//! fed one both outputs.
+//! steps, models without recurrent states) inside it: the prompts' tokens in the same step as
+//! the others' next tokens, each prompt's last token an output. Where several prompts join at
+//! once (step 0), their chunks share the step, each token attending its own sequence; a prompt
+//! joining alone runs as one sequence's chunk.
 
 use kestrel_core::rng::Rng;
 use kestrel_core::{Backend, DType};
@@ -133,15 +134,12 @@ pub fn batched_against_alone<B: Backend>(
     };
     let steps = seqs.iter().map(|s| s.join + s.fed.len()).max().unwrap();
     for step in 0..steps {
-        // Sequences joining now: their prompts, each alone, or in a mixed step the first with
-        // more than one token (a step takes one prompt's chunk) and those of one token.
+        // Sequences joining now: their prompts, each alone, or all in a mixed step.
         let (mut prompts, mut first_alone) = (Vec::new(), Vec::new());
         for i in (0..n).filter(|&i| seqs[i].join == step) {
-            let chunked = prompts.iter().any(|&j: &usize| seqs[j].prompt.len() > 1);
-            if mixed && (seqs[i].prompt.len() == 1 || !chunked) {
-                prompts.push(i);
-            } else {
-                first_alone.push(i);
+            match mixed {
+                true => prompts.push(i),
+                false => first_alone.push(i),
             }
         }
         for &i in &first_alone {
