@@ -845,7 +845,7 @@ impl GraphBuilder {
         pages: KvPages,
         heads: usize,
         scale: f32,
-        chunk: Option<usize>,
+        chunk: Option<QueryChunk>,
     ) -> BufId<Act> {
         let (kv_heads, rows, head_dim) = self.cache_dims(k_cache);
         self.check_dtype(name, q, &[DType::F32]);
@@ -856,9 +856,11 @@ impl GraphBuilder {
         });
         self.check_len(name, positions, tokens);
         self.check_pages(name, &pages, rows, tokens);
-        self.check(name, chunk.is_none_or(|c| c < tokens && !pages.one_seq), || {
-            format!("a chunk from token {chunk:?} of {tokens} (of sequences of their own)")
-        });
+        self.check(
+            name,
+            chunk.is_none_or(|c| c.from < tokens && !pages.one_seq),
+            || format!("a chunk {chunk:?} of {tokens} tokens (of sequences of their own)"),
+        );
         let out = self.transient(name, DType::F32, vec![tokens, heads * head_dim]);
         self.push(
             name,

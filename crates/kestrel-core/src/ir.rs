@@ -442,6 +442,25 @@ pub enum DeltaAlgo {
     },
 }
 
+/// Where an [`Op::Attention`]'s queries share sequences: from token `from` on, in runs of
+/// `run` tokens (0: one run to the end), each run's queries attend to the sequence of the run's
+/// first token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueryChunk {
+    pub from: usize,
+    pub run: usize,
+}
+
+impl QueryChunk {
+    /// The token whose sequence query `t` (at least `from`) attends to.
+    pub fn leader(&self, t: usize) -> usize {
+        match self.run {
+            0 => self.from,
+            r => self.from + (t - self.from) / r * r,
+        }
+    }
+}
+
 /// One operation. All activations are f32; shapes are given as `[rows, cols]` row-major.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Op {
@@ -581,10 +600,11 @@ pub enum Op {
         rows: usize,
     },
     /// Causal attention with GQA: query token t attends to positions `0 ..= positions[t]` of
-    /// its sequence; with `chunk: Some(c)`, the queries from token `c` on all attend to the
-    /// sequence of token `c` (a prompt's chunk after a batched step's tokens of their own
-    /// sequences, so backends may share each key between its queries; padding after the chunk
-    /// reads that sequence too).
+    /// its sequence; with `chunk: Some(c)`, the queries from token `c.from` on attend to the
+    /// sequence of the first token of their run (all of them to token `c.from`'s when `c.run`
+    /// is 0, else in runs of `c.run` tokens from `c.from`): prompts' chunks after a batched
+    /// step's tokens of their own sequences, so backends may share each key between a run's
+    /// queries). A token of another sequence in a run (padding) gets an output of no meaning.
     Attention {
         q: Buf,
         k_cache: Buf,
@@ -598,7 +618,7 @@ pub enum Op {
         head_dim: usize,
         rows: usize,
         scale: f32,
-        chunk: Option<usize>,
+        chunk: Option<QueryChunk>,
     },
     /// Softmax over `experts`, top `k` (ties to the lower index), optional renormalisation.
     Router {

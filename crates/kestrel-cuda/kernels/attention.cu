@@ -11,7 +11,8 @@
 //   pieces a warp). No combine launch.
 // - flash_attention_* (tensor cores, bf16/f16 caches, the same head dims, any number of tokens):
 //   a block takes one KV head and 64 or 128 rows of its group, K/V tiles streaming through shared
-//   memory with cp.async. With fewer blocks than two per SM the cache range is split, and
+//   memory with cp.async, over the sequence of its first token (one sequence's chunk, or one run
+//   of several prompts' chunks). With fewer blocks than two per SM the cache range is split, and
 //   attention_combine merges the parts.
 // - attention_split (decode, up to 4 tokens: f32 caches, and bf16/f16 caches of other head dims):
 //   the cache range split over blocks, the parts merged by attention_combine.
@@ -672,7 +673,9 @@ __device__ void flash_attention(const float* q, const T* k_cache, const T* v_cac
     const unsigned group = heads / kv_heads, pairs = tokens * group;
     const unsigned kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const unsigned row0 = (gridDim.x - 1 - blockIdx.x) * ROWS;  // longest causal ranges first
-    const Pages pg = pages_of(PAGE_ARGS, 0);  // every token is of one sequence
+    // The sequence of the block's first token: every token's (seq_step 0), or, for the runs of
+    // several prompts' chunks, the run's (the host makes a block's rows whole tokens of a run).
+    const Pages pg = pages_of(PAGE_ARGS, row0 / group);
     if (tid == 0) block_end = 0;
     __syncthreads();
     for (unsigned r = tid; r < ROWS; r += blockDim.x) {

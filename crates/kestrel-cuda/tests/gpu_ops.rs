@@ -104,6 +104,22 @@ fn every_op_matches_the_cpu_backend() {
     }
 }
 
+/// Several prompts' chunks beside a batched step's own tokens: runs of 16 or 8 tokens each of
+/// its own sequence, on flash blocks that each take one run's sequence (or, where a block's
+/// rows would cross a run or the cache is f32, each token on its own).
+#[test]
+fn attention_in_runs_matches_the_cpu_backend() {
+    let Some(dev) = device_or_skip("attention_in_runs_matches_the_cpu_backend") else {
+        return;
+    };
+    let (mut rng, seed) = Rng::from_time();
+    for round in 0..24 {
+        let case = kestrel_testing::cases::attention_runs(Rng::new(rng.next_u64()));
+        println!("{}", case.name);
+        compare(&dev, &case, seed, round);
+    }
+}
+
 /// One token of a MoE layer at Qwen3-30B-A3B's expert shapes (the random cases' layers are
 /// small): the router's 8-bit product and choice as one cluster kernel, then gate/up and down
 /// over rows of 2,048 and 768 values, as a decode step runs them; in a third of the rounds the

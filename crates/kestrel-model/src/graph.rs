@@ -15,8 +15,8 @@ use kestrel_core::expert_slots::{table_words, SlotPolicy};
 use kestrel_core::ir::BufKind;
 use kestrel_core::ir::{
     Buf, BufId, Drawn, Draws, ExpertFormat, ExpertIds, ExpertLayout, ExpertWeights, Graph, KvPages,
-    LinearWeight, Logits, NormKind, Normed, Op, PageTable, Positions, Residual, SeqIds, StateRows, TokenIds,
-    Tokens, Weight,
+    LinearWeight, Logits, NormKind, Normed, Op, PageTable, Positions, QueryChunk, Residual, SeqIds,
+    StateRows, TokenIds, Tokens, Weight,
 };
 use kestrel_core::quant::{QuantFormat, QuantMatrix};
 use kestrel_core::rope::RopeTable;
@@ -30,6 +30,11 @@ use crate::weights::Weights;
 /// Rows of a block of the KV caches (see `KvPages`); a cache holds whole blocks, so its rows
 /// are the context rounded up to a block.
 pub const KV_BLOCK: usize = 16;
+
+/// In a batched step with several prompts' chunks, each prompt's tokens past the outputs are
+/// padded to whole runs of this many tokens, a run's queries attending to one sequence
+/// (`QueryChunk::run`), so a backend can share each key between them.
+pub const CHUNK_RUN: usize = 16;
 
 /// What one forward graph covers.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -64,9 +69,9 @@ pub struct ForwardSpec {
     /// In a batched step, the logits of only the first this many tokens: the others only fill
     /// the caches (prompts' chunks riding along with other sequences' next tokens).
     pub logit_rows: Option<usize>,
-    /// In a batched step with tokens past its `logit_rows`: they are one sequence's chunk, whose
-    /// attention runs as that sequence's prefill (else each token attends its own sequence's
-    /// positions, as the outputs do: several prompts' chunks in one step).
+    /// In a batched step with tokens past its `logit_rows`: they are one sequence's chunk (else
+    /// several prompts' chunks, each padded to whole runs of [`CHUNK_RUN`] tokens, its own
+    /// sequence's; see `QueryChunk`).
     pub one_chunk: bool,
     /// Also draw each logits row's next token on the backend with that row's own settings and
     /// generator (`Op::SampleRows`; see [`Forward::drawn`]), with a row of token counts for
@@ -801,11 +806,15 @@ fn attention(
         vc,
         pages,
     );
-    // A batched step's tokens past its outputs: one prompt's chunk, or several prompts' tokens
-    // each attending its own sequence.
+    // A batched step's tokens past its outputs: one prompt's chunk, or several prompts' in runs
+    // of CHUNK_RUN tokens (each prompt's tokens padded to whole runs).
     let chunk = spec
         .logit_rows
-        .filter(|&r| spec.batched && spec.one_chunk && r < spec.tokens);
+        .filter(|&r| spec.batched && r < spec.tokens)
+        .map(|from| QueryChunk {
+            from,
+            run: if spec.one_chunk { 0 } else { CHUNK_RUN },
+        });
     let mut o = b.g.attention_chunked(
         &format!("{a}.attention"),
         q,

@@ -31,7 +31,7 @@ pub use experts::{
 };
 pub use footprint::{footprint, Footprint};
 pub use gguf_model::{gguf_from_bytes, open_gguf, GgufModel};
-pub use graph::{Forward, ForwardSpec, HostExperts, KvPool, MoeStep, Streamed, KV_BLOCK};
+pub use graph::{Forward, ForwardSpec, HostExperts, KvPool, MoeStep, Streamed, CHUNK_RUN, KV_BLOCK};
 pub use quantize::{check_empty_dst, quantize_dir, write_model_dir, QuantizeReport};
 pub use session::{batch_bucket, BatchOutput, Output, Session, StageAhead, Want, MAX_PROGRAMS};
 pub use synthetic::{synthetic_model, synthetic_model_json, synthetic_weights, SYNTHETIC_MODELS};

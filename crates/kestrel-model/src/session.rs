@@ -9,7 +9,7 @@
 //! other layers' experts are read from the checkpoint by the host, between segments of the
 //! program cut before those layers' experts.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::time::Instant;
 
@@ -28,7 +28,7 @@ use kestrel_core::expert_slots::{self, resolve, stage_sources, table_words};
 use crate::expert_cache::{CacheStats, Eviction};
 use crate::expert_disk::{DiskStats, ExpertReader};
 use crate::experts::{expert_copy_parts, expert_tensor_names, pack_expert, pack_experts_into, CopyPart};
-use crate::graph::{Forward, ForwardSpec, KvPool, MoeStep, Streamed, KV_BLOCK};
+use crate::graph::{Forward, ForwardSpec, KvPool, MoeStep, Streamed, CHUNK_RUN, KV_BLOCK};
 use crate::weights::Weights;
 
 /// What a caller wants from a [`Session::step`].
@@ -678,7 +678,7 @@ impl<B: Backend> Session<B> {
             )));
         }
         let recurrent = self.config.arch.is_hybrid();
-        let mut seen = std::collections::HashSet::with_capacity(n);
+        let mut seen = HashSet::with_capacity(n);
         for (&s, &p) in seqs.iter().zip(positions) {
             if s as usize >= pool.seqs {
                 return Err(bad_batch(format!("sequence {s} is not in the pool")));
@@ -694,11 +694,33 @@ impl<B: Backend> Session<B> {
             }
         }
         // The tokens past the outputs as one sequence's chunk (its attention a prefill of that
-        // sequence, see `Op::Attention`), or of several sequences (each token's its own).
-        let one_chunk = seqs[outputs..].windows(2).all(|w| w[0] == w[1]);
+        // sequence, see `Op::Attention`), or as several sequences' runs of tokens: each
+        // sequence's tokens (together, in the order given) padded to whole runs of CHUNK_RUN.
+        let rest = &seqs[outputs..];
+        let one_chunk = rest.windows(2).all(|w| w[0] == w[1]);
+        let mut groups: Vec<(usize, usize)> = Vec::new();
+        for (i, &s) in rest.iter().enumerate() {
+            match groups.last_mut() {
+                Some(g) if rest[g.0] == s => g.1 = i + 1,
+                _ => groups.push((i, i + 1)),
+            }
+        }
+        if !one_chunk && groups.len() != groups.iter().map(|g| rest[g.0]).collect::<HashSet<_>>().len() {
+            return Err(bad_batch(
+                "each sequence's tokens past the outputs come together".to_string(),
+            ));
+        }
+        let run = |len: usize| {
+            if one_chunk {
+                len
+            } else {
+                len.next_multiple_of(CHUNK_RUN)
+            }
+        };
+        let rest_len: usize = groups.iter().map(|g| run(g.1 - g.0)).sum();
         // Outputs padded to their bucket, then the other tokens, the whole padded to its own.
         let rows = batch_bucket(outputs);
-        let total = match n - outputs {
+        let total = match rest_len {
             0 => rows,
             rest => batch_bucket(rows + rest),
         };
@@ -707,7 +729,10 @@ impl<B: Backend> Session<B> {
             let mut out = Vec::with_capacity(total);
             out.extend_from_slice(&v[..outputs]);
             out.resize(rows, fill);
-            out.extend_from_slice(&v[outputs..]);
+            for &(a, b) in &groups {
+                out.extend_from_slice(&v[outputs + a..outputs + b]);
+                out.resize(out.len() + run(b - a) - (b - a), fill);
+            }
             out.resize(total, fill);
             out
         };

@@ -85,6 +85,9 @@ fn a_pool_refuses_what_it_cannot_hold() {
     assert!(two.is_ok());
     let again = s.step_mixed(&[0, 1, 1, 0], &[5, 6, 7, 8], &[3, 1, 1, 2], 1, Want::Argmax);
     assert!(err(again).contains("sequence 1 twice at position 1"));
+    // Each sequence's tokens come together (its runs are padded whole).
+    let apart = s.step_mixed(&[0, 1, 0, 1], &[5, 6, 7, 8], &[3, 1, 2, 2], 1, Want::Argmax);
+    assert!(err(apart).contains("come together"));
     // A recurrent state takes one token of its sequence a step.
     let mut h = open("qwen3_next").with_kv_pool(2, 8).unwrap();
     let chunk = h.step_mixed(&[1, 1], &[5, 6], &[1, 0], 1, Want::Argmax);

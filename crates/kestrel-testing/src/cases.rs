@@ -775,11 +775,24 @@ impl PagedTokens {
     /// of one more (a mixed step; `n == tokens`: a batched decode step); else as `new` without
     /// `batched`.
     fn with_chunk(c: &mut CaseBuilder, tokens: usize, own: Option<usize>, long: bool) -> PagedTokens {
+        Self::with_runs(c, tokens, own, None, long)
+    }
+
+    /// As `with_chunk`, and with `runs: Some(run)` the tokens past the first `n` are runs of
+    /// `run` tokens, each of a sequence of its own (several prompts' chunks).
+    fn with_runs(
+        c: &mut CaseBuilder,
+        tokens: usize,
+        own: Option<usize>,
+        runs: Option<usize>,
+        long: bool,
+    ) -> PagedTokens {
         let batched = own.is_some();
-        let seqs = match own {
-            Some(n) if n < tokens => n + 1,
-            Some(n) => n,
-            None => c.rng.range(1, 3),
+        let seqs = match (own, runs) {
+            (Some(n), Some(run)) => n + (tokens - n).div_ceil(run),
+            (Some(n), None) if n < tokens => n + 1,
+            (Some(n), None) => n,
+            (None, _) => c.rng.range(1, 3),
         };
         let past: Vec<usize> = (0..seqs)
             .map(|_| {
@@ -790,7 +803,17 @@ impl PagedTokens {
                 }
             })
             .collect();
-        let (seq, pos): (Vec<usize>, Vec<u32>) = if let Some(n) = own {
+        let (seq, pos): (Vec<usize>, Vec<u32>) = if let (Some(n), Some(run)) = (own, runs) {
+            (0..tokens)
+                .map(|t| match t < n {
+                    true => (t, past[t] as u32),
+                    false => {
+                        let s = n + (t - n) / run;
+                        (s, (past[s] + (t - n) % run) as u32)
+                    }
+                })
+                .unzip()
+        } else if let Some(n) = own {
             (0..tokens)
                 .map(|t| match t < n {
                     true => (t, past[t] as u32),
@@ -881,15 +904,34 @@ pub fn shuffled_pages(
 /// KV append of new tokens (a chunk of one sequence, or one token of each of several
 /// sequences) into paged caches, then causal GQA attention over each token's sequence.
 pub fn attention(rng: Rng) -> Case {
+    attention_of(rng, None)
+}
+
+/// [`attention`] of a batched step's own tokens and then several prompts' chunks, in runs of
+/// 16 or 8 tokens each of its own sequence (`QueryChunk::run`).
+pub fn attention_runs(rng: Rng) -> Case {
+    attention_of(rng, Some(2))
+}
+
+fn attention_of(rng: Rng, kind: Option<usize>) -> Case {
     let mut c = CaseBuilder::new(rng);
+    let forced = kind.is_some();
     let kv_heads = c.rng.range(1, 4);
-    // Groups above 8 query heads per KV head take several blocks per head on CUDA.
-    let heads = kv_heads * c.rng.range(1, 13);
+    // Groups above 8 query heads per KV head take several blocks per head on CUDA. Runs mostly
+    // take groups whose CUDA flash blocks hold whole tokens of a run (4, 8, 16), and some not.
+    let group = match forced {
+        true => pick(&mut c.rng, &[8, 4, 16, 3]),
+        false => c.rng.range(1, 13),
+    };
+    let heads = kv_heads * group;
     // 16 and 40: head sizes without a tensor-core kernel, which half caches send to the others.
-    let hd = pick(&mut c.rng, &[64, 128, 96, 256, 16, 40]);
+    let hd = match forced {
+        true => pick(&mut c.rng, &[128, 64, 40]),
+        false => pick(&mut c.rng, &[64, 128, 96, 256, 16, 40]),
+    };
     // One sequence's tokens, a token of each of several, or a mixed step: tokens of their own
     // sequences, then a chunk of one more (whose queries the op is told share a sequence).
-    let kind = c.rng.range(0, 4);
+    let kind = kind.unwrap_or_else(|| c.rng.range(0, 4));
     let (tokens, own) = match kind {
         0 => {
             let n = pick(&mut c.rng, &[2, 5, 9]);
@@ -899,13 +941,32 @@ pub fn attention(rng: Rng) -> Case {
             let n = pick(&mut c.rng, &[1, 2, 5]);
             (n + pick(&mut c.rng, &[3, 19, 70]), Some(n))
         }
+        // Several prompts' chunks: runs of 16 (or 8) tokens, each of its own sequence.
+        2 if forced || c.rng.range(0, 2) == 0 => {
+            let n = pick(&mut c.rng, &[1, 2, 5]);
+            (
+                n + pick(&mut c.rng, &[2, 3, 5]) * pick(&mut c.rng, &[16, 8]),
+                Some(n),
+            )
+        }
         _ => (pick(&mut c.rng, &[1, 1, 3, 19, 70]), None),
     };
-    let chunk = own.filter(|&n| n < tokens);
+    let runs = match (kind, own) {
+        (2, Some(n)) if n < tokens => Some(if (tokens - n) % 16 == 0 { 16 } else { 8 }),
+        _ => None,
+    };
+    let chunk = own.filter(|&n| n < tokens).map(|from| QueryChunk {
+        from,
+        run: runs.unwrap_or(0),
+    });
     // Sometimes a longer cache, so decode spans several tiles and splits.
-    let pt = PagedTokens::with_chunk(&mut c, tokens, own, own.is_some() || tokens <= 3);
+    let long = own.is_some() || tokens <= 3;
+    let pt = PagedTokens::with_runs(&mut c, tokens, own, runs, long);
     let rows = pt.rows;
-    let dtype = pick(&mut c.rng, &[DType::F32, DType::BF16, DType::F16]);
+    let dtype = match forced {
+        true => pick(&mut c.rng, &[DType::BF16, DType::F16, DType::BF16, DType::F32]),
+        false => pick(&mut c.rng, &[DType::F32, DType::BF16, DType::F16]),
+    };
     // Every row holds something: earlier tokens, or rows no token may read.
     let kc = c.randn(kv_heads * rows * hd, 1.0);
     let vc = c.randn(kv_heads * rows * hd, 1.0);
@@ -975,7 +1036,10 @@ pub fn attention(rng: Rng) -> Case {
         "attention t{tokens} at {:?} ({}{}) h{heads}/{kv_heads} d{hd} {dtype}",
         &pt.pos[..pt.pos.len().min(4)],
         pt.describe(),
-        chunk.map_or(String::new(), |n| format!(", a chunk from token {n}"))
+        chunk.map_or(String::new(), |q| match q.run {
+            0 => format!(", a chunk from token {}", q.from),
+            r => format!(", runs of {r} from token {}", q.from),
+        })
     ))
 }
 
@@ -1598,6 +1662,7 @@ pub fn all_cases(rng: &mut Rng) -> Vec<Case> {
         linear(seed()),
         elementwise(seed()),
         attention(seed()),
+        attention_runs(seed()),
         attention_inputs(seed()),
         router(seed()),
         moe(seed()),

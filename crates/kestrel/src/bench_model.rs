@@ -53,6 +53,10 @@ pub struct ModelBenchArgs {
     /// sequence (a server's steps while prompts come in: `tg32 x64 +512`); 0: none.
     #[arg(long, default_value_t = 0)]
     mixed: usize,
+    /// The `--mixed` prompt tokens are those of this many sequences, in equal chunks (several
+    /// prompts' chunks a step, each token attending its own sequence: `tg32 x64 +2048/4`).
+    #[arg(long, default_value_t = 1, value_parser = crate::args::at_least_one)]
+    mixed_prompts: usize,
     #[command(flatten)]
     backend: BackendArgs,
     #[command(flatten)]
@@ -217,11 +221,12 @@ fn run_tests(e: &mut Engine, a: &ModelBenchArgs, rng: &mut Rng) -> Result<Vec<Te
 
 /// One timed run of a batched generation test: `b` sequences started afresh, each holding
 /// `depth` random tokens (untimed), then `n` batched steps of every sequence's next token, each
-/// step with `mixed` random prompt tokens of sequence `b` at positions from 0 beside them (a
-/// new prompt's chunk, as a server's steps take one); the seconds of the steps.
+/// step with `mixed.0` random prompt tokens beside them at positions from 0, of sequence `b`
+/// or of `mixed.1` sequences from `b` on in equal chunks (new prompts' chunks, as a server's
+/// steps take them); the seconds of the steps.
 fn batched_run(
     e: &mut Engine,
-    (b, depth, n, mixed): (usize, usize, usize, usize),
+    (b, depth, n, mixed): (usize, usize, usize, (usize, usize)),
     input: TgInput,
     rng: &mut Rng,
 ) -> Result<f64> {
@@ -232,14 +237,16 @@ fn batched_run(
             e.step(&ids(rng, vocab, depth), 0, Want::Argmax)?;
         }
     }
+    let (tokens, prompts) = mixed;
+    let per = tokens.div_ceil(prompts.max(1)).max(1);
     let mut seqs: Vec<u32> = (0..b as u32).collect();
-    seqs.resize(b + mixed, b as u32);
-    let chunk = ids(rng, vocab, mixed);
+    seqs.extend((0..tokens).map(|t| (b + t / per) as u32));
+    let chunk = ids(rng, vocab, tokens);
     let mut fed = ids(rng, vocab, b);
     let start = Instant::now();
     for i in 0..n {
         let mut at = vec![(depth + i) as u32; b];
-        at.extend(0..mixed as u32);
+        at.extend((0..tokens).map(|t| (t % per) as u32));
         fed.extend_from_slice(&chunk);
         let chosen = e
             .step_mixed(&seqs, &fed, &at, b, Want::Argmax)?
@@ -254,10 +261,11 @@ fn batched_run(
 }
 
 /// A batched test's name: `tg32 x64`, with the prompt tokens beside each step `tg32 x64 +512`.
-fn batched_name(tg: usize, b: usize, mixed: usize) -> String {
+fn batched_name(tg: usize, b: usize, mixed: (usize, usize)) -> String {
     match mixed {
-        0 => format!("tg{tg} x{b}"),
-        m => format!("tg{tg} x{b} +{m}"),
+        (0, _) => format!("tg{tg} x{b}"),
+        (m, 1) => format!("tg{tg} x{b} +{m}"),
+        (m, p) => format!("tg{tg} x{b} +{m}/{p}"),
     }
 }
 
@@ -266,12 +274,13 @@ fn run_batched(e: &mut Engine, a: &ModelBenchArgs, rng: &mut Rng) -> Result<Vec<
     let mut rows = Vec::new();
     for &b in a.batch.iter().filter(|&&b| b > 1) {
         for &tg in a.n_gen.iter().filter(|&&n| n > 0) {
-            batched_run(e, (b, a.depth, tg.min(4), a.mixed), a.tg_input, rng)?;
+            let mixed = (a.mixed, a.mixed_prompts);
+            batched_run(e, (b, a.depth, tg.min(4), mixed), a.tg_input, rng)?;
             let samples = (0..a.reps)
-                .map(|_| batched_run(e, (b, a.depth, tg, a.mixed), a.tg_input, rng))
+                .map(|_| batched_run(e, (b, a.depth, tg, mixed), a.tg_input, rng))
                 .collect::<Result<Vec<f64>>>()?;
             rows.push(TestRow {
-                name: at_depth(batched_name(tg, b, a.mixed), a.depth),
+                name: at_depth(batched_name(tg, b, mixed), a.depth),
                 n_prompt: 0,
                 n_gen: tg,
                 batch: b,
@@ -376,7 +385,7 @@ fn expert_extras(
 /// run, and of an eager batched run at the largest `-b` count above 1. Null on the CPU.
 fn cuda_extras(
     e: &mut Engine,
-    (depth, tg, batch, mixed): (usize, usize, Option<usize>, usize),
+    (depth, tg, batch, mixed): (usize, usize, Option<usize>, (usize, usize)),
     (profile, input): (bool, TgInput),
     rng: &mut Rng,
 ) -> Result<serde_json::Value> {
@@ -496,7 +505,13 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
     a.memory.apply(&mut opts);
     // The batched tests' sequences, and the one whose prompt tokens run beside them.
     let most = a.batch.iter().copied().max().filter(|&b| b > 1);
-    opts.max_seqs = most.map(|b| b + usize::from(a.mixed > 0));
+    opts.max_seqs = most.map(|b| {
+        b + if a.mixed > 0 {
+            a.mixed_prompts.min(a.mixed)
+        } else {
+            0
+        }
+    });
     let mut engine = Engine::new(model, config, opts).with_context(|| format!("opening {label}"))?;
     crate::progress::placement(&engine);
     let backend = engine.backend();
@@ -534,7 +549,7 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
         let batch = a.batch.iter().copied().max();
         cuda_extras(
             &mut engine,
-            (a.depth, tg, batch, a.mixed),
+            (a.depth, tg, batch, (a.mixed, a.mixed_prompts)),
             (a.profile, a.tg_input),
             &mut rng,
         )?

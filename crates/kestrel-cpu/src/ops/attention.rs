@@ -167,10 +167,10 @@ pub fn exec(op: &Op, v: &mut Views) -> OpResult {
         } => {
             let (q, pos) = (v.read::<f32>(q)?, v.read::<u32>(positions)?);
             let (table, seq) = (v.read::<u32>(pages.table)?, v.read::<u32>(pages.seq)?);
-            // The sequence a query reads: its own, or from the chunk on, the chunk's.
+            // The sequence a query reads: its own, or from the chunk on, its run's.
             let seq_of = |t: usize| {
                 let from = match chunk {
-                    Some(c) if t >= c => c,
+                    Some(c) if t >= c.from => c.leader(t),
                     _ => t,
                 };
                 pages.seq_of(seq, from)

@@ -1,7 +1,7 @@
 //! KV-cache append (alone or with the per-head norms and rotation of q and k) and causal GQA
 //! attention: `kernels/attention.cu`.
 
-use kestrel_core::ir::{Buf, KvPages, NormKind, Op};
+use kestrel_core::ir::{Buf, KvPages, NormKind, Op, QueryChunk};
 use kestrel_core::DType;
 
 use super::common::{float_name, op_module, u32_arg, unsupported};
@@ -126,8 +126,8 @@ struct Attn {
     /// Positions a sequence holds (the range the kernels split).
     max_ctx: usize,
     scale: f32,
-    /// Queries from this token on attend to its sequence (see `Op::Attention`).
-    chunk: Option<usize>,
+    /// Queries from a token on attend to its run's sequence (see `Op::Attention`).
+    chunk: Option<QueryChunk>,
 }
 
 impl Attn {
@@ -236,7 +236,7 @@ fn flash_tile_keys(head_dim: usize) -> usize {
 /// Tensor-core attention on a bf16/f16 cache, for any number of tokens. With fewer blocks than
 /// half the multiprocessors (decode, short prefills), the cache range is split into chunks (about
 /// two blocks a multiprocessor) whose partial results `attention_combine_f32` merges.
-fn encode_flash(enc: &mut Encoder, a: &Attn) -> Result<()> {
+fn encode_flash(enc: &mut Encoder, a: &Attn, max_mt: usize) -> Result<()> {
     let (cache, tokens, heads, kv_heads, head_dim, max_ctx) =
         (a.cache, a.tokens, a.heads, a.kv_heads, a.head_dim, a.max_ctx);
     let bn = flash_tile_keys(head_dim);
@@ -245,7 +245,7 @@ fn encode_flash(enc: &mut Encoder, a: &Attn) -> Result<()> {
     // still number two a multiprocessor (below that, more blocks of one tile won: pp256 16,531
     // to 17,648 tok/s, pp512 +3% on the H200).
     let sms = enc.device.info().sm_count as usize;
-    let mt = if head_dim <= 128 && pairs.div_ceil(2 * 16 * FA_WARPS) * kv_heads >= 2 * sms {
+    let mt = if max_mt >= 2 && head_dim <= 128 && pairs.div_ceil(2 * 16 * FA_WARPS) * kv_heads >= 2 * sms {
         2
     } else {
         1
@@ -574,10 +574,14 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
         Op::Attention { .. } => {
             let a = Attn::new(enc, op)?;
             match a.chunk {
-                // The batched step's own tokens as decode, the chunk as one sequence's prefill.
-                Some(c) if !a.pages.pages.one_seq && c > 0 && c < a.tokens => {
-                    encode_attention(enc, &a.rows(0, c, false)?)?;
-                    encode_attention(enc, &a.rows(c, a.tokens, true)?)?;
+                // The batched step's own tokens as decode, the chunk as one sequence's prefill,
+                // or several sequences' runs as flash blocks each of one run.
+                Some(c) if !a.pages.pages.one_seq && c.from > 0 && c.from < a.tokens => {
+                    encode_attention(enc, &a.rows(0, c.from, false)?)?;
+                    match c.run {
+                        0 => encode_attention(enc, &a.rows(c.from, a.tokens, true)?)?,
+                        run => encode_runs(enc, &a.rows(c.from, a.tokens, false)?, run)?,
+                    }
                 }
                 _ => encode_attention(enc, &a)?,
             }
@@ -585,6 +589,24 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
         _ => unreachable!("dispatched by ops::encode"),
     }
     Ok(())
+}
+
+/// Attention of `a`'s queries (each of its own sequence) in runs of `run` tokens, each run one
+/// sequence's but for padding: flash blocks that each take one run's rows (the block's
+/// sequence is its first token's), where a block's rows are whole tokens of one run; else each
+/// token on its own.
+fn encode_runs(enc: &mut Encoder, a: &Attn, run: usize) -> Result<()> {
+    let group = a.heads / a.kv_heads;
+    let flash = matches!(a.cache, DType::BF16 | DType::F16) && FLASH_HEAD_DIMS.contains(&a.head_dim);
+    // Row tiles a warp (1 or 2) whose blocks hold whole tokens of one run.
+    let fits = |mt: usize| {
+        let rows = 16 * FA_WARPS * mt;
+        rows % group == 0 && run % (rows / group) == 0
+    };
+    match (fits(1), fits(2)) {
+        (true, two) if flash => encode_flash(enc, a, if two { 2 } else { 1 }),
+        _ => encode_attention(enc, a),
+    }
 }
 
 /// Attention of `a`'s queries by the first kernel that fits their shape.
@@ -601,7 +623,7 @@ fn encode_attention(enc: &mut Encoder, a: &Attn) -> Result<()> {
             return encode_decode(enc, a);
         }
         if one_seq {
-            return encode_flash(enc, a);
+            return encode_flash(enc, a, 2);
         }
     }
     // The split kernel when its shared memory fits (f32 caches up to head dim 128).
