@@ -604,7 +604,7 @@ pub enum Op {
     /// sequence of the first token of their run (all of them to token `c.from`'s when `c.run`
     /// is 0, else in runs of `c.run` tokens from `c.from`): prompts' chunks after a batched
     /// step's tokens of their own sequences, so backends may share each key between a run's
-    /// queries). A token of another sequence in a run (padding) gets an output of no meaning.
+    /// queries. A token of another sequence in a run (padding) gets an output of no meaning.
     Attention {
         q: Buf,
         k_cache: Buf,

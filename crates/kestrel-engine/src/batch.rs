@@ -55,8 +55,9 @@ const PREFILL_CHUNK: usize = 512;
 const STEP_PROMPT_TOKENS: usize = 2048;
 
 /// A prompt's chunk shares a step with other prompts' only when it starts before this
-/// position: the tokens of several prompts each attend their own sequence, reading its cache
-/// once a token (a lone chunk reads it once a tile), which costs little only near its start.
+/// position: several prompts' tokens run their attention in runs of 16 tokens (CUDA: a flash
+/// block a run where its rows fit one, else each token reading the cache on its own, which
+/// costs little only near a prompt's start).
 const SHARED_CHUNK_DEPTH: usize = PREFILL_CHUNK;
 
 /// What a sequence is told of each generated token.

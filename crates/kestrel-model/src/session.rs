@@ -568,7 +568,8 @@ impl<B: Backend> Session<B> {
     /// states (their state advances one token a step: one token a sequence there); a token
     /// sees its sequence's positions before it, in the caches or in this step. Tokens past the
     /// outputs all of one sequence run their attention as that sequence's prefill; of several
-    /// sequences, each token's on its own, as an output's (a program of its own). Runs the
+    /// sequences (each one's tokens together), each sequence's are padded to whole runs of
+    /// [`CHUNK_RUN`] tokens whose attention reads that sequence (a program of its own). Runs the
     /// program of the step's buckets ([`batch_bucket`] of the outputs, and of all the tokens),
     /// the padding in a block of its own.
     pub fn step_mixed(
