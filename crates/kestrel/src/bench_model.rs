@@ -49,12 +49,12 @@ pub struct ModelBenchArgs {
     /// Prefill in chunks of at most this many tokens (default: the whole prompt at once).
     #[arg(long)]
     prefill_chunk: Option<usize>,
-    /// The batched generation tests' steps also run this many prompt tokens of one more
-    /// sequence (a server's steps while prompts come in: `tg32 x64 +512`); 0: none.
+    /// The batched generation tests' steps also run this many prompt tokens of more sequences
+    /// (a server's steps while prompts come in: `tg32 x64 +512`); 0: none.
     #[arg(long, default_value_t = 0)]
     mixed: usize,
     /// The `--mixed` prompt tokens are those of this many sequences, in equal chunks (several
-    /// prompts' chunks a step, each token attending its own sequence: `tg32 x64 +2048/4`).
+    /// prompts' chunks a step, their attention in runs of 16 tokens: `tg32 x64 +2048/4`).
     #[arg(long, default_value_t = 1, value_parser = crate::args::at_least_one)]
     mixed_prompts: usize,
     #[command(flatten)]
@@ -503,15 +503,9 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
     opts.progress = Some(Box::new(crate::progress::loading(&label)));
     let start = Instant::now();
     a.memory.apply(&mut opts);
-    // The batched tests' sequences, and the one whose prompt tokens run beside them.
+    // The batched tests' sequences, and those whose prompt tokens run beside them.
     let most = a.batch.iter().copied().max().filter(|&b| b > 1);
-    opts.max_seqs = most.map(|b| {
-        b + if a.mixed > 0 {
-            a.mixed_prompts.min(a.mixed)
-        } else {
-            0
-        }
-    });
+    opts.max_seqs = most.map(|b| b + a.mixed.min(a.mixed_prompts));
     let mut engine = Engine::new(model, config, opts).with_context(|| format!("opening {label}"))?;
     crate::progress::placement(&engine);
     let backend = engine.backend();
