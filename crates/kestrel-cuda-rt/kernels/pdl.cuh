@@ -6,8 +6,9 @@
 // depends on have finished. Its contract: every block calls pdl_wait() before it reads anything
 // an earlier kernel writes and before it writes anything, and calls pdl_trigger(), which lets the
 // next kernel launch, only after its wait. So before the wait a kernel may read only what no
-// kernel of the run writes: weights, the run's inputs (token ids and positions, uploaded before
-// it), and the rows of a KV cache before every token's position (written by earlier runs); or
+// kernel of the run writes: weights, the run's inputs (token ids, positions and sequences,
+// uploaded before it), and the rows of a KV cache before the run's first position of each
+// sequence (written by earlier runs: a sequence's several tokens in one run write theirs); or
 // what a kernel wrote that the kernels it follows depend on themselves (graphs are transitively
 // reduced, so that kernel is not among its predecessors: it finished before they passed their
 // waits and let this one launch). Because each

@@ -869,10 +869,14 @@ FLASHES(f16, f16)
 // of warp w starts at s * chunk + (i * W + w) * DA_KEYS) through a ring of its own, STAGES
 // batches deep, with cp.async, rows past the range zero-filled and never read, so no warp waits
 // for another while the cache streams in. The first STAGES batches are asked for before the
-// programmatic wait: rows before every token's position were written by earlier runs, never by
-// a kernel this one can overlap, so the cache streams in while the kernel before this one
-// finishes. The rows at the tokens' own positions, which that kernel writes, and q are read
-// after the wait. Per batch: S = Q K^T and O += P V with m16n8k16 mma, the online softmax in
+// programmatic wait: rows before the step's first position of the block's sequence were written
+// by earlier runs, never by a kernel this one can overlap, so the cache streams in while the
+// kernel before this one finishes. In a batched step a sequence may have several tokens (a
+// prompt's chunk in runs, or its last token among the outputs while the rest of its chunk runs
+// in another launch), so that first position is found among all the step's tokens (step_pos,
+// step_seq: step_tokens of them; none for one sequence's tokens, all of which the launch
+// holds). The rows from there on, which the kernel before this one writes, and q are read after
+// the wait. Per batch: S = Q K^T and O += P V with m16n8k16 mma, the online softmax in
 // the exp2 domain, as in flash_attention. Then two merges of (max, sum, acc):
 //   1. the block's warps, through shared memory, into the block's record in `part` (with one
 //      split in the range, into the output);
@@ -903,7 +907,8 @@ __device__ __forceinline__ unsigned keys_seen(unsigned position, unsigned max_ct
 #if __CUDA_ARCH__ >= 900
 template <typename T, int HD>
 __device__ void decode_attention(const float* q, const T* k_cache, const T* v_cache, const unsigned* positions,
-                                 PAGE_PARAMS, float* out, float* part, unsigned* counters, unsigned tokens,
+                                 PAGE_PARAMS, const unsigned* step_pos, const unsigned* step_seq,
+                                 unsigned step_tokens, float* out, float* part, unsigned* counters, unsigned tokens,
                                  unsigned heads, unsigned kv_heads, unsigned rows, float scale, unsigned chunk) {
     using S = DaShape<HD>;
     constexpr int NWARPS = S::NWARPS, STAGES = S::STAGES, STRIDE = S::STRIDE, VECS = S::VECS, REC = S::REC;
@@ -922,8 +927,8 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
     const unsigned max_ctx = pg.max_ctx;
 
     // Keys a token sees, the furthest of them (the splits that hold any), and the rows no kernel
-    // of this run writes: those before every token's position. The positions are an input of the
-    // run, uploaded before it.
+    // of this run writes: those before the step's first token of the block's sequence. The
+    // positions and sequences are inputs of the run, uploaded before it.
     unsigned block_end = 0, old = max_ctx;
     for (unsigned t = t0; t < t0 + ntok; t++) {
         block_end = max(block_end, keys_seen(positions[t], max_ctx));
@@ -933,6 +938,20 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
     if (split >= used) {  // no key for this block; it still waits, as every block must
         pdl_wait();
         return;
+    }
+    if (step_tokens > 1) {
+        __shared__ unsigned first;
+        if (tid == 0) first = old;
+        __syncthreads();
+        const unsigned s = seq[t0 * seq_step];
+        unsigned m = old;
+        for (unsigned j = tid; j < step_tokens; j += blockDim.x) {
+            const unsigned sj = step_seq[j], pj = step_pos[j];
+            if (sj == s) m = min(m, pj);
+        }
+        if (m < old) atomicMin(&first, m);
+        __syncthreads();
+        old = first;
     }
     const unsigned start = split * chunk, end = min(start + chunk, block_end);
 
@@ -1170,10 +1189,11 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
 #define DECODE(T, NAME, HD)                                                                                 \
     extern "C" __global__ void __launch_bounds__(32 * DaShape<HD>::NWARPS) decode_attention_##NAME##_##HD(  \
         const float* q, const T* k_cache, const T* v_cache, const unsigned* positions, PAGE_PARAMS,         \
-        float* out, float* part, unsigned* counters, unsigned tokens, unsigned heads, unsigned kv_heads,    \
-        unsigned rows, float scale, unsigned chunk) {                                                       \
-        decode_attention<T, HD>(q, k_cache, v_cache, positions, PAGE_ARGS, out, part, counters, tokens,     \
-                                heads, kv_heads, rows, scale, chunk);                                       \
+        const unsigned* step_pos, const unsigned* step_seq, unsigned step_tokens, float* out, float* part,  \
+        unsigned* counters, unsigned tokens, unsigned heads, unsigned kv_heads, unsigned rows, float scale, \
+        unsigned chunk) {                                                                                   \
+        decode_attention<T, HD>(q, k_cache, v_cache, positions, PAGE_ARGS, step_pos, step_seq, step_tokens, \
+                                out, part, counters, tokens, heads, kv_heads, rows, scale, chunk);          \
     }
 #define DECODES(T, NAME) DECODE(T, NAME, 64) DECODE(T, NAME, 96) DECODE(T, NAME, 128) DECODE(T, NAME, 256)
 DECODES(bf16, bf16)

@@ -775,16 +775,19 @@ impl PagedTokens {
     /// of one more (a mixed step; `n == tokens`: a batched decode step); else as `new` without
     /// `batched`.
     fn with_chunk(c: &mut CaseBuilder, tokens: usize, own: Option<usize>, long: bool) -> PagedTokens {
-        Self::with_runs(c, tokens, own, None, long)
+        Self::with_runs(c, tokens, own, None, false, long)
     }
 
     /// As `with_chunk`, and with `runs: Some(run)` the tokens past the first `n` are runs of
-    /// `run` tokens, each of a sequence of its own (several prompts' chunks).
+    /// `run` tokens, each of a sequence of its own (several prompts' chunks). With `joined`,
+    /// token `n - 1` is instead the next of the last chunk's sequence, as a prompt's last token
+    /// is one of a step's outputs while the rest of its chunk runs in the same step.
     fn with_runs(
         c: &mut CaseBuilder,
         tokens: usize,
         own: Option<usize>,
         runs: Option<usize>,
+        joined: bool,
         long: bool,
     ) -> PagedTokens {
         let batched = own.is_some();
@@ -803,7 +806,7 @@ impl PagedTokens {
                 }
             })
             .collect();
-        let (seq, pos): (Vec<usize>, Vec<u32>) = if let (Some(n), Some(run)) = (own, runs) {
+        let (mut seq, mut pos): (Vec<usize>, Vec<u32>) = if let (Some(n), Some(run)) = (own, runs) {
             (0..tokens)
                 .map(|t| match t < n {
                     true => (t, past[t] as u32),
@@ -825,6 +828,10 @@ impl PagedTokens {
                 .map(|t| (seqs - 1, (past[seqs - 1] + t) as u32))
                 .unzip()
         };
+        if let (true, Some(n)) = (joined, own.filter(|&n| n > 0 && n < tokens)) {
+            seq[n - 1] = seq[tokens - 1];
+            pos[n - 1] = pos[tokens - 1] + 1;
+        }
         let len = pos.iter().map(|&p| p as usize + 1).max().unwrap_or(1) + c.rng.range(0, 20);
         let block = pick(&mut c.rng, &[16, 1, 4, 8, 64]);
         let max_blocks = len.div_ceil(block);
@@ -961,7 +968,10 @@ fn attention_of(rng: Rng, kind: Option<usize>) -> Case {
     });
     // Sometimes a longer cache, so decode spans several tiles and splits.
     let long = own.is_some() || tokens <= 3;
-    let pt = PagedTokens::with_runs(&mut c, tokens, own, runs, long);
+    // Sometimes the last of the step's own tokens ends the chunk's sequence (a prompt's last
+    // token among the outputs): it reads rows the step writes for its other tokens.
+    let joined = own.is_some_and(|n| n < tokens) && c.rng.range(0, 2) == 0;
+    let pt = PagedTokens::with_runs(&mut c, tokens, own, runs, joined, long);
     let rows = pt.rows;
     let dtype = match forced {
         true => pick(&mut c.rng, &[DType::BF16, DType::F16, DType::BF16, DType::F32]),
@@ -1033,13 +1043,18 @@ fn attention_of(rng: Rng, kind: Option<usize>) -> Case {
     }
     c.check_floats(out, expect);
     c.finish(format!(
-        "attention t{tokens} at {:?} ({}{}) h{heads}/{kv_heads} d{hd} {dtype}",
+        "attention t{tokens} at {:?} ({}{}{}) h{heads}/{kv_heads} d{hd} {dtype}",
         &pt.pos[..pt.pos.len().min(4)],
         pt.describe(),
         chunk.map_or(String::new(), |q| match q.run {
             0 => format!(", a chunk from token {}", q.from),
             r => format!(", runs of {r} from token {}", q.from),
-        })
+        }),
+        if joined {
+            ", its last output token ending the last chunk"
+        } else {
+            ""
+        }
     ))
 }
 

@@ -128,6 +128,9 @@ struct Attn {
     scale: f32,
     /// Queries from a token on attend to its run's sequence (see `Op::Attention`).
     chunk: Option<QueryChunk>,
+    /// A batched step's positions and sequences, of all its tokens (those of `Attn::rows`
+    /// included), and their number: where a sequence's rows written by this step begin.
+    step: Option<(Buffer, Buffer, usize)>,
 }
 
 impl Attn {
@@ -163,12 +166,16 @@ impl Attn {
             unreachable!("called for attention")
         };
         let cache = cache_dtype(enc, k_cache, v_cache)?;
+        let max_ctx = pages.max_ctx();
+        let pages = Pages::new(enc, pages)?;
+        let positions = enc.buf(positions)?.clone();
+        let step = (!pages.pages.one_seq).then(|| (positions.clone(), pages.seq.clone(), tokens));
         Ok(Attn {
             q: enc.buf(q)?.clone(),
             kc: enc.buf(k_cache)?.clone(),
             vc: enc.buf(v_cache)?.clone(),
-            positions: enc.buf(positions)?.clone(),
-            pages: Pages::new(enc, pages)?,
+            positions,
+            pages,
             out: enc.buf(out)?.clone(),
             cache,
             tokens,
@@ -176,9 +183,10 @@ impl Attn {
             kv_heads,
             head_dim,
             rows,
-            max_ctx: pages.max_ctx(),
+            max_ctx,
             scale,
             chunk,
+            step,
         })
     }
 
@@ -202,6 +210,7 @@ impl Attn {
             out: self.out.slice(from * width, n * width)?,
             tokens: n,
             chunk: None,
+            step: self.step.clone(),
             ..*self
         })
     }
@@ -332,7 +341,15 @@ fn encode_decode(enc: &mut Encoder, a: &Attn) -> Result<()> {
     let record = head_dim + 4;
     let part = enc.workspace(DType::F32, zs * kv_heads * splits * DA_ROWS * record)?;
     let counters = enc.counters(2 * zs * kv_heads)?;
+    // Without a batched step, the launch holds every token of its one sequence.
+    let (step_pos, step_seq, step_tokens) = match &a.step {
+        Some((p, s, n)) => (p, s, *n),
+        None => (&a.positions, &a.pages.seq, 0),
+    };
     a.dispatch(enc, &kern)?
+        .read(step_pos)
+        .read(step_seq)
+        .arg(u32_arg(step_tokens)?)
         .grid((u32_arg(splits)?, u32_arg(kv_heads)?, u32_arg(zs)?))
         .block(block)
         .shared_mem(u32_arg(smem)?)
