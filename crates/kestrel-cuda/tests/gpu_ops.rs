@@ -199,15 +199,45 @@ fn wide_projections_match_the_cpu_backend() {
 /// 64 rows) with wgmma on, the mma.sync forms and GEMM tiles without it: the cases alternate
 /// between the two.
 #[test]
-fn skinny_experts_match_the_cpu_backend() {
-    let Some(dev) = device_or_skip("skinny_experts_match_the_cpu_backend") else {
+fn skinny_experts_at_2_and_12_tokens_match_the_cpu_backend() {
+    skinny_experts(
+        "skinny_experts_at_2_and_12_tokens_match_the_cpu_backend",
+        &[2, 12],
+        0,
+    );
+}
+
+/// As above, at 30 and 80 tokens (a test of its own so that test threads share the cases).
+#[test]
+fn skinny_experts_at_30_and_80_tokens_match_the_cpu_backend() {
+    skinny_experts(
+        "skinny_experts_at_30_and_80_tokens_match_the_cpu_backend",
+        &[30, 80],
+        2,
+    );
+}
+
+/// As above, at 120 and 170 tokens.
+#[test]
+fn skinny_experts_at_120_and_170_tokens_match_the_cpu_backend() {
+    skinny_experts(
+        "skinny_experts_at_120_and_170_tokens_match_the_cpu_backend",
+        &[120, 170],
+        4,
+    );
+}
+
+/// The skinny experts' cases at each of `token_counts`, rounds numbered from `first_round` (the
+/// engine of a case alternates with its round).
+fn skinny_experts(test: &str, token_counts: &[usize], first_round: usize) {
+    let Some(dev) = device_or_skip(test) else {
         return;
     };
     let engines = tensor_engines(&dev);
     let (mut rng, seed) = Rng::from_time();
     let formats = kestrel_testing::cases::QUANT_FORMATS;
     use kestrel_testing::cases::FACTORED_FORMATS;
-    for (round, tokens) in [2, 12, 30, 80, 120, 170].into_iter().enumerate() {
+    for (round, &tokens) in (first_round..).zip(token_counts) {
         // MLX's defaults, GGUF's two, 4-bit gate and up beside an 8-bit down (GGUF's Q4_K
         // beside Q6_K, and MLX's), 8-bit gate and up beside a 4-bit down, and factored scales.
         let pairs = [
