@@ -27,6 +27,13 @@ pub trait Backend {
         crate::DType::F32
     }
 
+    /// Whether `err` is the backend running out of memory, which dropping programs may cure
+    /// (the caller may free some and prepare again).
+    fn is_out_of_memory(err: &Self::Error) -> bool {
+        let _ = err;
+        false
+    }
+
     /// Plans the graph's memory, allocates (zeroed) any weight or state not allocated by an
     /// earlier program, and prepares execution.
     fn prepare(&mut self, graph: &Graph) -> Result<Self::Program, Self::Error>;

@@ -13,6 +13,8 @@ pub mod ops;
 mod views;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use kestrel_core::ir::{Buf, BufKind, Graph};
 use kestrel_core::planner::{Plan, Slot};
@@ -31,6 +33,12 @@ pub enum CpuError {
     /// The host could not give the memory a buffer needs.
     #[error("out of memory: {what} needs {bytes} bytes, which the host could not give")]
     OutOfMemory { what: String, bytes: usize },
+    /// A program's own buffers past the memory the backend was given for programs.
+    #[error(
+        "out of memory: a program's activations and buffers need {bytes} bytes beside the {held} \
+         other programs hold, past the {limit} bytes given for programs"
+    )]
+    ProgramMemory { bytes: usize, held: usize, limit: usize },
 }
 
 pub type Result<T, E = CpuError> = std::result::Result<T, E>;
@@ -71,6 +79,11 @@ impl Storage {
 #[derive(Debug, Default)]
 pub struct CpuBackend {
     persistent: HashMap<String, (String, Storage)>,
+    /// The most bytes the live programs' own buffers (arenas and dedicated buffers) may take
+    /// together, as a device's memory bounds them (None: what the host gives).
+    program_memory: Option<usize>,
+    /// Bytes the live programs' own buffers take, given back as each drops.
+    held: Arc<AtomicUsize>,
 }
 
 /// A graph prepared for the CPU: its plan, arena and dedicated buffers.
@@ -80,6 +93,15 @@ pub struct CpuProgram {
     plan: Plan,
     arena: Storage,
     dedicated: HashMap<Buf, Storage>,
+    /// Its own buffers' bytes, counted in the backend's `held` while it lives.
+    bytes: usize,
+    held: Arc<AtomicUsize>,
+}
+
+impl Drop for CpuProgram {
+    fn drop(&mut self) {
+        self.held.fetch_sub(self.bytes, Ordering::Relaxed);
+    }
 }
 
 impl CpuProgram {
@@ -95,6 +117,13 @@ fn signature(d: &kestrel_core::ir::BufDecl) -> String {
 impl CpuBackend {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Bounds the bytes the live programs' own buffers take together, as a device's memory
+    /// does: preparing a program past it is `CpuError::ProgramMemory`.
+    pub fn with_program_memory(mut self, bytes: usize) -> Self {
+        self.program_memory = Some(bytes);
+        self
     }
 
     /// Storage of `buf`, for reading.
@@ -152,6 +181,10 @@ impl Backend for CpuBackend {
         "cpu"
     }
 
+    fn is_out_of_memory(err: &CpuError) -> bool {
+        matches!(err, CpuError::OutOfMemory { .. } | CpuError::ProgramMemory { .. })
+    }
+
     fn prepare(&mut self, graph: &Graph) -> Result<CpuProgram> {
         let plan = Plan::new(graph);
         let mut dedicated = HashMap::new();
@@ -180,11 +213,20 @@ impl Backend for CpuBackend {
                 BufKind::Transient => {}
             }
         }
+        let bytes = plan.arena_bytes + dedicated.values().map(|s: &Storage| s.len).sum::<usize>();
+        let held = self.held.load(Ordering::Relaxed);
+        if let Some(limit) = self.program_memory.filter(|&limit| held + bytes > limit) {
+            return Err(CpuError::ProgramMemory { bytes, held, limit });
+        }
+        let arena = Storage::new(plan.arena_bytes, "the activations' arena")?;
+        self.held.fetch_add(bytes, Ordering::Relaxed);
         Ok(CpuProgram {
             graph: graph.clone(),
-            arena: Storage::new(plan.arena_bytes, "the activations' arena")?,
+            arena,
             plan,
             dedicated,
+            bytes,
+            held: self.held.clone(),
         })
     }
 

@@ -103,6 +103,18 @@ impl CudaError {
         move |source| CudaError::Driver { call, source }
     }
 
+    /// True for device memory refused: by an allocation, or by the driver (a graph's
+    /// instantiation, say). Freeing memory may cure it.
+    pub fn is_out_of_memory(&self) -> bool {
+        match self {
+            CudaError::OutOfMemory { .. } => true,
+            CudaError::Driver { source, .. } => {
+                source.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY
+            }
+            _ => false,
+        }
+    }
+
     /// True for errors after which the CUDA context cannot be used again (illegal address,
     /// misaligned access, assertion, launch failure): the process must restart to use the GPU.
     pub fn is_sticky(&self) -> bool {
@@ -144,5 +156,28 @@ fn sticky_note(e: &DriverError) -> &'static str {
         "; this error is sticky: the CUDA context is unusable until the process restarts"
     } else {
         ""
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cudarc::driver::sys::CUresult;
+
+    #[test]
+    fn out_of_memory_is_an_allocation_or_the_drivers_refusal_only() {
+        let oom = CudaError::OutOfMemory {
+            requested: 1 << 30,
+            free: 0,
+            total: 1 << 34,
+        };
+        assert!(oom.is_out_of_memory());
+        let driver = |code| CudaError::Driver {
+            call: "cuGraphInstantiate",
+            source: DriverError(code),
+        };
+        assert!(driver(CUresult::CUDA_ERROR_OUT_OF_MEMORY).is_out_of_memory());
+        assert!(!driver(CUresult::CUDA_ERROR_ILLEGAL_ADDRESS).is_out_of_memory());
+        assert!(!CudaError::OutOfPinnedMemory { requested: 1 }.is_out_of_memory());
     }
 }

@@ -150,6 +150,10 @@ impl Backend for CudaBackend {
         "cuda"
     }
 
+    fn is_out_of_memory(err: &CudaError) -> bool {
+        err.is_out_of_memory()
+    }
+
     /// bf16 from the token count where products run on tensor cores over bf16 activations
     /// (f32 when those are switched off, [`Exact::projections`]).
     fn projection_input_dtype(&self, tokens: usize) -> DType {

@@ -315,6 +315,8 @@ pub struct Session<B: Backend> {
     clock: u64,
     /// Programs prepared so far, and the time that took (see [`Session::programs_prepared`]).
     prepared: (u64, std::time::Duration),
+    /// Programs dropped to make room for another's memory ([`Session::programs_evicted_for_memory`]).
+    evicted_for_memory: u64,
     /// Routed experts read through caches of slots instead of all resident.
     streaming: Option<Streaming<B::HostBuffer>>,
     /// Told (bytes done, bytes in all) while the weights upload.
@@ -357,6 +359,7 @@ impl<B: Backend> Session<B> {
             programs: HashMap::new(),
             clock: 0,
             prepared: (0, std::time::Duration::ZERO),
+            evicted_for_memory: 0,
             streaming: None,
             progress: None,
             step_progress: None,
@@ -765,6 +768,12 @@ impl<B: Backend> Session<B> {
         self.prepared
     }
 
+    /// Programs dropped so far because the backend had no memory for another's activations
+    /// (the least recently used first; each is prepared again when next needed).
+    pub fn programs_evicted_for_memory(&self) -> u64 {
+        self.evicted_for_memory
+    }
+
     /// Sets the token counts the backend's sampler keeps for sequence `seq` of the pool to
     /// those of `history`, for the penalties of [`Session::step_mixed_drawn`]: call it before a
     /// sequence with penalties is first drawn there, and again when its tokens were chosen
@@ -1126,15 +1135,27 @@ impl<B: Backend> Session<B> {
                     f = Forward::build(&self.config, &self.weights, spec)?;
                 }
             }
-            let segments = if f.moe_steps.is_empty() {
-                vec![self.backend.prepare(&f.graph).map_err(backend_err)?]
-            } else {
-                let cuts: Vec<usize> = f.moe_steps.iter().map(|s| s.node).collect();
-                let mut segments = Vec::with_capacity(cuts.len() + 1);
-                for g in &f.graph.split(&cuts) {
-                    segments.push(self.backend.prepare(g).map_err(backend_err)?);
+            let prepare_all = |backend: &mut B| -> std::result::Result<Vec<B::Program>, B::Error> {
+                if f.moe_steps.is_empty() {
+                    return Ok(vec![backend.prepare(&f.graph)?]);
                 }
-                segments
+                let cuts: Vec<usize> = f.moe_steps.iter().map(|s| s.node).collect();
+                f.graph.split(&cuts).iter().map(|g| backend.prepare(g)).collect()
+            };
+            // Out of memory, the programs held longest unused go, one at a time, until this one
+            // fits (each holds its own activations) or none is left.
+            let segments = loop {
+                match prepare_all(&mut self.backend) {
+                    Ok(segments) => break segments,
+                    Err(e) if B::is_out_of_memory(&e) && !self.programs.is_empty() => {
+                        let oldest = (self.programs.iter().min_by_key(|(_, p)| p.used)).map(|(k, _)| *k);
+                        if let Some(k) = oldest {
+                            self.programs.remove(&k);
+                            self.evicted_for_memory += 1;
+                        }
+                    }
+                    Err(e) => return Err(backend_err(e)),
+                }
             };
             let mut prog = Prog {
                 f,
