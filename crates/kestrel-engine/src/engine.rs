@@ -482,7 +482,8 @@ impl Engine {
     }
 
     /// Tokens of several sequences as one step, the first `outputs` of them giving outputs and
-    /// the rest one sequence's chunk (see [`kestrel_model::Session::step_mixed`]).
+    /// the rest prompts' chunks, one sequence's or several (see
+    /// [`kestrel_model::Session::step_mixed`]).
     pub fn step_mixed(
         &mut self,
         seqs: &[u32],
