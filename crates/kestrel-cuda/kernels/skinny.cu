@@ -31,8 +31,9 @@
 // on x from wide_permute_bf16_*): the section at the end of this file.
 #include "kestrel.cuh"
 
-#if !defined(SK_WARPS) || !defined(WS_STAGE) || !defined(WS_STAGES) || !defined(SK_PART) || !defined(SK_SCALE)
-#error "skinny.cu is compiled with ops/skinny.rs's SK_WARPS, WS_STAGE, WS_STAGES, SK_PART and SK_SCALE as -D definitions"
+#if !defined(SK_WARPS) || !defined(WS_STAGE) || !defined(WS_STAGES) || !defined(SK_PART) || !defined(SK_SCALE) || \
+    !defined(SK_STAGED_NT) || !defined(SK_STAGE_PAD)
+#error "skinny.cu is compiled with ops/skinny.rs's SK_WARPS, WS_STAGE, WS_STAGES, SK_PART, SK_SCALE, SK_STAGED_NT and SK_STAGE_PAD as -D definitions"
 #endif
 // The file is compiled as several modules, which NVRTC compiles side by side (the kernels of one
 // module compile one after another): SK_PART 1 the skinny experts, 2 the wide experts, each for
@@ -92,12 +93,14 @@ __host__ __device__ constexpr int ahead() {
 
 // acc[m][nt] += rows f0 .. f0 + 15 of matrix m times the activations of row tile nt, over
 // K values [kbeg, kend) (multiples of the 64-byte run). xrow[nt]: the row of the activations
-// this lane's B fragment takes (row g of tile nt). Weights are loaded D runs at a time, the next
-// D while the current D are computed.
-template <int BITS, int M, int NT, bool PX, typename S>
+// this lane's B fragment takes (row g of tile nt), in global memory, or with XS in shared memory
+// (staged by the block, ready once `ready()` returns, which is called after the first weights
+// are asked for). Weights are loaded D runs at a time, the next D while the current D are
+// computed.
+template <int BITS, int M, int NT, bool PX, bool XS, typename S, class Ready>
 __device__ __forceinline__ void skinny_product(float (&acc)[M][NT][4], const QMat (&mats)[M], unsigned f0,
                                                unsigned K, unsigned group, const bf16* const (&xrow)[NT],
-                                               unsigned kbeg, unsigned kend) {
+                                               unsigned kbeg, unsigned kend, Ready ready) {
     constexpr unsigned VALS = 128 / BITS, RUN = 4 * VALS;
     constexpr int D = ahead<M, NT>();
     const unsigned lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
@@ -127,6 +130,7 @@ __device__ __forceinline__ void skinny_product(float (&acc)[M][NT][4], const QMa
 #pragma unroll
     for (int d = 0; d < D; d++)
         if (k0 + d * RUN < kend) load(cur[d], k0 + d * RUN);
+    ready();
     for (unsigned k1 = k0; k1 < kend; k1 += D * RUN) {
         Run<M, S> next[D];
 #pragma unroll
@@ -142,8 +146,9 @@ __device__ __forceinline__ void skinny_product(float (&acc)[M][NT][4], const QMa
             for (int nt = 0; nt < NT; nt++)
 #pragma unroll
                 for (int i = 0; i < (int)VALS / 8; i++)
-                    xv[nt][i] = PX ? __ldg(reinterpret_cast<const uint4*>(xrow[nt] + k - q * VALS) + 4 * i + q)
-                                   : __ldg(reinterpret_cast<const uint4*>(xrow[nt] + k) + i);
+                    xv[nt][i] = XS   ? reinterpret_cast<const uint4*>(xrow[nt] + k - q * VALS)[4 * i + q]
+                                : PX ? __ldg(reinterpret_cast<const uint4*>(xrow[nt] + k - q * VALS) + 4 * i + q)
+                                     : __ldg(reinterpret_cast<const uint4*>(xrow[nt] + k) + i);
 #pragma unroll
             for (int j = 0; j < 4; j++) {
                 unsigned wd[M][2];
@@ -219,10 +224,20 @@ __device__ __forceinline__ void skinny_product(float (&acc)[M][NT][4], const QMa
 // the (w % KS)-th share of K; the shares are summed into the first warp of each group, which then
 // calls out(feature, tile row, v[M]) for every value (feature < 16 from f0, row < 8 * NT). Warps
 // whose features lie past `features` compute nothing. Every thread of the block must call it.
-template <int BITS, int M, int NT, int KS, bool PX, typename S, class Rows, class Out>
+// With XS, the block first copies its `rows` rows of activations (xrow_of(r), K values each; the
+// tile's rows past them read its last) into dynamic shared memory, rows SK_STAGE_PAD values apart
+// beyond K (so the eight lanes of a 16-byte load's phase, two rows' 64 bytes, hit distinct banks),
+// and every warp reads them there. Read from global memory (the block's warps, and the blocks of
+// other features of the same tile, each load them), about half missed L1 and each run waited on
+// L2. ncu of Qwen3-30B-A3B's gate/up at 64 sequences, with all eight rows staged (161 registers
+// then, three blocks a multiprocessor): long-scoreboard stalls 4.4 -> 0.7 an issue, 97-103 -> 86
+// us; down, whose rows are a third as long, gained nothing so (51 -> 52 us). The warps that
+// compute wait for the copies on barrier 1, which the others only arrive at.
+template <int BITS, int M, int NT, int KS, bool PX, bool XS, typename S, class Rows, class Out>
 __device__ __forceinline__ void skinny_block(const QMat (&mats)[M], unsigned features, unsigned K, unsigned group,
-                                             Rows xrow_of, Out out) {
+                                             unsigned rows, Rows xrow_of, Out out) {
     static_assert(SK_WARPS % KS == 0, "K shares divide the block's warps");
+    static_assert(!XS || PX, "staged activations are the experts' (PX layout)");
     constexpr unsigned RUN = 4 * 128 / BITS;
     const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32, ks = warp % KS;
     const unsigned f0 = (blockIdx.x * (SK_WARPS / KS) + warp / KS) * 16;
@@ -234,12 +249,34 @@ __device__ __forceinline__ void skinny_block(const QMat (&mats)[M], unsigned fea
 #pragma unroll
             for (int i = 0; i < 4; i++) acc[m][nt][i] = 0.0f;
     const bool active = f0 < features;
+    extern __shared__ __align__(16) unsigned char sk_smem[];
+    bf16* xs = reinterpret_cast<bf16*>(sk_smem);
+    const unsigned xs_stride = K + SK_STAGE_PAD;
+    if constexpr (XS) {
+        const unsigned pieces = K / 8;
+        for (unsigned i = threadIdx.x; i < min(rows, 8u * NT) * pieces; i += blockDim.x) {
+            const unsigned r = i / pieces, u = i % pieces;
+            cp_async16(xs + r * xs_stride + 8 * u, xrow_of(r) + 8 * u, true);
+        }
+        cp_async_commit();
+        if (!active) {
+            cp_async_wait<0>();
+            asm volatile("bar.arrive 1, %0;" ::"r"(blockDim.x) : "memory");
+        }
+    }
     if (active) {
         const bf16* xrow[NT];
 #pragma unroll
-        for (int nt = 0; nt < NT; nt++) xrow[nt] = xrow_of(nt * 8 + lane / 4);
+        for (int nt = 0; nt < NT; nt++)
+            xrow[nt] = XS ? xs + min(nt * 8 + lane / 4, rows - 1) * xs_stride : xrow_of(nt * 8 + lane / 4);
         const unsigned runs = K / RUN;
-        skinny_product<BITS, M, NT, PX, S>(acc, mats, f0, K, group, xrow, runs * ks / KS * RUN, runs * (ks + 1) / KS * RUN);
+        skinny_product<BITS, M, NT, PX, XS, S>(acc, mats, f0, K, group, xrow, runs * ks / KS * RUN,
+                                               runs * (ks + 1) / KS * RUN, [&] {
+                                                   if constexpr (XS) {
+                                                       cp_async_wait<0>();
+                                                       asm volatile("bar.sync 1, %0;" ::"r"(blockDim.x) : "memory");
+                                                   }
+                                               });
     }
     if constexpr (KS > 1) {
         __shared__ float part[SK_WARPS][M * NT * 4][32];
@@ -294,8 +331,8 @@ __device__ void skinny_gate_up(const bf16* xb, const unsigned* order, const unsi
     const unsigned pos0 = tile[1], rows = tile[2];
     const unsigned char* sp = experts + (size_t)e * span;
     const QMat mats[2] = {qmat(sp, gw, gs, gb), qmat(sp, uw, us, ub)};
-    skinny_block<BITS, 2, NT, KS, true, S>(
-        mats, inter, hidden, group,
+    skinny_block<BITS, 2, NT, KS, true, (NT <= SK_STAGED_NT), S>(
+        mats, inter, hidden, group, rows,
         [&](unsigned r) { return xb + (size_t)(order[pos0 + min(r, rows - 1)] / k) * hidden; },
         [&](unsigned f, unsigned r, const float (&v)[2]) {
             if (r < rows) act[(size_t)(pos0 + r) * inter + px_index<ABITS>(f)] = __float2bfloat16_rn(silu(v[0]) * v[1]);
@@ -314,8 +351,8 @@ __device__ void skinny_down(const bf16* act, const unsigned* order, const unsign
     if (e == NO_TILE) return;
     const unsigned pos0 = tile[1], rows = tile[2];
     const QMat mats[1] = {qmat(experts + (size_t)e * span, dw, ds, db)};
-    skinny_block<BITS, 1, NT, KS, true, S>(
-        mats, hidden, inter, group, [&](unsigned r) { return act + (size_t)(pos0 + min(r, rows - 1)) * inter; },
+    skinny_block<BITS, 1, NT, KS, true, false, S>(
+        mats, hidden, inter, group, rows, [&](unsigned r) { return act + (size_t)(pos0 + min(r, rows - 1)) * inter; },
         [&](unsigned f, unsigned r, const float (&v)[1]) {
             if (r >= rows) return;
             const unsigned slot = order[pos0 + r];
@@ -330,8 +367,8 @@ __device__ void skinny_linear(const bf16* xb, const unsigned char* w, const S* s
                               float* out, unsigned tokens, unsigned in_dim, unsigned out_dim, unsigned group) {
     const unsigned m0 = blockIdx.y * 8 * NT, rows = min(8u * NT, tokens - m0);
     const QMat mats[1] = {QMat{w, scales, biases}};
-    skinny_block<BITS, 1, NT, KS, false, S>(
-        mats, out_dim, in_dim, group, [&](unsigned r) { return xb + (size_t)(m0 + min(r, rows - 1)) * in_dim; },
+    skinny_block<BITS, 1, NT, KS, false, false, S>(
+        mats, out_dim, in_dim, group, rows, [&](unsigned r) { return xb + (size_t)(m0 + min(r, rows - 1)) * in_dim; },
         [&](unsigned f, unsigned r, const float (&v)[1]) {
             if (r < rows) out[(size_t)(m0 + r) * out_dim + f] = v[0];
         });
@@ -370,8 +407,13 @@ extern "C" __global__ void skinny_permute_x_q8(const float* x, bf16* out, unsign
 }
 #endif
 
+// Blocks a multiprocessor must hold of a skinny gate/up kernel: four (registers capped at 128) for
+// the staged 4-bit bf16-scale kernels of one K share, which fit them without spilling; else as
+// many as their registers allow.
+#define SK_GATE_UP_BLOCKS(BITS, S, NT, KS) (BITS == 4 && NT <= SK_STAGED_NT && KS == 1 && sizeof(Held<S>) == 2 ? 4 : 1)
 #define SKINNY_GATE_UP(BITS, S, NAME, NT, KS, ABITS)                                                          \
-    extern "C" __global__ void __launch_bounds__(32 * SK_WARPS) moe_skinny_gate_up_##NAME##_##NT##_##KS(   \
+    extern "C" __global__ void __launch_bounds__(32 * SK_WARPS, SK_GATE_UP_BLOCKS(BITS, S, NT, KS))       \
+        moe_skinny_gate_up_##NAME##_##NT##_##KS(                                                            \
         const bf16* xb, const unsigned* order, const unsigned* tiles, const unsigned char* experts, bf16* act, \
         unsigned hidden, unsigned inter, unsigned k, unsigned long long span, unsigned long long gw,        \
         unsigned long long gs, unsigned long long gb, unsigned long long uw, unsigned long long us,         \

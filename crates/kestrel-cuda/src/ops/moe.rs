@@ -222,20 +222,23 @@ fn encode_grouped(
             // The tiles that hold rows: at most one per expert or per slot (for the split of K).
             let used = slots.min(layout.experts);
             let (gate_up_module, down_module) = modules(false)?;
-            let as_launch = |module, (kernel, grid_x)| Launch {
+            // gate/up reads its tile's rows of x from shared memory where they are staged.
+            let as_launch = |module, (kernel, grid_x), smem| Launch {
                 module,
                 kernel,
                 grid_x,
                 threads: skinny::THREADS,
-                smem: 0,
+                smem,
             };
             let gate_up = as_launch(
                 gate_up_module,
                 skinny::launch(enc, "moe_skinny_gate_up", &gate_up_act, nt, i, used),
+                skinny::staged_smem(nt, h),
             );
             let down = as_launch(
                 down_module,
                 skinny::launch(enc, "moe_skinny_down", names.down.0, nt, h, used),
+                0,
             );
             (gate_up, down)
         }
@@ -678,7 +681,12 @@ fn encode_experts(op: &Op, enc: &mut Encoder, stream: Option<(&Buffer, &Buffer)>
                         .flatten();
                     match wide {
                         Some(rows) => Some(Grouped::Wide { rows, bits: q.bits }),
+                        // gate/up's activations staged in shared memory must fit it.
                         None => skinny::moe_row_tiles(tokens * k, layout.experts)
+                            .filter(|&nt| {
+                                skinny::staged_smem(nt, layout.hidden)
+                                    <= enc.device.info().max_shared_per_block
+                            })
                             .map(|nt| Grouped::Skinny { nt, bits: q.bits }),
                     }
                 }

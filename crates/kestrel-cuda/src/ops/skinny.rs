@@ -20,6 +20,11 @@ const SK_WARPS: usize = 4;
 /// (`WS_STAGE`, `WS_STAGES` in skinny.cu, which are these).
 const WIDE_STAGE: usize = 128;
 const WIDE_STAGES: usize = 4;
+/// The skinny experts' gate/up of up to this many row tiles of 8 reads its activations from
+/// shared memory, where each block first copies its tile's rows (`SK_STAGED_NT`), each row
+/// `STAGE_PAD` values longer than K there (`SK_STAGE_PAD`; see `skinny_block` in skinny.cu).
+const STAGED_TILES: usize = 1;
+const STAGE_PAD: usize = 32;
 
 /// `skinny.cu` as the module `name`: part `SK_PART` of its kernels, for the experts' formats of
 /// scale type `SK_SCALE` (see the file's head).
@@ -34,6 +39,8 @@ macro_rules! skinny_module {
                 ("WS_STAGES", WIDE_STAGES as i64),
                 ("SK_PART", $part),
                 ("SK_SCALE", $scale),
+                ("SK_STAGED_NT", STAGED_TILES as i64),
+                ("SK_STAGE_PAD", STAGE_PAD as i64),
             ],
         )
     };
@@ -152,6 +159,15 @@ pub(crate) fn launch(
         format!("{kernel}_{format}_{nt}_{ks}"),
         features.div_ceil(16 * SK_WARPS / ks),
     )
+}
+
+/// Dynamic shared memory of a skinny gate/up block of `nt` row tiles over `k` values: its rows of
+/// activations where they are staged there, else none.
+pub(crate) const fn staged_smem(nt: usize, k: usize) -> usize {
+    match nt <= STAGED_TILES {
+        true => 8 * nt * (k + STAGE_PAD) * 2,
+        false => 0,
+    }
 }
 
 /// Dynamic shared memory of a wide block of `rows` rows: the stages' slots and room to align them
