@@ -13,6 +13,7 @@
 //! | `KESTREL_WGMMA` | bool | `true` | on sm_90 GPUs, grouped expert GEMMs and quantised products of many tokens on Hopper's warpgroup tensor-core instructions (`off` takes the `mma.sync` kernels other GPUs use) |
 //! | `KESTREL_WIDE_EXPERTS` | bool | `true` | with `wgmma` on, routed experts of a few to a few dozen rows each on the warpgroup form of the skinny products (`off` takes the skinny products and GEMM tiles, for comparison) |
 //! | `KESTREL_WIDE_PROJECTIONS` | bool | `true` | with `wgmma` on, quantised projections of a few dozen tokens on the warpgroup form of the skinny products (`off` takes the skinny products, for comparison) |
+//! | `KESTREL_FUSED_ATTENTION` | bool | `true` | on sm_90 GPUs, one token's attention inputs (norms, rotation, cache append) computed inside the decode attention kernel (`off` runs them as a kernel of their own, for comparison) |
 //!
 //! Booleans accept `1/0`, `true/false`, `yes/no`, `on/off`. A variable with a value that does
 //! not parse leaves its default in place and is kept as a problem: reading the configuration
@@ -53,6 +54,9 @@ pub struct Config {
     /// With `wgmma`, quantised projections of a few dozen tokens run on the wgmma form of the
     /// skinny products (else on the skinny products).
     pub wide_projections: bool,
+    /// On sm_90, one token's attention inputs run inside its decode attention kernel (else as a
+    /// kernel of their own before it).
+    pub fused_attention: bool,
 }
 
 impl Default for Config {
@@ -218,6 +222,11 @@ impl Config {
             parse_bool(get("KESTREL_WIDE_PROJECTIONS"), "KESTREL_WIDE_PROJECTIONS", true),
             true,
         );
+        let fused_attention = keep(
+            &mut problems,
+            parse_bool(get("KESTREL_FUSED_ATTENTION"), "KESTREL_FUSED_ATTENTION", true),
+            true,
+        );
         Config {
             problems,
             device,
@@ -228,6 +237,7 @@ impl Config {
             wgmma,
             wide_experts,
             wide_projections,
+            fused_attention,
         }
     }
 }
@@ -277,6 +287,8 @@ mod tests {
         assert!(!Config::from_vars(&vars(&[("KESTREL_WIDE_EXPERTS", "off")])).wide_experts);
         assert!(c.wide_projections);
         assert!(!Config::from_vars(&vars(&[("KESTREL_WIDE_PROJECTIONS", "off")])).wide_projections);
+        assert!(!Config::from_vars(&vars(&[("KESTREL_FUSED_ATTENTION", "no")])).fused_attention);
+        assert!(Config::default().fused_attention);
         assert_eq!(c.kernel_cache_dir, None, "no HOME, no XDG_CACHE_HOME: no cache");
     }
 

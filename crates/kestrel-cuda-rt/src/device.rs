@@ -69,6 +69,8 @@ struct DeviceInner {
     wide_experts: bool,
     /// Projections of a few dozen tokens on `wgmma` too (`Config::wide_projections`, with `wgmma`).
     wide_projections: bool,
+    /// One token's attention inputs inside its decode attention kernel (`Config::fused_attention`).
+    fused_attention: bool,
     /// Event pairs around profiled dispatches, read back by `take_profile`.
     profile_events: Mutex<Vec<(String, String, CudaEvent, CudaEvent)>>,
     /// The cuBLAS handle, created on first use.
@@ -137,6 +139,7 @@ impl Device {
                 wgmma,
                 wide_experts,
                 wide_projections,
+                fused_attention: config.fused_attention,
                 profile_events: Mutex::new(Vec::new()),
                 blas: Mutex::new(None),
                 ceilings: OnceLock::new(),
@@ -398,6 +401,12 @@ impl Device {
     /// products (`linear_wide_*` in `skinny.cu`; only where `wgmma` is on).
     pub fn wide_projections(&self) -> bool {
         self.inner.wide_projections
+    }
+
+    /// Whether one token's attention inputs may run inside its decode attention kernel
+    /// (`decode_attention_inputs_*` in `attention.cu`).
+    pub fn fused_attention(&self) -> bool {
+        self.inner.fused_attention
     }
 
     /// Turns per-dispatch timing on or off (the configuration sets the initial state).

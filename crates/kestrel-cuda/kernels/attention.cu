@@ -84,6 +84,28 @@ __device__ void kv_append(const float* k, const float* v, const unsigned* positi
 // rope_f32 computes it) and stored: q (and its gate, copied) to q and gate, k and v into the
 // caches at the token's position. head_dim <= 256; blockDim.x a multiple of 32 (32 * AI_WARPS
 // with WARP).
+// A norm weight's factor (zero-centred weights store w - 1).
+template <typename W>
+__device__ __forceinline__ float norm_factor(const W* w, unsigned i, int zero_centered) {
+    return zero_centered ? 1.0f + to_f32(w[i]) : to_f32(w[i]);
+}
+
+// Value i of a head staged in `row`, rotated at position p (neox halves over the first 2 * half
+// values, angle p * inv_freq in f32 as rope_f32 computes it).
+__device__ __forceinline__ float rotated(const float* row, unsigned i, unsigned half, unsigned p,
+                                         const float* inv_freq, float scaling) {
+    float sn, c;
+    if (i < half) {
+        sincosf((float)p * inv_freq[i], &sn, &c);
+        return row[i] * (c * scaling) - row[i + half] * (sn * scaling);
+    }
+    if (i < 2 * half) {
+        sincosf((float)p * inv_freq[i - half], &sn, &c);
+        return row[i] * (c * scaling) + row[i - half] * (sn * scaling);
+    }
+    return row[i];
+}
+
 template <typename T, typename W, bool WARP>
 __device__ void attention_inputs(const float* qkv, float* q, float* gate, const W* q_norm, const W* k_norm,
                                  float eps, int zero_centered, const unsigned* positions, const float* inv_freq,
@@ -116,10 +138,7 @@ __device__ void attention_inputs(const float* qkv, float* q, float* gate, const 
         for (unsigned i = first; i < head_dim; i += step) ss += row[i] * row[i];
         ss = WARP ? warp_sum(ss) : block_sum(ss, scratch);
         const float inv = 1.0f / sqrtf(ss / (float)head_dim + eps);
-        for (unsigned i = first; i < head_dim; i += step) {
-            const float s = zero_centered ? 1.0f + to_f32(w[i]) : to_f32(w[i]);
-            row[i] = row[i] * inv * s;
-        }
+        for (unsigned i = first; i < head_dim; i += step) row[i] = row[i] * inv * norm_factor(w, i, zero_centered);
     }
     if constexpr (WARP)
         __syncwarp();
@@ -133,18 +152,7 @@ __device__ void attention_inputs(const float* qkv, float* q, float* gate, const 
     float* qh = q + ((size_t)t * heads + h) * head_dim;
     const size_t at = ((size_t)h * rows + cache_row) * head_dim;
     for (unsigned i = first; i < head_dim; i += step) {
-        float out;
-        if (i < half) {
-            float sn, c;
-            sincosf((float)p * inv_freq[i], &sn, &c);
-            out = row[i] * (c * scaling) - row[i + half] * (sn * scaling);
-        } else if (i < 2 * half) {
-            float sn, c;
-            sincosf((float)p * inv_freq[i - half], &sn, &c);
-            out = row[i] * (c * scaling) + row[i - half] * (sn * scaling);
-        } else {
-            out = row[i];
-        }
+        const float out = rotated(row, i, half, p, inv_freq, scaling);
         if (is_q)
             qh[i] = out;
         else
@@ -899,17 +907,38 @@ struct DaShape {
     static constexpr int REC = HD + 4;                          // a part record: acc, max, sum, 2 unused
 };
 
+// What decode_attention_inputs_* computes itself for its one token, the work attention_inputs
+// does (see there) and with its arithmetic: the fused projection's row (qkv), the outputs q and
+// gate (written by each KV head's first split), the norms, the rotation, and the caches the
+// token's key and value go into (by the block whose keys hold its position).
+template <typename T, typename W>
+struct DaInputs {
+    const float* qkv;
+    float* q;
+    float* gate;
+    const W* q_norm;
+    const W* k_norm;
+    float eps;
+    int zero_centered;
+    const float* inv_freq;
+    T* k_cache;
+    T* v_cache;
+    unsigned q_stride, rot_dim;
+    float scaling;
+};
+
 // Keys a token at `position` sees in a sequence of at most max_ctx positions.
 __device__ __forceinline__ unsigned keys_seen(unsigned position, unsigned max_ctx) {
     return min(position, max_ctx - 1) + 1;
 }
 
 #if __CUDA_ARCH__ >= 900
-template <typename T, int HD>
+template <typename T, int HD, typename W, bool FUSED>
 __device__ void decode_attention(const float* q, const T* k_cache, const T* v_cache, const unsigned* positions,
                                  PAGE_PARAMS, const unsigned* step_pos, const unsigned* step_seq,
                                  unsigned step_tokens, float* out, float* part, unsigned* counters, unsigned tokens,
-                                 unsigned heads, unsigned kv_heads, unsigned rows, float scale, unsigned chunk) {
+                                 unsigned heads, unsigned kv_heads, unsigned rows, float scale, unsigned chunk,
+                                 const DaInputs<T, W> in) {
     using S = DaShape<HD>;
     constexpr int NWARPS = S::NWARPS, STAGES = S::STAGES, STRIDE = S::STRIDE, VECS = S::VECS, REC = S::REC;
     constexpr int KSTEPS = HD / 16, DT = HD / 8;
@@ -975,6 +1004,34 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
         copy(i, 0, old_end, end);
         cp_async_commit();
     }
+    // With FUSED, what the token's inputs need that no kernel of the run writes, before the wait:
+    // lane l's norm factors and rotation factors (cos and sin times the scaling, the sin signed
+    // by its half) for the values l, l + 32, ...; the cache row this block writes the token's key
+    // and value to (rows when none: its position lies in another split's keys); the query rows
+    // past the group, zero.
+    constexpr int PER = HD / 32;
+    float nq[PER], nk[PER], rc[PER], rs[PER];
+    unsigned new_row = rows;
+    if constexpr (FUSED) {
+        const unsigned p = positions[t0], half = in.rot_dim / 2;
+#pragma unroll
+        for (int j = 0; j < PER; j++) {
+            const unsigned i = lane + 32 * j;
+            nq[j] = in.q_norm != nullptr ? norm_factor(in.q_norm, i, in.zero_centered) : 1.0f;
+            nk[j] = in.k_norm != nullptr ? norm_factor(in.k_norm, i, in.zero_centered) : 1.0f;
+            rc[j] = 1.0f;
+            rs[j] = 0.0f;
+            if (i < 2 * half) {
+                float sn, c;
+                sincosf((float)p * in.inv_freq[i < half ? i : i - half], &sn, &c);
+                rc[j] = c * in.scaling;
+                rs[j] = i < half ? -(sn * in.scaling) : sn * in.scaling;
+            }
+        }
+        if (start <= p && p < end && p < max_ctx) new_row = pg.row(p);
+        for (unsigned i = tid; i < (DA_ROWS - pairs) * HD; i += blockDim.x)
+            qs[(pairs + i / HD) * STRIDE + i % HD] = from_f32<T>(0.0f);
+    }
     pdl_wait();
     pdl_trigger();
 
@@ -982,13 +1039,102 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
     // the first batches wait for as well.
     constexpr int QPIECES = (DA_ROWS * DT + 32 * NWARPS - 1) / (32 * NWARPS);
     float qv[QPIECES][8];
+    // With FUSED, where the token's key lands in its warp's ring when its batch is among the
+    // first STAGES (written there directly, not read back from the cache).
+    T* ring_row = nullptr;
+    if constexpr (FUSED) {
+        // One token (t0 is 0). Items, a warp each in turn: the token's key and value when this
+        // block writes them (first: the copies wait on them), then its group's queries. Each
+        // warp asks for its next item's values before it computes the current one's. A query or
+        // key is normed, staged in the warp's row past the rings and rotated: queries into qs
+        // (and, by each KV head's first split, q and the gate), the key and value into the
+        // caches and the ring.
+        float* row = reinterpret_cast<float*>(rings + NWARPS * S::RING) + warp * HD;
+        const unsigned p = positions[t0], half = in.rot_dim / 2;
+        const float* x = in.qkv + (size_t)t0 * (heads * in.q_stride + 2 * kv_heads * HD);
+        const float* kv = x + (size_t)heads * in.q_stride;
+        const unsigned kv_items = new_row < rows ? 2 : 0, items = kv_items + pairs;
+        const size_t at = ((size_t)kvh * rows + new_row) * HD;
+        if (kv_items != 0) {
+            const unsigned o = p - start, b = o / DA_KEYS;
+            if (b / NWARPS < STAGES)
+                ring_row = rings + (b % NWARPS) * S::RING + (b / NWARPS) * 2 * DA_KEYS * STRIDE + (o % DA_KEYS) * STRIDE;
+        }
+        auto src_of = [&](unsigned it) {
+            return it < kv_items ? kv + (size_t)(it * kv_heads + kvh) * HD
+                                 : x + (size_t)(kvh * group + it - kv_items) * in.q_stride;
+        };
+        float cur[PER], nxt[PER];
+        if (warp < items) {
+            const float* src = src_of(warp);
 #pragma unroll
-    for (int j = 0; j < QPIECES; j++) {
-        const unsigned i = tid + j * 32 * NWARPS, r = i / DT, d = (i % DT) * 8;
-        if (r < pairs) load8(q + ((size_t)(t0 + r / group) * heads + kvh * group + r % group) * HD + d, qv[j]);
+            for (int j = 0; j < PER; j++) cur[j] = src[lane + 32 * j];
+        }
+        for (unsigned it = warp; it < items; it += NWARPS) {
+            if (it + NWARPS < items) {
+                const float* src = src_of(it + NWARPS);
+#pragma unroll
+                for (int j = 0; j < PER; j++) nxt[j] = src[lane + 32 * j];
+            }
+            const bool is_k = kv_items != 0 && it == 0, is_v = kv_items != 0 && it == 1;
+            if (is_v) {
+#pragma unroll
+                for (int j = 0; j < PER; j++) {
+                    const unsigned i = lane + 32 * j;
+                    const T v = from_f32<T>(cur[j]);
+                    in.v_cache[at + i] = v;
+                    if (ring_row != nullptr) ring_row[DA_KEYS * STRIDE + i] = v;
+                }
+            } else {
+                if ((is_k ? in.k_norm : in.q_norm) != nullptr) {
+                    float ss = 0.0f;
+#pragma unroll
+                    for (int j = 0; j < PER; j++) ss += cur[j] * cur[j];
+                    const float inv = 1.0f / sqrtf(warp_sum(ss) / (float)HD + in.eps);
+#pragma unroll
+                    for (int j = 0; j < PER; j++) cur[j] = cur[j] * inv * (is_k ? nk[j] : nq[j]);
+                }
+#pragma unroll
+                for (int j = 0; j < PER; j++) row[lane + 32 * j] = cur[j];
+                __syncwarp();
+                const unsigned r = it - kv_items;
+                const size_t h = (size_t)t0 * heads + kvh * group + r;
+#pragma unroll
+                for (int j = 0; j < PER; j++) {
+                    const unsigned i = lane + 32 * j;
+                    const float o = i < 2 * half ? row[i] * rc[j] + row[i < half ? i + half : i - half] * rs[j] : row[i];
+                    if (is_k) {
+                        const T v = from_f32<T>(o);
+                        in.k_cache[at + i] = v;
+                        if (ring_row != nullptr) ring_row[i] = v;
+                    } else {
+                        qs[r * STRIDE + i] = from_f32<T>(o);
+                        if (split == 0) in.q[h * HD + i] = o;
+                    }
+                }
+                if (!is_k && split == 0 && in.gate != nullptr) {
+                    const float* g = src_of(it) + HD;
+                    for (unsigned i = lane; i < HD; i += 32) in.gate[h * HD + i] = g[i];
+                }
+                __syncwarp();  // row takes the warp's next item
+            }
+#pragma unroll
+            for (int j = 0; j < PER; j++) cur[j] = nxt[j];
+        }
+        // A key and value past the first batches are read back from the cache by the copies.
+        if (kv_items != 0 && ring_row == nullptr) __threadfence();
+        __syncthreads();
+    } else {
+#pragma unroll
+        for (int j = 0; j < QPIECES; j++) {
+            const unsigned i = tid + j * 32 * NWARPS, r = i / DT, d = (i % DT) * 8;
+            if (r < pairs) load8(q + ((size_t)(t0 + r / group) * heads + kvh * group + r % group) * HD + d, qv[j]);
+        }
     }
-    // Only a warp whose first STAGES batches reach past old_end has such rows, and waits for them.
-    if (old_end < end && warp_key + ((STAGES - 1) * NWARPS + 1) * DA_KEYS > old_end) {
+    // Only a warp whose first STAGES batches reach past old_end has such rows, and waits for them
+    // (with FUSED, unless the block wrote its token's key and value into the ring itself).
+    if ((!FUSED || ring_row == nullptr) && old_end < end &&
+        warp_key + ((STAGES - 1) * NWARPS + 1) * DA_KEYS > old_end) {
 #pragma unroll
         for (int i = 0; i < STAGES; i++) copy(i, old_end, end, ~0u);
         cp_async_commit();
@@ -996,15 +1142,17 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
     }
 
     // Q rows rounded to T.
+    if constexpr (!FUSED) {
 #pragma unroll
-    for (int j = 0; j < QPIECES; j++) {
-        const unsigned i = tid + j * 32 * NWARPS, r = i / DT, d = (i % DT) * 8;
-        if (i >= DA_ROWS * DT) break;
-        const float* v = qv[j];
-        const uint4 packed = r < pairs ? make_uint4(pack2<T>(v[0], v[1]), pack2<T>(v[2], v[3]), pack2<T>(v[4], v[5]),
-                                                    pack2<T>(v[6], v[7]))
-                                       : make_uint4(0, 0, 0, 0);
-        *reinterpret_cast<uint4*>(qs + r * STRIDE + d) = packed;
+        for (int j = 0; j < QPIECES; j++) {
+            const unsigned i = tid + j * 32 * NWARPS, r = i / DT, d = (i % DT) * 8;
+            if (i >= DA_ROWS * DT) break;
+            const float* v = qv[j];
+            const uint4 packed = r < pairs ? make_uint4(pack2<T>(v[0], v[1]), pack2<T>(v[2], v[3]),
+                                                        pack2<T>(v[4], v[5]), pack2<T>(v[6], v[7]))
+                                           : make_uint4(0, 0, 0, 0);
+            *reinterpret_cast<uint4*>(qs + r * STRIDE + d) = packed;
+        }
     }
     __syncthreads();
 
@@ -1192,10 +1340,33 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
         const unsigned* step_pos, const unsigned* step_seq, unsigned step_tokens, float* out, float* part,  \
         unsigned* counters, unsigned tokens, unsigned heads, unsigned kv_heads, unsigned rows, float scale, \
         unsigned chunk) {                                                                                   \
-        decode_attention<T, HD>(q, k_cache, v_cache, positions, PAGE_ARGS, step_pos, step_seq, step_tokens, \
-                                out, part, counters, tokens, heads, kv_heads, rows, scale, chunk);          \
+        decode_attention<T, HD, float, false>(q, k_cache, v_cache, positions, PAGE_ARGS, step_pos, step_seq,      \
+                                             step_tokens, out, part, counters, tokens, heads, kv_heads, rows,  \
+                                             scale, chunk, DaInputs<T, float>{});                               \
     }
 #define DECODES(T, NAME) DECODE(T, NAME, 64) DECODE(T, NAME, 96) DECODE(T, NAME, 128) DECODE(T, NAME, 256)
 DECODES(bf16, bf16)
 DECODES(f16, f16)
+
+// decode_attention_inputs_{cache}_{norm weights}_{head dim}: one token's attention_inputs and
+// decode_attention in one kernel (DaInputs; the same arguments as those two, less what one token
+// fixes); without norms (or gates) the pointers are null.
+#define DECODE_INPUTS(T, NAME, W, WNAME, HD)                                                                \
+    extern "C" __global__ void __launch_bounds__(32 * DaShape<HD>::NWARPS)                                  \
+        decode_attention_inputs_##NAME##_##WNAME##_##HD(                                                    \
+            const float* qkv, float* q, float* gate, const W* q_norm, const W* k_norm, float eps,           \
+            int zero_centered, const unsigned* positions, const float* inv_freq, T* k_cache, T* v_cache,    \
+            PAGE_PARAMS, float* out, float* part, unsigned* counters, unsigned heads, unsigned kv_heads,    \
+            unsigned rows, float scale, unsigned chunk, unsigned q_stride, unsigned rot_dim, float scaling) { \
+        const DaInputs<T, W> in{qkv,      q,        gate,    q_norm,   k_norm,  eps,    zero_centered,      \
+                                inv_freq, k_cache,  v_cache, q_stride, rot_dim, scaling};                   \
+        decode_attention<T, HD, W, true>(q, k_cache, v_cache, positions, PAGE_ARGS, positions, seq, 0, out, \
+                                         part, counters, 1, heads, kv_heads, rows, scale, chunk, in);       \
+    }
+#define DECODE_INPUTS_DIMS(T, NAME, W, WNAME)                                                               \
+    DECODE_INPUTS(T, NAME, W, WNAME, 64) DECODE_INPUTS(T, NAME, W, WNAME, 128) DECODE_INPUTS(T, NAME, W, WNAME, 256)
+DECODE_INPUTS_DIMS(bf16, bf16, float, f32)
+DECODE_INPUTS_DIMS(bf16, bf16, bf16, bf16)
+DECODE_INPUTS_DIMS(f16, f16, float, f32)
+DECODE_INPUTS_DIMS(f16, f16, bf16, bf16)
 #endif

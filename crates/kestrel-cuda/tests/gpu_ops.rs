@@ -120,6 +120,23 @@ fn attention_in_runs_matches_the_cpu_backend() {
     }
 }
 
+/// One token's inputs of attention (norms, rotation, the cache append; gated or not, partial
+/// rotation) and the attention that reads them, which Hopper runs as one kernel
+/// (`decode_attention_inputs_*`), on half caches of up to hundreds of positions (one split or
+/// several), of one sequence or of a batched step's pool.
+#[test]
+fn one_token_inputs_and_attention_match_the_cpu_backend() {
+    let Some(dev) = device_or_skip("one_token_inputs_and_attention_match_the_cpu_backend") else {
+        return;
+    };
+    let (mut rng, seed) = Rng::from_time();
+    for round in 0..24 {
+        let case = kestrel_testing::cases::attention_inputs_decode(Rng::new(rng.next_u64()));
+        println!("{}", case.name);
+        compare(&dev, &case, seed, round);
+    }
+}
+
 /// One token of a MoE layer at Qwen3-30B-A3B's expert shapes (the random cases' layers are
 /// small): the router's 8-bit product and choice as one cluster kernel, then gate/up and down
 /// over rows of 2,048 and 768 values, as a decode step runs them; in a third of the rounds the

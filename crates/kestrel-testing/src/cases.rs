@@ -1063,21 +1063,38 @@ fn attention_of(rng: Rng, kind: Option<usize>) -> Case {
 /// reference; f32 caches directly, half ones through the attention that reads them, between
 /// backends (a computed key may round to either neighbouring half value).
 pub fn attention_inputs(rng: Rng) -> Case {
+    attention_inputs_of(rng, false)
+}
+
+/// As `attention_inputs`, always one token (of one sequence, or of a batched step's pool) on a
+/// half cache of up to hundreds of positions, at the head sizes CUDA's decode kernel takes: the
+/// pair CUDA runs as one kernel (`decode_attention_inputs_*`).
+pub fn attention_inputs_decode(rng: Rng) -> Case {
+    attention_inputs_of(rng, true)
+}
+
+fn attention_inputs_of(rng: Rng, decode: bool) -> Case {
     let mut c = CaseBuilder::new(rng);
     let kv_heads = c.rng.range(1, 4);
     let heads = kv_heads * c.rng.range(1, 9);
-    let hd = pick(&mut c.rng, &[64, 128, 256, 40]);
+    let hd = match decode {
+        true => pick(&mut c.rng, &[64, 128, 256]),
+        false => pick(&mut c.rng, &[64, 128, 256, 40]),
+    };
     let partial = pick(&mut c.rng, &[1.0, 0.25, 0.5]);
     let batched = c.rng.range(0, 3) == 0;
     // From 128 tokens CUDA takes a head a warp rather than a block.
-    let tokens = if batched {
-        pick(&mut c.rng, &[2, 7, 130])
-    } else {
-        pick(&mut c.rng, &[1, 1, 3, 19, 150])
+    let tokens = match (decode, batched) {
+        (true, _) => 1,
+        (false, true) => pick(&mut c.rng, &[2, 7, 130]),
+        (false, false) => pick(&mut c.rng, &[1, 1, 3, 19, 150]),
     };
-    let pt = PagedTokens::new(&mut c, tokens, batched, false);
+    let pt = PagedTokens::new(&mut c, tokens, batched, decode);
     let rows = pt.rows;
-    let dtype = pick(&mut c.rng, &[DType::F32, DType::BF16, DType::F16]);
+    let dtype = match decode {
+        true => pick(&mut c.rng, &[DType::BF16, DType::F16]),
+        false => pick(&mut c.rng, &[DType::F32, DType::BF16, DType::F16]),
+    };
     let gated = c.rng.next_f32() < 0.5;
     let q_stride = if gated { 2 * hd } else { hd };
     let cols = heads * q_stride + 2 * kv_heads * hd;

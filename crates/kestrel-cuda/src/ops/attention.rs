@@ -313,34 +313,9 @@ fn encode_flash(enc: &mut Encoder, a: &Attn, max_mt: usize) -> Result<()> {
 /// finishes, then wait for each other and merge the blocks' results, each a share (see
 /// `attention.cu`).
 fn encode_decode(enc: &mut Encoder, a: &Attn) -> Result<()> {
-    let (cache, tokens, heads, kv_heads, head_dim, max_ctx) =
-        (a.cache, a.tokens, a.heads, a.kv_heads, a.head_dim, a.max_ctx);
-    let stride = head_dim + 8;
-    let smem = DA_ROWS * stride * 2 + decode_warps(head_dim) * DA_STAGES * 2 * DA_KEYS * stride * 2;
-    if smem > enc.device.info().max_shared_per_block {
-        return Err(unsupported(format!("decode attention with head_dim {head_dim}")));
-    }
-    let name = format!("decode_attention_{}_{head_dim}", float_name(cache)?);
+    let name = format!("decode_attention_{}_{}", float_name(a.cache)?, a.head_dim);
     let kern = enc.kernel(&MODULE, &name)?;
-    // At most one block per multiprocessor, the same number of splits per KV head (each split a
-    // whole number of rounds of the warps' batches): the blocks of a KV head wait for each other,
-    // so all must be resident at once, and a second wave would double the time anyway.
-    let block = 32 * decode_warps(head_dim) as u32;
-    let wave = enc
-        .device
-        .max_active_blocks(&kern, block, u32_arg(smem)?)?
-        .min(enc.device.info().sm_count as usize);
-    // One z per token when each token has its own sequence, else one for all.
-    let zs = if a.pages.pages.one_seq { 1 } else { tokens };
-    let want = (wave / (kv_heads * zs)).max(1);
-    let round = decode_warps(head_dim) * DA_KEYS;
-    let chunk = max_ctx.div_ceil(want).div_ceil(round) * round;
-    let splits = max_ctx.div_ceil(chunk);
-    // Per (z, KV head, split, row): the split's accumulator, then max and sum and two unused
-    // floats; two counters per (z, KV head).
-    let record = head_dim + 4;
-    let part = enc.workspace(DType::F32, zs * kv_heads * splits * DA_ROWS * record)?;
-    let counters = enc.counters(2 * zs * kv_heads)?;
+    let g = DecodeGrid::new(enc, a, &kern, 0)?;
     // Without a batched step, the launch holds every token of its one sequence.
     let (step_pos, step_seq, step_tokens) = match &a.step {
         Some((p, s, n)) => (p, s, *n),
@@ -350,20 +325,275 @@ fn encode_decode(enc: &mut Encoder, a: &Attn) -> Result<()> {
         .read(step_pos)
         .read(step_seq)
         .arg(u32_arg(step_tokens)?)
-        .grid((u32_arg(splits)?, u32_arg(kv_heads)?, u32_arg(zs)?))
-        .block(block)
-        .shared_mem(u32_arg(smem)?)
+        .grid(g.grid)
+        .block(g.block)
+        .shared_mem(g.smem)
         .write(&a.out)
-        .write(&part)
-        .read_write(&counters)
-        .arg(u32_arg(tokens)?)
-        .arg(u32_arg(heads)?)
-        .arg(u32_arg(kv_heads)?)
+        .write(&g.part)
+        .read_write(&g.counters)
+        .arg(u32_arg(a.tokens)?)
+        .arg(u32_arg(a.heads)?)
+        .arg(u32_arg(a.kv_heads)?)
         .arg(u32_arg(a.rows)?)
         .arg(a.scale)
-        .arg(u32_arg(chunk)?)
+        .arg(u32_arg(g.chunk)?)
         .record();
     Ok(())
+}
+
+/// The launch of a `decode_attention_*` kernel for `a`: its grid, block, shared memory (with
+/// `extra` bytes past the rings), chunk of keys a split and its workspaces.
+struct DecodeGrid {
+    grid: (u32, u32, u32),
+    block: u32,
+    smem: u32,
+    chunk: usize,
+    part: Buffer,
+    counters: Buffer,
+}
+
+impl DecodeGrid {
+    fn new(enc: &mut Encoder, a: &Attn, kern: &Kernel, extra: usize) -> Result<Self> {
+        let (kv_heads, head_dim, max_ctx) = (a.kv_heads, a.head_dim, a.max_ctx);
+        let stride = head_dim + 8;
+        let smem =
+            DA_ROWS * stride * 2 + decode_warps(head_dim) * DA_STAGES * 2 * DA_KEYS * stride * 2 + extra;
+        if smem > enc.device.info().max_shared_per_block {
+            return Err(unsupported(format!("decode attention with head_dim {head_dim}")));
+        }
+        // At most one block per multiprocessor, the same number of splits per KV head (each split
+        // a whole number of rounds of the warps' batches): the blocks of a KV head wait for each
+        // other, so all must be resident at once, and a second wave would double the time anyway.
+        let block = 32 * decode_warps(head_dim) as u32;
+        let wave = enc
+            .device
+            .max_active_blocks(kern, block, u32_arg(smem)?)?
+            .min(enc.device.info().sm_count as usize);
+        // One z per token when each token has its own sequence, else one for all.
+        let zs = if a.pages.pages.one_seq { 1 } else { a.tokens };
+        let want = (wave / (kv_heads * zs)).max(1);
+        let round = decode_warps(head_dim) * DA_KEYS;
+        let chunk = max_ctx.div_ceil(want).div_ceil(round) * round;
+        let splits = max_ctx.div_ceil(chunk);
+        // Per (z, KV head, split, row): the split's accumulator, then max and sum and two unused
+        // floats; two counters per (z, KV head).
+        let record = head_dim + 4;
+        let part = enc.workspace(DType::F32, zs * kv_heads * splits * DA_ROWS * record)?;
+        let counters = enc.counters(2 * zs * kv_heads)?;
+        Ok(DecodeGrid {
+            grid: (u32_arg(splits)?, u32_arg(kv_heads)?, u32_arg(zs)?),
+            block,
+            smem: u32_arg(smem)?,
+            chunk,
+            part,
+            counters,
+        })
+    }
+}
+
+/// Head dims of `decode_attention_inputs_*`.
+const DECODE_INPUTS_HEAD_DIMS: [usize; 3] = [64, 128, 256];
+
+/// One token's `AttentionInputs` and the `Attention` that reads them, as one
+/// `decode_attention_inputs_*` kernel (Hopper, bf16/f16 caches, its head dims, norm weights of
+/// f32 or bf16 or none): the queries never make the round trip through memory before attention,
+/// and one kernel of a decode layer's chain goes. Returns false, recording nothing, for any
+/// other pair.
+pub(crate) fn encode_inputs_and_decode(inputs: &Op, attention: &Op, enc: &mut Encoder) -> Result<bool> {
+    let same = match (inputs, attention) {
+        (
+            Op::AttentionInputs {
+                q,
+                k_cache,
+                v_cache,
+                positions,
+                pages,
+                tokens,
+                heads,
+                kv_heads,
+                head_dim,
+                rows,
+                ..
+            },
+            Op::Attention {
+                q: aq,
+                k_cache: ak,
+                v_cache: av,
+                positions: ap,
+                pages: apages,
+                tokens: at,
+                heads: ah,
+                kv_heads: akv,
+                head_dim: ahd,
+                rows: arows,
+                chunk: None,
+                ..
+            },
+        ) => {
+            (
+                q, k_cache, v_cache, positions, pages, tokens, heads, kv_heads, head_dim, rows,
+            ) == (aq, ak, av, ap, apages, at, ah, akv, ahd, arows)
+        }
+        _ => false,
+    };
+    if !same {
+        return Ok(false);
+    }
+    let i = Inputs::new(enc, inputs)?;
+    let hopper = enc.device.info().compute_capability.0 >= 9;
+    let weights = match i.weights {
+        None | Some(DType::F32) => Some("f32"),
+        Some(DType::BF16) => Some("bf16"),
+        Some(_) => None,
+    };
+    let fits = hopper
+        && enc.device.fused_attention()
+        && i.tokens == 1
+        && matches!(i.cache, DType::BF16 | DType::F16)
+        && DECODE_INPUTS_HEAD_DIMS.contains(&i.head_dim)
+        && i.heads % i.kv_heads == 0
+        && i.heads / i.kv_heads <= DA_ROWS;
+    let Some(weights) = weights.filter(|_| fits) else {
+        return Ok(false);
+    };
+    let a = Attn::new(enc, attention)?;
+    let name = format!(
+        "decode_attention_inputs_{}_{weights}_{}",
+        float_name(i.cache)?,
+        i.head_dim
+    );
+    let kern = enc.kernel(&MODULE, &name)?;
+    // Each warp's head, in f32, past the rings.
+    let g = DecodeGrid::new(enc, &a, &kern, decode_warps(i.head_dim) * i.head_dim * 4)?;
+    let b = enc.dispatch(&kern).grid(g.grid).block(g.block).shared_mem(g.smem);
+    i.args(b)?
+        .write(&a.out)
+        .write(&g.part)
+        .read_write(&g.counters)
+        .arg(u32_arg(i.heads)?)
+        .arg(u32_arg(i.kv_heads)?)
+        .arg(u32_arg(i.rows)?)
+        .arg(a.scale)
+        .arg(u32_arg(g.chunk)?)
+        .arg(u32_arg(i.q_stride())?)
+        .arg(u32_arg(i.rot_dim)?)
+        .arg(i.scaling)
+        .record();
+    Ok(true)
+}
+
+/// An `Op::AttentionInputs` as its encoders use it: the buffers resolved, the caches' and the
+/// norm weights' dtypes (checked here), and the shape.
+struct Inputs {
+    qkv: Buffer,
+    q: Buffer,
+    gate: Option<Buffer>,
+    norms: Option<(Buffer, Buffer, f32, NormKind)>,
+    positions: Buffer,
+    inv_freq: Buffer,
+    kc: Buffer,
+    vc: Buffer,
+    pages: Pages,
+    cache: DType,
+    /// The norm weights' dtype, None without norms.
+    weights: Option<DType>,
+    tokens: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    rot_dim: usize,
+    scaling: f32,
+    rows: usize,
+}
+
+impl Inputs {
+    fn new(enc: &Encoder, op: &Op) -> Result<Self> {
+        let Op::AttentionInputs {
+            qkv,
+            q,
+            gate,
+            norms,
+            positions,
+            inv_freq,
+            k_cache,
+            v_cache,
+            pages,
+            tokens,
+            heads,
+            kv_heads,
+            head_dim,
+            rot_dim,
+            scaling,
+            rows,
+        } = *op
+        else {
+            unreachable!("called for attention inputs")
+        };
+        let weights = match norms {
+            Some(n) if enc.dtype(n.q) != enc.dtype(n.k) => {
+                return Err(unsupported("q and k norm weights of different dtypes".into()))
+            }
+            Some(n) => Some(enc.dtype(n.q)),
+            None => None,
+        };
+        Ok(Inputs {
+            qkv: enc.buf(qkv)?.clone(),
+            q: enc.buf(q)?.clone(),
+            gate: gate.map(|g| enc.buf(g).cloned()).transpose()?,
+            norms: match norms {
+                Some(n) => Some((enc.buf(n.q)?.clone(), enc.buf(n.k)?.clone(), n.eps, n.kind)),
+                None => None,
+            },
+            positions: enc.buf(positions)?.clone(),
+            inv_freq: enc.buf(inv_freq)?.clone(),
+            kc: enc.buf(k_cache)?.clone(),
+            vc: enc.buf(v_cache)?.clone(),
+            pages: Pages::new(enc, pages)?,
+            cache: cache_dtype(enc, k_cache, v_cache)?,
+            weights,
+            tokens,
+            heads,
+            kv_heads,
+            head_dim,
+            rot_dim,
+            scaling,
+            rows,
+        })
+    }
+
+    /// A head's values in qkv's row: q's, followed by its gate's when gated.
+    fn q_stride(&self) -> usize {
+        if self.gate.is_some() {
+            2 * self.head_dim
+        } else {
+            self.head_dim
+        }
+    }
+
+    /// The arguments both kernels of the inputs start with: qkv, q, the gate, the norm weights,
+    /// epsilon and kind, the positions, inv_freq, the caches and the pages. Absent gates and
+    /// norm weights are null pointers.
+    fn args<'e>(&self, b: DispatchBuilder<'e>) -> Result<DispatchBuilder<'e>> {
+        let b = b.read(&self.qkv).write(&self.q);
+        let b = match &self.gate {
+            Some(g) => b.write(g),
+            None => b.arg(0u64),
+        };
+        let b = match &self.norms {
+            Some((qw, kw, eps, kind)) => b
+                .read(qw)
+                .read(kw)
+                .arg(*eps)
+                .arg(i32::from(*kind == NormKind::ZeroCentered)),
+            None => b.arg(0u64).arg(0u64).arg(0f32).arg(0i32),
+        };
+        let b = b
+            .read(&self.positions)
+            .read(&self.inv_freq)
+            .read_write(&self.kc)
+            .read_write(&self.vc);
+        self.pages.args(b)
+    }
 }
 
 /// Shared memory of `attention_split_*`: queries, the warps' partial results, and each warp's 32 K
@@ -501,91 +731,34 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 .arg(u32_arg(rows)?)
                 .record();
         }
-        Op::AttentionInputs {
-            qkv,
-            q,
-            gate,
-            norms,
-            positions,
-            inv_freq,
-            k_cache,
-            v_cache,
-            pages,
-            tokens,
-            heads,
-            kv_heads,
-            head_dim,
-            rot_dim,
-            scaling,
-            rows,
-        } => {
-            let pages = Pages::new(enc, pages)?;
-            let cache = float_name(cache_dtype(enc, k_cache, v_cache)?)?;
-            if head_dim > MAX_HEAD_DIM {
-                return Err(unsupported(format!("head_dim {head_dim} > {MAX_HEAD_DIM}")));
+        Op::AttentionInputs { .. } => {
+            let i = Inputs::new(enc, op)?;
+            if i.head_dim > MAX_HEAD_DIM {
+                return Err(unsupported(format!("head_dim {} > {MAX_HEAD_DIM}", i.head_dim)));
             }
-            let weights = match norms {
-                Some(n) if enc.dtype(n.q) != enc.dtype(n.k) => {
-                    return Err(unsupported("q and k norm weights of different dtypes".into()))
-                }
-                Some(n) => float_name(enc.dtype(n.q))?,
-                None => "f32",
-            };
-            let warps = tokens >= AI_WARPS_MIN_TOKENS;
+            let (cache, weights) = (float_name(i.cache)?, float_name(i.weights.unwrap_or(DType::F32))?);
+            let warps = i.tokens >= AI_WARPS_MIN_TOKENS;
             let kind = if warps { "warps_" } else { "" };
             let kern = enc.kernel(&MODULE, &format!("attention_inputs_{kind}{cache}_{weights}"))?;
-            let (x, q_out, p, f) = (
-                enc.buf(qkv)?.clone(),
-                enc.buf(q)?.clone(),
-                enc.buf(positions)?.clone(),
-                enc.buf(inv_freq)?.clone(),
-            );
-            let gate = match gate {
-                Some(g) => Some(enc.buf(g)?.clone()),
-                None => None,
-            };
-            let (kc, vc) = (enc.buf(k_cache)?.clone(), enc.buf(v_cache)?.clone());
-            let norm_bufs = match norms {
-                Some(n) => Some((enc.buf(n.q)?.clone(), enc.buf(n.k)?.clone(), n.eps, n.kind)),
-                None => None,
-            };
-            let q_stride = if gate.is_some() { 2 * head_dim } else { head_dim };
             let (grid_y, block) = match warps {
-                true => ((heads + 2 * kv_heads).div_ceil(AI_WARPS), 32 * AI_WARPS),
+                true => ((i.heads + 2 * i.kv_heads).div_ceil(AI_WARPS), 32 * AI_WARPS),
                 false => (
-                    heads + 2 * kv_heads,
-                    ((head_dim / 2).div_ceil(32) * 32).clamp(32, 128),
+                    i.heads + 2 * i.kv_heads,
+                    ((i.head_dim / 2).div_ceil(32) * 32).clamp(32, 128),
                 ),
             };
             let b = enc
                 .dispatch(&kern)
-                .grid((u32_arg(tokens)?, u32_arg(grid_y)?))
-                .block(u32_arg(block)?)
-                .read(&x)
-                .write(&q_out);
-            // Absent gates and norm weights are null pointers.
-            let b = match &gate {
-                Some(g) => b.write(g),
-                None => b.arg(0u64),
-            };
-            let b = match &norm_bufs {
-                Some((qw, kw, eps, kind)) => b
-                    .read(qw)
-                    .read(kw)
-                    .arg(*eps)
-                    .arg(i32::from(*kind == NormKind::ZeroCentered)),
-                None => b.arg(0u64).arg(0u64).arg(0f32).arg(0i32),
-            };
-            let b = b.read(&p).read(&f).read_write(&kc).read_write(&vc);
-            pages
-                .args(b)?
-                .arg(u32_arg(heads)?)
-                .arg(u32_arg(kv_heads)?)
-                .arg(u32_arg(head_dim)?)
-                .arg(u32_arg(q_stride)?)
-                .arg(u32_arg(rot_dim)?)
-                .arg(scaling)
-                .arg(u32_arg(rows)?)
+                .grid((u32_arg(i.tokens)?, u32_arg(grid_y)?))
+                .block(u32_arg(block)?);
+            i.args(b)?
+                .arg(u32_arg(i.heads)?)
+                .arg(u32_arg(i.kv_heads)?)
+                .arg(u32_arg(i.head_dim)?)
+                .arg(u32_arg(i.q_stride())?)
+                .arg(u32_arg(i.rot_dim)?)
+                .arg(i.scaling)
+                .arg(u32_arg(i.rows)?)
                 .record();
         }
         Op::Attention { .. } => {

@@ -43,12 +43,18 @@ pub const MODULES: &[ModuleSource] = &[
     stream::MODULE,
 ];
 
-/// Encodes the first nodes of `ops` together when kernels do them together: a one-token
-/// router's residual add and norm, product and choice of experts (three), or its product and
-/// choice (two), each optionally with a streamed layer's fetch of the chosen experts and the
-/// experts that read the fetched slots after them (two more). Returns how many it encoded; 0,
-/// and nothing recorded, otherwise.
+/// Encodes the first nodes of `ops` together when kernels do them together: one token's inputs
+/// of attention and its attention (two); a one-token router's residual add and norm, product and
+/// choice of experts (three), or its product and choice (two), each optionally with a streamed
+/// layer's fetch of the chosen experts and the experts that read the fetched slots after them
+/// (two more). Returns how many it encoded; 0, and nothing recorded, otherwise.
 pub fn encode_fused(ops: &[&Op], enc: &mut Encoder) -> Result<usize> {
+    // One token's inputs of attention and its attention.
+    if let [inputs @ Op::AttentionInputs { .. }, attention @ Op::Attention { .. }, ..] = ops {
+        if attention::encode_inputs_and_decode(inputs, attention, enc)? {
+            return Ok(2);
+        }
+    }
     // The longest run first: with the norm or without, then with the fetch and its experts or
     // without.
     for norm in [true, false] {
