@@ -14,6 +14,7 @@
 //! | `KESTREL_WIDE_EXPERTS` | bool | `true` | with `wgmma` on, routed experts of a few to a few dozen rows each on the warpgroup form of the skinny products (`off` takes the skinny products and GEMM tiles, for comparison) |
 //! | `KESTREL_WIDE_PROJECTIONS` | bool | `true` | with `wgmma` on, quantised projections of a few dozen tokens on the warpgroup form of the skinny products (`off` takes the skinny products, for comparison) |
 //! | `KESTREL_FUSED_ATTENTION` | bool | `true` | on sm_90 GPUs, one token's attention inputs (norms, rotation, cache append) computed inside the decode attention kernel (`off` runs them as a kernel of their own, for comparison) |
+//! | `KESTREL_FUSED_NORM` | bool | `true` | one token's RMS norm (with its residual add) computed inside the quantised product that reads it (`off` runs it as a kernel of its own, for comparison) |
 //!
 //! Booleans accept `1/0`, `true/false`, `yes/no`, `on/off`. A variable with a value that does
 //! not parse leaves its default in place and is kept as a problem: reading the configuration
@@ -57,6 +58,9 @@ pub struct Config {
     /// On sm_90, one token's attention inputs run inside its decode attention kernel (else as a
     /// kernel of their own before it).
     pub fused_attention: bool,
+    /// One token's RMS norm runs inside the quantised product that reads it (else as a kernel
+    /// of its own before it).
+    pub fused_norm: bool,
 }
 
 impl Default for Config {
@@ -227,6 +231,11 @@ impl Config {
             parse_bool(get("KESTREL_FUSED_ATTENTION"), "KESTREL_FUSED_ATTENTION", true),
             true,
         );
+        let fused_norm = keep(
+            &mut problems,
+            parse_bool(get("KESTREL_FUSED_NORM"), "KESTREL_FUSED_NORM", true),
+            true,
+        );
         Config {
             problems,
             device,
@@ -238,6 +247,7 @@ impl Config {
             wide_experts,
             wide_projections,
             fused_attention,
+            fused_norm,
         }
     }
 }
@@ -289,6 +299,8 @@ mod tests {
         assert!(!Config::from_vars(&vars(&[("KESTREL_WIDE_PROJECTIONS", "off")])).wide_projections);
         assert!(!Config::from_vars(&vars(&[("KESTREL_FUSED_ATTENTION", "no")])).fused_attention);
         assert!(Config::default().fused_attention);
+        assert!(!Config::from_vars(&vars(&[("KESTREL_FUSED_NORM", "off")])).fused_norm);
+        assert!(Config::default().fused_norm);
         assert_eq!(c.kernel_cache_dir, None, "no HOME, no XDG_CACHE_HOME: no cache");
     }
 

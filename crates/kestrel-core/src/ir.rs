@@ -769,6 +769,20 @@ pub enum Op {
 }
 
 impl Op {
+    /// Whether a backend may run this op and `next`, the node after it, as one kernel whose
+    /// blocks write `next`'s outputs while other blocks still read this op's buffers: one
+    /// token's attention inputs and the attention reading them, and one token's norm and the
+    /// product reading it. The planner keeps this op's buffers live through `next`, so none
+    /// shares bytes with `next`'s outputs.
+    pub fn may_join(&self, next: &Op) -> bool {
+        use Op::*;
+        match (self, next) {
+            (AttentionInputs { q, tokens: 1, .. }, Attention { q: aq, tokens: 1, .. }) => q == aq,
+            (RmsNorm { out, .. } | AddRmsNorm { out, .. }, Linear { x, tokens: 1, .. }) => out == x,
+            _ => false,
+        }
+    }
+
     /// The buffers the op reads and the buffers it writes; read-write buffers are in both.
     pub fn io(&self) -> (Vec<Buf>, Vec<Buf>) {
         use Op::*;

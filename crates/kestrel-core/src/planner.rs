@@ -1,7 +1,8 @@
 //! The memory planner: where every buffer of a graph lives.
 //!
-//! Transient buffers live from the first node that touches them to the last; two transients
-//! whose intervals do not overlap may share bytes. Placement is a deterministic greedy
+//! Transient buffers live from the first node that touches them to the last (to the node after
+//! it when a backend may run the two as one kernel: `Op::may_join`); two transients whose
+//! intervals do not overlap may share bytes. Placement is a deterministic greedy
 //! colouring: largest first (ties by first use, then index), each at the lowest offset that does
 //! not collide with an already placed buffer live at the same time. Weights, states, inputs and
 //! outputs are never aliased. Both backends use the same plan.
@@ -44,11 +45,17 @@ impl Plan {
         let n = graph.bufs.len();
         let mut intervals: Vec<Option<(usize, usize)>> = vec![None; n];
         for (i, (reads, writes)) in graph.io().into_iter().enumerate() {
+            // A node a backend may run as one kernel with the next (`Op::may_join`) keeps its
+            // buffers live through the next.
+            let last = match graph.nodes.get(i + 1) {
+                Some(next) if graph.nodes[i].op.may_join(&next.op) => i + 1,
+                _ => i,
+            };
             for b in reads.into_iter().chain(writes) {
                 let iv = &mut intervals[b.index()];
                 *iv = Some(match *iv {
-                    None => (i, i),
-                    Some((first, _)) => (first, i),
+                    None => (i, last),
+                    Some((first, l)) => (first, l.max(last)),
                 });
             }
         }
@@ -212,6 +219,33 @@ mod tests {
                 }
                 BufKind::Input | BufKind::Output => assert_eq!(plan.slots[i], Slot::Dedicated),
                 BufKind::Transient => assert!(matches!(plan.slots[i], Slot::Arena { .. })),
+            }
+        }
+    }
+    /// One token's norm and the product reading it may run as one kernel: the norm's input
+    /// stays live through the product, so the product's output never shares its bytes. With
+    /// two tokens the intervals end where the nodes do.
+    #[test]
+    fn a_joinable_pair_keeps_the_first_nodes_buffers_live_through_the_second() {
+        for tokens in [1, 2] {
+            let mut g = GraphBuilder::new();
+            let x = g.act_input("x", tokens, 64);
+            let w = LinearWeight::Dense(g.weight("w", DType::BF16, [64, 64]));
+            let nw = g.weight("norm", DType::F32, [64]);
+            let a = g.linear("a", x, &w);
+            let n = g.rms_norm("n", a, nw, 1e-6, NormKind::Standard);
+            let b = g.linear("b", n, &w);
+            let c = g.linear("c", b, &w);
+            g.mark_output(c);
+            let graph = g.finish().unwrap();
+            let plan = Plan::new(&graph);
+            let (a, b) = (a.raw().index(), b.raw().index());
+            let (a_last, b_first) = (plan.intervals[a].unwrap().1, plan.intervals[b].unwrap().0);
+            let joined = graph.nodes[1].op.may_join(&graph.nodes[2].op);
+            assert_eq!(joined, tokens == 1);
+            assert_eq!(a_last, if joined { b_first } else { b_first - 1 });
+            if joined {
+                assert_ne!(plan.slots[a], plan.slots[b], "a and b share bytes");
             }
         }
     }

@@ -71,6 +71,8 @@ struct DeviceInner {
     wide_projections: bool,
     /// One token's attention inputs inside its decode attention kernel (`Config::fused_attention`).
     fused_attention: bool,
+    /// One token's RMS norm inside the quantised product that reads it (`Config::fused_norm`).
+    fused_norm: bool,
     /// Event pairs around profiled dispatches, read back by `take_profile`.
     profile_events: Mutex<Vec<(String, String, CudaEvent, CudaEvent)>>,
     /// The cuBLAS handle, created on first use.
@@ -140,6 +142,7 @@ impl Device {
                 wide_experts,
                 wide_projections,
                 fused_attention: config.fused_attention,
+                fused_norm: config.fused_norm,
                 profile_events: Mutex::new(Vec::new()),
                 blas: Mutex::new(None),
                 ceilings: OnceLock::new(),
@@ -407,6 +410,12 @@ impl Device {
     /// (`decode_attention_inputs_*` in `attention.cu`).
     pub fn fused_attention(&self) -> bool {
         self.inner.fused_attention
+    }
+
+    /// Whether one token's RMS norm may run inside the quantised product that reads it
+    /// (`matvec_norm_*_dp4a` in `linear.cu`).
+    pub fn fused_norm(&self) -> bool {
+        self.inner.fused_norm
     }
 
     /// Turns per-dispatch timing on or off (the configuration sets the initial state).

@@ -358,6 +358,42 @@ __device__ __forceinline__ int dp4a_us(unsigned a, int b, int c) {
     return d;
 }
 
+// One thread's 8 values (values 8i .. 8i + 7 of the vector; `ok` false past its end) rounded to
+// the form below. Four neighbouring lanes share a block of 32, so every lane of the warp must call
+// it (the shuffles), in step.
+template <bool NIBBLES>
+__device__ __forceinline__ void quantize8(const float (&v)[8], bool ok, unsigned i, int* q, float* d, float* s16) {
+    float amax = 0.0f;
+    if (ok) {
+#pragma unroll
+        for (int j = 0; j < 8; j++) amax = fmaxf(amax, fabsf(v[j]));
+    }
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int r[8], sum = 0;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        r[j] = ok ? __float2int_rn(v[j] * inv) : 0;
+        sum += r[j];
+    }
+    // The sum of the rounded values (not of x): with it the bias term rounds like the weight
+    // term, and the large offset of unsigned quantised weights cancels as in (q s + b) . x.
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    if (!ok) return;
+    // Byte j of the 8 goes to position p(j): in order, or [x0 x2 x4 x6][x1 x3 x5 x7].
+    unsigned lo = 0, hi = 0;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        const int p = NIBBLES ? (j % 2) * 4 + j / 2 : j;
+        const unsigned byte = (unsigned)(r[j] & 0xff) << (8 * (p % 4));
+        if (p < 4) lo |= byte; else hi |= byte;
+    }
+    reinterpret_cast<int2*>(q)[i] = make_int2((int)lo, (int)hi);
+    if (i % 4 == 0) d[i / 4] = scale;
+    if (i % 2 == 0) s16[i / 2] = scale * (float)sum;
+}
+
 // Rounds x[0..n) (n a multiple of 32) to that form: `q` n bytes, `d` n / 32 scales, `s16` n / 16
 // sums (global or shared memory). Thread `tid` of `threads` (a multiple of 32, the same trip
 // count for all, so every lane reaches the shuffles) takes 8 values at a time; four neighbouring
@@ -368,38 +404,12 @@ __device__ __forceinline__ void quantize_x8(const float* x, unsigned n, int* q, 
     for (unsigned base = 0; base < n / 8; base += threads) {
         const unsigned i = base + tid;
         const bool ok = i < n / 8;
-        float v[8];
-        float amax = 0.0f;
+        float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
         if (ok) {
             const float4 a = reinterpret_cast<const float4*>(x)[2 * i], b = reinterpret_cast<const float4*>(x)[2 * i + 1];
             v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-#pragma unroll
-            for (int j = 0; j < 8; j++) amax = fmaxf(amax, fabsf(v[j]));
         }
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-        const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int r[8], sum = 0;
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            r[j] = ok ? __float2int_rn(v[j] * inv) : 0;
-            sum += r[j];
-        }
-        // The sum of the rounded values (not of x): with it the bias term rounds like the weight
-        // term, and the large offset of unsigned quantised weights cancels as in (q s + b) . x.
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        if (!ok) continue;
-        // Byte j of the 8 goes to position p(j): in order, or [x0 x2 x4 x6][x1 x3 x5 x7].
-        unsigned lo = 0, hi = 0;
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            const int p = NIBBLES ? (j % 2) * 4 + j / 2 : j;
-            const unsigned byte = (unsigned)(r[j] & 0xff) << (8 * (p % 4));
-            if (p < 4) lo |= byte; else hi |= byte;
-        }
-        reinterpret_cast<int2*>(q)[i] = make_int2((int)lo, (int)hi);
-        if (i % 4 == 0) d[i / 4] = scale;
-        if (i % 2 == 0) s16[i / 2] = scale * (float)sum;
+        quantize8<NIBBLES>(v, ok, i, q, d, s16);
     }
 }
 

@@ -10,7 +10,8 @@
 //   each 16-byte vector's plain sum), warps taking tiles of 4 rows. Nothing is rounded beyond f32
 //   arithmetic, so _exact serves the logits a router chooses from (matvec_bf16 serves them too);
 //   _exact_tokens is the same arithmetic for many tokens, several a block.
-// - matvec_q{4,8}_dp4a: x rounded to int8 per block of 32 inside every block, products by dp4a.
+// - matvec_q{4,8}_dp4a: x rounded to int8 per block of 32 inside every block, products by dp4a;
+//   matvec_norm_*_dp4a the same with one row's RMS norm (and residual add) in front.
 //   Each warp streams its items (4 rows x 64 vectors) with their group scales and biases through
 //   a 4-slot cp.async ring in shared memory, the first items started before the programmatic
 //   wait, so no load is issued at compute time.
@@ -389,14 +390,45 @@ __device__ __forceinline__ void dp_fetch(uint4* ring, const DpItems& it, unsigne
     cp_async_commit();
 }
 
-// Persistent like `matvec`: each block rounds x to int8 into shared memory itself, then its
-// warps walk their items. The first items' copies are started before the programmatic wait
-// (weights are never written by a kernel). Dynamic shared memory: DP_WARPS * DP_STAGES slots of
-// ring (dp_slot_vecs(seg, sizeof(S)) 16-byte vectors a slot), then in_dim bytes + (in_dim / 32 + in_dim / 16)
-// floats of x.
-template <int BITS, typename S>
+// The RMS norm matvec_norm_*_dp4a does in front of its product (an RmsNorm or AddRmsNorm of one
+// row): x = r / rms(r) * w with r = residual + add (r = add without a residual), w f32 or bf16
+// (w_bf16), each factor 1 + w when zero-centred. Every block computes the whole row itself: its
+// threads take 8 values at a time (value chunks tid, tid + blockDim.x, ...; up to DPN_CHUNKS
+// each), the norm weights loaded before the programmatic wait and r in one round trip after it.
+// The normalised row, which later kernels read and no block of this one, is written by block 0
+// as soon as it has it; the new residual (with a residual) by block 0 at its end, once every
+// block has counted itself in `counter` (zero at launch and again at exit) after reading its
+// residual values, so no block reads a residual another has updated. A block that waits for the
+// others so never keeps them from running: it is one block, and it waits only once its own work
+// is done.
+#ifndef DPN_CHUNKS
+#error "linear.cu is compiled with DPN_CHUNKS from ops/linear.rs"
+#endif
+struct DpNorm {
+    float* residual;  // null for an RmsNorm
+    const float* add;
+    const void* w;
+    float* out;
+    unsigned* counter;
+    float eps;
+    int zero_centered;
+    int w_bf16;
+};
+
+// The norm's factor of value i.
+__device__ __forceinline__ float dpn_factor(const DpNorm& nm, unsigned i) {
+    const float v = nm.w_bf16 ? to_f32(static_cast<const bf16*>(nm.w)[i]) : static_cast<const float*>(nm.w)[i];
+    return nm.zero_centered ? 1.0f + v : v;
+}
+
+// Persistent like `matvec`: each block rounds x to int8 into shared memory itself (with NORM, x
+// normalised first: DpNorm), then its warps walk their items. The first items' copies are started
+// before the programmatic wait (weights are never written by a kernel). Dynamic shared memory:
+// DP_WARPS * DP_STAGES slots of ring (dp_slot_vecs(seg, sizeof(S)) 16-byte vectors a slot), then
+// in_dim bytes + (in_dim / 32 + in_dim / 16) floats of x.
+template <int BITS, typename S, bool NORM>
 __device__ void matvec_dp4a(const float* xf, const unsigned* w, const S* scales, const S* biases, float* out,
-                            unsigned in_dim, unsigned out_dim, unsigned group) {
+                            unsigned in_dim, unsigned out_dim, unsigned group, const DpNorm nm) {
     extern __shared__ __align__(16) uint4 dp_smem[];
     constexpr unsigned VALS = 128 / BITS;
     const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -414,11 +446,77 @@ __device__ void matvec_dp4a(const float* xf, const unsigned* w, const S* scales,
 #pragma unroll
     for (unsigned k = 0; k + 1 < DP_STAGES; k++)
         dp_fetch(ring, it, k, W, scales, biases, nvec, out_dim, groups, seg);
-    pdl_wait();
-    pdl_trigger();
-    if (warp == 0) prefetch_l2_range(xf, in_dim * sizeof(float), lane, 32);
-    quantize_x8<BITS == 4>(xf, in_dim, sq, sd, ss, threadIdx.x, blockDim.x);
+    // With NORM, this thread's values of residual + add (block 0 writes them to the residual at
+    // its end).
+    float r[DPN_CHUNKS][8];
+    if constexpr (NORM) {
+        __shared__ float scratch[32];
+        const unsigned n8 = in_dim / 8;
+        float f[DPN_CHUNKS][8];
+#pragma unroll
+        for (int c = 0; c < DPN_CHUNKS; c++) {
+            const unsigned i = threadIdx.x + c * blockDim.x;
+#pragma unroll
+            for (int j = 0; j < 8; j++) f[c][j] = i < n8 ? dpn_factor(nm, 8 * i + j) : 0.0f;
+        }
+        pdl_wait();
+        pdl_trigger();
+        float sum = 0.0f;
+#pragma unroll
+        for (int c = 0; c < DPN_CHUNKS; c++) {
+            const unsigned i = threadIdx.x + c * blockDim.x;
+            float4 a[2] = {make_float4(0.0f, 0.0f, 0.0f, 0.0f), make_float4(0.0f, 0.0f, 0.0f, 0.0f)};
+            if (i < n8) {
+                const float4* ad = reinterpret_cast<const float4*>(nm.add) + 2 * i;
+                a[0] = ad[0];
+                a[1] = ad[1];
+                if (nm.residual != nullptr) {
+                    const float4* rd = reinterpret_cast<const float4*>(nm.residual) + 2 * i;
+                    const float4 b0 = rd[0], b1 = rd[1];
+                    a[0] = make_float4(b0.x + a[0].x, b0.y + a[0].y, b0.z + a[0].z, b0.w + a[0].w);
+                    a[1] = make_float4(b1.x + a[1].x, b1.y + a[1].y, b1.z + a[1].z, b1.w + a[1].w);
+                }
+            }
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                r[c][4 * h] = a[h].x;
+                r[c][4 * h + 1] = a[h].y;
+                r[c][4 * h + 2] = a[h].z;
+                r[c][4 * h + 3] = a[h].w;
+            }
+#pragma unroll
+            for (int j = 0; j < 8; j++) sum += r[c][j] * r[c][j];
+        }
+        const float inv = 1.0f / sqrtf(block_sum(sum, scratch) / (float)in_dim + nm.eps);
+#pragma unroll
+        for (int c = 0; c < DPN_CHUNKS; c++) {
+            const unsigned i = threadIdx.x + c * blockDim.x;
+#pragma unroll
+            for (int j = 0; j < 8; j++) f[c][j] = r[c][j] * inv * f[c][j];  // x, in place of the factors
+            quantize8<BITS == 4>(f[c], i < n8, i, sq, sd, ss);
+        }
+        // No block reads the normed row: block 0 writes it now.
+        if (blockIdx.x == 0) {
+#pragma unroll
+            for (int c = 0; c < DPN_CHUNKS; c++) {
+                const unsigned i = threadIdx.x + c * blockDim.x;
+                if (i >= n8) continue;
+                float4* od = reinterpret_cast<float4*>(nm.out) + 2 * i;
+                od[0] = make_float4(f[c][0], f[c][1], f[c][2], f[c][3]);
+                od[1] = make_float4(f[c][4], f[c][5], f[c][6], f[c][7]);
+            }
+        }
+    } else {
+        pdl_wait();
+        pdl_trigger();
+        if (warp == 0) prefetch_l2_range(xf, in_dim * sizeof(float), lane, 32);
+        quantize_x8<BITS == 4>(xf, in_dim, sq, sd, ss, threadIdx.x, blockDim.x);
+    }
     __syncthreads();
+    // Every thread of the block has read its residual values (the sum needed them all): count
+    // the block, without waiting for the count.
+    if constexpr (NORM)
+        if (threadIdx.x == 0 && nm.residual != nullptr) atomicAdd(nm.counter, 1u);
     const QuantX x{sq, sd, ss};
     float acc[DP_ROWS];
 #pragma unroll
@@ -454,13 +552,42 @@ __device__ void matvec_dp4a(const float* xf, const unsigned* w, const S* scales,
         }
     }
     cp_async_wait<0>();  // no copy may still target shared memory when the block exits
+    // Block 0 writes the new residual once every block has counted itself (by now, in practice:
+    // the blocks start together and count before their products), then zeroes the count.
+    if constexpr (NORM) {
+        if (blockIdx.x == 0 && nm.residual != nullptr) {
+            if (threadIdx.x == 0)
+                while (*reinterpret_cast<volatile unsigned*>(nm.counter) < gridDim.x) {
+                }
+            __syncthreads();
+#pragma unroll
+            for (int c = 0; c < DPN_CHUNKS; c++) {
+                const unsigned i = threadIdx.x + c * blockDim.x;
+                if (i >= in_dim / 8) continue;
+                float4* rd = reinterpret_cast<float4*>(nm.residual) + 2 * i;
+                rd[0] = make_float4(r[c][0], r[c][1], r[c][2], r[c][3]);
+                rd[1] = make_float4(r[c][4], r[c][5], r[c][6], r[c][7]);
+            }
+            if (threadIdx.x == 0) *nm.counter = 0;
+        }
+    }
 }
 
+// matvec_{format}_dp4a, and matvec_norm_{format}_dp4a with the RMS norm in front (DpNorm; x is
+// then not read).
 #define MATVEC_DP4A(BITS, S, NAME)                                                                          \
     extern "C" __global__ void __launch_bounds__(32 * DP_WARPS, DP_BLOCKS_PER_SM)                          \
         matvec_##NAME##_dp4a(const float* x, const unsigned* w, const S* scales, const S* biases, float* out,  \
                              unsigned in_dim, unsigned out_dim, unsigned group) {                           \
-        matvec_dp4a<BITS, S>(x, w, scales, biases, out, in_dim, out_dim, group);                            \
+        matvec_dp4a<BITS, S, false>(x, w, scales, biases, out, in_dim, out_dim, group, DpNorm{});            \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(32 * DP_WARPS, DP_BLOCKS_PER_SM)                          \
+        matvec_norm_##NAME##_dp4a(float* residual, const float* add, const void* nw, float* normed,          \
+                                  unsigned* counter, float eps, int zero_centered, int w_bf16,              \
+                                  const unsigned* w, const S* scales, const S* biases, float* out,          \
+                                  unsigned in_dim, unsigned out_dim, unsigned group) {                      \
+        matvec_dp4a<BITS, S, true>(nullptr, w, scales, biases, out, in_dim, out_dim, group,                  \
+                                   DpNorm{residual, add, nw, normed, counter, eps, zero_centered, w_bf16}); \
     }
 MATVEC_DP4A(4, bf16, q4)
 MATVEC_DP4A(8, bf16, q8)

@@ -236,7 +236,7 @@ impl Backend for CudaBackend {
                 .iter()
                 .map(|n| &n.op)
                 .collect();
-            let fused = ops::encode_fused(&window, &mut enc).map_err(named)?;
+            let fused = ops::encode_fused(&window, &precise[i..i + window.len()], &mut enc).map_err(named)?;
             if fused > 0 {
                 enc.list.relabel_from(before, &graph.nodes[i + fused - 1].label);
                 i += fused;

@@ -137,6 +137,33 @@ fn one_token_inputs_and_attention_match_the_cpu_backend() {
     }
 }
 
+/// One token's norm (with a residual add or without) and the quantised projection reading it,
+/// which CUDA runs as one kernel: the product, the normed row and the new residual match the
+/// CPU, and the program holds the fused kernel and no norm kernel of its own (unless
+/// `KESTREL_FUSED_NORM` is off).
+#[test]
+fn one_token_norm_and_projection_match_the_cpu_backend() {
+    let Some(dev) = device_or_skip("one_token_norm_and_projection_match_the_cpu_backend") else {
+        return;
+    };
+    let (mut rng, seed) = Rng::from_time();
+    for round in 0..24 {
+        let case = kestrel_testing::cases::norm_then_linear_decode(Rng::new(rng.next_u64()));
+        println!("{}", case.name);
+        compare(&dev, &case, seed, round);
+        let mut cuda = CudaBackend::new(dev.clone(), RunMode::Eager);
+        let p = cuda.prepare(&case.graph).unwrap();
+        let labels: Vec<&str> = p.commands().commands().iter().map(|c| c.label()).collect();
+        let fused = labels.iter().any(|l| l.contains("matvec_norm_"))
+            && !labels.iter().any(|l| l.contains("rms_norm"));
+        assert!(
+            fused == dev.fused_norm(),
+            "seed {seed} round {round} {}: {labels:?}",
+            case.name
+        );
+    }
+}
+
 /// One token of a MoE layer at Qwen3-30B-A3B's expert shapes (the random cases' layers are
 /// small): the router's 8-bit product and choice as one cluster kernel, then gate/up and down
 /// over rows of 2,048 and 768 values, as a decode step runs them; in a third of the rounds the

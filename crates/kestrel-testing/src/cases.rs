@@ -700,6 +700,47 @@ pub fn linear_shape(rng: Rng, tokens: usize, (in_dim, out_dim): (usize, usize), 
     c.finish(format!("linear {tokens}x{in_dim}->{out_dim} {format:?}"))
 }
 
+/// One token's RMS norm, with a residual add or without (standard or zero-centred, f32 or bf16
+/// weights), and a quantised projection of its output, at rows of up to 4,096 values in whole
+/// pieces of 8 groups: the pair CUDA runs as one kernel (`matvec_norm_*_dp4a`). Checks the
+/// product, the normed row and the new residual.
+pub fn norm_then_linear_decode(rng: Rng) -> Case {
+    let mut c = CaseBuilder::new(rng);
+    let format = pick(&mut c.rng, &QUANT_FORMATS);
+    let unit = (8 * format.group_size).max(64);
+    let in_dim = unit * c.rng.range(1, 4096 / unit + 1);
+    let out_dim = c.rng.range(1, 700);
+    let kind = pick(&mut c.rng, &[NormKind::Standard, NormKind::ZeroCentered]);
+    let wdtype = pick(&mut c.rng, &[DType::BF16, DType::F32]);
+    let (nw, nwf) = c.weight("norm_w", wdtype, &[in_dim], 0.5);
+    let with_residual = c.rng.range(0, 2) == 0;
+    let (normed, row, residual) = if with_residual {
+        let (res, rf) = c.residual("res", 1, in_dim);
+        let (x, xf) = c.act("x", 1, in_dim, 1.0);
+        let out =
+            c.g.add_rms_norm_to("add_norm", res, x, nw, 1e-6, kind, DType::F32);
+        let sum: Vec<f64> = rf.iter().zip(&xf).map(|(a, b)| a + b).collect();
+        (out, sum, Some(res))
+    } else {
+        let (x, xf) = c.residual("x", 1, in_dim);
+        (c.g.rms_norm_to("norm", x, nw, 1e-6, kind, DType::F32), xf, None)
+    };
+    let nf = r::rms_norm(&row, &nwf, in_dim, 1e-6, kind == NormKind::ZeroCentered);
+    let (w, wf) = c.linear_weight("w", out_dim, in_dim, Some(format), DType::BF16);
+    let y = c.g.linear("proj", normed, &w);
+    c.rounded_activations = true;
+    c.check_floats(y, r::linear(&nf, &wf, in_dim, out_dim));
+    c.check_floats(normed, nf);
+    if let Some(res) = residual {
+        c.g.mark_output(res);
+        c.checks.push((res.raw(), Expect::Floats(row)));
+    }
+    let add = if with_residual { "add_" } else { "" };
+    c.finish(format!(
+        "{add}rms_norm {kind:?} {wdtype} then linear 1x{in_dim}->{out_dim} {format:?}"
+    ))
+}
+
 pub fn elementwise(rng: Rng) -> Case {
     let mut c = CaseBuilder::new(rng);
     let (rows, groups) = (c.rng.range(1, 6), c.rng.range(1, 5));

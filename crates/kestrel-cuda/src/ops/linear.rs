@@ -10,13 +10,14 @@
 //!   rounded activations are switched off (`Exact::projections`): bf16 weights
 //!   through cuBLAS on x rounded to bf16, quantised weights in whole tiles (64 columns, K in steps
 //!   of 64) through `gemm.cu`'s `linear_gemm_*`;
-//! - one token: the matvecs (`matvec_bf16`, `matvec_q*_dp4a`);
+//! - one token: the matvecs (`matvec_bf16`, `matvec_q*_dp4a`; with the norm in front,
+//!   `matvec_norm_q*_dp4a`, through `encode_norm_matvec`);
 //! - router logits, and outputs narrower than 16, from quantised weights: `matvec_q*_exact`
 //!   (one token, or up to 256 of narrow outputs, a grid row each) or `matvec_q*_exact_tokens_*`
 //!   (2, 4 or 8 tokens a block), on x in f32;
 //! - every other shape: `linear_*`.
 
-use kestrel_core::ir::{Buf, LinearWeight, Op};
+use kestrel_core::ir::{Buf, LinearWeight, NormKind, Op};
 use kestrel_core::quant::QuantFormat;
 use kestrel_core::DType;
 
@@ -43,6 +44,7 @@ pub(crate) const MODULE: ModuleSource = op_module(
         ("DP_ROWS", DP_ROWS as i64),
         ("DP_STAGES", DP_STAGES as i64),
         ("DP_BLOCKS_PER_SM", DP_BLOCKS_PER_SM as i64),
+        ("DPN_CHUNKS", DPN_CHUNKS as i64),
     ],
 );
 
@@ -160,6 +162,122 @@ fn encode_matvec(
         }
         _ => return Ok(false),
     }
+    Ok(true)
+}
+
+/// `matvec_norm_*_dp4a`: 8-value chunks of the normed row a thread holds at most (`DPN_CHUNKS`
+/// in linear.cu): rows of up to 4,096 values.
+const DPN_CHUNKS: usize = 4;
+
+/// One token's `RmsNorm` or `AddRmsNorm` and the quantised `Linear` that reads its output, as one
+/// `matvec_norm_*_dp4a` (each block norms the row itself; the last one writes the new residual
+/// and the normed row for any other reader), when the device allows it
+/// (`Config::fused_norm`), the product would take `matvec_*_dp4a` anyway (not router logits:
+/// `precise`) and the row fits the kernel's registers. Returns false, recording nothing, for any
+/// other pair.
+pub(crate) fn encode_norm_matvec(norm: &Op, linear: &Op, precise: bool, enc: &mut Encoder) -> Result<bool> {
+    let (residual, add, nw, normed, dim, eps, kind) = match *norm {
+        Op::AddRmsNorm {
+            residual,
+            x,
+            w,
+            out,
+            dim,
+            eps,
+            kind,
+        } => (Some(residual), x, w, out, dim, eps, kind),
+        Op::RmsNorm {
+            x,
+            w,
+            out,
+            dim,
+            eps,
+            kind,
+        } => (None, x, w, out, dim, eps, kind),
+        _ => return Ok(false),
+    };
+    let Op::Linear {
+        x,
+        w: ref weight @ LinearWeight::Quant { ref format, .. },
+        out,
+        tokens: 1,
+        in_dim,
+        out_dim,
+    } = *linear
+    else {
+        return Ok(false);
+    };
+    if !enc.device.fused_norm()
+        || precise
+        || enc.exact.projections
+        || x != normed
+        || dim != in_dim
+        || enc.graph.decl(add).elem_count() != dim
+        || in_dim % 64 != 0
+        || format.group_size % (128 / format.bits as usize) != 0
+        || in_dim / 8 > DPN_CHUNKS * 32 * DP_WARPS
+        || residual
+            .into_iter()
+            .chain([add, normed])
+            .any(|b| enc.dtype(b) != DType::F32)
+    {
+        return Ok(false);
+    }
+    let w_bf16 = match enc.dtype(nw) {
+        DType::BF16 => 1i32,
+        DType::F32 => 0,
+        _ => return Ok(false),
+    };
+    let Some(ring) = dp_ring_bytes(in_dim, format) else {
+        return Ok(false);
+    };
+    let smem = ring + in_dim + (in_dim / 32 + in_dim / 16) * 4;
+    if smem > enc.device.info().max_shared_per_block {
+        return Ok(false);
+    }
+    let residual = residual.map(|b| enc.buf(b).cloned()).transpose()?;
+    let (add, nw, normed) = (
+        enc.buf(add)?.clone(),
+        enc.buf(nw)?.clone(),
+        enc.buf(normed)?.clone(),
+    );
+    if residual
+        .iter()
+        .chain([&add, &normed])
+        .any(|b| b.device_ptr() % 16 != 0)
+    {
+        return Ok(false);
+    }
+    let out = enc.buf(out)?.clone();
+    let counter = enc.counters(1)?;
+    let (name, parts, _) = weight_parts(enc, weight)?;
+    let k = enc.kernel(&MODULE, &format!("matvec_norm_{name}_dp4a"))?;
+    let sms = enc.device.info().sm_count as usize;
+    let blocks = out_dim.div_ceil(DP_WARPS * DP_ROWS).min(DP_BLOCKS_PER_SM * sms);
+    let b = enc
+        .dispatch(&k)
+        .grid(u32_arg(blocks)?)
+        .block(u32_arg(32 * DP_WARPS)?)
+        .shared_mem(u32_arg(smem)?);
+    let b = match &residual {
+        Some(r) => b.read_write(r),
+        None => b.arg(0u64),
+    };
+    b.read(&add)
+        .read(&nw)
+        .write(&normed)
+        .read_write(&counter)
+        .arg(eps)
+        .arg(i32::from(kind == NormKind::ZeroCentered))
+        .arg(w_bf16)
+        .read(&parts[0])
+        .read(&parts[1])
+        .read(&parts[2])
+        .write(&out)
+        .arg(u32_arg(in_dim)?)
+        .arg(u32_arg(out_dim)?)
+        .arg(u32_arg(format.group_size)?)
+        .record();
     Ok(true)
 }
 

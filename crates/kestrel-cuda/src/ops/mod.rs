@@ -47,8 +47,10 @@ pub const MODULES: &[ModuleSource] = &[
 /// of attention and its attention (two); a one-token router's residual add and norm, product and
 /// choice of experts (three), or its product and choice (two), each optionally with a streamed
 /// layer's fetch of the chosen experts and the experts that read the fetched slots after them
-/// (two more). Returns how many it encoded; 0, and nothing recorded, otherwise.
-pub fn encode_fused(ops: &[&Op], enc: &mut Encoder) -> Result<usize> {
+/// (two more); one token's norm and the quantised product that reads it (two). `precise` says,
+/// for each of `ops`, whether its output feeds a router's choice. Returns how many it encoded; 0,
+/// and nothing recorded, otherwise.
+pub fn encode_fused(ops: &[&Op], precise: &[bool], enc: &mut Encoder) -> Result<usize> {
     // One token's inputs of attention and its attention.
     if let [inputs @ Op::AttentionInputs { .. }, attention @ Op::Attention { .. }, ..] = ops {
         if attention::encode_inputs_and_decode(inputs, attention, enc)? {
@@ -74,6 +76,13 @@ pub fn encode_fused(ops: &[&Op], enc: &mut Encoder) -> Result<usize> {
         }
         if moe::encode_route(n, l, r, None, None, enc)? {
             return Ok(head);
+        }
+    }
+    // One token's norm and the quantised product that reads it (after the router's, which
+    // takes its norm itself).
+    if let ([norm, linear, ..], [_, linear_precise, ..]) = (ops, precise) {
+        if linear::encode_norm_matvec(norm, linear, *linear_precise, enc)? {
+            return Ok(2);
         }
     }
     Ok(0)
