@@ -14,7 +14,7 @@ use kestrel_cuda::{CudaBackend, RunMode};
 use kestrel_testing::cases::{
     all_cases, as_f64, bf16_err, f32s, rel_err, rel_l2, shuffled_pages, u32s, Case, Expect, BF16_STEP,
 };
-use kestrel_testing::gpu::{device_or_skip, tensor_engines};
+use kestrel_testing::gpu::{device_or_skip, tensor_engines, with_fusions};
 
 const TOL: f64 = 1e-4;
 /// Products on rounded activations (int8 per block of 32 for quantised one-token products,
@@ -129,23 +129,35 @@ fn one_token_inputs_and_attention_match_the_cpu_backend() {
     let Some(dev) = device_or_skip("one_token_inputs_and_attention_match_the_cpu_backend") else {
         return;
     };
+    let dev = with_fusions(&dev);
+    let hopper = dev.info().compute_capability.0 >= 9;
     let (mut rng, seed) = Rng::from_time();
     for round in 0..24 {
         let case = kestrel_testing::cases::attention_inputs_decode(Rng::new(rng.next_u64()));
         println!("{}", case.name);
         compare(&dev, &case, seed, round);
+        let mut cuda = CudaBackend::new(dev.clone(), RunMode::Eager);
+        let p = cuda.prepare(&case.graph).unwrap();
+        let labels: Vec<&str> = p.commands().commands().iter().map(|c| c.label()).collect();
+        let fused = labels.iter().any(|l| l.contains("decode_attention_inputs_"));
+        assert!(
+            fused == hopper,
+            "seed {seed} round {round} {}: {labels:?}",
+            case.name
+        );
     }
 }
 
 /// One token's norm (with a residual add or without) and the quantised projection reading it,
 /// which CUDA runs as one kernel: the product, the normed row and the new residual match the
-/// CPU, and the program holds the fused kernel and no norm kernel of its own (unless
-/// `KESTREL_FUSED_NORM` is off).
+/// CPU, and the program holds the fused kernel and no norm kernel of its own (on a device opened
+/// with the fusions on: they are off by default).
 #[test]
 fn one_token_norm_and_projection_match_the_cpu_backend() {
     let Some(dev) = device_or_skip("one_token_norm_and_projection_match_the_cpu_backend") else {
         return;
     };
+    let dev = with_fusions(&dev);
     let (mut rng, seed) = Rng::from_time();
     for round in 0..24 {
         let case = kestrel_testing::cases::norm_then_linear_decode(Rng::new(rng.next_u64()));
@@ -156,11 +168,7 @@ fn one_token_norm_and_projection_match_the_cpu_backend() {
         let labels: Vec<&str> = p.commands().commands().iter().map(|c| c.label()).collect();
         let fused = labels.iter().any(|l| l.contains("matvec_norm_"))
             && !labels.iter().any(|l| l.contains("rms_norm"));
-        assert!(
-            fused == dev.fused_norm(),
-            "seed {seed} round {round} {}: {labels:?}",
-            case.name
-        );
+        assert!(fused, "seed {seed} round {round} {}: {labels:?}", case.name);
     }
 }
 

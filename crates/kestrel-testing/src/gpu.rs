@@ -68,3 +68,17 @@ pub fn tensor_engines(dev: &Device) -> Vec<Device> {
     }
     devices
 }
+
+/// The GPU `dev` is, opened again with the one-token fusions on (`Config::fused_attention`,
+/// `Config::fused_norm`; both off by default), for the tests of the fused kernels.
+///
+/// # Panics
+/// When the device cannot be opened (a test failure is the point).
+pub fn with_fusions(dev: &Device) -> Device {
+    let mut config = Config::from_env();
+    config.fused_attention = true;
+    config.fused_norm = true;
+    let ordinal = dev.info().ordinal;
+    Device::open(ordinal, &config)
+        .unwrap_or_else(|e| panic!("opening device {ordinal} with the fusions on: {e}"))
+}
