@@ -282,6 +282,10 @@ pub struct StepTimes {
     /// `Session::programs_prepared`).
     pub programs: u64,
     pub program_seconds: f64,
+    /// Programs the session dropped to make room for another's memory (see
+    /// `Session::programs_evicted_for_memory`): a server that keeps dropping them is short of
+    /// device memory for its step shapes, and pays for preparing them again.
+    pub programs_evicted: u64,
 }
 
 /// How one sequence's step ended.
@@ -412,6 +416,7 @@ impl Batcher {
         StepTimes {
             programs,
             program_seconds: spent.as_secs_f64(),
+            programs_evicted: on_session!(&self.engine.session, s => s.programs_evicted_for_memory()),
             ..self.times
         }
     }

@@ -241,6 +241,12 @@ impl Metrics {
             "Step programs the engine prepared (built, planned and captured).",
             t.programs,
         );
+        counter(
+            &mut out,
+            "kestrel_engine_programs_evicted_total",
+            "Step programs the engine dropped to make room in device memory for another.",
+            t.programs_evicted,
+        );
         let _ = writeln!(
             out,
             "# HELP kestrel_engine_program_seconds_total Seconds spent preparing step programs.\n\

@@ -262,6 +262,7 @@ fn engine_delta(before: &[(String, f64)], after: &[(String, f64)]) -> Value {
         "decoded_tokens": d("kestrel_engine_step_tokens_total:decode"),
         "programs_prepared": d("kestrel_engine_programs_prepared_total"),
         "program_seconds": d("kestrel_engine_program_seconds_total"),
+        "programs_evicted": d("kestrel_engine_programs_evicted_total"),
     })
 }
 
@@ -417,7 +418,7 @@ pub fn run(a: ServeBenchArgs) -> Result<std::process::ExitCode> {
             outln!(
                 "engine: {:.0} steps with prompt tokens ({:.0} tokens in {:.0} chunks, mean {:.2} ms), \
                  {:.0} decoding only ({:.0} tokens decoded in all, mean {:.2} ms); {:.2} of {wall:.2} \
-                 s in steps; {:.0} programs prepared in {:.2} s",
+                 s in steps; {:.0} programs prepared in {:.2} s ({:.0} dropped for memory)",
                 f("prompt_steps"),
                 f("prompt_tokens"),
                 f("prompt_chunks"),
@@ -428,6 +429,7 @@ pub fn run(a: ServeBenchArgs) -> Result<std::process::ExitCode> {
                 f("prompt_step_seconds") + f("decode_step_seconds"),
                 f("programs_prepared"),
                 f("program_seconds"),
+                f("programs_evicted"),
             )?;
         }
     }

@@ -475,6 +475,12 @@ fn health_models_and_metrics_parse() {
         metric(&text, "kestrel_engine_programs_prepared_total") >= 1.0,
         "{text}"
     );
+    // The built-in model's programs fit: none dropped for memory.
+    assert_eq!(
+        metric(&text, "kestrel_engine_programs_evicted_total"),
+        0.0,
+        "{text}"
+    );
 }
 
 #[test]
