@@ -436,8 +436,21 @@ fn health_models_and_metrics_parse() {
     assert_eq!(m["data"][0]["id"], "kestrel-tiny");
     assert!(m["data"][0]["max_model_len"].as_u64().unwrap() > 0);
     s.post("/v1/chat/completions", &chat_body(QUESTIONS[0], 3));
-    let (status, text) = s.get("/metrics");
-    assert_eq!(status, 200);
+    // The worker publishes a step's times once the step is over, which can be just after the
+    // answer it finished has reached us: wait for the last decode step.
+    let start = Instant::now();
+    let text = loop {
+        let (status, text) = s.get("/metrics");
+        assert_eq!(status, 200);
+        let decode_steps = text
+            .lines()
+            .find(|l| l.starts_with("kestrel_engine_steps_total{") && l.contains("decode"))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok());
+        if decode_steps == Some(2.0) || start.elapsed() > Duration::from_secs(10) {
+            break text;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
     // Every line is a comment or `name{labels} value` with a number.
     for line in text.lines().filter(|l| !l.starts_with('#')) {
         let value = line.rsplit(' ').next().unwrap();
