@@ -12,13 +12,16 @@
 # then llama-quantize requantises it to Q4_K_M (/tmp/q30-q4km.gguf: llama.cpp's own choice of
 # Q6_K for some layers' ffn_down_exps and attn_v), and runs `llama-bench -p 512 -n 128 -r 3
 # -ngl 99 -fa 1` and `kestrel bench -p 512 -n 128 -r 3` on it, then `kestrel bench
-# --synthetic qwen3-30b-a3b`. OUTDIR gets build.log, make_gguf.log, quantize.log,
-# llama-*.log and kestrel-*.log.
+# --synthetic qwen3-30b-a3b`. Then it rounds the Q4_K_M file's routers to bf16 values in place
+# (`scripts/gguf/round-routers-bf16.py`: what a file converted from a bf16 checkpoint holds, and
+# Kestrel then reads them as bf16; make_gguf.py draws any f32) and runs `kestrel bench` on it
+# again. OUTDIR gets build.log, make_gguf.log, quantize.log, llama-*.log and kestrel-*.log.
 set -euo pipefail
 if [[ $# -lt 3 ]]; then
     echo "usage: bash scripts/gpu/gguf-bench.sh PEER_DIR KESTREL_BIN OUTDIR [LAYERS]" >&2
     exit 2
 fi
+ROUND_ROUTERS=$(cd "$(dirname "$0")/../gguf" && pwd)/round-routers-bf16.py
 PEER=$(cd "$1" && pwd)
 KESTREL=$(cd "$(dirname "$2")" && pwd)/$(basename "$2")
 OUT=$3
@@ -72,3 +75,8 @@ echo "=== kestrel bench --synthetic qwen3-30b-a3b --layers $LAYERS"
 "$KESTREL" bench --synthetic qwen3-30b-a3b --layers "$LAYERS" -p 512 -n 128 -r 3 > "$OUT/kestrel-mlx.log" 2>&1 \
     || { tail -n 20 "$OUT/kestrel-mlx.log"; exit 1; }
 grep -E "^(model|pp512|tg128)" "$OUT/kestrel-mlx.log" || true
+echo "=== $(basename "$Q4KM" .gguf), routers rounded to bf16 values"
+python3 "$ROUND_ROUTERS" "$Q4KM"
+"$KESTREL" bench -m "$Q4KM" -p 512 -n 128 -r 3 > "$OUT/kestrel-q4km-bf16-routers.log" 2>&1 \
+    || { tail -n 20 "$OUT/kestrel-q4km-bf16-routers.log"; exit 1; }
+grep -E "^(model|pp512|tg128)" "$OUT/kestrel-q4km-bf16-routers.log" || true
