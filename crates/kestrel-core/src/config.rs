@@ -15,6 +15,7 @@
 //! | `KESTREL_WIDE_PROJECTIONS` | bool | `true` | with `wgmma` on, quantised projections of a few dozen tokens on the warpgroup form of the skinny products (`off` takes the skinny products, for comparison) |
 //! | `KESTREL_FUSED_ATTENTION` | bool | `false` | on sm_90 GPUs, one token's attention inputs (norms, rotation, cache append) computed inside the decode attention kernel (off by default: faster in a one-sequence decode, slower in the batcher's steps, not yet understood) |
 //! | `KESTREL_FUSED_NORM` | bool | `false` | one token's RMS norm (with its residual add) computed inside the quantised product that reads it (off by default, as `KESTREL_FUSED_ATTENTION`) |
+//! | `KESTREL_DECODE_SPLIT_KEYS` | integer | `0` | on sm_90 GPUs, the fewest cached keys one block of decode attention takes (rounded up to its warps' batches): `0` spreads the context over one wave of blocks, a larger value gives fewer blocks a deeper share each, for comparison |
 //!
 //! Booleans accept `1/0`, `true/false`, `yes/no`, `on/off`. A variable with a value that does
 //! not parse leaves its default in place and is kept as a problem: reading the configuration
@@ -61,6 +62,9 @@ pub struct Config {
     /// One token's RMS norm runs inside the quantised product that reads it (else as a kernel
     /// of its own before it). Off by default.
     pub fused_norm: bool,
+    /// On sm_90, the fewest cached keys a block of decode attention takes (`0`: as many blocks
+    /// as one wave holds share the context).
+    pub decode_split_keys: usize,
 }
 
 impl Default for Config {
@@ -236,6 +240,21 @@ impl Config {
             parse_bool(get("KESTREL_FUSED_NORM"), "KESTREL_FUSED_NORM", false),
             false,
         );
+        let decode_split_keys = match get("KESTREL_DECODE_SPLIT_KEYS") {
+            None => 0,
+            Some(v) => keep(
+                &mut problems,
+                v.parse::<usize>()
+                    .ok()
+                    .filter(|&n| n <= 1 << 20)
+                    .ok_or_else(|| ConfigProblem {
+                        var: "KESTREL_DECODE_SPLIT_KEYS",
+                        value: v.to_string(),
+                        reason: "expected a number of keys from 0 to 1048576".into(),
+                    }),
+                0,
+            ),
+        };
         Config {
             problems,
             device,
@@ -248,6 +267,7 @@ impl Config {
             wide_projections,
             fused_attention,
             fused_norm,
+            decode_split_keys,
         }
     }
 }
@@ -299,6 +319,16 @@ mod tests {
         assert!(!Config::from_vars(&vars(&[("KESTREL_WIDE_PROJECTIONS", "off")])).wide_projections);
         assert!(Config::from_vars(&vars(&[("KESTREL_FUSED_ATTENTION", "yes")])).fused_attention);
         assert!(!Config::default().fused_attention);
+        assert_eq!(c.decode_split_keys, 0);
+        assert_eq!(
+            Config::from_vars(&vars(&[("KESTREL_DECODE_SPLIT_KEYS", "512")])).decode_split_keys,
+            512
+        );
+        for bad in ["-1", "many", "2000000"] {
+            let c = Config::from_vars(&vars(&[("KESTREL_DECODE_SPLIT_KEYS", bad)]));
+            assert_eq!(c.decode_split_keys, 0);
+            assert!(c.check().is_err(), "{bad}");
+        }
         assert!(Config::from_vars(&vars(&[("KESTREL_FUSED_NORM", "on")])).fused_norm);
         assert!(!Config::default().fused_norm);
         assert_eq!(c.kernel_cache_dir, None, "no HOME, no XDG_CACHE_HOME: no cache");

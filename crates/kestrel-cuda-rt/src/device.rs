@@ -73,6 +73,8 @@ struct DeviceInner {
     fused_attention: bool,
     /// One token's RMS norm inside the quantised product that reads it (`Config::fused_norm`).
     fused_norm: bool,
+    /// The fewest cached keys a block of decode attention takes (`Config::decode_split_keys`).
+    decode_split_keys: usize,
     /// Event pairs around profiled dispatches, read back by `take_profile`.
     profile_events: Mutex<Vec<(String, String, CudaEvent, CudaEvent)>>,
     /// The cuBLAS handle, created on first use.
@@ -143,6 +145,7 @@ impl Device {
                 wide_projections,
                 fused_attention: config.fused_attention,
                 fused_norm: config.fused_norm,
+                decode_split_keys: config.decode_split_keys,
                 profile_events: Mutex::new(Vec::new()),
                 blas: Mutex::new(None),
                 ceilings: OnceLock::new(),
@@ -416,6 +419,12 @@ impl Device {
     /// (`matvec_norm_*_dp4a` in `linear.cu`).
     pub fn fused_norm(&self) -> bool {
         self.inner.fused_norm
+    }
+
+    /// The fewest cached keys a block of `decode_attention_*` takes (0: the context spread over
+    /// one wave of blocks).
+    pub fn decode_split_keys(&self) -> usize {
+        self.inner.decode_split_keys
     }
 
     /// Turns per-dispatch timing on or off (the configuration sets the initial state).

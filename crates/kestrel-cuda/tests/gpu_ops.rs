@@ -482,7 +482,8 @@ fn long_prefill_attention_matches_the_cpu_backend() {
 /// and as graph replays, where the attention launches while the append finishes and reads the
 /// older rows before it waits), with fresh queries, keys and values and the output poisoned
 /// each time, so reading a new row before the append wrote it, or leaving the merge counters
-/// anywhere but zero, fails.
+/// anywhere but zero, fails. Each case runs with the splits as configured and again with
+/// `Config::decode_split_keys` at 1,000 (fewer blocks, several rounds of batches each).
 #[test]
 fn decode_attention_over_a_long_cache_matches_the_cpu_backend_run_after_run() {
     let Some(dev) =
@@ -498,7 +499,18 @@ fn decode_attention_over_a_long_cache_matches_the_cpu_backend_run_after_run() {
             .collect();
         bytemuck::cast_slice(&v).to_vec()
     };
-    for (tokens, batched) in [(1, false), (2, false), (6, true)] {
+    // As configured, and with each block taking at least 1,000 keys (rounded up to whole
+    // rounds of the warps' batches: fewer, deeper splits; `Config::decode_split_keys`).
+    let deep = kestrel_testing::gpu::reopened(&dev, "deep decode splits", |c| c.decode_split_keys = 1000);
+    for ((tokens, batched), dev) in [(1, false), (2, false), (6, true)]
+        .into_iter()
+        .flat_map(|case| [(case, &dev), (case, &deep)])
+    {
+        let splits = if std::ptr::eq(dev, &deep) {
+            "deep splits"
+        } else {
+            "splits as configured"
+        };
         let mut g = GraphBuilder::new();
         let q = g.act_input("q", tokens, heads * hd);
         let k = g.act_input("k", tokens, kv_heads * hd);
@@ -566,11 +578,11 @@ fn decode_attention_over_a_long_cache_matches_the_cpu_backend_run_after_run() {
                 cuda.run(&mut pg).unwrap();
                 let err = rel_l2(&cuda.download::<f32>(&pg, out).unwrap(), &want);
                 println!(
-                    "{mode:?} decode attention, {tokens} tokens at position {position} of {ctx}: relative L2 error {err:e}"
+                    "{mode:?} decode attention, {splits}, {tokens} tokens at position {position} of {ctx}: relative L2 error {err:e}"
                 );
                 assert!(
                     err <= TOL_INT8_L2,
-                    "seed {seed} {mode:?} {tokens} tokens at position {position}: relative L2 error {err:e}"
+                    "seed {seed} {mode:?} {splits}, {tokens} tokens at position {position}: relative L2 error {err:e}"
                 );
             }
         }

@@ -75,10 +75,20 @@ pub fn tensor_engines(dev: &Device) -> Vec<Device> {
 /// # Panics
 /// When the device cannot be opened (a test failure is the point).
 pub fn with_fusions(dev: &Device) -> Device {
+    reopened(dev, "the fusions on", |c| {
+        c.fused_attention = true;
+        c.fused_norm = true;
+    })
+}
+
+/// The GPU `dev` is, opened again with the process configuration as `edit` changes it (`what`
+/// names the change in a panic's message).
+///
+/// # Panics
+/// When the device cannot be opened (a test failure is the point).
+pub fn reopened(dev: &Device, what: &str, edit: impl FnOnce(&mut Config)) -> Device {
     let mut config = Config::from_env();
-    config.fused_attention = true;
-    config.fused_norm = true;
+    edit(&mut config);
     let ordinal = dev.info().ordinal;
-    Device::open(ordinal, &config)
-        .unwrap_or_else(|e| panic!("opening device {ordinal} with the fusions on: {e}"))
+    Device::open(ordinal, &config).unwrap_or_else(|e| panic!("opening device {ordinal} with {what}: {e}"))
 }

@@ -362,8 +362,9 @@ impl DecodeGrid {
             return Err(unsupported(format!("decode attention with head_dim {head_dim}")));
         }
         // At most one block per multiprocessor, the same number of splits per KV head (each split
-        // a whole number of rounds of the warps' batches): the blocks of a KV head wait for each
-        // other, so all must be resident at once, and a second wave would double the time anyway.
+        // a whole number of rounds of the warps' batches, and at least `Config::decode_split_keys`
+        // keys): the blocks of a KV head wait for each other, so all must be resident at once,
+        // and a second wave would double the time anyway.
         let block = 32 * decode_warps(head_dim) as u32;
         let wave = enc
             .device
@@ -373,7 +374,11 @@ impl DecodeGrid {
         let zs = if a.pages.pages.one_seq { 1 } else { a.tokens };
         let want = (wave / (kv_heads * zs)).max(1);
         let round = decode_warps(head_dim) * DA_KEYS;
-        let chunk = max_ctx.div_ceil(want).div_ceil(round) * round;
+        let chunk = max_ctx
+            .div_ceil(want)
+            .max(enc.device.decode_split_keys())
+            .div_ceil(round)
+            * round;
         let splits = max_ctx.div_ceil(chunk);
         // Per (z, KV head, split, row): the split's accumulator, then max and sum and two unused
         // floats; two counters per (z, KV head).
