@@ -45,16 +45,21 @@ impl ScaleType {
         }
     }
 
-    /// The little-endian bytes of `values` in this type (each already representable): a plain
-    /// type's, or as f32 (`Factored`'s units; its multiples are written by
-    /// [`QuantFormat::group_bytes`]).
-    fn bytes(&self, values: &[f32]) -> Vec<u8> {
+    /// The little-endian bytes of `values` in this type (each already representable) into `out`
+    /// (as many values' bytes): a plain type's, or as f32 (`Factored`'s units; its multiples are
+    /// written by [`QuantFormat::group_bytes`]).
+    fn write(&self, values: &[f32], out: &mut [u8]) {
         match self {
-            ScaleType::Bf16 => values
-                .iter()
-                .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
-                .collect(),
-            ScaleType::F32 | ScaleType::Factored => values.iter().flat_map(|&v| v.to_le_bytes()).collect(),
+            ScaleType::Bf16 => {
+                for (o, &v) in out.chunks_exact_mut(2).zip(values) {
+                    o.copy_from_slice(&bf16::from_f32(v).to_le_bytes());
+                }
+            }
+            ScaleType::F32 | ScaleType::Factored => {
+                for (o, &v) in out.chunks_exact_mut(4).zip(values) {
+                    o.copy_from_slice(&v.to_le_bytes());
+                }
+            }
         }
     }
 
@@ -163,30 +168,70 @@ impl QuantFormat {
     /// representable in it ([`ScaleType::round`]); a factored super-block's scales (and its
     /// biases) must be one unit's multiples by signed bytes, as every k-quant's are.
     pub fn group_bytes(&self, scales: &[f32], biases: &[f32]) -> Option<(Vec<u8>, Vec<u8>)> {
-        if scales.len() != biases.len() {
-            return None;
+        let (s, b) = self.group_parts_len(scales.len())?;
+        let (mut sp, mut bp) = (vec![0u8; s], vec![0u8; b]);
+        self.group_bytes_into(scales, biases, &mut sp, &mut bp)
+            .then_some((sp, bp))
+    }
+
+    /// The lengths of the `scales` and `biases` parts of `groups` groups (whole super-blocks
+    /// for a factored format), or None.
+    pub fn group_parts_len(&self, groups: usize) -> Option<(usize, usize)> {
+        match self.scale {
+            ScaleType::Factored => {
+                let per = self.groups_per_super();
+                (per > 0 && groups % per == 0).then(|| (2 * groups, 8 * (groups / per)))
+            }
+            plain => Some((plain.size_in_bytes() * groups, plain.size_in_bytes() * groups)),
+        }
+    }
+
+    /// [`QuantFormat::group_bytes`] written into `scale_part` and `bias_part`, of the lengths
+    /// [`QuantFormat::group_parts_len`] gives: false (the parts' contents unspecified) where it
+    /// gives None. Parts of consecutive whole super-blocks (rows) are consecutive pieces of the
+    /// whole's, so a caller may fill them piece by piece, in parallel.
+    pub fn group_bytes_into(
+        &self,
+        scales: &[f32],
+        biases: &[f32],
+        scale_part: &mut [u8],
+        bias_part: &mut [u8],
+    ) -> bool {
+        if scales.len() != biases.len()
+            || self.group_parts_len(scales.len()) != Some((scale_part.len(), bias_part.len()))
+        {
+            return false;
         }
         if self.scale != ScaleType::Factored {
             let exact = |v: &[f32]| v.iter().all(|&x| self.scale.round(x).to_bits() == x.to_bits());
-            return (exact(scales) && exact(biases))
-                .then(|| (self.scale.bytes(scales), self.scale.bytes(biases)));
+            if !(exact(scales) && exact(biases)) {
+                return false;
+            }
+            self.scale.write(scales, scale_part);
+            self.scale.write(biases, bias_part);
+            return true;
         }
         let per = self.groups_per_super();
-        if scales.len() % per != 0 {
-            return None;
+        if per > MAX_FACTORED_GROUPS {
+            return false;
         }
-        let mut pairs = Vec::with_capacity(2 * scales.len());
-        let mut units = Vec::with_capacity(8 * scales.len() / per);
-        for (s, b) in scales.chunks_exact(per).zip(biases.chunks_exact(per)) {
-            let (us, ns) = factor(s)?;
-            let (ub, nb) = factor(b)?;
-            for (ns, nb) in ns.into_iter().zip(nb) {
-                pairs.extend([ns as u8, nb as u8]);
+        let (mut ns, mut nb) = ([0i8; MAX_FACTORED_GROUPS], [0i8; MAX_FACTORED_GROUPS]);
+        let supers = scales
+            .chunks_exact(per)
+            .zip(biases.chunks_exact(per))
+            .zip(scale_part.chunks_exact_mut(2 * per))
+            .zip(bias_part.chunks_exact_mut(8));
+        for (((s, b), pairs), units) in supers {
+            let (Some(us), Some(ub)) = (factor(s, &mut ns[..per]), factor(b, &mut nb[..per])) else {
+                return false;
+            };
+            for ((p, &n_s), &n_b) in pairs.chunks_exact_mut(2).zip(&ns[..per]).zip(&nb[..per]) {
+                p.copy_from_slice(&[n_s as u8, n_b as u8]);
             }
-            units.extend(us.to_le_bytes());
-            units.extend(ub.to_le_bytes());
+            units[..4].copy_from_slice(&us.to_le_bytes());
+            units[4..].copy_from_slice(&ub.to_le_bytes());
         }
-        Some((pairs, units))
+        true
     }
 
     /// The groups' scales and biases from the parts [`QuantFormat::group_bytes`] writes.
@@ -210,30 +255,26 @@ impl QuantFormat {
     }
 }
 
-/// `values` as one f32 unit times signed bytes, each product exactly the value (a zero of
-/// either sign as a zero multiple), or None. The unit is the largest that divides every value:
-/// writing each nonzero value as an odd integer times a power of two, the greatest common divisor
-/// of the odd integers times the smallest power, negated where only that fits the bytes. A
-/// k-quant's super-block (values `d * n` for its f16 `d` and signed bytes `n`) always factors:
-/// each multiple found is at most its `|n|`, of `n`'s sign times `d`'s.
-fn factor(values: &[f32]) -> Option<(f32, Vec<i8>)> {
-    fn gcd(a: u64, b: u64) -> u64 {
-        if b == 0 {
-            a
-        } else {
-            gcd(b, a % b)
+/// The most groups a super-block of a factored format may have ([`QuantFormat::group_bytes`]
+/// refuses more): groups of 4 values.
+const MAX_FACTORED_GROUPS: usize = SUPER_BLOCK / 4;
+
+/// `values` as one f32 unit times signed bytes (written to `out`, as long as `values`), each
+/// product exactly the value (a zero of either sign as a zero multiple), or None. The unit is
+/// the largest that divides every value: writing each nonzero value as an odd integer times a
+/// power of two, the greatest common divisor of the odd integers times the smallest power,
+/// negated where only that fits the bytes. A k-quant's super-block (values `d * n` for its f16
+/// `d` and signed bytes `n`) always factors: each multiple found is at most its `|n|`, of `n`'s
+/// sign times `d`'s. Allocates nothing: a model's load factors millions of super-blocks.
+fn factor(values: &[f32], out: &mut [i8]) -> Option<f32> {
+    fn gcd(mut a: u64, mut b: u64) -> u64 {
+        while b != 0 {
+            (a, b) = (b, a % b);
         }
+        a
     }
-    // (negative, odd integer, exponent) of each nonzero value: |v| = odd * 2^exponent.
-    let mut parts = Vec::with_capacity(values.len());
-    for &v in values {
-        if !v.is_finite() {
-            return None;
-        }
-        if v == 0.0 {
-            parts.push(None);
-            continue;
-        }
+    // (negative, odd integer, exponent) of a nonzero finite value: |v| = odd * 2^exponent.
+    fn parts(v: f32) -> (bool, u64, i32) {
         let bits = v.to_bits();
         let (exp, frac) = ((bits >> 23) & 0xFF, bits & 0x7F_FFFF);
         let (m, e) = if exp == 0 {
@@ -242,49 +283,50 @@ fn factor(values: &[f32]) -> Option<(f32, Vec<i8>)> {
             ((frac | 0x80_0000) as u64, exp as i32 - 150)
         };
         let tz = m.trailing_zeros();
-        parts.push(Some((v < 0.0, m >> tz, e + tz as i32)));
+        (v < 0.0, m >> tz, e + tz as i32)
     }
-    let (g, e0) = parts
-        .iter()
-        .flatten()
-        .fold((0u64, i32::MAX), |(g, e0), &(_, m, e)| (gcd(g, m), e0.min(e)));
+    let (mut g, mut e0) = (0u64, i32::MAX);
+    for &v in values {
+        if !v.is_finite() {
+            return None;
+        }
+        if v != 0.0 {
+            let (_, m, e) = parts(v);
+            (g, e0) = (gcd(g, m), e0.min(e));
+        }
+    }
     if g == 0 {
-        return Some((0.0, vec![0; values.len()]));
+        out.fill(0);
+        return Some(0.0);
     }
-    let unit = (g as f64 * 2f64.powi(e0)) as f32;
-    let mut n = Vec::with_capacity(values.len());
-    for p in &parts {
-        n.push(match *p {
-            None => 0i64,
-            Some((neg, m, e)) => {
-                let shift = (e - e0) as u32;
-                if shift > 8 {
-                    return None;
-                }
-                let n = ((m / g) << shift) as i64;
-                if neg {
-                    -n
-                } else {
-                    n
-                }
-            }
-        });
+    // Each value's multiple of the positive unit, signed; whether all fit a signed byte.
+    let multiple = |v: f32| -> Option<i64> {
+        if v == 0.0 {
+            return Some(0);
+        }
+        let (neg, m, e) = parts(v);
+        let shift = (e - e0) as u32;
+        if shift > 8 {
+            return None;
+        }
+        let n = ((m / g) << shift) as i64;
+        Some(if neg { -n } else { n })
+    };
+    let mut fits = true;
+    for &v in values {
+        fits &= i8::try_from(multiple(v)?).is_ok();
     }
     // A negative k-quant scale times -128 is the positive unit times 128: then the negative unit.
-    let (unit, sign) = if n.iter().all(|&v| i8::try_from(v).is_ok()) {
-        (unit, 1)
-    } else {
-        (-unit, -1)
-    };
-    let mut out = Vec::with_capacity(values.len());
-    for (&n, &v) in n.iter().zip(values) {
-        let n = i8::try_from(sign * n).ok()?;
+    let unit = (g as f64 * 2f64.powi(e0)) as f32;
+    let (unit, sign) = if fits { (unit, 1) } else { (-unit, -1) };
+    for (o, &v) in out.iter_mut().zip(values) {
+        let n = i8::try_from(sign * multiple(v)?).ok()?;
         if unit * n as f32 != v {
             return None;
         }
-        out.push(n);
+        *o = n;
     }
-    Some((unit, out))
+    Some(unit)
 }
 
 /// A quantised matrix on the host.
@@ -508,6 +550,19 @@ mod tests {
             );
             let (s2, b2) = format.group_values(&sp, &bp);
             assert_eq!((s2, b2), (s.clone(), b.clone()), "seed {seed} {format:?}");
+            // Written piece by piece at a super-block boundary: the same bytes.
+            let per = format.groups_per_super();
+            let cut = per * rng.range(0, groups / per + 1);
+            let (mut sq, mut bq) = (vec![0u8; sp.len()], vec![0u8; bp.len()]);
+            let (s_cut, b_cut) = format.group_parts_len(cut).unwrap();
+            let (sq0, sq1) = sq.split_at_mut(s_cut);
+            let (bq0, bq1) = bq.split_at_mut(b_cut);
+            assert!(format.group_bytes_into(&s[..cut], &b[..cut], sq0, bq0));
+            assert!(format.group_bytes_into(&s[cut..], &b[cut..], sq1, bq1));
+            assert_eq!((&sq, &bq), (&sp, &bp), "seed {seed} {format:?} cut at {cut}");
+            // Parts of the wrong length, or groups that are not whole super-blocks: refused.
+            assert!(!format.group_bytes_into(&s, &b, &mut sq[1..], &mut bq));
+            assert_eq!(format.group_parts_len(per + 1), None);
         }
         // Zeros, subnormals and values no one unit multiplies.
         let f = QuantFormat::factored(8, 32);

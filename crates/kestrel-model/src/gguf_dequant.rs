@@ -296,8 +296,9 @@ fn each_block<O: Send>(
     });
 }
 
-/// `len` zeroed items, or an error saying how much memory `what` needed.
-fn zeros<T: Clone + Default>(len: usize, what: &str) -> Result<Vec<T>, String> {
+/// `len` zeroed items, or an error saying how much memory `what` needed. The threads write the
+/// zeros (and so take the new pages' faults) a share each: a model's load allocates gigabytes.
+fn zeros<T: Clone + Default + Send + Sync>(len: usize, what: &str) -> Result<Vec<T>, String> {
     let mut v = Vec::new();
     v.try_reserve_exact(len).map_err(|_| {
         format!(
@@ -305,7 +306,7 @@ fn zeros<T: Clone + Default>(len: usize, what: &str) -> Result<Vec<T>, String> {
             len.saturating_mul(std::mem::size_of::<T>()) >> 20
         )
     })?;
-    v.resize(len, T::default());
+    v.par_extend(rayon::iter::repeat_n(T::default(), len));
     Ok(v)
 }
 
@@ -414,18 +415,13 @@ pub fn to_affine(ty: GgmlType, bytes: &[u8], rows: usize, cols: usize) -> Result
     let mut weight = zeros::<u32>(blocks * words, "its values")?;
     let mut scales = zeros::<f32>(blocks * groups, "its scales")?;
     let mut biases = zeros::<f32>(blocks * groups, "its biases")?;
-    let bits = format.bits as usize;
+    let bits = format.bits;
     let outs = weight
         .par_chunks_mut(words)
         .zip(scales.par_chunks_mut(groups))
         .zip(biases.par_chunks_mut(groups));
     each_block(block, (n, per), bytes, outs, |q, g, ((w, s), b)| {
-        for (w, q) in w.iter_mut().zip(q.chunks_exact(32 / bits)) {
-            *w = q
-                .iter()
-                .enumerate()
-                .fold(0, |a, (i, &v)| a | (v as u32) << (bits * i));
-        }
+        pack_words(q, bits, w);
         for ((s, b), &(scale, bias)) in s.iter_mut().zip(b.iter_mut()).zip(g) {
             (*s, *b) = (scale, bias);
         }
@@ -438,6 +434,28 @@ pub fn to_affine(ty: GgmlType, bytes: &[u8], rows: usize, cols: usize) -> Result
         scales,
         biases,
     })
+}
+
+/// Stored values `q` (each below `1 << bits`; 4 or 8 bits) packed into `words`, lowest bits
+/// first, as [`QuantMatrix`] holds them: 8 values a word at 4 bits (a word's 8 bytes folded
+/// together in three shifts), 4 at 8 bits (the bytes as they are).
+fn pack_words(q: &[u8], bits: u32, words: &mut [u32]) {
+    match bits {
+        4 => {
+            for (w, q) in words.iter_mut().zip(q.chunks_exact(8)) {
+                let x = u64::from_le_bytes(q.try_into().expect("8 values"));
+                let x = (x | x >> 4) & 0x00FF_00FF_00FF_00FF;
+                let x = (x | x >> 8) & 0x0000_FFFF_0000_FFFF;
+                *w = (x | x >> 16) as u32;
+            }
+        }
+        8 => {
+            for (w, q) in words.iter_mut().zip(q.chunks_exact(4)) {
+                *w = u32::from_le_bytes(q.try_into().expect("4 values"));
+            }
+        }
+        _ => unreachable!("affine blocks are held in 4 or 8 bits"),
+    }
 }
 
 /// The narrowest format holding each of `formats` exactly through [`widen`]: the most bits, the
@@ -568,6 +586,27 @@ mod tests {
         assert!(to_affine(ty("Q8_0"), &q8, 2, 32)
             .unwrap_err()
             .contains("34 bytes"));
+    }
+
+    /// The shifts pack as the plain fold does, for every value in every place.
+    #[test]
+    fn words_pack_lowest_bits_first() {
+        let mut rng = kestrel_core::rng::Rng::new(7);
+        for bits in [4u32, 8] {
+            let q: Vec<u8> = (0..4096).map(|_| rng.range(0, 1 << bits) as u8).collect();
+            let per = 32 / bits as usize;
+            let mut words = vec![0u32; q.len() / per];
+            pack_words(&q, bits, &mut words);
+            let want: Vec<u32> = q
+                .chunks_exact(per)
+                .map(|c| {
+                    c.iter()
+                        .enumerate()
+                        .fold(0, |a, (i, &v)| a | (v as u32) << (bits as usize * i))
+                })
+                .collect();
+            assert_eq!(words, want, "{bits} bits");
+        }
     }
 
     #[test]

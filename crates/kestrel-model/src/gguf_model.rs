@@ -22,6 +22,7 @@ use std::path::{Path, PathBuf};
 use kestrel_core::quant::{QuantFormat, QuantMatrix, ScaleType, SUPER_BLOCK};
 use kestrel_core::rope::RopeScaling;
 use kestrel_core::DType;
+use rayon::prelude::*;
 use serde_json::{json, Map, Value as Json};
 
 use crate::config::{Arch, ModelConfig, QuantConfig};
@@ -316,6 +317,27 @@ fn held_affine(name: &str, t: &TensorInfo) -> Option<QuantFormat> {
     } else {
         format
     })
+}
+
+/// `m.group_bytes()`, its rows shared out over the threads (a Q4_K_M file of Qwen3-30B-A3B
+/// factors 37 million super-blocks as it loads).
+fn group_bytes_par(m: &QuantMatrix) -> Option<(Vec<u8>, Vec<u8>)> {
+    /// Rows a task takes.
+    const ROWS: usize = 64;
+    let f = m.format;
+    let groups = f.groups_per_row(m.cols);
+    let (s_row, b_row) = f.group_parts_len(groups)?;
+    if groups == 0 || m.scales.len() != m.rows * groups || m.biases.len() != m.rows * groups {
+        return m.group_bytes();
+    }
+    let (mut sp, mut bp) = (vec![0u8; m.rows * s_row], vec![0u8; m.rows * b_row]);
+    m.scales
+        .par_chunks(ROWS * groups)
+        .zip(m.biases.par_chunks(ROWS * groups))
+        .zip(sp.par_chunks_mut(ROWS * s_row))
+        .zip(bp.par_chunks_mut(ROWS * b_row))
+        .all(|(((s, b), sp), bp)| f.group_bytes_into(s, b, sp, bp))
+        .then_some((sp, bp))
 }
 
 /// A layer's stacked routed experts (`ffn_{gate,up,down,gate_up}_exps`): held with factored
@@ -792,7 +814,7 @@ impl<'a> Source<'a> {
     /// (`biases`, `[.., 2 * cols / 256]`).
     fn own_quant(&mut self, base: &str, m: QuantMatrix, experts: Option<usize>) -> Result<()> {
         let f = m.format;
-        let (scales, biases) = m.group_bytes().ok_or_else(|| {
+        let (scales, biases) = group_bytes_par(&m).ok_or_else(|| {
             bad(
                 self.label,
                 format!(
@@ -811,12 +833,9 @@ impl<'a> Source<'a> {
             ScaleType::Factored => (DType::U8, shape(2 * groups), shape(2 * (m.cols / SUPER_BLOCK))),
             _ => (DType::F32, shape(groups), shape(groups)),
         };
-        self.own(
-            format!("{base}.weight"),
-            DType::U32,
-            shape(words),
-            bytemuck::cast_slice(&m.weight).to_vec(),
-        );
+        let mut weight = Vec::new();
+        weight.par_extend(bytemuck::cast_slice::<u32, u8>(&m.weight).par_iter().copied());
+        self.own(format!("{base}.weight"), DType::U32, shape(words), weight);
         self.own(format!("{base}.scales"), sd, ss, scales);
         self.own(format!("{base}.biases"), DType::F32, bs, biases);
         Ok(())
