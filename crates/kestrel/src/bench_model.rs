@@ -46,6 +46,11 @@ pub struct ModelBenchArgs {
     /// step, each after its own `-d` tokens, reporting the tokens of all of them per second.
     #[arg(short = 'b', long, value_delimiter = ',', default_value = "1")]
     batch: Vec<usize>,
+    /// Also decode one sequence through the batched steps (`tg128 x1`): the program `run`,
+    /// `chat` and `serve` decode with (a block table, a sequence per token, rows drawn for each),
+    /// where `tg128` runs the one-sequence program.
+    #[arg(long)]
+    batched_one: bool,
     /// Prefill in chunks of at most this many tokens (default: the whole prompt at once).
     #[arg(long)]
     prefill_chunk: Option<usize>,
@@ -269,10 +274,17 @@ fn batched_name(tg: usize, b: usize, mixed: (usize, usize)) -> String {
     }
 }
 
-/// The batched generation tests (`-b` counts above 1), after a warm-up run each.
+/// The sequence counts of the batched generation tests: 1 with `--batched-one`, then the `-b`
+/// counts above 1.
+fn batched_counts(a: &ModelBenchArgs) -> impl Iterator<Item = usize> + '_ {
+    let one = a.batched_one.then_some(1);
+    one.into_iter().chain(a.batch.iter().copied().filter(|&b| b > 1))
+}
+
+/// The batched generation tests ([`batched_counts`]), after a warm-up run each.
 fn run_batched(e: &mut Engine, a: &ModelBenchArgs, rng: &mut Rng) -> Result<Vec<TestRow>> {
     let mut rows = Vec::new();
-    for &b in a.batch.iter().filter(|&&b| b > 1) {
+    for b in batched_counts(a) {
         for &tg in a.n_gen.iter().filter(|&&n| n > 0) {
             let mixed = (a.mixed, a.mixed_prompts);
             batched_run(e, (b, a.depth, tg.min(4), mixed), a.tg_input, rng)?;
@@ -382,7 +394,8 @@ fn expert_extras(
 
 /// On CUDA: host synchronisations, graph launches and bytes read back per generated token,
 /// counted over one more generation run; and with `profile`, the per-kernel tables of an eager
-/// run, and of an eager batched run at the largest `-b` count above 1. Null on the CPU.
+/// run, and of an eager batched run of `batch` sequences (the largest batched test's). Null on
+/// the CPU.
 fn cuda_extras(
     e: &mut Engine,
     (depth, tg, batch, mixed): (usize, usize, Option<usize>, (usize, usize)),
@@ -411,7 +424,7 @@ fn cuda_extras(
             start_at(e, rng, depth)?;
             generate(e, first, depth, n, tg_tokens(input, rng).as_mut()).map(drop)
         })?;
-        if let Some(b) = batch.filter(|&b| b > 1) {
+        if let Some(b) = batch {
             let label = batched_name(tg, b, mixed);
             profiled(e, &dev, (&label, tg, b), |e, n| {
                 batched_run(e, (b, depth, n, mixed), input, rng).map(drop)
@@ -504,7 +517,7 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
     let start = Instant::now();
     a.memory.apply(&mut opts);
     // The batched tests' sequences, and those whose prompt tokens run beside them.
-    let most = a.batch.iter().copied().max().filter(|&b| b > 1);
+    let most = batched_counts(&a).max();
     opts.max_seqs = most.map(|b| b + a.mixed.min(a.mixed_prompts));
     let mut engine = Engine::new(model, config, opts).with_context(|| format!("opening {label}"))?;
     crate::progress::placement(&engine);
@@ -540,10 +553,9 @@ pub fn run(config: &Config, a: ModelBenchArgs) -> Result<std::process::ExitCode>
         }
     }
     let counters = if tg > 0 {
-        let batch = a.batch.iter().copied().max();
         cuda_extras(
             &mut engine,
-            (a.depth, tg, batch, (a.mixed, a.mixed_prompts)),
+            (a.depth, tg, most, (a.mixed, a.mixed_prompts)),
             (a.profile, a.tg_input),
             &mut rng,
         )?

@@ -120,7 +120,8 @@ fn tests_run_at_a_depth() {
 
 /// `-b` adds batched generation tests after the others, named by their batch, their rate
 /// counting every sequence's tokens; for a hybrid model (a state row per sequence) as for one
-/// with attention only. A batch of 0 is refused.
+/// with attention only; `--batched-one` adds one sequence through the batched steps first
+/// (`x1`). A batch of 0 is refused.
 #[test]
 fn batched_generation_tests_run_at_each_batch() {
     for name in ["qwen3_next", "qwen3_moe"] {
@@ -148,6 +149,21 @@ fn batched_generation_tests_run_at_each_batch() {
             .map(|t| t["n_batch"].as_u64().unwrap())
             .collect();
         assert_eq!(batches, [1, 2, 5], "{name}");
+        let v = bench(&[
+            "-m",
+            dir.to_str().unwrap(),
+            "-p",
+            "0",
+            "-n",
+            "3",
+            "-b",
+            "2",
+            "--batched-one",
+            "-r",
+            "1",
+        ]);
+        let names: Vec<String> = rates(&v).into_iter().map(|t| t.0).collect();
+        assert_eq!(names, ["tg3", "tg3 x1", "tg3 x2"], "{name}");
     }
     let o = Command::new(env!("CARGO_BIN_EXE_kestrel"))
         .args(["bench", "-b", "0", "-n", "2"])
