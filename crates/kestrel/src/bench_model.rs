@@ -47,8 +47,8 @@ pub struct ModelBenchArgs {
     #[arg(short = 'b', long, value_delimiter = ',', default_value = "1")]
     batch: Vec<usize>,
     /// Also decode one sequence through the batched steps (`tg128 x1`): the program `run`,
-    /// `chat` and `serve` decode with (a block table, a sequence per token, rows drawn for each),
-    /// where `tg128` runs the one-sequence program.
+    /// `chat` and `serve` decode with (a block table and a sequence per token; greedy here, where
+    /// they draw each row), where `tg128` runs the one-sequence program.
     #[arg(long)]
     batched_one: bool,
     /// Prefill in chunks of at most this many tokens (default: the whole prompt at once).
