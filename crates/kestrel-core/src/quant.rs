@@ -267,25 +267,30 @@ const MAX_FACTORED_GROUPS: usize = SUPER_BLOCK / 4;
 /// `d` and signed bytes `n`) always factors: each multiple found is at most its `|n|`, of `n`'s
 /// sign times `d`'s. Allocates nothing: a model's load factors millions of super-blocks.
 fn factor(values: &[f32], out: &mut [i8]) -> Option<f32> {
-    fn gcd(mut a: u64, mut b: u64) -> u64 {
+    // Euclid's: a k-quant's values are mostly a few multiples of one odd number, which this
+    // finds in a division or two (a binary gcd's branches cost more here).
+    fn gcd(mut a: u32, mut b: u32) -> u32 {
         while b != 0 {
             (a, b) = (b, a % b);
         }
         a
     }
     // (negative, odd integer, exponent) of a nonzero finite value: |v| = odd * 2^exponent.
-    fn parts(v: f32) -> (bool, u64, i32) {
+    fn parts(v: f32) -> (bool, u32, i32) {
         let bits = v.to_bits();
         let (exp, frac) = ((bits >> 23) & 0xFF, bits & 0x7F_FFFF);
         let (m, e) = if exp == 0 {
-            (frac as u64, -149)
+            (frac, -149)
         } else {
-            ((frac | 0x80_0000) as u64, exp as i32 - 150)
+            (frac | 0x80_0000, exp as i32 - 150)
         };
         let tz = m.trailing_zeros();
         (v < 0.0, m >> tz, e + tz as i32)
     }
-    let (mut g, mut e0) = (0u64, i32::MAX);
+    if values.len() > MAX_FACTORED_GROUPS || out.len() != values.len() {
+        return None;
+    }
+    let (mut g, mut e0) = (0u32, i32::MAX);
     for &v in values {
         if !v.is_finite() {
             return None;
@@ -299,28 +304,28 @@ fn factor(values: &[f32], out: &mut [i8]) -> Option<f32> {
         out.fill(0);
         return Some(0.0);
     }
-    // Each value's multiple of the positive unit, signed; whether all fit a signed byte.
-    let multiple = |v: f32| -> Option<i64> {
+    // Each value's multiple of the positive unit, signed, and whether all fit a signed byte.
+    let mut multiples = [0i64; MAX_FACTORED_GROUPS];
+    let mut fits = true;
+    for (n, &v) in multiples.iter_mut().zip(values) {
         if v == 0.0 {
-            return Some(0);
+            continue;
         }
         let (neg, m, e) = parts(v);
         let shift = (e - e0) as u32;
         if shift > 8 {
             return None;
         }
-        let n = ((m / g) << shift) as i64;
-        Some(if neg { -n } else { n })
-    };
-    let mut fits = true;
-    for &v in values {
-        fits &= i8::try_from(multiple(v)?).is_ok();
+        let k = (u64::from(m / g) << shift) as i64;
+        *n = if neg { -k } else { k };
+        fits &= i8::try_from(*n).is_ok();
     }
     // A negative k-quant scale times -128 is the positive unit times 128: then the negative unit.
-    let unit = (g as f64 * 2f64.powi(e0)) as f32;
+    // g * 2^e0, exactly (e0 is from -149 to 104: a normal f64 power of two).
+    let unit = (g as f64 * f64::from_bits(((e0 + 1023) as u64) << 52)) as f32;
     let (unit, sign) = if fits { (unit, 1) } else { (-unit, -1) };
-    for (o, &v) in out.iter_mut().zip(values) {
-        let n = i8::try_from(sign * multiple(v)?).ok()?;
+    for ((o, &n), &v) in out.iter_mut().zip(&multiples).zip(values) {
+        let n = i8::try_from(sign * n).ok()?;
         if unit * n as f32 != v {
             return None;
         }
@@ -550,6 +555,21 @@ mod tests {
             );
             let (s2, b2) = format.group_values(&sp, &bp);
             assert_eq!((s2, b2), (s.clone(), b.clone()), "seed {seed} {format:?}");
+            // Each unit is the largest: a super-block's multiples share no factor.
+            fn gcd(a: u32, b: u32) -> u32 {
+                if b == 0 {
+                    a
+                } else {
+                    gcd(b, a % b)
+                }
+            }
+            for pairs in sp.chunks_exact(2 * format.groups_per_super()) {
+                for half in 0..2 {
+                    let n = pairs.iter().skip(half).step_by(2);
+                    let g = n.fold(0, |g, &n| gcd(g, (n as i8).unsigned_abs() as u32));
+                    assert!(g <= 1, "seed {seed} {format:?}: multiples {pairs:?} share {g}");
+                }
+            }
             // Written piece by piece at a super-block boundary: the same bytes.
             let per = format.groups_per_super();
             let cut = per * rng.range(0, groups / per + 1);
