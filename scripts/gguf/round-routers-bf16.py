@@ -26,17 +26,16 @@ def main() -> int:
         print(__doc__, file=sys.stderr)
         return 2
     reader = GGUFReader(sys.argv[1], "r+")
-    rounded = 0
-    for t in reader.tensors:
-        if not t.name.endswith("ffn_gate_inp.weight"):
-            continue
+    routers = [t for t in reader.tensors if t.name.endswith("ffn_gate_inp.weight")]
+    # Every router checked before any is written: a refused file is left as it was.
+    for t in routers:
         if t.tensor_type != GGMLQuantizationType.F32:
             print(f"{t.name} is {t.tensor_type.name}, not F32", file=sys.stderr)
             return 1
+    for t in routers:
         t.data[...] = round_to_bf16(np.asarray(t.data))
-        rounded += 1
     reader.data.flush()
-    print(f"{rounded} routers rounded to bf16 values")
+    print(f"{len(routers)} routers rounded to bf16 values")
     return 0
 
 
