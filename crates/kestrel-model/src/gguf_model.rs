@@ -29,7 +29,7 @@ use crate::config::{Arch, ModelConfig, QuantConfig};
 use crate::error::{ModelError, Result};
 use crate::gguf::{Gguf, TensorInfo, Value};
 use crate::gguf_dequant::{affine_format, common_format, dequantize, factors, to_affine, widen};
-use crate::weights::{FileTensor, MappedFile, OwnedTensor, Weights};
+use crate::weights::{FileTensor, HeldBytes, MappedFile, OwnedTensor, Weights};
 
 /// A GGUF model read: what a model directory's files would give.
 pub struct GgufModel {
@@ -776,12 +776,12 @@ impl<'a> Source<'a> {
         })
     }
 
-    fn own(&mut self, name: String, dtype: DType, shape: Vec<usize>, bytes: Vec<u8>) {
+    fn own(&mut self, name: String, dtype: DType, shape: Vec<usize>, bytes: impl Into<HeldBytes>) {
         self.owned.push(OwnedTensor {
             name,
             dtype,
             shape,
-            bytes,
+            bytes: bytes.into(),
         });
     }
 
@@ -833,9 +833,7 @@ impl<'a> Source<'a> {
             ScaleType::Factored => (DType::U8, shape(2 * groups), shape(2 * (m.cols / SUPER_BLOCK))),
             _ => (DType::F32, shape(groups), shape(groups)),
         };
-        let mut weight = Vec::new();
-        weight.par_extend(bytemuck::cast_slice::<u32, u8>(&m.weight).par_iter().copied());
-        self.own(format!("{base}.weight"), DType::U32, shape(words), weight);
+        self.own(format!("{base}.weight"), DType::U32, shape(words), m.weight);
         self.own(format!("{base}.scales"), sd, ss, scales);
         self.own(format!("{base}.biases"), DType::F32, bs, biases);
         Ok(())
@@ -907,7 +905,7 @@ impl<'a> Source<'a> {
             return self.direct(gguf, hf);
         }
         self.used.insert(gguf.to_string());
-        let bf16 = words.flat_map(|w| [w[2], w[3]]).collect();
+        let bf16: Vec<u8> = words.flat_map(|w| [w[2], w[3]]).collect();
         self.own(hf, DType::BF16, torch_shape(t), bf16);
         Ok(())
     }

@@ -35,4 +35,4 @@ pub use graph::{Forward, ForwardSpec, HostExperts, KvPool, MoeStep, Streamed, CH
 pub use quantize::{check_empty_dst, quantize_dir, write_model_dir, QuantizeReport};
 pub use session::{batch_bucket, BatchOutput, Output, Session, StageAhead, Want, MAX_PROGRAMS};
 pub use synthetic::{synthetic_model, synthetic_model_json, synthetic_weights, SYNTHETIC_MODELS};
-pub use weights::{FileIdent, FileSpan, FileTensor, MappedFile, OwnedTensor, Tensor, Weights};
+pub use weights::{FileIdent, FileSpan, FileTensor, HeldBytes, MappedFile, OwnedTensor, Tensor, Weights};

@@ -316,7 +316,7 @@ fn tensor(name: String, dtype: DType, shape: Vec<usize>, bytes: Vec<u8>) -> Owne
         name,
         dtype,
         shape,
-        bytes,
+        bytes: bytes.into(),
     }
 }
 

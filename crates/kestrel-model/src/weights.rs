@@ -14,10 +14,39 @@ use safetensors::tensor::{Dtype, SafeTensors, TensorInfo};
 
 use crate::error::{ModelError, Result};
 
+/// Bytes held in memory: as bytes, or as the `u32` words a quantised matrix's values were
+/// packed into (little-endian, as every reader takes them), kept as they are rather than copied.
+pub enum HeldBytes {
+    Bytes(Vec<u8>),
+    Words(Vec<u32>),
+}
+
+impl std::ops::Deref for HeldBytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            HeldBytes::Bytes(v) => v,
+            HeldBytes::Words(w) => bytemuck::cast_slice(w),
+        }
+    }
+}
+
+impl From<Vec<u8>> for HeldBytes {
+    fn from(v: Vec<u8>) -> Self {
+        HeldBytes::Bytes(v)
+    }
+}
+
+impl From<Vec<u32>> for HeldBytes {
+    fn from(w: Vec<u32>) -> Self {
+        HeldBytes::Words(w)
+    }
+}
+
 /// Where a shard's bytes live.
 enum Storage {
     Mapped(Mmap),
-    Owned(Vec<u8>),
+    Owned(HeldBytes),
     /// A tensor held in memory whose bytes were dropped once the backend had its own copy
     /// ([`Weights::release`]).
     Released,
@@ -98,7 +127,7 @@ pub struct OwnedTensor {
     pub dtype: DType,
     pub shape: Vec<usize>,
     /// Little-endian, row-major.
-    pub bytes: Vec<u8>,
+    pub bytes: HeldBytes,
 }
 
 /// The safetensors dtype of a Kestrel one.
@@ -142,7 +171,7 @@ impl MappedFile {
     pub fn in_memory(label: &Path, bytes: Vec<u8>) -> MappedFile {
         MappedFile {
             path: label.to_path_buf(),
-            map: Storage::Owned(bytes),
+            map: Storage::Owned(bytes.into()),
             ident: None,
         }
     }
@@ -343,7 +372,7 @@ impl Weights {
     /// binary), under `label` in messages.
     pub fn from_safetensors_bytes(label: &str, bytes: Vec<u8>) -> Result<Weights> {
         let dir = PathBuf::from(label);
-        let shard = Shard::of(dir.clone(), Storage::Owned(bytes))?;
+        let shard = Shard::of(dir.clone(), Storage::Owned(bytes.into()))?;
         let by_name = shard
             .tensors()?
             .into_iter()

@@ -354,7 +354,7 @@ fn experts_held_in_memory_are_dropped_once_the_host_tier_has_them() {
                 name: n.to_string(),
                 dtype: t.dtype,
                 shape: t.shape.to_vec(),
-                bytes: t.bytes.to_vec(),
+                bytes: t.bytes.to_vec().into(),
             }
         })
         .collect();
