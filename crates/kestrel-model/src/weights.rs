@@ -15,7 +15,8 @@ use safetensors::tensor::{Dtype, SafeTensors, TensorInfo};
 use crate::error::{ModelError, Result};
 
 /// Bytes held in memory: as bytes, or as the `u32` words a quantised matrix's values were
-/// packed into (little-endian, as every reader takes them), kept as they are rather than copied.
+/// packed into, kept as they are rather than copied (read as bytes in the host's order, which
+/// Kestrel's readers, like its `bytemuck` casts everywhere, take to be little-endian).
 pub enum HeldBytes {
     Bytes(Vec<u8>),
     Words(Vec<u32>),
