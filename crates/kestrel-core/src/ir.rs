@@ -771,13 +771,46 @@ pub enum Op {
 impl Op {
     /// Whether a backend may run this op and `next`, the node after it, as one kernel whose
     /// blocks write `next`'s outputs while other blocks still read this op's buffers: one
-    /// token's attention inputs and the attention reading them, and one token's norm and the
-    /// product reading it. The planner keeps this op's buffers live through `next`, so none
-    /// shares bytes with `next`'s outputs.
+    /// token's attention inputs and the attention reading them (its queries, over the same
+    /// caches, positions and pages, at the same shape, not a prompt's chunk), and one token's
+    /// norm and the product reading it. The planner keeps this op's buffers live through `next`,
+    /// so none shares bytes with `next`'s outputs; a backend fuses no other pair.
     pub fn may_join(&self, next: &Op) -> bool {
         use Op::*;
         match (self, next) {
-            (AttentionInputs { q, tokens: 1, .. }, Attention { q: aq, tokens: 1, .. }) => q == aq,
+            (
+                AttentionInputs {
+                    q,
+                    k_cache,
+                    v_cache,
+                    positions,
+                    pages,
+                    tokens: 1,
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    rows,
+                    ..
+                },
+                Attention {
+                    q: aq,
+                    k_cache: ak,
+                    v_cache: av,
+                    positions: ap,
+                    pages: apages,
+                    tokens: 1,
+                    heads: ah,
+                    kv_heads: akv,
+                    head_dim: ahd,
+                    rows: arows,
+                    chunk: None,
+                    ..
+                },
+            ) => {
+                (
+                    q, k_cache, v_cache, positions, pages, heads, kv_heads, head_dim, rows,
+                ) == (aq, ak, av, ap, apages, ah, akv, ahd, arows)
+            }
             (RmsNorm { out, .. } | AddRmsNorm { out, .. }, Linear { x, tokens: 1, .. }) => out == x,
             _ => false,
         }

@@ -249,4 +249,42 @@ mod tests {
             }
         }
     }
+
+    /// One token's attention inputs join only the attention that reads their queries over the
+    /// same caches, positions and pages (a backend runs the two as one kernel); an attention of
+    /// other caches or positions, or of two tokens, does not.
+    #[test]
+    fn attention_inputs_join_only_the_attention_that_reads_them() {
+        let (kv_heads, heads, hd, rows) = (2, 4, 16, 64);
+        let build = |tokens: usize, other_caches: bool, other_positions: bool| {
+            let mut g = GraphBuilder::new();
+            let qkv = g.act_input("qkv", tokens, (heads + 2 * kv_heads) * hd);
+            let pos = g.positions_input("pos", tokens);
+            let inv_freq = g.weight("inv_freq", DType::F32, [hd / 2]);
+            let cache = |g: &mut GraphBuilder, name: &str| g.cache(name, DType::BF16, kv_heads, rows, hd);
+            let (kc, vc) = (cache(&mut g, "k"), cache(&mut g, "v"));
+            let table = g.page_table_input("table", 1, rows / 16);
+            let seq = g.seq_input("seq", 1);
+            let pages = g.kv_pages("pages", table, seq, 16);
+            let (q, _) =
+                g.attention_inputs("inputs", qkv, false, None, pos, inv_freq, hd, 1.0, kc, vc, pages);
+            let (kc, vc) = match other_caches {
+                true => (cache(&mut g, "k2"), cache(&mut g, "v2")),
+                false => (kc, vc),
+            };
+            let pos = match other_positions {
+                true => g.positions_input("pos2", tokens),
+                false => pos,
+            };
+            let out = g.attention("attention", q, kc, vc, pos, pages, heads, 0.25);
+            g.mark_output(out);
+            let graph = g.finish().unwrap();
+            let n = graph.nodes.len();
+            graph.nodes[n - 2].op.may_join(&graph.nodes[n - 1].op)
+        };
+        assert!(build(1, false, false));
+        assert!(!build(1, true, false));
+        assert!(!build(1, false, true));
+        assert!(!build(2, false, false));
+    }
 }

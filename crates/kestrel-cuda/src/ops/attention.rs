@@ -405,43 +405,7 @@ const DECODE_INPUTS_HEAD_DIMS: [usize; 3] = [64, 128, 256];
 /// and one kernel of a decode layer's chain goes. Returns false, recording nothing, for any
 /// other pair.
 pub(crate) fn encode_inputs_and_decode(inputs: &Op, attention: &Op, enc: &mut Encoder) -> Result<bool> {
-    let same = match (inputs, attention) {
-        (
-            Op::AttentionInputs {
-                q,
-                k_cache,
-                v_cache,
-                positions,
-                pages,
-                tokens,
-                heads,
-                kv_heads,
-                head_dim,
-                rows,
-                ..
-            },
-            Op::Attention {
-                q: aq,
-                k_cache: ak,
-                v_cache: av,
-                positions: ap,
-                pages: apages,
-                tokens: at,
-                heads: ah,
-                kv_heads: akv,
-                head_dim: ahd,
-                rows: arows,
-                chunk: None,
-                ..
-            },
-        ) => {
-            (
-                q, k_cache, v_cache, positions, pages, tokens, heads, kv_heads, head_dim, rows,
-            ) == (aq, ak, av, ap, apages, at, ah, akv, ahd, arows)
-        }
-        _ => false,
-    };
-    if !same {
+    if !inputs.may_join(attention) {
         return Ok(false);
     }
     let i = Inputs::new(enc, inputs)?;

@@ -21,7 +21,7 @@ use kestrel_core::ir::{Buf, LinearWeight, NormKind, Op};
 use kestrel_core::quant::QuantFormat;
 use kestrel_core::DType;
 
-use kestrel_cuda_rt::{Buffer, ModuleSource, Result};
+use kestrel_cuda_rt::{Buffer, DispatchBuilder, ModuleSource, Result};
 
 use super::common::{
     float_name, k_splits, op_module, padded_len, quant_name, split_args, split_scratch, u32_arg,
@@ -97,6 +97,46 @@ fn dp_ring_bytes(in_dim: usize, format: &QuantFormat) -> Option<usize> {
     aligned.then(|| DP_WARPS * DP_STAGES * (2 * DP_ROWS * 32 + DP_ROWS * seg * size / 8) * 16)
 }
 
+/// Shared memory of a `matvec_*_dp4a` (or `matvec_norm_*_dp4a`) block for rows of `in_dim`
+/// values of `format`: the weight rings, then x as int8 with a scale and a sum per block of 32.
+/// None when those kernels cannot take the weight (4- or 8-bit values whose 16-byte vectors each
+/// take one group's scale and bias, rows a multiple of 64) or the block would not fit the
+/// device's shared memory.
+fn dp4a_smem(enc: &Encoder, in_dim: usize, format: &QuantFormat) -> Option<usize> {
+    let ring = dp_ring_bytes(in_dim, format)?;
+    if in_dim % 64 != 0 || format.group_size % (128 / format.bits as usize) != 0 {
+        return None;
+    }
+    let smem = ring + in_dim + (in_dim / 32 + in_dim / 16) * 4;
+    (smem <= enc.device.info().max_shared_per_block).then_some(smem)
+}
+
+/// Persistent blocks of a `matvec_*_dp4a` for `out_dim` rows: a warp item's rows each, at most
+/// `DP_BLOCKS_PER_SM` a multiprocessor.
+fn dp4a_blocks(enc: &Encoder, out_dim: usize) -> Result<u32> {
+    let sms = enc.device.info().sm_count as usize;
+    u32_arg(out_dim.div_ceil(DP_WARPS * DP_ROWS).min(DP_BLOCKS_PER_SM * sms))
+}
+
+/// The arguments a `matvec_*_dp4a` and a `matvec_norm_*_dp4a` end with: the weight's words,
+/// scales and biases, the output and the shape.
+fn dp4a_tail<'a>(
+    b: DispatchBuilder<'a>,
+    parts: &[Buffer],
+    out: &Buffer,
+    in_dim: usize,
+    out_dim: usize,
+    group: usize,
+) -> Result<DispatchBuilder<'a>> {
+    Ok(b.read(&parts[0])
+        .read(&parts[1])
+        .read(&parts[2])
+        .write(out)
+        .arg(u32_arg(in_dim)?)
+        .arg(u32_arg(out_dim)?)
+        .arg(u32_arg(group)?))
+}
+
 /// The one-token path: 16-byte loads, x staged in shared memory. Returns false (and records
 /// nothing) when the weight's format or alignment needs the general kernel.
 fn encode_matvec(
@@ -107,29 +147,39 @@ fn encode_matvec(
     in_dim: usize,
     out_dim: usize,
 ) -> Result<bool> {
-    // bf16: x staged padded as floats; quantised: the weight rings, then x as int8 with a scale
-    // and a sum per block of 32.
-    let smem = match w {
-        LinearWeight::Quant { format, .. } => match dp_ring_bytes(in_dim, format) {
-            Some(ring) => ring + in_dim + (in_dim / 32 + in_dim / 16) * 4,
-            None => return Ok(false),
-        },
-        // matvec_bf16 reads x as float4s.
-        LinearWeight::Dense(_) if x.device_ptr() % 16 == 0 => padded_len(in_dim) * 4,
-        LinearWeight::Dense(_) => return Ok(false),
-    };
-    if smem > enc.device.info().max_shared_per_block {
-        return Ok(false);
-    }
-    let out = enc.buf(out)?.clone();
-    let sms = enc.device.info().sm_count as usize;
-    let blocks = |rows: usize, per_sm: usize| u32_arg(out_dim.div_ceil(rows).min(per_sm * sms));
     match w {
-        LinearWeight::Dense(wb) if enc.dtype(wb.raw()) == DType::BF16 && in_dim % 8 == 0 => {
+        // Each block rounds x to int8 in blocks of 32, then 8-bit integer dot products.
+        LinearWeight::Quant { format, .. } => {
+            let Some(smem) = dp4a_smem(enc, in_dim, format) else {
+                return Ok(false);
+            };
+            let out = enc.buf(out)?.clone();
+            let (name, parts, _) = weight_parts(enc, w)?;
+            let k = enc.kernel(&MODULE, &format!("matvec_{name}_dp4a"))?;
+            let grid = dp4a_blocks(enc, out_dim)?;
+            let b = enc
+                .dispatch(&k)
+                .grid(grid)
+                .block(u32_arg(32 * DP_WARPS)?)
+                .shared_mem(u32_arg(smem)?)
+                .read(x);
+            dp4a_tail(b, &parts, &out, in_dim, out_dim, format.group_size)?.record();
+        }
+        // matvec_bf16 stages x padded as floats, read as float4s.
+        LinearWeight::Dense(wb)
+            if enc.dtype(wb.raw()) == DType::BF16 && in_dim % 8 == 0 && x.device_ptr() % 16 == 0 =>
+        {
+            let smem = padded_len(in_dim) * 4;
+            if smem > enc.device.info().max_shared_per_block {
+                return Ok(false);
+            }
+            let out = enc.buf(out)?.clone();
             let k = enc.kernel(&MODULE, "matvec_bf16")?;
             let wb = enc.buf(wb.raw())?.clone();
+            let sms = enc.device.info().sm_count as usize;
+            let rows = VEC_WARPS * VEC_ROWS;
             enc.dispatch(&k)
-                .grid(blocks(VEC_WARPS * VEC_ROWS, VEC_BLOCKS_PER_SM)?)
+                .grid(u32_arg(out_dim.div_ceil(rows).min(VEC_BLOCKS_PER_SM * sms))?)
                 .block(u32_arg(32 * VEC_WARPS)?)
                 .shared_mem(u32_arg(smem)?)
                 .read(x)
@@ -139,28 +189,7 @@ fn encode_matvec(
                 .arg(u32_arg(out_dim)?)
                 .record();
         }
-        // A 16-byte weight vector takes one group's scale and bias.
-        LinearWeight::Quant { format, .. }
-            if in_dim % 64 == 0 && format.group_size % (128 / format.bits as usize) == 0 =>
-        {
-            // Each block rounds x to int8 in blocks of 32, then 8-bit integer dot products.
-            let (name, parts, _) = weight_parts(enc, w)?;
-            let k = enc.kernel(&MODULE, &format!("matvec_{name}_dp4a"))?;
-            enc.dispatch(&k)
-                .grid(blocks(DP_WARPS * DP_ROWS, DP_BLOCKS_PER_SM)?)
-                .block(u32_arg(32 * DP_WARPS)?)
-                .shared_mem(u32_arg(smem)?)
-                .read(x)
-                .read(&parts[0])
-                .read(&parts[1])
-                .read(&parts[2])
-                .write(&out)
-                .arg(u32_arg(in_dim)?)
-                .arg(u32_arg(out_dim)?)
-                .arg(u32_arg(format.group_size)?)
-                .record();
-        }
-        _ => return Ok(false),
+        LinearWeight::Dense(_) => return Ok(false),
     }
     Ok(true)
 }
@@ -213,8 +242,6 @@ pub(crate) fn encode_norm_matvec(norm: &Op, linear: &Op, precise: bool, enc: &mu
         || x != normed
         || dim != in_dim
         || enc.graph.decl(add).elem_count() != dim
-        || in_dim % 64 != 0
-        || format.group_size % (128 / format.bits as usize) != 0
         || in_dim / 8 > DPN_CHUNKS * 32 * DP_WARPS
         || residual
             .into_iter()
@@ -228,13 +255,9 @@ pub(crate) fn encode_norm_matvec(norm: &Op, linear: &Op, precise: bool, enc: &mu
         DType::F32 => 0,
         _ => return Ok(false),
     };
-    let Some(ring) = dp_ring_bytes(in_dim, format) else {
+    let Some(smem) = dp4a_smem(enc, in_dim, format) else {
         return Ok(false);
     };
-    let smem = ring + in_dim + (in_dim / 32 + in_dim / 16) * 4;
-    if smem > enc.device.info().max_shared_per_block {
-        return Ok(false);
-    }
     let residual = residual.map(|b| enc.buf(b).cloned()).transpose()?;
     let (add, nw, normed) = (
         enc.buf(add)?.clone(),
@@ -252,32 +275,25 @@ pub(crate) fn encode_norm_matvec(norm: &Op, linear: &Op, precise: bool, enc: &mu
     let counter = enc.counters(1)?;
     let (name, parts, _) = weight_parts(enc, weight)?;
     let k = enc.kernel(&MODULE, &format!("matvec_norm_{name}_dp4a"))?;
-    let sms = enc.device.info().sm_count as usize;
-    let blocks = out_dim.div_ceil(DP_WARPS * DP_ROWS).min(DP_BLOCKS_PER_SM * sms);
+    let grid = dp4a_blocks(enc, out_dim)?;
     let b = enc
         .dispatch(&k)
-        .grid(u32_arg(blocks)?)
+        .grid(grid)
         .block(u32_arg(32 * DP_WARPS)?)
         .shared_mem(u32_arg(smem)?);
     let b = match &residual {
         Some(r) => b.read_write(r),
         None => b.arg(0u64),
     };
-    b.read(&add)
+    let b = b
+        .read(&add)
         .read(&nw)
         .write(&normed)
         .read_write(&counter)
         .arg(eps)
         .arg(i32::from(kind == NormKind::ZeroCentered))
-        .arg(w_bf16)
-        .read(&parts[0])
-        .read(&parts[1])
-        .read(&parts[2])
-        .write(&out)
-        .arg(u32_arg(in_dim)?)
-        .arg(u32_arg(out_dim)?)
-        .arg(u32_arg(format.group_size)?)
-        .record();
+        .arg(w_bf16);
+    dp4a_tail(b, &parts, &out, in_dim, out_dim, format.group_size)?.record();
     Ok(true)
 }
 
