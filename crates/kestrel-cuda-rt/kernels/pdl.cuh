@@ -24,6 +24,13 @@ __device__ __forceinline__ void pdl_trigger() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
+// The one exception: a block with nothing to do in this run (it has read only the run's inputs,
+// and writes nothing) may leave without waiting, so that it does not hold a multiprocessor while
+// the kernel before it still runs, provided another block of its grid always waits: the grid then
+// still completes after that wait, and its own trigger still follows it. Written as
+// `if (idle) PDL_LEAVE_IDLE;` where the kernel's comment says which block always waits; the
+// contract test (kestrel-cuda's pdl_contract.rs) lists the functions allowed to.
+#define PDL_LEAVE_IDLE return
 // The contract at its simplest, as a kernel's first statement: wait, then let the next kernel
 // launch. Kernels with work that needs nothing from earlier kernels (loading weights) do that
 // work first and call the two themselves.

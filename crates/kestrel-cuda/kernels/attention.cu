@@ -964,10 +964,10 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
         old = min(old, positions[t]);
     }
     const unsigned used = (block_end + chunk - 1) / chunk;
-    if (split >= used) {  // no key for this block; it still waits, as every block must
-        pdl_wait();
-        return;
-    }
+    // No key for this block: it leaves at once, not holding its multiprocessor (and its shared
+    // memory) through the kernel before, which a programmatic launch overlaps. Split 0 always
+    // has keys, so it always waits.
+    if (split >= used) PDL_LEAVE_IDLE;
     if (step_tokens > 1) {
         __shared__ unsigned first;
         if (tid == 0) first = old;

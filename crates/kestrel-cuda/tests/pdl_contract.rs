@@ -3,7 +3,9 @@
 //! `extern "C" __global__` function waits (`pdl_wait()` or `pdl_begin()`, directly or through a
 //! device function that does) before any `return`. Read from the sources, so it runs without a
 //! GPU. (`runtime.cu` holds the runtime's own test kernels, some of which break the contract on
-//! purpose.)
+//! purpose.) The contract's one exception, an idle block leaving without waiting
+//! (`PDL_LEAVE_IDLE`), is allowed only in the functions listed here, each of which has a block
+//! that always waits.
 
 struct Func<'a> {
     kernel: bool,
@@ -121,6 +123,44 @@ fn every_op_kernel_waits_before_it_returns() {
         "found only {kernels} kernels: the parser missed some"
     );
     assert!(bad.is_empty(), "kernels that do not wait first: {bad:?}");
+}
+
+/// Functions whose idle blocks leave without waiting (`pdl.cuh`'s `PDL_LEAVE_IDLE`), and why a
+/// block of their grid always waits.
+const LEAVE_IDLE: [(&str, &str); 1] = [(
+    "decode_attention",
+    "split 0 of each (KV head, z) holds the token's first key, so it always has work and waits",
+)];
+
+#[test]
+fn only_the_listed_functions_leave_idle_and_they_still_wait() {
+    let mut seen = Vec::new();
+    for module in kestrel_cuda::MODULES {
+        if module.name == "runtime" {
+            continue;
+        }
+        for f in functions(module.source) {
+            if !f.body.contains("PDL_LEAVE_IDLE") {
+                continue;
+            }
+            assert!(
+                LEAVE_IDLE.iter().any(|(name, _)| *name == f.name),
+                "{}.cu: {} leaves idle blocks without waiting but is not in LEAVE_IDLE",
+                module.name,
+                f.name
+            );
+            assert!(
+                first_call(f.body, &["pdl_wait", "pdl_begin"]).is_some(),
+                "{}.cu: {} never waits",
+                module.name,
+                f.name
+            );
+            seen.push(f.name);
+        }
+    }
+    for (name, _) in LEAVE_IDLE {
+        assert!(seen.contains(&name), "{name} no longer leaves idle: drop it from LEAVE_IDLE");
+    }
 }
 
 #[test]
