@@ -13,9 +13,9 @@
 //! | `KESTREL_WGMMA` | bool | `true` | on sm_90 GPUs, grouped expert GEMMs and quantised products of many tokens on Hopper's warpgroup tensor-core instructions (`off` takes the `mma.sync` kernels other GPUs use) |
 //! | `KESTREL_WIDE_EXPERTS` | bool | `true` | with `wgmma` on, routed experts of a few to a few dozen rows each on the warpgroup form of the skinny products (`off` takes the skinny products and GEMM tiles, for comparison) |
 //! | `KESTREL_WIDE_PROJECTIONS` | bool | `true` | with `wgmma` on, quantised projections of a few dozen tokens on the warpgroup form of the skinny products (`off` takes the skinny products, for comparison) |
-//! | `KESTREL_FUSED_ATTENTION` | bool | `false` | on sm_90 GPUs, one token's attention inputs (norms, rotation, cache append) computed inside the decode attention kernel (off by default: faster in a one-sequence decode, slower in the batcher's steps, not yet understood) |
-//! | `KESTREL_FUSED_NORM` | bool | `false` | one token's RMS norm (with its residual add) computed inside the quantised product that reads it (off by default, as `KESTREL_FUSED_ATTENTION`) |
-//! | `KESTREL_DECODE_SPLIT_KEYS` | integer | `0` | on sm_90 GPUs, the fewest cached keys one block of decode attention takes (rounded up to its warps' batches): `0` spreads the context over one wave of blocks, a larger value gives fewer blocks a deeper share each, for comparison |
+//! | `KESTREL_FUSED_ATTENTION` | bool | `true` | on sm_90 GPUs, one token's attention inputs (norms, rotation, cache append) computed inside the decode attention kernel (`off` runs them as a kernel of their own, for comparison) |
+//! | `KESTREL_FUSED_NORM` | bool | `true` | one token's RMS norm (with its residual add) computed inside the quantised product that reads it (`off` runs it as a kernel of its own, for comparison) |
+//! | `KESTREL_DECODE_SPLIT_KEYS` | integer | `0` | on sm_90 GPUs, the fewest cached keys one block of decode attention takes (rounded up to its warps' batches): `0` spreads the context over one wave of blocks, a larger value gives fewer blocks a deeper share each (slower at every depth measured; for comparison and for the tests of deep splits) |
 //!
 //! Booleans accept `1/0`, `true/false`, `yes/no`, `on/off`. A variable with a value that does
 //! not parse leaves its default in place and is kept as a problem: reading the configuration
@@ -57,10 +57,10 @@ pub struct Config {
     /// skinny products (else on the skinny products).
     pub wide_projections: bool,
     /// On sm_90, one token's attention inputs run inside its decode attention kernel (else as a
-    /// kernel of their own before it). Off by default.
+    /// kernel of their own before it). On by default.
     pub fused_attention: bool,
     /// One token's RMS norm runs inside the quantised product that reads it (else as a kernel
-    /// of its own before it). Off by default.
+    /// of its own before it). On by default.
     pub fused_norm: bool,
     /// On sm_90, the fewest cached keys a block of decode attention takes (`0`: as many blocks
     /// as one wave holds share the context).
@@ -232,13 +232,13 @@ impl Config {
         );
         let fused_attention = keep(
             &mut problems,
-            parse_bool(get("KESTREL_FUSED_ATTENTION"), "KESTREL_FUSED_ATTENTION", false),
-            false,
+            parse_bool(get("KESTREL_FUSED_ATTENTION"), "KESTREL_FUSED_ATTENTION", true),
+            true,
         );
         let fused_norm = keep(
             &mut problems,
-            parse_bool(get("KESTREL_FUSED_NORM"), "KESTREL_FUSED_NORM", false),
-            false,
+            parse_bool(get("KESTREL_FUSED_NORM"), "KESTREL_FUSED_NORM", true),
+            true,
         );
         let decode_split_keys = match get("KESTREL_DECODE_SPLIT_KEYS") {
             None => 0,
@@ -317,8 +317,8 @@ mod tests {
         assert!(!Config::from_vars(&vars(&[("KESTREL_WIDE_EXPERTS", "off")])).wide_experts);
         assert!(c.wide_projections);
         assert!(!Config::from_vars(&vars(&[("KESTREL_WIDE_PROJECTIONS", "off")])).wide_projections);
-        assert!(Config::from_vars(&vars(&[("KESTREL_FUSED_ATTENTION", "yes")])).fused_attention);
-        assert!(!Config::default().fused_attention);
+        assert!(!Config::from_vars(&vars(&[("KESTREL_FUSED_ATTENTION", "no")])).fused_attention);
+        assert!(c.fused_attention && Config::default().fused_attention);
         assert_eq!(c.decode_split_keys, 0);
         assert_eq!(
             Config::from_vars(&vars(&[("KESTREL_DECODE_SPLIT_KEYS", "512")])).decode_split_keys,
@@ -329,8 +329,8 @@ mod tests {
             assert_eq!(c.decode_split_keys, 0);
             assert!(c.check().is_err(), "{bad}");
         }
-        assert!(Config::from_vars(&vars(&[("KESTREL_FUSED_NORM", "on")])).fused_norm);
-        assert!(!Config::default().fused_norm);
+        assert!(!Config::from_vars(&vars(&[("KESTREL_FUSED_NORM", "off")])).fused_norm);
+        assert!(c.fused_norm && Config::default().fused_norm);
         assert_eq!(c.kernel_cache_dir, None, "no HOME, no XDG_CACHE_HOME: no cache");
     }
 

@@ -14,7 +14,7 @@ use kestrel_cuda::{CudaBackend, RunMode};
 use kestrel_testing::cases::{
     all_cases, as_f64, bf16_err, f32s, rel_err, rel_l2, shuffled_pages, u32s, Case, Expect, BF16_STEP,
 };
-use kestrel_testing::gpu::{device_or_skip, tensor_engines, with_fusions};
+use kestrel_testing::gpu::{device_or_skip, tensor_engines, with_fusions, without_fusions};
 
 const TOL: f64 = 1e-4;
 /// Products on rounded activations (int8 per block of 32 for quantised one-token products,
@@ -123,15 +123,17 @@ fn attention_in_runs_matches_the_cpu_backend() {
 /// One token's inputs of attention (norms, rotation, the cache append; gated or not, partial
 /// rotation) and the attention that reads them, which Hopper runs as one kernel
 /// (`decode_attention_inputs_*`), on half caches of up to hundreds of positions (one split or
-/// several), of one sequence or of a batched step's pool. Odd rounds take splits of at least
-/// 1,000 keys (`Config::decode_split_keys`), where the new key often lies past a warp's first
-/// batches (written to the cache, not the ring).
+/// several), of one sequence or of a batched step's pool. A third of the rounds take splits of
+/// at least 1,000 keys (`Config::decode_split_keys`), where the new key often lies past a warp's
+/// first batches (written to the cache, not the ring), and a third run with the fusions off
+/// (the two kernels apart, as before Hopper).
 #[test]
 fn one_token_inputs_and_attention_match_the_cpu_backend() {
     let Some(dev) = device_or_skip("one_token_inputs_and_attention_match_the_cpu_backend") else {
         return;
     };
     let fused = with_fusions(&dev);
+    let apart = without_fusions(&dev);
     let deep = kestrel_testing::gpu::reopened(&dev, "the fusions on and deep splits", |c| {
         c.fused_attention = true;
         c.fused_norm = true;
@@ -140,21 +142,21 @@ fn one_token_inputs_and_attention_match_the_cpu_backend() {
     let hopper = dev.info().compute_capability.0 >= 9;
     let (mut rng, seed) = Rng::from_time();
     for round in 0..24 {
-        let dev = if round % 2 == 0 { &fused } else { &deep };
+        let (dev, how) = match round % 3 {
+            0 => (&fused, ""),
+            1 => (&deep, ", deep splits"),
+            _ => (&apart, ", fusions off"),
+        };
         let case = kestrel_testing::cases::attention_inputs_decode(Rng::new(rng.next_u64()));
-        println!(
-            "{}{}",
-            case.name,
-            if round % 2 == 0 { "" } else { ", deep splits" }
-        );
+        println!("{}{how}", case.name);
         compare(dev, &case, seed, round);
         let mut cuda = CudaBackend::new(dev.clone(), RunMode::Eager);
         let p = cuda.prepare(&case.graph).unwrap();
         let labels: Vec<&str> = p.commands().commands().iter().map(|c| c.label()).collect();
         let ran_fused = labels.iter().any(|l| l.contains("decode_attention_inputs_"));
         assert!(
-            ran_fused == hopper,
-            "seed {seed} round {round} {}: {labels:?}",
+            ran_fused == (hopper && dev.fused_attention()),
+            "seed {seed} round {round} {}{how}: {labels:?}",
             case.name
         );
     }
@@ -162,25 +164,30 @@ fn one_token_inputs_and_attention_match_the_cpu_backend() {
 
 /// One token's norm (with a residual add or without) and the quantised projection reading it,
 /// which CUDA runs as one kernel: the product, the normed row and the new residual match the
-/// CPU, and the program holds the fused kernel and no norm kernel of its own (on a device opened
-/// with the fusions on: they are off by default).
+/// CPU, and the program holds the fused kernel and no norm kernel of its own; odd rounds run with
+/// the fusions off, the norm a kernel of its own.
 #[test]
 fn one_token_norm_and_projection_match_the_cpu_backend() {
     let Some(dev) = device_or_skip("one_token_norm_and_projection_match_the_cpu_backend") else {
         return;
     };
-    let dev = with_fusions(&dev);
+    let (fused, apart) = (with_fusions(&dev), without_fusions(&dev));
     let (mut rng, seed) = Rng::from_time();
     for round in 0..24 {
+        let dev = if round % 2 == 0 { &fused } else { &apart };
         let case = kestrel_testing::cases::norm_then_linear_decode(Rng::new(rng.next_u64()));
-        println!("{}", case.name);
-        compare(&dev, &case, seed, round);
+        println!("{}{}", case.name, if round % 2 == 0 { "" } else { ", fusions off" });
+        compare(dev, &case, seed, round);
         let mut cuda = CudaBackend::new(dev.clone(), RunMode::Eager);
         let p = cuda.prepare(&case.graph).unwrap();
         let labels: Vec<&str> = p.commands().commands().iter().map(|c| c.label()).collect();
-        let fused = labels.iter().any(|l| l.contains("matvec_norm_"))
-            && !labels.iter().any(|l| l.contains("rms_norm"));
-        assert!(fused, "seed {seed} round {round} {}: {labels:?}", case.name);
+        let ran_fused = labels.iter().any(|l| l.contains("matvec_norm_"));
+        let norm_apart = labels.iter().any(|l| l.contains("rms_norm"));
+        assert!(
+            ran_fused == dev.fused_norm() && norm_apart != ran_fused,
+            "seed {seed} round {round} {}: {labels:?}",
+            case.name
+        );
     }
 }
 

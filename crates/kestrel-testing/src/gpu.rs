@@ -70,7 +70,8 @@ pub fn tensor_engines(dev: &Device) -> Vec<Device> {
 }
 
 /// The GPU `dev` is, opened again with the one-token fusions on (`Config::fused_attention`,
-/// `Config::fused_norm`; both off by default), for the tests of the fused kernels.
+/// `Config::fused_norm`; on by default, but the environment may turn them off), for the tests
+/// of the fused kernels.
 ///
 /// # Panics
 /// When the device cannot be opened (a test failure is the point).
@@ -78,6 +79,19 @@ pub fn with_fusions(dev: &Device) -> Device {
     reopened(dev, "the fusions on", |c| {
         c.fused_attention = true;
         c.fused_norm = true;
+    })
+}
+
+/// The GPU `dev` is, opened again with the one-token fusions off: the kernels a one-token step
+/// runs without them (and GPUs before Hopper run for attention), for the tests that keep those
+/// checked too.
+///
+/// # Panics
+/// When the device cannot be opened (a test failure is the point).
+pub fn without_fusions(dev: &Device) -> Device {
+    reopened(dev, "the fusions off", |c| {
+        c.fused_attention = false;
+        c.fused_norm = false;
     })
 }
 
