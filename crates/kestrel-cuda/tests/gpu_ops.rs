@@ -176,7 +176,11 @@ fn one_token_norm_and_projection_match_the_cpu_backend() {
     for round in 0..24 {
         let dev = if round % 2 == 0 { &fused } else { &apart };
         let case = kestrel_testing::cases::norm_then_linear_decode(Rng::new(rng.next_u64()));
-        println!("{}{}", case.name, if round % 2 == 0 { "" } else { ", fusions off" });
+        println!(
+            "{}{}",
+            case.name,
+            if round % 2 == 0 { "" } else { ", fusions off" }
+        );
         compare(dev, &case, seed, round);
         let mut cuda = CudaBackend::new(dev.clone(), RunMode::Eager);
         let p = cuda.prepare(&case.graph).unwrap();

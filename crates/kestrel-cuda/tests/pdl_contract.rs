@@ -159,7 +159,10 @@ fn only_the_listed_functions_leave_idle_and_they_still_wait() {
         }
     }
     for (name, _) in LEAVE_IDLE {
-        assert!(seen.contains(&name), "{name} no longer leaves idle: drop it from LEAVE_IDLE");
+        assert!(
+            seen.contains(&name),
+            "{name} no longer leaves idle: drop it from LEAVE_IDLE"
+        );
     }
 }
 
