@@ -280,19 +280,19 @@ fn decode(ty: Block, b: &[u8], q: &mut [u8], groups: &mut [(f32, f32)]) {
 }
 
 /// Each block of `ty` in `bytes` (blocks of `n` values in `per` bytes) decoded once, and handed
-/// with its item of `outs` (one a block) to `f`, in parallel.
+/// with its bytes and its item of `outs` (one a block) to `f`, in parallel.
 fn each_block<O: Send>(
     ty: Block,
     (n, per): (usize, usize),
     bytes: &[u8],
     outs: impl IndexedParallelIterator<Item = O>,
-    f: impl Fn(&[u8], &[(f32, f32)], O) + Sync + Send,
+    f: impl Fn(&[u8], &[u8], &[(f32, f32)], O) + Sync + Send,
 ) {
     let groups = n / ty.group();
     outs.zip(bytes.par_chunks_exact(per)).for_each(|(o, b)| {
         let (mut q, mut g) = ([0u8; QK_K], [(0f32, 0f32); QK_K / 16]);
         decode(ty, b, &mut q[..n], &mut g[..groups]);
-        f(&q[..n], &g[..groups], o);
+        f(b, &q[..n], &g[..groups], o);
     });
 }
 
@@ -348,7 +348,7 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8]) -> Result<Vec<f32>, String> {
             let ty = Block::of(name).expect("a supported type that is not a float is a block type");
             debug_assert!(n == 32 || n == QK_K);
             let (group, zero) = (ty.group(), ty.zero());
-            each_block(ty, (n, per), bytes, out.par_chunks_mut(n), |q, groups, o| {
+            each_block(ty, (n, per), bytes, out.par_chunks_mut(n), |_, q, groups, o| {
                 for (i, (o, &q)) in o.iter_mut().zip(q).enumerate() {
                     let (scale, bias) = groups[i / group];
                     // ggml's formula for the type: (q - zero) * d, or q * d + m (`d * q - m`
@@ -394,22 +394,7 @@ pub fn to_affine(ty: GgmlType, bytes: &[u8], rows: usize, cols: usize) -> Result
         ));
     };
     let (n, per) = (ty.block as usize, ty.block_bytes as usize);
-    if cols == 0 || cols % n != 0 {
-        return Err(format!(
-            "rows of {cols} values are not whole {} blocks of {n}",
-            ty.name
-        ));
-    }
-    let blocks = rows
-        .checked_mul(cols / n)
-        .filter(|b| b.checked_mul(per) == Some(bytes.len()))
-        .ok_or_else(|| {
-            format!(
-                "{} bytes are not {rows} rows of {cols} {} values",
-                bytes.len(),
-                ty.name
-            )
-        })?;
+    let blocks = block_count(ty, bytes, rows, cols)?;
     let format = block.format();
     let (words, groups) = (n / format.values_per_word(), n / format.group_size);
     let mut weight = zeros::<u32>(blocks * words, "its values")?;
@@ -420,7 +405,7 @@ pub fn to_affine(ty: GgmlType, bytes: &[u8], rows: usize, cols: usize) -> Result
         .par_chunks_mut(words)
         .zip(scales.par_chunks_mut(groups))
         .zip(biases.par_chunks_mut(groups));
-    each_block(block, (n, per), bytes, outs, |q, g, ((w, s), b)| {
+    each_block(block, (n, per), bytes, outs, |_, q, g, ((w, s), b)| {
         pack_words(q, bits, w);
         for ((s, b), &(scale, bias)) in s.iter_mut().zip(b.iter_mut()).zip(g) {
             (*s, *b) = (scale, bias);
@@ -433,6 +418,114 @@ pub fn to_affine(ty: GgmlType, bytes: &[u8], rows: usize, cols: usize) -> Result
         weight,
         scales,
         biases,
+    })
+}
+
+/// The blocks of `bytes`, a `[rows, cols]` matrix of `ty` (rows of whole blocks), or an error
+/// saying why they are not one.
+fn block_count(ty: GgmlType, bytes: &[u8], rows: usize, cols: usize) -> Result<usize, String> {
+    let (n, per) = (ty.block as usize, ty.block_bytes as usize);
+    if cols == 0 || cols % n != 0 {
+        return Err(format!(
+            "rows of {cols} values are not whole {} blocks of {n}",
+            ty.name
+        ));
+    }
+    rows.checked_mul(cols / n)
+        .filter(|b| b.checked_mul(per) == Some(bytes.len()))
+        .ok_or_else(|| {
+            format!(
+                "{} bytes are not {rows} rows of {cols} {} values",
+                bytes.len(),
+                ty.name
+            )
+        })
+}
+
+/// A quantised matrix as it is held: its packed values and the two parts
+/// [`QuantFormat::group_bytes`] writes for its groups' scales and biases (factored ones from
+/// [`to_factored`]).
+#[derive(Debug)]
+pub struct QuantParts {
+    pub format: QuantFormat,
+    pub rows: usize,
+    pub cols: usize,
+    pub weight: Vec<u32>,
+    pub scale_part: Vec<u8>,
+    pub bias_part: Vec<u8>,
+}
+
+/// `bytes` as [`to_affine`] holds them, factored straight from the blocks for the k-quants whose
+/// super-block scales are one f16 times sub-block integers: Q4_K and Q5_K (the units `d` and
+/// `-dmin`, each group's pair its 6-bit scale and minimum) and Q6_K (`d` and `-32 d`, the pair
+/// its signed 8-bit scale twice). Every group's scale and bias is then the value `to_affine`
+/// computes, bit for bit, and no super-block needs [`QuantFormat::group_bytes`]'s search for
+/// its unit (a quarter of a Q4_K_M file's load). None for other types; an error as for
+/// `to_affine`, or when a super-block's f16 is not finite.
+pub fn to_factored(
+    ty: GgmlType,
+    bytes: &[u8],
+    rows: usize,
+    cols: usize,
+) -> Option<Result<QuantParts, String>> {
+    let block = Block::of(ty.name).filter(|b| matches!(b, Block::Q4K | Block::Q5K | Block::Q6K))?;
+    Some(factored_blocks(block, ty, bytes, rows, cols))
+}
+
+fn factored_blocks(
+    block: Block,
+    ty: GgmlType,
+    bytes: &[u8],
+    rows: usize,
+    cols: usize,
+) -> Result<QuantParts, String> {
+    let (n, per) = (ty.block as usize, ty.block_bytes as usize);
+    let blocks = block_count(ty, bytes, rows, cols)?;
+    let format = QuantFormat::factored(block.bits(), block.group());
+    let (words, groups) = (n / format.values_per_word(), n / format.group_size);
+    let mut weight = zeros::<u32>(blocks * words, "its values")?;
+    let mut scale_part = zeros::<u8>(blocks * 2 * groups, "its scales")?;
+    let mut bias_part = zeros::<u8>(blocks * 8, "its units")?;
+    let bits = format.bits;
+    let finite = std::sync::atomic::AtomicBool::new(true);
+    let outs = weight
+        .par_chunks_mut(words)
+        .zip(scale_part.par_chunks_mut(2 * groups))
+        .zip(bias_part.par_chunks_mut(8));
+    each_block(block, (n, per), bytes, outs, |b, q, _, ((w, pairs), units)| {
+        pack_words(q, bits, w);
+        let (unit_scale, unit_bias) = match block {
+            Block::Q6K => {
+                for (p, &sc) in pairs.chunks_exact_mut(2).zip(&b[192..208]) {
+                    p.copy_from_slice(&[sc, sc]);
+                }
+                let d = f16_at(b, 208);
+                (d, -32.0 * d)
+            }
+            _ => {
+                for (j, p) in pairs.chunks_exact_mut(2).enumerate() {
+                    let (sc, m) = scale_min_k4(j, &b[4..16]);
+                    p.copy_from_slice(&[sc, m]);
+                }
+                (f16_at(b, 0), -f16_at(b, 2))
+            }
+        };
+        if !(unit_scale.is_finite() && unit_bias.is_finite()) {
+            finite.store(false, std::sync::atomic::Ordering::Relaxed);
+        }
+        units[..4].copy_from_slice(&unit_scale.to_le_bytes());
+        units[4..].copy_from_slice(&unit_bias.to_le_bytes());
+    });
+    if !finite.into_inner() {
+        return Err(format!("a {} super-block's scale is not finite", ty.name));
+    }
+    Ok(QuantParts {
+        format,
+        rows,
+        cols,
+        weight,
+        scale_part,
+        bias_part,
     })
 }
 
@@ -607,6 +700,54 @@ mod tests {
                 .collect();
             assert_eq!(words, want, "{bits} bits");
         }
+    }
+
+    /// Q4_K, Q5_K and Q6_K blocks of random bytes (their f16s finite, of either sign, some zero)
+    /// factored straight from the blocks: the same packed values as `to_affine`'s and every
+    /// group's scale and bias its value bit for bit; a non-finite f16 is an error, and other
+    /// types are left to `group_bytes`.
+    #[test]
+    fn factored_blocks_give_the_affine_values() {
+        let mut rng = kestrel_core::rng::Rng::new(11);
+        for name in ["Q4_K", "Q5_K", "Q6_K"] {
+            let t = ty(name);
+            let (rows, cols) = (3, 512);
+            let per = t.block_bytes as usize;
+            let mut bytes: Vec<u8> = (0..rows * cols / 256 * per)
+                .map(|_| rng.range(0, 256) as u8)
+                .collect();
+            // Where each block's f16s lie: d and dmin first (Q4_K, Q5_K), d last (Q6_K).
+            let at: &[usize] = if name == "Q6_K" { &[208] } else { &[0, 2] };
+            for (k, b) in bytes.chunks_exact_mut(per).enumerate() {
+                for &o in at {
+                    let v = match (k + o) % 5 {
+                        0 => 0.0,
+                        _ => (rng.range(1, 2000) as f32 - 1000.0) * 1.0e-4,
+                    };
+                    b[o..o + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
+                }
+            }
+            let m = to_affine(t, &bytes, rows, cols).unwrap();
+            let f = to_factored(t, &bytes, rows, cols).unwrap().unwrap();
+            assert_eq!(f.format.scale, ScaleType::Factored, "{name}");
+            assert_eq!(
+                (f.format.bits, f.format.group_size),
+                (m.format.bits, m.format.group_size)
+            );
+            assert_eq!(f.weight, m.weight, "{name}");
+            let (s, b) = f.format.group_values(&f.scale_part, &f.bias_part);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&s), bits(&m.scales), "{name} scales");
+            assert_eq!(bits(&b), bits(&m.biases), "{name} biases");
+            // An infinite d in the second block.
+            let o = per + at[0];
+            bytes[o..o + 2].copy_from_slice(&f16::INFINITY.to_le_bytes());
+            let e = to_factored(t, &bytes, rows, cols).unwrap().unwrap_err();
+            assert!(e.contains("not finite") && e.contains(name), "{e}");
+            assert!(to_factored(t, &bytes, rows, 256).unwrap().is_err());
+        }
+        assert!(to_factored(ty("Q4_0"), &[0; 18], 1, 32).is_none());
+        assert!(to_factored(ty("Q2_K"), &[0; 84], 1, 256).is_none());
     }
 
     #[test]

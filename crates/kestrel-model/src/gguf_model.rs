@@ -28,7 +28,9 @@ use serde_json::{json, Map, Value as Json};
 use crate::config::{Arch, ModelConfig, QuantConfig};
 use crate::error::{ModelError, Result};
 use crate::gguf::{Gguf, TensorInfo, Value};
-use crate::gguf_dequant::{affine_format, common_format, dequantize, factors, to_affine, widen};
+use crate::gguf_dequant::{
+    affine_format, common_format, dequantize, factors, to_affine, to_factored, widen, QuantParts,
+};
 use crate::weights::{FileTensor, HeldBytes, MappedFile, OwnedTensor, Weights};
 
 /// A GGUF model read: what a model directory's files would give.
@@ -796,6 +798,21 @@ impl<'a> Source<'a> {
             .map_err(|r| bad(self.label, format!("tensor {name}: {r}")))
     }
 
+    /// Block-quantised matrix `name` factored straight from its blocks ([`to_factored`]),
+    /// marking it used; None (nothing marked) for the types that cannot be.
+    fn factored(&mut self, name: &str) -> Result<Option<QuantParts>> {
+        let (file, t) = self.entry(name)?;
+        let cols = t.dims.first().copied().unwrap_or(0) as usize;
+        let rows = t.dims.iter().skip(1).product::<u64>() as usize;
+        let Some(parts) = to_factored(t.ty, t.data(self.files[file].bytes()), rows, cols) else {
+            return Ok(None);
+        };
+        self.used.insert(name.to_string());
+        parts
+            .map(Some)
+            .map_err(|r| bad(self.label, format!("tensor {name}: {r}")))
+    }
+
     /// Block-quantised matrix `name` as [`Source::affine`], widened to the format it is held in
     /// with the tensors held together with it ([`held_format`]).
     fn held(&mut self, name: &str) -> Result<QuantMatrix> {
@@ -823,20 +840,35 @@ impl<'a> Source<'a> {
                 ),
             )
         })?;
+        let parts = QuantParts {
+            format: f,
+            rows: m.rows,
+            cols: m.cols,
+            weight: m.weight,
+            scale_part: scales,
+            bias_part: biases,
+        };
+        self.own_parts(base, parts, experts);
+        Ok(())
+    }
+
+    /// A quantised matrix's packed values and its group scales' two parts under
+    /// `{base}.weight`, `.scales` and `.biases`, shaped as [`Source::own_quant`] says.
+    fn own_parts(&mut self, base: &str, p: QuantParts, experts: Option<usize>) {
+        let f = p.format;
         self.formats.insert(base.to_string(), Some(f));
-        let (words, groups) = (f.words_per_row(m.cols), f.groups_per_row(m.cols));
+        let (words, groups) = (f.words_per_row(p.cols), f.groups_per_row(p.cols));
         let shape = |n: usize| match experts {
-            Some(e) => vec![e, m.rows / e, n],
-            None => vec![m.rows, n],
+            Some(e) => vec![e, p.rows / e, n],
+            None => vec![p.rows, n],
         };
         let (sd, ss, bs) = match f.scale {
-            ScaleType::Factored => (DType::U8, shape(2 * groups), shape(2 * (m.cols / SUPER_BLOCK))),
+            ScaleType::Factored => (DType::U8, shape(2 * groups), shape(2 * (p.cols / SUPER_BLOCK))),
             _ => (DType::F32, shape(groups), shape(groups)),
         };
-        self.own(format!("{base}.weight"), DType::U32, shape(words), m.weight);
-        self.own(format!("{base}.scales"), sd, ss, scales);
-        self.own(format!("{base}.biases"), DType::F32, bs, biases);
-        Ok(())
+        self.own(format!("{base}.weight"), DType::U32, shape(words), p.weight);
+        self.own(format!("{base}.scales"), sd, ss, p.scale_part);
+        self.own(format!("{base}.biases"), DType::F32, bs, p.bias_part);
     }
 
     /// `gguf` under the name `hf`: read in place when stored as a float type, as an affine
@@ -1112,11 +1144,26 @@ impl<'a> Source<'a> {
             }
             return Ok(());
         }
-        let mut mats = Vec::with_capacity(3);
+        // Each matrix's own format (a k-quant's scales factored: the same values, fewer bytes);
+        // gate and up are read by one kernel, so they share a format, and down keeps its own.
+        let mut own = Vec::with_capacity(3);
+        for (n, _) in &names {
+            own.push(held_affine(n, self.info(n)?).expect("checked above"));
+        }
+        let gate_up = common_format(&own[..2]).expect("two matrices");
+        let formats = [gate_up, gate_up, own[2]];
         // A fused gate and up is decoded once, for both halves.
         let mut whole: Option<QuantMatrix> = None;
-        for (n, half) in &names {
+        for (((w, (n, half)), own), format) in WHICH.iter().zip(&names).zip(own).zip(formats) {
             let experts = self.info(n)?.dims[2] as usize;
+            let base = format!("{mlp}.switch_mlp.{w}_proj");
+            // Held as the file holds it: its blocks' factors taken as they are.
+            if half.is_none() && own == format && own.scale == ScaleType::Factored {
+                if let Some(parts) = self.factored(n)? {
+                    self.own_parts(&base, parts, Some(experts));
+                    continue;
+                }
+            }
             let m = match half {
                 Some(h) => {
                     if whole.is_none() {
@@ -1126,28 +1173,17 @@ impl<'a> Source<'a> {
                 }
                 None => self.affine(n)?,
             };
-            // A k-quant's scales are held factored (the same values, fewer bytes).
-            let m = match held_affine(n, self.info(n)?) {
-                Some(f) if f.scale == ScaleType::Factored => QuantMatrix {
-                    format: QuantFormat {
-                        scale: f.scale,
-                        ..m.format
-                    },
-                    ..m
+            let m = QuantMatrix {
+                format: QuantFormat {
+                    scale: own.scale,
+                    ..m.format
                 },
-                _ => m,
+                ..m
             };
-            mats.push((experts, m));
-        }
-        drop(whole);
-        // Gate and up are read by one kernel, so they share a format; down keeps its own.
-        let gate_up = common_format(&[mats[0].1.format, mats[1].1.format]).expect("two matrices");
-        let formats = [gate_up, gate_up, mats[2].1.format];
-        for (((w, (n, _)), (experts, m)), format) in WHICH.iter().zip(&names).zip(mats).zip(formats) {
-            let base = format!("{mlp}.switch_mlp.{w}_proj");
             let m = widen(m, format).map_err(|r| bad(self.label, format!("tensor {n}: {r}")))?;
             self.own_quant(&base, m, Some(experts))?;
         }
+        drop(whole);
         Ok(())
     }
 
