@@ -472,6 +472,8 @@ pub fn to_factored(
     Some(factored_blocks(block, ty, bytes, rows, cols))
 }
 
+/// [`to_factored`] for one of the block types it takes: each block (a super-block of 256) gives
+/// its values, its groups' pairs and its two units.
 fn factored_blocks(
     block: Block,
     ty: GgmlType,
