@@ -201,13 +201,17 @@ __device__ __forceinline__ void vec_dot_exact_vals(float& acc, WV wv, XQ xq4, fl
 template <int BITS, class XQ>
 __device__ __forceinline__ void vec_dot_exact_by(float& acc, uint4 v, XQ xq4, float scale, float bias, float sx) {
     if constexpr (BITS == 16) {
+        // The vector's sum first, then one addition to acc, as every other format: a caller
+        // that keeps a partial sum per vector (the fused router) adds the same terms.
+        float t = 0.0f;
 #pragma unroll
         for (int q = 0; q < 4; q++) {
             const float4 xq = xq4(q / 2);
             const float x0 = q % 2 ? xq.z : xq.x, x1 = q % 2 ? xq.w : xq.y;
             const unsigned word = q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w;
-            acc += __uint_as_float(word << 16) * x0 + __uint_as_float(word & 0xffff0000u) * x1;
+            t += __uint_as_float(word << 16) * x0 + __uint_as_float(word & 0xffff0000u) * x1;
         }
+        acc += t;
     } else if constexpr (BITS == 32) {
         const float4 xq = xq4(0);
         acc += __uint_as_float(v.x) * xq.x + __uint_as_float(v.y) * xq.y + __uint_as_float(v.z) * xq.z +

@@ -6,10 +6,11 @@
 // each weight row is streamed once per block and reused for those tokens.
 // One token, with 16-byte weight loads and persistent blocks (a few per SM), each of which stages
 // x itself in shared memory:
-// - matvec_bf16 and matvec_q{4,8}_exact: x in f32 (padded, pre-scaled, and for quantised weights
-//   each 16-byte vector's plain sum), warps taking tiles of 4 rows. Nothing is rounded beyond f32
-//   arithmetic, so _exact serves the logits a router chooses from (matvec_bf16 serves them too);
-//   _exact_tokens is the same arithmetic for many tokens, several a block.
+// - matvec_bf16 and matvec_{q4,q8,f32,bf16}_exact: x in f32 (padded, pre-scaled, and for
+//   quantised weights each 16-byte vector's plain sum), warps taking tiles of 4 rows. Nothing is
+//   rounded beyond f32 arithmetic, so _exact serves the logits a router chooses from (matvec_bf16
+//   serves one token's too, as matvec_bf16_exact does); _exact_tokens is the same arithmetic for
+//   many tokens, several a block.
 // - matvec_q{4,8}_dp4a: x rounded to int8 per block of 32 inside every block, products by dp4a;
 //   matvec_norm_*_dp4a the same with one row's RMS norm (and residual add) in front.
 //   Each warp streams its items (4 rows x 64 vectors) with their group scales and biases through
@@ -170,13 +171,18 @@ matvec_bf16(const float* x, const bf16* w, float* out, unsigned in_dim, unsigned
     matvec<16, bf16>(x, w, nullptr, nullptr, out, in_dim, out_dim, 1);
 }
 
-// f32 weights (a GGUF file's routers), one token a grid row y: exact, as matvec_q*_exact.
-extern "C" __global__ void __launch_bounds__(32 * VEC_WARPS, VEC_BLOCKS_PER_SM)
-matvec_f32_exact(const float* x, const float* w, float* out, unsigned in_dim, unsigned out_dim) {
-    pdl_begin();
-    matvec<32, bf16>(x + (size_t)blockIdx.y * in_dim, w, nullptr, nullptr, out + (size_t)blockIdx.y * out_dim,
-                     in_dim, out_dim, 1);
-}
+// Dense weights, one token a grid row y: exact, as matvec_q*_exact. f32 ones are a GGUF file's
+// routers; bf16 ones (a bf16 checkpoint's routers and narrow gates) add the terms matvec_bf16
+// adds, so a token's logits do not depend on the kernel.
+#define MATVEC_DENSE_EXACT(BITS, W, NAME)                                                                   \
+    extern "C" __global__ void __launch_bounds__(32 * VEC_WARPS, VEC_BLOCKS_PER_SM)                        \
+        matvec_##NAME##_exact(const float* x, const W* w, float* out, unsigned in_dim, unsigned out_dim) { \
+        pdl_begin();                                                                                        \
+        matvec<BITS, bf16>(x + (size_t)blockIdx.y * in_dim, w, nullptr, nullptr,                            \
+                           out + (size_t)blockIdx.y * out_dim, in_dim, out_dim, 1);                         \
+    }
+MATVEC_DENSE_EXACT(32, float, f32)
+MATVEC_DENSE_EXACT(16, bf16, bf16)
 
 // Quantised weights on f32 activations (x not rounded): the exact path of a few tokens (one per
 // grid row y), for the logits a router picks experts from. Dynamic shared memory: padded_len(in_dim) + in_dim / VALS floats.
@@ -316,16 +322,19 @@ __device__ void matvec_exact_tokens(const float* x, const void* w, const S* scal
 #define MATVEC_EXACT_TOKENS(BITS, S, NAME)                                                                   \
     MATVEC_EXACT_TOKENS_T(BITS, S, NAME, 2) MATVEC_EXACT_TOKENS_T(BITS, S, NAME, 4)                        \
     MATVEC_EXACT_TOKENS_T(BITS, S, NAME, 8)
-#define MATVEC_F32_EXACT_TOKENS(T)                                                                           \
+#define MATVEC_DENSE_EXACT_TOKENS(BITS, W, NAME, T)                                                          \
     extern "C" __global__ void __launch_bounds__(32 * EX_WARPS)                                           \
-        matvec_f32_exact_tokens_##T(const float* x, const float* w, float* out, unsigned tokens,         \
-                                    unsigned in_dim, unsigned out_dim) {                                   \
+        matvec_##NAME##_exact_tokens_##T(const float* x, const W* w, float* out, unsigned tokens,        \
+                                         unsigned in_dim, unsigned out_dim) {                              \
         pdl_begin();                                                                                        \
-        matvec_exact_tokens<32, bf16, T>(x, w, nullptr, nullptr, out, tokens, in_dim, out_dim, 1);          \
+        matvec_exact_tokens<BITS, bf16, T>(x, w, nullptr, nullptr, out, tokens, in_dim, out_dim, 1);        \
     }
-MATVEC_F32_EXACT_TOKENS(2)
-MATVEC_F32_EXACT_TOKENS(4)
-MATVEC_F32_EXACT_TOKENS(8)
+MATVEC_DENSE_EXACT_TOKENS(32, float, f32, 2)
+MATVEC_DENSE_EXACT_TOKENS(32, float, f32, 4)
+MATVEC_DENSE_EXACT_TOKENS(32, float, f32, 8)
+MATVEC_DENSE_EXACT_TOKENS(16, bf16, bf16, 2)
+MATVEC_DENSE_EXACT_TOKENS(16, bf16, bf16, 4)
+MATVEC_DENSE_EXACT_TOKENS(16, bf16, bf16, 8)
 MATVEC_EXACT_TOKENS(4, bf16, q4)
 MATVEC_EXACT_TOKENS(8, bf16, q8)
 MATVEC_EXACT_TOKENS(4, float, q4f)

@@ -369,7 +369,8 @@ fn linear_products(dev: &kestrel_cuda::Device, rng: &mut Rng, seed: u64, shapes:
 /// Router logits of many tokens (the exact product, several tokens a block) against the CPU
 /// backend, and each token's row bit for bit what the same token gets alone (the one-token exact
 /// product), so a sequence's routing does not depend on what it is batched with: 2 to 700
-/// tokens, 4- and 8-bit weights. With 128 experts on 132 multiprocessors, 9 and 64 tokens take
+/// tokens, 4- and 8-bit weights and dense ones (bf16 as a bf16 checkpoint's, f32 as a GGUF file's:
+/// one token on `matvec_bf16` / `matvec_f32_exact`, more on their `_exact_tokens`). With 128 experts on 132 multiprocessors, 9 and 64 tokens take
 /// blocks of 2 tokens, 256 of 4, 301 and 700 of 8.
 #[test]
 fn router_logits_of_many_tokens_equal_one_token_at_a_time() {
@@ -378,11 +379,16 @@ fn router_logits_of_many_tokens_equal_one_token_at_a_time() {
     };
     let (mut rng, seed) = Rng::from_time();
     for (round, tokens) in [2, 9, 64, 256, 301, 700].into_iter().enumerate() {
-        for format in [QuantFormat::Q8, QuantFormat::Q4] {
+        for (format, dense) in [
+            (Some(QuantFormat::Q8), DType::BF16),
+            (Some(QuantFormat::Q4), DType::BF16),
+            (None, DType::BF16),
+            (None, DType::F32),
+        ] {
             let s = rng.next_u64();
-            let many = kestrel_testing::cases::router_shape(Rng::new(s), tokens, format);
+            let many = kestrel_testing::cases::router_shape(Rng::new(s), tokens, format, dense);
             compare(&dev, &many, seed, round);
-            let mut one = kestrel_testing::cases::router_shape(Rng::new(s), 1, format);
+            let mut one = kestrel_testing::cases::router_shape(Rng::new(s), 1, format, dense);
             let label = |c: &Case, b| c.graph.decl(b).label.clone();
             let x = |c: &Case| c.data.iter().position(|(b, _)| label(c, *b) == "x").expect("x");
             let (xm, xo) = (x(&many), x(&one));
@@ -397,7 +403,7 @@ fn router_logits_of_many_tokens_equal_one_token_at_a_time() {
                 assert_eq!(
                     bits(&alone),
                     bits(&all[t * width..(t + 1) * width]),
-                    "seed {seed}: token {t} of {tokens} ({format:?}) against alone"
+                    "seed {seed}: token {t} of {tokens} ({format:?}, {dense:?}) against alone"
                 );
             }
         }

@@ -1475,19 +1475,21 @@ pub fn moe_batch_shape(rng: Rng, tokens: usize, format: QuantFormat, down: Quant
 }
 
 /// Router logits of `tokens` tokens at Qwen3-30B-A3B's router shape (2,048 → 128, `format`
-/// weights) in front of the choice of 8, so a backend computes them as precisely as a choice
-/// needs (the choice itself is not checked: near-ties may fall either way between backends);
-/// checked against the reference. The weight is drawn before x:
-/// cases of one seed share it, whatever their number of tokens.
-pub fn router_shape(rng: Rng, tokens: usize, format: QuantFormat) -> Case {
+/// weights, or dense ones in `dense`: bf16 as a bf16 checkpoint's, f32 as a GGUF file's) in
+/// front of the choice of 8, so a backend computes them as precisely as a choice needs (the
+/// choice itself is not checked: near-ties may fall either way between backends); checked
+/// against the reference. The weight is drawn before x: cases of one seed share it, whatever
+/// their number of tokens.
+pub fn router_shape(rng: Rng, tokens: usize, format: Option<QuantFormat>, dense: DType) -> Case {
     let mut c = CaseBuilder::new(rng);
     let (hidden, experts, k) = (2048, 128, 8);
-    let (w, wf) = c.linear_weight("gate", experts, hidden, Some(format), DType::BF16);
+    let (w, wf) = c.linear_weight("gate", experts, hidden, format, dense);
     let (x, xf) = c.act("x", tokens, hidden, 1.0);
     let logits = c.g.linear("gate", x, &w);
     c.g.router("router", logits, k, true);
     c.check_floats(logits, r::linear(&xf, &wf, hidden, experts));
-    c.finish(format!("router logits of {tokens} tokens, {format:?}"))
+    let weight = format.map_or_else(|| format!("{dense:?}"), |f| format!("{f:?}"));
+    c.finish(format!("router logits of {tokens} tokens, {weight}"))
 }
 
 /// `router`: None takes random logits; Some(format) computes them from x with a router weight

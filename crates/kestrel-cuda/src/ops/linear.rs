@@ -327,11 +327,11 @@ fn exact_block_tokens(tokens: usize, tiles: usize, sms: usize) -> usize {
 /// H100).
 const EX_WARPS: usize = 8;
 
-/// The product of a quantised or f32 weight and f32 activations with nothing rounded beyond f32
-/// arithmetic, for the logits a router decides from (a token's logits the same, bit for bit,
-/// whatever the number of tokens), for outputs too narrow for the skinny products and for f32
-/// weights: one token (or a few narrow ones) through `matvec_*_exact`, more through
-/// `matvec_*_exact_tokens`.
+/// The product of a quantised, f32 or bf16 weight and f32 activations with nothing rounded
+/// beyond f32 arithmetic, for the logits a router decides from (a token's logits the same, bit
+/// for bit, whatever the number of tokens: a bf16 weight's as `matvec_bf16` gives one token's),
+/// for outputs too narrow for the skinny products and for f32 weights: one token (or a few
+/// narrow ones) through `matvec_*_exact`, more through `matvec_*_exact_tokens`.
 /// Returns false (and records nothing) when the format's 16-byte vectors do not tile the groups
 /// or x does not fit shared memory.
 #[allow(clippy::too_many_arguments)]
@@ -344,11 +344,15 @@ fn encode_matvec_exact(
     in_dim: usize,
     out_dim: usize,
 ) -> Result<bool> {
-    // 16-byte vectors of the weight's values (f32: four); quantised ones take one group's scale.
+    // 16-byte vectors of the weight's values (f32: four, bf16: eight); quantised ones take one
+    // group's scale.
     let (vals, group) = match w {
         LinearWeight::Quant { format, .. } => (128 / format.bits as usize, format.group_size),
-        LinearWeight::Dense(d) if enc.dtype(d.raw()) == DType::F32 => (4, 4),
-        LinearWeight::Dense(_) => return Ok(false),
+        LinearWeight::Dense(d) => match enc.dtype(d.raw()) {
+            DType::F32 => (4, 4),
+            DType::BF16 => (8, 8),
+            _ => return Ok(false),
+        },
     };
     let per_token = tokens == 1 || (out_dim < NARROW_OUT && tokens <= NARROW_MAX_TOKENS);
     let sms = enc.device.info().sm_count as usize;
@@ -577,9 +581,9 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
             if *tokens == 1 && (!precise || exact) && encode_matvec(enc, &x, w, *out, *in_dim, *out_dim)? {
                 return Ok(());
             }
-            // Router logits, outputs too narrow for the skinny products (a shared expert's
-            // one-column gate), and f32 weights (a GGUF file's routers): per token on f32
-            // activations.
+            // Router logits (a bf16 checkpoint's dense routers among them), outputs too narrow
+            // for the skinny products (a shared expert's one-column gate), and f32 weights (a GGUF
+            // file's routers): on f32 activations, each token's sums in one order.
             let narrow = *out_dim < NARROW_OUT;
             let f32_weight = matches!(w, LinearWeight::Dense(d) if enc.dtype(d.raw()) == DType::F32);
             if (precise || narrow || f32_weight)
