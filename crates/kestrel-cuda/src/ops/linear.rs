@@ -329,7 +329,7 @@ const EX_WARPS: usize = 8;
 
 /// The product of a quantised, f32 or bf16 weight and f32 activations with nothing rounded
 /// beyond f32 arithmetic, for the logits a router decides from (a token's logits the same, bit
-/// for bit, whatever the number of tokens: a bf16 weight's as `matvec_bf16` gives one token's),
+/// for bit, whatever the number of tokens, and those of the router's fused one-token kernel),
 /// for outputs too narrow for the skinny products and for f32 weights: one token (or a few
 /// narrow ones) through `matvec_*_exact`, more through `matvec_*_exact_tokens`.
 /// Returns false (and records nothing) when the format's 16-byte vectors do not tile the groups
