@@ -165,7 +165,7 @@ fn one_token_inputs_and_attention_match_the_cpu_backend() {
 /// One token's norm (with a residual add or without) and the quantised projection reading it,
 /// which CUDA runs as one kernel: the product, the normed row and the new residual match the
 /// CPU, and the program holds the fused kernel and no norm kernel of its own; odd rounds run with
-/// the fusions off, the norm a kernel of its own.
+/// the fusions off, and cases whose normed row has a second product keep the norm apart too.
 #[test]
 fn one_token_norm_and_projection_match_the_cpu_backend() {
     let Some(dev) = device_or_skip("one_token_norm_and_projection_match_the_cpu_backend") else {
@@ -187,8 +187,9 @@ fn one_token_norm_and_projection_match_the_cpu_backend() {
         let labels: Vec<&str> = p.commands().commands().iter().map(|c| c.label()).collect();
         let ran_fused = labels.iter().any(|l| l.contains("matvec_norm_"));
         let norm_apart = labels.iter().any(|l| l.contains("rms_norm"));
+        let one_reader = !case.name.ends_with(kestrel_testing::cases::SECOND_READER);
         assert!(
-            ran_fused == dev.fused_norm() && norm_apart != ran_fused,
+            ran_fused == (dev.fused_norm() && one_reader) && norm_apart != ran_fused,
             "seed {seed} round {round} {}: {labels:?}",
             case.name
         );

@@ -704,6 +704,9 @@ pub fn linear_shape(rng: Rng, tokens: usize, (in_dim, out_dim): (usize, usize), 
 /// weights), and a quantised projection of its output, at rows of up to 4,096 values in whole
 /// pieces of 8 groups: the pair CUDA runs as one kernel (`matvec_norm_*_dp4a`). Checks the
 /// product, the normed row and the new residual.
+/// What `norm_then_linear_decode`'s name ends with when its normed row has a second reader.
+pub const SECOND_READER: &str = ", and a second product";
+
 pub fn norm_then_linear_decode(rng: Rng) -> Case {
     let mut c = CaseBuilder::new(rng);
     let format = pick(&mut c.rng, &QUANT_FORMATS);
@@ -730,14 +733,24 @@ pub fn norm_then_linear_decode(rng: Rng) -> Case {
     let y = c.g.linear("proj", normed, &w);
     c.rounded_activations = true;
     c.check_floats(y, r::linear(&nf, &wf, in_dim, out_dim));
+    // A third of the cases give the normed row a second product (as a DeltaNet layer's input
+    // products share theirs), which a backend fuses into neither.
+    let second = c.rng.range(0, 3) == 0;
+    if second {
+        let other_dim = c.rng.range(1, 40);
+        let (w2, wf2) = c.linear_weight("w2", other_dim, in_dim, Some(format), DType::BF16);
+        let y2 = c.g.linear("proj2", normed, &w2);
+        c.check_floats(y2, r::linear(&nf, &wf2, in_dim, other_dim));
+    }
     c.check_floats(normed, nf);
     if let Some(res) = residual {
         c.g.mark_output(res);
         c.checks.push((res.raw(), Expect::Floats(row)));
     }
     let add = if with_residual { "add_" } else { "" };
+    let and = if second { SECOND_READER } else { "" };
     c.finish(format!(
-        "{add}rms_norm {kind:?} {wdtype} then linear 1x{in_dim}->{out_dim} {format:?}"
+        "{add}rms_norm {kind:?} {wdtype} then linear 1x{in_dim}->{out_dim} {format:?}{and}"
     ))
 }
 
@@ -1733,6 +1746,7 @@ pub fn all_cases(rng: &mut Rng) -> Vec<Case> {
         head_norm(seed()),
         add_rms_norm(seed()),
         gated_rms_norm(seed()),
+        norm_then_linear_decode(seed()),
         rope(seed()),
         linear(seed()),
         elementwise(seed()),

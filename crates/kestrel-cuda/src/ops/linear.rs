@@ -202,8 +202,11 @@ const DPN_CHUNKS: usize = 4;
 /// `matvec_norm_*_dp4a` (each block norms the row itself; the last one writes the new residual
 /// and the normed row for any other reader), when the device allows it
 /// (`Config::fused_norm`), the product would take `matvec_*_dp4a` anyway (not router logits:
-/// `precise`) and the row fits the kernel's registers. Returns false, recording nothing, for any
-/// other pair.
+/// `precise`), the row fits the kernel's registers and the product is the normed row's only
+/// reader. With other readers (a DeltaNet layer's two or four input products, a shared expert
+/// beside its gate) they would wait for the whole fused product, where after a plain norm they
+/// run beside it: Qwen3-Next-80B-A3B and Qwen3.5-397B-A17B decoded 2-3% slower fused. Returns
+/// false, recording nothing, for any other pair.
 pub(crate) fn encode_norm_matvec(norm: &Op, linear: &Op, precise: bool, enc: &mut Encoder) -> Result<bool> {
     let (residual, add, nw, normed, dim, eps, kind) = match *norm {
         Op::AddRmsNorm {
@@ -243,6 +246,13 @@ pub(crate) fn encode_norm_matvec(norm: &Op, linear: &Op, precise: bool, enc: &mu
         || dim != in_dim
         || enc.graph.decl(add).elem_count() != dim
         || in_dim / 8 > DPN_CHUNKS * 32 * DP_WARPS
+        || enc
+            .graph
+            .nodes
+            .iter()
+            .filter(|n| n.op.io().0.contains(&normed))
+            .count()
+            != 1
         || residual
             .into_iter()
             .chain([add, normed])
