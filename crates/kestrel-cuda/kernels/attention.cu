@@ -584,20 +584,31 @@ struct FaShape {
     static constexpr int STRIDE = HD + 8;            // shared row, in 16-bit values (16 bytes padding)
 };
 
-// Keys key0 .. key0 + n - 1 of one KV head's K and V rows (HD values each; kb and vb the head's
+// Keys key0 .. key0 + N - 1 of one KV head's K and V rows (HD values each; kb and vb the head's
 // part of the caches, pg the sequence's pages) into rows of STRIDE values at kd and vd, by
-// cp.async in 16-byte pieces dealt to threads t, t + nt, ...: keys in [lo, hi) are copied, keys at
-// or past `end` zero-filled (nothing is read for them), the others left as they are. hi <= end.
-template <typename T, int HD, int STRIDE>
+// cp.async in 16-byte pieces dealt to NT threads (this one t): keys in [lo, hi) are copied, keys
+// at or past `end` zero-filled (nothing is read for them), the others left as they are. hi <=
+// end. The pieces a thread copies are known at compile time, so every one's cache row is looked
+// up first (the block table's loads in flight together) and the copies issued after: a loop over
+// the pieces waited for each lookup before its copy (the two-tile flash kernels spill a few
+// registers around the copy for this).
+template <typename T, int HD, int STRIDE, unsigned N, unsigned NT>
 __device__ __forceinline__ void copy_kv_rows(T* kd, T* vd, const T* kb, const T* vb, const Pages& pg, unsigned key0,
-                                             unsigned n, unsigned lo, unsigned hi, unsigned end, unsigned t,
-                                             unsigned nt) {
-    constexpr unsigned DT = HD / 8;
-    for (unsigned i = t; i < n * DT; i += nt) {
-        const unsigned r = i / DT, d = (i % DT) * 8, key = key0 + r;
+                                             unsigned lo, unsigned hi, unsigned end, unsigned t) {
+    constexpr unsigned DT = HD / 8, PIECES = N * DT, PER = (PIECES + NT - 1) / NT;
+    unsigned row[PER];
+#pragma unroll
+    for (unsigned k = 0; k < PER; k++) {
+        const unsigned i = t + k * NT, key = key0 + i / DT;
+        row[k] = i < PIECES && key >= lo && key < hi ? pg.row(key) : 0;
+    }
+#pragma unroll
+    for (unsigned k = 0; k < PER; k++) {
+        const unsigned i = t + k * NT, r = i / DT, d = (i % DT) * 8, key = key0 + r;
+        if (i >= PIECES) break;
         const bool valid = key >= lo && key < hi;
         if (!valid && key < end) continue;
-        const size_t src = (size_t)(valid ? pg.row(key) : 0) * HD + d;
+        const size_t src = (size_t)row[k] * HD + d;
         cp_async16(kd + r * STRIDE + d, kb + src, valid);
         cp_async16(vd + r * STRIDE + d, vb + src, valid);
     }
@@ -701,8 +712,8 @@ __device__ void flash_attention(const float* q, const T* k_cache, const T* v_cac
     // group" always means "the current tile".
     auto load_tile = [&](unsigned key0, int buf) {
         if (key0 < end) {
-            copy_kv_rows<T, HD, STRIDE>(ks + buf * BN * STRIDE, vs + buf * BN * STRIDE, kb, vb, pg, key0, BN, 0, end,
-                                        end, tid, blockDim.x);
+            copy_kv_rows<T, HD, STRIDE, BN, 32 * FA_WARPS>(ks + buf * BN * STRIDE, vs + buf * BN * STRIDE, kb, vb, pg,
+                                                           key0, 0, end, end, tid);
         }
         cp_async_commit();
     };
@@ -994,8 +1005,8 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
         const unsigned key0 = warp_key + i * NWARPS * DA_KEYS;
         if (key0 < end) {
             T* kd = ring + (i % STAGES) * 2 * DA_KEYS * STRIDE;
-            copy_kv_rows<T, HD, STRIDE>(kd, kd + DA_KEYS * STRIDE, kb, vb, pg, key0, DA_KEYS, lo, hi, zero_from, lane,
-                                        32);
+            copy_kv_rows<T, HD, STRIDE, DA_KEYS, 32>(kd, kd + DA_KEYS * STRIDE, kb, vb, pg, key0, lo, hi, zero_from,
+                                                     lane);
         }
     };
     const unsigned old_end = min(old, end);
