@@ -703,10 +703,8 @@ pub fn linear_shape(rng: Rng, tokens: usize, (in_dim, out_dim): (usize, usize), 
 /// One token's RMS norm, with a residual add or without (standard or zero-centred, f32 or bf16
 /// weights), and a quantised projection of its output, at rows of up to 4,096 values in whole
 /// pieces of 8 groups: the pair CUDA runs as one kernel (`matvec_norm_*_dp4a`). Checks the
-/// product, the normed row and the new residual.
-/// What `norm_then_linear_decode`'s name ends with when its normed row has a second reader.
-pub const SECOND_READER: &str = ", and a second product";
-
+/// product, the normed row and the new residual. In a third of the cases a second product reads
+/// the normed row too.
 pub fn norm_then_linear_decode(rng: Rng) -> Case {
     let mut c = CaseBuilder::new(rng);
     let format = pick(&mut c.rng, &QUANT_FORMATS);
@@ -748,7 +746,7 @@ pub fn norm_then_linear_decode(rng: Rng) -> Case {
         c.checks.push((res.raw(), Expect::Floats(row)));
     }
     let add = if with_residual { "add_" } else { "" };
-    let and = if second { SECOND_READER } else { "" };
+    let and = if second { ", and a second product" } else { "" };
     c.finish(format!(
         "{add}rms_norm {kind:?} {wdtype} then linear 1x{in_dim}->{out_dim} {format:?}{and}"
     ))
