@@ -6,9 +6,9 @@
 //! both), except quantised products, which CUDA computes on activations rounded to int8 (one
 //! token) or to bf16 (several tokens) (relative L2 error 2e-2); selected ids equal.
 
+use kestrel_core::ir::Op;
 use kestrel_core::quant::QuantFormat;
 use kestrel_core::rng::Rng;
-use kestrel_core::ir::Op;
 use kestrel_core::{Backend, DType, GraphBuilder};
 use kestrel_cpu::CpuBackend;
 use kestrel_cuda::{CudaBackend, RunMode};
@@ -188,7 +188,12 @@ fn one_token_norm_and_projection_match_the_cpu_backend() {
         let labels: Vec<&str> = p.commands().commands().iter().map(|c| c.label()).collect();
         let ran_fused = labels.iter().any(|l| l.contains("matvec_norm_"));
         let norm_apart = labels.iter().any(|l| l.contains("rms_norm"));
-        let products = case.graph.nodes.iter().filter(|n| matches!(n.op, Op::Linear { .. })).count();
+        let products = case
+            .graph
+            .nodes
+            .iter()
+            .filter(|n| matches!(n.op, Op::Linear { .. }))
+            .count();
         let one_reader = products == 1;
         assert!(
             ran_fused == (dev.fused_norm() && one_reader) && norm_apart != ran_fused,
