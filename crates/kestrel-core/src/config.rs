@@ -15,6 +15,7 @@
 //! | `KESTREL_WIDE_PROJECTIONS` | bool | `true` | with `wgmma` on, quantised projections of a few dozen tokens on the warpgroup form of the skinny products (`off` takes the skinny products, for comparison) |
 //! | `KESTREL_FUSED_ATTENTION` | bool | `true` | on sm_90 GPUs, one token's attention inputs (norms, rotation, cache append) computed inside the decode attention kernel (`off` runs them as a kernel of their own, for comparison) |
 //! | `KESTREL_FUSED_NORM` | bool | `true` | one token's RMS norm (with its residual add) computed inside the quantised product that reads it (`off` runs it as a kernel of its own, for comparison) |
+//! | `KESTREL_SKINNY_EXPERTS_FROM` | integer | `9` | the fewest tokens whose quantised routed experts run on the skinny products, sorted by expert (fewer tokens take one token's kernels, which read each token's experts straight from their ids: 2-8 decoding sequences step 7-18% faster so on an H200; at least 2) |
 //! | `KESTREL_DECODE_SPLIT_KEYS` | integer | `0` | on sm_90 GPUs, the fewest cached keys one block of decode attention takes (rounded up to its warps' batches): `0` spreads the context over one wave of blocks, a larger value gives fewer blocks a deeper share each (slower at every depth measured; for comparison and for the tests of deep splits) |
 //!
 //! Booleans accept `1/0`, `true/false`, `yes/no`, `on/off`. A variable with a value that does
@@ -32,6 +33,9 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use crate::error::{CoreError, Result};
+
+/// `Config::skinny_experts_from`'s default.
+pub const SKINNY_EXPERTS_FROM: usize = 9;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
@@ -65,6 +69,9 @@ pub struct Config {
     /// On sm_90, the fewest cached keys a block of decode attention takes (`0`: as many blocks
     /// as one wave holds share the context).
     pub decode_split_keys: usize,
+    /// The fewest tokens whose quantised routed experts run on the skinny products (sorted by
+    /// expert); fewer take the few-token kernels. At least 2.
+    pub skinny_experts_from: usize,
 }
 
 impl Default for Config {
@@ -255,6 +262,21 @@ impl Config {
                 0,
             ),
         };
+        let skinny_experts_from = match get("KESTREL_SKINNY_EXPERTS_FROM") {
+            None => SKINNY_EXPERTS_FROM,
+            Some(v) => keep(
+                &mut problems,
+                v.parse::<usize>()
+                    .ok()
+                    .filter(|&n| (2..=1 << 20).contains(&n))
+                    .ok_or_else(|| ConfigProblem {
+                        var: "KESTREL_SKINNY_EXPERTS_FROM",
+                        value: v.to_string(),
+                        reason: "expected a number of tokens from 2 to 1048576".into(),
+                    }),
+                SKINNY_EXPERTS_FROM,
+            ),
+        };
         Config {
             problems,
             device,
@@ -268,6 +290,7 @@ impl Config {
             fused_attention,
             fused_norm,
             decode_split_keys,
+            skinny_experts_from,
         }
     }
 }
@@ -327,6 +350,16 @@ mod tests {
         for bad in ["-1", "many", "2000000"] {
             let c = Config::from_vars(&vars(&[("KESTREL_DECODE_SPLIT_KEYS", bad)]));
             assert_eq!(c.decode_split_keys, 0);
+            assert!(c.check().is_err(), "{bad}");
+        }
+        assert_eq!(c.skinny_experts_from, SKINNY_EXPERTS_FROM);
+        assert_eq!(
+            Config::from_vars(&vars(&[("KESTREL_SKINNY_EXPERTS_FROM", "9")])).skinny_experts_from,
+            9
+        );
+        for bad in ["1", "0", "few"] {
+            let c = Config::from_vars(&vars(&[("KESTREL_SKINNY_EXPERTS_FROM", bad)]));
+            assert_eq!(c.skinny_experts_from, SKINNY_EXPERTS_FROM);
             assert!(c.check().is_err(), "{bad}");
         }
         assert!(!Config::from_vars(&vars(&[("KESTREL_FUSED_NORM", "off")])).fused_norm);

@@ -75,6 +75,9 @@ struct DeviceInner {
     fused_norm: bool,
     /// The fewest cached keys a block of decode attention takes (`Config::decode_split_keys`).
     decode_split_keys: usize,
+    /// The fewest tokens whose quantised experts take the skinny products
+    /// (`Config::skinny_experts_from`).
+    skinny_experts_from: usize,
     /// Event pairs around profiled dispatches, read back by `take_profile`.
     profile_events: Mutex<Vec<(String, String, CudaEvent, CudaEvent)>>,
     /// The cuBLAS handle, created on first use.
@@ -146,6 +149,7 @@ impl Device {
                 fused_attention: config.fused_attention,
                 fused_norm: config.fused_norm,
                 decode_split_keys: config.decode_split_keys,
+                skinny_experts_from: config.skinny_experts_from,
                 profile_events: Mutex::new(Vec::new()),
                 blas: Mutex::new(None),
                 ceilings: OnceLock::new(),
@@ -425,6 +429,12 @@ impl Device {
     /// one wave of blocks).
     pub fn decode_split_keys(&self) -> usize {
         self.inner.decode_split_keys
+    }
+
+    /// The fewest tokens whose quantised routed experts run on the skinny products, sorted by
+    /// expert (fewer take `moe.cu`'s few-token kernels).
+    pub fn skinny_experts_from(&self) -> usize {
+        self.inner.skinny_experts_from
     }
 
     /// Turns per-dispatch timing on or off (the configuration sets the initial state).

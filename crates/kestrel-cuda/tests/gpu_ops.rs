@@ -15,7 +15,7 @@ use kestrel_cuda::{CudaBackend, RunMode};
 use kestrel_testing::cases::{
     all_cases, as_f64, bf16_err, f32s, rel_err, rel_l2, shuffled_pages, u32s, Case, Expect, BF16_STEP,
 };
-use kestrel_testing::gpu::{device_or_skip, tensor_engines, with_fusions, without_fusions};
+use kestrel_testing::gpu::{device_or_skip, reopened, tensor_engines, with_fusions, without_fusions};
 
 const TOL: f64 = 1e-4;
 /// Products on rounded activations (int8 per block of 32 for quantised one-token products,
@@ -280,7 +280,8 @@ fn wide_projections_match_the_cpu_backend() {
 /// bits and of the other (gate/up then writes the activations in down's layout). On Hopper,
 /// experts of 7.5 to 42.5 rows each take the wgmma form of these products (tiles of 16, 32 and
 /// 64 rows) with wgmma on, the mma.sync forms and GEMM tiles without it: the cases alternate
-/// between the two.
+/// between the two. The products are taken from 2 tokens on (`Config::skinny_experts_from`);
+/// below the default's count, each case also runs as a model does, on one token's kernels.
 #[test]
 fn skinny_experts_at_2_and_12_tokens_match_the_cpu_backend() {
     skinny_experts(
@@ -316,7 +317,14 @@ fn skinny_experts(test: &str, token_counts: &[usize], first_round: usize) {
     let Some(dev) = device_or_skip(test) else {
         return;
     };
-    let engines = tensor_engines(&dev);
+    let skinny_from_2 = |c: &mut kestrel_core::Config| c.skinny_experts_from = 2;
+    let mut engines = vec![reopened(&dev, "skinny experts from 2 tokens", skinny_from_2)];
+    if dev.wgmma() {
+        engines.push(reopened(&dev, "skinny experts from 2 tokens, wgmma off", |c| {
+            skinny_from_2(c);
+            c.wgmma = false;
+        }));
+    }
     let (mut rng, seed) = Rng::from_time();
     let formats = kestrel_testing::cases::QUANT_FORMATS;
     use kestrel_testing::cases::FACTORED_FORMATS;
@@ -340,6 +348,9 @@ fn skinny_experts(test: &str, token_counts: &[usize], first_round: usize) {
             let case =
                 kestrel_testing::cases::moe_batch_shape(Rng::new(rng.next_u64()), tokens, format, down);
             compare(&engines[(round + i) % engines.len()], &case, seed, round);
+            if tokens < dev.skinny_experts_from() {
+                compare(&dev, &case, seed, round);
+            }
             println!("{tokens} tokens, gate/up {format:?}, down {down:?}: as the CPU's");
         }
     }

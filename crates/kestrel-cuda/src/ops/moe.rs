@@ -1,5 +1,6 @@
-//! Router and routed experts: `kernels/moe.cu`, `kernels/skinny.cu` and `kernels/gemm.cu`. One
-//! token (and bf16 experts for fewer than `GROUPED_MIN_TOKENS`): gate/up per (token, slot) into
+//! Router and routed experts: `kernels/moe.cu`, `kernels/skinny.cu` and `kernels/gemm.cu`. A few
+//! tokens (quantised experts: fewer than `Config::skinny_experts_from`; bf16 experts: fewer than
+//! `GROUPED_MIN_TOKENS`): gate/up per (token, slot) into
 //! scratch activations `[tokens * k, inter]` (int8 for quantised experts), then down with the
 //! weighted, ordered combine. More tokens: the slots sorted by expert on the device, each
 //! expert's rows through skinny products while an expert gets a few rows on average (4- and
@@ -669,12 +670,15 @@ fn encode_experts(op: &Op, enc: &mut Encoder, stream: Option<(&Buffer, &Buffer)>
             // bf16 experts keep f32 activations when their rounding is switched off
             // (`Exact::experts`); quantised ones have no f32 kernel.
             let exact = enc.exact.experts && bf16;
-            // Skinny products for a few rows an expert, from two tokens on (gate/up writes the
-            // activations in the layout of down's bits, `_act*` where they differ). On Hopper,
-            // the wgmma form of them up to a few dozen rows an expert.
+            // Skinny products for a few rows an expert, from `skinny_experts_from` tokens on
+            // (gate/up writes the activations in the layout of down's bits, `_act*` where they
+            // differ). On Hopper, the wgmma form of them up to a few dozen rows an expert. Below
+            // that, one token's kernels: they need no sort, permutation or combine, and read a
+            // few tokens' experts in about the time of one's.
             let skinny = match layout.formats() {
                 [ExpertFormat::Quant(q), ExpertFormat::Quant(_)]
-                    if tokens >= 2 && skinny::moe_fits(&layout, &e, &x) =>
+                    if tokens >= enc.device.skinny_experts_from().max(2)
+                        && skinny::moe_fits(&layout, &e, &x) =>
                 {
                     let wide = skinny::moe_wide_fits(enc, &layout, &e, &x)
                         .then(|| skinny::moe_wide_rows(tokens * k, layout.experts))
