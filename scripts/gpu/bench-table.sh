@@ -2,7 +2,7 @@
 # The commands of BENCHMARKS.md's table, in four parts that each fit one device call (at most
 # 10 minutes): 1 = rows A-F (resident models, runtime, ops), 2 = rows G-H and 3 = row I
 # (experts streamed from host memory), 4 = row J (experts read from local disk), 5 = rows K-N
-# (decode at depth, prompt lengths, batched decode, the server at 1, 64 and 256 clients; row O
+# (decode at depth, prompt lengths, batched decode, the server at 1, 8, 64 and 256 clients; row O
 # needs llama.cpp beside it: `gguf-bench.sh`). Each row's
 # JSON and stderr land in LOGDIR as ROW.json / ROW.err (or a folder ROW for the rows measured by
 # a script), and `summary.txt` gets one line a row with its exit status. Parts 2-4 measure the
@@ -50,8 +50,8 @@ case $part in
       row "K-d$d" 90 --synthetic qwen3-30b-a3b -p 0 -n 128 -r 3 -d "$d"
     done
     row L 120 --synthetic qwen3-30b-a3b -p 256,512,1024,2048 -n 128 -r 3
-    row M 150 --synthetic qwen3-30b-a3b -p 512 -n 128 -b 1,2,16,32,64,128,256 -r 3
-    for c in 1 64 256; do
+    row M 150 --synthetic qwen3-30b-a3b -p 512 -n 128 -b 1,2,4,8,16,32,64,128,256 -r 3
+    for c in 1 8 64 256; do
       n=$(( c == 1 ? 8 : 2 * c ))
       timeout 200 "$bin" bench serve --synthetic qwen3-30b-a3b --server-arg=-c=2560 \
         --server-arg=--max-num-seqs=256 -c "$c" -n "$n" --prompt-len 512 --output-len 128 --seed 7 \
