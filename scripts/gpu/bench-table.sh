@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The commands of BENCHMARKS.md's table, in four parts that each fit one device call (at most
+# The commands of BENCHMARKS.md's table, in five parts that each fit one device call (at most
 # 10 minutes): 1 = rows A-F (resident models, runtime, ops), 2 = rows G-H and 3 = row I
 # (experts streamed from host memory), 4 = row J (experts read from local disk), 5 = rows K-N
 # (decode at depth, prompt lengths, batched decode, the server at 1, 8, 64 and 256 clients; row O
