@@ -2,8 +2,8 @@
 // router_f32_{4,8,16}: one warp per token holds up to 128, 256 or 512 experts in registers and
 // chooses (choose(): k rounds of warp argmax, the lower index wins ties; a softmax over all only
 // when the weights are not renormalised).
-// route_{q4,q8,bf16,f32}_*: the same choice for a few tokens, with the router's product in the same
-// kernel (sm_90; q4 and q8 with bf16 group scales), a cluster a token. A cluster of 8 blocks computes the logits on
+// route_{q4,q8,bf16,f32}_*: the same choice for a few tokens, with the router's product in the
+// same kernel (sm_90; q4 and q8 with bf16 group scales). A cluster of 8 blocks a token computes the logits on
 // x in f32 as the exact matvecs (matvec_bf16, matvec_f32, matvec_q*_exact) do; each warp's first router row is held in registers from
 // before the programmatic wait (its later rows prefetched into L2), and x is staged with each
 // 16-byte vector's plain sum in one round trip. Every block stores its logits into block 0's

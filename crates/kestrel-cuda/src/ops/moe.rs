@@ -411,10 +411,10 @@ struct RouteFetch {
 }
 
 /// A router's product (`linear`, writing the logits) and its choice (`router`) for up to
-/// `ROUTE_MAX_TOKENS` tokens as one `route_*` kernel, on a cluster of blocks a token (sm_90), which
-/// also writes the logits. The product is computed as the exact one-token matvec computes it. With `norm`, the residual add and norm
-/// that write the product's input go in front (`route_norm_*`) when they fit
-/// (`fused_norm`). With `fetch`, a streamed layer's `ExpertFetch` of the chosen experts, and
+/// `ROUTE_MAX_TOKENS` tokens as one `route_*` kernel, on a cluster of blocks a token (sm_90),
+/// which also writes the logits. The product is computed as the exact one-token matvec computes
+/// it. With `norm`, the residual add and norm that write the product's input go in front
+/// (`route_norm_*`) when they fit (`fused_norm`). With `fetch`, a streamed layer's `ExpertFetch` of the chosen experts, and
 /// `experts_op`, the `MoeExperts` that reads the slots it gives them, the kernel also resolves
 /// the choice into the layer's slots and the experts' `*_streamed` kernels read the misses from
 /// host memory, writing them into their slots as they go (one token). Returns false, recording
