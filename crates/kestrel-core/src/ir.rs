@@ -768,12 +768,16 @@ pub enum Op {
     },
 }
 
+/// The most tokens of a norm that `Op::may_join` lets a backend run with the product after it.
+pub const JOIN_MAX_TOKENS: usize = 8;
+
 impl Op {
     /// Whether a backend may run this op and `next`, the node after it, as one kernel whose
     /// blocks write `next`'s outputs while other blocks still read this op's buffers: one
     /// token's attention inputs and the attention reading them (its queries, over the same
-    /// caches, positions and pages, at the same shape, not a prompt's chunk), and one token's
-    /// norm and the product reading it. The planner keeps this op's buffers live through `next`,
+    /// caches, positions and pages, at the same shape, not a prompt's chunk), and the norm of up
+    /// to `JOIN_MAX_TOKENS` tokens and the product reading it (one token's quantised product, or
+    /// a few tokens' router product). The planner keeps this op's buffers live through `next`,
     /// so none shares bytes with `next`'s outputs; a backend fuses no other pair.
     pub fn may_join(&self, next: &Op) -> bool {
         use Op::*;
@@ -811,7 +815,9 @@ impl Op {
                     q, k_cache, v_cache, positions, pages, heads, kv_heads, head_dim, rows,
                 ) == (aq, ak, av, ap, apages, ah, akv, ahd, arows)
             }
-            (RmsNorm { out, .. } | AddRmsNorm { out, .. }, Linear { x, tokens: 1, .. }) => out == x,
+            (RmsNorm { out, .. } | AddRmsNorm { out, .. }, Linear { x, tokens, .. }) => {
+                out == x && *tokens <= JOIN_MAX_TOKENS
+            }
             _ => false,
         }
     }

@@ -135,7 +135,7 @@ pub fn place(items: &[(usize, (usize, usize))]) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ir::{LinearWeight, NormKind};
+    use crate::ir::{LinearWeight, NormKind, JOIN_MAX_TOKENS};
     use crate::rng::Rng;
     use crate::{DType, GraphBuilder};
 
@@ -222,12 +222,12 @@ mod tests {
             }
         }
     }
-    /// One token's norm and the product reading it may run as one kernel: the norm's input
+    /// A few tokens' norm and the product reading it may run as one kernel: the norm's input
     /// stays live through the product, so the product's output never shares its bytes. With
-    /// two tokens the intervals end where the nodes do.
+    /// more tokens the intervals end where the nodes do.
     #[test]
     fn a_joinable_pair_keeps_the_first_nodes_buffers_live_through_the_second() {
-        for tokens in [1, 2] {
+        for tokens in [1, 2, JOIN_MAX_TOKENS, JOIN_MAX_TOKENS + 1] {
             let mut g = GraphBuilder::new();
             let x = g.act_input("x", tokens, 64);
             let w = LinearWeight::Dense(g.weight("w", DType::BF16, [64, 64]));
@@ -242,7 +242,7 @@ mod tests {
             let (a, b) = (a.raw().index(), b.raw().index());
             let (a_last, b_first) = (plan.intervals[a].unwrap().1, plan.intervals[b].unwrap().0);
             let joined = graph.nodes[1].op.may_join(&graph.nodes[2].op);
-            assert_eq!(joined, tokens == 1);
+            assert_eq!(joined, tokens <= JOIN_MAX_TOKENS);
             assert_eq!(a_last, if joined { b_first } else { b_first - 1 });
             if joined {
                 assert_ne!(plan.slots[a], plan.slots[b], "a and b share bytes");

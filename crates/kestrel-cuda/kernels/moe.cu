@@ -2,8 +2,8 @@
 // router_f32_{4,8,16}: one warp per token holds up to 128, 256 or 512 experts in registers and
 // chooses (choose(): k rounds of warp argmax, the lower index wins ties; a softmax over all only
 // when the weights are not renormalised).
-// route_{q4,q8,bf16,f32}_*: the same choice for one token, with the router's product in the same
-// kernel (sm_90; q4 and q8 with bf16 group scales). A cluster of 8 blocks computes the logits on
+// route_{q4,q8,bf16,f32}_*: the same choice for a few tokens, with the router's product in the
+// same kernel (sm_90; q4 and q8 with bf16 group scales). A cluster of 8 blocks a token computes the logits on
 // x in f32 as the exact matvecs (matvec_bf16, matvec_f32, matvec_q*_exact) do; each warp's first router row is held in registers from
 // before the programmatic wait (its later rows prefetched into L2), and x is staged with each
 // 16-byte vector's plain sum in one round trip. Every block stores its logits into block 0's
@@ -134,7 +134,8 @@ ROUTER(4)
 ROUTER(8)
 ROUTER(16)
 
-// route_{q4,q8,bf16}_{4,8,16}: one token's router, product and choice in one kernel (sm_90). A
+// route_{q4,q8,bf16}_{4,8,16}: a few tokens' router, product and choice in one kernel (sm_90), a
+// cluster a token (grid (ROUTE_BLOCKS, tokens); the *_slots twins take one token). A
 // cluster of ROUTE_BLOCKS blocks computes the logits with x in f32 as matvec_*_exact does, though
 // a warp's first row sums its lanes' vectors in a different order (warp w of block b takes rows
 // b * ROUTE_WARPS + w, then every ROUTE_BLOCKS * ROUTE_WARPS rows on), into block 0's shared
@@ -337,11 +338,25 @@ __device__ void choose_block(const float* l, float scale, float* logits, unsigne
 }
 
 // NORM: x is the norm's output (nm), not an input.
+// The token is blockIdx.y: its rows of x (or of the norm's buffers), logits, ids and weights.
 template <int BITS, int PER_LANE, bool NORM, bool SLOTS>
 __device__ void route_one(const float* x, const void* w, const bf16* scales, const bf16* biases, float* logits,
                           unsigned* ids, float* weights, unsigned in_dim, unsigned experts, unsigned group,
                           unsigned k, int normalize, RouteNorm nm, RouteSlots sl) {
     static_assert(PER_LANE <= ROUTE_WARPS, "choose_block takes a thread per expert");
+    {
+        const size_t t = blockIdx.y;
+        if constexpr (NORM) {
+            nm.residual += t * in_dim;
+            nm.add += t * in_dim;
+            nm.out += t * in_dim;
+        } else {
+            x += t * in_dim;
+        }
+        logits += t * experts;
+        ids += t * k;
+        weights += t * k;
+    }
     extern __shared__ __align__(16) float xs[];
     __shared__ float chosen_from[32 * PER_LANE];
     constexpr unsigned VALS = VecFormat<BITS>::VALS;

@@ -203,6 +203,36 @@ fn one_token_norm_and_projection_match_the_cpu_backend() {
     }
 }
 
+/// A few tokens' residual add and norm in front of a router's product and choice against the CPU
+/// backend; on Hopper, up to 8 tokens run the three as one kernel, a cluster a token
+/// (`route_norm_*`), and 9 take the kernels apart.
+#[test]
+fn few_tokens_norm_and_router_match_the_cpu_backend() {
+    let Some(dev) = device_or_skip("few_tokens_norm_and_router_match_the_cpu_backend") else {
+        return;
+    };
+    let (mut rng, seed) = Rng::from_time();
+    for round in 0..16 {
+        let case = kestrel_testing::cases::norm_then_router(Rng::new(rng.next_u64()));
+        println!("{}", case.name);
+        compare(&dev, &case, seed, round);
+        let mut cuda = CudaBackend::new(dev.clone(), RunMode::Eager);
+        let p = cuda.prepare(&case.graph).unwrap();
+        let labels: Vec<&str> = p.commands().commands().iter().map(|c| c.label()).collect();
+        let tokens = case.graph.nodes.iter().find_map(|n| match n.op {
+            Op::Router { tokens, .. } => Some(tokens),
+            _ => None,
+        });
+        let fused = labels.iter().any(|l| l.contains("route_norm_"));
+        let expected = dev.info().compute_capability.0 >= 9 && tokens.is_some_and(|t| t <= 8);
+        assert!(
+            fused == expected,
+            "seed {seed} round {round} {}: {labels:?}",
+            case.name
+        );
+    }
+}
+
 /// One token of a MoE layer at Qwen3-30B-A3B's expert shapes (the random cases' layers are
 /// small): the router's 8-bit product and choice as one cluster kernel, then gate/up and down
 /// over rows of 2,048 and 768 values, as a decode step runs them; in a third of the rounds the

@@ -752,6 +752,49 @@ pub fn norm_then_linear_decode(rng: Rng) -> Case {
     ))
 }
 
+/// A few tokens' residual add and RMS norm in front of a router's product and its choice of
+/// experts, as a MoE layer of a decode step has them: the three CUDA runs as one kernel, a
+/// cluster a token, for up to 8 tokens (`route_norm_*`; 9 tokens take the kernels apart). Router
+/// weights 4- or 8-bit with bf16 scales, or dense bf16 or f32. Checks the new residual, the normed
+/// row, the logits, the chosen experts and their weights.
+pub fn norm_then_router(rng: Rng) -> Case {
+    let mut c = CaseBuilder::new(rng);
+    let tokens = pick(&mut c.rng, &[1, 2, 3, 5, 8, 9]);
+    let hidden = 64 * c.rng.range(1, 33);
+    let experts = pick(&mut c.rng, &[16, 60, 128, 512]);
+    let k = c.rng.range(1, 9);
+    let format = pick(
+        &mut c.rng,
+        &[Some(QuantFormat::Q4), Some(QuantFormat::Q8), None, None],
+    );
+    let dense = pick(&mut c.rng, &[DType::BF16, DType::F32]);
+    let kind = pick(&mut c.rng, &[NormKind::Standard, NormKind::ZeroCentered]);
+    let wdtype = pick(&mut c.rng, &[DType::BF16, DType::F32]);
+    let normalize = c.rng.range(0, 2) == 0;
+    let (nw, nwf) = c.weight("norm_w", wdtype, &[hidden], 0.5);
+    let (res, rf) = c.residual("res", tokens, hidden);
+    let (x, xf) = c.act("x", tokens, hidden, 1.0);
+    let normed =
+        c.g.add_rms_norm_to("add_norm", res, x, nw, 1e-6, kind, DType::F32);
+    let sum: Vec<f64> = rf.iter().zip(&xf).map(|(a, b)| a + b).collect();
+    let nf = r::rms_norm(&sum, &nwf, hidden, 1e-6, kind == NormKind::ZeroCentered);
+    let (w, wf) = c.linear_weight("gate", experts, hidden, format, dense);
+    let logits = c.g.linear("gate", normed, &w);
+    let (ids, weights) = c.g.router("router", logits, k, normalize);
+    let lf = r::linear(&nf, &wf, hidden, experts);
+    let (exp_ids, exp_w) = expected_choice(&lf, experts, k, normalize);
+    c.check_floats(logits, lf);
+    c.check_ids(ids, exp_ids);
+    c.check_floats(weights, exp_w);
+    c.check_floats(normed, nf);
+    c.g.mark_output(res);
+    c.checks.push((res.raw(), Expect::Floats(sum)));
+    let weight = format.map_or_else(|| format!("{dense:?}"), |f| format!("{f:?}"));
+    c.finish(format!(
+        "add_rms_norm {kind:?} {wdtype} then router t{tokens} {hidden}->{experts} top{k} {weight} norm={normalize}"
+    ))
+}
+
 pub fn elementwise(rng: Rng) -> Case {
     let mut c = CaseBuilder::new(rng);
     let (rows, groups) = (c.rng.range(1, 6), c.rng.range(1, 5));
@@ -1745,6 +1788,7 @@ pub fn all_cases(rng: &mut Rng) -> Vec<Case> {
         add_rms_norm(seed()),
         gated_rms_norm(seed()),
         norm_then_linear_decode(seed()),
+        norm_then_router(seed()),
         rope(seed()),
         linear(seed()),
         elementwise(seed()),

@@ -44,12 +44,12 @@ pub const MODULES: &[ModuleSource] = &[
 ];
 
 /// Encodes the first nodes of `ops` together when kernels do them together: one token's inputs
-/// of attention and its attention (two); a one-token router's residual add and norm, product and
-/// choice of experts (three), or its product and choice (two), each optionally with a streamed
-/// layer's fetch of the chosen experts and the experts that read the fetched slots after them
-/// (two more); one token's norm and the quantised product that reads it (two). `precise` says,
-/// for each of `ops`, whether its output feeds a router's choice. Returns how many it encoded; 0,
-/// and nothing recorded, otherwise.
+/// of attention and its attention (two); a few tokens' router: residual add and norm, product and
+/// choice of experts (three), or product and choice (two), for one token optionally with a
+/// streamed layer's fetch of the chosen experts and the experts that read the fetched slots
+/// after them (two more); one token's norm and the quantised product that reads it (two).
+/// `precise` says, for each of `ops`, whether its output feeds a router's choice. Returns how
+/// many it encoded; 0, and nothing recorded, otherwise.
 pub fn encode_fused(ops: &[&Op], precise: &[bool], enc: &mut Encoder) -> Result<usize> {
     // One token's inputs of attention and its attention.
     if let [inputs @ Op::AttentionInputs { .. }, attention @ Op::Attention { .. }, ..] = ops {

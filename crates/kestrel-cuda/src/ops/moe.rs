@@ -336,9 +336,14 @@ fn router_per_lane(experts: usize) -> usize {
 /// `route_norm_*`: float4s of the normalised row a thread holds (`ROUTE_NORM_VEC` in moe.cu).
 const ROUTE_NORM_VEC: usize = 4;
 
-/// The residual add and norm `route_norm_*` can do in front of a router's product: a one-row
-/// `AddRmsNorm` writing f32 into the product's input, with f32 or bf16 weights and rows of whole,
-/// 16-byte aligned float4s that fit the kernel's registers.
+/// The most tokens `route_*` takes, a cluster each (a batched step of a few sequences; more
+/// tokens' logits come from `matvec_*_exact_tokens_*`, several tokens a block). The norm in front
+/// of them is kept live through the product (`Op::may_join`), which the kernel needs.
+const ROUTE_MAX_TOKENS: usize = kestrel_core::ir::JOIN_MAX_TOKENS;
+
+/// The residual add and norm `route_norm_*` can do in front of a router's product: an
+/// `AddRmsNorm` of the product's `tokens` rows writing f32 into its input, with f32 or bf16
+/// weights and rows of whole, 16-byte aligned float4s that fit the kernel's registers.
 struct FusedNorm {
     residual: Buffer,
     add: Buffer,
@@ -352,7 +357,7 @@ struct FusedNorm {
 fn fused_norm(
     norm: &Op,
     x: kestrel_core::ir::Buf,
-    in_dim: usize,
+    (tokens, in_dim): (usize, usize),
     enc: &Encoder,
 ) -> Result<Option<FusedNorm>> {
     let &Op::AddRmsNorm {
@@ -374,7 +379,7 @@ fn fused_norm(
     };
     if out != x
         || dim != in_dim
-        || enc.graph.decl(add).elem_count() != dim
+        || enc.graph.decl(add).elem_count() != tokens * dim
         || dim % 4 != 0
         || dim / 4 > ROUTE_NORM_VEC * 32 * ROUTE_WARPS
         || [residual, add, out].iter().any(|&b| enc.dtype(b) != DType::F32)
@@ -405,16 +410,16 @@ struct RouteFetch {
     half_life: u32,
 }
 
-/// A one-token router's product (`linear`, writing the logits) and its choice (`router`) as one
-/// `route_*` kernel on a cluster of blocks (sm_90), which also writes the logits. The product
-/// is computed as the exact one-token matvec computes it. With `norm`, the residual add and norm
-/// that write the product's input go in front (`route_norm_*`) when they fit
-/// (`fused_norm`). With `fetch`, a streamed layer's `ExpertFetch` of the chosen experts, and
+/// A router's product (`linear`, writing the logits) and its choice (`router`) for up to
+/// `ROUTE_MAX_TOKENS` tokens as one `route_*` kernel, on a cluster of blocks a token (sm_90),
+/// which also writes the logits. The product is computed as the exact one-token matvec computes
+/// it. With `norm`, the residual add and norm that write the product's input go in front
+/// (`route_norm_*`) when they fit (`fused_norm`). With `fetch`, a streamed layer's `ExpertFetch` of the chosen experts, and
 /// `experts_op`, the `MoeExperts` that reads the slots it gives them, the kernel also resolves
 /// the choice into the layer's slots and the experts' `*_streamed` kernels read the misses from
-/// host memory, writing them into their slots as they go. Returns false, recording nothing, for
-/// any other pair, weight format or device, a norm or books that do not fit, or a fetch without
-/// experts that read its slots.
+/// host memory, writing them into their slots as they go (one token). Returns false, recording
+/// nothing, for any other pair, weight format or device, a norm or books that do not fit, or a
+/// fetch without experts that read its slots.
 pub fn encode_route(
     norm: Option<&Op>,
     linear: &Op,
@@ -428,7 +433,7 @@ pub fn encode_route(
             x,
             ref w,
             out,
-            tokens: 1,
+            tokens,
             in_dim,
             out_dim,
         },
@@ -436,7 +441,7 @@ pub fn encode_route(
             logits,
             ids,
             weights,
-            tokens: 1,
+            tokens: router_tokens,
             experts,
             k,
             normalize,
@@ -446,6 +451,9 @@ pub fn encode_route(
         return Ok(false);
     };
     if logits != out
+        || tokens != router_tokens
+        || !(1..=ROUTE_MAX_TOKENS).contains(&tokens)
+        || (fetch.is_some() && tokens != 1)
         || experts != out_dim
         || experts > ROUTER_MAX_EXPERTS
         || k > ROUTER_MAX_K
@@ -454,7 +462,7 @@ pub fn encode_route(
         return Ok(false);
     }
     let fused = match norm {
-        Some(op) => match fused_norm(op, x, in_dim, enc)? {
+        Some(op) => match fused_norm(op, x, (tokens, in_dim), enc)? {
             Some(n) => Some(n),
             None => return Ok(false),
         },
@@ -561,7 +569,7 @@ pub fn encode_route(
     let x = enc.buf(x)?.clone();
     let mut b = enc
         .dispatch(&kern)
-        .grid(u32_arg(ROUTE_BLOCKS)?)
+        .grid((u32_arg(ROUTE_BLOCKS)?, u32_arg(tokens)?))
         .block(u32_arg(32 * ROUTE_WARPS)?)
         .shared_mem(u32_arg(smem)?);
     b = match &fused {
