@@ -168,8 +168,9 @@ struct Pool {
 }
 
 /// The batch sizes a batched step is padded to (one program each); past the last, multiples
-/// of it.
-const BATCH_BUCKETS: [usize; 9] = [1, 2, 4, 8, 16, 24, 32, 48, 64];
+/// of it. A padding row costs a real one's work in one token's expert kernels (up to 8 tokens),
+/// hence 3 and 6, and 12 between 8 and 16.
+const BATCH_BUCKETS: [usize; 12] = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64];
 
 /// The bucket `n` tokens are padded to.
 pub fn batch_bucket(n: usize) -> usize {
@@ -217,7 +218,7 @@ struct Prog<B: Backend> {
 /// recently used one goes first. Batched steps' programs (one per pair of buckets of tokens
 /// and of rows of logits) are counted apart, up to `MAX_BATCH_PROGRAMS`.
 pub const MAX_PROGRAMS: usize = 12;
-pub const MAX_BATCH_PROGRAMS: usize = 16;
+pub const MAX_BATCH_PROGRAMS: usize = 20;
 
 impl<B: Backend> Prog<B> {
     /// The segment holding the outputs (and, like every segment, the states).
@@ -1509,4 +1510,19 @@ fn read_experts<B: Backend>(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod bucket_tests {
+    use super::batch_bucket;
+
+    /// Steps are padded to the next bucket, and past 64 to multiples of it.
+    #[test]
+    fn steps_pad_to_the_next_bucket() {
+        let padded: Vec<usize> = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17, 33, 64, 65, 200]
+            .into_iter()
+            .map(batch_bucket)
+            .collect();
+        assert_eq!(padded, [1, 2, 3, 4, 6, 6, 8, 8, 12, 16, 24, 48, 64, 128, 256]);
+    }
 }
