@@ -209,6 +209,7 @@ impl Backend for CudaBackend {
             views.push(view);
         }
         let mut list = CommandList::new("forward");
+        let precise = decision_inputs(graph);
         let mut enc = Encoder::new(
             &self.device,
             graph,
@@ -216,12 +217,12 @@ impl Backend for CudaBackend {
             &mut list,
             &mut self.scratch,
             self.exact,
+            precise.clone(),
         );
-        let precise = decision_inputs(graph);
         let mut i = 0;
         while i < graph.nodes.len() {
             let node = &graph.nodes[i];
-            enc.start_node(precise[i]);
+            enc.start_node(i);
             let before = enc.list.len();
             let named = |e| match e {
                 CudaError::Op { reason, .. } => CudaError::Op {

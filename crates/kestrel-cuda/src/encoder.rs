@@ -57,6 +57,11 @@ pub struct Encoder<'a> {
     pub precise: bool,
     /// The fast paths the backend was told to leave out, for every node.
     pub exact: Exact,
+    /// `precise` of every node, by index.
+    decisions: Vec<bool>,
+    /// f32 buffers whose producer stored them rounded to bf16 in their first half (a norm whose
+    /// every reader rounds its input to bf16 anyway: `norm::writes_rounded`), by index.
+    rounded: Vec<bool>,
 }
 
 impl<'a> Encoder<'a> {
@@ -67,6 +72,7 @@ impl<'a> Encoder<'a> {
         list: &'a mut CommandList,
         scratch: &'a mut Scratch,
         exact: Exact,
+        decisions: Vec<bool>,
     ) -> Encoder<'a> {
         Encoder {
             device,
@@ -76,14 +82,43 @@ impl<'a> Encoder<'a> {
             scratch,
             precise: false,
             exact,
+            decisions,
+            rounded: vec![false; graph.bufs.len()],
         }
     }
 
-    /// A new node is being encoded: its scratch starts again at the region's first byte, and
+    /// Node `node` is being encoded: its scratch starts again at the region's first byte, and
     /// `precise` says whether it feeds a discrete choice.
-    pub(crate) fn start_node(&mut self, precise: bool) {
-        self.precise = precise;
+    pub(crate) fn start_node(&mut self, node: usize) {
+        self.precise = self.decisions[node];
         self.scratch.cursor = 0;
+    }
+
+    /// Whether node `node` feeds a discrete choice (`precise` while it is encoded).
+    pub fn decision(&self, node: usize) -> bool {
+        self.decisions[node]
+    }
+
+    /// Records that `b`, an f32 buffer, is stored rounded to bf16 (its first half, as
+    /// `rounded_view` reads it): its readers take that view instead of the f32 values.
+    pub(crate) fn mark_rounded(&mut self, b: Buf) {
+        self.rounded[b.index()] = true;
+    }
+
+    /// The element type `b`'s values are stored in: bf16 for an f32 buffer its producer stored
+    /// rounded (`mark_rounded`), else its declared type.
+    pub fn held_dtype(&self, b: Buf) -> DType {
+        if self.rounded[b.index()] {
+            DType::BF16
+        } else {
+            self.dtype(b)
+        }
+    }
+
+    /// `b`'s storage as bf16 of its declared shape (the first half of an f32 buffer's bytes).
+    pub fn rounded_view(&self, b: Buf) -> Result<Buffer> {
+        self.buf(b)?
+            .view(0, DType::BF16, self.graph.decl(b).shape.clone())
     }
 
     /// Function `function` of `module` (an op family's `MODULE`), compiled or loaded on first use.

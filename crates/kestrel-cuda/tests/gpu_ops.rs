@@ -6,7 +6,7 @@
 //! both), except quantised products, which CUDA computes on activations rounded to int8 (one
 //! token) or to bf16 (several tokens) (relative L2 error 2e-2); selected ids equal.
 
-use kestrel_core::ir::Op;
+use kestrel_core::ir::{BufKind, Op};
 use kestrel_core::quant::QuantFormat;
 use kestrel_core::rng::Rng;
 use kestrel_core::{Backend, DType, GraphBuilder};
@@ -227,6 +227,45 @@ fn few_tokens_norm_and_router_match_the_cpu_backend() {
         let expected = dev.info().compute_capability.0 >= 9 && tokens.is_some_and(|t| t <= 8);
         assert!(
             fused == expected,
+            "seed {seed} round {round} {}: {labels:?}",
+            case.name
+        );
+    }
+}
+
+/// A batched step's few tokens through a norm and the quantised products reading it against the
+/// CPU backend; the norm stores its rows rounded to bf16 (no conversion before the products)
+/// exactly when every reader is a skinny product (outputs in whole 16s) and the rows are not an
+/// output of the program, and else the first product (always a skinny one) converts them.
+#[test]
+fn few_tokens_norm_and_products_match_the_cpu_backend() {
+    let Some(dev) = device_or_skip("few_tokens_norm_and_products_match_the_cpu_backend") else {
+        return;
+    };
+    let (mut rng, seed) = Rng::from_time();
+    for round in 0..16 {
+        let case = kestrel_testing::cases::norm_then_linears_few_tokens(Rng::new(rng.next_u64()));
+        println!("{}", case.name);
+        compare(&dev, &case, seed, round);
+        let mut cuda = CudaBackend::new(dev.clone(), RunMode::Eager);
+        let p = cuda.prepare(&case.graph).unwrap();
+        let labels: Vec<&str> = p.commands().commands().iter().map(|c| c.label()).collect();
+        let normed = case.graph.nodes.iter().find_map(|n| match n.op {
+            Op::RmsNorm { out, .. } | Op::AddRmsNorm { out, .. } => Some(out),
+            _ => None,
+        });
+        let normed = normed.expect("the case has a norm");
+        let skinny_readers = case.graph.nodes.iter().all(|n| match n.op {
+            Op::Linear { out_dim, .. } => out_dim % 16 == 0,
+            _ => true,
+        });
+        let expected = skinny_readers && case.graph.decl(normed).kind == BufKind::Transient;
+        let rounded = labels
+            .iter()
+            .any(|l| l.contains("rms_norm") && l.ends_with("_to_bf16"));
+        let converted = labels.iter().any(|l| l.contains("convert_f32_bf16"));
+        assert!(
+            rounded == expected && converted != expected,
             "seed {seed} round {round} {}: {labels:?}",
             case.name
         );

@@ -752,6 +752,66 @@ pub fn norm_then_linear_decode(rng: Rng) -> Case {
     ))
 }
 
+/// A batched step's few tokens (2 to 15) through an RMS norm, with a residual add or without,
+/// read by one or two quantised products, as a batched step's token mixer has them: CUDA stores
+/// the normed rows rounded to bf16 when every reader rounds them anyway (the skinny products),
+/// so no conversion runs, and in f32 when a reader takes another product (outputs not in whole
+/// 16s: in a quarter of the cases the second product's) or the rows are checked too (a third of
+/// the cases: an output). Checks the products and the new residual.
+pub fn norm_then_linears_few_tokens(rng: Rng) -> Case {
+    let mut c = CaseBuilder::new(rng);
+    let tokens = c.rng.range(2, 16);
+    let format = pick(&mut c.rng, &QUANT_FORMATS);
+    let in_dim = 256 * c.rng.range(1, 17);
+    let kind = pick(&mut c.rng, &[NormKind::Standard, NormKind::ZeroCentered]);
+    let wdtype = pick(&mut c.rng, &[DType::BF16, DType::F32]);
+    let (nw, nwf) = c.weight("norm_w", wdtype, &[in_dim], 0.5);
+    let with_residual = c.rng.range(0, 2) == 0;
+    let (normed, rows, residual) = if with_residual {
+        let (res, rf) = c.residual("res", tokens, in_dim);
+        let (x, xf) = c.act("x", tokens, in_dim, 1.0);
+        let out =
+            c.g.add_rms_norm_to("add_norm", res, x, nw, 1e-6, kind, DType::F32);
+        let sum: Vec<f64> = rf.iter().zip(&xf).map(|(a, b)| a + b).collect();
+        (out, sum, Some(res))
+    } else {
+        let (x, xf) = c.residual("x", tokens, in_dim);
+        (c.g.rms_norm_to("norm", x, nw, 1e-6, kind, DType::F32), xf, None)
+    };
+    let nf = r::rms_norm(&rows, &nwf, in_dim, 1e-6, kind == NormKind::ZeroCentered);
+    let out_dim = 16 * c.rng.range(1, 40);
+    let (w, wf) = c.linear_weight("w", out_dim, in_dim, Some(format), DType::BF16);
+    let y = c.g.linear("proj", normed, &w);
+    c.rounded_activations = true;
+    c.check_floats(y, r::linear(&nf, &wf, in_dim, out_dim));
+    let second = c.rng.range(0, 2) == 0;
+    let mut other = String::new();
+    if second {
+        let other_dim = if c.rng.range(0, 4) == 0 {
+            16 * c.rng.range(1, 20) + c.rng.range(1, 16)
+        } else {
+            16 * c.rng.range(1, 20)
+        };
+        let (w2, wf2) = c.linear_weight("w2", other_dim, in_dim, Some(format), DType::BF16);
+        let y2 = c.g.linear("proj2", normed, &w2);
+        c.check_floats(y2, r::linear(&nf, &wf2, in_dim, other_dim));
+        other = format!(" and ->{other_dim}");
+    }
+    let checked = c.rng.range(0, 3) == 0;
+    if checked {
+        c.check_floats(normed, nf);
+    }
+    if let Some(res) = residual {
+        c.g.mark_output(res);
+        c.checks.push((res.raw(), Expect::Floats(rows)));
+    }
+    let add = if with_residual { "add_" } else { "" };
+    let rows_checked = if checked { ", normed rows checked" } else { "" };
+    c.finish(format!(
+        "{add}rms_norm {kind:?} {wdtype} then linear {tokens}x{in_dim}->{out_dim}{other} {format:?}{rows_checked}"
+    ))
+}
+
 /// A few tokens' residual add and RMS norm in front of a router's product and its choice of
 /// experts, as a MoE layer of a decode step has them: the three CUDA runs as one kernel, a
 /// cluster a token, for up to 8 tokens (`route_norm_*`; 9 tokens take the kernels apart). Router
@@ -1788,6 +1848,7 @@ pub fn all_cases(rng: &mut Rng) -> Vec<Case> {
         add_rms_norm(seed()),
         gated_rms_norm(seed()),
         norm_then_linear_decode(seed()),
+        norm_then_linears_few_tokens(seed()),
         norm_then_router(seed()),
         rope(seed()),
         linear(seed()),

@@ -427,23 +427,52 @@ const MIN_SPLIT_STEPS: usize = 4;
 /// ones as tensor-core tiles (`gemm.cu`).
 pub(crate) const GEMM_MIN_TOKENS: usize = 16;
 
+/// Whether node `node` is a product that runs on the skinny products (`encode_skinny`), which
+/// round its activations to bf16 first: a norm in front of such products only may store its
+/// output rounded (`Encoder::mark_rounded`) and save them the conversion.
+pub(crate) fn rounds_its_input(enc: &Encoder, node: usize) -> Result<bool> {
+    let Op::Linear {
+        w: ref w @ LinearWeight::Quant { ref format, .. },
+        tokens,
+        in_dim,
+        out_dim,
+        ..
+    } = enc.graph.nodes[node].op
+    else {
+        return Ok(false);
+    };
+    if enc.decision(node) || enc.exact.projections {
+        return Ok(false);
+    }
+    let (_, parts, _) = weight_parts(enc, w)?;
+    Ok(skinny::linear_fits(*format, tokens, (in_dim, out_dim), &parts))
+}
+
 /// The activations `x` (`[tokens, in_dim]`) as bf16 for a tensor-core product: the buffer itself
-/// when it is bf16 (a norm wrote it rounded), else rounded into a workspace.
+/// when it is bf16, or its rounded half when its norm stored it so (`Encoder::held_dtype`), else
+/// rounded into a workspace.
 fn bf16_activations(enc: &mut Encoder, x: Buf, tokens: usize, in_dim: usize) -> Result<Buffer> {
-    let xb = enc.buf(x)?.clone();
-    match enc.dtype(x) {
-        DType::BF16 => Ok(xb),
-        _ => round_bf16(enc, &xb, tokens, in_dim),
+    match (enc.dtype(x), enc.held_dtype(x)) {
+        (DType::BF16, _) => Ok(enc.buf(x)?.clone()),
+        (_, DType::BF16) => enc.rounded_view(x),
+        _ => {
+            let xb = enc.buf(x)?.clone();
+            round_bf16(enc, &xb, tokens, in_dim)
+        }
     }
 }
 
-/// The activations `x` as f32, for the products on CUDA cores: the buffer itself, or a bf16 one
-/// widened into a workspace (exactly: every bf16 value is an f32).
+/// The activations `x` as f32, for the products on CUDA cores: the buffer itself, or bf16 values
+/// (a bf16 buffer, or an f32 one its norm stored rounded) widened into a workspace (exactly:
+/// every bf16 value is an f32).
 fn f32_activations(enc: &mut Encoder, x: Buf) -> Result<Buffer> {
-    let xb = enc.buf(x)?.clone();
-    if enc.dtype(x) != DType::BF16 {
-        return Ok(xb);
+    if enc.held_dtype(x) != DType::BF16 {
+        return Ok(enc.buf(x)?.clone());
     }
+    let xb = match enc.dtype(x) {
+        DType::BF16 => enc.buf(x)?.clone(),
+        _ => enc.rounded_view(x)?,
+    };
     let n = enc.graph.decl(x).elem_count();
     let xf = enc.workspace(DType::F32, n)?;
     let widen = enc.kernel(&elementwise::MODULE, "convert_bf16_f32")?;
