@@ -50,7 +50,7 @@ case $part in
       row "K-d$d" 90 --synthetic qwen3-30b-a3b -p 0 -n 128 -r 3 -d "$d"
     done
     row L 120 --synthetic qwen3-30b-a3b -p 256,512,1024,2048 -n 128 -r 3
-    row M 150 --synthetic qwen3-30b-a3b -p 512 -n 128 -b 1,2,4,8,16,32,64,128,256 -r 3
+    row M 180 --synthetic qwen3-30b-a3b -p 512 -n 128 -b 1,2,3,4,6,8,12,16,32,64,128,256 -r 3
     for c in 1 8 64 256; do
       n=$(( c == 1 ? 8 : 2 * c ))
       timeout 200 "$bin" bench serve --synthetic qwen3-30b-a3b --server-arg=-c=2560 \
