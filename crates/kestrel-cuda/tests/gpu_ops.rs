@@ -45,6 +45,18 @@ fn run_cuda(cuda: &mut CudaBackend, case: &Case) -> Vec<Vec<u8>> {
 }
 
 /// Runs `case` on the CPU and on CUDA (eagerly and as a graph) and compares every check.
+/// The labels of the commands `case`'s program records on `dev` (node label, then kernel name),
+/// for tests that assert which kernels a case takes.
+fn command_labels(dev: &kestrel_cuda::Device, case: &Case) -> Vec<String> {
+    let mut cuda = CudaBackend::new(dev.clone(), RunMode::Eager);
+    let p = cuda.prepare(&case.graph).unwrap();
+    p.commands()
+        .commands()
+        .iter()
+        .map(|c| c.label().to_string())
+        .collect()
+}
+
 fn compare(dev: &kestrel_cuda::Device, case: &Case, seed: u64, round: usize) {
     let cpu_out = kestrel_testing::cases::run_case(&mut CpuBackend::new(), case).unwrap();
     for mode in [RunMode::Eager, RunMode::Graph] {
@@ -151,9 +163,7 @@ fn one_token_inputs_and_attention_match_the_cpu_backend() {
         let case = kestrel_testing::cases::attention_inputs_decode(Rng::new(rng.next_u64()));
         println!("{}{how}", case.name);
         compare(dev, &case, seed, round);
-        let mut cuda = CudaBackend::new(dev.clone(), RunMode::Eager);
-        let p = cuda.prepare(&case.graph).unwrap();
-        let labels: Vec<&str> = p.commands().commands().iter().map(|c| c.label()).collect();
+        let labels = command_labels(dev, &case);
         let ran_fused = labels.iter().any(|l| l.contains("decode_attention_inputs_"));
         assert!(
             ran_fused == (hopper && dev.fused_attention()),
@@ -183,9 +193,7 @@ fn one_token_norm_and_projection_match_the_cpu_backend() {
             if round % 2 == 0 { "" } else { ", fusions off" }
         );
         compare(dev, &case, seed, round);
-        let mut cuda = CudaBackend::new(dev.clone(), RunMode::Eager);
-        let p = cuda.prepare(&case.graph).unwrap();
-        let labels: Vec<&str> = p.commands().commands().iter().map(|c| c.label()).collect();
+        let labels = command_labels(dev, &case);
         let ran_fused = labels.iter().any(|l| l.contains("matvec_norm_"));
         let norm_apart = labels.iter().any(|l| l.contains("rms_norm"));
         let products = case
@@ -216,9 +224,7 @@ fn few_tokens_norm_and_router_match_the_cpu_backend() {
         let case = kestrel_testing::cases::norm_then_router(Rng::new(rng.next_u64()));
         println!("{}", case.name);
         compare(&dev, &case, seed, round);
-        let mut cuda = CudaBackend::new(dev.clone(), RunMode::Eager);
-        let p = cuda.prepare(&case.graph).unwrap();
-        let labels: Vec<&str> = p.commands().commands().iter().map(|c| c.label()).collect();
+        let labels = command_labels(&dev, &case);
         let tokens = case.graph.nodes.iter().find_map(|n| match n.op {
             Op::Router { tokens, .. } => Some(tokens),
             _ => None,
@@ -247,9 +253,7 @@ fn few_tokens_norm_and_products_match_the_cpu_backend() {
         let case = kestrel_testing::cases::norm_then_linears_few_tokens(Rng::new(rng.next_u64()));
         println!("{}", case.name);
         compare(&dev, &case, seed, round);
-        let mut cuda = CudaBackend::new(dev.clone(), RunMode::Eager);
-        let p = cuda.prepare(&case.graph).unwrap();
-        let labels: Vec<&str> = p.commands().commands().iter().map(|c| c.label()).collect();
+        let labels = command_labels(&dev, &case);
         let normed = case.graph.nodes.iter().find_map(|n| match n.op {
             Op::RmsNorm { out, .. } | Op::AddRmsNorm { out, .. } => Some(out),
             _ => None,

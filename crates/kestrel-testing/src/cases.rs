@@ -711,22 +711,7 @@ pub fn norm_then_linear_decode(rng: Rng) -> Case {
     let unit = (8 * format.group_size).max(64);
     let in_dim = unit * c.rng.range(1, 4096 / unit + 1);
     let out_dim = c.rng.range(1, 700);
-    let kind = pick(&mut c.rng, &[NormKind::Standard, NormKind::ZeroCentered]);
-    let wdtype = pick(&mut c.rng, &[DType::BF16, DType::F32]);
-    let (nw, nwf) = c.weight("norm_w", wdtype, &[in_dim], 0.5);
-    let with_residual = c.rng.range(0, 2) == 0;
-    let (normed, row, residual) = if with_residual {
-        let (res, rf) = c.residual("res", 1, in_dim);
-        let (x, xf) = c.act("x", 1, in_dim, 1.0);
-        let out =
-            c.g.add_rms_norm_to("add_norm", res, x, nw, 1e-6, kind, DType::F32);
-        let sum: Vec<f64> = rf.iter().zip(&xf).map(|(a, b)| a + b).collect();
-        (out, sum, Some(res))
-    } else {
-        let (x, xf) = c.residual("x", 1, in_dim);
-        (c.g.rms_norm_to("norm", x, nw, 1e-6, kind, DType::F32), xf, None)
-    };
-    let nf = r::rms_norm(&row, &nwf, in_dim, 1e-6, kind == NormKind::ZeroCentered);
+    let (normed, nf, norm) = random_norm(&mut c, 1, in_dim);
     let (w, wf) = c.linear_weight("w", out_dim, in_dim, Some(format), DType::BF16);
     let y = c.g.linear("proj", normed, &w);
     c.rounded_activations = true;
@@ -741,15 +726,37 @@ pub fn norm_then_linear_decode(rng: Rng) -> Case {
         c.check_floats(y2, r::linear(&nf, &wf2, in_dim, other_dim));
     }
     c.check_floats(normed, nf);
-    if let Some(res) = residual {
-        c.g.mark_output(res);
-        c.checks.push((res.raw(), Expect::Floats(row)));
-    }
-    let add = if with_residual { "add_" } else { "" };
     let and = if second { ", and a second product" } else { "" };
     c.finish(format!(
-        "{add}rms_norm {kind:?} {wdtype} then linear 1x{in_dim}->{out_dim} {format:?}{and}"
+        "{norm} then linear 1x{in_dim}->{out_dim} {format:?}{and}"
     ))
+}
+
+/// A random RMS norm of `tokens` rows of `dim` values for the cases that put products behind
+/// it: standard or zero-centred, f32 or bf16 weights, with a residual add (the new residual
+/// checked) or without, writing f32. Returns the normed rows, their reference values and the
+/// norm's description for the case's name.
+fn random_norm(c: &mut CaseBuilder, tokens: usize, dim: usize) -> (BufId<Normed>, Vec<f64>, String) {
+    let kind = pick(&mut c.rng, &[NormKind::Standard, NormKind::ZeroCentered]);
+    let wdtype = pick(&mut c.rng, &[DType::BF16, DType::F32]);
+    let (nw, nwf) = c.weight("norm_w", wdtype, &[dim], 0.5);
+    let with_residual = c.rng.range(0, 2) == 0;
+    let (normed, rows) = if with_residual {
+        let (res, rf) = c.residual("res", tokens, dim);
+        let (x, xf) = c.act("x", tokens, dim, 1.0);
+        let out =
+            c.g.add_rms_norm_to("add_norm", res, x, nw, 1e-6, kind, DType::F32);
+        let sum: Vec<f64> = rf.iter().zip(&xf).map(|(a, b)| a + b).collect();
+        c.g.mark_output(res);
+        c.checks.push((res.raw(), Expect::Floats(sum.clone())));
+        (out, sum)
+    } else {
+        let (x, xf) = c.residual("x", tokens, dim);
+        (c.g.rms_norm_to("norm", x, nw, 1e-6, kind, DType::F32), xf)
+    };
+    let nf = r::rms_norm(&rows, &nwf, dim, 1e-6, kind == NormKind::ZeroCentered);
+    let add = if with_residual { "add_" } else { "" };
+    (normed, nf, format!("{add}rms_norm {kind:?} {wdtype}"))
 }
 
 /// A batched step's few tokens (2 to 15) through an RMS norm, with a residual add or without,
@@ -763,22 +770,7 @@ pub fn norm_then_linears_few_tokens(rng: Rng) -> Case {
     let tokens = c.rng.range(2, 16);
     let format = pick(&mut c.rng, &QUANT_FORMATS);
     let in_dim = 256 * c.rng.range(1, 17);
-    let kind = pick(&mut c.rng, &[NormKind::Standard, NormKind::ZeroCentered]);
-    let wdtype = pick(&mut c.rng, &[DType::BF16, DType::F32]);
-    let (nw, nwf) = c.weight("norm_w", wdtype, &[in_dim], 0.5);
-    let with_residual = c.rng.range(0, 2) == 0;
-    let (normed, rows, residual) = if with_residual {
-        let (res, rf) = c.residual("res", tokens, in_dim);
-        let (x, xf) = c.act("x", tokens, in_dim, 1.0);
-        let out =
-            c.g.add_rms_norm_to("add_norm", res, x, nw, 1e-6, kind, DType::F32);
-        let sum: Vec<f64> = rf.iter().zip(&xf).map(|(a, b)| a + b).collect();
-        (out, sum, Some(res))
-    } else {
-        let (x, xf) = c.residual("x", tokens, in_dim);
-        (c.g.rms_norm_to("norm", x, nw, 1e-6, kind, DType::F32), xf, None)
-    };
-    let nf = r::rms_norm(&rows, &nwf, in_dim, 1e-6, kind == NormKind::ZeroCentered);
+    let (normed, nf, norm) = random_norm(&mut c, tokens, in_dim);
     let out_dim = 16 * c.rng.range(1, 40);
     let (w, wf) = c.linear_weight("w", out_dim, in_dim, Some(format), DType::BF16);
     let y = c.g.linear("proj", normed, &w);
@@ -801,14 +793,9 @@ pub fn norm_then_linears_few_tokens(rng: Rng) -> Case {
     if checked {
         c.check_floats(normed, nf);
     }
-    if let Some(res) = residual {
-        c.g.mark_output(res);
-        c.checks.push((res.raw(), Expect::Floats(rows)));
-    }
-    let add = if with_residual { "add_" } else { "" };
     let rows_checked = if checked { ", normed rows checked" } else { "" };
     c.finish(format!(
-        "{add}rms_norm {kind:?} {wdtype} then linear {tokens}x{in_dim}->{out_dim}{other} {format:?}{rows_checked}"
+        "{norm} then linear {tokens}x{in_dim}->{out_dim}{other} {format:?}{rows_checked}"
     ))
 }
 
