@@ -59,8 +59,9 @@ pub struct Encoder<'a> {
     pub exact: Exact,
     /// `precise` of every node, by index.
     decisions: Vec<bool>,
-    /// f32 buffers whose producer stored them rounded to bf16 in their first half (a norm whose
-    /// every reader rounds its input to bf16 anyway: `norm::writes_rounded`), by index.
+    /// f32 buffers whose producer stored them rounded to bf16 in their first half (a norm or
+    /// decode attention whose every reader rounds its input to bf16 anyway:
+    /// `linear::read_rounded_only`), by index.
     rounded: Vec<bool>,
 }
 
