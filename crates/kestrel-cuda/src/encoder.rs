@@ -63,6 +63,8 @@ pub struct Encoder<'a> {
     /// decode attention whose every reader rounds its input to bf16 anyway:
     /// `linear::read_rounded_only`), by index.
     rounded: Vec<bool>,
+    /// The nodes that read each buffer (`Graph::readers`), by index.
+    readers: Vec<Vec<usize>>,
 }
 
 impl<'a> Encoder<'a> {
@@ -85,6 +87,7 @@ impl<'a> Encoder<'a> {
             exact,
             decisions,
             rounded: vec![false; graph.bufs.len()],
+            readers: graph.readers(),
         }
     }
 
@@ -98,6 +101,11 @@ impl<'a> Encoder<'a> {
     /// Whether node `node` feeds a discrete choice (`precise` while it is encoded).
     pub fn decision(&self, node: usize) -> bool {
         self.decisions[node]
+    }
+
+    /// The nodes that read `b`, in order.
+    pub fn readers(&self, b: Buf) -> &[usize] {
+        &self.readers[b.index()]
     }
 
     /// Records that `b`, an f32 buffer, is stored rounded to bf16 (its first half, as

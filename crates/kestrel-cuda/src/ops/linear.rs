@@ -246,13 +246,7 @@ pub(crate) fn encode_norm_matvec(norm: &Op, linear: &Op, precise: bool, enc: &mu
         || dim != in_dim
         || enc.graph.decl(add).elem_count() != dim
         || in_dim / 8 > DPN_CHUNKS * 32 * DP_WARPS
-        || enc
-            .graph
-            .nodes
-            .iter()
-            .filter(|n| n.op.io().0.contains(&normed))
-            .count()
-            != 1
+        || enc.readers(normed).len() != 1
         || residual
             .into_iter()
             .chain([add, normed])
@@ -457,17 +451,14 @@ pub(crate) fn read_rounded_only(enc: &Encoder, out: Buf) -> Result<bool> {
     if enc.dtype(out) != DType::F32 || enc.graph.decl(out).kind != BufKind::Transient {
         return Ok(false);
     }
-    let mut readers = 0;
-    for (i, node) in enc.graph.nodes.iter().enumerate() {
-        if !node.op.io().0.contains(&out) {
-            continue;
-        }
-        match node.op {
-            Op::Linear { x, .. } if x == out && rounds_its_input(enc, i)? => readers += 1,
+    let readers = enc.readers(out);
+    for &i in readers {
+        match enc.graph.nodes[i].op {
+            Op::Linear { x, .. } if x == out && rounds_its_input(enc, i)? => {}
             _ => return Ok(false),
         }
     }
-    Ok(readers > 0)
+    Ok(!readers.is_empty())
 }
 
 /// The activations `x` (`[tokens, in_dim]`) as bf16 for a tensor-core product: the buffer itself
