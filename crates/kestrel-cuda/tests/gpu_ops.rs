@@ -292,9 +292,7 @@ fn attention_then_product_matches_the_cpu_backend() {
         let case = kestrel_testing::cases::attention_then_product(Rng::new(rng.next_u64()));
         println!("{}", case.name);
         compare(&dev, &case, seed, round);
-        let mut cuda = CudaBackend::new(dev.clone(), RunMode::Eager);
-        let p = cuda.prepare(&case.graph).unwrap();
-        let labels: Vec<&str> = p.commands().commands().iter().map(|c| c.label()).collect();
+        let labels = command_labels(&dev, &case);
         let Some((out, tokens, chunk)) = case.graph.nodes.iter().find_map(|n| match n.op {
             Op::Attention {
                 out, tokens, chunk, ..
@@ -312,7 +310,7 @@ fn attention_then_product_matches_the_cpu_backend() {
         let skinny = (2..=128).contains(&tokens) && out_dim % 16 == 0;
         // The decode kernel took the whole op: no other attention kernel ran (a mixed step's
         // chunk takes the flash or split kernels, and their merges).
-        let attention: Vec<&&str> = labels.iter().filter(|l| l.starts_with("attn/")).collect();
+        let attention: Vec<&String> = labels.iter().filter(|l| l.starts_with("attn/")).collect();
         let decode_only = !attention.is_empty()
             && chunk.is_none_or(|c| c.from == 0 || c.from >= tokens)
             && attention.iter().all(|l| l.contains("decode_attention_"));
