@@ -1040,6 +1040,21 @@ impl Graph {
         self.nodes.iter().map(|n| n.op.io()).collect()
     }
 
+    /// Per buffer, the nodes that read it, in order (each once, however many of its operands
+    /// the buffer is).
+    pub fn readers(&self) -> Vec<Vec<usize>> {
+        let mut readers = vec![Vec::new(); self.bufs.len()];
+        for (i, node) in self.nodes.iter().enumerate() {
+            for b in node.op.io().0 {
+                let r: &mut Vec<usize> = &mut readers[b.index()];
+                if r.last() != Some(&i) {
+                    r.push(i);
+                }
+            }
+        }
+        readers
+    }
+
     /// The graph cut before each node index of `cuts` into segments that run one after
     /// another, as separate programs, with the host free to act between them (read a router's
     /// choice, bring experts in). Every segment declares every buffer, so buffer ids stay
@@ -1101,4 +1116,37 @@ impl Graph {
 pub struct GraphError {
     pub node: String,
     pub reason: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{DType, GraphBuilder};
+
+    /// Each buffer's readers are the nodes that take it as an operand, in order, a node once
+    /// however many of its operands the buffer is; written-only and unread buffers have none.
+    #[test]
+    fn readers_are_the_nodes_that_take_a_buffer() {
+        let mut g = GraphBuilder::new();
+        let x = g.act_input("x", 3, 64);
+        let w = LinearWeight::Dense(g.weight("w", DType::BF16, [64, 64]));
+        let nw = g.weight("norm", DType::F32, [64]);
+        let a = g.linear("a", x, &w);
+        let n = g.rms_norm("n", a, nw, 1e-6, NormKind::Standard);
+        let b = g.linear("b", n, &w);
+        let c = g.linear("c", n, &w);
+        let d = g.add("d", b, b);
+        g.mark_output(c);
+        g.mark_output(d);
+        let graph = g.finish().unwrap();
+        let readers = graph.readers();
+        let of = |b: Buf| readers[b.index()].clone();
+        assert_eq!(of(x.raw()), vec![0]);
+        assert_eq!(of(w.bufs()[0]), vec![0, 2, 3]);
+        assert_eq!(of(a.raw()), vec![1]);
+        assert_eq!(of(n.raw()), vec![2, 3]);
+        assert_eq!(of(b.raw()), vec![4]);
+        assert_eq!(of(c.raw()), Vec::<usize>::new());
+        assert_eq!(of(d.raw()), Vec::<usize>::new());
+    }
 }

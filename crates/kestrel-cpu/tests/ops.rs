@@ -53,6 +53,16 @@ fn every_op_matches_its_f64_reference() {
     }
 }
 
+/// Attention read by a quantised product, at the shapes the CUDA test of the same case takes
+/// (its decode kernel storing its output rounded): the case's references hold on the CPU.
+#[test]
+fn attention_then_product_matches_its_f64_reference() {
+    let (mut rng, seed) = Rng::from_time();
+    for _ in 0..16 {
+        check(&cases::attention_then_product(Rng::new(rng.next_u64())), seed);
+    }
+}
+
 #[test]
 fn chunked_delta_rule_equals_recurrent_steps() {
     let (mut rng, seed) = Rng::from_time();

@@ -8,7 +8,8 @@
 //   The warps' results merge in shared memory into a record per block; the blocks of a KV head
 //   count their records and wait for each other (a counter per KV head; all are resident), then
 //   each merges a share of the output, a warp per piece and a lane per split (fewer splits: more
-//   pieces a warp). No combine launch.
+//   pieces a warp). No combine launch. The output in f32, or (out_bf16) rounded to bf16 for the
+//   products that read it, which round it anyway.
 // - flash_attention_* (tensor cores, bf16/f16 caches, the same head dims, any number of tokens):
 //   a block takes one KV head and 64 or 128 rows of its group, K/V tiles streaming through shared
 //   memory with cp.async, over the sequence of its first token (one sequence's chunk, or one run
@@ -938,6 +939,17 @@ struct DaInputs {
     float scaling;
 };
 
+// Four values of an output row, from float `at` of the row-major output on: f32, or with
+// out_bf16 rounded to bf16 (nearest even) into the first half of the f32 buffer's bytes, where
+// the products that read them take them (they would round them anyway).
+__device__ __forceinline__ void store_out4(float* out, size_t at, unsigned v, float4 y, unsigned out_bf16) {
+    if (out_bf16)
+        reinterpret_cast<uint2*>(reinterpret_cast<bf16*>(out) + at)[v] =
+            make_uint2(pack2<bf16>(y.x, y.y), pack2<bf16>(y.z, y.w));
+    else
+        reinterpret_cast<float4*>(out + at)[v] = y;
+}
+
 // Keys a token at `position` sees in a sequence of at most max_ctx positions.
 __device__ __forceinline__ unsigned keys_seen(unsigned position, unsigned max_ctx) {
     return min(position, max_ctx - 1) + 1;
@@ -949,7 +961,7 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
                                  PAGE_PARAMS, const unsigned* step_pos, const unsigned* step_seq,
                                  unsigned step_tokens, float* out, float* part, unsigned* counters, unsigned tokens,
                                  unsigned heads, unsigned kv_heads, unsigned rows, float scale, unsigned chunk,
-                                 const DaInputs<T, W> in) {
+                                 const DaInputs<T, W> in, unsigned out_bf16) {
     using S = DaShape<HD>;
     constexpr int NWARPS = S::NWARPS, STAGES = S::STAGES, STRIDE = S::STRIDE, VECS = S::VECS, REC = S::REC;
     constexpr int KSTEPS = HD / 16, DT = HD / 8;
@@ -1273,8 +1285,8 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
         if (used == 1) {
             const unsigned t = t0 + r / group, h = kvh * group + r % group;
             const float inv = 1.0f / sum;
-            reinterpret_cast<float4*>(out + ((size_t)t * heads + h) * HD)[v] =
-                make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
+            store_out4(out, ((size_t)t * heads + h) * HD, v, make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv),
+                       out_bf16);
         } else {
             reinterpret_cast<float4*>(rec + r * REC)[v] = a;
             if (v == 0) {
@@ -1334,8 +1346,8 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
         if (valid && lane % lanes == 0) {
             const unsigned t = t0 + r / group, h = kvh * group + r % group;
             const float inv = 1.0f / sum;
-            reinterpret_cast<float4*>(out + ((size_t)t * heads + h) * HD)[v] =
-                make_float4(y.x * inv, y.y * inv, y.z * inv, y.w * inv);
+            store_out4(out, ((size_t)t * heads + h) * HD, v, make_float4(y.x * inv, y.y * inv, y.z * inv, y.w * inv),
+                       out_bf16);
         }
     }
     // The last block to leave sets both counters back to zero: every block is past its wait.
@@ -1350,10 +1362,10 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
         const float* q, const T* k_cache, const T* v_cache, const unsigned* positions, PAGE_PARAMS,         \
         const unsigned* step_pos, const unsigned* step_seq, unsigned step_tokens, float* out, float* part,  \
         unsigned* counters, unsigned tokens, unsigned heads, unsigned kv_heads, unsigned rows, float scale, \
-        unsigned chunk) {                                                                                   \
+        unsigned chunk, unsigned out_bf16) {                                                                \
         decode_attention<T, HD, float, false>(q, k_cache, v_cache, positions, PAGE_ARGS, step_pos, step_seq,      \
                                              step_tokens, out, part, counters, tokens, heads, kv_heads, rows,  \
-                                             scale, chunk, DaInputs<T, float>{});                               \
+                                             scale, chunk, DaInputs<T, float>{}, out_bf16);                     \
     }
 #define DECODES(T, NAME) DECODE(T, NAME, 64) DECODE(T, NAME, 96) DECODE(T, NAME, 128) DECODE(T, NAME, 256)
 DECODES(bf16, bf16)
@@ -1372,7 +1384,7 @@ DECODES(f16, f16)
         const DaInputs<T, W> in{qkv,      q,        gate,    q_norm,   k_norm,  eps,    zero_centered,      \
                                 inv_freq, k_cache,  v_cache, q_stride, rot_dim, scaling};                   \
         decode_attention<T, HD, W, true>(q, k_cache, v_cache, positions, PAGE_ARGS, positions, seq, 0, out, \
-                                         part, counters, 1, heads, kv_heads, rows, scale, chunk, in);       \
+                                         part, counters, 1, heads, kv_heads, rows, scale, chunk, in, 0);    \
     }
 #define DECODE_INPUTS_DIMS(T, NAME, W, WNAME)                                                               \
     DECODE_INPUTS(T, NAME, W, WNAME, 64) DECODE_INPUTS(T, NAME, W, WNAME, 128) DECODE_INPUTS(T, NAME, W, WNAME, 256)

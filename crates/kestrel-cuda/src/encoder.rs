@@ -59,9 +59,12 @@ pub struct Encoder<'a> {
     pub exact: Exact,
     /// `precise` of every node, by index.
     decisions: Vec<bool>,
-    /// f32 buffers whose producer stored them rounded to bf16 in their first half (a norm whose
-    /// every reader rounds its input to bf16 anyway: `norm::writes_rounded`), by index.
+    /// f32 buffers whose producer stored them rounded to bf16 in their first half (a norm or
+    /// decode attention whose every reader rounds its input to bf16 anyway:
+    /// `linear::read_rounded_only`), by index.
     rounded: Vec<bool>,
+    /// The nodes that read each buffer (`Graph::readers`), by index.
+    readers: Vec<Vec<usize>>,
 }
 
 impl<'a> Encoder<'a> {
@@ -84,6 +87,7 @@ impl<'a> Encoder<'a> {
             exact,
             decisions,
             rounded: vec![false; graph.bufs.len()],
+            readers: graph.readers(),
         }
     }
 
@@ -97,6 +101,11 @@ impl<'a> Encoder<'a> {
     /// Whether node `node` feeds a discrete choice (`precise` while it is encoded).
     pub fn decision(&self, node: usize) -> bool {
         self.decisions[node]
+    }
+
+    /// The nodes that read `b`, in order.
+    pub fn readers(&self, b: Buf) -> &[usize] {
+        &self.readers[b.index()]
     }
 
     /// Records that `b`, an f32 buffer, is stored rounded to bf16 (its first half, as

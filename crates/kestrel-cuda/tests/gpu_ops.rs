@@ -276,6 +276,65 @@ fn few_tokens_norm_and_products_match_the_cpu_backend() {
     }
 }
 
+/// Attention read by a quantised product (a layer's o_proj) against the CPU backend, over the
+/// random attention shapes: one sequence's tokens, a token of each of several, mixed steps. Where
+/// the decode kernel takes the whole op and only a skinny product reads its output (2 to 128
+/// tokens, outputs in whole 16s, the output not checked itself), it stores the output rounded to
+/// bf16 and no conversion runs; elsewhere a skinny product converts it.
+#[test]
+fn attention_then_product_matches_the_cpu_backend() {
+    let Some(dev) = device_or_skip("attention_then_product_matches_the_cpu_backend") else {
+        return;
+    };
+    let (mut rng, seed) = Rng::from_time();
+    let mut rounded_rounds = 0;
+    for round in 0..48 {
+        let case = kestrel_testing::cases::attention_then_product(Rng::new(rng.next_u64()));
+        println!("{}", case.name);
+        compare(&dev, &case, seed, round);
+        let labels = command_labels(&dev, &case);
+        let Some((out, tokens, chunk)) = case.graph.nodes.iter().find_map(|n| match n.op {
+            Op::Attention {
+                out, tokens, chunk, ..
+            } => Some((out, tokens, chunk)),
+            _ => None,
+        }) else {
+            panic!("{}: no attention", case.name);
+        };
+        let Some(out_dim) = case.graph.nodes.iter().find_map(|n| match n.op {
+            Op::Linear { out_dim, .. } => Some(out_dim),
+            _ => None,
+        }) else {
+            continue;
+        };
+        let skinny = (2..=128).contains(&tokens) && out_dim % 16 == 0;
+        // The decode kernel took the whole op: no other attention kernel ran (a mixed step's
+        // chunk takes the flash or split kernels, and their merges).
+        let attention: Vec<&String> = labels.iter().filter(|l| l.starts_with("attn/")).collect();
+        let decode_only = !attention.is_empty()
+            && chunk.is_none_or(|c| c.from == 0 || c.from >= tokens)
+            && attention.iter().all(|l| l.contains("decode_attention_"));
+        let expected = skinny && decode_only && case.graph.decl(out).kind == BufKind::Transient;
+        rounded_rounds += usize::from(expected);
+        // A skinny product converts the output exactly when it was not stored rounded (other
+        // products may convert or not, as their kernels need).
+        let converted = labels.iter().any(|l| l.contains("convert_f32_bf16"));
+        assert!(
+            !skinny || converted != expected,
+            "seed {seed} round {round} {}: {labels:?}",
+            case.name
+        );
+    }
+    // About a fifth of the rounds round on Hopper: none in 48 would be 2e-5 likely.
+    println!("{rounded_rounds} of 48 rounds stored the output rounded");
+    if dev.info().compute_capability.0 >= 9 {
+        assert!(
+            rounded_rounds > 0,
+            "seed {seed}: no round stored the output rounded"
+        );
+    }
+}
+
 /// One token of a MoE layer at Qwen3-30B-A3B's expert shapes (the random cases' layers are
 /// small): the router's 8-bit product and choice as one cluster kernel, then gate/up and down
 /// over rows of 2,048 and 768 values, as a decode step runs them; in a third of the rounds the

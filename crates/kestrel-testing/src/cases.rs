@@ -1053,16 +1053,27 @@ pub fn shuffled_pages(
 /// KV append of new tokens (a chunk of one sequence, or one token of each of several
 /// sequences) into paged caches, then causal GQA attention over each token's sequence.
 pub fn attention(rng: Rng) -> Case {
-    attention_of(rng, None)
+    attention_of(rng, None, None)
 }
 
 /// [`attention`] of a batched step's own tokens and then several prompts' chunks, in runs of
 /// 16 or 8 tokens each of its own sequence (`QueryChunk::run`).
 pub fn attention_runs(rng: Rng) -> Case {
-    attention_of(rng, Some(2))
+    attention_of(rng, Some(2), Some(false))
 }
 
-fn attention_of(rng: Rng, kind: Option<usize>) -> Case {
+/// [`attention`] with its output read by a quantised product (as a layer's o_proj reads it), the
+/// product's result checked and, in a third of the cases, the attention's output too (an output
+/// of the program); mostly at the shapes CUDA's decode kernel takes. Where only products that
+/// round their input to bf16 read it (the skinny products of 2 to 128 tokens, outputs in whole
+/// 16s), that kernel stores it rounded.
+pub fn attention_then_product(rng: Rng) -> Case {
+    attention_of(rng, None, Some(true))
+}
+
+/// `product`: whether a quantised product reads the output (None: in a quarter of the cases, when
+/// the row of heads fits an 8- or 4-bit format's groups).
+fn attention_of(rng: Rng, kind: Option<usize>, product: Option<bool>) -> Case {
     let mut c = CaseBuilder::new(rng);
     let forced = kind.is_some();
     let kv_heads = c.rng.range(1, 4);
@@ -1074,13 +1085,20 @@ fn attention_of(rng: Rng, kind: Option<usize>) -> Case {
     };
     let heads = kv_heads * group;
     // 16 and 40: head sizes without a tensor-core kernel, which half caches send to the others.
-    let hd = match forced {
-        true => pick(&mut c.rng, &[128, 64, 40]),
-        false => pick(&mut c.rng, &[64, 128, 96, 256, 16, 40]),
+    // A case read by a product mostly takes the shapes CUDA's decode kernel runs (a token of each
+    // of several sequences, half caches, its head dims), where it may store its output rounded.
+    let decode_mostly = product == Some(true);
+    let hd = match (forced, decode_mostly) {
+        (true, _) => pick(&mut c.rng, &[128, 64, 40]),
+        (false, true) => pick(&mut c.rng, &[128, 64, 256, 96, 40]),
+        (false, false) => pick(&mut c.rng, &[64, 128, 96, 256, 16, 40]),
     };
     // One sequence's tokens, a token of each of several, or a mixed step: tokens of their own
     // sequences, then a chunk of one more (whose queries the op is told share a sequence).
-    let kind = kind.unwrap_or_else(|| c.rng.range(0, 4));
+    let kind = kind.unwrap_or_else(|| match decode_mostly && c.rng.range(0, 2) == 0 {
+        true => 0,
+        false => c.rng.range(0, 4),
+    });
     let (tokens, own) = match kind {
         0 => {
             let n = pick(&mut c.rng, &[2, 5, 9]);
@@ -1115,7 +1133,7 @@ fn attention_of(rng: Rng, kind: Option<usize>) -> Case {
     let joined = own.is_some_and(|n| n < tokens) && c.rng.range(0, 2) == 0;
     let pt = PagedTokens::with_runs(&mut c, tokens, own, runs, joined, long);
     let rows = pt.rows;
-    let dtype = match forced {
+    let dtype = match forced || decode_mostly {
         true => pick(&mut c.rng, &[DType::BF16, DType::F16, DType::BF16, DType::F32]),
         false => pick(&mut c.rng, &[DType::F32, DType::BF16, DType::F16]),
     };
@@ -1183,9 +1201,39 @@ fn attention_of(rng: Rng, kind: Option<usize>) -> Case {
             }
         }
     }
-    c.check_floats(out, expect);
+    // The product's format: one whose groups and 16-byte runs tile the row of heads (4-bit: 128
+    // values, 8-bit: 64), either when both do.
+    let width = heads * hd;
+    let fits: Vec<QuantFormat> = [(QuantFormat::Q4, 128), (QuantFormat::Q8, 64)]
+        .into_iter()
+        .filter(|&(_, unit)| width % unit == 0)
+        .map(|(f, _)| f)
+        .collect();
+    let product = !fits.is_empty() && product.unwrap_or_else(|| c.rng.range(0, 4) == 0);
+    let mut read_by = String::new();
+    if product {
+        let format = pick(&mut c.rng, &fits);
+        let out_dim = match c.rng.range(0, 4) {
+            0 => 16 * c.rng.range(1, 20) + c.rng.range(1, 16),
+            _ => 16 * c.rng.range(1, 20),
+        };
+        let (w, wf) = c.linear_weight("o", out_dim, width, Some(format), DType::BF16);
+        let y = c.g.linear("o_proj", out, &w);
+        c.rounded_activations = true;
+        c.check_floats(y, r::linear(&expect, &wf, width, out_dim));
+        let checked = c.rng.range(0, 3) == 0;
+        if checked {
+            c.check_floats(out, expect);
+        }
+        read_by = format!(
+            ", read by a {format:?} product ->{out_dim}{}",
+            if checked { ", checked too" } else { "" }
+        );
+    } else {
+        c.check_floats(out, expect);
+    }
     c.finish(format!(
-        "attention t{tokens} at {:?} ({}{}{}) h{heads}/{kv_heads} d{hd} {dtype}",
+        "attention t{tokens} at {:?} ({}{}{}) h{heads}/{kv_heads} d{hd} {dtype}{read_by}",
         &pt.pos[..pt.pos.len().min(4)],
         pt.describe(),
         chunk.map_or(String::new(), |q| match q.run {

@@ -5,6 +5,7 @@ use kestrel_core::ir::{Buf, KvPages, NormKind, Op, QueryChunk};
 use kestrel_core::DType;
 
 use super::common::{float_name, op_module, u32_arg, unsupported};
+use super::linear;
 use kestrel_cuda_rt::{Buffer, DispatchBuilder, Kernel, ModuleSource, Result};
 
 use crate::encoder::Encoder;
@@ -308,11 +309,24 @@ fn encode_flash(enc: &mut Encoder, a: &Attn, max_mt: usize) -> Result<()> {
     Ok(())
 }
 
+/// Whether `encode_attention` takes `a` to `encode_decode`: Hopper, a bf16/f16 cache of a flash
+/// head dim, and up to `DA_ROWS` rows of a KV head's group a launch (one sequence's tokens
+/// together, or a token of each of several sequences alone).
+fn decode_fits(enc: &Encoder, a: &Attn) -> bool {
+    let one_seq = a.pages.pages.one_seq || a.tokens == 1;
+    let group = a.heads / a.kv_heads;
+    let rows = if one_seq { a.tokens * group } else { group };
+    matches!(a.cache, DType::BF16 | DType::F16)
+        && FLASH_HEAD_DIMS.contains(&a.head_dim)
+        && rows <= DA_ROWS
+        && enc.device.info().compute_capability.0 >= 9
+}
+
 /// Decode on a bf16/f16 cache in one kernel: `decode_attention_*` splits the cache over one wave
 /// of blocks, which start streaming their rows of past tokens before the kernel ahead of them
 /// finishes, then wait for each other and merge the blocks' results, each a share (see
-/// `attention.cu`).
-fn encode_decode(enc: &mut Encoder, a: &Attn) -> Result<()> {
+/// `attention.cu`). With `out_bf16`, `a.out` is a bf16 view and the kernel rounds into it.
+fn encode_decode(enc: &mut Encoder, a: &Attn, out_bf16: bool) -> Result<()> {
     let name = format!("decode_attention_{}_{}", float_name(a.cache)?, a.head_dim);
     let kern = enc.kernel(&MODULE, &name)?;
     let g = DecodeGrid::new(enc, a, &kern, 0)?;
@@ -337,6 +351,7 @@ fn encode_decode(enc: &mut Encoder, a: &Attn) -> Result<()> {
         .arg(u32_arg(a.rows)?)
         .arg(a.scale)
         .arg(u32_arg(g.chunk)?)
+        .arg(u32::from(out_bf16))
         .record();
     Ok(())
 }
@@ -730,8 +745,8 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 .arg(u32_arg(i.rows)?)
                 .record();
         }
-        Op::Attention { .. } => {
-            let a = Attn::new(enc, op)?;
+        Op::Attention { out, .. } => {
+            let mut a = Attn::new(enc, op)?;
             match a.chunk {
                 // The batched step's own tokens as decode, the chunk as one sequence's prefill,
                 // or several sequences' runs as flash blocks each of one run.
@@ -741,6 +756,13 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                         0 => encode_attention(enc, &a.rows(c.from, a.tokens, true)?)?,
                         run => encode_runs(enc, &a.rows(c.from, a.tokens, false)?, run)?,
                     }
+                }
+                // Decode whose output only products that round it read: rounded as it is
+                // written (`linear::read_rounded_only`), and no conversion before them.
+                _ if decode_fits(enc, &a) && linear::read_rounded_only(enc, out)? => {
+                    a.out = enc.rounded_view(out)?;
+                    enc.mark_rounded(out);
+                    encode_decode(enc, &a, true)?;
                 }
                 _ => encode_attention(enc, &a)?,
             }
@@ -772,18 +794,13 @@ fn encode_runs(enc: &mut Encoder, a: &Attn, run: usize) -> Result<()> {
 fn encode_attention(enc: &mut Encoder, a: &Attn) -> Result<()> {
     let (cache, tokens, heads, kv_heads, head_dim) = (a.cache, a.tokens, a.heads, a.kv_heads, a.head_dim);
     let one_seq = a.pages.pages.one_seq || tokens == 1;
-    let hopper = enc.device.info().compute_capability.0 >= 9;
-    if matches!(cache, DType::BF16 | DType::F16) && FLASH_HEAD_DIMS.contains(&head_dim) {
-        // One decode token's group (or a few tokens of a small group) in one kernel; with
-        // a sequence per token, each token's group alone.
-        let group = heads / kv_heads;
-        let rows = if one_seq { tokens * group } else { group };
-        if rows <= DA_ROWS && hopper {
-            return encode_decode(enc, a);
-        }
-        if one_seq {
-            return encode_flash(enc, a, 2);
-        }
+    // One decode token's group (or a few tokens of a small group) in one kernel; with a sequence
+    // per token, each token's group alone.
+    if decode_fits(enc, a) {
+        return encode_decode(enc, a, false);
+    }
+    if matches!(cache, DType::BF16 | DType::F16) && FLASH_HEAD_DIMS.contains(&head_dim) && one_seq {
+        return encode_flash(enc, a, 2);
     }
     // The split kernel when its shared memory fits (f32 caches up to head dim 128).
     let split_fits = split_smem(head_dim, cache.size_in_bytes()) <= enc.device.info().max_shared_per_block;

@@ -17,7 +17,7 @@
 //!   (2, 4 or 8 tokens a block), on x in f32;
 //! - every other shape: `linear_*`.
 
-use kestrel_core::ir::{Buf, LinearWeight, NormKind, Op};
+use kestrel_core::ir::{Buf, BufKind, LinearWeight, NormKind, Op};
 use kestrel_core::quant::QuantFormat;
 use kestrel_core::DType;
 
@@ -246,13 +246,7 @@ pub(crate) fn encode_norm_matvec(norm: &Op, linear: &Op, precise: bool, enc: &mu
         || dim != in_dim
         || enc.graph.decl(add).elem_count() != dim
         || in_dim / 8 > DPN_CHUNKS * 32 * DP_WARPS
-        || enc
-            .graph
-            .nodes
-            .iter()
-            .filter(|n| n.op.io().0.contains(&normed))
-            .count()
-            != 1
+        || enc.readers(normed).len() != 1
         || residual
             .into_iter()
             .chain([add, normed])
@@ -446,6 +440,25 @@ pub(crate) fn rounds_its_input(enc: &Encoder, node: usize) -> Result<bool> {
     }
     let (_, parts, _) = weight_parts(enc, w)?;
     Ok(skinny::linear_fits(*format, tokens, (in_dim, out_dim), &parts))
+}
+
+/// Whether the op writing `out` may store it rounded to bf16 instead of in f32: when `out` is an
+/// f32 transient (nothing outside the program reads it) and every node that reads it is a
+/// product that rounds its input to bf16 anyway (`rounds_its_input`: the skinny products of a
+/// batched step's few dozen tokens), which then reads the rounded values and runs no conversion
+/// of its own. A norm (`ops/norm.rs`) and decode attention (`ops/attention.rs`) ask.
+pub(crate) fn read_rounded_only(enc: &Encoder, out: Buf) -> Result<bool> {
+    if enc.dtype(out) != DType::F32 || enc.graph.decl(out).kind != BufKind::Transient {
+        return Ok(false);
+    }
+    let readers = enc.readers(out);
+    for &i in readers {
+        match enc.graph.nodes[i].op {
+            Op::Linear { x, .. } if x == out && rounds_its_input(enc, i)? => {}
+            _ => return Ok(false),
+        }
+    }
+    Ok(!readers.is_empty())
 }
 
 /// The activations `x` (`[tokens, in_dim]`) as bf16 for a tensor-core product: the buffer itself

@@ -1,6 +1,6 @@
 //! Norms and rotary embeddings: `kernels/norm.cu`, `kernels/rope.cu`.
 
-use kestrel_core::ir::{Buf, BufKind, NormKind, Op};
+use kestrel_core::ir::{Buf, NormKind, Op};
 use kestrel_core::DType;
 
 use super::common::{float_name, op_module, u32_arg, unsupported};
@@ -40,33 +40,11 @@ fn norm_kernel(base: &str, dim: usize, w: &str, out: DType, bufs: &[&Buffer]) ->
     })
 }
 
-/// Whether the norm writing `out` stores it rounded to bf16 instead of in f32: when `out` is an
-/// f32 transient (nothing outside the program reads it) and every node that reads it is a
-/// product that rounds its input to bf16 anyway (`linear::rounds_its_input`: the skinny
-/// products of a batched step's few tokens), which then reads the rounded values and runs no
-/// conversion of its own.
-fn writes_rounded(enc: &Encoder, out: Buf) -> Result<bool> {
-    if enc.dtype(out) != DType::F32 || enc.graph.decl(out).kind != BufKind::Transient {
-        return Ok(false);
-    }
-    let mut readers = 0;
-    for (i, node) in enc.graph.nodes.iter().enumerate() {
-        if !node.op.io().0.contains(&out) {
-            continue;
-        }
-        match node.op {
-            Op::Linear { x, .. } if x == out && linear::rounds_its_input(enc, i)? => readers += 1,
-            _ => return Ok(false),
-        }
-    }
-    Ok(readers > 0)
-}
-
-/// A norm's output buffer and the element type it is stored in: rounded to bf16 where
-/// `writes_rounded` says so (recorded for its readers, `Encoder::mark_rounded`), else as
-/// declared.
+/// A norm's output buffer and the element type it is stored in: rounded to bf16 where only
+/// products that round it anyway read it (`linear::read_rounded_only`; recorded for them,
+/// `Encoder::mark_rounded`), else as declared.
 fn output(enc: &mut Encoder, out: Buf) -> Result<(Buffer, DType)> {
-    if writes_rounded(enc, out)? {
+    if linear::read_rounded_only(enc, out)? {
         enc.mark_rounded(out);
         Ok((enc.rounded_view(out)?, DType::BF16))
     } else {
