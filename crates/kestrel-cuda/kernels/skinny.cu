@@ -88,7 +88,7 @@ struct Run {
 // against 63 for four, whose registers halve the warps an SM holds).
 template <int M, int NT>
 __host__ __device__ constexpr int ahead() {
-    return NT == 1 && M == 2 ? 2 : 1;
+    return NT == 1 ? 2 : 1;
 }
 
 // acc[m][nt] += rows f0 .. f0 + 15 of matrix m times the activations of row tile nt, over
