@@ -44,7 +44,6 @@ fn run_cuda(cuda: &mut CudaBackend, case: &Case) -> Vec<Vec<u8>> {
         .collect()
 }
 
-/// Runs `case` on the CPU and on CUDA (eagerly and as a graph) and compares every check.
 /// The labels of the commands `case`'s program records on `dev` (node label, then kernel name),
 /// for tests that assert which kernels a case takes.
 fn command_labels(dev: &kestrel_cuda::Device, case: &Case) -> Vec<String> {
@@ -57,6 +56,7 @@ fn command_labels(dev: &kestrel_cuda::Device, case: &Case) -> Vec<String> {
         .collect()
 }
 
+/// Runs `case` on the CPU and on CUDA (eagerly and as a graph) and compares every check.
 fn compare(dev: &kestrel_cuda::Device, case: &Case, seed: u64, round: usize) {
     let cpu_out = kestrel_testing::cases::run_case(&mut CpuBackend::new(), case).unwrap();
     for mode in [RunMode::Eager, RunMode::Graph] {

@@ -297,6 +297,22 @@ impl CaseBuilder {
         self.checks.push((id.raw(), Expect::Floats(expect)));
     }
 
+    /// A checked `format` product `label` (weight `w_label`, `[out_dim, in_dim]`) of `x`, whose
+    /// values are `xf`; the backends may round x to bf16 first (`rounded_activations`).
+    pub fn checked_product<R: ProjectionInput>(
+        &mut self,
+        (w_label, label): (&str, &str),
+        (x, xf): (BufId<R>, &[f64]),
+        (in_dim, out_dim): (usize, usize),
+        format: QuantFormat,
+    ) -> BufId<Act> {
+        let (w, wf) = self.linear_weight(w_label, out_dim, in_dim, Some(format), DType::BF16);
+        let y = self.g.linear(label, x, &w);
+        self.rounded_activations = true;
+        self.check_floats(y, r::linear(xf, &wf, in_dim, out_dim));
+        y
+    }
+
     /// Checks a bf16 output against reference values within one bf16 step.
     pub fn check_bf16<R: Role>(&mut self, id: BufId<R>, expect: Vec<f64>) {
         self.g.mark_output(id);
@@ -692,11 +708,8 @@ pub fn linear(rng: Rng) -> Case {
 /// A quantised projection of `tokens` tokens at a given shape, on f32 activations.
 pub fn linear_shape(rng: Rng, tokens: usize, (in_dim, out_dim): (usize, usize), format: QuantFormat) -> Case {
     let mut c = CaseBuilder::new(rng);
-    let (w, wf) = c.linear_weight("w", out_dim, in_dim, Some(format), DType::BF16);
     let (x, xf) = c.act("x", tokens, in_dim, 1.0);
-    let y = c.g.linear("proj", x, &w);
-    c.rounded_activations = true;
-    c.check_floats(y, r::linear(&xf, &wf, in_dim, out_dim));
+    c.checked_product(("w", "proj"), (x, &xf), (in_dim, out_dim), format);
     c.finish(format!("linear {tokens}x{in_dim}->{out_dim} {format:?}"))
 }
 
@@ -712,18 +725,13 @@ pub fn norm_then_linear_decode(rng: Rng) -> Case {
     let in_dim = unit * c.rng.range(1, 4096 / unit + 1);
     let out_dim = c.rng.range(1, 700);
     let (normed, nf, norm) = random_norm(&mut c, 1, in_dim);
-    let (w, wf) = c.linear_weight("w", out_dim, in_dim, Some(format), DType::BF16);
-    let y = c.g.linear("proj", normed, &w);
-    c.rounded_activations = true;
-    c.check_floats(y, r::linear(&nf, &wf, in_dim, out_dim));
+    c.checked_product(("w", "proj"), (normed, &nf), (in_dim, out_dim), format);
     // A third of the cases give the normed row a second product (as a DeltaNet layer's input
     // products share theirs), which a backend fuses into neither.
     let second = c.rng.range(0, 3) == 0;
     if second {
         let other_dim = c.rng.range(1, 40);
-        let (w2, wf2) = c.linear_weight("w2", other_dim, in_dim, Some(format), DType::BF16);
-        let y2 = c.g.linear("proj2", normed, &w2);
-        c.check_floats(y2, r::linear(&nf, &wf2, in_dim, other_dim));
+        c.checked_product(("w2", "proj2"), (normed, &nf), (in_dim, other_dim), format);
     }
     c.check_floats(normed, nf);
     let and = if second { ", and a second product" } else { "" };
@@ -772,10 +780,7 @@ pub fn norm_then_linears_few_tokens(rng: Rng) -> Case {
     let in_dim = 256 * c.rng.range(1, 17);
     let (normed, nf, norm) = random_norm(&mut c, tokens, in_dim);
     let out_dim = 16 * c.rng.range(1, 40);
-    let (w, wf) = c.linear_weight("w", out_dim, in_dim, Some(format), DType::BF16);
-    let y = c.g.linear("proj", normed, &w);
-    c.rounded_activations = true;
-    c.check_floats(y, r::linear(&nf, &wf, in_dim, out_dim));
+    c.checked_product(("w", "proj"), (normed, &nf), (in_dim, out_dim), format);
     let second = c.rng.range(0, 2) == 0;
     let mut other = String::new();
     if second {
@@ -784,9 +789,7 @@ pub fn norm_then_linears_few_tokens(rng: Rng) -> Case {
         } else {
             16 * c.rng.range(1, 20)
         };
-        let (w2, wf2) = c.linear_weight("w2", other_dim, in_dim, Some(format), DType::BF16);
-        let y2 = c.g.linear("proj2", normed, &w2);
-        c.check_floats(y2, r::linear(&nf, &wf2, in_dim, other_dim));
+        c.checked_product(("w2", "proj2"), (normed, &nf), (in_dim, other_dim), format);
         other = format!(" and ->{other_dim}");
     }
     let checked = c.rng.range(0, 3) == 0;
@@ -1217,10 +1220,7 @@ fn attention_of(rng: Rng, kind: Option<usize>, product: Option<bool>) -> Case {
             0 => 16 * c.rng.range(1, 20) + c.rng.range(1, 16),
             _ => 16 * c.rng.range(1, 20),
         };
-        let (w, wf) = c.linear_weight("o", out_dim, width, Some(format), DType::BF16);
-        let y = c.g.linear("o_proj", out, &w);
-        c.rounded_activations = true;
-        c.check_floats(y, r::linear(&expect, &wf, width, out_dim));
+        c.checked_product(("o", "o_proj"), (out, &expect), (width, out_dim), format);
         let checked = c.rng.range(0, 3) == 0;
         if checked {
             c.check_floats(out, expect);
