@@ -85,8 +85,8 @@ struct Run {
 // Runs a lane loads at once (D): enough bytes in flight per warp to cover memory latency at the
 // occupancy its registers allow. Measured on the H200 at Qwen3-30B-A3B's shapes: two for gate
 // and up of one row tile (91 us a layer at 64 tokens against 97 for one), and for the
-// projections of one row tile (plain x, !PX: batched decode of 2, 4 and 8 sequences 3%, 2% and
-// 1% faster than with one); one for the experts' down (52 us against 63 for four, whose
+// projections of one row tile (plain x, !PX: batched decode of 2, 4 and 8 sequences 2.0%, 1.4%
+// and 0.8% faster than with one); one for the experts' down (52 us against 63 for four, whose
 // registers halve the warps an SM holds; with two, 64 sequences 1% slower).
 template <int M, int NT, bool PX>
 __host__ __device__ constexpr int ahead() {
