@@ -48,18 +48,31 @@ static_assert(GT_ROWS == 128 && GT_COLS == 64 && GT_K == 64 && GT_THREADS == 256
 #define GT_STRIDE (GT_K + 8)  // shared row in bf16 values: 16 bytes of padding against conflicts
 #define NO_TILE 0xffffffffu
 
-// Inclusive prefix sum of v over the block (blockDim.x == SORT_THREADS), through `scratch`.
+// Inclusive prefix sum of v over the block (blockDim.x == SORT_THREADS, at most 32 warps): each
+// warp's by shuffles, then the warps' totals by the first warp, left in scratch[0 .. warps) (the
+// block's total last). Three barriers, the first for a previous call's readers of scratch.
 __device__ unsigned block_scan(unsigned v, unsigned* scratch) {
-    const unsigned tid = threadIdx.x;
-    scratch[tid] = v;
+    static_assert(SORT_THREADS % 32 == 0 && SORT_THREADS <= 32 * 32, "one warp scans the warps' totals");
+    constexpr unsigned WARPS = SORT_THREADS / 32;
+    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    auto warp_scan = [&](unsigned x) {
+#pragma unroll
+        for (unsigned o = 1; o < 32; o <<= 1) {
+            const unsigned y = __shfl_up_sync(0xffffffffu, x, o);
+            if (lane >= o) x += y;
+        }
+        return x;
+    };
+    v = warp_scan(v);
     __syncthreads();
-    for (unsigned o = 1; o < SORT_THREADS; o <<= 1) {
-        const unsigned add = tid >= o ? scratch[tid - o] : 0;
-        __syncthreads();
-        scratch[tid] += add;
-        __syncthreads();
+    if (lane == 31) scratch[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        const unsigned total = warp_scan(lane < WARPS ? scratch[lane] : 0);
+        if (lane < WARPS) scratch[lane] = total;
     }
-    return scratch[tid];
+    __syncthreads();
+    return v + (warp > 0 ? scratch[warp - 1] : 0);
 }
 
 // Slots s0 + j * SORT_THREADS + threadIdx.x (j < 8) of the router's ids, NO_TILE past the
@@ -79,7 +92,7 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
     moe_sort(const unsigned* ids, unsigned* order, unsigned* tiles, unsigned slots, unsigned experts,
              unsigned max_tiles, unsigned tile_rows) {
     pdl_begin();
-    __shared__ unsigned count[SORT_THREADS], offset[SORT_THREADS], cursor[SORT_THREADS], scratch[SORT_THREADS];
+    __shared__ unsigned count[SORT_THREADS], offset[SORT_THREADS], cursor[SORT_THREADS], scratch[SORT_THREADS / 32];
     const unsigned tid = threadIdx.x;
     count[tid] = 0;
     cursor[tid] = 0;
@@ -96,7 +109,7 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
     offset[tid] = block_scan(c, scratch) - c;
     const unsigned ntiles = (c + tile_rows - 1) / tile_rows;
     const unsigned tile0 = block_scan(ntiles, scratch) - ntiles;
-    const unsigned total = scratch[SORT_THREADS - 1];
+    const unsigned total = scratch[SORT_THREADS / 32 - 1];
     for (unsigned i = 0; i < ntiles; i++) {
         unsigned* t = tiles + 3 * (tile0 + i);
         t[0] = tid;
