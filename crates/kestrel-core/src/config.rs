@@ -15,6 +15,7 @@
 //! | `KESTREL_WIDE_PROJECTIONS` | bool | `true` | with `wgmma` on, quantised projections of a few dozen tokens on the warpgroup form of the skinny products (`off` takes the skinny products, for comparison) |
 //! | `KESTREL_FUSED_ATTENTION` | bool | `true` | on sm_90 GPUs, one token's attention inputs (norms, rotation, cache append) computed inside the decode attention kernel (`off` runs them as a kernel of their own, for comparison) |
 //! | `KESTREL_FUSED_NORM` | bool | `true` | one token's RMS norm (with its residual add) computed inside the quantised product that reads it (`off` runs it as a kernel of its own, for comparison) |
+//! | `KESTREL_BOUNDED_ROUTER` | bool | `true` | a router's logits of many tokens estimated on the tensor cores with a bound on their error, and computed exactly only for the experts that can be among the top k (`off` computes every logit exactly, for comparison; the chosen experts and weights are the same) |
 //! | `KESTREL_SKINNY_EXPERTS_FROM` | integer | `9` | the fewest tokens whose quantised routed experts run on the skinny products, sorted by expert (fewer tokens take one token's kernels, which read each token's experts straight from their ids; on an H200 steps of 2-8 sequences ran 7-35% faster than on the skinny products; at least 2) |
 //! | `KESTREL_DECODE_SPLIT_KEYS` | integer | `0` | on sm_90 GPUs, the fewest cached keys one block of decode attention takes (rounded up to its warps' batches): `0` spreads the context over one wave of blocks, a larger value gives fewer blocks a deeper share each (slower at every depth measured; for comparison and for the tests of deep splits) |
 //!
@@ -66,6 +67,9 @@ pub struct Config {
     /// One token's RMS norm runs inside the quantised product that reads it (else as a kernel
     /// of its own before it). On by default.
     pub fused_norm: bool,
+    /// A router's logits of many tokens are estimated with a bound first and computed exactly
+    /// only where they can decide the choice (else every logit exactly). On by default.
+    pub bounded_router: bool,
     /// On sm_90, the fewest cached keys a block of decode attention takes (`0`: as many blocks
     /// as one wave holds share the context).
     pub decode_split_keys: usize,
@@ -247,6 +251,11 @@ impl Config {
             parse_bool(get("KESTREL_FUSED_NORM"), "KESTREL_FUSED_NORM", true),
             true,
         );
+        let bounded_router = keep(
+            &mut problems,
+            parse_bool(get("KESTREL_BOUNDED_ROUTER"), "KESTREL_BOUNDED_ROUTER", true),
+            true,
+        );
         let decode_split_keys = match get("KESTREL_DECODE_SPLIT_KEYS") {
             None => 0,
             Some(v) => keep(
@@ -289,6 +298,7 @@ impl Config {
             wide_projections,
             fused_attention,
             fused_norm,
+            bounded_router,
             decode_split_keys,
             skinny_experts_from,
         }
@@ -364,6 +374,8 @@ mod tests {
         }
         assert!(!Config::from_vars(&vars(&[("KESTREL_FUSED_NORM", "off")])).fused_norm);
         assert!(c.fused_norm && Config::default().fused_norm);
+        assert!(!Config::from_vars(&vars(&[("KESTREL_BOUNDED_ROUTER", "0")])).bounded_router);
+        assert!(c.bounded_router && Config::default().bounded_router);
         assert_eq!(c.kernel_cache_dir, None, "no HOME, no XDG_CACHE_HOME: no cache");
     }
 

@@ -73,6 +73,8 @@ struct DeviceInner {
     fused_attention: bool,
     /// One token's RMS norm inside the quantised product that reads it (`Config::fused_norm`).
     fused_norm: bool,
+    /// A router's logits of many tokens bounded first (`Config::bounded_router`).
+    bounded_router: bool,
     /// The fewest cached keys a block of decode attention takes (`Config::decode_split_keys`).
     decode_split_keys: usize,
     /// The fewest tokens whose quantised experts take the skinny products
@@ -148,6 +150,7 @@ impl Device {
                 wide_projections,
                 fused_attention: config.fused_attention,
                 fused_norm: config.fused_norm,
+                bounded_router: config.bounded_router,
                 decode_split_keys: config.decode_split_keys,
                 skinny_experts_from: config.skinny_experts_from,
                 profile_events: Mutex::new(Vec::new()),
@@ -423,6 +426,12 @@ impl Device {
     /// (`matvec_norm_*_dp4a` in `linear.cu`).
     pub fn fused_norm(&self) -> bool {
         self.inner.fused_norm
+    }
+
+    /// Whether a router's logits of many tokens are estimated with a bound first and computed
+    /// exactly only for the experts that can be chosen (`router_bounds_*`, `router_choose_*`).
+    pub fn bounded_router(&self) -> bool {
+        self.inner.bounded_router
     }
 
     /// The fewest cached keys a block of `decode_attention_*` takes (0: the context spread over

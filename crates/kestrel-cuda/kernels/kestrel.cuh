@@ -187,11 +187,11 @@ __device__ __forceinline__ void vec_dot_exact_vals(float& acc, WV wv, XQ xq4, fl
         }
 #pragma unroll
         for (unsigned p = 0; p < PER_HALF; p++) {
-            qx += wv(q, p, 0) * xq[p];
-            qx += wv(q, p, 1) * xq[PER_HALF + p];
+            qx = __fmaf_rn(wv(q, p, 0), xq[p], qx);
+            qx = __fmaf_rn(wv(q, p, 1), xq[PER_HALF + p], qx);
         }
     }
-    acc += scale * qx + bias * sx;
+    acc = __fadd_rn(acc, __fmaf_rn(scale, qx, __fmul_rn(bias, sx)));
 }
 
 // One 16-byte vector of a row (format BITS) times x, added to acc; xq(j) gives the vector's j-th
@@ -209,13 +209,16 @@ __device__ __forceinline__ void vec_dot_exact_by(float& acc, uint4 v, XQ xq4, fl
             const float4 xq = xq4(q / 2);
             const float x0 = q % 2 ? xq.z : xq.x, x1 = q % 2 ? xq.w : xq.y;
             const unsigned word = q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w;
-            t += __uint_as_float(word << 16) * x0 + __uint_as_float(word & 0xffff0000u) * x1;
+            t = __fadd_rn(t, __fmaf_rn(__uint_as_float(word << 16), x0, __fmul_rn(__uint_as_float(word & 0xffff0000u), x1)));
         }
-        acc += t;
+        acc = __fadd_rn(acc, t);
     } else if constexpr (BITS == 32) {
         const float4 xq = xq4(0);
-        acc += __uint_as_float(v.x) * xq.x + __uint_as_float(v.y) * xq.y + __uint_as_float(v.z) * xq.z +
-               __uint_as_float(v.w) * xq.w;
+        float t = __fmul_rn(__uint_as_float(v.x), xq.x);
+        t = __fmaf_rn(__uint_as_float(v.y), xq.y, t);
+        t = __fmaf_rn(__uint_as_float(v.z), xq.z, t);
+        t = __fmaf_rn(__uint_as_float(v.w), xq.w, t);
+        acc = __fadd_rn(acc, t);
     } else {
         constexpr unsigned MASK = (1u << BITS) - 1u;
         vec_dot_exact_vals<BITS>(
@@ -308,15 +311,15 @@ __device__ __forceinline__ void stage_x_sums_rows(const float* x, float* xs, uns
     __syncthreads();
 }
 
-// Dot products of rows row0 .. row0 + R (those below `rows`) of one matrix with the staged x,
-// this lane's share: vectors lane, lane + 32, ... Reduce with warp_sum afterwards.
+// Dot products of rows row[0 .. R) (those below `rows`) of one matrix with the staged x, this
+// lane's share: vectors lane, lane + 32, ... Reduce with warp_sum afterwards.
 // `w`: the matrix (16-byte aligned rows); `scales`, `biases`: per group (quantised only; bf16 or
-// float, S); `xs`
-// and `xsum` as stage_x_sums leaves them (the biases multiply the vectors' plain sums).
+// float, S); `xs` and `xsum` as stage_x_sums leaves them (the biases multiply the vectors' plain
+// sums). Each row's terms are added in the same order whichever rows it is taken with.
 template <int BITS, int R, typename S = bf16>
-__device__ __forceinline__ void rows_dot(const void* w, const S* scales, const S* biases, unsigned row0,
-                                         unsigned rows, const float* xs, const float* xsum, unsigned cols,
-                                         unsigned group, float acc[R]) {
+__device__ __forceinline__ void rows_dot_at(const void* w, const S* scales, const S* biases, const unsigned (&row)[R],
+                                            unsigned rows, const float* xs, const float* xsum, unsigned cols,
+                                            unsigned group, float acc[R]) {
     constexpr unsigned VALS = VecFormat<BITS>::VALS;
     // Vectors per lane loaded before any arithmetic: R rows x U of the lane's vectors in flight.
     constexpr unsigned U = 2;
@@ -329,17 +332,17 @@ __device__ __forceinline__ void rows_dot(const void* w, const S* scales, const S
         for (unsigned i = 0; i < U; i++)
 #pragma unroll
             for (int r = 0; r < R; r++)
-                if (u0 + 32 * i < nvec && row0 + r < rows) v[i][r] = __ldcs(W + (size_t)(row0 + r) * nvec + u0 + 32 * i);
+                if (u0 + 32 * i < nvec && row[r] < rows) v[i][r] = __ldcs(W + (size_t)row[r] * nvec + u0 + 32 * i);
 #pragma unroll
         for (unsigned i = 0; i < U; i++) {
             const unsigned u = u0 + 32 * i;
             if (u >= nvec) break;
 #pragma unroll
             for (int r = 0; r < R; r++) {
-                if (row0 + r >= rows) continue;
+                if (row[r] >= rows) continue;
                 float scale = 0.0f, bias = 0.0f;
                 if constexpr (QUANTISED<BITS>) {
-                    const size_t gi = (size_t)(row0 + r) * groups + (u * VALS) / group;
+                    const size_t gi = (size_t)row[r] * groups + (u * VALS) / group;
                     scale = to_f32(scales[gi]);
                     bias = to_f32(biases[gi]);
                 }
@@ -347,6 +350,17 @@ __device__ __forceinline__ void rows_dot(const void* w, const S* scales, const S
             }
         }
     }
+}
+
+// rows_dot_at of the R rows from row0.
+template <int BITS, int R, typename S = bf16>
+__device__ __forceinline__ void rows_dot(const void* w, const S* scales, const S* biases, unsigned row0,
+                                         unsigned rows, const float* xs, const float* xsum, unsigned cols,
+                                         unsigned group, float acc[R]) {
+    unsigned row[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) row[r] = row0 + r;
+    rows_dot_at<BITS, R, S>(w, scales, biases, row, rows, xs, xsum, cols, group, acc);
 }
 
 // ---- int8 activations for quantised products ----

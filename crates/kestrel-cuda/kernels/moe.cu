@@ -1138,3 +1138,330 @@ GATE_UP_INT8_FOR(8, Factored, 4, q8k_act4)
     EXPERTS_KERNELS(BITS, NAME, _streamed, true, EXPERT_STREAM_PARAMS, EXPERT_STREAM_ARGS)
 
 EXPERTS(16, bf16)
+
+// ---- Router logits of many tokens: bounded on the tensor cores, exact where they decide ----
+// A router that renormalises its top k needs exact logits (the one-token kernel's f32
+// arithmetic, so a token's experts do not depend on what it is batched with) only for the
+// experts that can still be among the top k. With w = q s + b in groups (q from 0 to 2^BITS - 1):
+// - router_bounds_*: for each (token, expert) an estimate a = sum over 16-value segments of
+//   s (sum q x_hi + sum q x_lo) + b sum x, where x = x_hi + x_lo + r splits x into two bf16 parts
+//   (|r| <= 2^-16 |x|) and q is exact in bf16, the products on mma.sync; and
+//   m = sum over segments of (|s| (2^BITS - 1) + |b|) sum |x|, which bounds every intermediate
+//   magnitude of the estimate and of the exact kernel. Both differ from the real product by
+//   less than 2^-15 m (the split, the tensor cores' f32 sums, the f32 folds of 128 segments and
+//   the exact kernel's 30 or so roundings), so |exact - a| <= RB_BETA m with RB_BETA = 2^-13.
+//   A block takes RB_TOKENS tokens x RB_EXPERTS experts over one of grid.z ranges of K, the
+//   next 64 values' inputs loaded into registers while the tensor cores work on the current
+//   ones, and writes its partial sums to [z][tokens][experts].
+// - router_choose_*: a warp a token sums the partials, takes the k-th largest lower bound
+//   a - RB_BETA m - RB_TINY and computes exactly (rows_dot_at, then warp_sum: matvec's order)
+//   every expert whose upper bound reaches it, or every expert when a bound is not finite; the
+//   others are below k exact logits and cannot be chosen. choose() then picks from the exact
+//   logits of those, as router_f32 picks from all of them: the same experts, the same weights.
+#if !defined(RB_TOKENS) || !defined(RB_EXPERTS) || !defined(RB_THREADS) || !defined(RC_WARPS)
+#error "moe.cu is compiled with the bounded router's geometry of ops/router.rs as -D definitions"
+#endif
+static_assert(RB_TOKENS == 32 && RB_EXPERTS == 64 && RB_THREADS == 128,
+              "router_bounds' warps are written for 32 tokens x 64 experts and four warps");
+#define RB_K 64                         // values of K a step
+#define RB_STRIDE (RB_K + 8)            // shared row in bf16 values, padded against bank conflicts
+#define RB_BETA 1.220703125e-4f         // 2^-13
+#define RB_TINY 7.888609052210118e-31f  // 2^-100: room for products below f32's normal range
+
+// This thread's share of one step's inputs: 16 values of x (token tid / 4, values 16 (tid % 4)
+// on), 32 weights (expert tid / 2, values 32 (tid % 2) on) and their two segments' scale and bias.
+template <int BITS>
+struct RbRegs {
+    float4 x[4];
+    uint4 w[BITS / 4];
+    float s[2], b[2];
+};
+
+template <int BITS, typename S>
+__device__ __forceinline__ void rb_load(RbRegs<BITS>& r, const float* x, const unsigned char* w, const S* scales,
+                                        const S* biases, unsigned t0, unsigned e0, unsigned k0, unsigned tokens,
+                                        unsigned in_dim, unsigned experts, unsigned group) {
+    const unsigned tid = threadIdx.x, t = t0 + tid / 4, e = e0 + tid / 2, kw = k0 + 32 * (tid % 2);
+    const float4* xp = reinterpret_cast<const float4*>(x + (size_t)t * in_dim + k0 + 16 * (tid % 4));
+#pragma unroll
+    for (int j = 0; j < 4; j++) r.x[j] = t < tokens ? xp[j] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const uint4* wp = reinterpret_cast<const uint4*>(w + ((size_t)e * in_dim + kw) * BITS / 8);
+#pragma unroll
+    for (int j = 0; j < BITS / 4; j++) r.w[j] = e < experts ? wp[j] : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const size_t gi = (size_t)e * (in_dim / group) + (kw + 16 * h) / group;
+        r.s[h] = e < experts ? to_f32(scales[gi]) : 0.0f;
+        r.b[h] = e < experts ? to_f32(biases[gi]) : 0.0f;
+    }
+}
+
+struct RbShared {
+    bf16 xh[RB_TOKENS][RB_STRIDE], xl[RB_TOKENS][RB_STRIDE], w[RB_EXPERTS][RB_STRIDE];
+    float xsum[RB_TOKENS][RB_K / 16], xabs[RB_TOKENS][RB_K / 16];                // a token's segment
+    float s[RB_EXPERTS][RB_K / 16], b[RB_EXPERTS][RB_K / 16], c[RB_EXPERTS][RB_K / 16];  // an expert's
+};
+
+// The q of a 16-bit half word's low 8 bits, or of its 4 bits at `shift`, as bf16 bits (exact:
+// q has at most 8 significant bits, so its float's low half is zero).
+__device__ __forceinline__ unsigned rb_q_bf16(unsigned word, unsigned shift, unsigned mask) {
+    return __float_as_uint(__uint_as_float(0x4B000000u | ((word >> shift) & mask)) - 8388608.0f) >> 16;
+}
+
+template <int BITS>
+__device__ __forceinline__ void rb_store(const RbRegs<BITS>& r, RbShared& sh) {
+    const unsigned tid = threadIdx.x;
+    {
+        const unsigned t = tid / 4, q = tid % 4;
+        const float v[16] = {r.x[0].x, r.x[0].y, r.x[0].z, r.x[0].w, r.x[1].x, r.x[1].y, r.x[1].z, r.x[1].w,
+                             r.x[2].x, r.x[2].y, r.x[2].z, r.x[2].w, r.x[3].x, r.x[3].y, r.x[3].z, r.x[3].w};
+        unsigned hi[8], lo[8];
+        float sum = 0.0f, abs_sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const __nv_bfloat162 h = __floats2bfloat162_rn(v[2 * j], v[2 * j + 1]);
+            const __nv_bfloat162 l = __floats2bfloat162_rn(v[2 * j] - __low2float(h), v[2 * j + 1] - __high2float(h));
+            hi[j] = *reinterpret_cast<const unsigned*>(&h);
+            lo[j] = *reinterpret_cast<const unsigned*>(&l);
+            sum += v[2 * j] + v[2 * j + 1];
+            abs_sum += fabsf(v[2 * j]) + fabsf(v[2 * j + 1]);
+        }
+        uint4* dh = reinterpret_cast<uint4*>(&sh.xh[t][16 * q]);
+        uint4* dl = reinterpret_cast<uint4*>(&sh.xl[t][16 * q]);
+        dh[0] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+        dh[1] = make_uint4(hi[4], hi[5], hi[6], hi[7]);
+        dl[0] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+        dl[1] = make_uint4(lo[4], lo[5], lo[6], lo[7]);
+        sh.xsum[t][q] = sum;
+        sh.xabs[t][q] = abs_sum;
+    }
+    {
+        const unsigned e = tid / 2, half = tid % 2;
+        unsigned q[16];  // 32 values as bf16 pairs, in order
+        if constexpr (BITS == 8) {
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const uint4& u = r.w[j / 4];
+                const unsigned word = j % 4 == 0 ? u.x : j % 4 == 1 ? u.y : j % 4 == 2 ? u.z : u.w;
+                q[2 * j] = rb_q_bf16(word, 0, 0xffu) | rb_q_bf16(word, 8, 0xffu) << 16;
+                q[2 * j + 1] = rb_q_bf16(word, 16, 0xffu) | rb_q_bf16(word, 24, 0xffu) << 16;
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const unsigned word = j == 0 ? r.w[0].x : j == 1 ? r.w[0].y : j == 2 ? r.w[0].z : r.w[0].w;
+#pragma unroll
+                for (int p = 0; p < 4; p++)
+                    q[4 * j + p] = rb_q_bf16(word, 8 * p, 0xfu) | rb_q_bf16(word, 8 * p + 4, 0xfu) << 16;
+            }
+        }
+        uint4* d = reinterpret_cast<uint4*>(&sh.w[e][32 * half]);
+#pragma unroll
+        for (int j = 0; j < 4; j++) d[j] = make_uint4(q[4 * j], q[4 * j + 1], q[4 * j + 2], q[4 * j + 3]);
+        constexpr float QMAX = (float)((1u << BITS) - 1u);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            sh.s[e][2 * half + h] = r.s[h];
+            sh.b[e][2 * half + h] = r.b[h];
+            sh.c[e][2 * half + h] = fabsf(r.s[h]) * QMAX + fabsf(r.b[h]);
+        }
+    }
+}
+
+// Grid (ceil(tokens / RB_TOKENS), ceil(experts / RB_EXPERTS), splits), RB_THREADS threads; split
+// z takes steps [z * steps, (z + 1) * steps) of K (in_dim a multiple of RB_K, group of 16).
+// approx, bound: [splits][tokens][experts].
+template <int BITS, typename S>
+__device__ void router_bounds(const float* x, const unsigned char* w, const S* scales, const S* biases,
+                              float* approx, float* bound, unsigned tokens, unsigned in_dim, unsigned experts,
+                              unsigned group, unsigned steps) {
+    __shared__ __align__(16) RbShared sh;
+    const unsigned t0 = blockIdx.x * RB_TOKENS, e0 = blockIdx.y * RB_EXPERTS, z = blockIdx.z;
+    const unsigned first = z * steps, last = min(first + steps, in_dim / RB_K);
+    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, wm = warp / 2, wn = warp % 2;
+    float acc[4][4], bnd[4][4];
+#pragma unroll
+    for (int n = 0; n < 4; n++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) acc[n][i] = bnd[n][i] = 0.0f;
+    pdl_begin();
+    RbRegs<BITS> r;
+    if (first < last) rb_load<BITS, S>(r, x, w, scales, biases, t0, e0, first * RB_K, tokens, in_dim, experts, group);
+    for (unsigned st = first; st < last; st++) {
+        rb_store<BITS>(r, sh);
+        __syncthreads();
+        if (st + 1 < last)
+            rb_load<BITS, S>(r, x, w, scales, biases, t0, e0, (st + 1) * RB_K, tokens, in_dim, experts, group);
+#pragma unroll 1
+        for (int kk = 0; kk < RB_K / 16; kk++) {
+            unsigned ah[4], al[4];
+            ldmatrix_x4(ah, &sh.xh[16 * wm + lane % 16][kk * 16 + (lane / 16) * 8]);
+            ldmatrix_x4(al, &sh.xl[16 * wm + lane % 16][kk * 16 + (lane / 16) * 8]);
+            float c[4][4];
+#pragma unroll
+            for (int n = 0; n < 4; n += 2) {
+                unsigned b[4];
+                ldmatrix_x4(b, &sh.w[32 * wn + 8 * n + lane % 8 + (lane / 16) * 8][kk * 16 + ((lane / 8) % 2) * 8]);
+#pragma unroll
+                for (int i = 0; i < 4; i++) c[n][i] = c[n + 1][i] = 0.0f;
+                mma_16816<bf16>(c[n], ah, b[0], b[1]);
+                mma_16816<bf16>(c[n], al, b[0], b[1]);
+                mma_16816<bf16>(c[n + 1], ah, b[2], b[3]);
+                mma_16816<bf16>(c[n + 1], al, b[2], b[3]);
+            }
+            // Accumulator i: token row lane / 4 (+ 8 from i = 2), expert column 2 (lane % 4) + i % 2.
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) {
+                const unsigned row = 16 * wm + lane / 4 + 8 * hf;
+                const float sx = sh.xsum[row][kk], ax = sh.xabs[row][kk];
+#pragma unroll
+                for (int n = 0; n < 4; n++)
+#pragma unroll
+                    for (int j = 0; j < 2; j++) {
+                        const unsigned col = 32 * wn + 8 * n + 2 * (lane % 4) + j, i = 2 * hf + j;
+                        acc[n][i] += sh.s[col][kk] * c[n][i] + sh.b[col][kk] * sx;
+                        bnd[n][i] += sh.c[col][kk] * ax;
+                    }
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        const unsigned t = t0 + 16 * wm + lane / 4 + 8 * hf;
+        if (t >= tokens) continue;
+#pragma unroll
+        for (int n = 0; n < 4; n++)
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                const unsigned e = e0 + 32 * wn + 8 * n + 2 * (lane % 4) + j;
+                if (e >= experts) continue;
+                const size_t o = ((size_t)z * tokens + t) * experts + e;
+                approx[o] = acc[n][2 * hf + j];
+                bound[o] = bnd[n][2 * hf + j];
+            }
+    }
+}
+
+// Floats of shared memory a warp of router_choose takes: x staged (padded), the vectors' sums,
+// the candidates' exact logits and the candidate list, rounded up to 16 bytes.
+__host__ __device__ constexpr unsigned rc_stride(unsigned in_dim, unsigned vals, unsigned experts) {
+    return (padded_len(in_dim) + in_dim / vals + 2 * experts + 3) / 4 * 4;
+}
+
+// Grid ceil(tokens / RC_WARPS), RC_WARPS warps, a token each; dynamic shared memory RC_WARPS *
+// rc_stride floats. approx and bound as router_bounds writes them; ids, weights: [tokens, k].
+template <int BITS, typename S, int PER_LANE>
+__device__ void router_choose(const float* x, const void* w, const S* scales, const S* biases, const float* approx,
+                              const float* bound, unsigned splits, unsigned* ids, float* weights, unsigned tokens,
+                              unsigned in_dim, unsigned experts, unsigned group, unsigned k) {
+    constexpr unsigned VALS = VecFormat<BITS>::VALS, F4 = VALS / 4;
+    extern __shared__ __align__(16) float rc_smem[];
+    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, nvec = in_dim / VALS;
+    float* xs = rc_smem + warp * rc_stride(in_dim, VALS, experts);
+    float* xsum = xs + padded_len(in_dim);
+    float* exact = xsum + nvec;
+    unsigned* list = reinterpret_cast<unsigned*>(exact + experts);
+    pdl_begin();
+    const unsigned t = blockIdx.x * RC_WARPS + warp;
+    if (t >= tokens) return;  // no barrier follows: each warp works alone
+    for (unsigned u = lane; u < nvec; u += 32) {
+        float4 f[F4];
+#pragma unroll
+        for (unsigned j = 0; j < F4; j++) f[j] = reinterpret_cast<const float4*>(x + (size_t)t * in_dim)[u * F4 + j];
+        stage_vector<BITS>(f, xs, xsum, u);
+    }
+    float lo[PER_LANE], hi[PER_LANE];
+    bool bad = false;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i++) {
+        const unsigned e = lane + 32 * i;
+        float a = 0.0f, m = 0.0f;
+        if (e < experts) {
+            for (unsigned z = 0; z < splits; z++) {
+                const size_t o = ((size_t)z * tokens + t) * experts + e;
+                a += approx[o];
+                m += bound[o];
+            }
+        }
+        const float room = RB_BETA * m + RB_TINY;
+        lo[i] = a - room;
+        hi[i] = a + room;
+        bad |= e < experts && !(isfinite(lo[i]) && isfinite(hi[i]));
+    }
+    bad = __any_sync(0xffffffffu, bad);
+    // The k-th largest lower bound: k rounds, each taking one instance of the largest left.
+    unsigned key[PER_LANE];
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i++) key[i] = logit_key(lo[i], lane + 32 * i < experts);
+    unsigned kth = 0;
+    for (unsigned j = 0; j < k && !bad; j++) {
+        unsigned mine = 0;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; i++) mine = max(mine, key[i]);
+        kth = __reduce_max_sync(0xffffffffu, mine);
+        unsigned cand = 0xffffffffu;
+#pragma unroll
+        for (int i = PER_LANE - 1; i >= 0; i--)
+            if (key[i] == kth) cand = lane + 32 * i;
+        const unsigned bi = __reduce_min_sync(0xffffffffu, cand);
+#pragma unroll
+        for (int i = 0; i < PER_LANE; i++)
+            if (lane + 32 * i == bi) key[i] = 0;
+    }
+    const float tau = key_logit(kth);
+    // The candidates, listed in order of expert.
+    bool cand[PER_LANE];
+    unsigned n = 0;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i++) {
+        const unsigned e = lane + 32 * i;
+        cand[i] = e < experts && (bad || hi[i] >= tau);
+        const unsigned mask = __ballot_sync(0xffffffffu, cand[i]);
+        if (cand[i]) list[n + __popc(mask & ((1u << lane) - 1u))] = e;
+        n += __popc(mask);
+    }
+    __syncwarp();
+    constexpr int R = 4;
+    for (unsigned c0 = 0; c0 < n; c0 += R) {
+        unsigned row[R];
+        float dot[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            row[r] = c0 + r < n ? list[c0 + r] : experts;
+            dot[r] = 0.0f;
+        }
+        rows_dot_at<BITS, R, S>(w, scales, biases, row, experts, xs, xsum, in_dim, group, dot);
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            const float s = warp_sum(dot[r]);
+            if (lane == 0 && row[r] < experts) exact[row[r]] = s;
+        }
+    }
+    __syncwarp();
+    float p[PER_LANE];
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i++) p[i] = cand[i] ? exact[lane + 32 * i] : __uint_as_float(0x7fc00000u);
+    choose<PER_LANE>(p, ids, weights, t, experts, k, 1);
+}
+
+#define ROUTER_CHOOSE(BITS, S, NAME, PER_LANE)                                                               \
+    extern "C" __global__ void __launch_bounds__(32 * RC_WARPS) router_choose_##NAME##_##PER_LANE(           \
+        const float* x, const unsigned* w, const S* scales, const S* biases, const float* approx,            \
+        const float* bound, unsigned splits, unsigned* ids, float* weights, unsigned tokens, unsigned in_dim, \
+        unsigned experts, unsigned group, unsigned k) {                                                      \
+        router_choose<BITS, S, PER_LANE>(x, w, scales, biases, approx, bound, splits, ids, weights, tokens,  \
+                                         in_dim, experts, group, k);                                         \
+    }
+#define ROUTER_BOUNDED(BITS, S, NAME)                                                                        \
+    extern "C" __global__ void __launch_bounds__(RB_THREADS, 4) router_bounds_##NAME(                        \
+        const float* x, const unsigned* w, const S* scales, const S* biases, float* approx, float* bound,    \
+        unsigned tokens, unsigned in_dim, unsigned experts, unsigned group, unsigned steps) {                \
+        router_bounds<BITS, S>(x, reinterpret_cast<const unsigned char*>(w), scales, biases, approx, bound,  \
+                               tokens, in_dim, experts, group, steps);                                       \
+    }                                                                                                        \
+    ROUTER_CHOOSE(BITS, S, NAME, 4) ROUTER_CHOOSE(BITS, S, NAME, 8) ROUTER_CHOOSE(BITS, S, NAME, 16)
+ROUTER_BOUNDED(4, bf16, q4)
+ROUTER_BOUNDED(8, bf16, q8)
+ROUTER_BOUNDED(4, float, q4f)
+ROUTER_BOUNDED(8, float, q8f)

@@ -561,6 +561,60 @@ fn router_logits_of_many_tokens_equal_one_token_at_a_time() {
     }
 }
 
+/// A router's choice of many tokens with its logits bounded first (`Config::bounded_router`)
+/// equals, bit for bit, the choice from every logit computed exactly: the same experts and the
+/// same weights, on `cases::router_choice`'s planted ties (a near tie at the k-th place of most
+/// tokens, exact ties, a token of zeros, one that overflows, one with a NaN). 4- and 8-bit
+/// weights with bf16 and f32 group scales; 128 experts (Qwen3-30B-A3B's router), 512 (Qwen3-Next's),
+/// 60 and 20; token counts that are not whole tiles.
+#[test]
+fn bounded_router_chooses_as_every_exact_logit_does() {
+    let Some(dev) = device_or_skip("bounded_router_chooses_as_every_exact_logit_does") else {
+        return;
+    };
+    let on = reopened(&dev, "the bounded router on", |c| c.bounded_router = true);
+    let off = reopened(&dev, "the bounded router off", |c| c.bounded_router = false);
+    let (mut rng, seed) = Rng::from_time();
+    let [q4, q8, q4g32, q8g128, q4f, q8f] = kestrel_testing::cases::QUANT_FORMATS;
+    for (round, (tokens, shape, format)) in [
+        (64, (2048, 128, 7), q8),
+        (333, (2048, 128, 7), q4),
+        (2050, (2048, 128, 9), q8),
+        (100, (1408, 60, 5), q8g128),
+        (257, (2048, 512, 11), q8),
+        (129, (1024, 20, 3), q4g32),
+        (300, (2048, 128, 1), q4f),
+        (70, (768, 128, 7), q8f),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let case = kestrel_testing::cases::router_choice(Rng::new(rng.next_u64()), tokens, shape, format);
+        println!("{}", case.name);
+        let bounded = |d| {
+            command_labels(d, &case)
+                .iter()
+                .any(|l| l.contains("router_choose_"))
+        };
+        assert!(
+            bounded(&on) && !bounded(&off),
+            "seed {seed} round {round} {}",
+            case.name
+        );
+        let chosen =
+            |d: &kestrel_cuda::Device| run_cuda(&mut CudaBackend::new(d.clone(), RunMode::Graph), &case);
+        let (a, b) = (chosen(&on), chosen(&off));
+        for (check, (a, b)) in ["ids", "weights"].iter().zip(a.iter().zip(&b)) {
+            let differ = a.chunks(4).zip(b.chunks(4)).position(|(x, y)| x != y);
+            assert!(
+                differ.is_none(),
+                "seed {seed} round {round} {}: {check} differ first at slot {differ:?}",
+                case.name
+            );
+        }
+    }
+}
+
 /// Long caches, against the CPU backend: a prefill long enough that tensor-core attention needs
 /// no split over the cache (every block writes its rows' normalised output directly, the path
 /// the shared random cases, a few dozen tokens each, never reach), and one token decoded at the

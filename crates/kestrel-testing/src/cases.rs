@@ -245,23 +245,29 @@ impl CaseBuilder {
             Some(q) => {
                 let values = self.randn(rows * cols, scale);
                 let m = QuantMatrix::quantize(&values, rows, cols, q);
-                let lw = self.g.quant_weight(label, rows, cols, q);
-                let LinearWeight::Quant {
-                    weight,
-                    scales,
-                    biases,
-                    ..
-                } = lw
-                else {
-                    unreachable!()
-                };
-                let (sb, bb) = m.group_bytes().expect("the quantiser's scales fit its format");
-                self.set(weight, bytemuck::cast_slice(&m.weight).to_vec());
-                self.set(scales, sb);
-                self.set(biases, bb);
+                let lw = self.quant_weight(label, &m);
                 (lw, m.dequantize().iter().map(|&v| v as f64).collect())
             }
         }
+    }
+
+    /// The quantised projection weight `label` holding `m`.
+    pub fn quant_weight(&mut self, label: &str, m: &QuantMatrix) -> LinearWeight {
+        let lw = self.g.quant_weight(label, m.rows, m.cols, m.format);
+        let LinearWeight::Quant {
+            weight,
+            scales,
+            biases,
+            ..
+        } = lw
+        else {
+            unreachable!("quant_weight makes quantised weights")
+        };
+        let (sb, bb) = m.group_bytes().expect("the quantiser's scales fit its format");
+        self.set(weight, bytemuck::cast_slice(&m.weight).to_vec());
+        self.set(scales, sb);
+        self.set(biases, bb);
+        lw
     }
 
     pub fn act(&mut self, label: &str, rows: usize, cols: usize, scale: f32) -> (BufId<Act>, Vec<f64>) {
@@ -1499,6 +1505,58 @@ pub fn router(rng: Rng) -> Case {
     c.check_floats(weights, exp_w);
     c.finish(format!(
         "router {tokens}x{in_dim} -> top-{k} of {experts} {format:?} {dtype} normalize={normalize} norm={norm:?}"
+    ))
+}
+
+/// A router's product and renormalised choice of `tokens` tokens (`hidden` values, top `k` of
+/// `experts`) whose logits nothing else reads, so CUDA may bound them first, with ties planted
+/// where the choice is decided: the experts come in pairs (2i, 2i + 1) whose rows are equal
+/// (even i) or one step of q apart in one column (odd i), where every token's x is a millionth
+/// of its size, so with `k` odd the k-th place usually falls inside a pair. Token 0's x is zeros
+/// (every logit ties), token 1's overflows f32 in the product, token 2's holds a NaN. The chosen
+/// ids and weights are checked against the other backends only: a near tie may go either way
+/// between the CPU and CUDA.
+pub fn router_choice(
+    rng: Rng,
+    tokens: usize,
+    (hidden, experts, k): (usize, usize, usize),
+    format: QuantFormat,
+) -> Case {
+    let mut c = CaseBuilder::new(rng);
+    let values = c.randn(experts * hidden, 1.0 / (hidden as f32).sqrt());
+    let mut m = QuantMatrix::quantize(&values, experts, hidden, format);
+    let (words, groups) = (format.words_per_row(hidden), format.groups_per_row(hidden));
+    let column = hidden / 3;
+    let (vpw, bits) = (format.values_per_word(), format.bits as usize);
+    for e in (1..experts).step_by(2) {
+        m.weight.copy_within((e - 1) * words..e * words, e * words);
+        m.scales.copy_within((e - 1) * groups..e * groups, e * groups);
+        m.biases.copy_within((e - 1) * groups..e * groups, e * groups);
+        if e % 4 == 3 {
+            let q = m.q(e, column);
+            let nudged = if q == 0 { 1 } else { q - 1 };
+            let (word, shift) = (e * words + column / vpw, bits * (column % vpw));
+            m.weight[word] = (m.weight[word] & !(((1u32 << bits) - 1) << shift)) | (nudged << shift);
+        }
+    }
+    let w = c.quant_weight("gate", &m);
+    let mut x = c.randn(tokens * hidden, 1.0);
+    for t in 0..tokens {
+        x[t * hidden + column] *= 1e-6;
+    }
+    x[..hidden].fill(0.0);
+    if tokens > 2 {
+        x[hidden..2 * hidden].iter_mut().for_each(|v| *v *= 1e37);
+        x[2 * hidden + 7] = f32::NAN;
+    }
+    let xb = c.g.act_input("x", tokens, hidden);
+    c.set(xb, bytemuck::cast_slice(&x).to_vec());
+    let logits = c.g.linear("gate", xb, &w);
+    let (ids, weights) = c.g.router("topk", logits, k, true);
+    c.check_backends(ids);
+    c.check_backends(weights);
+    c.finish(format!(
+        "router choice of {tokens} tokens, {hidden} -> top-{k} of {experts}, {format:?}"
     ))
 }
 

@@ -11,6 +11,7 @@ mod head;
 mod linear;
 mod moe;
 mod norm;
+mod router;
 mod skinny;
 mod stream;
 
@@ -47,7 +48,9 @@ pub const MODULES: &[ModuleSource] = &[
 /// of attention and its attention (two); a few tokens' router: residual add and norm, product and
 /// choice of experts (three), or product and choice (two), for one token optionally with a
 /// streamed layer's fetch of the chosen experts and the experts that read the fetched slots
-/// after them (two more); one token's norm and the quantised product that reads it (two).
+/// after them (two more); many tokens' router product and choice, the logits bounded first and
+/// computed exactly only where they decide (two); one token's norm and the quantised product
+/// that reads it (two).
 /// `precise` says, for each of `ops`, whether its output feeds a router's choice. Returns how
 /// many it encoded; 0, and nothing recorded, otherwise.
 pub fn encode_fused(ops: &[&Op], precise: &[bool], enc: &mut Encoder) -> Result<usize> {
@@ -76,6 +79,12 @@ pub fn encode_fused(ops: &[&Op], precise: &[bool], enc: &mut Encoder) -> Result<
         }
         if moe::encode_route(n, l, r, None, None, enc)? {
             return Ok(head);
+        }
+    }
+    // Many tokens' router product and choice, bounded first.
+    if let [linear @ Op::Linear { .. }, router @ Op::Router { .. }, ..] = ops {
+        if router::encode_bounded(linear, router, enc)? {
+            return Ok(2);
         }
     }
     // One token's norm and the quantised product that reads it (after the router's, which

@@ -18,6 +18,7 @@ use super::common::{op_module, padded_len, quant_name, u32_arg, unsupported};
 use super::elementwise::round_bf16;
 use super::gemm::{self, mma_smem, GT_COLS, GT_K, GT_ROWS, GT_THREADS, SORT_MAX_EXPERTS, WG_SMEM};
 use super::linear::weight_parts;
+use super::router;
 use super::skinny;
 use crate::encoder::Encoder;
 
@@ -35,6 +36,10 @@ pub(crate) const MODULE: ModuleSource = op_module(
         ("GQ_ROWS", GQ_ROWS as i64),
         ("SLOTS_HEADER", HEADER as i64),
         ("SLOTS_USE", USE as i64),
+        ("RB_TOKENS", router::RB_TOKENS as i64),
+        ("RB_EXPERTS", router::RB_EXPERTS as i64),
+        ("RB_THREADS", router::RB_THREADS as i64),
+        ("RC_WARPS", router::RC_WARPS as i64),
     ],
 );
 
@@ -47,8 +52,8 @@ const DOWN_WARPS: usize = 4;
 const GQ_WARPS: usize = 16;
 const GQ_ROWS: usize = 2;
 /// `router_f32_*` holds up to 16 experts per lane of one warp, and slot j's weight in lane j.
-const ROUTER_MAX_EXPERTS: usize = 512;
-const ROUTER_MAX_K: usize = 32;
+pub(super) const ROUTER_MAX_EXPERTS: usize = 512;
+pub(super) const ROUTER_MAX_K: usize = 32;
 
 /// `route_*` (moe.cu): blocks of the cluster and warps per block.
 const ROUTE_BLOCKS: usize = 8;
@@ -326,7 +331,7 @@ fn expert_args<'a>(
 }
 
 /// `router_f32_*` / `route_*`: experts per lane for this many experts.
-fn router_per_lane(experts: usize) -> usize {
+pub(super) fn router_per_lane(experts: usize) -> usize {
     [4, 8, 16]
         .into_iter()
         .find(|&n| experts <= 32 * n)

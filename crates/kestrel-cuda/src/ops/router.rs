@@ -1,0 +1,157 @@
+//! A router's product and choice for many tokens, bounded first: `moe.cu`'s `router_bounds_*`
+//! estimates every logit on the tensor cores with a bound on its distance from the exact one,
+//! and `router_choose_*` computes exactly (the one-token kernel's arithmetic) only the logits of
+//! experts whose bounds let them be among the top k, then chooses from those. The experts and
+//! weights are bit for bit those of the exact product of every logit and `router_f32_*`.
+
+use kestrel_core::ir::{BufKind, LinearWeight, Op};
+use kestrel_core::quant::ScaleType;
+use kestrel_core::DType;
+
+use kestrel_cuda_rt::Result;
+
+use super::common::{padded_len, quant_name, u32_arg};
+use super::moe::{router_per_lane, MODULE, ROUTER_MAX_EXPERTS, ROUTER_MAX_K};
+use crate::encoder::Encoder;
+
+/// `router_bounds_*`: tokens and experts a block takes, its threads, and the values of K a step
+/// (`RB_TOKENS`, `RB_EXPERTS`, `RB_THREADS`, `RB_K` in moe.cu).
+pub(super) const RB_TOKENS: usize = 32;
+pub(super) const RB_EXPERTS: usize = 64;
+pub(super) const RB_THREADS: usize = 128;
+const RB_K: usize = 64;
+/// `router_choose_*`: warps a block, a token each (`RC_WARPS`).
+pub(super) const RC_WARPS: usize = 4;
+
+/// From this many tokens a router's logits are bounded first (fewer take the exact product of
+/// every logit, `matvec_*_exact_tokens_*`, or the one-token kernels).
+pub(crate) const BOUNDED_MIN_TOKENS: usize = 64;
+
+/// Floats of shared memory a `router_choose_*` warp takes (`rc_stride` in moe.cu).
+fn rc_stride(in_dim: usize, vals: usize, experts: usize) -> usize {
+    (padded_len(in_dim) + in_dim / vals + 2 * experts).next_multiple_of(4)
+}
+
+/// A router's product (`linear`, writing the logits) and its choice (`router`) as
+/// `router_bounds_*` and `router_choose_*`, when: the device allows it (`Config::bounded_router`,
+/// compute capability 8 or newer), at least `BOUNDED_MIN_TOKENS` tokens, 4- or 8-bit weights
+/// with bf16 or f32 group scales of whole 16-value segments and 16-byte vectors, K in whole
+/// steps, the choice renormalised over the top k (so only the chosen logits weigh), and the
+/// logits a transient nothing else reads (they are left estimates, not exact). Returns false,
+/// recording nothing, otherwise.
+pub fn encode_bounded(linear: &Op, router: &Op, enc: &mut Encoder) -> Result<bool> {
+    let (
+        &Op::Linear {
+            x,
+            w: ref weight,
+            out,
+            tokens,
+            in_dim,
+            out_dim,
+        },
+        &Op::Router {
+            logits,
+            ids,
+            weights,
+            tokens: router_tokens,
+            experts,
+            k,
+            normalize,
+        },
+    ) = (linear, router)
+    else {
+        return Ok(false);
+    };
+    let LinearWeight::Quant { format, .. } = weight else {
+        return Ok(false);
+    };
+    let vals = 128 / format.bits as usize;
+    if !enc.device.bounded_router()
+        || enc.device.info().compute_capability.0 < 8
+        || logits != out
+        || tokens != router_tokens
+        || tokens < BOUNDED_MIN_TOKENS
+        || experts != out_dim
+        || experts > ROUTER_MAX_EXPERTS
+        || k > ROUTER_MAX_K
+        || !normalize
+        || !matches!(format.bits, 4 | 8)
+        || !matches!(format.scale, ScaleType::Bf16 | ScaleType::F32)
+        || format.group_size % 16 != 0
+        || format.group_size % vals != 0
+        || in_dim % format.group_size != 0
+        || in_dim % RB_K != 0
+        || enc.graph.decl(out).kind != BufKind::Transient
+        || enc.readers(out).len() != 1
+        || enc.dtype(x) != DType::F32
+        || enc.held_dtype(x) != DType::F32
+    {
+        return Ok(false);
+    }
+    let smem = RC_WARPS * rc_stride(in_dim, vals, experts) * 4;
+    let xb = enc.buf(x)?.clone();
+    if xb.device_ptr() % 16 != 0 || smem > enc.device.info().max_shared_per_block {
+        return Ok(false);
+    }
+    let name = quant_name(format)?;
+    let parts = weight
+        .bufs()
+        .into_iter()
+        .map(|b| enc.buf(b).cloned())
+        .collect::<Result<Vec<_>>>()?;
+    let (ids, weights) = (enc.buf(ids)?.clone(), enc.buf(weights)?.clone());
+    // Split K so that the blocks fill the GPU about twice over.
+    let sms = enc.device.info().sm_count as usize;
+    let tiles = tokens.div_ceil(RB_TOKENS) * experts.div_ceil(RB_EXPERTS);
+    let steps_all = in_dim / RB_K;
+    let steps = steps_all.div_ceil((2 * sms).div_ceil(tiles).clamp(1, steps_all));
+    let splits = steps_all.div_ceil(steps);
+    let approx = enc.workspace(DType::F32, splits * tokens * experts)?;
+    let bound = enc.workspace(DType::F32, splits * tokens * experts)?;
+    let bounds = enc.kernel(&MODULE, &format!("router_bounds_{name}"))?;
+    let mut b = enc
+        .dispatch(&bounds)
+        .grid((
+            u32_arg(tokens.div_ceil(RB_TOKENS))?,
+            u32_arg(experts.div_ceil(RB_EXPERTS))?,
+            u32_arg(splits)?,
+        ))
+        .block(RB_THREADS as u32)
+        .read(&xb);
+    for p in &parts {
+        b = b.read(p);
+    }
+    b.write(&approx)
+        .write(&bound)
+        .arg(u32_arg(tokens)?)
+        .arg(u32_arg(in_dim)?)
+        .arg(u32_arg(experts)?)
+        .arg(u32_arg(format.group_size)?)
+        .arg(u32_arg(steps)?)
+        .record();
+    let choose = enc.kernel(
+        &MODULE,
+        &format!("router_choose_{name}_{}", router_per_lane(experts)),
+    )?;
+    let mut b = enc
+        .dispatch(&choose)
+        .grid(u32_arg(tokens.div_ceil(RC_WARPS))?)
+        .block(u32_arg(32 * RC_WARPS)?)
+        .shared_mem(u32_arg(smem)?)
+        .read(&xb);
+    for p in &parts {
+        b = b.read(p);
+    }
+    b.read(&approx)
+        .read(&bound)
+        .arg(u32_arg(splits)?)
+        .write(&ids)
+        .write(&weights)
+        .arg(u32_arg(tokens)?)
+        .arg(u32_arg(in_dim)?)
+        .arg(u32_arg(experts)?)
+        .arg(u32_arg(format.group_size)?)
+        .arg(u32_arg(k)?)
+        .record();
+    Ok(true)
+}
