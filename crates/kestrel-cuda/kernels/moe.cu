@@ -1,4 +1,5 @@
-// Mixture of experts for few tokens.
+// Mixture of experts for few tokens, and the router's choice of many (router_bounds_*,
+// router_choose_*, at the end).
 // router_f32_{4,8,16}: one warp per token holds up to 128, 256 or 512 experts in registers and
 // chooses (choose(): k rounds of warp argmax, the lower index wins ties; a softmax over all only
 // when the weights are not renormalised).
@@ -1285,6 +1286,14 @@ __device__ void router_bounds(const float* x, const unsigned char* w, const S* s
 #pragma unroll
         for (int i = 0; i < 4; i++) acc[n][i] = bnd[n][i] = 0.0f;
     pdl_begin();
+    // The tensor cores add a group's products in c (q exact: one scale for all of them), folded
+    // into acc and bnd at the group's end (or the split's) with the group's sums of x and |x|.
+    float c[4][4], xsum[2] = {0.0f, 0.0f}, xabs[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int n = 0; n < 4; n++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) c[n][i] = 0.0f;
+    unsigned left = (group - first * RB_K % group) / 16;  // segments before this group ends
     RbRegs<BITS> r;
     if (first < last) rb_load<BITS, S>(r, x, w, scales, biases, t0, e0, first * RB_K, tokens, in_dim, experts, group);
     for (unsigned st = first; st < last; st++) {
@@ -1297,32 +1306,39 @@ __device__ void router_bounds(const float* x, const unsigned char* w, const S* s
             unsigned ah[4], al[4];
             ldmatrix_x4(ah, &sh.xh[16 * wm + lane % 16][kk * 16 + (lane / 16) * 8]);
             ldmatrix_x4(al, &sh.xl[16 * wm + lane % 16][kk * 16 + (lane / 16) * 8]);
-            float c[4][4];
 #pragma unroll
             for (int n = 0; n < 4; n += 2) {
                 unsigned b[4];
                 ldmatrix_x4(b, &sh.w[32 * wn + 8 * n + lane % 8 + (lane / 16) * 8][kk * 16 + ((lane / 8) % 2) * 8]);
-#pragma unroll
-                for (int i = 0; i < 4; i++) c[n][i] = c[n + 1][i] = 0.0f;
                 mma_16816<bf16>(c[n], ah, b[0], b[1]);
                 mma_16816<bf16>(c[n], al, b[0], b[1]);
                 mma_16816<bf16>(c[n + 1], ah, b[2], b[3]);
                 mma_16816<bf16>(c[n + 1], al, b[2], b[3]);
             }
-            // Accumulator i: token row lane / 4 (+ 8 from i = 2), expert column 2 (lane % 4) + i % 2.
 #pragma unroll
             for (int hf = 0; hf < 2; hf++) {
-                const unsigned row = 16 * wm + lane / 4 + 8 * hf;
-                const float sx = sh.xsum[row][kk], ax = sh.xabs[row][kk];
-#pragma unroll
-                for (int n = 0; n < 4; n++)
-#pragma unroll
-                    for (int j = 0; j < 2; j++) {
-                        const unsigned col = 32 * wn + 8 * n + 2 * (lane % 4) + j, i = 2 * hf + j;
-                        acc[n][i] += sh.s[col][kk] * c[n][i] + sh.b[col][kk] * sx;
-                        bnd[n][i] += sh.c[col][kk] * ax;
-                    }
+                xsum[hf] += sh.xsum[16 * wm + lane / 4 + 8 * hf][kk];
+                xabs[hf] += sh.xabs[16 * wm + lane / 4 + 8 * hf][kk];
             }
+            if (--left > 0 && !(st + 1 == last && kk == RB_K / 16 - 1)) continue;
+            left = group / 16;
+            // Accumulator i: token row lane / 4 (+ 8 from i = 2), expert column 2 (lane % 4) + i % 2.
+#pragma unroll
+            for (int n = 0; n < 4; n++)
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    const unsigned col = 32 * wn + 8 * n + 2 * (lane % 4) + j;
+                    const float gs = sh.s[col][kk], gb = sh.b[col][kk], gc = sh.c[col][kk];
+#pragma unroll
+                    for (int hf = 0; hf < 2; hf++) {
+                        const unsigned i = 2 * hf + j;
+                        acc[n][i] += gs * c[n][i] + gb * xsum[hf];
+                        bnd[n][i] += gc * xabs[hf];
+                        c[n][i] = 0.0f;
+                    }
+                }
+#pragma unroll
+            for (int hf = 0; hf < 2; hf++) xsum[hf] = xabs[hf] = 0.0f;
         }
         __syncthreads();
     }

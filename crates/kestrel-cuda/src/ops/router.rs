@@ -20,6 +20,8 @@ pub(super) const RB_TOKENS: usize = 32;
 pub(super) const RB_EXPERTS: usize = 64;
 pub(super) const RB_THREADS: usize = 128;
 const RB_K: usize = 64;
+/// The most ranges of K `router_bounds_*` splits a product into.
+const RB_MAX_SPLITS: usize = 8;
 /// `router_choose_*`: warps a block, a token each (`RC_WARPS`).
 pub(super) const RC_WARPS: usize = 4;
 
@@ -100,11 +102,13 @@ pub fn encode_bounded(linear: &Op, router: &Op, enc: &mut Encoder) -> Result<boo
         .map(|b| enc.buf(b).cloned())
         .collect::<Result<Vec<_>>>()?;
     let (ids, weights) = (enc.buf(ids)?.clone(), enc.buf(weights)?.clone());
-    // Split K so that the blocks fill the GPU about twice over.
+    // Split K so that the blocks fill the GPU about twice over, into at most RB_MAX_SPLITS
+    // ranges (each a partial sum the choice reads).
     let sms = enc.device.info().sm_count as usize;
     let tiles = tokens.div_ceil(RB_TOKENS) * experts.div_ceil(RB_EXPERTS);
     let steps_all = in_dim / RB_K;
-    let steps = steps_all.div_ceil((2 * sms).div_ceil(tiles).clamp(1, steps_all));
+    let want = (2 * sms).div_ceil(tiles).clamp(1, RB_MAX_SPLITS.min(steps_all));
+    let steps = steps_all.div_ceil(want);
     let splits = steps_all.div_ceil(steps);
     let approx = enc.workspace(DType::F32, splits * tokens * experts)?;
     let bound = enc.workspace(DType::F32, splits * tokens * experts)?;
