@@ -1144,29 +1144,30 @@ EXPERTS(16, bf16)
 // A router that renormalises its top k needs exact logits (the one-token kernel's f32
 // arithmetic, so a token's experts do not depend on what it is batched with) only for the
 // experts that can still be among the top k. With w = q s + b in groups (q from 0 to 2^BITS - 1):
-// - router_bounds_*: for each (token, expert) an estimate a = sum over 16-value segments of
-//   s (sum q x_hi + sum q x_lo) + b sum x, where x = x_hi + x_lo + r splits x into two bf16 parts
-//   (|r| <= 2^-16 |x|) and q is exact in bf16, the products on mma.sync; and
-//   m = sum over segments of (|s| (2^BITS - 1) + |b|) sum |x|, which bounds every intermediate
-//   magnitude of the estimate and of the exact kernel. Both differ from the real product by
-//   less than 2^-15 m (the split, the tensor cores' f32 sums, the f32 folds of 128 segments and
-//   the exact kernel's 30 or so roundings), so |exact - a| <= RB_BETA m with RB_BETA = 2^-13.
+// - router_bounds_*: for each (token, expert) an estimate a = sum over groups of
+//   s (sum q x_1 + sum q x_2 + sum q x_3) + b sum x, where x = x_1 + x_2 + x_3 + r splits x into
+//   three bf16 parts (|r| <= 2^-24 |x|) and q is exact in bf16, the products on mma.sync; and
+//   m = sum over groups of (|s| (2^BITS - 1) + |b|) sum |x|, which bounds every intermediate
+//   magnitude of the estimate and of the exact kernel. Each differs from the real product by at
+//   most a few units of 2^-24 m per rounding on its longest chain (the split; the tensor cores'
+//   f32 sums, each mma's error under 2^-23 of its terms; the folds of every group and the splits'
+//   partial sums; the exact kernel's products, its lane's vectors and warp_sum), which the host
+//   counts (`ops/router.rs`, `beta`) and passes as beta, four times over: |exact - a| <= beta m.
 //   A block takes RB_TOKENS tokens x RB_EXPERTS experts over one of grid.z ranges of K, the
 //   next 64 values' inputs loaded into registers while the tensor cores work on the current
 //   ones, and writes its partial sums to [z][tokens][experts].
 // - router_choose_*: a warp a token sums the partials, takes the k-th largest lower bound
-//   a - RB_BETA m - RB_TINY and computes exactly (rows_dot_at, then warp_sum: matvec's order)
+//   a - beta m - RB_TINY and computes exactly (rows_dot_at, then warp_sum: matvec's order)
 //   every expert whose upper bound reaches it, or every expert when a bound is not finite; the
 //   others are below k exact logits and cannot be chosen. choose() then picks from the exact
 //   logits of those, as router_f32 picks from all of them: the same experts, the same weights.
-#if !defined(RB_TOKENS) || !defined(RB_EXPERTS) || !defined(RB_THREADS) || !defined(RC_WARPS)
+#if !defined(RB_TOKENS) || !defined(RB_EXPERTS) || !defined(RB_THREADS) || !defined(RB_SPLITS) || !defined(RC_WARPS)
 #error "moe.cu is compiled with the bounded router's geometry of ops/router.rs as -D definitions"
 #endif
 static_assert(RB_TOKENS == 32 && RB_EXPERTS == 64 && RB_THREADS == 128,
               "router_bounds' warps are written for 32 tokens x 64 experts and four warps");
 #define RB_K 64                         // values of K a step
 #define RB_STRIDE (RB_K + 8)            // shared row in bf16 values, padded against bank conflicts
-#define RB_BETA 1.220703125e-4f         // 2^-13
 #define RB_TINY 7.888609052210118e-31f  // 2^-100: room for products below f32's normal range
 
 // This thread's share of one step's inputs: 16 values of x (token tid / 4, values 16 (tid % 4)
@@ -1198,7 +1199,7 @@ __device__ __forceinline__ void rb_load(RbRegs<BITS>& r, const float* x, const u
 }
 
 struct RbShared {
-    bf16 xh[RB_TOKENS][RB_STRIDE], xl[RB_TOKENS][RB_STRIDE], w[RB_EXPERTS][RB_STRIDE];
+    bf16 x[3][RB_TOKENS][RB_STRIDE], w[RB_EXPERTS][RB_STRIDE];  // x's three parts, the q
     float xsum[RB_TOKENS][RB_K / 16], xabs[RB_TOKENS][RB_K / 16];                // a token's segment
     float s[RB_EXPERTS][RB_K / 16], b[RB_EXPERTS][RB_K / 16], c[RB_EXPERTS][RB_K / 16];  // an expert's
 };
@@ -1216,23 +1217,28 @@ __device__ __forceinline__ void rb_store(const RbRegs<BITS>& r, RbShared& sh) {
         const unsigned t = tid / 4, q = tid % 4;
         const float v[16] = {r.x[0].x, r.x[0].y, r.x[0].z, r.x[0].w, r.x[1].x, r.x[1].y, r.x[1].z, r.x[1].w,
                              r.x[2].x, r.x[2].y, r.x[2].z, r.x[2].w, r.x[3].x, r.x[3].y, r.x[3].z, r.x[3].w};
-        unsigned hi[8], lo[8];
+        unsigned part[3][8];
         float sum = 0.0f, abs_sum = 0.0f;
 #pragma unroll
         for (int j = 0; j < 8; j++) {
-            const __nv_bfloat162 h = __floats2bfloat162_rn(v[2 * j], v[2 * j + 1]);
-            const __nv_bfloat162 l = __floats2bfloat162_rn(v[2 * j] - __low2float(h), v[2 * j + 1] - __high2float(h));
-            hi[j] = *reinterpret_cast<const unsigned*>(&h);
-            lo[j] = *reinterpret_cast<const unsigned*>(&l);
+            // Each part the rest of x after the parts before it (exact in f32), rounded to bf16.
+            float r0 = v[2 * j], r1 = v[2 * j + 1];
+#pragma unroll
+            for (int p = 0; p < 3; p++) {
+                const __nv_bfloat162 h = __floats2bfloat162_rn(r0, r1);
+                part[p][j] = *reinterpret_cast<const unsigned*>(&h);
+                r0 -= __low2float(h);
+                r1 -= __high2float(h);
+            }
             sum += v[2 * j] + v[2 * j + 1];
             abs_sum += fabsf(v[2 * j]) + fabsf(v[2 * j + 1]);
         }
-        uint4* dh = reinterpret_cast<uint4*>(&sh.xh[t][16 * q]);
-        uint4* dl = reinterpret_cast<uint4*>(&sh.xl[t][16 * q]);
-        dh[0] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-        dh[1] = make_uint4(hi[4], hi[5], hi[6], hi[7]);
-        dl[0] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
-        dl[1] = make_uint4(lo[4], lo[5], lo[6], lo[7]);
+#pragma unroll
+        for (int p = 0; p < 3; p++) {
+            uint4* d = reinterpret_cast<uint4*>(&sh.x[p][t][16 * q]);
+            d[0] = make_uint4(part[p][0], part[p][1], part[p][2], part[p][3]);
+            d[1] = make_uint4(part[p][4], part[p][5], part[p][6], part[p][7]);
+        }
         sh.xsum[t][q] = sum;
         sh.xabs[t][q] = abs_sum;
     }
@@ -1303,17 +1309,18 @@ __device__ void router_bounds(const float* x, const unsigned char* w, const S* s
             rb_load<BITS, S>(r, x, w, scales, biases, t0, e0, (st + 1) * RB_K, tokens, in_dim, experts, group);
 #pragma unroll 1
         for (int kk = 0; kk < RB_K / 16; kk++) {
-            unsigned ah[4], al[4];
-            ldmatrix_x4(ah, &sh.xh[16 * wm + lane % 16][kk * 16 + (lane / 16) * 8]);
-            ldmatrix_x4(al, &sh.xl[16 * wm + lane % 16][kk * 16 + (lane / 16) * 8]);
+            unsigned a[3][4];
+#pragma unroll
+            for (int p = 0; p < 3; p++) ldmatrix_x4(a[p], &sh.x[p][16 * wm + lane % 16][kk * 16 + (lane / 16) * 8]);
 #pragma unroll
             for (int n = 0; n < 4; n += 2) {
                 unsigned b[4];
                 ldmatrix_x4(b, &sh.w[32 * wn + 8 * n + lane % 8 + (lane / 16) * 8][kk * 16 + ((lane / 8) % 2) * 8]);
-                mma_16816<bf16>(c[n], ah, b[0], b[1]);
-                mma_16816<bf16>(c[n], al, b[0], b[1]);
-                mma_16816<bf16>(c[n + 1], ah, b[2], b[3]);
-                mma_16816<bf16>(c[n + 1], al, b[2], b[3]);
+#pragma unroll
+                for (int p = 0; p < 3; p++) {
+                    mma_16816<bf16>(c[n], a[p], b[0], b[1]);
+                    mma_16816<bf16>(c[n + 1], a[p], b[2], b[3]);
+                }
             }
 #pragma unroll
             for (int hf = 0; hf < 2; hf++) {
@@ -1359,87 +1366,102 @@ __device__ void router_bounds(const float* x, const unsigned char* w, const S* s
     }
 }
 
-// Floats of shared memory a warp of router_choose takes: x staged (padded), the vectors' sums,
-// the candidates' exact logits and the candidate list, rounded up to 16 bytes.
-__host__ __device__ constexpr unsigned rc_stride(unsigned in_dim, unsigned vals, unsigned experts) {
-    return (padded_len(in_dim) + in_dim / vals + 2 * experts + 3) / 4 * 4;
+// Floats of shared memory a router_choose block takes: x staged (padded), the vectors' sums,
+// the candidates' exact logits, the lower and upper bounds, the candidate list and its length,
+// rounded up to 16 bytes.
+__host__ __device__ constexpr unsigned rc_floats(unsigned in_dim, unsigned vals, unsigned experts) {
+    return (padded_len(in_dim) + in_dim / vals + 4 * experts + 1 + 3) / 4 * 4;
 }
 
-// Grid ceil(tokens / RC_WARPS), RC_WARPS warps, a token each; dynamic shared memory RC_WARPS *
-// rc_stride floats. approx and bound as router_bounds writes them; ids, weights: [tokens, k].
+// Grid `tokens`, a block of RC_WARPS warps a token. approx and bound as router_bounds writes them
+// (`splits` partial sums, at most RB_SPLITS); ids, weights: [tokens, k]. Every thread stages part
+// of x and sums the partials of some experts; warp 0 takes the k-th largest lower bound and lists
+// the candidates; the warps share out their exact sums, R rows at a time; warp 0 chooses.
 template <int BITS, typename S, int PER_LANE>
 __device__ void router_choose(const float* x, const void* w, const S* scales, const S* biases, const float* approx,
-                              const float* bound, unsigned splits, unsigned* ids, float* weights, unsigned tokens,
-                              unsigned in_dim, unsigned experts, unsigned group, unsigned k) {
-    constexpr unsigned VALS = VecFormat<BITS>::VALS, F4 = VALS / 4;
+                              const float* bound, unsigned splits, float beta, unsigned* ids, float* weights,
+                              unsigned tokens, unsigned in_dim, unsigned experts, unsigned group, unsigned k) {
+    constexpr unsigned VALS = VecFormat<BITS>::VALS, F4 = VALS / 4, THREADS = 32 * RC_WARPS;
+    constexpr int R = 4;
     extern __shared__ __align__(16) float rc_smem[];
-    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, nvec = in_dim / VALS;
-    float* xs = rc_smem + warp * rc_stride(in_dim, VALS, experts);
+    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, nvec = in_dim / VALS, t = blockIdx.x;
+    float* xs = rc_smem;
     float* xsum = xs + padded_len(in_dim);
     float* exact = xsum + nvec;
-    unsigned* list = reinterpret_cast<unsigned*>(exact + experts);
+    float* lo_s = exact + experts;
+    float* hi_s = lo_s + experts;
+    unsigned* list = reinterpret_cast<unsigned*>(hi_s + experts);
+    unsigned* count = list + experts;
     pdl_begin();
-    const unsigned t = blockIdx.x * RC_WARPS + warp;
-    if (t >= tokens) return;  // no barrier follows: each warp works alone
-    for (unsigned u = lane; u < nvec; u += 32) {
+    for (unsigned u = threadIdx.x; u < nvec; u += THREADS) {
         float4 f[F4];
 #pragma unroll
         for (unsigned j = 0; j < F4; j++) f[j] = reinterpret_cast<const float4*>(x + (size_t)t * in_dim)[u * F4 + j];
         stage_vector<BITS>(f, xs, xsum, u);
     }
-    float lo[PER_LANE], hi[PER_LANE];
-    bool bad = false;
+    int bad = 0;
+    for (unsigned e = threadIdx.x; e < experts; e += THREADS) {
+        float a[RB_SPLITS], m[RB_SPLITS];
 #pragma unroll
-    for (int i = 0; i < PER_LANE; i++) {
-        const unsigned e = lane + 32 * i;
-        float a = 0.0f, m = 0.0f;
-        if (e < experts) {
-            for (unsigned z = 0; z < splits; z++) {
-                const size_t o = ((size_t)z * tokens + t) * experts + e;
-                a += approx[o];
-                m += bound[o];
-            }
+        for (unsigned z = 0; z < RB_SPLITS; z++) {
+            const size_t o = ((size_t)z * tokens + t) * experts + e;
+            a[z] = z < splits ? approx[o] : 0.0f;
+            m[z] = z < splits ? bound[o] : 0.0f;
         }
-        const float room = RB_BETA * m + RB_TINY;
-        lo[i] = a - room;
-        hi[i] = a + room;
-        bad |= e < experts && !(isfinite(lo[i]) && isfinite(hi[i]));
+        float as = 0.0f, ms = 0.0f;
+#pragma unroll
+        for (unsigned z = 0; z < RB_SPLITS; z++) {
+            as += a[z];
+            ms += m[z];
+        }
+        const float room = beta * ms + RB_TINY;
+        lo_s[e] = as - room;
+        hi_s[e] = as + room;
+        bad |= !(isfinite(as - room) && isfinite(as + room));
     }
-    bad = __any_sync(0xffffffffu, bad);
-    // The k-th largest lower bound: k rounds, each taking one instance of the largest left.
-    unsigned key[PER_LANE];
-#pragma unroll
-    for (int i = 0; i < PER_LANE; i++) key[i] = logit_key(lo[i], lane + 32 * i < experts);
-    unsigned kth = 0;
-    for (unsigned j = 0; j < k && !bad; j++) {
-        unsigned mine = 0;
-#pragma unroll
-        for (int i = 0; i < PER_LANE; i++) mine = max(mine, key[i]);
-        kth = __reduce_max_sync(0xffffffffu, mine);
-        unsigned cand = 0xffffffffu;
-#pragma unroll
-        for (int i = PER_LANE - 1; i >= 0; i--)
-            if (key[i] == kth) cand = lane + 32 * i;
-        const unsigned bi = __reduce_min_sync(0xffffffffu, cand);
-#pragma unroll
-        for (int i = 0; i < PER_LANE; i++)
-            if (lane + 32 * i == bi) key[i] = 0;
-    }
-    const float tau = key_logit(kth);
-    // The candidates, listed in order of expert.
+    bad = __syncthreads_or(bad);
     bool cand[PER_LANE];
-    unsigned n = 0;
+    if (warp == 0) {
+        // The k-th largest lower bound: k rounds, each taking one instance of the largest left.
+        unsigned key[PER_LANE];
+        float hi[PER_LANE];
 #pragma unroll
-    for (int i = 0; i < PER_LANE; i++) {
-        const unsigned e = lane + 32 * i;
-        cand[i] = e < experts && (bad || hi[i] >= tau);
-        const unsigned mask = __ballot_sync(0xffffffffu, cand[i]);
-        if (cand[i]) list[n + __popc(mask & ((1u << lane) - 1u))] = e;
-        n += __popc(mask);
+        for (int i = 0; i < PER_LANE; i++) {
+            const unsigned e = lane + 32 * i;
+            key[i] = e < experts ? logit_key(lo_s[e], true) : 0u;
+            hi[i] = e < experts ? hi_s[e] : 0.0f;
+        }
+        unsigned kth = 0;
+        for (unsigned j = 0; j < k && !bad; j++) {
+            unsigned mine = 0;
+#pragma unroll
+            for (int i = 0; i < PER_LANE; i++) mine = max(mine, key[i]);
+            kth = __reduce_max_sync(0xffffffffu, mine);
+            unsigned c = 0xffffffffu;
+#pragma unroll
+            for (int i = PER_LANE - 1; i >= 0; i--)
+                if (key[i] == kth) c = lane + 32 * i;
+            const unsigned bi = __reduce_min_sync(0xffffffffu, c);
+#pragma unroll
+            for (int i = 0; i < PER_LANE; i++)
+                if (lane + 32 * i == bi) key[i] = 0;
+        }
+        const float tau = key_logit(kth);
+        // The candidates, listed in order of expert.
+        unsigned n = 0;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; i++) {
+            const unsigned e = lane + 32 * i;
+            cand[i] = e < experts && (bad || hi[i] >= tau);
+            const unsigned mask = __ballot_sync(0xffffffffu, cand[i]);
+            if (cand[i]) list[n + __popc(mask & ((1u << lane) - 1u))] = e;
+            n += __popc(mask);
+        }
+        if (lane == 0) *count = n;
     }
-    __syncwarp();
-    constexpr int R = 4;
-    for (unsigned c0 = 0; c0 < n; c0 += R) {
+    __syncthreads();
+    const unsigned n = *count;
+    for (unsigned c0 = warp * R; c0 < n; c0 += RC_WARPS * R) {
         unsigned row[R];
         float dot[R];
 #pragma unroll
@@ -1447,14 +1469,15 @@ __device__ void router_choose(const float* x, const void* w, const S* scales, co
             row[r] = c0 + r < n ? list[c0 + r] : experts;
             dot[r] = 0.0f;
         }
-        rows_dot_at<BITS, R, S>(w, scales, biases, row, experts, xs, xsum, in_dim, group, dot);
+        rows_dot_at<BITS, R, S, 4>(w, scales, biases, row, experts, xs, xsum, in_dim, group, dot);
 #pragma unroll
         for (int r = 0; r < R; r++) {
-            const float s = warp_sum(dot[r]);
-            if (lane == 0 && row[r] < experts) exact[row[r]] = s;
+            const float sum = warp_sum(dot[r]);
+            if (lane == 0 && row[r] < experts) exact[row[r]] = sum;
         }
     }
-    __syncwarp();
+    __syncthreads();
+    if (warp != 0) return;
     float p[PER_LANE];
 #pragma unroll
     for (int i = 0; i < PER_LANE; i++) p[i] = cand[i] ? exact[lane + 32 * i] : __uint_as_float(0x7fc00000u);
@@ -1464,10 +1487,10 @@ __device__ void router_choose(const float* x, const void* w, const S* scales, co
 #define ROUTER_CHOOSE(BITS, S, NAME, PER_LANE)                                                               \
     extern "C" __global__ void __launch_bounds__(32 * RC_WARPS) router_choose_##NAME##_##PER_LANE(           \
         const float* x, const unsigned* w, const S* scales, const S* biases, const float* approx,            \
-        const float* bound, unsigned splits, unsigned* ids, float* weights, unsigned tokens, unsigned in_dim, \
-        unsigned experts, unsigned group, unsigned k) {                                                      \
-        router_choose<BITS, S, PER_LANE>(x, w, scales, biases, approx, bound, splits, ids, weights, tokens,  \
-                                         in_dim, experts, group, k);                                         \
+        const float* bound, unsigned splits, float beta, unsigned* ids, float* weights, unsigned tokens,      \
+        unsigned in_dim, unsigned experts, unsigned group, unsigned k) {                                     \
+        router_choose<BITS, S, PER_LANE>(x, w, scales, biases, approx, bound, splits, beta, ids, weights,    \
+                                         tokens, in_dim, experts, group, k);                                 \
     }
 #define ROUTER_BOUNDED(BITS, S, NAME)                                                                        \
     extern "C" __global__ void __launch_bounds__(RB_THREADS, 4) router_bounds_##NAME(                        \

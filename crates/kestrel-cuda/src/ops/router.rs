@@ -20,18 +20,30 @@ pub(super) const RB_TOKENS: usize = 32;
 pub(super) const RB_EXPERTS: usize = 64;
 pub(super) const RB_THREADS: usize = 128;
 const RB_K: usize = 64;
-/// The most ranges of K `router_bounds_*` splits a product into.
-const RB_MAX_SPLITS: usize = 8;
-/// `router_choose_*`: warps a block, a token each (`RC_WARPS`).
+/// The most ranges of K `router_bounds_*` splits a product into (`RB_SPLITS`).
+pub(super) const RB_SPLITS: usize = 8;
+/// `router_choose_*`: warps of a block, which takes a token (`RC_WARPS`).
 pub(super) const RC_WARPS: usize = 4;
 
 /// From this many tokens a router's logits are bounded first (fewer take the exact product of
 /// every logit, `matvec_*_exact_tokens_*`, or the one-token kernels).
 pub(crate) const BOUNDED_MIN_TOKENS: usize = 64;
 
-/// Floats of shared memory a `router_choose_*` warp takes (`rc_stride` in moe.cu).
-fn rc_stride(in_dim: usize, vals: usize, experts: usize) -> usize {
-    (padded_len(in_dim) + in_dim / vals + 2 * experts).next_multiple_of(4)
+/// Floats of shared memory a `router_choose_*` block takes (`rc_floats` in moe.cu).
+fn rc_floats(in_dim: usize, vals: usize, experts: usize) -> usize {
+    (padded_len(in_dim) + in_dim / vals + 4 * experts + 1).next_multiple_of(4)
+}
+
+/// The factor `router_choose_*` takes the bound `m` by: however far the estimate and the exact
+/// logit each lie from the real product, in units of 2^-24 m per rounding (an mma's error under
+/// 2^-23 of its terms counts twice) along the longest chain of each, counted four times over.
+/// The estimate: the split of x, a group's mmas (three a 16-value segment), the sums of x over a
+/// group, the fold, the groups and the splits added up. The exact kernel: a vector's products,
+/// its scale and bias, a lane's vectors, warp_sum's five levels, the vector's plain sum of x.
+fn beta(in_dim: usize, group: usize, vals: usize, splits: usize) -> f32 {
+    let estimate = 1 + 2 * (3 * group / 16) + (group / 16 + 9) + 3 + in_dim / group + splits;
+    let exact = vals + 2 + (in_dim / vals).div_ceil(32) + 5 + (vals / 4 + 2);
+    4.0 * (estimate + exact) as f32 * (-24f32).exp2()
 }
 
 /// A router's product (`linear`, writing the logits) and its choice (`router`) as
@@ -90,7 +102,7 @@ pub fn encode_bounded(linear: &Op, router: &Op, enc: &mut Encoder) -> Result<boo
     {
         return Ok(false);
     }
-    let smem = RC_WARPS * rc_stride(in_dim, vals, experts) * 4;
+    let smem = rc_floats(in_dim, vals, experts) * 4;
     let xb = enc.buf(x)?.clone();
     if xb.device_ptr() % 16 != 0 || smem > enc.device.info().max_shared_per_block {
         return Ok(false);
@@ -102,12 +114,12 @@ pub fn encode_bounded(linear: &Op, router: &Op, enc: &mut Encoder) -> Result<boo
         .map(|b| enc.buf(b).cloned())
         .collect::<Result<Vec<_>>>()?;
     let (ids, weights) = (enc.buf(ids)?.clone(), enc.buf(weights)?.clone());
-    // Split K so that the blocks fill the GPU about twice over, into at most RB_MAX_SPLITS
+    // Split K so that the blocks fill the GPU about twice over, into at most RB_SPLITS
     // ranges (each a partial sum the choice reads).
     let sms = enc.device.info().sm_count as usize;
     let tiles = tokens.div_ceil(RB_TOKENS) * experts.div_ceil(RB_EXPERTS);
     let steps_all = in_dim / RB_K;
-    let want = (2 * sms).div_ceil(tiles).clamp(1, RB_MAX_SPLITS.min(steps_all));
+    let want = (2 * sms).div_ceil(tiles).clamp(1, RB_SPLITS.min(steps_all));
     let steps = steps_all.div_ceil(want);
     let splits = steps_all.div_ceil(steps);
     let approx = enc.workspace(DType::F32, splits * tokens * experts)?;
@@ -139,7 +151,7 @@ pub fn encode_bounded(linear: &Op, router: &Op, enc: &mut Encoder) -> Result<boo
     )?;
     let mut b = enc
         .dispatch(&choose)
-        .grid(u32_arg(tokens.div_ceil(RC_WARPS))?)
+        .grid(u32_arg(tokens)?)
         .block(u32_arg(32 * RC_WARPS)?)
         .shared_mem(u32_arg(smem)?)
         .read(&xb);
@@ -149,6 +161,7 @@ pub fn encode_bounded(linear: &Op, router: &Op, enc: &mut Encoder) -> Result<boo
     b.read(&approx)
         .read(&bound)
         .arg(u32_arg(splits)?)
+        .arg(beta(in_dim, format.group_size, vals, splits))
         .write(&ids)
         .write(&weights)
         .arg(u32_arg(tokens)?)
