@@ -1469,7 +1469,7 @@ __device__ void router_choose(const float* x, const void* w, const S* scales, co
             row[r] = c0 + r < n ? list[c0 + r] : experts;
             dot[r] = 0.0f;
         }
-        rows_dot_at<BITS, R, S, 4>(w, scales, biases, row, experts, xs, xsum, in_dim, group, dot);
+        rows_dot_at<BITS, R, S>(w, scales, biases, row, experts, xs, xsum, in_dim, group, dot);
 #pragma unroll
         for (int r = 0; r < R; r++) {
             const float sum = warp_sum(dot[r]);
@@ -1485,7 +1485,7 @@ __device__ void router_choose(const float* x, const void* w, const S* scales, co
 }
 
 #define ROUTER_CHOOSE(BITS, S, NAME, PER_LANE)                                                               \
-    extern "C" __global__ void __launch_bounds__(32 * RC_WARPS) router_choose_##NAME##_##PER_LANE(           \
+    extern "C" __global__ void __launch_bounds__(32 * RC_WARPS, 8) router_choose_##NAME##_##PER_LANE(           \
         const float* x, const unsigned* w, const S* scales, const S* biases, const float* approx,            \
         const float* bound, unsigned splits, float beta, unsigned* ids, float* weights, unsigned tokens,      \
         unsigned in_dim, unsigned experts, unsigned group, unsigned k) {                                     \
