@@ -1156,17 +1156,17 @@ EXPERTS(16, bf16)
 //   A block takes RB_TOKENS tokens x RB_EXPERTS experts over one of grid.z ranges of K, the
 //   next 64 values' inputs loaded into registers while the tensor cores work on the current
 //   ones, and writes its partial sums to [z][tokens][experts].
-// - router_choose_*: a warp a token sums the partials, takes the k-th largest lower bound
+// - router_choose_*: a block a token sums the partials, takes the k-th largest lower bound
 //   a - beta m - RB_TINY and computes exactly (rows_dot_at, then warp_sum: matvec's order)
 //   every expert whose upper bound reaches it, or every expert when a bound is not finite; the
 //   others are below k exact logits and cannot be chosen. choose() then picks from the exact
 //   logits of those, as router_f32 picks from all of them: the same experts, the same weights.
-#if !defined(RB_TOKENS) || !defined(RB_EXPERTS) || !defined(RB_THREADS) || !defined(RB_SPLITS) || !defined(RC_WARPS)
+#if !defined(RB_TOKENS) || !defined(RB_EXPERTS) || !defined(RB_THREADS) || !defined(RB_K) || !defined(RB_SPLITS) || \
+    !defined(RC_WARPS)
 #error "moe.cu is compiled with the bounded router's geometry of ops/router.rs as -D definitions"
 #endif
-static_assert(RB_TOKENS == 32 && RB_EXPERTS == 64 && RB_THREADS == 128,
-              "router_bounds' warps are written for 32 tokens x 64 experts and four warps");
-#define RB_K 64                         // values of K a step
+static_assert(RB_TOKENS == 32 && RB_EXPERTS == 64 && RB_THREADS == 128 && RB_K == 64,
+              "router_bounds' warps are written for 32 tokens x 64 experts, four warps, 64 values a step");
 #define RB_STRIDE (RB_K + 8)            // shared row in bf16 values, padded against bank conflicts
 #define RB_TINY 7.888609052210118e-31f  // 2^-100: room for products below f32's normal range
 

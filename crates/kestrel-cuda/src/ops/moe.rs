@@ -39,6 +39,7 @@ pub(crate) const MODULE: ModuleSource = op_module(
         ("RB_TOKENS", router::RB_TOKENS as i64),
         ("RB_EXPERTS", router::RB_EXPERTS as i64),
         ("RB_THREADS", router::RB_THREADS as i64),
+        ("RB_K", router::RB_K as i64),
         ("RB_SPLITS", router::RB_SPLITS as i64),
         ("RC_WARPS", router::RC_WARPS as i64),
     ],

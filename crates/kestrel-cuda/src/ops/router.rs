@@ -10,7 +10,8 @@ use kestrel_core::DType;
 
 use kestrel_cuda_rt::Result;
 
-use super::common::{padded_len, quant_name, u32_arg};
+use super::common::{padded_len, u32_arg};
+use super::linear::weight_parts;
 use super::moe::{router_per_lane, MODULE, ROUTER_MAX_EXPERTS, ROUTER_MAX_K};
 use crate::encoder::Encoder;
 
@@ -19,7 +20,7 @@ use crate::encoder::Encoder;
 pub(super) const RB_TOKENS: usize = 32;
 pub(super) const RB_EXPERTS: usize = 64;
 pub(super) const RB_THREADS: usize = 128;
-const RB_K: usize = 64;
+pub(super) const RB_K: usize = 64;
 /// The most ranges of K `router_bounds_*` splits a product into (`RB_SPLITS`).
 pub(super) const RB_SPLITS: usize = 8;
 /// `router_choose_*`: warps of a block, which takes a token (`RC_WARPS`).
@@ -27,9 +28,9 @@ pub(super) const RC_WARPS: usize = 4;
 
 /// From this many tokens a router's logits are bounded first (fewer take the exact product of
 /// every logit, `matvec_*_exact_tokens_*`, or the one-token kernels). On the H200, Qwen3-30B-A3B:
-/// prefills of 512, 1,024 and 2,048 tokens gained 1.5-2.7%, while 256 lost 4% and batched steps
-/// of 64 and 128 sequences 2-3% (both kernels wait out their latencies there).
-pub(crate) const BOUNDED_MIN_TOKENS: usize = 512;
+/// prefills of 512, 1,024 and 2,048 tokens gained 1.2%, 2.4% and 3.3%, while 256 lost 4% and
+/// batched steps of 64 and 128 sequences 2-3% (both kernels wait out their latencies there).
+const BOUNDED_MIN_TOKENS: usize = 512;
 
 /// Floats of shared memory a `router_choose_*` block takes (`rc_floats` in moe.cu).
 fn rc_floats(in_dim: usize, vals: usize, experts: usize) -> usize {
@@ -109,12 +110,7 @@ pub fn encode_bounded(linear: &Op, router: &Op, enc: &mut Encoder) -> Result<boo
     if xb.device_ptr() % 16 != 0 || smem > enc.device.info().max_shared_per_block {
         return Ok(false);
     }
-    let name = quant_name(format)?;
-    let parts = weight
-        .bufs()
-        .into_iter()
-        .map(|b| enc.buf(b).cloned())
-        .collect::<Result<Vec<_>>>()?;
+    let (name, parts, _) = weight_parts(enc, weight)?;
     let (ids, weights) = (enc.buf(ids)?.clone(), enc.buf(weights)?.clone());
     // Split K so that the blocks fill the GPU about twice over, into at most RB_SPLITS
     // ranges (each a partial sum the choice reads).
