@@ -8,7 +8,7 @@
 //! tensor-core GEMMs, then the same ordered combine.
 
 use kestrel_core::expert_slots::{book_words, HEADER, USE};
-use kestrel_core::ir::{ExpertFormat, LinearWeight, MatrixSpan, NormKind, Op};
+use kestrel_core::ir::{Buf, ExpertFormat, LinearWeight, MatrixSpan, NormKind, Op};
 use kestrel_core::quant::ScaleType;
 use kestrel_core::DType;
 
@@ -54,8 +54,8 @@ const DOWN_WARPS: usize = 4;
 const GQ_WARPS: usize = 16;
 const GQ_ROWS: usize = 2;
 /// `router_f32_*` holds up to 16 experts per lane of one warp, and slot j's weight in lane j.
-pub(super) const ROUTER_MAX_EXPERTS: usize = 512;
-pub(super) const ROUTER_MAX_K: usize = 32;
+const ROUTER_MAX_EXPERTS: usize = 512;
+const ROUTER_MAX_K: usize = 32;
 
 /// `route_*` (moe.cu): blocks of the cluster and warps per block.
 const ROUTE_BLOCKS: usize = 8;
@@ -417,6 +417,66 @@ struct RouteFetch {
     half_life: u32,
 }
 
+/// A router's product and the choice that reads its logits, as the fused encoders take them.
+pub(super) struct RouterPair<'a> {
+    pub x: Buf,
+    pub w: &'a LinearWeight,
+    pub logits: Buf,
+    pub ids: Buf,
+    pub weights: Buf,
+    pub tokens: usize,
+    pub in_dim: usize,
+    pub experts: usize,
+    pub k: usize,
+    pub normalize: bool,
+}
+
+impl<'a> RouterPair<'a> {
+    /// `linear` and `router` when the router chooses, for the product's tokens, from the logits
+    /// the product writes (one per output), within `router_f32_*`'s limits.
+    pub(super) fn of(linear: &'a Op, router: &Op) -> Option<Self> {
+        let (
+            &Op::Linear {
+                x,
+                ref w,
+                out,
+                tokens,
+                in_dim,
+                out_dim,
+            },
+            &Op::Router {
+                logits,
+                ids,
+                weights,
+                tokens: router_tokens,
+                experts,
+                k,
+                normalize,
+            },
+        ) = (linear, router)
+        else {
+            return None;
+        };
+        let fits = logits == out
+            && tokens == router_tokens
+            && experts == out_dim
+            && experts <= ROUTER_MAX_EXPERTS
+            && k <= ROUTER_MAX_K;
+        fits.then_some(RouterPair {
+            x,
+            w,
+            logits,
+            ids,
+            weights,
+            tokens,
+            in_dim,
+            experts,
+            k,
+            normalize,
+        })
+    }
+}
+
 /// A router's product (`linear`, writing the logits) and its choice (`router`) for up to
 /// `ROUTE_MAX_TOKENS` tokens as one `route_*` kernel, on a cluster of blocks a token (sm_90),
 /// which also writes the logits. The product is computed as the exact one-token matvec computes
@@ -435,35 +495,23 @@ pub fn encode_route(
     experts_op: Option<&Op>,
     enc: &mut Encoder,
 ) -> Result<bool> {
-    let (
-        &Op::Linear {
-            x,
-            ref w,
-            out,
-            tokens,
-            in_dim,
-            out_dim,
-        },
-        &Op::Router {
-            logits,
-            ids,
-            weights,
-            tokens: router_tokens,
-            experts,
-            k,
-            normalize,
-        },
-    ) = (linear, router)
+    let Some(RouterPair {
+        x,
+        w,
+        logits,
+        ids,
+        weights,
+        tokens,
+        in_dim,
+        experts,
+        k,
+        normalize,
+    }) = RouterPair::of(linear, router)
     else {
         return Ok(false);
     };
-    if logits != out
-        || tokens != router_tokens
-        || !(1..=ROUTE_MAX_TOKENS).contains(&tokens)
+    if !(1..=ROUTE_MAX_TOKENS).contains(&tokens)
         || (fetch.is_some() && tokens != 1)
-        || experts != out_dim
-        || experts > ROUTER_MAX_EXPERTS
-        || k > ROUTER_MAX_K
         || enc.device.info().compute_capability.0 < 9
     {
         return Ok(false);

@@ -12,7 +12,7 @@ use kestrel_cuda_rt::Result;
 
 use super::common::{padded_len, u32_arg};
 use super::linear::weight_parts;
-use super::moe::{router_per_lane, MODULE, ROUTER_MAX_EXPERTS, ROUTER_MAX_K};
+use super::moe::{router_per_lane, RouterPair, MODULE};
 use crate::encoder::Encoder;
 
 /// `router_bounds_*`: tokens and experts a block takes, its threads, and the values of K a step
@@ -57,61 +57,38 @@ fn beta(in_dim: usize, group: usize, vals: usize, splits: usize) -> f32 {
 /// logits a transient nothing else reads (they are left estimates, not exact). Returns false,
 /// recording nothing, otherwise.
 pub fn encode_bounded(linear: &Op, router: &Op, enc: &mut Encoder) -> Result<bool> {
-    let (
-        &Op::Linear {
-            x,
-            w: ref weight,
-            out,
-            tokens,
-            in_dim,
-            out_dim,
-        },
-        &Op::Router {
-            logits,
-            ids,
-            weights,
-            tokens: router_tokens,
-            experts,
-            k,
-            normalize,
-        },
-    ) = (linear, router)
-    else {
+    let Some(p) = RouterPair::of(linear, router) else {
         return Ok(false);
     };
-    let LinearWeight::Quant { format, .. } = weight else {
+    let LinearWeight::Quant { format, .. } = p.w else {
         return Ok(false);
     };
+    let (tokens, in_dim, experts) = (p.tokens, p.in_dim, p.experts);
     let vals = 128 / format.bits as usize;
     if !enc.device.bounded_router()
         || enc.device.info().compute_capability.0 < 8
-        || logits != out
-        || tokens != router_tokens
         || tokens < BOUNDED_MIN_TOKENS
-        || experts != out_dim
-        || experts > ROUTER_MAX_EXPERTS
-        || k > ROUTER_MAX_K
-        || !normalize
+        || !p.normalize
         || !matches!(format.bits, 4 | 8)
         || !matches!(format.scale, ScaleType::Bf16 | ScaleType::F32)
         || format.group_size % 16 != 0
         || format.group_size % vals != 0
         || in_dim % format.group_size != 0
         || in_dim % RB_K != 0
-        || enc.graph.decl(out).kind != BufKind::Transient
-        || enc.readers(out).len() != 1
-        || enc.dtype(x) != DType::F32
-        || enc.held_dtype(x) != DType::F32
+        || enc.graph.decl(p.logits).kind != BufKind::Transient
+        || enc.readers(p.logits).len() != 1
+        || enc.dtype(p.x) != DType::F32
+        || enc.held_dtype(p.x) != DType::F32
     {
         return Ok(false);
     }
     let smem = rc_floats(in_dim, vals, experts) * 4;
-    let xb = enc.buf(x)?.clone();
+    let xb = enc.buf(p.x)?.clone();
     if xb.device_ptr() % 16 != 0 || smem > enc.device.info().max_shared_per_block {
         return Ok(false);
     }
-    let (name, parts, _) = weight_parts(enc, weight)?;
-    let (ids, weights) = (enc.buf(ids)?.clone(), enc.buf(weights)?.clone());
+    let (name, parts, _) = weight_parts(enc, p.w)?;
+    let (ids, weights) = (enc.buf(p.ids)?.clone(), enc.buf(p.weights)?.clone());
     // Split K so that the blocks fill the GPU about twice over, into at most RB_SPLITS
     // ranges (each a partial sum the choice reads).
     let sms = enc.device.info().sm_count as usize;
@@ -166,7 +143,7 @@ pub fn encode_bounded(linear: &Op, router: &Op, enc: &mut Encoder) -> Result<boo
         .arg(u32_arg(in_dim)?)
         .arg(u32_arg(experts)?)
         .arg(u32_arg(format.group_size)?)
-        .arg(u32_arg(k)?)
+        .arg(u32_arg(p.k)?)
         .record();
     Ok(true)
 }
