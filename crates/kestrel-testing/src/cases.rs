@@ -736,7 +736,11 @@ pub fn norm_then_linear_decode(rng: Rng) -> Case {
     // products share theirs), which a backend fuses into neither.
     let second = c.rng.range(0, 3) == 0;
     if second {
-        let other_dim = c.rng.range(1, 40);
+        // At least 8 outputs: the check is one relative L2 error over them, and of a single
+        // output it is the ratio of two random sums, whose tail the int8 bound does not hold
+        // (a 1-output product drawn at 0.065 against 6.45 of |w x| missed it by int8 rounding
+        // alone, 3.4e-2).
+        let other_dim = c.rng.range(8, 40);
         c.checked_product(("w2", "proj2"), (normed, &nf), (in_dim, other_dim), format);
     }
     c.check_floats(normed, nf);
