@@ -316,13 +316,13 @@ __device__ __forceinline__ void stage_x_sums_rows(const float* x, float* xs, uns
 // `w`: the matrix (16-byte aligned rows); `scales`, `biases`: per group (quantised only; bf16 or
 // float, S); `xs` and `xsum` as stage_x_sums leaves them (the biases multiply the vectors' plain
 // sums). Each row's terms are added in the same order whichever rows it is taken with.
-template <int BITS, int R, typename S = bf16, unsigned U = 2>
+template <int BITS, int R, typename S = bf16>
 __device__ __forceinline__ void rows_dot_at(const void* w, const S* scales, const S* biases, const unsigned (&row)[R],
                                             unsigned rows, const float* xs, const float* xsum, unsigned cols,
                                             unsigned group, float acc[R]) {
     constexpr unsigned VALS = VecFormat<BITS>::VALS;
-    // Vectors per lane loaded before any arithmetic: R rows x U of the lane's vectors in flight
-    // (U changes only how many loads wait together, not the order of the terms).
+    // Vectors per lane loaded before any arithmetic: R rows x U of the lane's vectors in flight.
+    constexpr unsigned U = 2;
     const unsigned lane = threadIdx.x % 32;
     const unsigned nvec = cols / VALS, groups = QUANTISED<BITS> ? cols / group : 0;
     const uint4* W = reinterpret_cast<const uint4*>(w);
