@@ -1204,8 +1204,8 @@ struct RbShared {
     float s[RB_EXPERTS][RB_K / 16], b[RB_EXPERTS][RB_K / 16], c[RB_EXPERTS][RB_K / 16];  // an expert's
 };
 
-// The q of a 16-bit half word's low 8 bits, or of its 4 bits at `shift`, as bf16 bits (exact:
-// q has at most 8 significant bits, so its float's low half is zero).
+// The quantised value (word >> shift) & mask (at most 8 bits) as bf16 bits, exactly: it has at
+// most 8 significant bits, so its float's low half is zero.
 __device__ __forceinline__ unsigned rb_q_bf16(unsigned word, unsigned shift, unsigned mask) {
     return __float_as_uint(__uint_as_float(0x4B000000u | ((word >> shift) & mask)) - 8388608.0f) >> 16;
 }
@@ -1276,7 +1276,8 @@ __device__ __forceinline__ void rb_store(const RbRegs<BITS>& r, RbShared& sh) {
 }
 
 // Grid (ceil(tokens / RB_TOKENS), ceil(experts / RB_EXPERTS), splits), RB_THREADS threads; split
-// z takes steps [z * steps, (z + 1) * steps) of K (in_dim a multiple of RB_K, group of 16).
+// z takes steps [z * steps, (z + 1) * steps) of K (in_dim a multiple of RB_K, groups of whole
+// 16-value segments).
 // approx, bound: [splits][tokens][experts].
 template <int BITS, typename S>
 __device__ void router_bounds(const float* x, const unsigned char* w, const S* scales, const S* biases,
