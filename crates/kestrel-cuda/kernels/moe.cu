@@ -1163,7 +1163,7 @@ EXPERTS(16, bf16)
 //   logits of those, as router_f32 picks from all of them: the same experts, the same weights.
 #if !defined(RB_TOKENS) || !defined(RB_EXPERTS) || !defined(RB_THREADS) || !defined(RB_K) || !defined(RB_SPLITS) || \
     !defined(RC_WARPS)
-#error "moe.cu is compiled with the bounded router's geometry of ops/router.rs as -D definitions"
+#error "moe.cu is compiled with the bounded router's geometry of ops/moe.rs as -D definitions"
 #endif
 static_assert(RB_TOKENS == 32 && RB_EXPERTS == 64 && RB_THREADS == 128 && RB_K == 64,
               "router_bounds' warps are written for 32 tokens x 64 experts, four warps, 64 values a step");

@@ -18,7 +18,6 @@ use super::common::{op_module, padded_len, quant_name, u32_arg, unsupported};
 use super::elementwise::round_bf16;
 use super::gemm::{self, mma_smem, GT_COLS, GT_K, GT_ROWS, GT_THREADS, SORT_MAX_EXPERTS, WG_SMEM};
 use super::linear::weight_parts;
-use super::router;
 use super::skinny;
 use crate::encoder::Encoder;
 
@@ -36,12 +35,12 @@ pub(crate) const MODULE: ModuleSource = op_module(
         ("GQ_ROWS", GQ_ROWS as i64),
         ("SLOTS_HEADER", HEADER as i64),
         ("SLOTS_USE", USE as i64),
-        ("RB_TOKENS", router::RB_TOKENS as i64),
-        ("RB_EXPERTS", router::RB_EXPERTS as i64),
-        ("RB_THREADS", router::RB_THREADS as i64),
-        ("RB_K", router::RB_K as i64),
-        ("RB_SPLITS", router::RB_SPLITS as i64),
-        ("RC_WARPS", router::RC_WARPS as i64),
+        ("RB_TOKENS", RB_TOKENS as i64),
+        ("RB_EXPERTS", RB_EXPERTS as i64),
+        ("RB_THREADS", RB_THREADS as i64),
+        ("RB_K", RB_K as i64),
+        ("RB_SPLITS", RB_SPLITS as i64),
+        ("RC_WARPS", RC_WARPS as i64),
     ],
 );
 
@@ -56,6 +55,16 @@ const GQ_ROWS: usize = 2;
 /// `router_f32_*` holds up to 16 experts per lane of one warp, and slot j's weight in lane j.
 const ROUTER_MAX_EXPERTS: usize = 512;
 const ROUTER_MAX_K: usize = 32;
+
+/// The bounded router's kernels (launched by `router.rs`): `router_bounds_*`'s tokens and experts
+/// a block, its threads, the values of K a step and the most ranges K is split into; the warps of
+/// a `router_choose_*` block, which takes a token.
+pub(super) const RB_TOKENS: usize = 32;
+pub(super) const RB_EXPERTS: usize = 64;
+pub(super) const RB_THREADS: usize = 128;
+pub(super) const RB_K: usize = 64;
+pub(super) const RB_SPLITS: usize = 8;
+pub(super) const RC_WARPS: usize = 4;
 
 /// `route_*` (moe.cu): blocks of the cluster and warps per block.
 const ROUTE_BLOCKS: usize = 8;

@@ -12,19 +12,10 @@ use kestrel_cuda_rt::Result;
 
 use super::common::{padded_len, u32_arg};
 use super::linear::weight_parts;
-use super::moe::{router_per_lane, RouterPair, MODULE};
+use super::moe::{
+    router_per_lane, RouterPair, MODULE, RB_EXPERTS, RB_K, RB_SPLITS, RB_THREADS, RB_TOKENS, RC_WARPS,
+};
 use crate::encoder::Encoder;
-
-/// `router_bounds_*`: tokens and experts a block takes, its threads, and the values of K a step
-/// (`RB_TOKENS`, `RB_EXPERTS`, `RB_THREADS`, `RB_K` in moe.cu).
-pub(super) const RB_TOKENS: usize = 32;
-pub(super) const RB_EXPERTS: usize = 64;
-pub(super) const RB_THREADS: usize = 128;
-pub(super) const RB_K: usize = 64;
-/// The most ranges of K `router_bounds_*` splits a product into (`RB_SPLITS`).
-pub(super) const RB_SPLITS: usize = 8;
-/// `router_choose_*`: warps of a block, which takes a token (`RC_WARPS`).
-pub(super) const RC_WARPS: usize = 4;
 
 /// From this many tokens a router's logits are bounded first (fewer take the exact product of
 /// every logit, `matvec_*_exact_tokens_*`, or the one-token kernels). On the H200, Qwen3-30B-A3B:
