@@ -17,6 +17,7 @@
 //! | `KESTREL_FUSED_NORM` | bool | `true` | one token's RMS norm (with its residual add) computed inside the quantised product that reads it (`off` runs it as a kernel of its own, for comparison) |
 //! | `KESTREL_BOUNDED_ROUTER` | bool | `true` | a router's logits of many tokens estimated on the tensor cores with a bound on their error, and computed exactly only for the experts that can be among the top k (`off` computes every logit exactly, for comparison; the chosen experts and weights are the same) |
 //! | `KESTREL_SKINNY_EXPERTS_FROM` | integer | `9` | the fewest tokens whose quantised routed experts run on the skinny products, sorted by expert (fewer tokens take one token's kernels, which read each token's experts straight from their ids; on an H200 steps of 2-8 sequences ran 7-35% faster than on the skinny products; at least 2) |
+//! | `KESTREL_DEQUANT_PROJECTIONS_FROM` | integer | `33` | the fewest tokens whose quantised projections (4- or 8-bit weights of at most 64 MiB as bf16) are dequantised to bf16 in scratch memory and multiplied by cuBLAS, rather than on the skinny products or the quantised GEMM tiles, which dequantise every weight once for each tile of tokens (on an H200, Qwen3-30B-A3B prefill of 160-2,048 tokens ran 9-21% faster, steps of 64-256 sequences 4-13%, 32 sequences 1.5% slower from 17); `0` never |
 //! | `KESTREL_DECODE_SPLIT_KEYS` | integer | `0` | on sm_90 GPUs, the fewest cached keys one block of decode attention takes (rounded up to its warps' batches): `0` spreads the context over one wave of blocks, a larger value gives fewer blocks a deeper share each (slower at every depth measured; for comparison and for the tests of deep splits) |
 //!
 //! Booleans accept `1/0`, `true/false`, `yes/no`, `on/off`. A variable with a value that does
@@ -37,6 +38,8 @@ use crate::error::{CoreError, Result};
 
 /// `Config::skinny_experts_from`'s default.
 pub const SKINNY_EXPERTS_FROM: usize = 9;
+/// `Config::dequant_projections_from`'s default.
+pub const DEQUANT_PROJECTIONS_FROM: usize = 33;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
@@ -76,6 +79,9 @@ pub struct Config {
     /// The fewest tokens whose quantised routed experts run on the skinny products (sorted by
     /// expert); fewer take the few-token kernels. At least 2.
     pub skinny_experts_from: usize,
+    /// The fewest tokens whose quantised projections are dequantised to bf16 and multiplied by
+    /// cuBLAS (else the quantised GEMM tiles); `0`: never.
+    pub dequant_projections_from: usize,
 }
 
 impl Default for Config {
@@ -256,36 +262,39 @@ impl Config {
             parse_bool(get("KESTREL_BOUNDED_ROUTER"), "KESTREL_BOUNDED_ROUTER", true),
             true,
         );
-        let decode_split_keys = match get("KESTREL_DECODE_SPLIT_KEYS") {
-            None => 0,
-            Some(v) => keep(
-                &mut problems,
-                v.parse::<usize>()
-                    .ok()
-                    .filter(|&n| n <= 1 << 20)
-                    .ok_or_else(|| ConfigProblem {
-                        var: "KESTREL_DECODE_SPLIT_KEYS",
-                        value: v.to_string(),
-                        reason: "expected a number of keys from 0 to 1048576".into(),
-                    }),
+        let decode_split_keys = keep(
+            &mut problems,
+            parse_count(
+                get("KESTREL_DECODE_SPLIT_KEYS"),
+                "KESTREL_DECODE_SPLIT_KEYS",
+                0,
+                "keys",
                 0,
             ),
-        };
-        let skinny_experts_from = match get("KESTREL_SKINNY_EXPERTS_FROM") {
-            None => SKINNY_EXPERTS_FROM,
-            Some(v) => keep(
-                &mut problems,
-                v.parse::<usize>()
-                    .ok()
-                    .filter(|&n| (2..=1 << 20).contains(&n))
-                    .ok_or_else(|| ConfigProblem {
-                        var: "KESTREL_SKINNY_EXPERTS_FROM",
-                        value: v.to_string(),
-                        reason: "expected a number of tokens from 2 to 1048576".into(),
-                    }),
+            0,
+        );
+        let skinny_experts_from = keep(
+            &mut problems,
+            parse_count(
+                get("KESTREL_SKINNY_EXPERTS_FROM"),
+                "KESTREL_SKINNY_EXPERTS_FROM",
+                2,
+                "tokens",
                 SKINNY_EXPERTS_FROM,
             ),
-        };
+            SKINNY_EXPERTS_FROM,
+        );
+        let dequant_projections_from = keep(
+            &mut problems,
+            parse_count(
+                get("KESTREL_DEQUANT_PROJECTIONS_FROM"),
+                "KESTREL_DEQUANT_PROJECTIONS_FROM",
+                0,
+                "tokens",
+                DEQUANT_PROJECTIONS_FROM,
+            ),
+            DEQUANT_PROJECTIONS_FROM,
+        );
         Config {
             problems,
             device,
@@ -301,8 +310,31 @@ impl Config {
             bounded_router,
             decode_split_keys,
             skinny_experts_from,
+            dequant_projections_from,
         }
     }
+}
+
+/// The largest count a counting variable takes.
+const MAX_COUNT: usize = 1 << 20;
+
+/// A counting variable (of `unit`) from `min` to `MAX_COUNT`, or `default` when it is unset.
+fn parse_count(
+    value: Option<&str>,
+    var: &'static str,
+    min: usize,
+    unit: &str,
+    default: usize,
+) -> std::result::Result<usize, ConfigProblem> {
+    let Some(v) = value else { return Ok(default) };
+    v.parse::<usize>()
+        .ok()
+        .filter(|n| (min..=MAX_COUNT).contains(n))
+        .ok_or_else(|| ConfigProblem {
+            var,
+            value: v.to_string(),
+            reason: format!("expected a number of {unit} from {min} to {MAX_COUNT}"),
+        })
 }
 
 fn parse_bool(
@@ -376,6 +408,14 @@ mod tests {
         assert!(c.fused_norm && Config::default().fused_norm);
         assert!(!Config::from_vars(&vars(&[("KESTREL_BOUNDED_ROUTER", "0")])).bounded_router);
         assert!(c.bounded_router && Config::default().bounded_router);
+        assert_eq!(c.dequant_projections_from, DEQUANT_PROJECTIONS_FROM);
+        let from = |v| Config::from_vars(&vars(&[("KESTREL_DEQUANT_PROJECTIONS_FROM", v)]));
+        assert_eq!(from("0").dequant_projections_from, 0);
+        assert_eq!(from("1024").dequant_projections_from, 1024);
+        for bad in ["-3", "all", "2000000"] {
+            assert_eq!(from(bad).dequant_projections_from, DEQUANT_PROJECTIONS_FROM);
+            assert!(from(bad).check().is_err(), "{bad}");
+        }
         assert_eq!(c.kernel_cache_dir, None, "no HOME, no XDG_CACHE_HOME: no cache");
     }
 

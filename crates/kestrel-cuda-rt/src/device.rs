@@ -80,6 +80,9 @@ struct DeviceInner {
     /// The fewest tokens whose quantised experts take the skinny products
     /// (`Config::skinny_experts_from`).
     skinny_experts_from: usize,
+    /// The fewest tokens whose quantised projections are dequantised for cuBLAS
+    /// (`Config::dequant_projections_from`; 0: never).
+    dequant_projections_from: usize,
     /// Event pairs around profiled dispatches, read back by `take_profile`.
     profile_events: Mutex<Vec<(String, String, CudaEvent, CudaEvent)>>,
     /// The cuBLAS handle, created on first use.
@@ -153,6 +156,7 @@ impl Device {
                 bounded_router: config.bounded_router,
                 decode_split_keys: config.decode_split_keys,
                 skinny_experts_from: config.skinny_experts_from,
+                dequant_projections_from: config.dequant_projections_from,
                 profile_events: Mutex::new(Vec::new()),
                 blas: Mutex::new(None),
                 ceilings: OnceLock::new(),
@@ -438,6 +442,12 @@ impl Device {
     /// one wave of blocks).
     pub fn decode_split_keys(&self) -> usize {
         self.inner.decode_split_keys
+    }
+
+    /// The fewest tokens whose quantised projections are dequantised to bf16 and multiplied by
+    /// cuBLAS rather than in the quantised GEMM tiles (0: never).
+    pub fn dequant_projections_from(&self) -> usize {
+        self.inner.dequant_projections_from
     }
 
     /// The fewest tokens whose quantised routed experts run on the skinny products, sorted by

@@ -40,8 +40,9 @@
 // The tile geometry comes from the host (`ops/gemm.rs`) as -D definitions: GT_ROWS, GT_COLS,
 // GT_K, GT_THREADS, SORT_THREADS, and the shared-memory sizes the host launches with
 // (GT_MMA_SMEM_1, GT_MMA_SMEM_2, GT_WG_SMEM), which the tile structs below must match.
-#if !defined(GT_ROWS) || !defined(GT_COLS) || !defined(GT_K) || !defined(GT_THREADS) || !defined(SORT_THREADS)
-#error "gemm.cu is compiled with the tile geometry of ops/gemm.rs as -D definitions"
+#if !defined(GT_ROWS) || !defined(GT_COLS) || !defined(GT_K) || !defined(GT_THREADS) || !defined(SORT_THREADS) || \
+    !defined(DQ_PIECES)
+#error "gemm.cu is compiled with the tile geometry of ops/gemm.rs (and DQ_PIECES) as -D definitions"
 #endif
 static_assert(GT_ROWS == 128 && GT_COLS == 64 && GT_K == 64 && GT_THREADS == 256,
               "the warp layouts below are written for 128 x 64 tiles, 64-value steps and 256 threads");
@@ -758,6 +759,60 @@ __device__ void gemm_linear(const bf16* xb, const unsigned char* w, const void* 
     }
     if (threadIdx.x == 0) counters[tile] = 0;
 }
+
+// dequant_{q4,q8,q4f,q8f}: a quantised matrix ([rows, K], K a multiple of its group, groups
+// multiples of 16) dequantised to bf16 [rows, K], each value rounded as b_store rounds it, so a
+// product of many tokens can run on cuBLAS over the same bf16 weights the GEMM tiles would form
+// (ops/linear.rs). The rows' words are contiguous, so the matrix is taken flat, in pieces of eight
+// values (one 4-bit word, two 8-bit ones, all in one group): a warp takes 32 * DQ_PIECES
+// consecutive pieces, a lane every 32nd, so each of its DQ_PIECES loads and 16-byte stores is one
+// contiguous run of the warp's and all its loads are in flight at once. The weights are read
+// before the programmatic wait (no kernel of a run writes them) and the output, scratch that
+// earlier kernels may still read, written after it. Pieces are counted in 32 bits: the host
+// dequantises at most 64 MiB of output (4 Mi pieces).
+template <int BITS> struct PieceWords { using type = unsigned; };  // one 4-bit word
+template <> struct PieceWords<8> { using type = uint2; };          // two 8-bit words
+template <int BITS, typename S>
+__device__ void dequant_rows(const unsigned char* w, const S* scales, const S* biases, bf16* out, unsigned rows,
+                             unsigned K, unsigned group) {
+    using Words = typename PieceWords<BITS>::type;
+    const unsigned pieces = rows * (K / 8), lane = threadIdx.x % 32;
+    const unsigned p0 = (blockIdx.x * blockDim.x + threadIdx.x - lane) * DQ_PIECES + lane;
+    Words words[DQ_PIECES];
+#pragma unroll
+    for (unsigned i = 0; i < DQ_PIECES; i++)
+        if (p0 + 32 * i < pieces) words[i] = reinterpret_cast<const Words*>(w)[p0 + 32 * i];
+    uint4 v[DQ_PIECES];
+#pragma unroll
+    for (unsigned i = 0; i < DQ_PIECES; i++) {
+        const unsigned p = p0 + 32 * i;
+        if (p >= pieces) continue;
+        const unsigned row = p / (K / 8), k = p % (K / 8) * 8, g = row * (K / group) + k / group;
+        const float s = to_f32(scales[g]), b = to_f32(biases[g]);
+        if constexpr (BITS == 4) {
+            if constexpr (sizeof(Held<S>) == 4)
+                v[i] = dequant_q4_f32(words[i], s, b);
+            else
+                v[i] = dequant_q4(words[i], __floats2bfloat162_rn(s, s), __floats2bfloat162_rn(b, b));
+        } else {
+            const uint2 lo = dequant_q8(words[i].x, s, b), hi = dequant_q8(words[i].y, s, b);
+            v[i] = make_uint4(lo.x, lo.y, hi.x, hi.y);
+        }
+    }
+    pdl_begin();
+#pragma unroll
+    for (unsigned i = 0; i < DQ_PIECES; i++)
+        if (p0 + 32 * i < pieces) reinterpret_cast<uint4*>(out)[p0 + 32 * i] = v[i];
+}
+#define DEQUANT(BITS, S, NAME)                                                                              \
+    extern "C" __global__ void dequant_##NAME(const unsigned char* w, const S* scales, const S* biases,      \
+                                              bf16* out, unsigned rows, unsigned K, unsigned group) {       \
+        dequant_rows<BITS, S>(w, scales, biases, out, rows, K, group);                                     \
+    }
+DEQUANT(4, bf16, q4)
+DEQUANT(8, bf16, q8)
+DEQUANT(4, float, q4f)
+DEQUANT(8, float, q8f)
 
 // Kernel names: linear_gemm_{q4,q8,q4f,q8f}_{1,2}, moe_gemm_gate_up_{q4,q8,q4f,q8f,q4k,q8k,bf16},
 // moe_gemm_down_{..}_{1,2}; the wgmma engine's as `_wg` (sm_90a builds only, 128 columns a

@@ -367,6 +367,9 @@ fn skinny_projections_match_the_cpu_backend() {
     let Some(dev) = device_or_skip("skinny_projections_match_the_cpu_backend") else {
         return;
     };
+    let dev = reopened(&dev, "no dequantised projections", |c| {
+        c.dequant_projections_from = 0
+    });
     let (mut rng, seed) = Rng::from_time();
     let shapes: Vec<_> = [2, 7, 13, 29, 64, 101]
         .into_iter()
@@ -389,7 +392,14 @@ fn wide_projections_match_the_cpu_backend() {
     let Some(dev) = device_or_skip("wide_projections_match_the_cpu_backend") else {
         return;
     };
-    let engines = tensor_engines(&dev);
+    let never = |c: &mut kestrel_core::Config| c.dequant_projections_from = 0;
+    let mut engines = vec![reopened(&dev, "no dequantised projections", never)];
+    if dev.wgmma() {
+        engines.push(reopened(&dev, "no dequantised projections, wgmma off", |c| {
+            never(c);
+            c.wgmma = false;
+        }));
+    }
     let (mut rng, seed) = Rng::from_time();
     for (round, tokens) in [33, 47, 64, 100, 128].into_iter().enumerate() {
         let deep = (1024 * rng.range(1, 5), 64 * rng.range(1, 40));
@@ -490,12 +500,16 @@ fn skinny_experts(test: &str, token_counts: &[usize], first_round: usize) {
 
 /// Quantised products of more tokens than the skinny ones take, as tensor-core tiles, at shapes
 /// whose tiles are too few to fill the GPU, so K is split over blocks and the partial tiles added
-/// (ranges that start inside a group of 128 too): 150 to 333 tokens, every quantised format.
+/// (ranges that start inside a group of 128 too): 150 to 333 tokens, every quantised format. The
+/// weights' dequantisation for cuBLAS is switched off, so every product takes the tiles.
 #[test]
 fn tensor_core_products_with_k_split_match_the_cpu_backend() {
     let Some(dev) = device_or_skip("tensor_core_products_with_k_split_match_the_cpu_backend") else {
         return;
     };
+    let dev = reopened(&dev, "no dequantised projections", |c| {
+        c.dequant_projections_from = 0
+    });
     let (mut rng, seed) = Rng::from_time();
     let shapes = [
         (150, 640, 128),
@@ -504,6 +518,56 @@ fn tensor_core_products_with_k_split_match_the_cpu_backend() {
         (200, 1024, 320),
     ];
     linear_products(&dev, &mut rng, seed, &shapes);
+    for (tokens, in_dim, out_dim) in shapes {
+        let case =
+            kestrel_testing::cases::linear_shape(Rng::new(seed), tokens, (in_dim, out_dim), QuantFormat::Q4);
+        let labels = command_labels(&dev, &case);
+        assert!(labels.iter().any(|l| l.contains("linear_gemm_")), "{labels:?}");
+    }
+}
+
+/// Quantised products whose weights are dequantised to bf16 first and multiplied by cuBLAS
+/// (`Config::dequant_projections_from`, here from 2 tokens): 2 to 728 tokens, shapes that are not
+/// whole tiles of cuBLAS's or of the GEMM tiles, every quantised format; the dequantisation and
+/// cuBLAS's product must be what ran, and with the switch at 0 neither may run.
+#[test]
+fn dequantised_projections_match_the_cpu_backend() {
+    let Some(dev) = device_or_skip("dequantised_projections_match_the_cpu_backend") else {
+        return;
+    };
+    let from_2 = reopened(&dev, "dequantised projections from 2 tokens", |c| {
+        c.dequant_projections_from = 2
+    });
+    let never = reopened(&dev, "no dequantised projections", |c| {
+        c.dequant_projections_from = 0
+    });
+    let (mut rng, seed) = Rng::from_time();
+    let shapes = [
+        (2, 640, 40),
+        (37, 2048, 5120),
+        (129, 640, 136),
+        (150, 4096, 2048),
+        (517, 1024, 320),
+        (
+            2 + rng.range(0, 700),
+            128 * rng.range(1, 20),
+            8 * rng.range(1, 800),
+        ),
+    ];
+    linear_products(&from_2, &mut rng, seed, &shapes);
+    for (tokens, in_dim, out_dim) in shapes {
+        for format in kestrel_testing::cases::QUANT_FORMATS {
+            let case =
+                kestrel_testing::cases::linear_shape(Rng::new(seed), tokens, (in_dim, out_dim), format);
+            let dequantised = |d| {
+                let labels = command_labels(d, &case);
+                labels.iter().any(|l| l.contains("dequant_"))
+                    && labels.iter().any(|l| l.contains("gemm_bf16"))
+            };
+            assert!(dequantised(&from_2), "seed {seed} {}", case.name);
+            assert!(!dequantised(&never), "seed {seed} {}", case.name);
+        }
+    }
 }
 
 /// Quantised products of (tokens, in, out) in every quantised format, against the CPU backend.

@@ -1,4 +1,4 @@
-//! The tile geometry of `kernels/gemm.cu`, the tensor-core products that `linear.rs`
+//! The tile geometry of `kernels/gemm.cu` (and how many pieces a thread of its `dequant_*` takes), the tensor-core products that `linear.rs`
 //! (quantised projections of many tokens) and `moe.rs` (grouped expert GEMMs and `moe_sort`)
 //! launch. These numbers are written here only: the module is compiled with them as `-D`
 //! definitions, and `gemm.cu` checks its shared-memory layouts against the sizes computed here.
@@ -19,6 +19,8 @@ pub(crate) const GT_THREADS: u32 = 256;
 const GT_STRIDE: usize = GT_K + 8;
 /// The most experts `moe_sort` handles: one thread each, one block.
 pub(crate) const SORT_MAX_EXPERTS: usize = 1024;
+/// Pieces of eight values a thread of `dequant_*` takes.
+pub(crate) const DQ_PIECES: usize = 4;
 
 /// Shared memory of an `mma.sync` tile with `nb` B matrices (`MmaTile::SMEM`): two steps of A
 /// and B in padded rows.
@@ -42,5 +44,6 @@ pub(crate) const MODULE: ModuleSource = op_module(
         ("GT_MMA_SMEM_1", mma_smem(1) as i64),
         ("GT_MMA_SMEM_2", mma_smem(2) as i64),
         ("GT_WG_SMEM", WG_SMEM as i64),
+        ("DQ_PIECES", DQ_PIECES as i64),
     ],
 );

@@ -2,6 +2,10 @@
 //! many tokens through `kernels/gemm.cu`.
 //!
 //! A product takes the first path that fits:
+//! - from `Config::dequant_projections_from` tokens, 4- or 8-bit weights of at most
+//!   `DEQUANT_MAX_BYTES` as bf16, outside router logits and unless rounded activations are
+//!   switched off: the weights dequantised into scratch memory by `gemm.cu`'s `dequant_*` (each
+//!   weight rounded as the GEMM tiles round it), then cuBLAS on x rounded to bf16;
 //! - 2 to `skinny::LINEAR_MAX_TOKENS` (128) tokens of 4- or 8-bit weights, outside router logits
 //!   and unless rounded activations are switched off: `skinny.cu`'s `linear_skinny_*` on x
 //!   rounded to bf16 (on Hopper from `skinny::WIDE_LINEAR_MIN_TOKENS` (33) tokens,
@@ -18,7 +22,7 @@
 //! - every other shape: `linear_*`.
 
 use kestrel_core::ir::{Buf, BufKind, LinearWeight, NormKind, Op};
-use kestrel_core::quant::QuantFormat;
+use kestrel_core::quant::{QuantFormat, ScaleType};
 use kestrel_core::DType;
 
 use kestrel_cuda_rt::{Buffer, DispatchBuilder, ModuleSource, Result};
@@ -27,7 +31,7 @@ use super::common::{
     float_name, k_splits, op_module, padded_len, quant_name, split_args, split_scratch, u32_arg,
 };
 use super::elementwise::{self, round_bf16};
-use super::gemm::{self, mma_smem, GT_COLS, GT_K, GT_ROWS, GT_THREADS, WG_SMEM};
+use super::gemm::{self, mma_smem, DQ_PIECES, GT_COLS, GT_K, GT_ROWS, GT_THREADS, WG_SMEM};
 use super::skinny;
 use crate::encoder::Encoder;
 
@@ -420,10 +424,15 @@ const MIN_SPLIT_STEPS: usize = 4;
 /// From this many tokens, bf16 projections run as cuBLAS products on bf16 activations, quantised
 /// ones as tensor-core tiles (`gemm.cu`).
 pub(crate) const GEMM_MIN_TOKENS: usize = 16;
+/// The largest weight (as bf16 bytes) dequantised into scratch memory for a product of many
+/// tokens (`Config::dequant_projections_from`): attention and linear-attention projections and
+/// shared experts, not an LM head, whose scratch would take hundreds of MiB.
+const DEQUANT_MAX_BYTES: usize = 64 << 20;
 
-/// Whether node `node` is a product that runs on the skinny products (`encode_skinny`), which
-/// round its activations to bf16 first: a norm in front of such products only may store its
-/// output rounded (`Encoder::mark_rounded`) and save them the conversion.
+/// Whether node `node` is a product that runs dequantised (`encode_dequantised`) or on the skinny
+/// products (`encode_skinny`), which round its activations to bf16 first: a norm in front of such
+/// products only may store its output rounded (`Encoder::mark_rounded`) and save them the
+/// conversion.
 pub(crate) fn rounds_its_input(enc: &Encoder, node: usize) -> Result<bool> {
     let Op::Linear {
         w: ref w @ LinearWeight::Quant { ref format, .. },
@@ -438,14 +447,17 @@ pub(crate) fn rounds_its_input(enc: &Encoder, node: usize) -> Result<bool> {
     if enc.decision(node) || enc.exact.projections {
         return Ok(false);
     }
+    if dequant_fits(enc, w, tokens, (in_dim, out_dim))? {
+        return Ok(true);
+    }
     let (_, parts, _) = weight_parts(enc, w)?;
     Ok(skinny::linear_fits(*format, tokens, (in_dim, out_dim), &parts))
 }
 
 /// Whether the op writing `out` may store it rounded to bf16 instead of in f32: when `out` is an
 /// f32 transient (nothing outside the program reads it) and every node that reads it is a
-/// product that rounds its input to bf16 anyway (`rounds_its_input`: the skinny products of a
-/// batched step's few dozen tokens), which then reads the rounded values and runs no conversion
+/// product that rounds its input to bf16 anyway (`rounds_its_input`: the dequantised and the
+/// skinny products of a batched step), which then reads the rounded values and runs no conversion
 /// of its own. A norm (`ops/norm.rs`) and decode attention (`ops/attention.rs`) ask.
 pub(crate) fn read_rounded_only(enc: &Encoder, out: Buf) -> Result<bool> {
     if enc.dtype(out) != DType::F32 || enc.graph.decl(out).kind != BufKind::Transient {
@@ -520,6 +532,75 @@ fn encode_skinny(
     let out = enc.buf(out)?.clone();
     let xb = bf16_activations(enc, x, tokens, in_dim)?;
     skinny::encode_linear(enc, &xb, (*format, &parts), &out, (tokens, in_dim, out_dim))?;
+    Ok(true)
+}
+
+/// Whether a product of `tokens` tokens of weight `w` runs dequantised (`encode_dequantised`):
+/// from `Config::dequant_projections_from` tokens, 4- or 8-bit weights with bf16 or f32 scales in
+/// groups of whole 16s that divide K, of at most `DEQUANT_MAX_BYTES` as bf16, aligned for the
+/// kernel's loads.
+fn dequant_fits(
+    enc: &Encoder,
+    w: &LinearWeight,
+    tokens: usize,
+    (in_dim, out_dim): (usize, usize),
+) -> Result<bool> {
+    let LinearWeight::Quant { format, .. } = w else {
+        return Ok(false);
+    };
+    let from = enc.device.dequant_projections_from();
+    let (bits, group) = (format.bits, format.group_size);
+    if from == 0
+        || tokens < from.max(2)
+        || !(bits == 4 || bits == 8)
+        || format.scale == ScaleType::Factored
+        || group % 16 != 0
+        || in_dim % group != 0
+        || out_dim * in_dim * 2 > DEQUANT_MAX_BYTES
+    {
+        return Ok(false);
+    }
+    let (_, parts, _) = weight_parts(enc, w)?;
+    let size = format.scale.size_in_bytes() as u64;
+    Ok(parts[0].device_ptr() % 16 == 0
+        && parts[1].device_ptr() % size == 0
+        && parts[2].device_ptr() % size == 0)
+}
+
+/// A quantised product of many tokens as cuBLAS's bf16 product over the weights dequantised into
+/// scratch memory first (`dequant_*` in `gemm.cu`, each weight rounded as the GEMM tiles round
+/// it), on x as bf16 (`bf16_activations`). The tiles and the skinny products dequantise every
+/// weight once for each tile of tokens, so once is cheaper from a few dozen tokens on. Returns
+/// false (and records nothing) where `dequant_fits` says no.
+fn encode_dequantised(
+    enc: &mut Encoder,
+    x: Buf,
+    w: &LinearWeight,
+    out: Buf,
+    tokens: usize,
+    in_dim: usize,
+    out_dim: usize,
+) -> Result<bool> {
+    if !dequant_fits(enc, w, tokens, (in_dim, out_dim))? {
+        return Ok(false);
+    }
+    let (name, parts, group) = weight_parts(enc, w)?;
+    let group = group.expect("a quantised weight has a group size");
+    let out = enc.buf(out)?.clone();
+    let xb = bf16_activations(enc, x, tokens, in_dim)?;
+    let wb = enc.workspace(DType::BF16, [out_dim, in_dim])?;
+    let k = enc.kernel(&gemm::MODULE, &format!("dequant_{name}"))?;
+    enc.dispatch(&k)
+        .cover((out_dim * in_dim / 8).div_ceil(DQ_PIECES), 256)
+        .read(&parts[0])
+        .read(&parts[1])
+        .read(&parts[2])
+        .write(&wb)
+        .arg(u32_arg(out_dim)?)
+        .arg(u32_arg(in_dim)?)
+        .arg(u32_arg(group)?)
+        .record();
+    enc.list.gemm_bf16(&xb, &wb, &out, tokens, out_dim, in_dim);
     Ok(true)
 }
 
@@ -617,6 +698,9 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
         } => {
             // Router logits, or every product when rounded activations are switched off.
             let precise = enc.precise || enc.exact.projections;
+            if !precise && encode_dequantised(enc, *x, w, *out, *tokens, *in_dim, *out_dim)? {
+                return Ok(());
+            }
             if !precise && encode_skinny(enc, *x, w, *out, *tokens, *in_dim, *out_dim)? {
                 return Ok(());
             }
