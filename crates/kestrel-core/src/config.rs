@@ -80,7 +80,7 @@ pub struct Config {
     /// expert); fewer take the few-token kernels. At least 2.
     pub skinny_experts_from: usize,
     /// The fewest tokens whose quantised projections are dequantised to bf16 and multiplied by
-    /// cuBLAS (else the quantised GEMM tiles); `0`: never.
+    /// cuBLAS (else the skinny products or the quantised GEMM tiles); `0`: never.
     pub dequant_projections_from: usize,
 }
 

@@ -445,7 +445,7 @@ impl Device {
     }
 
     /// The fewest tokens whose quantised projections are dequantised to bf16 and multiplied by
-    /// cuBLAS rather than in the quantised GEMM tiles (0: never).
+    /// cuBLAS rather than on the skinny products or the quantised GEMM tiles (0: never).
     pub fn dequant_projections_from(&self) -> usize {
         self.inner.dequant_projections_from
     }

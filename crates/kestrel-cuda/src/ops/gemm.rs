@@ -1,6 +1,6 @@
-//! The tile geometry of `kernels/gemm.cu` (and how many pieces a thread of its `dequant_*` takes), the tensor-core products that `linear.rs`
+//! The tile geometry of `kernels/gemm.cu`, the tensor-core products that `linear.rs`
 //! (quantised projections of many tokens) and `moe.rs` (grouped expert GEMMs and `moe_sort`)
-//! launch. These numbers are written here only: the module is compiled with them as `-D`
+//! launch, and how many pieces a thread of its `dequant_*` takes. These numbers are written here only: the module is compiled with them as `-D`
 //! definitions, and `gemm.cu` checks its shared-memory layouts against the sizes computed here.
 
 use kestrel_cuda_rt::ModuleSource;
