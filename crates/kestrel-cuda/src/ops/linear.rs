@@ -74,6 +74,14 @@ pub(super) fn weight_parts(
     })
 }
 
+/// Whether a quantised weight's parts (words, scales, biases, as `weight_parts` gives them) are
+/// aligned for the tensor-core kernels' loads: 16-byte loads of the words, the scales and biases
+/// in their own type.
+pub(super) fn quant_parts_aligned(format: &QuantFormat, parts: &[Buffer]) -> bool {
+    let size = format.scale.size_in_bytes() as u64;
+    parts[0].device_ptr() % 16 == 0 && parts[1].device_ptr() % size == 0 && parts[2].device_ptr() % size == 0
+}
+
 /// The one-token `matvec_bf16` / `matvec_*_exact` kernels: warps per block, rows of a warp's
 /// tile, persistent blocks per multiprocessor.
 const VEC_WARPS: usize = 4;
@@ -561,10 +569,7 @@ fn dequant_fits(
         return Ok(false);
     }
     let (_, parts, _) = weight_parts(enc, w)?;
-    let size = format.scale.size_in_bytes() as u64;
-    Ok(parts[0].device_ptr() % 16 == 0
-        && parts[1].device_ptr() % size == 0
-        && parts[2].device_ptr() % size == 0)
+    Ok(quant_parts_aligned(format, &parts))
 }
 
 /// A quantised product of many tokens as cuBLAS's bf16 product over the weights dequantised into
@@ -640,12 +645,7 @@ fn encode_tensor_core(
         return Ok(false);
     }
     let (name, parts, _) = weight_parts(enc, w)?;
-    // 16-byte loads of the weight rows; loads of the scales and biases in their own type.
-    let size = format.scale.size_in_bytes() as u64;
-    if parts[0].device_ptr() % 16 != 0
-        || parts[1].device_ptr() % size != 0
-        || parts[2].device_ptr() % size != 0
-    {
+    if !quant_parts_aligned(&format, &parts) {
         return Ok(false);
     }
     let out = enc.buf(out)?.clone();

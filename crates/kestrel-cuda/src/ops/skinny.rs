@@ -253,9 +253,7 @@ pub(crate) fn linear_fits(
     (2..=LINEAR_MAX_TOKENS).contains(&tokens)
         && quant_fits(format.bits, format.group_size, in_dim)
         && out_dim % 16 == 0
-        && parts[0].device_ptr() % 16 == 0
-        && parts[1].device_ptr() % format.scale.size_in_bytes() as u64 == 0
-        && parts[2].device_ptr() % format.scale.size_in_bytes() as u64 == 0
+        && super::linear::quant_parts_aligned(&format, parts)
 }
 
 /// From this many tokens, projections `linear_fits` accepts run on wgmma (`linear_wide_*`) where
