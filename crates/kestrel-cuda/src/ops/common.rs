@@ -1,6 +1,7 @@
 //! What every op family's encoder shares: the headers its kernels include, the description of
-//! a family's module, staged-vector sizes, kernel-name suffixes, argument conversion, the error
-//! an unsupported shape gives, and the K split of the tensor-core products.
+//! a family's module, staged-vector sizes, kernel-name suffixes, the alignment the tensor-core
+//! products' loads need of a quantised weight, argument conversion, the error an unsupported
+//! shape gives, and the K split of the tensor-core products.
 
 use kestrel_core::quant::{QuantFormat, ScaleType};
 use kestrel_core::DType;
@@ -54,6 +55,14 @@ pub(crate) fn quant_name(format: &QuantFormat) -> Result<&'static str> {
         (8, ScaleType::Factored) => Ok("q8k"),
         (b, _) => Err(unsupported(format!("{b}-bit weights"))),
     }
+}
+
+/// Whether a quantised weight's parts (words, scales, biases, as `linear::weight_parts` gives
+/// them) are aligned for the tensor-core kernels' loads: 16-byte loads of the words, the scales
+/// and biases in their own type.
+pub(crate) fn quant_parts_aligned(format: &QuantFormat, parts: &[Buffer]) -> bool {
+    let size = format.scale.size_in_bytes() as u64;
+    parts[0].device_ptr() % 16 == 0 && parts[1].device_ptr() % size == 0 && parts[2].device_ptr() % size == 0
 }
 
 pub(crate) fn unsupported(reason: String) -> CudaError {

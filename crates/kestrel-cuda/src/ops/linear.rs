@@ -28,7 +28,8 @@ use kestrel_core::DType;
 use kestrel_cuda_rt::{Buffer, DispatchBuilder, ModuleSource, Result};
 
 use super::common::{
-    float_name, k_splits, op_module, padded_len, quant_name, split_args, split_scratch, u32_arg,
+    float_name, k_splits, op_module, padded_len, quant_name, quant_parts_aligned, split_args, split_scratch,
+    u32_arg,
 };
 use super::elementwise::{self, round_bf16};
 use super::gemm::{self, mma_smem, DQ_PIECES, GT_COLS, GT_K, GT_ROWS, GT_THREADS, WG_SMEM};
@@ -72,14 +73,6 @@ pub(super) fn weight_parts(
         LinearWeight::Dense(d) => (float_name(enc.dtype(d.raw()))?, parts, None),
         LinearWeight::Quant { format, .. } => (quant_name(format)?, parts, Some(format.group_size)),
     })
-}
-
-/// Whether a quantised weight's parts (words, scales, biases, as `weight_parts` gives them) are
-/// aligned for the tensor-core kernels' loads: 16-byte loads of the words, the scales and biases
-/// in their own type.
-pub(super) fn quant_parts_aligned(format: &QuantFormat, parts: &[Buffer]) -> bool {
-    let size = format.scale.size_in_bytes() as u64;
-    parts[0].device_ptr() % 16 == 0 && parts[1].device_ptr() % size == 0 && parts[2].device_ptr() % size == 0
 }
 
 /// The one-token `matvec_bf16` / `matvec_*_exact` kernels: warps per block, rows of a warp's

@@ -11,7 +11,9 @@ use kestrel_core::DType;
 
 use kestrel_cuda_rt::{Buffer, ModuleSource, Result};
 
-use super::common::{k_splits, op_module, quant_name, split_args, split_scratch, u32_arg, unsupported};
+use super::common::{
+    k_splits, op_module, quant_name, quant_parts_aligned, split_args, split_scratch, u32_arg, unsupported,
+};
 use crate::encoder::Encoder;
 
 /// Warps of a block.
@@ -253,7 +255,7 @@ pub(crate) fn linear_fits(
     (2..=LINEAR_MAX_TOKENS).contains(&tokens)
         && quant_fits(format.bits, format.group_size, in_dim)
         && out_dim % 16 == 0
-        && super::linear::quant_parts_aligned(&format, parts)
+        && quant_parts_aligned(&format, parts)
 }
 
 /// From this many tokens, projections `linear_fits` accepts run on wgmma (`linear_wide_*`) where
