@@ -14,7 +14,7 @@
 //   a block takes one KV head and 64 or 128 rows of its group, K/V tiles streaming through shared
 //   memory with cp.async, over the sequence of its first token (one sequence's chunk, or one run
 //   of several prompts' chunks). With fewer blocks than two per SM the cache range is split, and
-//   attention_combine merges the parts.
+//   attention_combine merges the parts. The output in f32 or, as decode's, rounded to bf16.
 // - attention_split (decode, up to 4 tokens: f32 caches, and bf16/f16 caches of other head dims):
 //   the cache range split over blocks, the parts merged by attention_combine.
 // - attention_combine: merges split parts (max, sum, acc) of either kernel; a warp per row up to
@@ -425,14 +425,25 @@ __device__ void attention_split(const float* q, const T* k_cache, const T* v_cac
     }
 }
 
+// Four values of an output row, from float `at` of the row-major output on: f32, or with
+// out_bf16 rounded to bf16 (nearest even) into the first half of the f32 buffer's bytes, where
+// the products that read them take them (they would round them anyway).
+__device__ __forceinline__ void store_out4(float* out, size_t at, unsigned v, float4 y, unsigned out_bf16) {
+    if (out_bf16)
+        reinterpret_cast<uint2*>(reinterpret_cast<bf16*>(out) + at)[v] =
+            make_uint2(pack2<bf16>(y.x, y.y), pack2<bf16>(y.z, y.w));
+    else
+        reinterpret_cast<float4*>(out + at)[v] = y;
+}
+
 // out[t, h] = merge of the splits' partial results (max in natural-log units, sum, unnormalised
 // acc). One warp per (token, head) row, COMBINE_WARPS rows a block; a lane owns 4 dims (and every
 // 32nd float4 past them for head dims over 128). Latency bounds this kernel in decode, so the
 // first COMBINE_LOADS splits' accumulators are asked for before the maximum is known. head_dim is
-// a multiple of 4.
+// a multiple of 4. The output as store_out4 writes it.
 extern "C" __global__ void __launch_bounds__(32 * COMBINE_WARPS)
     attention_combine_f32(const float* part_m, const float* part_l, const float* part_acc, float* out,
-                          unsigned head_dim, unsigned splits, unsigned rows) {
+                          unsigned head_dim, unsigned splits, unsigned rows, unsigned out_bf16) {
     pdl_begin();
     const unsigned lane = threadIdx.x % 32;
     const size_t row = (size_t)blockIdx.x * COMBINE_WARPS + threadIdx.x / 32;
@@ -471,7 +482,7 @@ extern "C" __global__ void __launch_bounds__(32 * COMBINE_WARPS)
                 a.w += w * y[j].w;
             }
         }
-        reinterpret_cast<float4*>(out + row * head_dim)[v] = make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
+        store_out4(out, row * head_dim, v, make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv), out_bf16);
     }
 }
 
@@ -481,7 +492,7 @@ extern "C" __global__ void __launch_bounds__(32 * COMBINE_WARPS)
 // memory (at most MAX_SPLITS splits). head_dim is a multiple of 4 and at most 1024.
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
     attention_combine_many_f32(const float* part_m, const float* part_l, const float* part_acc, float* out,
-                               unsigned head_dim, unsigned splits, unsigned rows) {
+                               unsigned head_dim, unsigned splits, unsigned rows, unsigned out_bf16) {
     pdl_begin();
     (void)rows;  // one block per row: the grid is the rows (the same arguments as attention_combine_f32)
     __shared__ float f[MAX_SPLITS];
@@ -540,7 +551,7 @@ extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
             t.w += y.w;
         }
         const float inv = 1.0f / ll;
-        reinterpret_cast<float4*>(out + row * head_dim)[threadIdx.x] = make_float4(t.x * inv, t.y * inv, t.z * inv, t.w * inv);
+        store_out4(out, row * head_dim, threadIdx.x, make_float4(t.x * inv, t.y * inv, t.z * inv, t.w * inv), out_bf16);
     }
 }
 
@@ -679,7 +690,7 @@ template <typename T, int HD, int MT>
 __device__ void flash_attention(const float* q, const T* k_cache, const T* v_cache, const unsigned* positions,
                                 PAGE_PARAMS, float* out, float* part_m, float* part_l, float* part_acc,
                                 unsigned tokens, unsigned heads, unsigned kv_heads, unsigned rows, float scale,
-                                unsigned chunk) {
+                                unsigned chunk, unsigned out_bf16) {
     using S = FaShape<HD, MT>;
     constexpr int ROWS = S::ROWS, BN = S::BN, STRIDE = S::STRIDE, KSTEPS = HD / 16, NT = BN / 8, DT = HD / 8;
     extern __shared__ __align__(16) unsigned char fa_smem[];
@@ -839,12 +850,17 @@ __device__ void flash_attention(const float* q, const T* k_cache, const T* v_cac
             const unsigned t = p / group, h = kvh * group + p % group;
             const size_t row = (size_t)t * heads + h;
             if (splits == 1) {
+                // Normalised, in f32 or (out_bf16) rounded to bf16, as store_out4 writes.
                 const float inv = 1.0f / lsum;
-                float* o = out + row * HD;
 #pragma unroll
-                for (int j = 0; j < DT; j++)
-                    *reinterpret_cast<float2*>(o + j * 8 + c) =
-                        make_float2(acc[mt][j][2 * hf] * inv, acc[mt][j][2 * hf + 1] * inv);
+                for (int j = 0; j < DT; j++) {
+                    const float y0 = acc[mt][j][2 * hf] * inv, y1 = acc[mt][j][2 * hf + 1] * inv;
+                    if (out_bf16)
+                        *reinterpret_cast<unsigned*>(reinterpret_cast<bf16*>(out) + row * HD + j * 8 + c) =
+                            pack2<bf16>(y0, y1);
+                    else
+                        *reinterpret_cast<float2*>(out + row * HD + j * 8 + c) = make_float2(y0, y1);
+                }
             } else {
                 // Partial results for the combine, whose max is in natural-log units.
                 const size_t prow = row * splits + split;
@@ -864,10 +880,10 @@ __device__ void flash_attention(const float* q, const T* k_cache, const T* v_cac
     extern "C" __global__ void __launch_bounds__(32 * FA_WARPS) flash_attention_##NAME##_##HD##_##MT(       \
         const float* q, const T* k_cache, const T* v_cache, const unsigned* positions, PAGE_PARAMS,         \
         float* out, float* part_m, float* part_l, float* part_acc, unsigned tokens, unsigned heads,         \
-        unsigned kv_heads, unsigned rows, float scale, unsigned chunk) {                                    \
+        unsigned kv_heads, unsigned rows, float scale, unsigned chunk, unsigned out_bf16) {                 \
         pdl_begin();                                                                                        \
         flash_attention<T, HD, MT>(q, k_cache, v_cache, positions, PAGE_ARGS, out, part_m, part_l, part_acc, \
-                                   tokens, heads, kv_heads, rows, scale, chunk);                            \
+                                   tokens, heads, kv_heads, rows, scale, chunk, out_bf16);                  \
     }
 // MT = 2 where the registers allow it (many rows); MT = 1 for decode and head dim 256.
 #define FLASHES(T, NAME)                                                                                    \
@@ -938,17 +954,6 @@ struct DaInputs {
     unsigned q_stride, rot_dim;
     float scaling;
 };
-
-// Four values of an output row, from float `at` of the row-major output on: f32, or with
-// out_bf16 rounded to bf16 (nearest even) into the first half of the f32 buffer's bytes, where
-// the products that read them take them (they would round them anyway).
-__device__ __forceinline__ void store_out4(float* out, size_t at, unsigned v, float4 y, unsigned out_bf16) {
-    if (out_bf16)
-        reinterpret_cast<uint2*>(reinterpret_cast<bf16*>(out) + at)[v] =
-            make_uint2(pack2<bf16>(y.x, y.y), pack2<bf16>(y.z, y.w));
-    else
-        reinterpret_cast<float4*>(out + at)[v] = y;
-}
 
 // Keys a token at `position` sees in a sequence of at most max_ctx positions.
 __device__ __forceinline__ unsigned keys_seen(unsigned position, unsigned max_ctx) {

@@ -245,8 +245,9 @@ fn flash_tile_keys(head_dim: usize) -> usize {
 
 /// Tensor-core attention on a bf16/f16 cache, for any number of tokens. With fewer blocks than
 /// half the multiprocessors (decode, short prefills), the cache range is split into chunks (about
-/// two blocks a multiprocessor) whose partial results `attention_combine_f32` merges.
-fn encode_flash(enc: &mut Encoder, a: &Attn, max_mt: usize) -> Result<()> {
+/// two blocks a multiprocessor) whose partial results `attention_combine_f32` merges. With
+/// `out_bf16`, `a.out` is a bf16 view and the output is rounded as it is written.
+fn encode_flash(enc: &mut Encoder, a: &Attn, max_mt: usize, out_bf16: bool) -> Result<()> {
     let (cache, tokens, heads, kv_heads, head_dim, max_ctx) =
         (a.cache, a.tokens, a.heads, a.kv_heads, a.head_dim, a.max_ctx);
     let bn = flash_tile_keys(head_dim);
@@ -302,9 +303,16 @@ fn encode_flash(enc: &mut Encoder, a: &Attn, max_mt: usize) -> Result<()> {
         .arg(u32_arg(a.rows)?)
         .arg(a.scale)
         .arg(u32_arg(chunk)?)
+        .arg(u32::from(out_bf16))
         .record();
     if splits > 1 {
-        record_combine(enc, &[pm, pl_buf, pacc], &a.out, tokens * heads, head_dim, splits)?;
+        record_combine(
+            enc,
+            &[pm, pl_buf, pacc],
+            &a.out,
+            (tokens * heads, head_dim, splits),
+            out_bf16,
+        )?;
     }
     Ok(())
 }
@@ -587,8 +595,9 @@ fn split_smem(head_dim: usize, cache_bytes: usize) -> usize {
         + DEC_WARPS * 64 * (head_dim + 8) * cache_bytes
 }
 
-/// Decode attention: the cache split into chunks processed in parallel, then merged.
-fn encode_split(enc: &mut Encoder, a: &Attn) -> Result<()> {
+/// Decode attention: the cache split into chunks processed in parallel, then merged (with
+/// `out_bf16`, rounded into `a.out`, a bf16 view).
+fn encode_split(enc: &mut Encoder, a: &Attn, out_bf16: bool) -> Result<()> {
     let (cache, tokens, heads, kv_heads, head_dim, max_ctx) =
         (a.cache, a.tokens, a.heads, a.kv_heads, a.head_dim, a.max_ctx);
     let pl = match head_dim.div_ceil(32) {
@@ -628,7 +637,13 @@ fn encode_split(enc: &mut Encoder, a: &Attn) -> Result<()> {
         .arg(a.scale)
         .arg(u32_arg(chunk)?)
         .record();
-    record_combine(enc, &[pm, pl_buf, pacc], &a.out, tokens * heads, head_dim, splits)
+    record_combine(
+        enc,
+        &[pm, pl_buf, pacc],
+        &a.out,
+        (tokens * heads, head_dim, splits),
+        out_bf16,
+    )
 }
 
 /// Per (row, split) partial results of split attention: max, sum, and the unnormalised
@@ -641,14 +656,14 @@ fn partials(enc: &mut Encoder, rows: usize, head_dim: usize) -> Result<[Buffer; 
     ])
 }
 
-/// `attention_combine_*`: out[row] = merge of the row's `splits` partial results.
+/// `attention_combine_*`: out[row] = merge of the row's `splits` partial results, in f32 or with
+/// `out_bf16` rounded into `out`, a bf16 view.
 fn record_combine(
     enc: &mut Encoder,
     [pm, pl, pacc]: &[Buffer; 3],
     out: &Buffer,
-    rows: usize,
-    head_dim: usize,
-    splits: usize,
+    (rows, head_dim, splits): (usize, usize, usize),
+    out_bf16: bool,
 ) -> Result<()> {
     // Many splits (decode over a long cache): a block per row spreads them over its threads.
     // Few: a warp per row, so prefill's many rows are not a block each.
@@ -672,6 +687,7 @@ fn record_combine(
         .arg(u32_arg(head_dim)?)
         .arg(u32_arg(splits)?)
         .arg(u32_arg(rows)?)
+        .arg(u32::from(out_bf16))
         .record();
     Ok(())
 }
@@ -747,24 +763,42 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
         }
         Op::Attention { out, .. } => {
             let mut a = Attn::new(enc, op)?;
-            match a.chunk {
-                // The batched step's own tokens as decode, the chunk as one sequence's prefill,
-                // or several sequences' runs as flash blocks each of one run.
-                Some(c) if !a.pages.pages.one_seq && c.from > 0 && c.from < a.tokens => {
-                    encode_attention(enc, &a.rows(0, c.from, false)?)?;
+            // A batched step's own tokens, then a chunk of one more sequence: the tokens as
+            // decode, the chunk as one sequence's prefill or several sequences' runs.
+            let mixed = match a.chunk {
+                Some(c) if !a.pages.pages.one_seq && c.from > 0 && c.from < a.tokens => Some(c),
+                _ => None,
+            };
+            // An output only products that round it read is rounded as it is written
+            // (`linear::read_rounded_only`), with no conversion before them, when every kernel
+            // that writes it can round.
+            let rounds = match mixed {
+                Some(c) => {
+                    let chunk_rounds = match c.run {
+                        0 => path(enc, &a.rows(c.from, a.tokens, true)?) != Path::Plain,
+                        run => {
+                            let rows = a.rows(c.from, a.tokens, false)?;
+                            runs_flash(&rows, run).is_some() || path(enc, &rows) != Path::Plain
+                        }
+                    };
+                    chunk_rounds && path(enc, &a.rows(0, c.from, false)?) != Path::Plain
+                }
+                None => path(enc, &a) != Path::Plain,
+            };
+            let out_bf16 = rounds && linear::read_rounded_only(enc, out)?;
+            if out_bf16 {
+                a.out = enc.rounded_view(out)?;
+                enc.mark_rounded(out);
+            }
+            match mixed {
+                Some(c) => {
+                    encode_attention(enc, &a.rows(0, c.from, false)?, out_bf16)?;
                     match c.run {
-                        0 => encode_attention(enc, &a.rows(c.from, a.tokens, true)?)?,
-                        run => encode_runs(enc, &a.rows(c.from, a.tokens, false)?, run)?,
+                        0 => encode_attention(enc, &a.rows(c.from, a.tokens, true)?, out_bf16)?,
+                        run => encode_runs(enc, &a.rows(c.from, a.tokens, false)?, run, out_bf16)?,
                     }
                 }
-                // Decode whose output only products that round it read: rounded as it is
-                // written (`linear::read_rounded_only`), and no conversion before them.
-                _ if decode_fits(enc, &a) && linear::read_rounded_only(enc, out)? => {
-                    a.out = enc.rounded_view(out)?;
-                    enc.mark_rounded(out);
-                    encode_decode(enc, &a, true)?;
-                }
-                _ => encode_attention(enc, &a)?,
+                None => encode_attention(enc, &a, out_bf16)?,
             }
         }
         _ => unreachable!("dispatched by ops::encode"),
@@ -772,45 +806,86 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
     Ok(())
 }
 
-/// Attention of `a`'s queries (each of its own sequence) in runs of `run` tokens, each run one
-/// sequence's but for padding: flash blocks that each take one run's rows (the block's
-/// sequence is its first token's), where a block's rows are whole tokens of one run; else each
-/// token on its own.
-fn encode_runs(enc: &mut Encoder, a: &Attn, run: usize) -> Result<()> {
+/// The flash kernel's row tiles a warp (2 or 1) for `a`'s queries (each of its own sequence) in
+/// runs of `run` tokens, each run one sequence's but for padding, where its blocks' rows are whole
+/// tokens of one run; None where they are not, or the cache or head dim has no flash kernel.
+fn runs_flash(a: &Attn, run: usize) -> Option<usize> {
     let group = a.heads / a.kv_heads;
     let flash = matches!(a.cache, DType::BF16 | DType::F16) && FLASH_HEAD_DIMS.contains(&a.head_dim);
-    // Row tiles a warp (1 or 2) whose blocks hold whole tokens of one run.
     let fits = |mt: usize| {
         let rows = 16 * FA_WARPS * mt;
         rows % group == 0 && run % (rows / group) == 0
     };
     match (fits(1), fits(2)) {
-        (true, two) if flash => encode_flash(enc, a, if two { 2 } else { 1 }),
-        _ => encode_attention(enc, a),
+        (true, two) if flash => Some(if two { 2 } else { 1 }),
+        _ => None,
     }
 }
 
-/// Attention of `a`'s queries by the first kernel that fits their shape.
-fn encode_attention(enc: &mut Encoder, a: &Attn) -> Result<()> {
-    let (cache, tokens, heads, kv_heads, head_dim) = (a.cache, a.tokens, a.heads, a.kv_heads, a.head_dim);
-    let one_seq = a.pages.pages.one_seq || tokens == 1;
+/// Attention of `a`'s queries in runs of `run` tokens: flash blocks that each take one run's rows
+/// (the block's sequence is its first token's) where `runs_flash` allows, else each token on its
+/// own. With `out_bf16` the output is rounded as it is written (`encode_attention`).
+fn encode_runs(enc: &mut Encoder, a: &Attn, run: usize, out_bf16: bool) -> Result<()> {
+    match runs_flash(a, run) {
+        Some(mt) => encode_flash(enc, a, mt, out_bf16),
+        None => encode_attention(enc, a, out_bf16),
+    }
+}
+
+/// The kernels attention takes, the most specialised first.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Path {
+    /// `encode_decode`.
+    Decode,
+    /// `encode_flash`.
+    Flash,
+    /// `encode_split`.
+    Split,
+    /// The plain `attention_*` kernel, whose output is f32 only.
+    Plain,
+}
+
+/// The first kernel that fits `a`'s shape.
+fn path(enc: &Encoder, a: &Attn) -> Path {
+    let (cache, head_dim) = (a.cache, a.head_dim);
+    let one_seq = a.pages.pages.one_seq || a.tokens == 1;
     // One decode token's group (or a few tokens of a small group) in one kernel; with a sequence
     // per token, each token's group alone.
     if decode_fits(enc, a) {
-        return encode_decode(enc, a, false);
+        return Path::Decode;
     }
     if matches!(cache, DType::BF16 | DType::F16) && FLASH_HEAD_DIMS.contains(&head_dim) && one_seq {
-        return encode_flash(enc, a, 2);
+        return Path::Flash;
     }
     // The split kernel when its shared memory fits (f32 caches up to head dim 128).
     let split_fits = split_smem(head_dim, cache.size_in_bytes()) <= enc.device.info().max_shared_per_block;
     // A sequence per token: the split kernel takes each token alone, whatever their number.
-    let few = tokens <= SPLIT_MAX_TOKENS || !one_seq;
+    let few = a.tokens <= SPLIT_MAX_TOKENS || !one_seq;
     if few && head_dim % 8 == 0 && head_dim <= MAX_HEAD_DIM && split_fits {
-        return encode_split(enc, a);
+        return Path::Split;
+    }
+    Path::Plain
+}
+
+/// Attention of `a`'s queries by the first kernel that fits their shape (`path`). With
+/// `out_bf16`, `a.out` is a bf16 view and the kernel (or the merge of its splits) rounds into it;
+/// the plain kernel cannot.
+fn encode_attention(enc: &mut Encoder, a: &Attn, out_bf16: bool) -> Result<()> {
+    let (cache, tokens, heads, kv_heads, head_dim) = (a.cache, a.tokens, a.heads, a.kv_heads, a.head_dim);
+    match path(enc, a) {
+        Path::Decode => return encode_decode(enc, a, out_bf16),
+        Path::Flash => return encode_flash(enc, a, 2, out_bf16),
+        Path::Split => return encode_split(enc, a, out_bf16),
+        Path::Plain => {}
     }
     if head_dim > MAX_HEAD_DIM {
         return Err(unsupported(format!("head_dim {head_dim} > {MAX_HEAD_DIM}")));
+    }
+    if out_bf16 {
+        return Err(unsupported(format!(
+            "a rounded output from attention_{}",
+            float_name(cache)?
+        )));
     }
     let kern = enc.kernel(&MODULE, &format!("attention_{}", float_name(cache)?))?;
     a.dispatch(enc, &kern)?
