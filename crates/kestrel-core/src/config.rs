@@ -18,6 +18,7 @@
 //! | `KESTREL_BOUNDED_ROUTER` | bool | `true` | a router's logits of many tokens estimated on the tensor cores with a bound on their error, and computed exactly only for the experts that can be among the top k (`off` computes every logit exactly, for comparison; the chosen experts and weights are the same) |
 //! | `KESTREL_SKINNY_EXPERTS_FROM` | integer | `9` | the fewest tokens whose quantised routed experts run on the skinny products, sorted by expert (fewer tokens take one token's kernels, which read each token's experts straight from their ids; on an H200 steps of 2-8 sequences ran 7-35% faster than on the skinny products; at least 2) |
 //! | `KESTREL_DEQUANT_PROJECTIONS_FROM` | integer | `33` | the fewest tokens whose quantised projections (4- or 8-bit weights of at most 64 MiB as bf16) are dequantised to bf16 in scratch memory and multiplied by cuBLAS, rather than on the skinny products or the quantised GEMM tiles, which dequantise every weight once for each tile of tokens (on an H200, Qwen3-30B-A3B prefill of 160-2,048 tokens ran 9-21% faster, steps of 64-256 sequences 4-13%, 32 sequences 1.5% slower from 17); `0` never |
+//! | `KESTREL_PROJECTION_COPIES` | bool | `true` | the CUDA backend keeps a bf16 copy of each projection weight the products of many tokens dequantise (see `KESTREL_DEQUANT_PROJECTIONS_FROM`), made once after the weights are written, instead of dequantising it into scratch memory at every run; the engine keeps them only where the model stays resident beside them, and counts them in its GPU budget (`off` dequantises at every run and saves their memory: about 1.8 GB for Qwen3-30B-A3B) |
 //! | `KESTREL_DECODE_SPLIT_KEYS` | integer | `0` | on sm_90 GPUs, the fewest cached keys one block of decode attention takes (rounded up to its warps' batches): `0` spreads the context over one wave of blocks, a larger value gives fewer blocks a deeper share each (slower at every depth measured; for comparison and for the tests of deep splits) |
 //!
 //! Booleans accept `1/0`, `true/false`, `yes/no`, `on/off`. A variable with a value that does
@@ -82,6 +83,9 @@ pub struct Config {
     /// The fewest tokens whose quantised projections are dequantised to bf16 and multiplied by
     /// cuBLAS (else the skinny products or the quantised GEMM tiles); `0`: never.
     pub dequant_projections_from: usize,
+    /// The CUDA backend keeps bf16 copies of the projection weights it dequantises for products
+    /// of many tokens, made once (else it dequantises them at every run). On by default.
+    pub projection_copies: bool,
 }
 
 impl Default for Config {
@@ -295,6 +299,15 @@ impl Config {
             ),
             DEQUANT_PROJECTIONS_FROM,
         );
+        let projection_copies = keep(
+            &mut problems,
+            parse_bool(
+                get("KESTREL_PROJECTION_COPIES"),
+                "KESTREL_PROJECTION_COPIES",
+                true,
+            ),
+            true,
+        );
         Config {
             problems,
             device,
@@ -311,6 +324,7 @@ impl Config {
             decode_split_keys,
             skinny_experts_from,
             dequant_projections_from,
+            projection_copies,
         }
     }
 }
@@ -408,6 +422,8 @@ mod tests {
         assert!(c.fused_norm && Config::default().fused_norm);
         assert!(!Config::from_vars(&vars(&[("KESTREL_BOUNDED_ROUTER", "0")])).bounded_router);
         assert!(c.bounded_router && Config::default().bounded_router);
+        assert!(!Config::from_vars(&vars(&[("KESTREL_PROJECTION_COPIES", "off")])).projection_copies);
+        assert!(c.projection_copies && Config::default().projection_copies);
         assert_eq!(c.dequant_projections_from, DEQUANT_PROJECTIONS_FROM);
         let from = |v| Config::from_vars(&vars(&[("KESTREL_DEQUANT_PROJECTIONS_FROM", v)]));
         assert_eq!(from("0").dequant_projections_from, 0);

@@ -83,6 +83,9 @@ struct DeviceInner {
     /// The fewest tokens whose quantised projections are dequantised for cuBLAS
     /// (`Config::dequant_projections_from`; 0: never).
     dequant_projections_from: usize,
+    /// bf16 copies of the projections products of many tokens dequantise, kept
+    /// (`Config::projection_copies`).
+    projection_copies: bool,
     /// Event pairs around profiled dispatches, read back by `take_profile`.
     profile_events: Mutex<Vec<(String, String, CudaEvent, CudaEvent)>>,
     /// The cuBLAS handle, created on first use.
@@ -157,6 +160,7 @@ impl Device {
                 decode_split_keys: config.decode_split_keys,
                 skinny_experts_from: config.skinny_experts_from,
                 dequant_projections_from: config.dequant_projections_from,
+                projection_copies: config.projection_copies,
                 profile_events: Mutex::new(Vec::new()),
                 blas: Mutex::new(None),
                 ceilings: OnceLock::new(),
@@ -448,6 +452,12 @@ impl Device {
     /// cuBLAS rather than on the skinny products or the quantised GEMM tiles (0: never).
     pub fn dequant_projections_from(&self) -> usize {
         self.inner.dequant_projections_from
+    }
+
+    /// Whether backends keep bf16 copies of the projections that products of many tokens
+    /// dequantise, made once, rather than dequantising them at every run.
+    pub fn projection_copies(&self) -> bool {
+        self.inner.projection_copies
     }
 
     /// The fewest tokens whose quantised routed experts run on the skinny products, sorted by

@@ -7,17 +7,20 @@
 //! Scratch memory the op encoders ask for comes from one region the backend keeps for all its
 //! programs: every node starts again at its first byte, so the region is as large as the
 //! largest node's need, and the dispatches of nodes that reuse the same bytes are ordered by the
-//! byte-range dependency analysis like any other writers.
+//! byte-range dependency analysis like any other writers. The bf16 copies of the projections
+//! that products of many tokens dequantise are kept for all programs too, by the weight's label:
+//! made when a program first needs one, filled before the next run and again after any write to
+//! the weight.
 
 use std::collections::HashMap;
 
-use kestrel_core::ir::{Buf, BufKind, Graph};
+use kestrel_core::ir::{Buf, BufKind, Graph, LinearWeight, Op};
 use kestrel_core::planner::{Plan, Slot};
 use kestrel_core::{Backend, CoreError, DType};
 
 use kestrel_cuda_rt::{Buffer, CommandList, CudaError, Device, Graph as CudaGraph, PinnedBuffer, Result};
 
-use crate::encoder::{Encoder, Exact, Scratch};
+use crate::encoder::{Copies, Encoder, Exact, Scratch};
 use crate::ops;
 
 /// How programs run.
@@ -36,6 +39,10 @@ pub struct CudaBackend {
     exact: Exact,
     persistent: HashMap<String, (String, Buffer)>,
     scratch: Scratch,
+    /// bf16 copies of the projections products of many tokens dequantise (None: none kept; they
+    /// are dequantised into scratch memory at every run). Boxed: the backend stays small beside
+    /// the CPU's in the engine's sessions.
+    copies: Option<Box<Copies>>,
 }
 
 /// A graph prepared for CUDA.
@@ -62,6 +69,35 @@ impl CudaProgram {
     pub fn buffer(&self, b: impl Into<Buf>) -> Option<&Buffer> {
         self.views[b.into().index()].as_ref()
     }
+}
+
+/// Bytes the bf16 copies of `graph`'s projections take once its products of at least
+/// `dequant_from` tokens have run (0: never dequantised): every quantised product but router
+/// logits whose weight the dequantised path takes, each weight counted once. What a backend
+/// keeping copies holds beside the weights, for a budget to count (a weight whose buffers are
+/// not aligned for the path makes no copy, so this is an upper bound).
+pub fn projection_copy_bytes(graph: &Graph, dequant_from: usize) -> u64 {
+    if dequant_from == 0 {
+        return 0;
+    }
+    let decisions = decision_inputs(graph);
+    let mut seen = std::collections::HashSet::new();
+    let mut bytes = 0;
+    for (node, decision) in graph.nodes.iter().zip(decisions) {
+        if let Op::Linear {
+            w: ref w @ LinearWeight::Quant { ref format, .. },
+            in_dim,
+            out_dim,
+            ..
+        } = node.op
+        {
+            let copied = !decision && ops::dequant_format_fits(format, (in_dim, out_dim));
+            if copied && seen.insert(w.bufs()[0]) {
+                bytes += (in_dim * out_dim * DType::BF16.size_in_bytes()) as u64;
+            }
+        }
+    }
+    bytes
 }
 
 /// Nodes whose output a router reads: their logits pick experts, so they are computed exactly.
@@ -98,11 +134,35 @@ fn signature(d: &kestrel_core::ir::BufDecl) -> String {
 impl CudaBackend {
     pub fn new(device: Device, mode: RunMode) -> Self {
         CudaBackend {
-            device,
             mode,
             exact: Exact::default(),
             persistent: HashMap::new(),
             scratch: Scratch::default(),
+            copies: device.projection_copies().then(Box::default),
+            device,
+        }
+    }
+
+    /// Whether the backend keeps bf16 copies of the projections that products of many tokens
+    /// dequantise (by default as `Config::projection_copies` says; never where that is off).
+    /// Set before the first program.
+    pub fn with_projection_copies(mut self, keep: bool) -> Self {
+        self.copies = (keep && self.device.projection_copies()).then(Box::default);
+        self
+    }
+
+    /// Bytes the bf16 copies of projections take now.
+    pub fn projection_copy_bytes(&self) -> usize {
+        self.copies.as_ref().map_or(0, |c| c.bytes())
+    }
+
+    /// `buf` of `p` is being written: a weight's copy goes stale.
+    fn written(&mut self, p: &CudaProgram, buf: Buf) {
+        if let Some(copies) = &mut self.copies {
+            let d = p.graph.decl(buf);
+            if d.kind == BufKind::Weight {
+                copies.written(&d.label);
+            }
         }
     }
 
@@ -219,6 +279,9 @@ impl Backend for CudaBackend {
             self.exact,
             precise.clone(),
         );
+        if let Some(copies) = &mut self.copies {
+            enc = enc.with_copies(copies);
+        }
         let mut i = 0;
         while i < graph.nodes.len() {
             let node = &graph.nodes[i];
@@ -266,6 +329,7 @@ impl Backend for CudaBackend {
     }
 
     fn write_bytes(&mut self, p: &mut CudaProgram, buf: Buf, offset: usize, bytes: &[u8]) -> Result<()> {
+        self.written(p, buf);
         let Some(view) = byte_view(p, buf, offset, bytes.len())? else {
             return Ok(());
         };
@@ -275,6 +339,7 @@ impl Backend for CudaBackend {
     /// A memset on the compute stream: a hybrid model's recurrent states are tens of megabytes
     /// a sequence, which a write of host zeros would bring over the link.
     fn zero_bytes(&mut self, p: &mut CudaProgram, buf: Buf, offset: usize, len: usize) -> Result<()> {
+        self.written(p, buf);
         match byte_view(p, buf, offset, len)? {
             Some(view) => self.device.compute().fill(&view, 0),
             None => Ok(()),
@@ -289,6 +354,7 @@ impl Backend for CudaBackend {
         dst: usize,
         len: usize,
     ) -> Result<()> {
+        self.written(p, buf);
         match (byte_view(p, buf, src, len)?, byte_view(p, buf, dst, len)?) {
             (Some(from), Some(to)) => self.device.compute().copy(&to, &from),
             _ => Ok(()),
@@ -319,6 +385,7 @@ impl Backend for CudaBackend {
         src: &PinnedBuffer<u8>,
         range: std::ops::Range<usize>,
     ) -> Result<()> {
+        self.written(p, buf);
         let Some(view) = byte_view(p, buf, offset, range.len())? else {
             return Ok(());
         };
@@ -330,7 +397,11 @@ impl Backend for CudaBackend {
         self.device.compute().download_into(&b.bytes(), out)
     }
 
+    /// Fills any stale weight copy first, on the same stream.
     fn run(&mut self, p: &mut CudaProgram) -> Result<()> {
+        if let Some(copies) = &mut self.copies {
+            copies.refresh(&self.device)?;
+        }
         match (&p.exec, self.mode) {
             (Some(g), RunMode::Graph) => g.launch(),
             _ => self.device.run(&p.list),

@@ -1,9 +1,12 @@
 //! `Encoder`, what an op's encoder sees while the backend records a program: the program's
 //! buffers, the device, the command list, scratch memory that every node reuses from its first
-//! byte, and zeroed counters for kernels whose blocks count their arrivals. The backend
+//! byte, zeroed counters for kernels whose blocks count their arrivals, and the bf16 copies of
+//! weights the backend keeps for all its programs. The backend
 //! (`backend.rs`) makes one per program; the op families (`ops/*`) use it; it imports neither.
 
-use kestrel_core::ir::{Buf, Graph};
+use std::collections::HashMap;
+
+use kestrel_core::ir::{Buf, BufKind, Graph};
 use kestrel_core::{DType, Shape};
 use kestrel_cuda_rt::{
     Buffer, CommandList, CudaError, Device, DispatchBuilder, Kernel, ModuleSource, Result,
@@ -40,6 +43,55 @@ pub(crate) struct Scratch {
     counters: Option<Buffer>,
 }
 
+/// bf16 copies of quantised weights, kept for every program of a backend: a product of many
+/// tokens reads its weight's copy rather than dequantising the weight into scratch memory at
+/// every run. Each copy has a command list of its own that fills it from the weight; a write to
+/// any of the weight's buffers marks the copy stale, and the backend fills stale copies on the
+/// compute stream before its next run.
+#[derive(Default)]
+pub(crate) struct Copies {
+    /// By the label of the weight's first buffer.
+    copies: HashMap<String, WeightCopy>,
+    /// The key of the copy each weight buffer (by label) fills.
+    sources: HashMap<String, String>,
+    /// Some copy is stale.
+    stale: bool,
+}
+
+struct WeightCopy {
+    buf: Buffer,
+    fill: CommandList,
+    fresh: bool,
+}
+
+impl Copies {
+    /// The weight buffer labelled `label` was written: the copy it fills (if any) is stale.
+    pub(crate) fn written(&mut self, label: &str) {
+        if let Some(copy) = self.sources.get(label).and_then(|k| self.copies.get_mut(k)) {
+            copy.fresh = false;
+            self.stale = true;
+        }
+    }
+
+    /// Fills every stale copy on `device`'s compute stream, so the runs that follow read them.
+    pub(crate) fn refresh(&mut self, device: &Device) -> Result<()> {
+        if !self.stale {
+            return Ok(());
+        }
+        for copy in self.copies.values_mut().filter(|c| !c.fresh) {
+            device.run(&copy.fill)?;
+            copy.fresh = true;
+        }
+        self.stale = false;
+        Ok(())
+    }
+
+    /// Bytes the copies take.
+    pub(crate) fn bytes(&self) -> usize {
+        self.copies.values().map(|c| c.buf.byte_len()).sum()
+    }
+}
+
 /// Scratch requests start at multiples of this many bytes.
 const SCRATCH_ALIGN: usize = 256;
 /// A new scratch region is rounded up to a multiple of this many bytes.
@@ -52,6 +104,8 @@ pub struct Encoder<'a> {
     views: &'a [Option<Buffer>],
     pub list: &'a mut CommandList,
     scratch: &'a mut Scratch,
+    /// The backend's weight copies (None: it keeps none).
+    copies: Option<&'a mut Copies>,
     /// The node being encoded feeds a discrete choice (router logits): no approximate fast paths,
     /// so a near tie is decided as the CPU decides it.
     pub precise: bool,
@@ -83,12 +137,20 @@ impl<'a> Encoder<'a> {
             views,
             list,
             scratch,
+            copies: None,
             precise: false,
             exact,
             decisions,
             rounded: vec![false; graph.bufs.len()],
             readers: graph.readers(),
         }
+    }
+
+    /// Products of many tokens read bf16 copies of their weights kept in `copies`
+    /// (`Encoder::weight_copy`).
+    pub(crate) fn with_copies(mut self, copies: &'a mut Copies) -> Encoder<'a> {
+        self.copies = Some(copies);
+        self
     }
 
     /// Node `node` is being encoded: its scratch starts again at the region's first byte, and
@@ -163,6 +225,53 @@ impl<'a> Encoder<'a> {
             Some(c) if c.elem_count() >= n => Ok(c.clone()),
             _ => Ok(s.counters.insert(self.device.alloc(DType::U32, n)?).clone()),
         }
+    }
+
+    /// The bf16 copy (of `shape`) of the weight whose buffers are `sources`, made on first ask,
+    /// with `fill` recording into the copy's own command list the dispatches that fill it from
+    /// the weight (they run before the next run, and again after any write to `sources`). None
+    /// when the backend keeps no copies or `sources` are not all device weights.
+    pub fn weight_copy(
+        &mut self,
+        sources: &[Buf],
+        shape: impl Into<Shape>,
+        fill: impl FnOnce(&mut CommandList, &Buffer) -> Result<()>,
+    ) -> Result<Option<Buffer>> {
+        let graph = self.graph;
+        let Some(copies) = self.copies.as_deref_mut() else {
+            return Ok(None);
+        };
+        if sources.is_empty() || sources.iter().any(|&b| graph.decl(b).kind != BufKind::Weight) {
+            return Ok(None);
+        }
+        let shape = shape.into();
+        let key = &graph.decl(sources[0]).label;
+        if let Some(copy) = copies.copies.get(key) {
+            if *copy.buf.shape() != shape {
+                return Err(CudaError::PersistentMismatch {
+                    label: format!("{key} (bf16 copy)"),
+                    old: format!("{:?}", copy.buf.shape()),
+                    new: format!("{shape:?}"),
+                });
+            }
+            return Ok(Some(copy.buf.clone()));
+        }
+        let buf = self.device.alloc(DType::BF16, shape)?;
+        let mut list = CommandList::new(format!("{key} bf16 copy"));
+        fill(&mut list, &buf)?;
+        for &b in sources {
+            copies.sources.insert(graph.decl(b).label.clone(), key.clone());
+        }
+        copies.copies.insert(
+            key.clone(),
+            WeightCopy {
+                buf: buf.clone(),
+                fill: list,
+                fresh: false,
+            },
+        );
+        copies.stale = true;
+        Ok(Some(buf))
     }
 
     /// Scratch memory for the node being encoded, valid until its last dispatch: the next node

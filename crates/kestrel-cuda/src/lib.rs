@@ -11,7 +11,7 @@ pub mod backend;
 pub mod encoder;
 pub mod ops;
 
-pub use backend::{CudaBackend, CudaProgram, RunMode};
+pub use backend::{projection_copy_bytes, CudaBackend, CudaProgram, RunMode};
 pub use encoder::{Encoder, Exact};
 pub use kestrel_cuda_rt::{
     ceilings, device_count, driver_present, Arg, Buffer, Ceilings, CommandList, CounterSnapshot, CudaError,

@@ -62,42 +62,35 @@ fn compare(dev: &kestrel_cuda::Device, case: &Case, seed: u64, round: usize) {
     for mode in [RunMode::Eager, RunMode::Graph] {
         let mut cuda = CudaBackend::new(dev.clone(), mode);
         let gpu_out = run_cuda(&mut cuda, case);
-        for ((check, c), g) in case.checks.iter().zip(&cpu_out).zip(&gpu_out) {
-            match check.expect {
-                Expect::Floats(_) | Expect::Backends => {
-                    let want: Vec<f64> = f32s(c).iter().map(|&v| v as f64).collect();
-                    let (err, tol) = if case.rounded_activations {
-                        (rel_l2(&f32s(g), &want), TOL_INT8_L2)
-                    } else {
-                        (rel_err(&f32s(g), &want), TOL)
-                    };
-                    assert!(
-                        err <= tol,
-                        "seed {seed} round {round} {:?} {} / {}: relative error {err:e}",
-                        mode,
-                        case.name,
-                        check.label
-                    );
-                }
-                Expect::Bf16(_) => {
-                    let err = bf16_err(&as_f64(g, DType::BF16), &as_f64(c, DType::BF16));
-                    assert!(
-                        err <= BF16_STEP,
-                        "seed {seed} round {round} {:?} {} / {}: bf16 error {err:e}",
-                        mode,
-                        case.name,
-                        check.label
-                    );
-                }
-                Expect::Ids(_) => assert_eq!(
-                    u32s(g),
-                    u32s(c),
-                    "seed {seed} round {round} {:?} {} / {}",
-                    mode,
-                    case.name,
-                    check.label
-                ),
+        assert_matches(
+            case,
+            &cpu_out,
+            &gpu_out,
+            &format!("seed {seed} round {round} {mode:?}"),
+        );
+    }
+}
+
+/// Every check of `case`: CUDA's bytes `gpu_out` against the CPU's `cpu_out`, within the bound
+/// the check's kind takes; `context` opens any failure's message.
+fn assert_matches(case: &Case, cpu_out: &[Vec<u8>], gpu_out: &[Vec<u8>], context: &str) {
+    for ((check, c), g) in case.checks.iter().zip(cpu_out).zip(gpu_out) {
+        let what = format!("{context} {} / {}", case.name, check.label);
+        match check.expect {
+            Expect::Floats(_) | Expect::Backends => {
+                let want: Vec<f64> = f32s(c).iter().map(|&v| v as f64).collect();
+                let (err, tol) = if case.rounded_activations {
+                    (rel_l2(&f32s(g), &want), TOL_INT8_L2)
+                } else {
+                    (rel_err(&f32s(g), &want), TOL)
+                };
+                assert!(err <= tol, "{what}: relative error {err:e}");
             }
+            Expect::Bf16(_) => {
+                let err = bf16_err(&as_f64(g, DType::BF16), &as_f64(c, DType::BF16));
+                assert!(err <= BF16_STEP, "{what}: bf16 error {err:e}");
+            }
+            Expect::Ids(_) => assert_eq!(u32s(g), u32s(c), "{what}"),
         }
     }
 }
@@ -542,15 +535,20 @@ fn tensor_core_products_with_k_split_match_the_cpu_backend() {
 
 /// Quantised products whose weights are dequantised to bf16 first and multiplied by cuBLAS
 /// (`Config::dequant_projections_from`, here from 2 tokens): 2 to 728 tokens, shapes that are not
-/// whole tiles of cuBLAS's or of the GEMM tiles, every quantised format; the dequantisation and
-/// cuBLAS's product must be what ran, and with the switch at 0 neither may run.
+/// whole tiles of cuBLAS's or of the GEMM tiles, every quantised format, with the backend's bf16
+/// copies of the weights and without them. With copies the program records cuBLAS's product
+/// only (the dequantisation fills the copy outside it); without, the dequantisation and the
+/// product; with the switch at 0, neither.
 #[test]
 fn dequantised_projections_match_the_cpu_backend() {
     let Some(dev) = device_or_skip("dequantised_projections_match_the_cpu_backend") else {
         return;
     };
-    let from_2 = reopened(&dev, "dequantised projections from 2 tokens", |c| {
-        c.dequant_projections_from = 2
+    let from_2 = |c: &mut kestrel_core::Config| c.dequant_projections_from = 2;
+    let copies = reopened(&dev, "dequantised projections from 2 tokens", from_2);
+    let no_copies = reopened(&dev, "dequantised projections from 2 tokens, no copies", |c| {
+        from_2(c);
+        c.projection_copies = false;
     });
     let never = reopened(&dev, "no dequantised projections", |c| {
         c.dequant_projections_from = 0
@@ -568,20 +566,96 @@ fn dequantised_projections_match_the_cpu_backend() {
             8 * rng.range(1, 800),
         ),
     ];
-    linear_products(&from_2, &mut rng, seed, &shapes);
+    linear_products(&copies, &mut rng, seed, &shapes);
+    linear_products(&no_copies, &mut rng, seed, &shapes[3..]);
     for (tokens, in_dim, out_dim) in shapes {
         for format in kestrel_testing::cases::QUANT_FORMATS {
             let case =
                 kestrel_testing::cases::linear_shape(Rng::new(seed), tokens, (in_dim, out_dim), format);
-            let dequantised = |d| {
+            let kernels = |d| {
                 let labels = command_labels(d, &case);
-                labels.iter().any(|l| l.contains("dequant_"))
-                    && labels.iter().any(|l| l.contains("gemm_bf16"))
+                let has = |k: &str| labels.iter().any(|l| l.contains(k));
+                (has("dequant_"), has("gemm_bf16"))
             };
-            assert!(dequantised(&from_2), "seed {seed} {}", case.name);
-            assert!(!dequantised(&never), "seed {seed} {}", case.name);
+            let what = format!("seed {seed} {}", case.name);
+            assert_eq!(kernels(&copies), (false, true), "{what}, copies");
+            assert_eq!(kernels(&no_copies), (true, true), "{what}, no copies");
+            assert_eq!(kernels(&never), (false, false), "{what}, never");
         }
     }
+}
+
+/// The bf16 copies of dequantised projections follow their weights: new weights written into a
+/// program that has run are what its next run multiplies by, and a second program over the same
+/// weights (other tokens, the weights not written again) reads the same copy, which the backend
+/// holds once.
+#[test]
+fn projection_copies_follow_their_weights() {
+    let Some(dev) = device_or_skip("projection_copies_follow_their_weights") else {
+        return;
+    };
+    let dev = reopened(&dev, "dequantised projections from 2 tokens", |c| {
+        c.dequant_projections_from = 2
+    });
+    let (mut rng, seed) = Rng::from_time();
+    let dims = (128 * rng.range(1, 20), 8 * rng.range(1, 400));
+    let formats = kestrel_testing::cases::QUANT_FORMATS;
+    let format = formats[rng.range(0, formats.len())];
+    let case = |tokens, rng: &mut Rng| {
+        kestrel_testing::cases::linear_shape(Rng::new(rng.next_u64()), tokens, dims, format)
+    };
+    let (first, second, mut other) = (case(40, &mut rng), case(40, &mut rng), case(77, &mut rng));
+    let context = |what: &str| format!("seed {seed} ({dims:?}, {format:?}): {what}");
+    let cpu = |c: &Case| kestrel_testing::cases::run_case(&mut CpuBackend::new(), c).unwrap();
+    let read = |cuda: &mut CudaBackend, p: &kestrel_cuda::CudaProgram, c: &Case| -> Vec<Vec<u8>> {
+        (c.checks.iter())
+            .map(|check| {
+                let mut out = vec![0u8; c.graph.decl(check.buf).byte_len()];
+                cuda.read_bytes(p, check.buf, &mut out).unwrap();
+                out
+            })
+            .collect()
+    };
+    let is_weight = |c: &Case, b| c.graph.decl(b).kind == BufKind::Weight;
+    let mut cuda = CudaBackend::new(dev.clone(), RunMode::Graph);
+    let mut p = cuda.prepare(&first.graph).unwrap();
+    for c in [&first, &second] {
+        cuda.poison(&p).unwrap();
+        for (buf, bytes) in &c.data {
+            cuda.write_bytes(&mut p, *buf, 0, bytes).unwrap();
+        }
+        cuda.run(&mut p).unwrap();
+        let gpu = read(&mut cuda, &p, c);
+        assert_matches(c, &cpu(c), &gpu, &context("weights written into the program"));
+    }
+    let held = cuda.projection_copy_bytes();
+    assert_eq!(held, dims.0 * dims.1 * 2, "{}", context("one copy"));
+    // The other tokens' program over `second`'s weights, as uploaded.
+    let mut q = cuda.prepare(&other.graph).unwrap();
+    cuda.poison(&q).unwrap();
+    for (buf, bytes) in other.data.iter().filter(|(b, _)| !is_weight(&other, *b)) {
+        cuda.write_bytes(&mut q, *buf, 0, bytes).unwrap();
+    }
+    cuda.run(&mut q).unwrap();
+    let gpu = read(&mut cuda, &q, &other);
+    // The CPU's reference: the same tokens over `second`'s weights.
+    for (buf, bytes) in &mut other.data {
+        let d = other.graph.decl(*buf);
+        if d.kind == BufKind::Weight {
+            let from = second
+                .data
+                .iter()
+                .find(|(b, _)| second.graph.decl(*b).label == d.label);
+            *bytes = from.expect("the same weights' labels").1.clone();
+        }
+    }
+    assert_matches(&other, &cpu(&other), &gpu, &context("a second program"));
+    assert_eq!(
+        cuda.projection_copy_bytes(),
+        held,
+        "{}",
+        context("still one copy")
+    );
 }
 
 /// Quantised products of (tokens, in, out) in every quantised format, against the CPU backend.

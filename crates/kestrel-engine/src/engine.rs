@@ -10,8 +10,8 @@ use kestrel_core::{Config, DType};
 use kestrel_cpu::CpuBackend;
 use kestrel_cuda::{CudaBackend, Device, Exact, RunMode};
 use kestrel_model::{
-    BatchOutput, CacheStats, DiskStats, Eviction, KvPool, ModelConfig, Output, Session, StageAhead, Want,
-    Weights, KV_BLOCK,
+    BatchOutput, CacheStats, DiskStats, Eviction, Forward, ForwardSpec, KvPool, ModelConfig, Output, Session,
+    StageAhead, Want, Weights, KV_BLOCK,
 };
 use kestrel_text::SamplingParams;
 
@@ -267,6 +267,37 @@ impl Engine {
             true => opts.state_snapshots,
             false => 0,
         };
+        // The CUDA backend's bf16 copies of the projections it dequantises
+        // (`Config::projection_copies`): kept, and taken from the budget, where the model with
+        // one sequence's caches stays resident beside them; else not kept (the experts would
+        // stream to make room for them).
+        let copies = match &device {
+            Some(dev) if dev.projection_copies() && opts.precision == Precision::Fast => {
+                let spec = ForwardSpec {
+                    quant: opts.quant,
+                    ..ForwardSpec::new(1, opts.ctx, cache)
+                };
+                let forward = Forward::build(&model.config, &model.weights, spec)?;
+                kestrel_cuda::projection_copy_bytes(&forward.graph, dev.dequant_projections_from())
+            }
+            _ => 0,
+        };
+        let least = RunShape {
+            pool: Some(KvPool {
+                seqs,
+                blocks: per_seq,
+                snapshots,
+            }),
+            ..shape
+        };
+        let keep_copies = copies > 0
+            && budget.is_none_or(|gpu| {
+                Placement::resident_beside(&model.config, &model.weights, least, gpu, copies)
+            });
+        let budget = match keep_copies {
+            true => budget.map(|gpu| gpu - copies),
+            false => budget,
+        };
         let pool = match (opts.kv_blocks, budget) {
             (Some(blocks), _) => KvPool {
                 seqs,
@@ -340,7 +371,9 @@ impl Engine {
                     Precision::Fast => Exact::default(),
                     Precision::Exact => Exact::ALL,
                 };
-                let cuda = CudaBackend::new(dev.clone(), RunMode::Graph).with_exact(exact);
+                let cuda = CudaBackend::new(dev.clone(), RunMode::Graph)
+                    .with_exact(exact)
+                    .with_projection_copies(keep_copies);
                 let s = Session::new(model_config, weights, cuda, ctx, cache);
                 AnySession::Cuda(configure(s, opts, placement.as_ref(), pool)?)
             }

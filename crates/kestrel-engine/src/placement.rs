@@ -209,6 +209,19 @@ impl Placement {
         })
     }
 
+    /// Whether `config`'s model stays resident for a run of `shape` under `gpu_bytes` beside
+    /// `extra` bytes the backend keeps of its own (the CUDA backend's bf16 copies of projections).
+    pub fn resident_beside(
+        config: &ModelConfig,
+        weights: &Weights,
+        shape: RunShape,
+        gpu_bytes: u64,
+        extra: u64,
+    ) -> bool {
+        gpu_bytes >= extra
+            && Placement::plan(config, weights, shape, gpu_bytes - extra, None).is_ok_and(|p| p.resident())
+    }
+
     /// Where the bytes of `config`'s model go for a run of `shape` with `gpu_bytes` of GPU
     /// memory and `host_bytes` of host memory for experts (None: no limit). A GPU budget too
     /// small for the resident bytes, the staging area and a token's experts in every layer's

@@ -166,3 +166,36 @@ fn state_snapshots_are_counted_as_resident() {
     assert_eq!(resident(2, 5) - resident(2, 0), 5 * states);
     assert_eq!(resident(2, 1) - resident(2, 0), states);
 }
+
+/// The CUDA backend's bf16 copies of the projections it dequantises: counted for the quantised
+/// products the dequantised path takes (each attention layer's four projections, the dense MLP's
+/// gate and up; not routers, not the dense MLP's down, whose rows of 96 do not divide into
+/// groups of 64 and stay bf16, not the experts), none where the path is off or nothing is
+/// quantised; and a budget keeps the model resident beside them exactly when it holds both.
+#[test]
+fn projection_copies_are_counted_and_fit_only_beside_a_resident_model() {
+    use kestrel_core::quant::QuantFormat;
+    use kestrel_model::{Forward, ForwardSpec};
+    let m = model();
+    let (c, w) = (&m.config, &m.weights);
+    let graph = |quant| {
+        let spec = ForwardSpec {
+            quant,
+            ..ForwardSpec::new(1, SHAPE.ctx, DType::F32)
+        };
+        Forward::build(c, w, spec).unwrap().graph
+    };
+    let q4 = graph(Some(QuantFormat::Q4));
+    let attention = (c.heads + 2 * c.kv_heads + c.heads) * c.head_dim * c.hidden;
+    let dense_mlp = 2 * c.intermediate * c.hidden;
+    let lm_head = c.vocab * c.hidden;
+    let want = 2 * (c.layers * attention + dense_mlp + lm_head) as u64;
+    assert_eq!(kestrel_cuda::projection_copy_bytes(&q4, 33), want);
+    assert_eq!(kestrel_cuda::projection_copy_bytes(&q4, 0), 0);
+    assert_eq!(kestrel_cuda::projection_copy_bytes(&graph(None), 33), 0);
+    let full = Placement::plan(c, w, SHAPE, u64::MAX / 2, None).unwrap();
+    let both = full.resident_bytes + full.expert_bytes + want;
+    assert!(Placement::resident_beside(c, w, SHAPE, both, want));
+    assert!(!Placement::resident_beside(c, w, SHAPE, both - 1, want));
+    assert!(!Placement::resident_beside(c, w, SHAPE, want - 1, want));
+}

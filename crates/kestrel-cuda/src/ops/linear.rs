@@ -4,8 +4,10 @@
 //! A product takes the first path that fits:
 //! - from `Config::dequant_projections_from` tokens, 4- or 8-bit weights of at most
 //!   `DEQUANT_MAX_BYTES` as bf16, outside router logits and unless rounded activations are
-//!   switched off: the weights dequantised into scratch memory by `gemm.cu`'s `dequant_*` (each
-//!   weight rounded as the GEMM tiles round it), then cuBLAS on x rounded to bf16;
+//!   switched off: the weights dequantised by `gemm.cu`'s `dequant_*` (each weight rounded as
+//!   the GEMM tiles round it) into the backend's bf16 copy of the weight, once, outside the
+//!   program (`Config::projection_copies`; else into scratch memory at every run), then cuBLAS on
+//!   x rounded to bf16;
 //! - 2 to `skinny::LINEAR_MAX_TOKENS` (128) tokens of 4- or 8-bit weights, outside router logits
 //!   and unless rounded activations are switched off: `skinny.cu`'s `linear_skinny_*` on x
 //!   rounded to bf16 (on Hopper from `skinny::WIDE_LINEAR_MIN_TOKENS` (33) tokens,
@@ -25,7 +27,7 @@ use kestrel_core::ir::{Buf, BufKind, LinearWeight, NormKind, Op};
 use kestrel_core::quant::{QuantFormat, ScaleType};
 use kestrel_core::DType;
 
-use kestrel_cuda_rt::{Buffer, DispatchBuilder, ModuleSource, Result};
+use kestrel_cuda_rt::{Buffer, CommandList, DispatchBuilder, ModuleSource, Result};
 
 use super::common::{
     float_name, k_splits, op_module, padded_len, quant_name, quant_parts_aligned, split_args, split_scratch,
@@ -536,40 +538,41 @@ fn encode_skinny(
     Ok(true)
 }
 
+/// Whether a weight of `format` with rows of `in_dim` values and `out_dim` rows may run
+/// dequantised: 4- or 8-bit values with bf16 or f32 scales in groups of whole 16s that divide K,
+/// of at most `DEQUANT_MAX_BYTES` as bf16 (what the weight alone decides, before its buffers'
+/// alignment).
+pub(crate) fn dequant_format_fits(format: &QuantFormat, (in_dim, out_dim): (usize, usize)) -> bool {
+    let (bits, group) = (format.bits, format.group_size);
+    (bits == 4 || bits == 8)
+        && format.scale != ScaleType::Factored
+        && group % 16 == 0
+        && in_dim % group == 0
+        && out_dim * in_dim * 2 <= DEQUANT_MAX_BYTES
+}
+
 /// Whether a product of `tokens` tokens of weight `w` runs dequantised (`encode_dequantised`):
-/// from `Config::dequant_projections_from` tokens, 4- or 8-bit weights with bf16 or f32 scales in
-/// groups of whole 16s that divide K, of at most `DEQUANT_MAX_BYTES` as bf16, aligned for the
-/// kernel's loads.
-fn dequant_fits(
-    enc: &Encoder,
-    w: &LinearWeight,
-    tokens: usize,
-    (in_dim, out_dim): (usize, usize),
-) -> Result<bool> {
+/// from `Config::dequant_projections_from` tokens, weights `dequant_format_fits` takes, aligned
+/// for the kernel's loads.
+fn dequant_fits(enc: &Encoder, w: &LinearWeight, tokens: usize, dims: (usize, usize)) -> Result<bool> {
     let LinearWeight::Quant { format, .. } = w else {
         return Ok(false);
     };
     let from = enc.device.dequant_projections_from();
-    let (bits, group) = (format.bits, format.group_size);
-    if from == 0
-        || tokens < from.max(2)
-        || !(bits == 4 || bits == 8)
-        || format.scale == ScaleType::Factored
-        || group % 16 != 0
-        || in_dim % group != 0
-        || out_dim * in_dim * 2 > DEQUANT_MAX_BYTES
-    {
+    if from == 0 || tokens < from.max(2) || !dequant_format_fits(format, dims) {
         return Ok(false);
     }
     let (_, parts, _) = weight_parts(enc, w)?;
     Ok(quant_parts_aligned(format, &parts))
 }
 
-/// A quantised product of many tokens as cuBLAS's bf16 product over the weights dequantised into
-/// scratch memory first (`dequant_*` in `gemm.cu`, each weight rounded as the GEMM tiles round
-/// it), on x as bf16 (`bf16_activations`). The tiles and the skinny products dequantise every
-/// weight once for each tile of tokens, so once is cheaper from a few dozen tokens on. Returns
-/// false (and records nothing) where `dequant_fits` says no.
+/// A quantised product of many tokens as cuBLAS's bf16 product over the weights dequantised
+/// (`dequant_*` in `gemm.cu`, each weight rounded as the GEMM tiles round it), on x as bf16
+/// (`bf16_activations`). The tiles and the skinny products dequantise every weight once for each
+/// tile of tokens, so once is cheaper from a few dozen tokens on. Where the backend keeps weight
+/// copies (`Encoder::weight_copy`) the weight is dequantised into its copy once, outside the
+/// program, and the program records only the product; else into scratch memory at every run.
+/// Returns false (and records nothing) where `dequant_fits` says no.
 fn encode_dequantised(
     enc: &mut Encoder,
     x: Buf,
@@ -586,18 +589,29 @@ fn encode_dequantised(
     let group = group.expect("a quantised weight has a group size");
     let out = enc.buf(out)?.clone();
     let xb = bf16_activations(enc, x, tokens, in_dim)?;
-    let wb = enc.workspace(DType::BF16, [out_dim, in_dim])?;
     let k = enc.kernel(&gemm::MODULE, &format!("dequant_{name}"))?;
-    enc.dispatch(&k)
-        .cover((out_dim * in_dim / 8).div_ceil(DQ_PIECES), 256)
-        .read(&parts[0])
-        .read(&parts[1])
-        .read(&parts[2])
-        .write(&wb)
-        .arg(u32_arg(out_dim)?)
-        .arg(u32_arg(in_dim)?)
-        .arg(u32_arg(group)?)
-        .record();
+    let dequantise = |list: &mut CommandList, wb: &Buffer| -> Result<()> {
+        list.dispatch(&k)
+            .programmatic()
+            .cover((out_dim * in_dim / 8).div_ceil(DQ_PIECES), 256)
+            .read(&parts[0])
+            .read(&parts[1])
+            .read(&parts[2])
+            .write(wb)
+            .arg(u32_arg(out_dim)?)
+            .arg(u32_arg(in_dim)?)
+            .arg(u32_arg(group)?)
+            .record();
+        Ok(())
+    };
+    let wb = match enc.weight_copy(&w.bufs(), [out_dim, in_dim], dequantise)? {
+        Some(copy) => copy,
+        None => {
+            let wb = enc.workspace(DType::BF16, [out_dim, in_dim])?;
+            dequantise(enc.list, &wb)?;
+            wb
+        }
+    };
     enc.list.gemm_bf16(&xb, &wb, &out, tokens, out_dim, in_dim);
     Ok(true)
 }

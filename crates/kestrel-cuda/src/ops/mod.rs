@@ -15,7 +15,7 @@ mod router;
 mod skinny;
 mod stream;
 
-pub(crate) use linear::GEMM_MIN_TOKENS;
+pub(crate) use linear::{dequant_format_fits, GEMM_MIN_TOKENS};
 
 use kestrel_core::ir::Op;
 use kestrel_cuda_rt::{ModuleSource, Result};
