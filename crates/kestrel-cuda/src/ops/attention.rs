@@ -306,13 +306,7 @@ fn encode_flash(enc: &mut Encoder, a: &Attn, max_mt: usize, out_bf16: bool) -> R
         .arg(u32::from(out_bf16))
         .record();
     if splits > 1 {
-        record_combine(
-            enc,
-            &[pm, pl_buf, pacc],
-            &a.out,
-            (tokens * heads, head_dim, splits),
-            out_bf16,
-        )?;
+        record_combine(enc, &[pm, pl_buf, pacc], a, splits, out_bf16)?;
     }
     Ok(())
 }
@@ -637,13 +631,7 @@ fn encode_split(enc: &mut Encoder, a: &Attn, out_bf16: bool) -> Result<()> {
         .arg(a.scale)
         .arg(u32_arg(chunk)?)
         .record();
-    record_combine(
-        enc,
-        &[pm, pl_buf, pacc],
-        &a.out,
-        (tokens * heads, head_dim, splits),
-        out_bf16,
-    )
+    record_combine(enc, &[pm, pl_buf, pacc], a, splits, out_bf16)
 }
 
 /// Per (row, split) partial results of split attention: max, sum, and the unnormalised
@@ -656,15 +644,16 @@ fn partials(enc: &mut Encoder, rows: usize, head_dim: usize) -> Result<[Buffer; 
     ])
 }
 
-/// `attention_combine_*`: out[row] = merge of the row's `splits` partial results, in f32 or with
-/// `out_bf16` rounded into `out`, a bf16 view.
+/// `attention_combine_*`: each row (a token's head) of `a`'s output = the merge of the row's
+/// `splits` partial results, in f32 or with `out_bf16` rounded into the output's bf16 view.
 fn record_combine(
     enc: &mut Encoder,
     [pm, pl, pacc]: &[Buffer; 3],
-    out: &Buffer,
-    (rows, head_dim, splits): (usize, usize, usize),
+    a: &Attn,
+    splits: usize,
     out_bf16: bool,
 ) -> Result<()> {
+    let (rows, head_dim) = (a.tokens * a.heads, a.head_dim);
     // Many splits (decode over a long cache): a block per row spreads them over its threads.
     // Few: a warp per row, so prefill's many rows are not a block each.
     let (name, grid, block) = if splits > COMBINE_LOADS {
@@ -683,7 +672,7 @@ fn record_combine(
         .read(pm)
         .read(pl)
         .read(pacc)
-        .write(out)
+        .write(&a.out)
         .arg(u32_arg(head_dim)?)
         .arg(u32_arg(splits)?)
         .arg(u32_arg(rows)?)
