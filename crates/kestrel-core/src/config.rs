@@ -17,7 +17,7 @@
 //! | `KESTREL_FUSED_NORM` | bool | `true` | one token's RMS norm (with its residual add) computed inside the quantised product that reads it (`off` runs it as a kernel of its own, for comparison) |
 //! | `KESTREL_BOUNDED_ROUTER` | bool | `true` | a router's logits of many tokens estimated on the tensor cores with a bound on their error, and computed exactly only for the experts that can be among the top k (`off` computes every logit exactly, for comparison; the chosen experts and weights are the same) |
 //! | `KESTREL_SKINNY_EXPERTS_FROM` | integer | `9` | the fewest tokens whose quantised routed experts run on the skinny products, sorted by expert (fewer tokens take one token's kernels, which read each token's experts straight from their ids; on an H200 steps of 2-8 sequences ran 7-35% faster than on the skinny products; at least 2) |
-//! | `KESTREL_DEQUANT_PROJECTIONS_FROM` | integer | `33` | the fewest tokens whose quantised projections (4- or 8-bit weights of at most 64 MiB as bf16) are dequantised to bf16 in scratch memory and multiplied by cuBLAS, rather than on the skinny products or the quantised GEMM tiles, which dequantise every weight once for each tile of tokens (on an H200, Qwen3-30B-A3B prefill of 160-2,048 tokens ran 9-21% faster, steps of 64-256 sequences 4-13%, 32 sequences 1.5% slower from 17); `0` never |
+//! | `KESTREL_DEQUANT_PROJECTIONS_FROM` | integer | `17`, or `33` with `KESTREL_PROJECTION_COPIES` off | the fewest tokens whose quantised projections (4- or 8-bit weights of at most 64 MiB as bf16) are dequantised to bf16 and multiplied by cuBLAS, rather than on the skinny products or the quantised GEMM tiles, which dequantise every weight once for each tile of tokens (on an H200, Qwen3-30B-A3B prefill of 160-2,048 tokens ran 9-21% faster, steps of 64-256 sequences 4-13%; with the weights dequantised at every run 32 sequences were 1.5% slower from 17, with them dequantised once (the copies) 17-32 sequences 4-7% faster); `0` never |
 //! | `KESTREL_PROJECTION_COPIES` | bool | `true` | the CUDA backend keeps a bf16 copy of each projection weight the products of many tokens dequantise (see `KESTREL_DEQUANT_PROJECTIONS_FROM`), made once after the weights are written, instead of dequantising it into scratch memory at every run; the engine keeps them only where the model stays resident beside them, and counts them in its GPU budget (`off` dequantises at every run and saves their memory: about 1.8 GB for Qwen3-30B-A3B) |
 //! | `KESTREL_DECODE_SPLIT_KEYS` | integer | `0` | on sm_90 GPUs, the fewest cached keys one block of decode attention takes (rounded up to its warps' batches): `0` spreads the context over one wave of blocks, a larger value gives fewer blocks a deeper share each (slower at every depth measured; for comparison and for the tests of deep splits) |
 //!
@@ -39,8 +39,10 @@ use crate::error::{CoreError, Result};
 
 /// `Config::skinny_experts_from`'s default.
 pub const SKINNY_EXPERTS_FROM: usize = 9;
-/// `Config::dequant_projections_from`'s default.
-pub const DEQUANT_PROJECTIONS_FROM: usize = 33;
+/// `Config::dequant_projections_from`'s default, with `Config::projection_copies` on (the
+/// weights dequantised once) and off (dequantised at every run).
+pub const DEQUANT_PROJECTIONS_FROM: usize = 17;
+pub const DEQUANT_PROJECTIONS_FROM_UNCOPIED: usize = 33;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
@@ -288,17 +290,6 @@ impl Config {
             ),
             SKINNY_EXPERTS_FROM,
         );
-        let dequant_projections_from = keep(
-            &mut problems,
-            parse_count(
-                get("KESTREL_DEQUANT_PROJECTIONS_FROM"),
-                "KESTREL_DEQUANT_PROJECTIONS_FROM",
-                0,
-                "tokens",
-                DEQUANT_PROJECTIONS_FROM,
-            ),
-            DEQUANT_PROJECTIONS_FROM,
-        );
         let projection_copies = keep(
             &mut problems,
             parse_bool(
@@ -307,6 +298,22 @@ impl Config {
                 true,
             ),
             true,
+        );
+        // The dequantised path pays from fewer tokens when the dequantisation is done once.
+        let dequant_default = match projection_copies {
+            true => DEQUANT_PROJECTIONS_FROM,
+            false => DEQUANT_PROJECTIONS_FROM_UNCOPIED,
+        };
+        let dequant_projections_from = keep(
+            &mut problems,
+            parse_count(
+                get("KESTREL_DEQUANT_PROJECTIONS_FROM"),
+                "KESTREL_DEQUANT_PROJECTIONS_FROM",
+                0,
+                "tokens",
+                dequant_default,
+            ),
+            dequant_default,
         );
         Config {
             problems,
@@ -432,6 +439,13 @@ mod tests {
             assert_eq!(from(bad).dequant_projections_from, DEQUANT_PROJECTIONS_FROM);
             assert!(from(bad).check().is_err(), "{bad}");
         }
+        let uncopied = |v: &[(&str, &str)]| {
+            let mut v = v.to_vec();
+            v.push(("KESTREL_PROJECTION_COPIES", "off"));
+            Config::from_vars(&vars(&v)).dequant_projections_from
+        };
+        assert_eq!(uncopied(&[]), DEQUANT_PROJECTIONS_FROM_UNCOPIED);
+        assert_eq!(uncopied(&[("KESTREL_DEQUANT_PROJECTIONS_FROM", "40")]), 40);
         assert_eq!(c.kernel_cache_dir, None, "no HOME, no XDG_CACHE_HOME: no cache");
     }
 
