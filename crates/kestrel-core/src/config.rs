@@ -19,7 +19,6 @@
 //! | `KESTREL_SKINNY_EXPERTS_FROM` | integer | `9` | the fewest tokens whose quantised routed experts run on the skinny products, sorted by expert (fewer tokens take one token's kernels, which read each token's experts straight from their ids; on an H200 steps of 2-8 sequences ran 7-35% faster than on the skinny products; at least 2) |
 //! | `KESTREL_DEQUANT_PROJECTIONS_FROM` | integer | `17`, or `33` with `KESTREL_PROJECTION_COPIES` off | the fewest tokens whose quantised projections (4- or 8-bit weights of at most 64 MiB as bf16) are dequantised to bf16 and multiplied by cuBLAS, rather than on the skinny products or the quantised GEMM tiles, which dequantise every weight once for each tile of tokens (on an H200, Qwen3-30B-A3B prefill of 160-2,048 tokens ran 9-21% faster, steps of 64-256 sequences 4-13%; with the weights dequantised at every run 32 sequences were 1.5% slower from 17, with them dequantised once (the copies) 17-32 sequences 4-7% faster); `0` never |
 //! | `KESTREL_PROJECTION_COPIES` | bool | `true` | the CUDA backend keeps a bf16 copy of each projection weight the products of many tokens dequantise (see `KESTREL_DEQUANT_PROJECTIONS_FROM`), made once after the weights are written, instead of dequantising it into scratch memory at every run; the engine keeps them only where the model stays resident beside them, and counts them in its GPU budget (`off` dequantises at every run and saves their memory: about 1.8 GB for Qwen3-30B-A3B) |
-//! | `KESTREL_GEMM_SPLIT_K` | bool | `true` | cuBLAS's bf16 products of a few dozen tokens, whose output tiles are too few to fill the GPU, split K into 2 to 8 ranges (a strided batched product, a range a batch) and add the ranges up in a kernel of their own (`off`: one product, for comparison) |
 //! | `KESTREL_DECODE_SPLIT_KEYS` | integer | `0` | on sm_90 GPUs, the fewest cached keys one block of decode attention takes (rounded up to its warps' batches): `0` spreads the context over one wave of blocks, a larger value gives fewer blocks a deeper share each (slower at every depth measured; for comparison and for the tests of deep splits) |
 //!
 //! Booleans accept `1/0`, `true/false`, `yes/no`, `on/off`. A variable with a value that does
@@ -89,9 +88,6 @@ pub struct Config {
     /// The CUDA backend keeps bf16 copies of the projection weights it dequantises for products
     /// of many tokens, made once (else it dequantises them at every run). On by default.
     pub projection_copies: bool,
-    /// cuBLAS's products with too few output tiles to fill the GPU split K into ranges, added up
-    /// after. On by default.
-    pub gemm_split_k: bool,
 }
 
 impl Default for Config {
@@ -319,11 +315,6 @@ impl Config {
             ),
             dequant_default,
         );
-        let gemm_split_k = keep(
-            &mut problems,
-            parse_bool(get("KESTREL_GEMM_SPLIT_K"), "KESTREL_GEMM_SPLIT_K", true),
-            true,
-        );
         Config {
             problems,
             device,
@@ -341,7 +332,6 @@ impl Config {
             skinny_experts_from,
             dequant_projections_from,
             projection_copies,
-            gemm_split_k,
         }
     }
 }
@@ -441,8 +431,6 @@ mod tests {
         assert!(c.bounded_router && Config::default().bounded_router);
         assert!(!Config::from_vars(&vars(&[("KESTREL_PROJECTION_COPIES", "off")])).projection_copies);
         assert!(c.projection_copies && Config::default().projection_copies);
-        assert!(!Config::from_vars(&vars(&[("KESTREL_GEMM_SPLIT_K", "no")])).gemm_split_k);
-        assert!(c.gemm_split_k && Config::default().gemm_split_k);
         assert_eq!(c.dequant_projections_from, DEQUANT_PROJECTIONS_FROM);
         let from = |v| Config::from_vars(&vars(&[("KESTREL_DEQUANT_PROJECTIONS_FROM", v)]));
         assert_eq!(from("0").dequant_projections_from, 0);

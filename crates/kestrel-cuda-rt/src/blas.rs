@@ -88,83 +88,40 @@ impl Blas {
     }
 
     /// `g`: `c[m, n] = a[m, k] · b[n, k]ᵀ`, row-major, `a` and `b` bf16, `c` f32, f32
-    /// accumulation, enqueued on `stream`; with `g.splits` > 1, each of K's equal ranges into its
-    /// own `[m, n]` of `c` (a strided batched product, a batch a range).
+    /// accumulation, enqueued on `stream`.
     ///
     /// # Safety
-    /// The three buffers of `g` hold at least `m * k`, `n * k` bf16 and `splits * m * n` f32
-    /// values and stay allocated until the product has run (the command holds them).
+    /// The three buffers of `g` hold at least `m * k`, `n * k` bf16 and `m * n` f32 values and
+    /// stay allocated until the product has run (the command holds them).
     pub(crate) unsafe fn gemm_bf16(&self, stream: sys::CUstream, g: &Gemm) -> Result<()> {
         let (a, b, c) = g.ptrs();
-        let (m, n, k, splits) = (g.m, g.n, g.k, g.splits.max(1));
+        let (m, n, k) = (g.m, g.n, g.k);
         self.on(stream)?;
         let (alpha, beta) = (1.0f32, 0.0f32);
         // Row-major c = a · bᵀ is column-major cᵀ = b · aᵀ: b (k x n col-major, transposed
         // storage [n, k]) with op T, a ([m, k] row-major = k x m col-major) with op N.
-        let (op_t, op_n) = (
+        cublas::gemm_ex(
+            self.handle,
             cublas_sys::cublasOperation_t::CUBLAS_OP_T,
             cublas_sys::cublasOperation_t::CUBLAS_OP_N,
-        );
-        let (bf16, f32) = (
-            cublas_sys::cudaDataType::CUDA_R_16BF,
-            cublas_sys::cudaDataType::CUDA_R_32F,
-        );
-        let compute = cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
-        let algo = cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT;
-        let (alpha, beta) = (&alpha as *const f32 as *const _, &beta as *const f32 as *const _);
-        if splits == 1 {
-            return cublas::gemm_ex(
-                self.handle,
-                op_t,
-                op_n,
-                n as i32,
-                m as i32,
-                k as i32,
-                alpha,
-                b as *const _,
-                bf16,
-                k as i32,
-                a as *const _,
-                bf16,
-                k as i32,
-                beta,
-                c as *mut _,
-                f32,
-                n as i32,
-                compute,
-                algo,
-            )
-            .map_err(blas_err("cublasGemmEx"));
-        }
-        // Range r: columns r k/splits .. of both operands' rows (the same leading dimension k),
-        // into c's r-th [m, n].
-        let range = k / splits;
-        cublas::gemm_strided_batched_ex(
-            self.handle,
-            op_t,
-            op_n,
             n as i32,
             m as i32,
-            range as i32,
-            alpha,
+            k as i32,
+            &alpha as *const f32 as *const _,
             b as *const _,
-            bf16,
+            cublas_sys::cudaDataType::CUDA_R_16BF,
             k as i32,
-            range as i64,
             a as *const _,
-            bf16,
+            cublas_sys::cudaDataType::CUDA_R_16BF,
             k as i32,
-            range as i64,
-            beta,
+            &beta as *const f32 as *const _,
             c as *mut _,
-            f32,
+            cublas_sys::cudaDataType::CUDA_R_32F,
             n as i32,
-            (m * n) as i64,
-            splits as i32,
-            compute,
-            algo,
+            cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )
-        .map_err(blas_err("cublasGemmStridedBatchedEx"))
+        .map_err(blas_err("cublasGemmEx"))
     }
 
     /// `c[m, n] = a[m, k] · b[k, n]`, row-major f32, enqueued on `stream`.

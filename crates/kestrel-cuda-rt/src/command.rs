@@ -146,9 +146,7 @@ impl Dispatch {
 }
 
 /// `c[m, n] = a[m, k] · b[n, k]ᵀ` through cuBLAS: `a`, `b` bf16 row-major, `c` f32 (f32
-/// accumulation). The layer of a linear projection over many tokens. With `splits` > 1, K is cut
-/// into that many equal ranges, one batch of cuBLAS's strided batched product each, and `c` holds
-/// the ranges' products one after another (`[splits, m, n]`), for the caller to add up.
+/// accumulation). The layer of a linear projection over many tokens.
 #[derive(Debug, Clone)]
 pub struct Gemm {
     pub a: Arg,
@@ -157,7 +155,6 @@ pub struct Gemm {
     pub m: usize,
     pub n: usize,
     pub k: usize,
-    pub splits: usize,
     pub label: String,
 }
 
@@ -282,20 +279,6 @@ impl CommandList {
 
     /// Records `c[m, n] = a[m, k] · b[n, k]ᵀ` (bf16 inputs, f32 output) through cuBLAS.
     pub fn gemm_bf16(&mut self, a: &Buffer, b: &Buffer, c: &Buffer, m: usize, n: usize, k: usize) {
-        self.gemm_bf16_split(a, b, c, (m, n, k), 1);
-    }
-
-    /// [`CommandList::gemm_bf16`] over `splits` equal ranges of K (a multiple of 8 each, so every
-    /// range starts 16-byte aligned), `c` holding the ranges' products one after another
-    /// (`splits * m * n` f32): see [`Gemm`].
-    pub fn gemm_bf16_split(
-        &mut self,
-        a: &Buffer,
-        b: &Buffer,
-        c: &Buffer,
-        (m, n, k): (usize, usize, usize),
-        splits: usize,
-    ) {
         let arg = |buf: &Buffer, mode| Arg::Buffer {
             access: buf.access(mode),
             ptr: buf.device_ptr(),
@@ -308,7 +291,6 @@ impl CommandList {
             m,
             n,
             k,
-            splits,
             label: "gemm_bf16".into(),
         }));
     }

@@ -86,8 +86,6 @@ struct DeviceInner {
     /// bf16 copies of the projections products of many tokens dequantise, kept
     /// (`Config::projection_copies`).
     projection_copies: bool,
-    /// cuBLAS's products too few tiles wide split K (`Config::gemm_split_k`).
-    gemm_split_k: bool,
     /// Event pairs around profiled dispatches, read back by `take_profile`.
     profile_events: Mutex<Vec<(String, String, CudaEvent, CudaEvent)>>,
     /// The cuBLAS handle, created on first use.
@@ -163,7 +161,6 @@ impl Device {
                 skinny_experts_from: config.skinny_experts_from,
                 dequant_projections_from: config.dequant_projections_from,
                 projection_copies: config.projection_copies,
-                gemm_split_k: config.gemm_split_k,
                 profile_events: Mutex::new(Vec::new()),
                 blas: Mutex::new(None),
                 ceilings: OnceLock::new(),
@@ -461,12 +458,6 @@ impl Device {
     /// dequantise, made once, rather than dequantising them at every run.
     pub fn projection_copies(&self) -> bool {
         self.inner.projection_copies
-    }
-
-    /// Whether cuBLAS's bf16 products whose output tiles are too few to fill the GPU split K
-    /// into ranges, added up by a kernel after.
-    pub fn gemm_split_k(&self) -> bool {
-        self.inner.gemm_split_k
     }
 
     /// The fewest tokens whose quantised routed experts run on the skinny products, sorted by

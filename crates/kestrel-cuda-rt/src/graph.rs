@@ -314,7 +314,7 @@ impl Graph {
                     (Command::Launch(a), Command::Launch(b)) => a.same_kernel(b),
                     // A changed product is captured again: rebuild.
                     (Command::Gemm(a), Command::Gemm(b)) => {
-                        (a.m, a.n, a.k, a.splits, a.ptrs()) == (b.m, b.n, b.k, b.splits, b.ptrs())
+                        (a.m, a.n, a.k, a.ptrs()) == (b.m, b.n, b.k, b.ptrs())
                     }
                     _ => false,
                 });

@@ -1,6 +1,6 @@
 // Element-wise ops: a column part of a split or of a concatenation, the residual add, SwiGLU, the
-// sigmoid gate, row copies, conversions between f32 and bf16, the sum of a product's K ranges.
-// One thread per output element (convert_f32_bf16: eight; sum_parts_f32: four). Every kernel starts with pdl_begin() (see pdl.cuh).
+// sigmoid gate, row copies, conversions between f32 and bf16. One thread per output element
+// (convert_f32_bf16: eight). Every kernel starts with pdl_begin() (see pdl.cuh).
 #include "kestrel.cuh"
 
 // out[rg, c] = x[rg, offset + c] for rg < rows_groups, c < width; x rows hold `total` columns.
@@ -75,23 +75,4 @@ extern "C" __global__ void convert_f32_bf16(const float* x, bf16* out, unsigned 
         words[j] = (unsigned)__bfloat16_as_ushort(lo) | ((unsigned)__bfloat16_as_ushort(hi) << 16);
     }
     reinterpret_cast<uint4*>(out)[i] = packed;
-}
-
-// out[i] = parts[0][i] + parts[1][i] + ... + parts[splits - 1][i], added in that order: a
-// product whose K was split into ranges (cuBLAS's strided batched product, a range a batch),
-// each range's [rows, cols] n values after the previous one. Four values per thread (16-byte
-// loads and store); n is a multiple of 4.
-extern "C" __global__ void sum_parts_f32(const float* parts, float* out, unsigned n, unsigned splits) {
-    pdl_begin();
-    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i * 4 >= n) return;
-    float4 acc = reinterpret_cast<const float4*>(parts)[i];
-    for (unsigned r = 1; r < splits; r++) {
-        const float4 v = reinterpret_cast<const float4*>(parts + (size_t)r * n)[i];
-        acc.x += v.x;
-        acc.y += v.y;
-        acc.z += v.z;
-        acc.w += v.w;
-    }
-    reinterpret_cast<float4*>(out)[i] = acc;
 }

@@ -7,8 +7,7 @@
 //!   switched off: the weights dequantised by `gemm.cu`'s `dequant_*` (each weight rounded as
 //!   the GEMM tiles round it) into the backend's bf16 copy of the weight, once, outside the
 //!   program (`Config::projection_copies`; else into scratch memory at every run), then cuBLAS on
-//!   x rounded to bf16 (K split into ranges added up after, where the output's tiles are too few
-//!   to fill the GPU: `record_gemm_bf16`);
+//!   x rounded to bf16;
 //! - 2 to `skinny::LINEAR_MAX_TOKENS` (128) tokens of 4- or 8-bit weights, outside router logits
 //!   and unless rounded activations are switched off: `skinny.cu`'s `linear_skinny_*` on x
 //!   rounded to bf16 (on Hopper from `skinny::WIDE_LINEAR_MIN_TOKENS` (33) tokens,
@@ -539,49 +538,6 @@ fn encode_skinny(
     Ok(true)
 }
 
-/// cuBLAS's output tiles, as counted for a split of K: 64 tokens by 128 outputs (about what its
-/// kernels for few rows take).
-const BLAS_TILE: (usize, usize) = (64, 128);
-/// The most ranges a bf16 product splits K into, and the fewest 64-value steps each range takes.
-const BLAS_MAX_SPLITS: usize = 8;
-const BLAS_MIN_SPLIT_STEPS: usize = 4;
-
-/// `out = x Wᵀ` through cuBLAS, x (`[tokens, in_dim]`) and W (`[out_dim, in_dim]`) bf16, out f32.
-/// Where the output's tiles are too few to fill the GPU (`Config::gemm_split_k`; `k_splits`
-/// counts `BLAS_TILE`s: the products of a batched step of a few dozen sequences), K is cut into
-/// equal ranges, a strided batched product writes each range's product into scratch memory, and
-/// `sum_parts_f32` adds them up, in order, into `out`.
-fn record_gemm_bf16(
-    enc: &mut Encoder,
-    (xb, wb, out): (&Buffer, &Buffer, &Buffer),
-    (tokens, in_dim, out_dim): (usize, usize, usize),
-) -> Result<()> {
-    let sms = enc.device.info().sm_count as usize;
-    let tiles = tokens.div_ceil(BLAS_TILE.0) * out_dim.div_ceil(BLAS_TILE.1);
-    let splittable = enc.device.gemm_split_k() && in_dim % 64 == 0 && (tokens * out_dim) % 4 == 0;
-    let splits = match splittable {
-        true => k_splits(tiles, in_dim / 64, sms, BLAS_MAX_SPLITS, BLAS_MIN_SPLIT_STEPS),
-        false => 1,
-    };
-    if splits == 1 {
-        enc.list.gemm_bf16(xb, wb, out, tokens, out_dim, in_dim);
-        return Ok(());
-    }
-    let parts = enc.workspace(DType::F32, [splits, tokens, out_dim])?;
-    enc.list
-        .gemm_bf16_split(xb, wb, &parts, (tokens, out_dim, in_dim), splits);
-    let n = tokens * out_dim;
-    let k = enc.kernel(&elementwise::MODULE, "sum_parts_f32")?;
-    enc.dispatch(&k)
-        .cover(n / 4, 256)
-        .read(&parts)
-        .write(out)
-        .arg(u32_arg(n)?)
-        .arg(u32_arg(splits)?)
-        .record();
-    Ok(())
-}
-
 /// Whether a weight of `format` with rows of `in_dim` values and `out_dim` rows may run
 /// dequantised: 4- or 8-bit values with bf16 or f32 scales in groups of whole 16s that divide K,
 /// of at most `DEQUANT_MAX_BYTES` as bf16 (what the weight alone decides, before its buffers'
@@ -656,7 +612,7 @@ fn encode_dequantised(
             wb
         }
     };
-    record_gemm_bf16(enc, (&xb, &wb, &out), (tokens, in_dim, out_dim))?;
+    enc.list.gemm_bf16(&xb, &wb, &out, tokens, out_dim, in_dim);
     Ok(true)
 }
 
@@ -680,7 +636,7 @@ fn encode_tensor_core(
             }
             let (wb, out) = (enc.buf(wb.raw())?.clone(), enc.buf(out)?.clone());
             let xb = bf16_activations(enc, x, tokens, in_dim)?;
-            record_gemm_bf16(enc, (&xb, &wb, &out), (tokens, in_dim, out_dim))?;
+            enc.list.gemm_bf16(&xb, &wb, &out, tokens, out_dim, in_dim);
             return Ok(true);
         }
         LinearWeight::Quant { format, .. } => format,
