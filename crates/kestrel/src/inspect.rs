@@ -2,27 +2,30 @@
 //! (total, and active per token for MoE models), weight dtypes and formats, and the memory a
 //! run needs at a given context (weights as loaded, optionally quantised on load with `--quant`,
 //! KV caches of the full-attention layers, recurrent states of the linear-attention ones, the
-//! activations of a decode step and of a prefill chunk, from the graphs the run would build).
+//! activations of a decode step and of a prefill chunk, and the bf16 copies of projections the
+//! CUDA backend keeps, from the graphs the run would build).
 
 use anyhow::{ensure, Context, Result};
 use clap::Args;
 use kestrel_core::ir::BufKind;
 use kestrel_core::planner::Plan;
-use kestrel_core::DType;
+use kestrel_core::{Config, DType};
 use kestrel_engine::{ByteSize, Model, Placement, RunShape};
 use kestrel_model::{footprint, Forward, ForwardSpec, LayerKind, MlpKind, ModelConfig, Weights};
 
 use crate::args::{ModelArgs, QuantArgs};
 
 /// Bytes of what a run of `tokens` tokens holds on the backend, from its graph: weights as
-/// loaded (in `quant`'s format when given), KV caches and states, and the activations' arena.
+/// loaded (in `quant`'s format when given), KV caches and states, the activations' arena, and
+/// the bf16 copies of the projections the CUDA backend dequantises from `dequant_from` tokens
+/// (`kestrel_cuda::projection_copy_bytes`; 0: none).
 fn run_memory(
     c: &ModelConfig,
     w: &Weights,
     a: &InspectArgs,
     cache: DType,
-    tokens: usize,
-) -> Result<(u64, u64, u64)> {
+    (tokens, dequant_from): (usize, usize),
+) -> Result<(u64, u64, u64, u64)> {
     // f32 norm outputs (`new`'s): the larger plan (a CUDA prefill stores some of them as bf16).
     let spec = ForwardSpec {
         quant: a.quant.format()?,
@@ -41,6 +44,7 @@ fn run_memory(
         of(BufKind::Weight),
         of(BufKind::State),
         Plan::new(&f.graph).arena_bytes as u64,
+        kestrel_cuda::projection_copy_bytes(&f.graph, dequant_from),
     ))
 }
 
@@ -72,7 +76,7 @@ pub struct InspectArgs {
     json: bool,
 }
 
-pub fn run(a: InspectArgs) -> Result<std::process::ExitCode> {
+pub fn run(config: &Config, a: InspectArgs) -> Result<std::process::ExitCode> {
     let Model {
         config: c,
         weights: w,
@@ -118,9 +122,14 @@ pub fn run(a: InspectArgs) -> Result<std::process::ExitCode> {
         a.ctx >= 1 && a.prefill_chunk >= 1,
         "--ctx and --prefill-chunk must be at least 1"
     );
-    let (loaded, persistent, decode_arena) = run_memory(&c, &w, &a, cache, 1)?;
+    // The CUDA backend's copies, as the configuration would have them (`KESTREL_PROJECTION_COPIES`).
+    let dequant_from = match config.projection_copies {
+        true => config.dequant_projections_from,
+        false => 0,
+    };
+    let (loaded, persistent, decode_arena, copies) = run_memory(&c, &w, &a, cache, (1, dequant_from))?;
     let chunk = a.prefill_chunk.min(a.ctx);
-    let (_, _, prefill_arena) = run_memory(&c, &w, &a, cache, chunk)?;
+    let (_, _, prefill_arena, _) = run_memory(&c, &w, &a, cache, (chunk, 0))?;
     let moe_layers = c.mlp_kinds.iter().filter(|&&k| k == MlpKind::Moe).count();
     let placement = match a.gpu_mem {
         Some(gpu) => {
@@ -161,6 +170,7 @@ pub fn run(a: InspectArgs) -> Result<std::process::ExitCode> {
             "decode_activation_bytes": decode_arena,
             "prefill_chunk": chunk,
             "prefill_activation_bytes": prefill_arena,
+            "projection_copy_bytes": copies,
             "placement": placement.as_ref().map(|p| serde_json::json!({
                 "gpu_bytes": a.gpu_mem.map(|g| g.0),
                 "host_bytes": a.host_mem.map(|h| h.0),
@@ -230,6 +240,12 @@ pub fn run(a: InspectArgs) -> Result<std::process::ExitCode> {
         size(decode_arena),
         size(prefill_arena)
     )?;
+    if copies > 0 {
+        outln!(
+            "projection copies {} on CUDA: the quantised projections as bf16, for products of {dequant_from} or more tokens (kept where the model stays resident beside them; KESTREL_PROJECTION_COPIES=off saves them)",
+            size(copies)
+        )?;
+    }
     if let (Some(p), Some(gpu)) = (&placement, a.gpu_mem) {
         let total = p.moe_layers * p.experts_per_layer;
         if p.resident() {

@@ -102,7 +102,7 @@ pub fn run(cli: Cli) -> std::process::ExitCode {
         Command::Run(args) => run::run(&config, args),
         Command::Chat(args) => chat::run(&config, args),
         Command::Serve(args) => serve::run(&config, args),
-        Command::Inspect(args) => inspect::run(args),
+        Command::Inspect(args) => inspect::run(&config, args),
         Command::Quantize(args) => quantize::run(args),
         Command::Synth(args) => synth::run(args),
     };

@@ -1,7 +1,8 @@
 //! `kestrel inspect --json` on the fixtures: parameter counts worked out by hand from the sizes
 //! `scripts/fixtures/make-parity-fixtures.py` sets, the same count for a model and its MLX 4-bit copy, the
 //! vision tower of the multimodal checkpoint left out, and the memory of caches and states; a
-//! GGUF file counted as its directory is, its size on disk the file's.
+//! GGUF file counted as its directory is, its size on disk the file's; the bf16 copies of
+//! projections the CUDA backend keeps.
 
 use std::process::Command;
 
@@ -155,4 +156,38 @@ fn a_gguf_file_counts_as_its_directory() {
             "{name}-{ty}"
         );
     }
+}
+
+#[test]
+fn the_cuda_backends_projection_copies_are_counted() {
+    // qwen3_moe quantised on load to 4 bits in groups of 64: per layer q, k, v, o (64 + 32 + 32 +
+    // 64 rows of 64), the dense layer's gate and up (96 rows of 64; down's rows of 96 stay
+    // bf16), the lm_head (256 rows of 64), as bf16; not the routers (their logits are exact) nor
+    // the experts.
+    let q4 = ["--quant", "q4", "--group-size", "64"];
+    let v = inspect_with("qwen3_moe", &q4);
+    assert_eq!(
+        v["projection_copy_bytes"],
+        2 * (3 * 192 * 64 + 2 * 96 * 64 + 256 * 64)
+    );
+    // Nothing quantised, nothing to copy.
+    assert_eq!(inspect("qwen3_moe")["projection_copy_bytes"], 0);
+    // Switched off.
+    let dir = kestrel_testing::fixtures::path("crates/kestrel-model/tests/parity/qwen3_moe");
+    let o = Command::new(env!("CARGO_BIN_EXE_kestrel"))
+        .args([
+            "inspect",
+            "--model",
+            dir.to_str().unwrap(),
+            "--ctx",
+            "64",
+            "--json",
+        ])
+        .args(q4)
+        .env("KESTREL_PROJECTION_COPIES", "off")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let off: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(off["projection_copy_bytes"], 0);
 }
