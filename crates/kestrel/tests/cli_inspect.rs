@@ -11,13 +11,19 @@ fn inspect(name: &str) -> serde_json::Value {
 }
 
 fn inspect_with(name: &str, extra: &[&str]) -> serde_json::Value {
+    inspect_env(name, extra, &[])
+}
+
+/// `inspect_with` with the variables `env` set.
+fn inspect_env(name: &str, extra: &[&str], env: &[(&str, &str)]) -> serde_json::Value {
     inspect_path(
         &kestrel_testing::fixtures::path("crates/kestrel-model/tests/parity").join(name),
         extra,
+        env,
     )
 }
 
-fn inspect_path(dir: &std::path::Path, extra: &[&str]) -> serde_json::Value {
+fn inspect_path(dir: &std::path::Path, extra: &[&str], env: &[(&str, &str)]) -> serde_json::Value {
     let o = Command::new(env!("CARGO_BIN_EXE_kestrel"))
         .args([
             "inspect",
@@ -28,6 +34,7 @@ fn inspect_path(dir: &std::path::Path, extra: &[&str]) -> serde_json::Value {
             "--json",
         ])
         .args(extra)
+        .envs(env.iter().copied())
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -139,7 +146,7 @@ fn a_gguf_file_counts_as_its_directory() {
     let gguf = kestrel_testing::fixtures::path("crates/kestrel-model/tests/gguf");
     for (name, ty) in [("qwen3_moe_all", "bf16"), ("qwen3_next", "q8_0")] {
         let file = gguf.join(format!("{name}-{ty}.gguf"));
-        let (g, d) = (inspect_path(&file, &[]), inspect(name));
+        let (g, d) = (inspect_path(&file, &[], &[]), inspect(name));
         for key in [
             "architecture",
             "layers",
@@ -173,21 +180,6 @@ fn the_cuda_backends_projection_copies_are_counted() {
     // Nothing quantised, nothing to copy.
     assert_eq!(inspect("qwen3_moe")["projection_copy_bytes"], 0);
     // Switched off.
-    let dir = kestrel_testing::fixtures::path("crates/kestrel-model/tests/parity/qwen3_moe");
-    let o = Command::new(env!("CARGO_BIN_EXE_kestrel"))
-        .args([
-            "inspect",
-            "--model",
-            dir.to_str().unwrap(),
-            "--ctx",
-            "64",
-            "--json",
-        ])
-        .args(q4)
-        .env("KESTREL_PROJECTION_COPIES", "off")
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let off: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let off = inspect_env("qwen3_moe", &q4, &[("KESTREL_PROJECTION_COPIES", "off")]);
     assert_eq!(off["projection_copy_bytes"], 0);
 }
