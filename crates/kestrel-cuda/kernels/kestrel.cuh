@@ -665,6 +665,11 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
                  "r"(valid ? 16 : 0));
 }
+// The same, kept in L1 as well (for rows several warps of a block read), ordered as a memory
+// access for the compiler; with cp_async_wait_mem, for a thread that reads back what it copied.
+__device__ __forceinline__ void cp_async16_ca(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
 // 4 bytes global -> shared without registers (both 4-byte aligned).
 __device__ __forceinline__ void cp_async4(void* dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(dst)), "l"(src));
@@ -672,3 +677,7 @@ __device__ __forceinline__ void cp_async4(void* dst, const void* src) {
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait_mem() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
