@@ -13,7 +13,8 @@ use kestrel_core::{Backend, DType, GraphBuilder};
 use kestrel_cpu::CpuBackend;
 use kestrel_cuda::{CudaBackend, RunMode};
 use kestrel_testing::cases::{
-    all_cases, as_f64, bf16_err, f32s, rel_err, rel_l2, shuffled_pages, u32s, Case, Expect, BF16_STEP,
+    all_cases, as_f64, bf16_err, f32s, rel_err, rel_l2, rel_l2_over, shuffled_pages, u32s, Case, Expect,
+    BF16_STEP,
 };
 use kestrel_testing::gpu::{device_or_skip, reopened, tensor_engines, with_fusions, without_fusions};
 
@@ -80,7 +81,7 @@ fn assert_matches(case: &Case, cpu_out: &[Vec<u8>], gpu_out: &[Vec<u8>], context
             Expect::Floats(_) | Expect::Backends => {
                 let want: Vec<f64> = f32s(c).iter().map(|&v| v as f64).collect();
                 let (err, tol) = if case.rounded_activations {
-                    (rel_l2(&f32s(g), &want), TOL_INT8_L2)
+                    (rel_l2_over(&f32s(g), &want, check.term_rms), TOL_INT8_L2)
                 } else {
                     (rel_err(&f32s(g), &want), TOL)
                 };

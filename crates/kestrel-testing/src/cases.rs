@@ -30,6 +30,11 @@ pub struct Check {
     pub buf: Buf,
     pub label: String,
     pub expect: Expect,
+    /// For a product's outputs: the root mean square over them of their sums' terms,
+    /// sqrt(mean over outputs of Σ_k (w_k x_k)²). Rounded activations move an output by an
+    /// amount of that scale however much its terms cancel, so a relative bound measures the
+    /// error against it where the outputs themselves come out smaller ([`rel_l2_over`]).
+    pub term_rms: Option<f64>,
 }
 
 /// A graph, the bytes of every buffer the host supplies, and what to check after one run.
@@ -77,6 +82,13 @@ pub fn rel_err(got: &[f32], want: &[f64]) -> f64 {
 /// ‖got - want‖₂ / ‖want‖₂: the bound for paths that round their inputs (int8 activations),
 /// where a single element may move by a rounding step but the whole stays close.
 pub fn rel_l2(got: &[f32], want: &[f64]) -> f64 {
+    rel_l2_over(got, want, None)
+}
+
+/// [`rel_l2`], for a product's outputs with their terms' scale ([`Check::term_rms`]) measured
+/// against that scale where it is larger: a few outputs whose terms happen to cancel (4 outputs
+/// at 0.44 of it were drawn) would otherwise hold rounding to a bound tighter than the rest.
+pub fn rel_l2_over(got: &[f32], want: &[f64], term_rms: Option<f64>) -> f64 {
     let (mut num, mut den) = (0f64, 0f64);
     for (g, w) in got.iter().zip(want) {
         if g.is_nan() {
@@ -85,7 +97,8 @@ pub fn rel_l2(got: &[f32], want: &[f64]) -> f64 {
         num += (*g as f64 - w).powi(2);
         den += w * w;
     }
-    (num / den.max(1e-300)).sqrt()
+    let floor = term_rms.map_or(0.0, |t| want.len() as f64 * t * t);
+    (num / den.max(floor).max(1e-300)).sqrt()
 }
 
 /// The largest `|got - want| / (|want| + 1e-6 · max |want|)`: for values stored as bf16, where
@@ -142,6 +155,8 @@ pub struct CaseBuilder {
     pub rng: Rng,
     data: Vec<(Buf, Vec<u8>)>,
     checks: Vec<(Buf, Expect)>,
+    /// [`Check::term_rms`] of the checked products.
+    term_rms: Vec<(Buf, f64)>,
     /// When false, weights and states are declared but not written: a later graph of a
     /// sequence reuses what an earlier one uploaded under the same labels.
     pub upload_persistent: bool,
@@ -181,6 +196,7 @@ impl CaseBuilder {
             rng,
             data: Vec::new(),
             checks: Vec::new(),
+            term_rms: Vec::new(),
             upload_persistent: true,
             rounded_activations: false,
         }
@@ -316,6 +332,7 @@ impl CaseBuilder {
         let y = self.g.linear(label, x, &w);
         self.rounded_activations = true;
         self.check_floats(y, r::linear(xf, &wf, in_dim, out_dim));
+        self.term_rms.push((y.raw(), term_rms(xf, &wf, in_dim)));
         y
     }
 
@@ -366,6 +383,7 @@ impl CaseBuilder {
                 buf,
                 label: graph.decl(buf).label.clone(),
                 expect,
+                term_rms: self.term_rms.iter().find(|t| t.0 == buf).map(|t| t.1),
             })
             .collect();
         Case {
@@ -376,6 +394,20 @@ impl CaseBuilder {
             rounded_activations: self.rounded_activations,
         }
     }
+}
+
+/// sqrt(mean over rows t of `x` and rows i of `w` of Σ_k (w_ik x_tk)²), both `in_dim` values a
+/// row: [`Check::term_rms`] of x wᵀ.
+fn term_rms(x: &[f64], w: &[f64], in_dim: usize) -> f64 {
+    let (tokens, outs) = (x.len() / in_dim, w.len() / in_dim);
+    let total: f64 = x
+        .chunks(in_dim)
+        .flat_map(|xr| {
+            w.chunks(in_dim)
+                .map(move |wr| wr.iter().zip(xr).map(|(a, b)| (a * b).powi(2)).sum::<f64>())
+        })
+        .sum();
+    (total / (tokens * outs).max(1) as f64).sqrt()
 }
 
 // ---- float64 references ----
@@ -2045,5 +2077,30 @@ mod tests {
             assert!(clear_choice(&reference, experts, k), "seed {seed}: {}", case.name);
         }
         assert!(rejected > 0, "no draw was rejected: the check may not run");
+    }
+
+    /// A product's outputs are measured against their terms' scale only where they are smaller
+    /// than it, and a wide product's outputs have that scale.
+    #[test]
+    fn products_are_measured_against_their_terms() {
+        let (got, want) = ([0.11f32, -0.09], [0.1, -0.1]);
+        assert!((rel_l2(&got, &want) - 0.1).abs() < 1e-6);
+        assert!((rel_l2_over(&got, &want, Some(1.0)) - 0.01).abs() < 1e-6);
+        assert_eq!(rel_l2_over(&got, &want, Some(0.01)), rel_l2(&got, &want));
+        let mut wide = 0;
+        for seed in 0..40u64 {
+            let case = norm_then_linear_decode(Rng::new(seed + 1));
+            for check in &case.checks {
+                let (Expect::Floats(v), Some(t)) = (&check.expect, check.term_rms) else {
+                    continue;
+                };
+                if v.len() >= 100 {
+                    let rms = (v.iter().map(|y| y * y).sum::<f64>() / v.len() as f64).sqrt();
+                    assert!((0.7..1.4).contains(&(rms / t)), "seed {seed}: {rms} against {t}");
+                    wide += 1;
+                }
+            }
+        }
+        assert!(wide > 20, "{wide} wide products drawn");
     }
 }
