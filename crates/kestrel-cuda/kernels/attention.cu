@@ -28,13 +28,13 @@
 // MAX_PER_LANE (attention_*), GROUP and DEC_WARPS (attention_split_*), COMBINE_WARPS,
 // COMBINE_LOADS, COMBINE_THREADS and MAX_SPLITS (attention_combine_*), FA_WARPS, FA_KEYS and
 // FA_KEYS_WIDE (flash_attention_*), DA_ROWS, DA_KEYS, DA_STAGES, DA_WARPS and DA_WARPS_WIDE
-// (decode_attention_*), AI_WARPS (attention_inputs_*), and WIDE_HEAD_DIM, over which heads take
+// (decode_attention_*), AI_WARPS, AI_ROW_WARPS and AI_ROW_BATCH (attention_inputs_*), and WIDE_HEAD_DIM, over which heads take
 // the wide shapes.
 #if !defined(WARPS) || !defined(MAX_PER_LANE) || !defined(GROUP) || !defined(DEC_WARPS) ||                 \
     !defined(COMBINE_WARPS) || !defined(COMBINE_LOADS) || !defined(COMBINE_THREADS) || !defined(MAX_SPLITS) || \
     !defined(FA_WARPS) || !defined(FA_KEYS) || !defined(FA_KEYS_WIDE) || !defined(WIDE_HEAD_DIM) ||         \
     !defined(DA_ROWS) || !defined(DA_KEYS) || !defined(DA_STAGES) || !defined(DA_WARPS) ||                 \
-    !defined(DA_WARPS_WIDE) || !defined(AI_WARPS)
+    !defined(DA_WARPS_WIDE) || !defined(AI_WARPS) || !defined(AI_ROW_WARPS) || !defined(AI_ROW_BATCH)
 #error "attention.cu is compiled with the launch geometry of ops/attention.rs as -D definitions"
 #endif
 
@@ -161,6 +161,106 @@ __device__ void attention_inputs(const float* qkv, float* q, float* gate, const 
     }
 }
 
+// attention_inputs for many tokens with AI_ROW_WARPS warps a block, AI_ROW_BATCH rows (heads of
+// q, k or v) a warp: block (t, y) takes token t's rows from y * AI_ROW_WARPS * AI_ROW_BATCH,
+// warp w of them w, w + AI_ROW_WARPS, ..., each lane values lane + 32 j (j < VPL = head_dim /
+// 32), so all of a warp's loads are in flight before the first is used; the rotation's angles,
+// the same for every head of a token, are worked out once a warp. The arithmetic is that of
+// attention_inputs<.., true>, in its order: a lane's squares summed in j's order, then
+// warp_sum; each value normed, then rotated with its partner value i +- half, which the same
+// lane holds (half a multiple of 32, half / 32 a power of two). A head a warp kept a long
+// prefill's warps waiting on one head's loads each (60 us a layer at 2,048 tokens, about three
+// times the bytes' time).
+template <typename T, typename W, int VPL>
+__device__ void attention_inputs_rows(const float* qkv, float* q, float* gate, const W* q_norm, const W* k_norm,
+                                      float eps, int zero_centered, const unsigned* positions,
+                                      const float* inv_freq, T* k_cache, T* v_cache, PAGE_PARAMS, unsigned heads,
+                                      unsigned kv_heads, unsigned head_dim, unsigned q_stride, unsigned rot_dim,
+                                      float scaling, unsigned rows) {
+    const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, t = blockIdx.x;
+    const unsigned total = heads + 2 * kv_heads, r0 = blockIdx.y * AI_ROW_WARPS * AI_ROW_BATCH + warp;
+    if (r0 >= total) return;
+    const size_t cols = (size_t)heads * q_stride + 2 * (size_t)kv_heads * head_dim;
+    const float* x = qkv + t * cols;
+    // Row r: head h of q (is_q), k (is_k) or v.
+    auto head_of = [&](unsigned r, bool& is_q, bool& is_k) {
+        is_q = r < heads;
+        is_k = !is_q && r < heads + kv_heads;
+        return is_q ? r : (is_k ? r - heads : r - heads - kv_heads);
+    };
+    float v[AI_ROW_BATCH][VPL];
+#pragma unroll
+    for (int b = 0; b < AI_ROW_BATCH; b++) {
+        bool is_q, is_k;
+        const unsigned h = head_of(min(r0 + b * AI_ROW_WARPS, total - 1), is_q, is_k);  // past the rows: the last
+        const float* src = is_q ? x + (size_t)h * q_stride
+                                : x + (size_t)heads * q_stride + (is_k ? 0 : (size_t)kv_heads * head_dim) +
+                                      (size_t)h * head_dim;
+#pragma unroll
+        for (int j = 0; j < VPL; j++) v[b][j] = src[lane + 32 * j];
+    }
+    const unsigned p = positions[t], half = rot_dim / 2, h32 = half / 32;
+    // Angles of the lane's rotated values: value i < half turns by inv_freq[i], i < 2 half by
+    // inv_freq[i - half].
+    float cs[VPL], sn[VPL];
+#pragma unroll
+    for (int j = 0; j < VPL; j++) {
+        const unsigned i = lane + 32 * j;
+        float c = 0.0f, sv = 0.0f;
+        if (i < 2 * half) sincosf((float)p * inv_freq[i < half ? i : i - half], &sv, &c);
+        cs[j] = c;
+        sn[j] = sv;
+    }
+    const Pages pg = pages_of(PAGE_ARGS, t);
+    // The host checks lengths before any work; never write outside the cache.
+    const unsigned cache_row = p < pg.max_ctx ? pg.row(p) : rows;
+#pragma unroll
+    for (int b = 0; b < AI_ROW_BATCH; b++) {
+        const unsigned r = r0 + b * AI_ROW_WARPS;
+        if (r >= total) continue;
+        bool is_q, is_k;
+        const unsigned h = head_of(r, is_q, is_k);
+        if (is_q && gate != nullptr) {
+            const float* src = x + (size_t)h * q_stride + head_dim;
+            float* g = gate + ((size_t)t * heads + h) * head_dim;
+#pragma unroll
+            for (int j = 0; j < VPL; j++) g[lane + 32 * j] = src[lane + 32 * j];
+        }
+        const W* w = is_q ? q_norm : k_norm;
+        if (w != nullptr && (is_q || is_k)) {
+            float ss = 0.0f;
+#pragma unroll
+            for (int j = 0; j < VPL; j++) ss += v[b][j] * v[b][j];
+            ss = warp_sum(ss);
+            const float inv = 1.0f / sqrtf(ss / (float)head_dim + eps);
+#pragma unroll
+            for (int j = 0; j < VPL; j++) v[b][j] = v[b][j] * inv * norm_factor(w, lane + 32 * j, zero_centered);
+        }
+        if (!is_q && cache_row >= rows) continue;
+        const bool turns = is_q || is_k;
+        float* qh = q + ((size_t)t * heads + h) * head_dim;
+        const size_t at = ((size_t)h * rows + cache_row) * head_dim;
+#pragma unroll
+        for (int j = 0; j < VPL; j++) {
+            const unsigned i = lane + 32 * j;
+            float out = v[b][j];
+            if (turns && i < 2 * half) {
+                // The partner value i + half or i - half: this lane's j ^ h32 (h32 a power of two).
+                float other = 0.0f;
+#pragma unroll
+                for (int o = 0; o < VPL; o++)
+                    if (o == (j ^ (int)h32)) other = v[b][o];
+                out = i < half ? v[b][j] * (cs[j] * scaling) - other * (sn[j] * scaling)
+                               : v[b][j] * (cs[j] * scaling) + other * (sn[j] * scaling);
+            }
+            if (is_q)
+                qh[i] = out;
+            else
+                (is_k ? k_cache : v_cache)[at + i] = from_f32<T>(out);
+        }
+    }
+}
+
 template <typename T>
 __device__ void attention(const float* q, const T* k_cache, const T* v_cache, const unsigned* positions,
                           PAGE_PARAMS, float* out, unsigned heads, unsigned kv_heads, unsigned head_dim,
@@ -258,7 +358,22 @@ ATTN(f16, f16)
                                      k_cache, v_cache, PAGE_ARGS, heads, kv_heads, head_dim, q_stride,      \
                                      rot_dim, scaling, rows);                                               \
     }
-#define INPUTS_BOTH(T, NAME, W, WNAME) INPUTS(T, NAME, W, WNAME, false, ) INPUTS(T, NAME, W, WNAME, true, warps_)
+// attention_inputs_rows_{cache}_{norm weights}_{head dim}: grid (tokens, rows / (AI_ROW_WARPS *
+// AI_ROW_BATCH)).
+#define INPUTS_ROWS(T, NAME, W, WNAME, HD)                                                                  \
+    extern "C" __global__ void __launch_bounds__(32 * AI_ROW_WARPS) attention_inputs_rows_##NAME##_##WNAME##_##HD( \
+        const float* qkv, float* q, float* gate, const W* q_norm, const W* k_norm, float eps,              \
+        int zero_centered, const unsigned* positions, const float* inv_freq, T* k_cache, T* v_cache,        \
+        PAGE_PARAMS, unsigned heads, unsigned kv_heads, unsigned head_dim, unsigned q_stride,               \
+        unsigned rot_dim, float scaling, unsigned rows) {                                                   \
+        pdl_begin();                                                                                        \
+        attention_inputs_rows<T, W, HD / 32>(qkv, q, gate, q_norm, k_norm, eps, zero_centered, positions,   \
+                                             inv_freq, k_cache, v_cache, PAGE_ARGS, heads, kv_heads,        \
+                                             head_dim, q_stride, rot_dim, scaling, rows);                   \
+    }
+#define INPUTS_BOTH(T, NAME, W, WNAME)                                                                      \
+    INPUTS(T, NAME, W, WNAME, false, ) INPUTS(T, NAME, W, WNAME, true, warps_)                             \
+    INPUTS_ROWS(T, NAME, W, WNAME, 64) INPUTS_ROWS(T, NAME, W, WNAME, 128) INPUTS_ROWS(T, NAME, W, WNAME, 256)
 #define INPUTS_ALL(T, NAME) INPUTS_BOTH(T, NAME, float, f32) INPUTS_BOTH(T, NAME, bf16, bf16) INPUTS_BOTH(T, NAME, f16, f16)
 INPUTS_ALL(float, f32)
 INPUTS_ALL(bf16, bf16)

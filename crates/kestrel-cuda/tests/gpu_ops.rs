@@ -167,6 +167,38 @@ fn one_token_inputs_and_attention_match_the_cpu_backend() {
     }
 }
 
+/// The inputs of attention for 128 tokens or more (norms, rotation, the cache append; gated or
+/// not, full or partial rotation, one sequence or a batched step's pool): a token a block
+/// (`attention_inputs_rows_*`) where the head dim is 64, 128 or 256 and the rotated half a
+/// power-of-two multiple of 32 (or nothing rotated), else a head a warp; about half the draws
+/// take each.
+#[test]
+fn many_tokens_attention_inputs_match_the_cpu_backend() {
+    let Some(dev) = device_or_skip("many_tokens_attention_inputs_match_the_cpu_backend") else {
+        return;
+    };
+    let (mut rng, seed) = Rng::from_time();
+    let mut by_rows = 0;
+    for round in 0..24 {
+        let case = kestrel_testing::cases::attention_inputs_many(Rng::new(rng.next_u64()));
+        println!("{}", case.name);
+        compare(&dev, &case, seed, round);
+        let labels = command_labels(&dev, &case);
+        let rows = labels.iter().any(|l| l.contains("attention_inputs_rows_"));
+        let warps = labels.iter().any(|l| l.contains("attention_inputs_warps_"));
+        assert!(
+            rows != warps,
+            "seed {seed} round {round} {}: {labels:?}",
+            case.name
+        );
+        by_rows += usize::from(rows);
+    }
+    assert!(
+        by_rows > 0 && by_rows < 24,
+        "seed {seed}: {by_rows} of 24 rounds a token a block"
+    );
+}
+
 /// One token's norm (with a residual add or without) and the quantised projection reading it,
 /// which CUDA runs as one kernel: the product, the normed row and the new residual match the
 /// CPU, and the program holds the fused kernel and no norm kernel of its own; odd rounds run with

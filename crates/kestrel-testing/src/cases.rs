@@ -1302,17 +1302,33 @@ fn attention_of(rng: Rng, kind: Option<usize>, product: Option<bool>) -> Case {
 /// reference; f32 caches directly, half ones through the attention that reads them, between
 /// backends (a computed key may round to either neighbouring half value).
 pub fn attention_inputs(rng: Rng) -> Case {
-    attention_inputs_of(rng, false)
+    attention_inputs_of(rng, Inputs::Any)
+}
+
+/// As `attention_inputs`, always 128 tokens or more (of one sequence or of several), where CUDA
+/// takes a block a token (`attention_inputs_rows_*`) for the head dims and rotations it has, or a
+/// warp a head.
+pub fn attention_inputs_many(rng: Rng) -> Case {
+    attention_inputs_of(rng, Inputs::Many)
+}
+
+/// Which tokens an `attention_inputs` case draws.
+#[derive(Clone, Copy, PartialEq)]
+enum Inputs {
+    Any,
+    Decode,
+    Many,
 }
 
 /// As `attention_inputs`, always one token (of one sequence, or of a batched step's pool) on a
 /// half cache of up to hundreds of positions, at the head sizes CUDA's decode kernel takes: the
 /// pair CUDA runs as one kernel (`decode_attention_inputs_*`).
 pub fn attention_inputs_decode(rng: Rng) -> Case {
-    attention_inputs_of(rng, true)
+    attention_inputs_of(rng, Inputs::Decode)
 }
 
-fn attention_inputs_of(rng: Rng, decode: bool) -> Case {
+fn attention_inputs_of(rng: Rng, kind: Inputs) -> Case {
+    let decode = kind == Inputs::Decode;
     let mut c = CaseBuilder::new(rng);
     let kv_heads = c.rng.range(1, 4);
     let heads = kv_heads * c.rng.range(1, 9);
@@ -1322,11 +1338,12 @@ fn attention_inputs_of(rng: Rng, decode: bool) -> Case {
     };
     let partial = pick(&mut c.rng, &[1.0, 0.25, 0.5]);
     let batched = c.rng.range(0, 3) == 0;
-    // From 128 tokens CUDA takes a head a warp rather than a block.
-    let tokens = match (decode, batched) {
-        (true, _) => 1,
-        (false, true) => pick(&mut c.rng, &[2, 7, 130]),
-        (false, false) => pick(&mut c.rng, &[1, 1, 3, 19, 150]),
+    // From 128 tokens CUDA takes a token a block (or a head a warp) rather than a head a block.
+    let tokens = match (kind, batched) {
+        (Inputs::Decode, _) => 1,
+        (Inputs::Many, _) => c.rng.range(128, 300),
+        (Inputs::Any, true) => pick(&mut c.rng, &[2, 7, 130]),
+        (Inputs::Any, false) => pick(&mut c.rng, &[1, 1, 3, 19, 150]),
     };
     let pt = PagedTokens::new(&mut c, tokens, batched, decode);
     let rows = pt.rows;

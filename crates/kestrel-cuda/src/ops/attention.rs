@@ -32,6 +32,8 @@ pub(crate) const MODULE: ModuleSource = op_module(
         ("DA_WARPS", DA_WARPS as i64),
         ("DA_WARPS_WIDE", DA_WARPS_WIDE as i64),
         ("AI_WARPS", AI_WARPS as i64),
+        ("AI_ROW_WARPS", AI_ROW_WARPS as i64),
+        ("AI_ROW_BATCH", AI_ROW_BATCH as i64),
     ],
 );
 
@@ -50,6 +52,22 @@ const WIDE_HEAD_DIM: usize = 128;
 /// decode of 32 to 256 tokens was within 0.5% either way, from 16 tokens or from 128).
 const AI_WARPS: usize = 4;
 const AI_WARPS_MIN_TOKENS: usize = 128;
+/// `attention_inputs_rows_*`, which takes those many tokens where the head dim is one of
+/// `AI_ROW_HEAD_DIMS` and the rotated half a power-of-two multiple of 32 (or none is rotated):
+/// blocks of `AI_ROW_WARPS` warps, each loading `AI_ROW_BATCH` heads of a token at once.
+const AI_ROW_WARPS: usize = 4;
+const AI_ROW_BATCH: usize = 4;
+const AI_ROW_HEAD_DIMS: [usize; 3] = [64, 128, 256];
+
+/// Whether `attention_inputs_rows_*` takes inputs of `head_dim` values a head, `rot_dim` of them
+/// rotated.
+fn inputs_by_rows(head_dim: usize, rot_dim: usize) -> bool {
+    let half32 = rot_dim / 2 / 32;
+    AI_ROW_HEAD_DIMS.contains(&head_dim)
+        && rot_dim <= head_dim
+        && rot_dim % 64 == 0
+        && (rot_dim == 0 || half32.is_power_of_two())
+}
 
 /// f32 caches: decode-sized batches take the split-over-context path.
 const SPLIT_MAX_TOKENS: usize = 4;
@@ -726,12 +744,21 @@ pub fn encode(op: &Op, enc: &mut Encoder) -> Result<()> {
                 return Err(unsupported(format!("head_dim {} > {MAX_HEAD_DIM}", i.head_dim)));
             }
             let (cache, weights) = (float_name(i.cache)?, float_name(i.weights.unwrap_or(DType::F32))?);
-            let warps = i.tokens >= AI_WARPS_MIN_TOKENS;
-            let kind = if warps { "warps_" } else { "" };
-            let kern = enc.kernel(&MODULE, &format!("attention_inputs_{kind}{cache}_{weights}"))?;
-            let (grid_y, block) = match warps {
-                true => ((i.heads + 2 * i.kv_heads).div_ceil(AI_WARPS), 32 * AI_WARPS),
-                false => (
+            let many = i.tokens >= AI_WARPS_MIN_TOKENS;
+            let by_rows = many && inputs_by_rows(i.head_dim, i.rot_dim);
+            let name = match (by_rows, many) {
+                (true, _) => format!("attention_inputs_rows_{cache}_{weights}_{}", i.head_dim),
+                (false, true) => format!("attention_inputs_warps_{cache}_{weights}"),
+                (false, false) => format!("attention_inputs_{cache}_{weights}"),
+            };
+            let kern = enc.kernel(&MODULE, &name)?;
+            let (grid_y, block) = match (by_rows, many) {
+                (true, _) => (
+                    (i.heads + 2 * i.kv_heads).div_ceil(AI_ROW_WARPS * AI_ROW_BATCH),
+                    32 * AI_ROW_WARPS,
+                ),
+                (false, true) => ((i.heads + 2 * i.kv_heads).div_ceil(AI_WARPS), 32 * AI_WARPS),
+                (false, false) => (
                     i.heads + 2 * i.kv_heads,
                     ((i.head_dim / 2).div_ceil(32) * 32).clamp(32, 128),
                 ),
