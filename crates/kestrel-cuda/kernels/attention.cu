@@ -1,5 +1,6 @@
 // Full attention with a KV cache. kv_append writes new keys/values at their positions
-// (attention_inputs does it together with the per-head norms and rotation of q and k); attention
+// (attention_inputs does it together with the per-head norms and rotation of q and k: a head a
+// block, a head a warp, or for many tokens four heads of a token a warp); attention
 // is causal with grouped-query heads. The attention kernels, the most specialised first:
 // - decode_attention_* (sm_90, at the end of this file; tensor cores, bf16/f16 caches, head dims
 //   64/96/128/256, up to 16 rows of one KV head's group: decode): the cache range is split over
@@ -28,8 +29,8 @@
 // MAX_PER_LANE (attention_*), GROUP and DEC_WARPS (attention_split_*), COMBINE_WARPS,
 // COMBINE_LOADS, COMBINE_THREADS and MAX_SPLITS (attention_combine_*), FA_WARPS, FA_KEYS and
 // FA_KEYS_WIDE (flash_attention_*), DA_ROWS, DA_KEYS, DA_STAGES, DA_WARPS and DA_WARPS_WIDE
-// (decode_attention_*), AI_WARPS, AI_ROW_WARPS and AI_ROW_BATCH (attention_inputs_*), and WIDE_HEAD_DIM, over which heads take
-// the wide shapes.
+// (decode_attention_*), AI_WARPS, AI_ROW_WARPS and AI_ROW_BATCH (attention_inputs_*), and
+// WIDE_HEAD_DIM, over which heads take the wide shapes.
 #if !defined(WARPS) || !defined(MAX_PER_LANE) || !defined(GROUP) || !defined(DEC_WARPS) ||                 \
     !defined(COMBINE_WARPS) || !defined(COMBINE_LOADS) || !defined(COMBINE_THREADS) || !defined(MAX_SPLITS) || \
     !defined(FA_WARPS) || !defined(FA_KEYS) || !defined(FA_KEYS_WIDE) || !defined(WIDE_HEAD_DIM) ||         \

@@ -168,8 +168,8 @@ fn one_token_inputs_and_attention_match_the_cpu_backend() {
 }
 
 /// The inputs of attention for 128 tokens or more (norms, rotation, the cache append; gated or
-/// not, full or partial rotation, one sequence or a batched step's pool): a token a block
-/// (`attention_inputs_rows_*`) where the head dim is 64, 128 or 256 and the rotated half a
+/// not, full or partial rotation, one sequence or a batched step's pool): four heads of a token a
+/// warp (`attention_inputs_rows_*`) where the head dim is 64, 128 or 256 and the rotated half a
 /// power-of-two multiple of 32 (or nothing rotated), else a head a warp; about half the draws
 /// take each.
 #[test]
@@ -195,7 +195,7 @@ fn many_tokens_attention_inputs_match_the_cpu_backend() {
     }
     assert!(
         by_rows > 0 && by_rows < 24,
-        "seed {seed}: {by_rows} of 24 rounds a token a block"
+        "seed {seed}: {by_rows} of 24 rounds four heads a warp"
     );
 }
 

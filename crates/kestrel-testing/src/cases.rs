@@ -1306,8 +1306,8 @@ pub fn attention_inputs(rng: Rng) -> Case {
 }
 
 /// As `attention_inputs`, always 128 tokens or more (of one sequence or of several), where CUDA
-/// takes a block a token (`attention_inputs_rows_*`) for the head dims and rotations it has, or a
-/// warp a head.
+/// takes four heads of a token a warp (`attention_inputs_rows_*`) for the head dims and rotations
+/// that kernel has, or a head a warp.
 pub fn attention_inputs_many(rng: Rng) -> Case {
     attention_inputs_of(rng, Inputs::Many)
 }
@@ -1338,7 +1338,7 @@ fn attention_inputs_of(rng: Rng, kind: Inputs) -> Case {
     };
     let partial = pick(&mut c.rng, &[1.0, 0.25, 0.5]);
     let batched = c.rng.range(0, 3) == 0;
-    // From 128 tokens CUDA takes a token a block (or a head a warp) rather than a head a block.
+    // From 128 tokens CUDA takes four heads a warp (or one) rather than a head a block.
     let tokens = match (kind, batched) {
         (Inputs::Decode, _) => 1,
         (Inputs::Many, _) => c.rng.range(128, 300),
