@@ -130,6 +130,10 @@ pub enum SeqEvent<'a> {
 /// Where a sequence's events go; `false` means the owner is gone (the sequence is dropped).
 pub type Sink = Box<dyn FnMut(SeqEvent) -> bool>;
 
+/// Told a batcher's [`StepTimes`] each time a step has counted its tokens (see
+/// [`Batcher::on_counted`]).
+pub type CountSink = Box<dyn FnMut(StepTimes)>;
+
 struct Seq {
     /// The slot (row of the block table) while admitted.
     slot: Option<usize>,
@@ -328,6 +332,7 @@ pub struct Batcher {
     preempted: u64,
     kinds: StepKinds,
     times: StepTimes,
+    counted: Option<CountSink>,
 }
 
 impl Batcher {
@@ -361,6 +366,7 @@ impl Batcher {
             preempted: 0,
             kinds: StepKinds::default(),
             times: StepTimes::default(),
+            counted: None,
             engine,
         }
     }
@@ -408,6 +414,22 @@ impl Batcher {
     /// How the batched steps so far chose their tokens.
     pub fn step_kinds(&self) -> StepKinds {
         self.kinds
+    }
+
+    /// Calls `f` with [`Batcher::step_times`] each time a step has counted the tokens it runs,
+    /// before any token it makes reaches a sink: whoever reads `f`'s figures after a sequence's
+    /// token arrived sees that token's step counted (its steps and seconds are counted when it
+    /// ends, so those may lag by the one step).
+    pub fn on_counted(&mut self, f: impl FnMut(StepTimes) + 'static) {
+        self.counted = Some(Box::new(f));
+    }
+
+    /// Tells [`Batcher::on_counted`]'s function the counts as they stand.
+    fn tell_counted(&mut self) {
+        if let Some(mut f) = self.counted.take() {
+            f(self.step_times());
+            self.counted = Some(f);
+        }
     }
 
     /// Where the steps' time went so far.
@@ -638,6 +660,7 @@ impl Batcher {
         self.times.decoded_tokens += decoded;
         self.times.prompt_tokens += ids.len() as u64 - decoded;
         self.times.prompt_chunks += prompts;
+        self.tell_counted();
         let mut out = match self.run_step(&rows, &seqs, &ids, &pos) {
             Ok(out) => out,
             Err(e) => {
@@ -914,6 +937,7 @@ impl Batcher {
         })();
         self.times.prompt_tokens += (end - start) as u64;
         self.times.prompt_chunks += 1;
+        self.tell_counted();
         let out = match outcome {
             Ok(out) => out,
             Err(e) => {
@@ -978,6 +1002,7 @@ impl Batcher {
             .collect();
         let pos: Vec<u32> = live.iter().map(|&i| self.running[i].cached as u32).collect();
         self.times.decoded_tokens += live.len() as u64;
+        self.tell_counted();
         let mut out = match self.run_step(&live, &seqs, &ids, &pos) {
             Ok(out) => out,
             Err(e) => return self.fail(&live, &e),

@@ -22,7 +22,7 @@ mod generate;
 mod model;
 pub mod placement;
 
-pub use batch::{Batcher, Piece, SeqEvent, SeqRequest, Sink, StepKinds, StepTimes, StopReason};
+pub use batch::{Batcher, CountSink, Piece, SeqEvent, SeqRequest, Sink, StepKinds, StepTimes, StopReason};
 pub use engine::{
     cache_dtype, default_backend, BackendChoice, Engine, EngineOptions, Precision, TokenLogprobs,
 };

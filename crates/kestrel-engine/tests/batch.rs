@@ -176,11 +176,17 @@ fn batched(
     reqs: &[SeqRequest],
 ) -> (Vec<Got>, u64, usize, (StepKinds, StepTimes)) {
     let mut b = Batcher::new(engine(Some(max_seqs), kv_blocks));
+    // The counts `on_counted` told, and the tokens handed out: each token handed out ran in a
+    // step that counted it (and at least one token of its own) before handing it out.
+    let told = Arc::new(Mutex::new((StepTimes::default(), 0u64)));
+    let tell = told.clone();
+    b.on_counted(move |t| tell.lock().unwrap().0 = t);
     let got: Arc<Mutex<Vec<Got>>> = Arc::new(Mutex::new(vec![Got::default(); reqs.len()]));
     let reused = Arc::new(Mutex::new(0));
     for (i, r) in reqs.iter().enumerate() {
         let got = got.clone();
         let found = reused.clone();
+        let told = told.clone();
         b.add(
             r.clone(),
             Box::new(move |e| {
@@ -189,6 +195,10 @@ fn batched(
                     SeqEvent::Piece(p) => {
                         g[i].ids.extend(p.id);
                         g[i].text.push_str(p.text);
+                        let mut told = told.lock().unwrap();
+                        told.1 += u64::from(p.id.is_some());
+                        let counted = told.0.prompt_tokens + told.0.decoded_tokens;
+                        assert!(counted >= told.1, "{} tokens out, {:?} counted", told.1, told.0);
                     }
                     SeqEvent::Done {
                         reason,

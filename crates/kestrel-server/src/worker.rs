@@ -219,6 +219,9 @@ fn start(b: &mut Batcher, job: Job, metrics: &Arc<Metrics>, tokenizer: &Rc<Optio
 /// Takes jobs while the batcher has free slots (waiting for one when it has nothing to do) and
 /// steps it, until every sender is gone and the last sequence ended.
 fn run_batched(mut b: Batcher, jobs: Receiver<Job>, metrics: Arc<Metrics>) {
+    // A step's tokens are in /metrics before any of them reaches its client.
+    let counts = metrics.clone();
+    b.on_counted(move |t| counts.set_steps(t));
     let (_, total) = b.kv_blocks();
     metrics
         .kv_total
