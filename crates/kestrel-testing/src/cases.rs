@@ -1494,8 +1494,6 @@ pub fn random_experts(c: &mut CaseBuilder, layout: &ExpertLayout) -> (Vec<u8>, E
     (blob, values)
 }
 
-/// The expected choice of a router: per token, the top k of the softmax of its logits (the
-/// lower index first among equals) and their probabilities, renormalised when asked.
 /// Whether every token's k-th largest logit (of `logits`, the f64 reference) lies above its
 /// (k+1)-th by more than a relative 1e-4 of the row's largest magnitude. Backends add a logit's
 /// terms in f32, each in its own order, so logits nearer than their rounding may be chosen either
@@ -1523,6 +1521,8 @@ fn redrawn(mut rng: Rng, build: impl Fn(Rng) -> Option<Case>) -> Case {
     panic!("100 draws of a router case in a row held a near tie")
 }
 
+/// The expected choice of a router: per token, the top k of the softmax of its logits (the
+/// lower index first among equals) and their probabilities, renormalised when asked.
 fn expected_choice(logits: &[f64], experts: usize, k: usize, normalize: bool) -> (Vec<u32>, Vec<f64>) {
     let (mut ids, mut weights) = (Vec::new(), Vec::new());
     for l in logits.chunks(experts) {
