@@ -92,20 +92,23 @@ __device__ __forceinline__ float norm_factor(const W* w, unsigned i, int zero_ce
     return zero_centered ? 1.0f + to_f32(w[i]) : to_f32(w[i]);
 }
 
+// A rotated value: `value` turned with its partner (the value half a rotation away) by the
+// angle whose cosine and sine are c and sn; the first half subtracts the partner's share.
+__device__ __forceinline__ float turn(float value, float partner, float c, float sn, float scaling,
+                                      bool first_half) {
+    return first_half ? value * (c * scaling) - partner * (sn * scaling)
+                      : value * (c * scaling) + partner * (sn * scaling);
+}
+
 // Value i of a head staged in `row`, rotated at position p (neox halves over the first 2 * half
 // values, angle p * inv_freq in f32 as rope_f32 computes it).
 __device__ __forceinline__ float rotated(const float* row, unsigned i, unsigned half, unsigned p,
                                          const float* inv_freq, float scaling) {
+    if (i >= 2 * half) return row[i];
+    const bool first = i < half;
     float sn, c;
-    if (i < half) {
-        sincosf((float)p * inv_freq[i], &sn, &c);
-        return row[i] * (c * scaling) - row[i + half] * (sn * scaling);
-    }
-    if (i < 2 * half) {
-        sincosf((float)p * inv_freq[i - half], &sn, &c);
-        return row[i] * (c * scaling) + row[i - half] * (sn * scaling);
-    }
-    return row[i];
+    sincosf((float)p * inv_freq[first ? i : i - half], &sn, &c);
+    return turn(row[i], row[first ? i + half : i - half], c, sn, scaling, first);
 }
 
 template <typename T, typename W, bool WARP>
@@ -246,13 +249,12 @@ __device__ void attention_inputs_rows(const float* qkv, float* q, float* gate, c
             const unsigned i = lane + 32 * j;
             float out = v[b][j];
             if (turns && i < 2 * half) {
-                // The partner value i + half or i - half: this lane's j ^ h32 (h32 a power of two).
-                float other = 0.0f;
-#pragma unroll
-                for (int o = 0; o < VPL; o++)
-                    if (o == (j ^ (int)h32)) other = v[b][o];
-                out = i < half ? v[b][j] * (cs[j] * scaling) - other * (sn[j] * scaling)
-                               : v[b][j] * (cs[j] * scaling) + other * (sn[j] * scaling);
+                // The partner value i + half or i - half: this lane's j ^ h32 (h32 1, 2 or 4 below
+                // VPL). Each candidate is read at a fixed index: an index chosen at run time would
+                // put v in local memory.
+                const float o1 = v[b][(j ^ 1) % VPL], o2 = v[b][(j ^ 2) % VPL], o4 = v[b][(j ^ 4) % VPL];
+                const float other = h32 == 1 ? o1 : (h32 == 2 ? o2 : o4);
+                out = turn(v[b][j], other, cs[j], sn[j], scaling, i < half);
             }
             if (is_q)
                 qh[i] = out;
