@@ -1425,11 +1425,15 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
     __syncthreads();
     unsigned* arrived = counters + 2 * head;
     unsigned* left = arrived + 1;
+    // Blocks past their wait before this one's (counted in counters[2 * head + 1]); the last
+    // one past sets both counters back to zero at its end (none reads `arrived` after its wait).
+    // Asked for here, so the round trip overlaps the merge.
+    unsigned before = 0;
     if (tid == 0) {
-        __threadfence();  // the block's record, ordered by the barrier, before the count
-        atomicAdd(arrived, 1u);
-        while (*reinterpret_cast<volatile unsigned*>(arrived) < used) __nanosleep(32);
-        __threadfence();
+        red_add_release(arrived, 1u);  // the block's records, ordered by the barrier, before the count
+        while (load_acquire(arrived) < used) {
+        }
+        before = atomicAdd(left, 1u);
     }
     __syncthreads();
     const float* recs = part + (size_t)head * gridDim.x * DA_ROWS * REC;
@@ -1438,17 +1442,31 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
     // lane per split, so a warp merges 32 / lanes pieces at once.
     const unsigned items = pairs * VECS, share = (items + used - 1) / used;
     const unsigned lanes = min(32u, 1u << (32 - __clz(used - 1))), per_warp = 32 / lanes;
-    const unsigned first = split * share, last = min(first + share, items);
-    for (unsigned i0 = first + warp * per_warp; i0 < last; i0 += NWARPS * per_warp) {
-        const unsigned i = i0 + lane / lanes, r = i / VECS, v = i % VECS;
-        const bool valid = i < last;
-        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        float mx = -INFINITY, sum = 0.0f;
-        for (unsigned k = lane % lanes; valid && k < used; k += lanes) {
-            const float* rk = recs + k * SSTRIDE + r * REC;
-            const float4 y = __ldcg(reinterpret_cast<const float4*>(rk) + v);
-            const float mk = __ldcg(rk + HD), lk = __ldcg(rk + HD + 1);
-            if (mk == -INFINITY) continue;  // that split saw no key of the row (its accumulator is zero)
+    const unsigned first = split * share, last = min(first + share, items), step = NWARPS * per_warp;
+    // Piece i's record of split k (this lane's first: lane % lanes), or none: zero, max -inf.
+    auto load = [&](unsigned i, unsigned k, float4& y, float& mk, float& lk) {
+        y = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        mk = -INFINITY;
+        lk = 0.0f;
+        if (i < last && k < used) {
+            const float* rk = recs + k * SSTRIDE + (i / VECS) * REC;
+            y = __ldcg(reinterpret_cast<const float4*>(rk) + i % VECS);
+            mk = __ldcg(rk + HD);
+            lk = __ldcg(rk + HD + 1);
+        }
+    };
+    // Piece i from this lane's first record (as loaded; a split that saw no key of the row has a
+    // zero accumulator and max -inf), its further splits (past 32) and the group's other lanes.
+    auto merge = [&](unsigned i, float4 a, float mx, float sum) {
+        if (mx == -INFINITY) {
+            a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            sum = 0.0f;
+        }
+        for (unsigned k = lane % lanes + lanes; i < last && k < used; k += lanes) {
+            float4 y;
+            float mk, lk;
+            load(i, k, y, mk, lk);
+            if (mk == -INFINITY) continue;
             const float m = fmaxf(mx, mk), c = exp2f(mx - m), f = exp2f(mk - m);
             a = make_float4(a.x * c + f * y.x, a.y * c + f * y.y, a.z * c + f * y.z, a.w * c + f * y.w);
             sum = sum * c + f * lk;
@@ -1466,15 +1484,24 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
             y.w += __shfl_xor_sync(0xffffffffu, y.w, o);
             sum += __shfl_xor_sync(0xffffffffu, sum, o);
         }
-        if (valid && lane % lanes == 0) {
-            const unsigned t = t0 + r / group, h = kvh * group + r % group;
+        if (i < last && lane % lanes == 0) {
+            const unsigned r = i / VECS, t = t0 + r / group, h = kvh * group + r % group;
             const float inv = 1.0f / sum;
-            store_out4(out, ((size_t)t * heads + h) * HD, v, make_float4(y.x * inv, y.y * inv, y.z * inv, y.w * inv),
-                       out_bf16);
+            store_out4(out, ((size_t)t * heads + h) * HD, i % VECS,
+                       make_float4(y.x * inv, y.y * inv, y.z * inv, y.w * inv), out_bf16);
         }
+    };
+    // Two pieces a lane a round, both loaded before either is merged: one round trip for both.
+    for (unsigned i0 = first + warp * per_warp; i0 < last; i0 += 2 * step) {
+        const unsigned i = i0 + lane / lanes, j = i + step;
+        float4 yi, yj;
+        float mi, li, mj, lj;
+        load(i, lane % lanes, yi, mi, li);
+        load(j, lane % lanes, yj, mj, lj);
+        merge(i, yi, mi, li);
+        merge(j, yj, mj, lj);
     }
-    // The last block to leave sets both counters back to zero: every block is past its wait.
-    if (tid == 0 && atomicAdd(left, 1u) == used - 1) {
+    if (tid == 0 && before == used - 1) {
         *arrived = 0;
         *left = 0;
     }

@@ -8,7 +8,8 @@
 //   dp4a against the weight words (dot_int8);
 // - tensor-core helpers: mma.sync m16n8k16 (bf16/f16, f32 accumulators), ldmatrix, cp.async;
 // - thread-block cluster helpers (sm_90): rank, barriers, stores into another block's shared
-//   memory.
+//   memory;
+// - counters the blocks of a grid meet at: a release count, an acquire read.
 // It includes pdl.cuh (kestrel-cuda-rt's kernels/pdl.cuh): the programmatic-launch primitives
 // (pdl_wait, pdl_trigger, pdl_begin) and the contract every op kernel keeps.
 #pragma once
@@ -597,6 +598,20 @@ __device__ __forceinline__ void store_cluster_f32(const float* p, unsigned rank,
     asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(a), "f"(v) : "memory");
 }
 #endif
+
+// ---- counters the blocks of a grid meet at ----
+// The pattern (as a grid barrier's): every thread's writes, then __syncthreads, then one thread
+// counts the block with a release; a waiting thread reads the count with acquire loads, then
+// __syncthreads, and the block's reads after it see the counted blocks' writes. Lighter than
+// __threadfence (a sequentially consistent fence) on either side.
+__device__ __forceinline__ void red_add_release(unsigned* p, unsigned v) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
 
 // ---- wgmma (sm_90a) ----
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
