@@ -1034,13 +1034,14 @@ FLASHES(f16, f16)
 // the exp2 domain, as in flash_attention. Then two merges of (max, sum, acc):
 //   1. the block's warps, through shared memory, into the block's record in `part` (with one
 //      split in the range, into the output);
-//   2. across splits: every block of a (z, KV head) counts its record in counters[2 * head] and
-//      waits for the others' (all are resident: the grid is one wave), then merges its share of
-//      the output's pieces, a lane per split (a warp per piece with 32 splits, 16 pieces a
-//      warp with 2), each lane loading its split's piece, max and sum;
-//      the last to leave (counted in counters[2 * head + 1]) sets both back to zero.
-// Spread so, the merge costs each block one round of loads (up to 32 splits) instead of one
-// block's many rounds.
+//   2. across splits: every block of a (z, KV head) counts its record in counters[2 * head]
+//      (a release) and waits for the others' (acquire reads; all are resident: the grid is one
+//      wave), then merges its share of the output's pieces, a lane per split (a warp per piece
+//      with 32 splits, 16 pieces a warp with 2), each lane loading its split's piece, max and
+//      sum, two pieces' loads at once; the last block past its wait (counted in
+//      counters[2 * head + 1], asked for before the merge) sets both back to zero at its end.
+// Spread so, the merge costs each block one round of loads (up to 32 splits, two pieces a
+// lane) instead of one block's many rounds.
 // head_dim a multiple of 16; `counters` zero at launch (it is again at exit).
 
 template <int HD>
