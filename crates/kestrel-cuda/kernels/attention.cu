@@ -92,6 +92,29 @@ __device__ __forceinline__ float norm_factor(const W* w, unsigned i, int zero_ce
     return zero_centered ? 1.0f + to_f32(w[i]) : to_f32(w[i]);
 }
 
+// The columns of one token's row of the fused projection: `heads` heads of q (q_stride each: a
+// head, or a head and its gate), then kv_heads heads of k and kv_heads of v.
+__device__ __forceinline__ size_t qkv_cols(unsigned heads, unsigned kv_heads, unsigned head_dim, unsigned q_stride) {
+    return (size_t)heads * q_stride + 2 * (size_t)kv_heads * head_dim;
+}
+
+// Where head h of q (is_q), of k (is_k) or of v starts in a token's row x of the fused projection.
+__device__ __forceinline__ const float* head_source(const float* x, unsigned h, bool is_q, bool is_k, unsigned heads,
+                                                    unsigned kv_heads, unsigned head_dim, unsigned q_stride) {
+    return is_q ? x + (size_t)h * q_stride
+                : x + (size_t)heads * q_stride + (is_k ? 0 : (size_t)kv_heads * head_dim) + (size_t)h * head_dim;
+}
+
+// 1 / RMS (eps added to the mean square) of a head a warp holds, VPL values a lane: the lane's
+// squares summed in j's order, then warp_sum.
+template <int VPL>
+__device__ __forceinline__ float warp_rms_inverse(const float (&v)[VPL], unsigned head_dim, float eps) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < VPL; j++) ss += v[j] * v[j];
+    return 1.0f / sqrtf(warp_sum(ss) / (float)head_dim + eps);
+}
+
 // A rotated value: `value` turned with its partner (the value half a rotation away) by the
 // angle whose cosine and sine are c and sn; the first half subtracts the partner's share.
 __device__ __forceinline__ float turn(float value, float partner, float c, float sn, float scaling,
@@ -127,10 +150,8 @@ __device__ void attention_inputs(const float* qkv, float* q, float* gate, const 
     const unsigned p = positions[t];
     const bool is_q = r < heads, is_k = !is_q && r < heads + kv_heads;
     const unsigned h = is_q ? r : (is_k ? r - heads : r - heads - kv_heads);
-    const size_t cols = (size_t)heads * q_stride + 2 * (size_t)kv_heads * head_dim;
-    const float* x = qkv + t * cols;
-    const float* src = is_q ? x + (size_t)h * q_stride
-                            : x + (size_t)heads * q_stride + (is_k ? 0 : (size_t)kv_heads * head_dim) + (size_t)h * head_dim;
+    const float* x = qkv + t * qkv_cols(heads, kv_heads, head_dim, q_stride);
+    const float* src = head_source(x, h, is_q, is_k, heads, kv_heads, head_dim, q_stride);
     for (unsigned i = first; i < head_dim; i += step) row[i] = src[i];
     if (is_q && gate != nullptr) {
         float* g = gate + ((size_t)t * heads + h) * head_dim;
@@ -184,8 +205,7 @@ __device__ void attention_inputs_rows(const float* qkv, float* q, float* gate, c
     const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, t = blockIdx.x;
     const unsigned total = heads + 2 * kv_heads, r0 = blockIdx.y * AI_ROW_WARPS * AI_ROW_BATCH + warp;
     if (r0 >= total) return;
-    const size_t cols = (size_t)heads * q_stride + 2 * (size_t)kv_heads * head_dim;
-    const float* x = qkv + t * cols;
+    const float* x = qkv + t * qkv_cols(heads, kv_heads, head_dim, q_stride);
     // Row r: head h of q (is_q), k (is_k) or v.
     auto head_of = [&](unsigned r, bool& is_q, bool& is_k) {
         is_q = r < heads;
@@ -197,9 +217,7 @@ __device__ void attention_inputs_rows(const float* qkv, float* q, float* gate, c
     for (int b = 0; b < AI_ROW_BATCH; b++) {
         bool is_q, is_k;
         const unsigned h = head_of(min(r0 + b * AI_ROW_WARPS, total - 1), is_q, is_k);  // past the rows: the last
-        const float* src = is_q ? x + (size_t)h * q_stride
-                                : x + (size_t)heads * q_stride + (is_k ? 0 : (size_t)kv_heads * head_dim) +
-                                      (size_t)h * head_dim;
+        const float* src = head_source(x, h, is_q, is_k, heads, kv_heads, head_dim, q_stride);
 #pragma unroll
         for (int j = 0; j < VPL; j++) v[b][j] = src[lane + 32 * j];
     }
@@ -225,18 +243,14 @@ __device__ void attention_inputs_rows(const float* qkv, float* q, float* gate, c
         bool is_q, is_k;
         const unsigned h = head_of(r, is_q, is_k);
         if (is_q && gate != nullptr) {
-            const float* src = x + (size_t)h * q_stride + head_dim;
+            const float* src = head_source(x, h, true, false, heads, kv_heads, head_dim, q_stride) + head_dim;
             float* g = gate + ((size_t)t * heads + h) * head_dim;
 #pragma unroll
             for (int j = 0; j < VPL; j++) g[lane + 32 * j] = src[lane + 32 * j];
         }
         const W* w = is_q ? q_norm : k_norm;
         if (w != nullptr && (is_q || is_k)) {
-            float ss = 0.0f;
-#pragma unroll
-            for (int j = 0; j < VPL; j++) ss += v[b][j] * v[b][j];
-            ss = warp_sum(ss);
-            const float inv = 1.0f / sqrtf(ss / (float)head_dim + eps);
+            const float inv = warp_rms_inverse(v[b], head_dim, eps);
 #pragma unroll
             for (int j = 0; j < VPL; j++) v[b][j] = v[b][j] * inv * norm_factor(w, lane + 32 * j, zero_centered);
         }
@@ -1198,8 +1212,7 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
         // caches and the ring.
         float* row = reinterpret_cast<float*>(rings + NWARPS * S::RING) + warp * HD;
         const unsigned p = positions[t0], half = in.rot_dim / 2;
-        const float* x = in.qkv + (size_t)t0 * (heads * in.q_stride + 2 * kv_heads * HD);
-        const float* kv = x + (size_t)heads * in.q_stride;
+        const float* x = in.qkv + t0 * qkv_cols(heads, kv_heads, HD, in.q_stride);
         const unsigned kv_items = new_row < rows ? 2 : 0, items = kv_items + pairs;
         const size_t at = ((size_t)kvh * rows + new_row) * HD;
         if (kv_items != 0) {
@@ -1207,9 +1220,11 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
             if (b / NWARPS < STAGES)
                 ring_row = rings + (b % NWARPS) * S::RING + (b / NWARPS) * 2 * DA_KEYS * STRIDE + (o % DA_KEYS) * STRIDE;
         }
+        // Item it: the key (0) and value (1) when this block writes them, then the group's queries.
         auto src_of = [&](unsigned it) {
-            return it < kv_items ? kv + (size_t)(it * kv_heads + kvh) * HD
-                                 : x + (size_t)(kvh * group + it - kv_items) * in.q_stride;
+            const bool is_q = it >= kv_items;
+            return head_source(x, is_q ? kvh * group + it - kv_items : kvh, is_q, it == 0, heads, kv_heads, HD,
+                               in.q_stride);
         };
         float cur[PER], nxt[PER];
         if (warp < items) {
@@ -1234,10 +1249,7 @@ __device__ void decode_attention(const float* q, const T* k_cache, const T* v_ca
                 }
             } else {
                 if ((is_k ? in.k_norm : in.q_norm) != nullptr) {
-                    float ss = 0.0f;
-#pragma unroll
-                    for (int j = 0; j < PER; j++) ss += cur[j] * cur[j];
-                    const float inv = 1.0f / sqrtf(warp_sum(ss) / (float)HD + in.eps);
+                    const float inv = warp_rms_inverse(cur, HD, in.eps);
 #pragma unroll
                     for (int j = 0; j < PER; j++) cur[j] = cur[j] * inv * (is_k ? nk[j] : nq[j]);
                 }
