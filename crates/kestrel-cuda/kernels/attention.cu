@@ -190,7 +190,8 @@ __device__ void attention_inputs(const float* qkv, float* q, float* gate, const 
 // q, k or v) a warp: block (t, y) takes token t's rows from y * AI_ROW_WARPS * AI_ROW_BATCH,
 // warp w of them w, w + AI_ROW_WARPS, ..., each lane values lane + 32 j (j < VPL = head_dim /
 // 32), so all of a warp's loads are in flight before the first is used; the rotation's angles,
-// the same for every head of a token, are worked out once a warp. The arithmetic is that of
+// the same for every head of a token, are worked out once a block into shared memory, and up to
+// head dim 128 the norms' factors are loaded once a warp. The arithmetic is that of
 // attention_inputs<.., true>, in its order: a lane's squares summed in j's order, then
 // warp_sum; each value normed, then rotated with its partner value i +- half, which the same
 // lane holds (half a multiple of 32, half / 32 a power of two). A head a warp kept a long
@@ -202,9 +203,12 @@ __device__ void attention_inputs_rows(const float* qkv, float* q, float* gate, c
                                       const float* inv_freq, T* k_cache, T* v_cache, PAGE_PARAMS, unsigned heads,
                                       unsigned kv_heads, unsigned head_dim, unsigned q_stride, unsigned rot_dim,
                                       float scaling, unsigned rows) {
+    // The token's rotation, cosine and sine of angle i < half (half <= 128: head dims to 256),
+    // one a thread.
+    static_assert(32 * AI_ROW_WARPS >= 128, "a block's threads work out up to 128 angles");
+    __shared__ float turn_c[128], turn_s[128];
     const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32, t = blockIdx.x;
     const unsigned total = heads + 2 * kv_heads, r0 = blockIdx.y * AI_ROW_WARPS * AI_ROW_BATCH + warp;
-    if (r0 >= total) return;
     const float* x = qkv + t * qkv_cols(heads, kv_heads, head_dim, q_stride);
     // Row r: head h of q (is_q), k (is_k) or v.
     auto head_of = [&](unsigned r, bool& is_q, bool& is_k) {
@@ -213,25 +217,43 @@ __device__ void attention_inputs_rows(const float* qkv, float* q, float* gate, c
         return is_q ? r : (is_k ? r - heads : r - heads - kv_heads);
     };
     float v[AI_ROW_BATCH][VPL];
+    if (r0 < total) {
 #pragma unroll
-    for (int b = 0; b < AI_ROW_BATCH; b++) {
-        bool is_q, is_k;
-        const unsigned h = head_of(min(r0 + b * AI_ROW_WARPS, total - 1), is_q, is_k);  // past the rows: the last
-        const float* src = head_source(x, h, is_q, is_k, heads, kv_heads, head_dim, q_stride);
+        for (int b = 0; b < AI_ROW_BATCH; b++) {
+            bool is_q, is_k;
+            const unsigned h = head_of(min(r0 + b * AI_ROW_WARPS, total - 1), is_q, is_k);  // past the rows: the last
+            const float* src = head_source(x, h, is_q, is_k, heads, kv_heads, head_dim, q_stride);
 #pragma unroll
-        for (int j = 0; j < VPL; j++) v[b][j] = src[lane + 32 * j];
+            for (int j = 0; j < VPL; j++) v[b][j] = src[lane + 32 * j];
+        }
     }
+    // Each of the token's angles once a block, while the loads are in flight: value i < half
+    // turns by inv_freq[i], i < 2 half by inv_freq[i - half].
     const unsigned p = positions[t], half = rot_dim / 2, h32 = half / 32;
-    // Angles of the lane's rotated values: value i < half turns by inv_freq[i], i < 2 half by
-    // inv_freq[i - half].
+    if (threadIdx.x < half) {
+        float c, sv;
+        sincosf((float)p * inv_freq[threadIdx.x], &sv, &c);
+        turn_c[threadIdx.x] = c;
+        turn_s[threadIdx.x] = sv;
+    }
+    __syncthreads();
+    if (r0 >= total) return;
     float cs[VPL], sn[VPL];
 #pragma unroll
     for (int j = 0; j < VPL; j++) {
-        const unsigned i = lane + 32 * j;
-        float c = 0.0f, sv = 0.0f;
-        if (i < 2 * half) sincosf((float)p * inv_freq[i < half ? i : i - half], &sv, &c);
-        cs[j] = c;
-        sn[j] = sv;
+        const unsigned i = lane + 32 * j, a = i < half ? i : i - half;
+        cs[j] = i < 2 * half ? turn_c[a] : 0.0f;
+        sn[j] = i < 2 * half ? turn_s[a] : 0.0f;
+    }
+    // The norms' factors, the same for every head of q (or of k): loaded once a warp where the
+    // registers allow (at head dim 256 they would cost a block a multiprocessor), else a head at
+    // a time.
+    constexpr bool ONCE = VPL <= 4;
+    float fq[VPL], fk[VPL];
+#pragma unroll
+    for (int j = 0; j < VPL; j++) {
+        fq[j] = ONCE && q_norm != nullptr ? norm_factor(q_norm, lane + 32 * j, zero_centered) : 1.0f;
+        fk[j] = ONCE && k_norm != nullptr ? norm_factor(k_norm, lane + 32 * j, zero_centered) : 1.0f;
     }
     const Pages pg = pages_of(PAGE_ARGS, t);
     // The host checks lengths before any work; never write outside the cache.
@@ -252,7 +274,8 @@ __device__ void attention_inputs_rows(const float* qkv, float* q, float* gate, c
         if (w != nullptr && (is_q || is_k)) {
             const float inv = warp_rms_inverse(v[b], head_dim, eps);
 #pragma unroll
-            for (int j = 0; j < VPL; j++) v[b][j] = v[b][j] * inv * norm_factor(w, lane + 32 * j, zero_centered);
+            for (int j = 0; j < VPL; j++)
+                v[b][j] = v[b][j] * inv * (ONCE ? (is_q ? fq[j] : fk[j]) : norm_factor(w, lane + 32 * j, zero_centered));
         }
         if (!is_q && cache_row >= rows) continue;
         const bool turns = is_q || is_k;
