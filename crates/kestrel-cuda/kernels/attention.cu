@@ -731,7 +731,7 @@ SPLITS(f16, f16)
 // of that head's group, numbered token-major (so a decode token's whole group shares one block,
 // and a prefill block holds 64 * MT / group consecutive tokens: K/V tiles are read once for all
 // heads of the group, and the causal limits of a block's rows differ by a few keys).
-// Grid (row blocks, kv_heads, splits): split s covers keys [s * chunk, (s + 1) * chunk) of the
+// Grid (row blocks * kv_heads, 1, splits): split s covers keys [s * chunk, (s + 1) * chunk) of the
 // block's range; with one split the block writes the normalised output, with several it writes
 // (max, sum, acc) per (row, split) for attention_combine_*.
 //
@@ -857,8 +857,12 @@ __device__ void flash_attention(const float* q, const T* k_cache, const T* v_cac
 
     const unsigned tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const unsigned group = heads / kv_heads, pairs = tokens * group;
-    const unsigned kvh = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
-    const unsigned row0 = (gridDim.x - 1 - blockIdx.x) * ROWS;  // longest causal ranges first
+    // Block x takes KV head x % kv_heads and row block x / kv_heads counted from the last, so the
+    // blocks start in order of their causal ranges, longest first, every KV head's together: a
+    // KV head's blocks all before the next's left a tail where one head's longest blocks ran
+    // alone.
+    const unsigned kvh = blockIdx.x % kv_heads, split = blockIdx.z, splits = gridDim.z;
+    const unsigned row0 = (gridDim.x / kv_heads - 1 - blockIdx.x / kv_heads) * ROWS;
     // The sequence of the block's first token: every token's (seq_step 0), or, for the runs of
     // several prompts' chunks, the run's (the host makes a block's rows whole tokens of a run).
     const Pages pg = pages_of(PAGE_ARGS, row0 / group);

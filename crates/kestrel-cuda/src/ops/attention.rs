@@ -308,7 +308,7 @@ fn encode_flash(enc: &mut Encoder, a: &Attn, max_mt: usize, out_bf16: bool) -> R
         [a.out.clone(), a.out.clone(), a.out.clone()]
     };
     a.dispatch(enc, &kern)?
-        .grid((u32_arg(row_blocks)?, u32_arg(kv_heads)?, u32_arg(splits)?))
+        .grid((u32_arg(blocks)?, 1, u32_arg(splits)?))
         .block(u32_arg(32 * FA_WARPS)?)
         .shared_mem(u32_arg(smem)?)
         .write(&a.out)
