@@ -62,7 +62,8 @@ struct KernelInner {
     func: CudaFunction,
     module: String,
     name: String,
-    /// Largest dynamic shared memory this function has been opted into (48 KiB is free).
+    /// The function's dynamic shared-memory limit as last read from the driver or raised (0
+    /// until a launch asks for some).
     shared_limit: AtomicU32,
 }
 
@@ -112,10 +113,27 @@ impl Kernel {
         )
     }
 
-    /// Opts the function into `bytes` of dynamic shared memory when that exceeds the default.
+    /// Opts the function into `bytes` of dynamic shared memory when that exceeds its limit. The
+    /// limit is the driver's: by default 48 KiB less the function's static shared memory.
     pub(crate) fn ensure_shared_mem(&self, bytes: u32) -> Result<()> {
-        const DEFAULT_LIMIT: u32 = 48 * 1024;
-        if bytes <= DEFAULT_LIMIT || bytes <= self.inner.shared_limit.load(Ordering::Relaxed) {
+        if bytes <= self.inner.shared_limit.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let mut limit = 0i32;
+        // SAFETY: a valid function handle whose module is kept alive by `func`; `limit` is a
+        // valid out-pointer.
+        unsafe {
+            drv::cuFuncGetAttribute(
+                &mut limit,
+                drv::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                self.cu_function(),
+            )
+            .result()
+        }
+        .map_err(CudaError::driver("cuFuncGetAttribute"))?;
+        let limit = u32::try_from(limit).unwrap_or(0);
+        if bytes <= limit {
+            self.inner.shared_limit.fetch_max(limit, Ordering::Relaxed);
             return Ok(());
         }
         // SAFETY: a valid function handle whose module is kept alive by `func`.

@@ -973,3 +973,59 @@ fn graphs_with_cublas_products_build_on_many_threads_at_once() {
         }
     }
 }
+
+/// Two copies of a kernel with 8 KiB of static shared memory, which sums that and its dynamic
+/// shared memory after filling both.
+const STATIC_BESIDE_DYNAMIC: &str = r#"
+#define SMEM_SUM(NAME)                                                                 \
+    extern "C" __global__ void NAME(float* out, unsigned words) {                      \
+        __shared__ float fixed[2048];                                                  \
+        extern __shared__ float dyn[];                                                 \
+        for (unsigned i = threadIdx.x; i < 2048; i += blockDim.x) fixed[i] = 1.0f;     \
+        for (unsigned i = threadIdx.x; i < words; i += blockDim.x) dyn[i] = 2.0f;      \
+        __syncthreads();                                                               \
+        if (threadIdx.x == 0) {                                                        \
+            float s = 0.0f;                                                            \
+            for (unsigned i = 0; i < 2048; i++) s += fixed[i];                         \
+            for (unsigned i = 0; i < words; i++) s += dyn[i];                          \
+            out[0] = s;                                                                \
+        }                                                                              \
+    }
+SMEM_SUM(smem_sum_eager)
+SMEM_SUM(smem_sum_graph)
+"#;
+
+/// Dynamic shared memory under 48 KiB beside static shared memory that brings the block over
+/// it: the driver's default limit for the dynamic part is 48 KiB less the static part, so the
+/// launch must opt the function in, eagerly and in a graph.
+#[test]
+fn dynamic_shared_memory_beside_static_is_opted_into() {
+    let Some(dev) = device_or_skip("dynamic_shared_memory_beside_static_is_opted_into") else {
+        return;
+    };
+    dev.registry()
+        .load("probe_static_smem", STATIC_BESIDE_DYNAMIC)
+        .unwrap();
+    let words = 44 * 1024 / 4;
+    let expect = 2048.0 + 2.0 * words as f32;
+    for (name, graph) in [("smem_sum_eager", false), ("smem_sum_graph", true)] {
+        let k = dev.registry().function("probe_static_smem", name).unwrap();
+        let out = poisoned(&dev, 1);
+        let mut l = CommandList::new(name);
+        l.dispatch(&k)
+            .grid(1)
+            .block(256)
+            .shared_mem(4 * words)
+            .write(&out)
+            .arg(words)
+            .record();
+        match graph {
+            false => dev.run(&l).unwrap_or_else(|e| panic!("{name}: {e}")),
+            true => dev
+                .capture(&l)
+                .and_then(|g| g.launch())
+                .unwrap_or_else(|e| panic!("{name}: {e}")),
+        }
+        assert_eq!(dev.download::<f32>(&out).unwrap(), vec![expect], "{name}");
+    }
+}

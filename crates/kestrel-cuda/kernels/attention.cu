@@ -845,7 +845,7 @@ template <typename T, int HD, int MT>
 __device__ void flash_attention(const float* q, const T* k_cache, const T* v_cache, const unsigned* positions,
                                 PAGE_PARAMS, float* out, float* part_m, float* part_l, float* part_acc,
                                 unsigned tokens, unsigned heads, unsigned kv_heads, unsigned rows, float scale,
-                                unsigned chunk, unsigned out_bf16) {
+                                unsigned chunk, unsigned out_bf16, unsigned ranked) {
     using S = FaShape<HD, MT>;
     constexpr int ROWS = S::ROWS, BN = S::BN, STRIDE = S::STRIDE, KSTEPS = HD / 16, NT = BN / 8, DT = HD / 8;
     extern __shared__ __align__(16) unsigned char fa_smem[];
@@ -857,12 +857,34 @@ __device__ void flash_attention(const float* q, const T* k_cache, const T* v_cac
 
     const unsigned tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const unsigned group = heads / kv_heads, pairs = tokens * group;
-    // Block x takes KV head x % kv_heads and row block x / kv_heads counted from the last, so the
-    // blocks start in order of their causal ranges, longest first, every KV head's together: a
+    // Block x takes KV head x % kv_heads and the row block ranked x / kv_heads by its causal
+    // range, longest first, so the blocks start in that order with every KV head's together (a
     // KV head's blocks all before the next's left a tail where one head's longest blocks ran
-    // alone.
+    // alone). One sequence's rows: the ranks are the row blocks counted from the last. With
+    // `ranked` (several runs' rows), each block ranks every row block by the position of its last
+    // token (ties by index, so the ranks are a permutation), in shared memory past `lim`.
     const unsigned kvh = blockIdx.x % kv_heads, split = blockIdx.z, splits = gridDim.z;
-    const unsigned row0 = (gridDim.x / kv_heads - 1 - blockIdx.x / kv_heads) * ROWS;
+    const unsigned row_blocks = gridDim.x / kv_heads, rank = blockIdx.x / kv_heads;
+    unsigned row_block = row_blocks - 1 - rank;
+    if (ranked) {
+        unsigned* reach = lim + ROWS;  // [row_blocks]
+        __shared__ unsigned picked;
+        for (unsigned i = tid; i < row_blocks; i += blockDim.x)
+            reach[i] = positions[(min((i + 1) * ROWS, pairs) - 1) / group];
+        __syncthreads();
+        for (unsigned i = tid; i < row_blocks; i += blockDim.x) {
+            const unsigned mine = reach[i];
+            unsigned before = 0;
+            for (unsigned j = 0; j < row_blocks; j++) {
+                const unsigned other = reach[j];
+                before += other > mine || (other == mine && j < i);
+            }
+            if (before == rank) picked = i;
+        }
+        __syncthreads();
+        row_block = picked;
+    }
+    const unsigned row0 = row_block * ROWS;
     // The sequence of the block's first token: every token's (seq_step 0), or, for the runs of
     // several prompts' chunks, the run's (the host makes a block's rows whole tokens of a run).
     const Pages pg = pages_of(PAGE_ARGS, row0 / group);
@@ -1039,10 +1061,10 @@ __device__ void flash_attention(const float* q, const T* k_cache, const T* v_cac
     extern "C" __global__ void __launch_bounds__(32 * FA_WARPS) flash_attention_##NAME##_##HD##_##MT(       \
         const float* q, const T* k_cache, const T* v_cache, const unsigned* positions, PAGE_PARAMS,         \
         float* out, float* part_m, float* part_l, float* part_acc, unsigned tokens, unsigned heads,         \
-        unsigned kv_heads, unsigned rows, float scale, unsigned chunk, unsigned out_bf16) {                 \
+        unsigned kv_heads, unsigned rows, float scale, unsigned chunk, unsigned out_bf16, unsigned ranked) { \
         pdl_begin();                                                                                        \
         flash_attention<T, HD, MT>(q, k_cache, v_cache, positions, PAGE_ARGS, out, part_m, part_l, part_acc, \
-                                   tokens, heads, kv_heads, rows, scale, chunk, out_bf16);                  \
+                                   tokens, heads, kv_heads, rows, scale, chunk, out_bf16, ranked);          \
     }
 // MT = 2 where the registers allow it (many rows); MT = 1 for decode and head dim 256.
 #define FLASHES(T, NAME)                                                                                    \

@@ -87,6 +87,9 @@ const FLASH_HEAD_DIMS: [usize; 4] = [64, 96, 128, 256];
 const FA_WARPS: usize = 4;
 const FA_KEYS: usize = 64;
 const FA_KEYS_WIDE: usize = 32;
+/// The most row blocks `flash_attention_*` ranks by their causal ranges (several runs' rows,
+/// a word of shared memory each); more start in the order of their rows.
+const FA_RANKED: usize = 1024;
 
 /// The element type of a K and a V cache, which must agree.
 fn cache_dtype(enc: &Encoder, k_cache: Buf, v_cache: Buf) -> Result<DType> {
@@ -264,8 +267,11 @@ fn flash_tile_keys(head_dim: usize) -> usize {
 /// Tensor-core attention on a bf16/f16 cache, for any number of tokens. With fewer blocks than
 /// half the multiprocessors (decode, short prefills), the cache range is split into chunks (about
 /// two blocks a multiprocessor) whose partial results `attention_combine_f32` merges. With
-/// `out_bf16`, `a.out` is a bf16 view and the output is rounded as it is written.
-fn encode_flash(enc: &mut Encoder, a: &Attn, max_mt: usize, out_bf16: bool) -> Result<()> {
+/// `out_bf16`, `a.out` is a bf16 view and the output is rounded as it is written. With `runs`
+/// (queries of several sequences, each a run of whole row blocks) the blocks start in the order
+/// of their causal ranges, longest first, which the kernel works out from the positions; one
+/// sequence's rows start in that order anyway, from the last.
+fn encode_flash(enc: &mut Encoder, a: &Attn, max_mt: usize, out_bf16: bool, runs: bool) -> Result<()> {
     let (cache, tokens, heads, kv_heads, head_dim, max_ctx) =
         (a.cache, a.tokens, a.heads, a.kv_heads, a.head_dim, a.max_ctx);
     let bn = flash_tile_keys(head_dim);
@@ -293,8 +299,14 @@ fn encode_flash(enc: &mut Encoder, a: &Attn, max_mt: usize, out_bf16: bool) -> R
     .clamp(1, max_ctx.div_ceil(bn));
     let chunk = max_ctx.div_ceil(want).div_ceil(bn) * bn;
     let splits = max_ctx.div_ceil(chunk);
-    let smem = (rows + 4 * bn) * (head_dim + 8) * 2 + rows * 4;
-    if smem > enc.device.info().max_shared_per_block || splits > MAX_SPLITS {
+    let max_smem = enc.device.info().max_shared_per_block;
+    let mut smem = (rows + 4 * bn) * (head_dim + 8) * 2 + rows * 4;
+    // Ranking the row blocks takes a word of shared memory each.
+    let ranked = runs && row_blocks <= FA_RANKED && smem + 4 * row_blocks <= max_smem;
+    if ranked {
+        smem += 4 * row_blocks;
+    }
+    if smem > max_smem || splits > MAX_SPLITS {
         return Err(unsupported(format!(
             "attention with head_dim {head_dim} over {splits} splits"
         )));
@@ -322,6 +334,7 @@ fn encode_flash(enc: &mut Encoder, a: &Attn, max_mt: usize, out_bf16: bool) -> R
         .arg(a.scale)
         .arg(u32_arg(chunk)?)
         .arg(u32::from(out_bf16))
+        .arg(u32::from(ranked))
         .record();
     if splits > 1 {
         record_combine(enc, &[pm, pl_buf, pacc], a, splits, out_bf16)?;
@@ -843,7 +856,7 @@ fn runs_flash(a: &Attn, run: usize) -> Option<usize> {
 /// own. With `out_bf16` the output is rounded as it is written (`encode_attention`).
 fn encode_runs(enc: &mut Encoder, a: &Attn, run: usize, out_bf16: bool) -> Result<()> {
     match runs_flash(a, run) {
-        Some(mt) => encode_flash(enc, a, mt, out_bf16),
+        Some(mt) => encode_flash(enc, a, mt, out_bf16, true),
         None => encode_attention(enc, a, out_bf16),
     }
 }
@@ -890,7 +903,7 @@ fn encode_attention(enc: &mut Encoder, a: &Attn, out_bf16: bool) -> Result<()> {
     let (cache, tokens, heads, kv_heads, head_dim) = (a.cache, a.tokens, a.heads, a.kv_heads, a.head_dim);
     match path(enc, a) {
         Path::Decode => return encode_decode(enc, a, out_bf16),
-        Path::Flash => return encode_flash(enc, a, 2, out_bf16),
+        Path::Flash => return encode_flash(enc, a, 2, out_bf16, false),
         Path::Split => return encode_split(enc, a, out_bf16),
         Path::Plain => {}
     }
